@@ -1,0 +1,1 @@
+"""flashport.kernels: the portable attention API, its backend registry and the backends."""

@@ -1,0 +1,334 @@
+"""``flashport.attention``: the portable attention contract that every rewrite targets.
+
+Validation turns user arguments into the canonical form of :mod:`flashport.kernels.spec`; dispatch
+picks a backend (explicitly, or per platform at lowering time for ``backend="auto"``) and calls it
+inside a jit named ``flashport_attention`` so the op is visible in jaxprs, profiles and cost analyses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashport.kernels import registry
+from flashport.kernels.spec import AttentionSpec, default_scale
+
+log = logging.getLogger("flashport")
+
+LAYOUTS = ("BSHD", "BHSD")
+ALIGNS = ("bottom_right", "top_left")
+DTYPES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
+# Platforms `auto` dispatches between at lowering time.
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Everything static about one call: what backends' ``check``/``prefer`` hooks look at.
+
+    Shapes are canonical (BHSD): ``q_shape`` = (B, Hq, Sq, D), ``kv_shape`` = (B, Hkv, Sk, D).
+    """
+
+    spec: AttentionSpec
+    features: frozenset[str]
+    q_shape: tuple[int, ...]
+    kv_shape: tuple[int, ...]
+    v_head_dim: int
+    dtype: str
+    bias_shape: tuple[int, ...] | None
+    mask_shape: tuple[int, ...] | None
+
+
+def attention(
+    query,
+    key,
+    value,
+    *,
+    scale=None,
+    causal=False,
+    window=None,
+    align="bottom_right",
+    softcap=None,
+    bias=None,
+    mask=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    layout="BSHD",
+    backend="auto",
+    return_lse=False,
+):
+    """Scaled dot-product attention with one contract on every platform.
+
+    Args:
+      query: [B, Sq, Hq, D] (``layout="BSHD"``) or [B, Hq, Sq, D] (``"BHSD"``); float32, bfloat16 or
+        float16.
+      key, value: [B, Sk, Hkv, D] / [B, Hkv, Sk, D] with Hq % Hkv == 0 (GQA/MQA: query head h uses kv
+        head h // (Hq // Hkv)); same dtype as ``query``. ``value`` may have its own head_dim.
+      scale: multiplier of Q·Kᵀ; ``None`` means 1/sqrt(D).
+      causal: keep keys ``j <= i + offset`` (see ``align``).
+      window: ``(left, right)``: keep ``i + offset - left <= j <= i + offset + right`` (inclusive);
+        ``None`` on a side means unbounded.
+      align: ``"bottom_right"`` (offset = Sk - Sq, flash-attn >= 2.1) or ``"top_left"`` (offset = 0,
+        torch SDPA and jax.nn).
+      softcap: if set, scores become ``softcap * tanh(scores / softcap)`` (before bias and masking).
+      bias: additive float bias broadcastable to [B, Hq, Sq, Sk] (always in that order).
+      mask: boolean, True = attend, broadcastable to [B, Hq, Sq, Sk].
+      q_segment_ids, kv_segment_ids: int [B, Sq] / [B, Sk]; attend only where the ids are equal.
+      layout: ``"BSHD"`` or ``"BHSD"``; the output uses the same layout.
+      backend: ``"auto"`` (chosen per platform when lowering), a backend name from
+        :func:`flashport.backends`, or a :class:`flashport.kernels.registry.BackendChoice` carrying
+        backend options (``registry.use("pallas_tpu", block_q=512)``).
+      return_lse: also return the log-sum-exp of the scores, float32 [B, Hq, Sq].
+
+    Returns:
+      The output in ``query``'s layout and dtype, or ``(out, lse)``. Softmax and accumulation run in
+      float32. A query row that sees no key (all masked) returns 0 with lse = -inf, and its
+      gradients are 0, never NaN.
+
+    Raises:
+      ValueError / TypeError naming the argument for shapes, dtypes or options that do not fit, and
+      ValueError naming the missing feature when an explicit backend cannot serve the call.
+    """
+    q, k, v = (_as_array(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
+    layout = _check_choice("layout", layout, LAYOUTS)
+    align = _check_choice("align", align, ALIGNS)
+    if layout == "BSHD":
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    batch, hq, sq, dim = q.shape
+    _, hkv, sk, _ = k.shape
+    _check_qkv(q, k, v, layout)
+    spec = AttentionSpec(
+        scale=_check_scale(scale, dim),
+        causal=_check_bool("causal", causal),
+        window_left=(win := _check_window(window))[0],
+        window_right=win[1],
+        offset=(sk - sq) if align == "bottom_right" else 0,
+        softcap=_check_softcap(softcap),
+        seq_q=sq,
+        seq_k=sk,
+    )
+    full = (batch, hq, sq, sk)
+    bias = _check_broadcast("bias", bias, full, kind="float")
+    mask = _check_broadcast("mask", mask, full, kind="bool")
+    q_seg, kv_seg = _check_segments(q_segment_ids, kv_segment_ids, batch, sq, sk)
+    return_lse = _check_bool("return_lse", return_lse)
+
+    features = {DTYPES[q.dtype]}
+    if spec.causal:
+        features.add("causal")
+    if spec.window_left is not None or spec.window_right is not None:
+        features.add("window")
+    if spec.has_positional_mask and spec.offset != 0:
+        features.add("align_bottom_right")
+    for name, present in (("softcap", spec.softcap is not None), ("bias", bias is not None),
+                          ("mask", mask is not None), ("segment_ids", q_seg is not None),
+                          ("gqa", hq != hkv), ("return_lse", return_lse)):
+        if present:
+            features.add(name)
+    call = Call(
+        spec=spec,
+        features=frozenset(features),
+        q_shape=tuple(q.shape),
+        kv_shape=tuple(k.shape),
+        v_head_dim=v.shape[-1],
+        dtype=DTYPES[q.dtype],
+        bias_shape=None if bias is None else tuple(bias.shape),
+        mask_shape=None if mask is None else tuple(mask.shape),
+    )
+    choice = _resolve_backend(backend, call)
+    out, lse = flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, call=call, choice=choice)
+    if layout == "BSHD":
+        out = jnp.swapaxes(out, 1, 2)
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("call", "choice"))
+def flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, *, call: Call, choice):
+    """The jitted op (its name is what jaxprs, profiles and cost analyses show). Canonical in/out."""
+    args = (q, k, v, bias, mask, q_seg, kv_seg)
+    with jax.named_scope("flashport_attention"):
+        if choice is not None:  # an explicit backend
+            return _run(choice, call, args)
+        picks = {p: registry.choose(p, call) for p in PLATFORMS}
+        log.debug(
+            "flashport_attention %s: auto picks %s",
+            _describe(call),
+            "; ".join(f"{p}->{name} ({why})" for p, (name, why) in picks.items()),
+        )
+        names = {name for name, _ in picks.values()}
+        if len(names) == 1:
+            return _run(registry.BackendChoice(names.pop()), call, args)
+        branches = {
+            p: functools.partial(_run_positional, registry.BackendChoice(name), call)
+            for p, (name, _) in picks.items()
+        }
+        return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
+
+
+def _run(choice, call, args):
+    info = registry.get(choice.name)
+    log.debug("flashport_attention %s: running backend %s", _describe(call), info.name)
+    q, k, v, bias, mask, q_seg, kv_seg = args
+    return info.fn(q, k, v, bias, mask, q_seg, kv_seg, spec=call.spec, options=choice.options_dict)
+
+
+def _run_positional(choice, call, *args):
+    return _run(choice, call, args)
+
+
+def _describe(call: Call) -> str:
+    return f"q{list(call.q_shape)} kv{list(call.kv_shape)} {call.dtype} features={sorted(call.features)}"
+
+
+def _resolve_backend(backend, call: Call):
+    """Return None for auto, else a BackendChoice that is known to support ``call``."""
+    if isinstance(backend, str):
+        if backend == "auto":
+            return None
+        choice = registry.BackendChoice(backend)
+    elif isinstance(backend, registry.BackendChoice):
+        choice = backend
+    else:
+        raise TypeError(
+            f"backend must be 'auto', a backend name or flashport.kernels.registry.use(name, **options); "
+            f"got {type(backend).__name__}"
+        )
+    info = registry.get(choice.name)
+    missing = registry.missing_features(info, call)
+    if missing:
+        alternatives = registry.backends_with(call.features) or ["none"]
+        raise ValueError(
+            f"backend={choice.name!r} does not support {', '.join(missing)} needed by this call; "
+            f"backends that support these features: {', '.join(alternatives)} (or use backend='auto')"
+        )
+    return choice
+
+
+# ----------------------------------------------------------------------------------- validation
+
+
+def _as_array(x, name):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        try:
+            x = jnp.asarray(x)
+        except TypeError as err:
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}") from err
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have rank 4 ([batch, seq, heads, head_dim] for BSHD), got shape {tuple(x.shape)}")
+    if jnp.dtype(x.dtype) not in DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    return x
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(map(repr, allowed))}")
+    return value
+
+
+def _check_bool(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool (static), got {type(value).__name__}")
+    return bool(value)
+
+
+def _check_qkv(q, k, v, layout):
+    names = "[batch, seq, heads, head_dim]" if layout == "BSHD" else "[batch, heads, seq, head_dim]"
+
+    def show(x):  # in the user's layout
+        return tuple(jnp.swapaxes(x, 1, 2).shape) if layout == "BSHD" else tuple(x.shape)
+
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"key and value must match query's batch and each other's {names[1:-1]} except head_dim; "
+            f"got query {show(q)}, key {show(k)}, value {show(v)}"
+        )
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"key head_dim must equal query head_dim: query {show(q)} vs key {show(k)}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"key/value heads ({hkv}) must divide query heads ({hq}) for GQA/MQA")
+
+
+def _check_scale(scale, dim):
+    if scale is None:
+        return default_scale(dim)
+    if isinstance(scale, jax.core.Tracer) or not isinstance(scale, (numbers.Real, np.ndarray, np.generic)):
+        raise TypeError(f"scale must be a static Python float (or None for 1/sqrt(head_dim)), got {type(scale).__name__}")
+    value = float(scale)
+    if not np.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+def _check_softcap(softcap):
+    if softcap is None:
+        return None
+    if isinstance(softcap, jax.core.Tracer) or not isinstance(softcap, (numbers.Real, np.generic)):
+        raise TypeError(f"softcap must be a static positive float or None, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not value > 0:
+        raise ValueError(f"softcap must be > 0 (or None to disable), got {value}")
+    return value
+
+
+def _check_window(window):
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be a (left, right) pair of ints or None, e.g. window=(128, 0); got {window!r}")
+    sides = []
+    for side, value in zip(("left", "right"), window):
+        if value is None:
+            sides.append(None)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
+            raise TypeError(f"window {side} must be an int or None, got {value!r}")
+        if value < 0:
+            raise ValueError(f"window {side} must be >= 0 (None for unbounded), got {value}; flash-attn's -1 means None")
+        sides.append(int(value))
+    return tuple(sides)
+
+
+def _check_broadcast(name, x, full, *, kind):
+    """Left-pad ``x`` to rank 4 and check each dim is 1 or the full size; dims stay unbroadcast."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if kind == "bool" and x.dtype != jnp.bool_:
+        raise TypeError(f"{name} must be boolean (True = attend), got {x.dtype}; for an additive mask pass bias=")
+    if kind == "float" and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a float array (additive), got {x.dtype}; for a boolean mask pass mask=")
+    if x.ndim > 4:
+        raise ValueError(f"{name} must broadcast to [B, Hq, Sq, Sk] = {list(full)}, got rank {x.ndim} shape {tuple(x.shape)}")
+    x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+    for size, want in zip(x.shape, full):
+        if size not in (1, want):
+            raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to [B, Hq, Sq, Sk] = {list(full)}")
+    if kind == "float":
+        x = x.astype(jnp.float32)
+    return x
+
+
+def _check_segments(q_seg, kv_seg, batch, sq, sk):
+    if q_seg is None and kv_seg is None:
+        return None, None
+    if q_seg is None or kv_seg is None:
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together (pass both, or neither)")
+    out = []
+    for name, ids, seq in (("q_segment_ids", q_seg, sq), ("kv_segment_ids", kv_seg, sk)):
+        ids = jnp.asarray(ids)
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
+        if tuple(ids.shape) != (batch, seq):
+            raise ValueError(f"{name} must have shape [batch, seq] = {[batch, seq]}, got {tuple(ids.shape)}")
+        out.append(ids.astype(jnp.int32))
+    return tuple(out)

@@ -1,0 +1,288 @@
+"""The ``blockwise`` backend: flash attention in plain XLA, O(S) memory forward and backward.
+
+Forward: ``lax.map`` over query blocks; for each, a loop over only the key blocks that causal/window
+structure leaves visible (the loop bounds are static per query block, so fully masked blocks cost
+nothing), carrying the f32 online-softmax state (running max, sum, accumulator). The output and
+the log-sum-exp are saved for the backward.
+
+Backward (``custom_vjp``, FA2 split): a dQ pass (map over query blocks, loop over their key blocks)
+and a dK/dV pass (map over key blocks, loop over the query blocks that see them), both recomputing
+probabilities from the saved lse, so training memory stays O(S) too. The bias gradient, when a bias
+is given, is produced block by block in the dQ pass.
+
+Options: ``block_q`` and ``block_k`` (default 512; ``flashport.kernels.registry.use("blockwise",
+block_q=256)``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashport.kernels import registry
+from flashport.kernels.scores import group_broadcastable, group_heads, softcap_grad, tile_logits
+from flashport.kernels.spec import FEATURES, AttentionSpec
+
+DEFAULT_BLOCK = 512
+# auto on CPU: below this many keys the materialized xla path is faster and small enough.
+MIN_KEYS_FOR_BLOCKWISE = 1024
+
+
+def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, *, spec: AttentionSpec, options):
+    """Blockwise attention over the canonical arrays; returns ``(out, lse)``."""
+    unknown = set(options) - {"block_q", "block_k"}
+    if unknown:
+        raise ValueError(f"backend 'blockwise' takes options block_q, block_k; got unknown {sorted(unknown)}")
+    block_q = _block(options.get("block_q", DEFAULT_BLOCK), spec.seq_q, "block_q")
+    block_k = _block(options.get("block_k", DEFAULT_BLOCK), spec.seq_k, "block_k")
+    tiling = _Tiling(spec, block_q, block_k)
+    return _attention(tiling, q, k, v, bias, mask, q_seg, kv_seg)
+
+
+def _block(value, seq, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"blockwise option {name} must be a positive int, got {value!r}")
+    return int(min(value, seq))
+
+
+class _Tiling:
+    """Static block geometry: block sizes, counts and, per block, the range of blocks it meets."""
+
+    def __init__(self, spec: AttentionSpec, block_q: int, block_k: int):
+        self.spec, self.bq, self.bk = spec, block_q, block_k
+        self.nq = -(-spec.seq_q // block_q)
+        self.nk = -(-spec.seq_k // block_k)
+        kv_lo, kv_hi, q_lo, q_hi = [], [], [], []
+        for i in range(self.nq):
+            lo, hi = spec.key_range(i * block_q, min((i + 1) * block_q, spec.seq_q))
+            kv_lo.append(min(max(lo, 0) // block_k, self.nk))
+            kv_hi.append(max(-(-hi // block_k), kv_lo[-1]) if hi > lo else kv_lo[-1])
+        for j in range(self.nk):
+            lo, hi = spec.query_range(j * block_k, min((j + 1) * block_k, spec.seq_k))
+            q_lo.append(min(max(lo, 0) // block_q, self.nq))
+            q_hi.append(max(-(-hi // block_q), q_lo[-1]) if hi > lo else q_lo[-1])
+        self.kv_lo, self.kv_hi = np.array(kv_lo, np.int32), np.array(kv_hi, np.int32)
+        self.q_lo, self.q_hi = np.array(q_lo, np.int32), np.array(q_hi, np.int32)
+
+    def __hash__(self):
+        return hash((self.spec, self.bq, self.bk))
+
+    def __eq__(self, other):
+        return isinstance(other, _Tiling) and (self.spec, self.bq, self.bk) == (other.spec, other.bq, other.bk)
+
+    @property
+    def visited_blocks(self) -> int:
+        """How many (query block, key block) tiles the forward computes."""
+        return int(np.sum(self.kv_hi - self.kv_lo))
+
+
+def _pad(x, axis, size, value=0):
+    if x is None or x.shape[axis] == 1 or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _slice(x, axis, start, size):
+    """Block ``start*size`` of ``x`` along ``axis``, or ``x`` itself where that axis is broadcast (1)."""
+    if x is None or x.shape[axis] == 1:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, start * size, size, axis)
+
+
+class _Inputs:
+    """Padded, grouped arrays and per-tile accessors."""
+
+    def __init__(self, t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
+        hkv = k.shape[1]
+        sqp, skp = t.nq * t.bq, t.nk * t.bk
+        self.t = t
+        self.q = _pad(group_heads(q, hkv), 3, sqp)
+        self.k = _pad(k, 2, skp)
+        self.v = _pad(v, 2, skp)
+        self.bias = _pad(_pad(group_broadcastable(bias, hkv), 3, sqp), 4, skp)
+        self.mask = _pad(_pad(group_broadcastable(mask, hkv), 3, sqp, False), 4, skp, False)
+        self.q_seg = _pad(q_seg, 1, sqp)
+        self.kv_seg = _pad(kv_seg, 1, skp)
+
+    def logits(self, i, j):
+        t = self.t
+        return tile_logits(
+            t.spec,
+            _slice(self.q, 3, i, t.bq),
+            _slice(self.k, 2, j, t.bk),
+            i * t.bq + jnp.arange(t.bq),
+            j * t.bk + jnp.arange(t.bk),
+            _slice(_slice(self.bias, 3, i, t.bq), 4, j, t.bk),
+            _slice(_slice(self.mask, 3, i, t.bq), 4, j, t.bk),
+            _slice(self.q_seg, 1, i, t.bq),
+            _slice(self.kv_seg, 1, j, t.bk),
+        )
+
+
+def _unblock(stacked, axis_of_block, true_len):
+    """[n, ..., block, ...] stacked per block -> [..., n*block, ...] cut to ``true_len``."""
+    x = jnp.moveaxis(stacked, 0, axis_of_block)
+    shape = list(x.shape)
+    shape[axis_of_block : axis_of_block + 2] = [shape[axis_of_block] * shape[axis_of_block + 1]]
+    return jax.lax.slice_in_dim(x.reshape(shape), 0, true_len, axis=axis_of_block)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
+    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg)
+    return out, lse
+
+
+def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
+    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg)
+    b, hkv, g = x.q.shape[:3]
+    dv = v.shape[-1]
+    kv_lo, kv_hi = jnp.asarray(t.kv_lo), jnp.asarray(t.kv_hi)
+
+    def q_block(i):
+        def kv_step(j, carry):
+            m, l, acc = carry
+            logits, _, _ = x.logits(i, j)
+            m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp(m - m_safe)
+            p = jnp.exp(logits - m_safe[..., None])
+            l = alpha * l + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), _slice(x.v, 2, j, t.bk),
+                            preferred_element_type=jnp.float32)
+            return m_new, l, alpha[..., None] * acc + pv
+
+        init = (
+            jnp.full((b, hkv, g, t.bq), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hkv, g, t.bq), jnp.float32),
+            jnp.zeros((b, hkv, g, t.bq, dv), jnp.float32),
+        )
+        m, l, acc = jax.lax.fori_loop(kv_lo[i], kv_hi[i], kv_step, init)
+        l_safe = jnp.where(l > 0, l, 1.0)
+        out = (acc / l_safe[..., None]).astype(q.dtype)
+        lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
+        return out, lse
+
+    out, lse = jax.lax.map(q_block, jnp.arange(t.nq))
+    hq, sq = q.shape[1], q.shape[2]
+    out = _unblock(out, 3, sq).reshape(b, hq, sq, dv)
+    lse = _unblock(lse, 3, sq).reshape(b, hq, sq)
+    return out, lse
+
+
+def _forward_vjp(t, q, k, v, bias, mask, q_seg, kv_seg):
+    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg)
+    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, out, lse)
+
+
+def _backward(t: _Tiling, residuals, cotangents):
+    q, k, v, bias, mask, q_seg, kv_seg, out, lse = residuals
+    d_out, _ = cotangents  # lse is an output for callers, not differentiated through
+    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg)
+    hkv = k.shape[1]
+    sqp = t.nq * t.bq
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    d_out_g = _pad(group_heads(d_out, hkv), 3, sqp)
+    delta_g = _pad(group_heads(delta[..., None], hkv)[..., 0], 3, sqp)
+    lse_g = _pad(group_heads(lse[..., None], hkv)[..., 0], 3, sqp, -jnp.inf)
+
+    def probs_and_dlogits(i, j):
+        """Recompute P and dL/dlogits of tile (i, j)."""
+        logits, visible, raw = x.logits(i, j)
+        lse_i = _slice(lse_g, 3, i, t.bq)[..., None]
+        p = jnp.where(visible & (lse_i > -jnp.inf), jnp.exp(logits - jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), 0.0)
+        d_out_i = _slice(d_out_g, 3, i, t.bq)
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out_i, _slice(x.v, 2, j, t.bk), preferred_element_type=jnp.float32)
+        dlogits = p * (dp - _slice(delta_g, 3, i, t.bq)[..., None])
+        return p, dlogits, raw, d_out_i
+
+    def dscores(dlogits, raw):
+        grad = softcap_grad(t.spec, raw)
+        return (dlogits if grad is None else dlogits * grad) * t.spec.scale
+
+    bias_g = x.bias
+    # ---- dQ (and dbias) pass: map over query blocks, loop over their key blocks.
+    def dq_block(i):
+        def kv_step(j, carry):
+            dq, dbias = carry
+            _, dlogits, raw, _ = probs_and_dlogits(i, j)
+            ds = dscores(dlogits, raw)
+            dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32))
+            if dbias is not None:
+                dbias = _accumulate_bias(dbias, dlogits, j, t.bk)
+            return dq, dbias
+
+        q_i = _slice(x.q, 3, i, t.bq)
+        dbias0 = None
+        if bias_g is not None:
+            shape = list(bias_g.shape)
+            shape[3] = t.bq if shape[3] > 1 else 1
+            dbias0 = jnp.zeros(shape, jnp.float32)
+        return jax.lax.fori_loop(t_kv_lo[i], t_kv_hi[i], kv_step, (jnp.zeros(q_i.shape, jnp.float32), dbias0))
+
+    t_kv_lo, t_kv_hi = jnp.asarray(t.kv_lo), jnp.asarray(t.kv_hi)
+    dq, dbias = jax.lax.map(dq_block, jnp.arange(t.nq))
+    b, hq, sq, d = q.shape
+    dq = _unblock(dq, 3, sq).reshape(b, hq, sq, d).astype(q.dtype)
+    if dbias is not None:
+        dbias = _unblock(dbias, 3, sq) if bias_g.shape[3] > 1 else jnp.sum(dbias, axis=0)
+        dbias = jax.lax.slice_in_dim(dbias, 0, min(dbias.shape[4], k.shape[2]), axis=4)
+        dbias = dbias.reshape(bias.shape).astype(bias.dtype)
+
+    # ---- dK/dV pass: map over key blocks, loop over the query blocks that see them.
+    t_q_lo, t_q_hi = jnp.asarray(t.q_lo), jnp.asarray(t.q_hi)
+
+    def dkv_block(j):
+        def q_step(i, carry):
+            dk, dv = carry
+            p, dlogits, raw, d_out_i = probs_and_dlogits(i, j)
+            ds = dscores(dlogits, raw)
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32))
+            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32))
+            return dk, dv
+
+        k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)
+        init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
+        return jax.lax.fori_loop(t_q_lo[j], t_q_hi[j], q_step, init)
+
+    dk, dv = jax.lax.map(dkv_block, jnp.arange(t.nk))
+    sk = k.shape[2]
+    dk = _unblock(dk, 2, sk).astype(k.dtype)
+    dv = _unblock(dv, 2, sk).astype(v.dtype)
+    return dq, dk, dv, dbias, None, None, None
+
+
+def _accumulate_bias(dbias, dlogits, j, bk):
+    """Add tile ``dlogits`` [B, Hkv, G, bq, bk] into the row block ``dbias`` of the bias's shape."""
+    axes = tuple(a for a in range(5) if dbias.shape[a] == 1 and dlogits.shape[a] != 1)
+    contrib = jnp.sum(dlogits, axis=axes, keepdims=True) if axes else dlogits
+    if dbias.shape[4] == 1:
+        return dbias + contrib
+    return jax.lax.dynamic_update_slice_in_dim(dbias, _slice(dbias, 4, j, bk) + contrib, j * bk, axis=4)
+
+
+_attention.defvjp(_forward_vjp, _backward)
+
+
+def _prefer(call) -> str | None:
+    if call.kv_shape[2] < MIN_KEYS_FOR_BLOCKWISE:
+        return f"Sk={call.kv_shape[2]} < {MIN_KEYS_FOR_BLOCKWISE}: the materialized xla path is faster"
+    return None
+
+
+registry.register(
+    registry.BackendInfo(
+        name="blockwise",
+        description="Online-softmax attention over key/value blocks in plain XLA; O(S) memory, "
+        "causal/window block skipping, custom_vjp backward; any platform.",
+        platforms=("cpu", "cuda", "rocm", "tpu"),
+        features=frozenset(FEATURES),
+        fn=blockwise_attention,
+        prefer=_prefer,
+    )
+)

@@ -1,0 +1,61 @@
+"""Score computation shared by the XLA backends: one (query block, key block) tile at a time.
+
+Queries are kept grouped as [B, Hkv, G, Sq, D] so GQA/MQA never repeats K/V: every tile is an
+einsum against the kv head the group shares.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flashport.kernels.spec import AttentionSpec, apply_softcap, positional_visible
+
+
+def group_heads(x, hkv):
+    """[B, Hq, S, D] -> [B, Hkv, G, S, D] (contiguous groups: head h -> kv head h // G)."""
+    b, hq, s, d = x.shape
+    return x.reshape(b, hkv, hq // hkv, s, d)
+
+
+def group_broadcastable(x, hkv):
+    """A rank-4 bias/mask [Bb, H|1, Sq|1, Sk|1] -> rank 5 grouped like the queries."""
+    if x is None:
+        return None
+    b, h, sq, sk = x.shape
+    if h == 1:
+        return x.reshape(b, 1, 1, sq, sk)
+    return x.reshape(b, hkv, h // hkv, sq, sk)
+
+
+def tile_logits(spec: AttentionSpec, q, k, q_pos, k_pos, bias=None, mask=None, q_seg=None, kv_seg=None):
+    """Scores of one tile with everything of the contract applied.
+
+    Args:
+      q: [B, Hkv, G, bq, D]; k: [B, Hkv, bk, D].
+      q_pos: int [bq] absolute query positions; k_pos: int [bk] absolute key positions.
+      bias / mask: grouped tiles broadcastable to [B, Hkv, G, bq, bk].
+      q_seg: [B, bq]; kv_seg: [B, bk].
+
+    Returns:
+      ``(logits, visible, raw)``: float32 logits with hidden entries at -inf, the boolean visibility,
+      and the pre-softcap scaled scores (backward passes need them for the tanh derivative).
+    """
+    raw = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32) * spec.scale
+    logits = apply_softcap(spec, raw)
+    if bias is not None:
+        logits = logits + bias
+    visible = positional_visible(spec, q_pos[:, None], k_pos[None, :])[None, None, None]
+    if mask is not None:
+        visible = visible & mask
+    if q_seg is not None:
+        visible = visible & (q_seg[:, None, None, :, None] == kv_seg[:, None, None, None, :])
+    logits = jnp.where(visible, logits, -jnp.inf)
+    return logits, visible, raw
+
+
+def softcap_grad(spec: AttentionSpec, raw):
+    """d softcap(raw) / d raw, elementwise (1 when no softcap)."""
+    if spec.softcap is None:
+        return None
+    t = jnp.tanh(raw / spec.softcap)
+    return 1.0 - t * t

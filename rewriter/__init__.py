@@ -1,0 +1,1 @@
+"""flashport.rewriter: the codemod engine (source rewrites) and the jaxpr pass."""

@@ -1,0 +1,1 @@
+"""flashport.rules: one rule module per GPU attention source API."""
