@@ -95,6 +95,27 @@ def attention(
       ValueError / TypeError naming the argument for shapes, dtypes or options that do not fit, and
       ValueError naming the missing feature when an explicit backend cannot serve the call.
     """
+    (q, k, v, bias, mask, q_seg, kv_seg), call = prepare(
+        query, key, value, scale=scale, causal=causal, window=window, align=align, softcap=softcap,
+        bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        layout=layout, return_lse=return_lse,
+    )
+    choice = _resolve_backend(backend, call)
+    out, lse = flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, call=call, choice=choice)
+    if layout == "BSHD":
+        out = jnp.swapaxes(out, 1, 2)
+    return (out, lse) if "return_lse" in call.features else out
+
+
+def prepare(query, key, value, *, scale=None, causal=False, window=None, align="bottom_right",
+            softcap=None, bias=None, mask=None, q_segment_ids=None, kv_segment_ids=None,
+            layout="BSHD", return_lse=False):
+    """Validate ``attention``'s arguments and return ``(canonical_arrays, call)``.
+
+    ``canonical_arrays`` is ``(q, k, v, bias, mask, q_segment_ids, kv_segment_ids)`` in the
+    backend form of :mod:`flashport.kernels.spec`; ``call`` is the static :class:`Call` that backend
+    checks and ``auto`` look at. Useful to ask which backend would run, without running it.
+    """
     q, k, v = (_as_array(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
     layout = _check_choice("layout", layout, LAYOUTS)
     align = _check_choice("align", align, ALIGNS)
@@ -141,11 +162,7 @@ def attention(
         bias_shape=None if bias is None else tuple(bias.shape),
         mask_shape=None if mask is None else tuple(mask.shape),
     )
-    choice = _resolve_backend(backend, call)
-    out, lse = flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, call=call, choice=choice)
-    if layout == "BSHD":
-        out = jnp.swapaxes(out, 1, 2)
-    return (out, lse) if return_lse else out
+    return (q, k, v, bias, mask, q_seg, kv_seg), call
 
 
 @functools.partial(jax.jit, static_argnames=("call", "choice"))

@@ -1,7 +1,7 @@
 """An independent float64 reference of the flashport.attention contract, written from its text.
 
 Plain numpy, materialized, K/V heads repeated explicitly: deliberately nothing like the backends.
-Returns (out, lse) in the BHSD layout; out in float64.
+Outputs are float64; ``out`` in the input layout, ``lse`` [B, Hq, Sq].
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align
     if layout == "BSHD":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    group = hq // hkv
+    group = hq // k.shape[1]
     k = np.repeat(k, group, axis=1)  # head h uses kv head h // group
     v = np.repeat(v, group, axis=1)
     if scale is None:
@@ -27,25 +26,8 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align
     if softcap is not None:
         s = softcap * np.tanh(s / softcap)
     if bias is not None:
-        s = s + np.broadcast_to(np.asarray(bias, np.float64), (b, hq, sq, sk))
-    keep = np.ones((b, hq, sq, sk), bool)
-    offset = sk - sq if align == "bottom_right" else 0
-    i = np.arange(sq)[:, None] + offset
-    j = np.arange(sk)[None, :]
-    if causal:
-        keep &= j <= i
-    if window is not None:
-        left, right = window
-        if left is not None:
-            keep &= j >= i - left
-        if right is not None:
-            keep &= j <= i + right
-    if mask is not None:
-        keep &= np.broadcast_to(np.asarray(mask, bool), keep.shape)
-    if q_segment_ids is not None:
-        qs = np.asarray(q_segment_ids)[:, None, :, None]
-        ks = np.asarray(kv_segment_ids)[:, None, None, :]
-        keep &= qs == ks
+        s = s + np.broadcast_to(np.asarray(bias, np.float64), s.shape)
+    keep = _visible(q.shape, k.shape, causal, window, align, mask, q_segment_ids, kv_segment_ids)
     s = np.where(keep, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -57,3 +39,79 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align
     if layout == "BSHD":
         out = out.transpose(0, 2, 1, 3)
     return out, lse
+
+
+def reference_attention_vjp(q, k, v, d_out, *, scale=None, causal=False, window=None,
+                            align="bottom_right", softcap=None, bias=None, mask=None,
+                            q_segment_ids=None, kv_segment_ids=None, layout="BSHD"):
+    """float64 gradients (dq, dk, dv, dbias_full) of ``sum(out * d_out)``, derived by hand.
+
+    The textbook attention backward (dP = dO·Vᵀ, dS = P∘(dP − rowsum(dO∘O)), chain through softcap
+    and scale); rows with no visible key get zero gradients. ``dbias_full`` is [B, Hq, Sq, Sk]; sum
+    it over broadcast dims to get a broadcast bias's gradient.
+    """
+    kwargs = dict(scale=scale, causal=causal, window=window, align=align, softcap=softcap,
+                  bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                  layout="BHSD")
+    q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
+    if layout == "BSHD":
+        q, k, v, d_out = (x.transpose(0, 2, 1, 3) for x in (q, k, v, d_out))
+    out, lse = reference_attention(q, k, v, **kwargs)
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    if scale is None:
+        scale = 1.0 / np.sqrt(d)
+    raw = np.einsum("bhqd,bhkd->bhqk", q, kr) * scale
+    s = softcap * np.tanh(raw / softcap) if softcap is not None else raw
+    if bias is not None:
+        s = s + np.broadcast_to(np.asarray(bias, np.float64), s.shape)
+    finite = np.isfinite(lse)[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(finite, np.exp(s - np.where(finite, lse[..., None], 0.0)), 0.0)
+    keep = _visible(q.shape, k.shape, causal, window, align, mask, q_segment_ids, kv_segment_ids)
+    p = np.where(keep, p, 0.0)
+    dv = np.einsum("bhqk,bhqd->bhkd", p, d_out)
+    dp = np.einsum("bhqd,bhkd->bhqk", d_out, vr)
+    delta = np.sum(d_out * out, axis=-1, keepdims=True)
+    ds = p * (dp - delta)  # gradient w.r.t. the post-softcap, post-bias logits
+    dbias = ds.copy()
+    if softcap is not None:
+        ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
+    ds = ds * scale
+    dq = np.einsum("bhqk,bhkd->bhqd", ds, kr)
+    dk = np.einsum("bhqk,bhqd->bhkd", ds, q)
+    dk = dk.reshape(b, hkv, group, *dk.shape[2:]).sum(axis=2)
+    dv = dv.reshape(b, hkv, group, *dv.shape[2:]).sum(axis=2)
+    if layout == "BSHD":
+        dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+    return dq, dk, dv, dbias
+
+
+def _visible(q_shape, k_shape, causal, window, align, mask, q_segment_ids, kv_segment_ids):
+    b, hq, sq, _ = q_shape
+    sk = k_shape[2]
+    keep = np.ones((b, hq, sq, sk), bool)
+    offset = sk - sq if align == "bottom_right" else 0
+    i = np.arange(sq)[:, None] + offset
+    j = np.arange(sk)[None, :]
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        if window[0] is not None:
+            keep &= j >= i - window[0]
+        if window[1] is not None:
+            keep &= j <= i + window[1]
+    if mask is not None:
+        keep &= np.broadcast_to(np.asarray(mask, bool), keep.shape)
+    if q_segment_ids is not None:
+        keep &= np.asarray(q_segment_ids)[:, None, :, None] == np.asarray(kv_segment_ids)[:, None, None, :]
+    return keep
+
+
+def reduce_to_shape(full, shape):
+    """Sum a [B, H, Sq, Sk] gradient over the dims a broadcast bias of ``shape`` was expanded along."""
+    shape = (1,) * (full.ndim - len(shape)) + tuple(shape)
+    axes = tuple(i for i, (f, s) in enumerate(zip(full.shape, shape)) if s == 1 and f != 1)
+    return np.sum(full, axis=axes, keepdims=True).reshape(shape)

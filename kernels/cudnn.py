@@ -1,0 +1,92 @@
+"""The ``cudnn`` backend: NVIDIA's fused attention through ``jax.nn.dot_product_attention``.
+
+Used only where the call provably means the same thing under cuDNN's rules, which
+:func:`check_call` spells out (each refusal names the reason, and ``auto`` then falls back to
+``blockwise``/``xla``):
+
+* float16/bfloat16 only; head_dim a multiple of 8 and at most 128; value head_dim = query head_dim;
+* causal and windows only when the diagonal sits at offset 0 (top-left alignment, or Sq == Sk),
+  because cuDNN's plain causal mode is top-left; windows only on the left (``(left, 0)`` or
+  ``(left, None)`` with causal), which jax.nn maps to cuDNN's sliding window;
+* no softcap, boolean mask, segment ids or lse output: jax.nn's cuDNN path either lacks them or
+  gives fully-masked rows a different value than the contract's 0.
+* the cuDNN custom call is traced only when a GPU backend is present in this process (jax.nn
+  checks the cuDNN version while tracing), so exports for CUDA from a CPU-only machine use the
+  blockwise path instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from flashport.kernels import registry
+
+FEATURES = frozenset({"causal", "window", "bias", "gqa", "bfloat16", "float16"})
+MAX_HEAD_DIM = 128
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_present() -> bool:
+    """Whether this process has a CUDA device (cached: device discovery is not free)."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def check_call(call) -> str | None:
+    """Return why cuDNN cannot serve ``call`` with the contract's semantics, or None."""
+    spec = call.spec
+    dim = call.q_shape[3]
+    if not gpu_present():
+        return "a CUDA device in this process (cuDNN is traced only where a GPU is present)"
+    if dim % 8 or dim > MAX_HEAD_DIM:
+        return f"head_dim={dim} (cuDNN needs a multiple of 8, at most {MAX_HEAD_DIM})"
+    if call.v_head_dim != dim:
+        return "a value head_dim different from the query head_dim"
+    if spec.has_positional_mask and spec.offset != 0:
+        return "causal/window with bottom-right alignment when Sq != Sk"
+    has_window = spec.window_left is not None or spec.window_right is not None
+    if has_window and not spec.causal and spec.window_right != 0:
+        return "a window that reaches right (cuDNN windows reach left only, unless causal)"
+    return None
+
+
+def cudnn_attention(q, k, v, bias, mask, q_seg, kv_seg, *, spec, options):
+    """Run jax.nn's cuDNN attention on canonical BHSD arrays; returns ``(out, lse)`` with lse unset."""
+    if options:
+        raise ValueError(f"backend 'cudnn' takes no options, got {sorted(options)}")
+    # check_call guarantees any window here ends at the diagonal: causal or right == 0.
+    causal = spec.causal or spec.window_right == 0
+    window = None if spec.window_left is None else (spec.window_left, 0)
+    out = jax.nn.dot_product_attention(
+        jnp.swapaxes(q, 1, 2),
+        jnp.swapaxes(k, 1, 2),
+        jnp.swapaxes(v, 1, 2),
+        bias=None if bias is None else bias.astype(q.dtype),
+        scale=spec.scale,
+        is_causal=causal,
+        local_window_size=window,
+        implementation="cudnn",
+    )
+    b, h, sq, _ = q.shape
+    # The contract's lse is only returned on request, and "return_lse" is not a cuDNN feature, so
+    # this placeholder never reaches a user.
+    return jnp.swapaxes(out, 1, 2), jnp.zeros((b, h, sq), jnp.float32)
+
+
+registry.register(
+    registry.BackendInfo(
+        name="cudnn",
+        description="cuDNN fused attention via jax.nn.dot_product_attention(implementation='cudnn'); "
+        "GPU only, fp16/bf16, top-left causal, left windows, bias.",
+        platforms=("cuda",),
+        features=FEATURES,
+        fn=cudnn_attention,
+        check=check_call,
+        is_available=gpu_present,
+    )
+)
