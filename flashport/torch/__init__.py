@@ -1,0 +1,154 @@
+"""``flashport.torch``: the flashport attention contract for PyTorch tensors.
+
+``flashport.torch.attention`` takes the keywords of :func:`flashport.attention` and dispatches on
+where the tensors live (``backend="auto"``):
+
+============  ===============================================================================
+tensors       path
+============  ===============================================================================
+CPU           flashport's JAX implementation through DLPack (zero-copy), backward = JAX VJP;
+              the pure-torch math path when jax is not importable
+torch_xla     ``torch_xla.core.xla_builder.call_jax`` -> flashport's JAX implementation (the
+              Pallas kernel on TPU); backward = JAX VJP staged through the same bridge
+torchax       ``torchax.interop.call_jax`` -> flashport's JAX implementation
+CUDA          flash-attn 2 (``flash_attn_func``; ``flash_attn_varlen_func`` for packed segment
+              ids) when installed and the call fits, else torch SDPA with explicit masks, else
+              (softcap, or ``return_lse`` without flash-attn) the exact math path
+other         torch SDPA, else the exact math path
+============  ===============================================================================
+
+Explicit ``backend=`` values: ``"torch"`` (pure-torch math on any device), ``"sdpa"``,
+``"flash_attn"``, or any JAX backend name / ``flashport.kernels.registry.use(...)`` choice, which
+runs the JAX implementation with that backend. Importing this module imports torch, never jax.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from flashport.torch import _jax, _native
+from flashport.torch._checks import check
+
+__all__ = ["attention", "NATIVE_BACKENDS"]
+
+# Backends implemented in torch itself; every other backend name belongs to the JAX implementation.
+NATIVE_BACKENDS = ("torch", "sdpa", "flash_attn")
+
+
+def attention(
+    query,
+    key,
+    value,
+    *,
+    scale=None,
+    causal=False,
+    window=None,
+    align="bottom_right",
+    softcap=None,
+    bias=None,
+    mask=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    layout="BSHD",
+    backend="auto",
+    return_lse=False,
+):
+    """Scaled dot-product attention on torch tensors with the contract of :func:`flashport.attention`.
+
+    Args:
+      query, key, value, scale, causal, window, align, softcap, bias, mask, q_segment_ids,
+        kv_segment_ids, layout, return_lse: as for :func:`flashport.attention`, with torch tensors
+        (bias, mask and segment ids too) on one device.
+      backend: ``"auto"`` (by device, see the module docstring), ``"torch"``, ``"sdpa"``,
+        ``"flash_attn"``, or a JAX backend name or ``registry.use(...)`` choice.
+
+    Returns:
+      The output in ``query``'s layout and dtype, or ``(out, lse)`` with lse float32 [B, Hq, Sq]
+      (not differentiable). Gradients flow to query, key, value and bias. A query row that sees no
+      key returns 0 (lse = -inf) with zero gradients.
+
+    Raises:
+      TypeError / ValueError naming the argument for inputs that do not fit the contract, and
+      ValueError when an explicit backend cannot serve the call (naming the reason).
+    """
+    options = dict(scale=scale, causal=causal, window=window, align=align, softcap=softcap, layout=layout)
+    tensors = dict(bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
+    kind = device_kind(query)
+    native = backend in NATIVE_BACKENDS if isinstance(backend, str) else False
+    if native:
+        return _run_native(backend, query, key, value, options, tensors, return_lse)
+    if backend == "auto" and kind not in ("cpu", "xla", "torchax"):
+        call = check(query, key, value, **options, **tensors, return_lse=return_lse)
+        out, lse = _native.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
+        return (out, lse) if return_lse else out
+    if backend == "auto" and kind == "cpu" and not jax_available():
+        return _run_native("torch", query, key, value, options, tensors, return_lse)
+    if not jax_available():
+        raise ValueError(
+            f"backend={backend!r} runs flashport's JAX implementation, but jax is not importable here; "
+            f"use backend='auto' or one of {', '.join(map(repr, NATIVE_BACKENDS))}"
+        )
+    return _run_jax(kind, backend, query, key, value, options, tensors, return_lse)
+
+
+def device_kind(t: torch.Tensor) -> str:
+    """Where ``t`` lives for dispatch: ``"xla"``, ``"torchax"``, or its device type (``"cpu"``, ``"cuda"``...)."""
+    if t.device.type == "jax" or type(t).__module__.startswith("torchax"):
+        return "torchax"
+    return t.device.type
+
+
+@functools.cache
+def jax_available() -> bool:
+    """Whether jax can be imported here (imports it on first call)."""
+    try:
+        importlib.import_module("jax")
+    except ImportError:
+        return False
+    return True
+
+
+def _run_native(backend, query, key, value, options, tensors, return_lse):
+    call = check(query, key, value, **options, **tensors, return_lse=return_lse)
+    if backend == "torch":
+        out, lse = _native.math_attention(call)
+    elif backend == "sdpa":
+        reason = _native.sdpa_unsupported(call, return_lse)
+        if reason:
+            raise ValueError(f"backend='sdpa' does not support {reason}; use backend='torch' or 'auto'")
+        out, lse = _native.sdpa_attention(call)
+    else:
+        flash = _native.import_flash_attn()
+        if flash is None:
+            raise ValueError("backend='flash_attn' needs the flash-attn package (pip install flash-attn); "
+                             "use backend='auto' to fall back to torch SDPA")
+        reason = _native.flash_unsupported(call)
+        if reason:
+            raise ValueError(f"backend='flash_attn' does not support this call: {reason}; use backend='auto'")
+        out, lse = _native.flash_attention(call, flash, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _run_jax(kind, backend, query, key, value, options, tensors, return_lse):
+    for name, x in (("key", key), ("value", value), *tensors.items()):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if kind == "xla":
+        runner = _jax.torch_xla_runner()
+    elif kind == "torchax":
+        runner = _jax.torchax_runner()
+    else:
+        runner = _jax.DLPackRunner()
+    q_seg, kv_seg = (
+        ids.int() if ids is not None and ids.dtype == torch.int64 else ids  # JAX runs without x64
+        for ids in (tensors["q_segment_ids"], tensors["kv_segment_ids"])
+    )
+    static = dict(options, backend=backend)
+    out, lse = _jax.JaxAttention.apply(runner, static, query, key, value, tensors["bias"], tensors["mask"],
+                                       q_seg, kv_seg)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,147 @@
+"""The JAX paths: torch tensors through ``flashport.attention``, differentiable through ``jax.vjp``.
+
+A *runner* moves arrays between torch and JAX for one kind of device:
+
+* :class:`DLPackRunner` (plain CPU tensors, or any device JAX shares over DLPack): zero-copy both
+  ways for contiguous tensors; the forward keeps its ``jax.vjp`` closure for the backward.
+* :class:`CallJaxRunner` (torch_xla via ``torch_xla.core.xla_builder.call_jax``, torchax via
+  ``torchax.interop.call_jax``): the bridge stages :func:`jax_forward` / :func:`jax_backward` into the
+  torch program, so the backward recomputes the forward inside one JAX VJP.
+
+:class:`JaxAttention` is the ``torch.autograd.Function`` both share. Nothing here imports jax at
+module import time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static):
+    """``flashport.attention`` on JAX arrays with ``return_lse=True``; returns ``(out, lse)``.
+
+    Module-level (a stable object) because torch_xla caches its compiled computation per function.
+    """
+    from flashport.kernels.api import attention
+
+    return attention(q, k, v, bias=bias, mask=mask, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                     return_lse=True, **static)
+
+
+def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, d_out, **static):
+    """``(dq, dk, dv, dbias)`` for the cotangent ``d_out`` of :func:`jax_forward`'s output (dbias is
+    None without a bias); recomputes the forward under ``jax.vjp``."""
+    import jax
+
+    def out_only(q, k, v, bias):
+        return jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static)[0]
+
+    _, vjp = jax.vjp(out_only, q, k, v, bias)
+    return vjp(d_out)
+
+
+def _out_and_lse(q, k, v, bias, mask, q_seg, kv_seg, static):
+    return jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static)
+
+
+def to_jax(t: torch.Tensor | None):
+    """A torch tensor as a JAX array over the same memory (DLPack); copies only non-contiguous tensors."""
+    if t is None:
+        return None
+    import jax
+
+    return jax.dlpack.from_dlpack(t.detach().contiguous())
+
+
+def to_torch(a) -> torch.Tensor | None:
+    """A JAX array as a torch tensor over the same memory (DLPack)."""
+    if a is None:
+        return None
+    a.block_until_ready()
+    return torch.from_dlpack(a)
+
+
+class DLPackRunner:
+    """Runs the JAX implementation on arrays shared with torch through DLPack (zero-copy)."""
+
+    name = "dlpack"
+
+    def forward(self, args, static, need_grad):
+        """Return ``(out, lse, state)``; ``state`` is the VJP closure when gradients are needed."""
+        import jax
+
+        q, k, v, bias, mask, q_seg, kv_seg = (to_jax(a) for a in args)
+        if need_grad:
+            f = functools.partial(_out_and_lse, mask=mask, q_seg=q_seg, kv_seg=kv_seg, static=static)
+            out, vjp, lse = jax.vjp(f, q, k, v, bias, has_aux=True)
+        else:
+            (out, lse), vjp = jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static), None
+        return to_torch(out), to_torch(lse), vjp
+
+    def backward(self, state, saved, d_out, static):
+        """``(dq, dk, dv, dbias)`` from the forward's VJP closure."""
+        return tuple(to_torch(g) for g in state(to_jax(d_out)))
+
+
+class CallJaxRunner:
+    """Runs the JAX implementation through a bridge ``call(fn, args, kwargs)`` that takes and returns
+    torch tensors (torch_xla's or torchax's ``call_jax``)."""
+
+    def __init__(self, name, call):
+        self.name = name
+        self.call = call
+
+    def forward(self, args, static, need_grad):
+        """Return ``(out, lse, None)``."""
+        out, lse = self.call(jax_forward, tuple(args), dict(static))
+        return out, lse, None
+
+    def backward(self, state, saved, d_out, static):
+        """``(dq, dk, dv, dbias)`` by staging :func:`jax_backward` through the bridge."""
+        return tuple(self.call(jax_backward, (*saved, d_out.contiguous()), dict(static)))
+
+
+def torch_xla_runner() -> CallJaxRunner:
+    """The runner for torch_xla tensors (PyTorch on TPU): ``torch_xla.core.xla_builder.call_jax``."""
+    from torch_xla.core import xla_builder
+
+    def call(fn, args, kwargs):
+        return xla_builder.call_jax(fn, args, kwargs, name="flashport_attention")
+
+    return CallJaxRunner("torch_xla", call)
+
+
+def torchax_runner() -> CallJaxRunner:
+    """The runner for torchax tensors (PyTorch on JAX): ``torchax.interop.call_jax``."""
+    from torchax import interop
+
+    def call(fn, args, kwargs):
+        return interop.call_jax(fn, *args, **kwargs)
+
+    return CallJaxRunner("torchax", call)
+
+
+class JaxAttention(torch.autograd.Function):
+    """``(out, lse)`` from a runner; the backward is the JAX VJP. ``lse`` is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, runner, static, q, k, v, bias, mask, q_seg, kv_seg):
+        """Run the JAX forward; keep what the backward needs."""
+        need_grad = any(ctx.needs_input_grad[2:6])
+        out, lse, state = runner.forward((q, k, v, bias, mask, q_seg, kv_seg), static, need_grad)
+        ctx.runner, ctx.static, ctx.state = runner, static, state
+        if need_grad:
+            # Saving inputs and out (which JAX's residuals may alias) makes torch reject in-place
+            # changes to them between forward and backward instead of silently using new values.
+            ctx.save_for_backward(q, k, v, bias, mask, q_seg, kv_seg, out)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        """Gradients for query, key, value and bias from the JAX VJP."""
+        *saved, _ = ctx.saved_tensors
+        dq, dk, dv, dbias = ctx.runner.backward(ctx.state, tuple(saved), d_out, ctx.static)
+        return None, None, dq, dk, dv, dbias, None, None, None

@@ -1,0 +1,274 @@
+"""The torch-native paths: exact float32 math, torch SDPA and flash-attn, all on a validated Call.
+
+Each function takes a :class:`flashport.torch._checks.Call` and returns ``(out, lse)`` with ``out``
+in the call's layout and dtype and ``lse`` float32 [B, Hq, Sq] (``None`` where the path has none).
+``cuda_attention`` is what ``backend="auto"`` runs for CUDA tensors; it works on any device, which
+is how its decisions are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from flashport.torch._checks import Call
+
+log = logging.getLogger("flashport")
+
+# flash-attn 2 limits (flash_api.cpp): half precision only, head_dim <= 256.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+# SDPA takes enable_gqa from torch 2.5; older versions get K/V repeated.
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _group(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """A rank-4 [B|1, Hq|1, ...] tensor -> rank 5 [B|1, Hkv|1, G|1, ...] grouped like the queries."""
+    b, h = x.shape[:2]
+    if h == 1:
+        return x.unsqueeze(2)
+    return x.reshape(b, hkv, h // hkv, *x.shape[2:])
+
+
+def visible(call: Call) -> torch.Tensor | None:
+    """Boolean [B|1, Hq|1, Sq, Sk]: which keys each query may see (None when every key is visible)."""
+    p = call.params
+    device = call.q.device
+    keep = None
+    if p.positional:
+        i = torch.arange(p.seq_q, device=device)[:, None] + p.offset
+        j = torch.arange(p.seq_k, device=device)[None, :]
+        keep = torch.ones(p.seq_q, p.seq_k, dtype=torch.bool, device=device)
+        if p.right_reach is not None:
+            keep &= j <= i + p.right_reach
+        if p.left is not None:
+            keep &= j >= i - p.left
+        keep = keep[None, None]
+    if call.mask is not None:
+        keep = call.mask if keep is None else keep & call.mask
+    if call.q_seg is not None:
+        same = (call.q_seg[:, :, None] == call.kv_seg[:, None, :])[:, None]
+        keep = same if keep is None else keep & same
+    return keep
+
+
+def _to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """[B, H, S, D] -> the user's layout."""
+    return x.transpose(1, 2) if layout == "BSHD" else x
+
+
+# ------------------------------------------------------------------------------------ math
+
+
+def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact contract semantics in plain torch ops; float32 softmax and accumulation, autograd-friendly.
+
+    GQA stays grouped ([B, Hkv, G, Sq, D] against [B, Hkv, Sk, D]), so K/V are never repeated. Rows
+    with no visible key give 0 output, lse = -inf and zero (finite) gradients.
+    """
+    p = call.params
+    b, hq, sq, d = call.q.shape
+    hkv = call.k.shape[1]
+    q = call.q.float().reshape(b, hkv, hq // hkv, sq, d)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, call.k.float()) * p.scale
+    if p.softcap is not None:
+        s = p.softcap * torch.tanh(s / p.softcap)
+    if call.bias is not None:
+        s = s + _group(call.bias.float(), hkv)
+    keep = visible(call)
+    if keep is not None:
+        s = s.masked_fill(~_group(keep, hkv), float("-inf"))
+    # The max only stabilizes exp (softmax is invariant to it), so it needs no gradient.
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    l = e.sum(dim=-1, keepdim=True)
+    nonempty = l > 0
+    out = torch.einsum("bhgqk,bhkd->bhgqd", e, call.v.float()) / torch.where(nonempty, l, torch.ones_like(l))
+    with torch.no_grad():
+        lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))), float("-inf"))
+    out = out.reshape(b, hq, sq, -1).to(call.q.dtype)
+    return _to_layout(out, call.layout), lse.reshape(b, hq, sq)
+
+
+# ------------------------------------------------------------------------------------ SDPA
+
+
+def sdpa_unsupported(call: Call, return_lse: bool) -> str | None:
+    """Why torch SDPA cannot run ``call`` with the contract's semantics (None when it can)."""
+    if return_lse:
+        return "return_lse (SDPA returns no log-sum-exp)"
+    if call.params.softcap is not None:
+        return "softcap (SDPA has no tanh capping)"
+    return None
+
+
+def sdpa_attention(call: Call) -> tuple[torch.Tensor, None]:
+    """torch SDPA with the contract's semantics made explicit.
+
+    Causal top-left (or Sq == Sk) uses ``is_causal``; bottom-right alignment with Sq != Sk, windows,
+    masks and segment ids become one boolean mask; a bias becomes the float mask. Rows with no
+    visible key are given one dummy key and zeroed afterwards, so output and gradients are 0 on
+    every SDPA backend (fused kernels included), never NaN.
+    """
+    p = call.params
+    q, k, v = call.q, call.k, call.v
+    kwargs = {"scale": p.scale}
+    if q.shape[1] != k.shape[1] and SDPA_GQA:
+        kwargs["enable_gqa"] = True
+    elif q.shape[1] != k.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    only_causal = p.causal and p.left is None and p.right_reach == 0
+    if only_causal and p.offset == 0 and call.bias is None and call.mask is None and call.q_seg is None:
+        kwargs["is_causal"] = True  # SDPA's own (top-left) causal: lets its fused kernels run
+        keep = rows = None
+    else:
+        keep = visible(call)
+        rows = None if keep is None else keep.any(dim=-1, keepdim=True)
+        if rows is not None:
+            keep = keep | ~rows
+    attn_mask = keep
+    if call.bias is not None:
+        attn_mask = call.bias.to(q.dtype)
+        if keep is not None:
+            attn_mask = attn_mask.masked_fill(~keep, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    if rows is not None:
+        out = out * rows.to(out.dtype)
+    return _to_layout(out, call.layout), None
+
+
+# ------------------------------------------------------------------------------------ flash-attn
+
+
+def import_flash_attn():
+    """The installed ``flash_attn`` module, or None."""
+    try:
+        return importlib.import_module("flash_attn")
+    except ImportError:
+        return None
+
+
+def flash_window(call: Call) -> tuple[bool, tuple[int, int]] | str:
+    """``(causal, window_size)`` for flash-attn 2 (bottom-right anchored, -1 = unbounded), or a reason.
+
+    Bottom-right calls map directly. Top-left calls with Sq != Sk shift the window by Sk - Sq, which
+    is only expressible while both reaches stay >= 0.
+    """
+    p = call.params
+    delta = p.seq_k - p.seq_q
+    if p.offset == delta or not p.positional:
+        return p.causal, (-1 if p.left is None else p.left, -1 if p.right is None else p.right)
+    # flash-attn keeps i + delta - L' <= j <= i + delta + R'; the contract keeps i + offset - L ...
+    left = None if p.left is None else p.left + delta - p.offset
+    right = None if p.right_reach is None else p.right_reach + p.offset - delta
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        return f"align='top_left' with Sq={p.seq_q} != Sk={p.seq_k} is not a flash-attn window"
+    return False, (-1 if left is None else left, -1 if right is None else right)
+
+
+def flash_unsupported(call: Call) -> str | None:
+    """Why flash-attn 2 cannot run ``call`` (None when it can; segment ids go to the varlen API)."""
+    if call.q.dtype not in FLASH_DTYPES:
+        return f"dtype {call.q.dtype} (flash-attn takes float16/bfloat16)"
+    if call.q.shape[-1] > FLASH_MAX_HEAD_DIM:
+        return f"head_dim {call.q.shape[-1]} > {FLASH_MAX_HEAD_DIM}"
+    if call.v.shape[-1] != call.q.shape[-1]:
+        return "value head_dim differs from query head_dim"
+    if call.bias is not None:
+        return "bias"
+    if call.mask is not None:
+        return "mask"
+    window = flash_window(call)
+    if isinstance(window, str):
+        return window
+    if call.q_seg is not None:
+        return varlen_unsupported(call)
+    return None
+
+
+def varlen_unsupported(call: Call) -> str | None:
+    """Segment ids fit flash-attn's varlen API only as self-attention packing.
+
+    That is: Sq == Sk, identical query and key ids, and each id one contiguous run per row (the
+    contract lets separate runs with the same id see each other; varlen cannot). Checking the ids
+    reads them back from the device.
+    """
+    if call.params.seq_q != call.params.seq_k or not torch.equal(call.q_seg, call.kv_seg):
+        return "segment ids other than self-attention packing (Sq == Sk, equal q/kv ids)"
+    ids = call.q_seg
+    runs = 1 + (ids[:, 1:] != ids[:, :-1]).sum(dim=-1)
+    ordered = ids.sort(dim=-1).values
+    distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(dim=-1)
+    if not bool((runs == distinct).all()):
+        return "segment ids that repeat an id in separate runs"
+    return None
+
+
+def flash_attention(call: Call, flash, return_lse: bool):
+    """Run ``call`` through flash-attn 2 (``flash_attn_func``, or ``flash_attn_varlen_func`` for
+    packed segments); the caller has checked :func:`flash_unsupported`."""
+    p = call.params
+    causal, window = flash_window(call)
+    q, k, v = (x.transpose(1, 2) for x in (call.q, call.k, call.v))  # BSHD, flash-attn's layout
+    kwargs = {"dropout_p": 0.0, "softmax_scale": p.scale, "causal": causal, "window_size": window}
+    if p.softcap is not None:
+        kwargs["softcap"] = p.softcap
+    if return_lse:
+        kwargs["return_attn_probs"] = True
+    if call.q_seg is None:
+        result = flash.flash_attn_func(q, k, v, **kwargs)
+        out, lse = (result[0], result[1]) if return_lse else (result, None)
+    else:
+        out, lse = _flash_varlen(flash, call, q, k, v, kwargs, return_lse)
+    if lse is not None:  # flash-attn reports +inf for rows with no key; the contract says -inf
+        lse = torch.where(torch.isposinf(lse), float("-inf"), lse.float())
+    return _to_layout(out.transpose(1, 2), call.layout), lse
+
+
+def _flash_varlen(flash, call: Call, q, k, v, kwargs, return_lse):
+    b, s = call.q_seg.shape
+    ids = call.q_seg
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    begin = torch.nonzero(starts.reshape(-1)).reshape(-1)
+    cu = torch.cat([begin, begin.new_tensor([b * s])]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    result = flash.flash_attn_varlen_func(
+        q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
+        cu, cu, max_len, max_len, **kwargs,
+    )
+    out = (result[0] if return_lse else result).reshape(b, s, *q.shape[2:3], v.shape[-1])
+    lse = result[1].reshape(-1, b, s).transpose(0, 1) if return_lse else None  # [H, total] -> [B, H, S]
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------ CUDA auto
+
+
+def cuda_attention(call: Call, return_lse: bool, flash="import"):
+    """``backend="auto"`` for CUDA tensors: flash-attn when installed and the call fits it, else torch
+    SDPA when the contract's semantics survive, else the exact math path (softcap or lse with SDPA).
+
+    ``flash`` is the flash-attn module (``"import"`` = import it now; ``None`` = not installed).
+    """
+    flash = import_flash_attn() if flash == "import" else flash
+    if flash is not None:
+        reason = flash_unsupported(call)
+        if reason is None:
+            log.debug("flashport.torch: flash-attn runs this call")
+            return flash_attention(call, flash, return_lse)
+        log.debug("flashport.torch: flash-attn passed over: %s", reason)
+    reason = sdpa_unsupported(call, return_lse)
+    if reason is None:
+        log.debug("flashport.torch: torch SDPA runs this call")
+        return sdpa_attention(call)
+    log.debug("flashport.torch: SDPA passed over (%s); exact math path runs this call", reason)
+    return math_attention(call)
