@@ -1,0 +1,194 @@
+"""The ``pallas_tpu`` and ``pallas_tpu_interpret`` backends: flashport's own Pallas TPU flash attention.
+
+Both run the same kernels (:mod:`~flashport.kernels.pallas_tpu_fwd`,
+:mod:`~flashport.kernels.pallas_tpu_bwd`); ``pallas_tpu_interpret`` runs them in the TPU interpreter
+(``interpret=pltpu.InterpretParams()``) on CPU for tests and debugging and is never picked by
+``auto``.
+
+What this module adds around the kernels:
+
+* padding: sequences to whole blocks (padded keys are hidden by a position test inside the kernel,
+  never by an O(S²) bias) and head dims to 128 lanes;
+* a ``custom_vjp``: forward saves ``out`` and ``lse`` (O(S)); backward runs the dK/dV and dQ kernels;
+* sharding: a ``pallas_call`` cannot be partitioned by GSPMD/Shardy, so each kernel call is wrapped in
+  ``custom_partitioning`` that runs it per shard over the batch and head dims (sequence and head_dim
+  are gathered). Users pass sharded arrays and never write a ``shard_map``.
+
+Options (``registry.use("pallas_tpu", block_q=512, ...)``): ``generation`` and the fields of
+:class:`~flashport.kernels.pallas_tpu_blocks.BlockSizes`; see ``kernels/README.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from flashport.kernels import registry
+from flashport.kernels.pallas_tpu_blocks import LANES, BlockSizes, resolve_blocks
+from flashport.kernels.pallas_tpu_bwd import dkv_call, dq_call
+from flashport.kernels.pallas_tpu_fwd import forward_call
+from flashport.kernels.pallas_tpu_sharding import partitioned
+from flashport.kernels.pallas_tpu_tiling import Geometry, block_tables, pad_lanes, pad_to, prepare_operands
+from flashport.kernels.spec import FEATURES, AttentionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static configuration of one call (hashable: it is a nondiff argument of the custom_vjp)."""
+
+    spec: AttentionSpec
+    blocks: BlockSizes
+    interpret: bool
+
+    def geometry(self, kind: str) -> Geometry:
+        """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``)."""
+        b = self.blocks
+        bq, bk = {"fwd": (b.block_q, b.block_k), "dkv": (b.block_q_dkv, b.block_k_dkv),
+                  "dq": (b.block_q_dq, b.block_k_dq)}[kind]
+        return Geometry.make(self.spec, bq, bk)
+
+    @property
+    def interpret_mode(self):
+        """The ``interpret=`` argument for ``pallas_call``."""
+        return pltpu.InterpretParams() if self.interpret else False
+
+
+def _pad_qkv(g: Geometry, q, k, v):
+    return (pad_lanes(pad_to(q, 2, g.sqp)), pad_lanes(pad_to(k, 2, g.skp)), pad_lanes(pad_to(v, 2, g.skp)))
+
+
+def _lanes(x, size):
+    """[B, H, S] f32 -> lane-replicated [B, H, size, 128] (padded rows are 0)."""
+    return jnp.broadcast_to(pad_to(x, 2, size)[..., None], (*x.shape[:2], size, LANES))
+
+
+def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, *, count_visits=False):
+    """Forward on unpadded canonical arrays of one shard; returns ``(out, lse[, visits])``."""
+    g = cfg.geometry("fwd")
+    sq, dv = q.shape[2], v.shape[3]
+    qp, kp, vp = _pad_qkv(g, q, k, v)
+    bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
+    tables = block_tables(g, q_seg, kv_seg, by_rows=True)
+    res = forward_call(g, qp, kp, vp, bias, mask, qs, ks, tables, interpret=cfg.interpret_mode,
+                       count_visits=count_visits)
+    out, lse = res[0][:, :, :sq, :dv], res[1][:, :, :sq, 0]
+    if count_visits:
+        return out, lse, res[2][:, :, ::8, 0]
+    return out, lse
+
+
+def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out):
+    """dQ, dK, dV (and the bias gradient, or None) for one shard."""
+    sq, sk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+
+    results = {}
+    for kind in ("dkv", "dq"):
+        g = cfg.geometry(kind)
+        qp, kp, vp = _pad_qkv(g, q, k, v)
+        dop = pad_lanes(pad_to(d_out, 2, g.sqp))
+        lse_t, di_t = _lanes(lse, g.sqp), _lanes(di, g.sqp)
+        b_, m_, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
+        tables = block_tables(g, q_seg, kv_seg, by_rows=(kind == "dq"))
+        call = dkv_call if kind == "dkv" else dq_call
+        results[kind] = (g, call(g, qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks, tables,
+                                 interpret=cfg.interpret_mode))
+    _, (dk, dv_) = results["dkv"]
+    g, dq_out = results["dq"]
+    dq = dq_out[0][:, :, :sq, :d]
+    dk, dv_ = dk[:, :, :sk, :d], dv_[:, :, :sk, :dv]
+    dbias = None
+    if bias is not None:
+        dbias = _reduce_dbias(g, dq_out[1], bias.shape, sq, sk).astype(bias.dtype)
+    return dq, dk, dv_, dbias
+
+
+def _reduce_dbias(g: Geometry, tiles, bias_shape, sq, sk):
+    """[B, Hq, nq, nk, rq, rk] per-tile bias gradients -> the bias's own (broadcast) shape."""
+    bb, hb, sqb, skb = bias_shape
+    if bb == 1:
+        tiles = jnp.sum(tiles, axis=0, keepdims=True)
+    if hb == 1:
+        tiles = jnp.sum(tiles, axis=1, keepdims=True)
+    b_, h_, nq, nk, rq, rk = tiles.shape
+    x = jnp.swapaxes(tiles, 3, 4).reshape(b_, h_, nq * rq, nk * rk)
+    x = jnp.sum(x, axis=2, keepdims=True) if sqb == 1 else x[:, :, :sq]
+    x = jnp.sum(x, axis=3, keepdims=True) if skb == 1 else x[:, :, :, :sk]
+    return x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg):
+    return partitioned(functools.partial(_forward_local, cfg), "fwd")(q, k, v, bias, mask, q_seg, kv_seg)
+
+
+def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg):
+    out, lse = _attention(cfg, q, k, v, bias, mask, q_seg, kv_seg)
+    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, out, lse)
+
+
+def _attention_bwd(cfg, residuals, cotangents):
+    q, k, v, bias, mask, q_seg, kv_seg, out, lse = residuals
+    d_out, _ = cotangents  # lse is returned for callers; it is not differentiated through
+    dq, dk, dv, dbias = partitioned(functools.partial(_backward_local, cfg), "bwd")(
+        q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out
+    )
+    return dq, dk, dv, dbias, None, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _make_backend_fn(name: str, interpret: bool):
+    def fn(q, k, v, bias, mask, q_seg, kv_seg, *, spec: AttentionSpec, options):
+        _, blocks = resolve_blocks(dict(options), name)
+        return _attention(Config(spec, blocks, interpret), q, k, v, bias, mask, q_seg, kv_seg)
+
+    fn.__name__ = f"{name}_attention"
+    fn.__doc__ = (
+        f"The ``{name}`` backend over the canonical arrays; returns ``(out, lse)``. Options are "
+        "validated (with the fix named in the error) before anything is lowered."
+    )
+    return fn
+
+
+pallas_tpu_attention = _make_backend_fn("pallas_tpu", interpret=False)
+pallas_tpu_interpret_attention = _make_backend_fn("pallas_tpu_interpret", interpret=True)
+
+
+def count_visited_tiles(q, k, v, *, spec: AttentionSpec, options=None, bias=None, mask=None, q_seg=None,
+                        kv_seg=None):
+    """Run the forward kernel in the TPU interpreter with a visit counter (single device, no sharding).
+
+    Returns ``(out, lse, visits)`` where ``visits`` [B, Hq, nq] counts the key blocks whose compute
+    actually ran for each query block. For tests and for checking block skipping on new masks.
+    """
+    _, blocks = resolve_blocks(dict(options or {}), "pallas_tpu_interpret")
+    cfg = Config(spec, blocks, interpret=True)
+    return _forward_local(cfg, q, k, v, bias, mask, q_seg, kv_seg, count_visits=True)
+
+
+registry.register(
+    registry.BackendInfo(
+        name="pallas_tpu",
+        description="flashport's Pallas TPU flash attention (forward + dK/dV and dQ kernels, block "
+        "skipping in compute and DMA, GQA via index maps); TPU only.",
+        platforms=("tpu",),
+        features=frozenset(FEATURES),
+        fn=pallas_tpu_attention,
+    )
+)
+registry.register(
+    registry.BackendInfo(
+        name="pallas_tpu_interpret",
+        description="The pallas_tpu kernels run in the TPU interpreter on CPU (slow; for tests and "
+        "debugging, never chosen by auto).",
+        platforms=("cpu",),
+        features=frozenset(FEATURES),
+        fn=pallas_tpu_interpret_attention,
+    )
+)

@@ -1,0 +1,139 @@
+"""Block sizes of the Pallas TPU attention kernels: the dataclass, per-generation defaults, options.
+
+The heuristic (the reasoning is in ``kernels/README.md``):
+
+* The forward streams K/V blocks past a resident Q block, so its arithmetic intensity is about
+  ``block_q`` FLOP per HBM byte (bf16). ``block_q`` is therefore the smallest power of two at or
+  above the chip's ridge point (peak FLOP/s ÷ HBM bytes/s): v4 224, v5e 240, v5p ~180, v6e 560.
+* ``block_k`` sets the per-step work (grid steps cost ~0.35 µs each) and the size of the f32 score
+  tile; ``block_q * block_k`` is kept at 512K elements (2 MiB f32 per [bq, bk] temporary), which with
+  the 3-4 live temporaries of a step stays inside the default 16 MiB scoped VMEM of every generation.
+* The dK/dV kernel streams Q/dO past resident K/V, so its ``block_k_dkv`` plays the role of the
+  forward's ``block_q``; the dQ kernel mirrors the forward. Backward steps keep ~5 [bq, bk] f32
+  temporaries, so their tiles are half the forward's.
+* v6e (and newer) has 256×256 MXUs: every block is a multiple of 256 there.
+
+All blocks are clipped to the (padded) sequence lengths at call time, so short sequences never pay
+for a large default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+# Sublane granularity of query blocks: 32 rows keep f32 (8), bf16/f16 (16) and the int8 mask (32)
+# tiles whole. Key blocks are lane dimensions of the score tile: multiples of 128.
+Q_ALIGN = 32
+K_ALIGN = 128
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the forward, dK/dV and dQ kernels (rows of Q × rows of K/V per grid step).
+
+    Attributes:
+      block_q / block_k: forward kernel.
+      block_q_dkv / block_k_dkv: dK/dV kernel (K/V resident, Q and dO streamed).
+      block_q_dq / block_k_dq: dQ kernel (Q and dO resident, K/V streamed).
+    """
+
+    block_q: int
+    block_k: int
+    block_q_dkv: int
+    block_k_dkv: int
+    block_q_dq: int
+    block_k_dq: int
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid block and how to fix it."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            align = Q_ALIGN if f.name.startswith("block_q") else K_ALIGN
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % align:
+                raise ValueError(
+                    f"pallas_tpu option {f.name}={value!r} is invalid: it must be a positive multiple of "
+                    f"{align} ({'query rows are sublanes' if align == Q_ALIGN else 'key blocks are lanes'}); "
+                    f"e.g. registry.use('pallas_tpu', {f.name}={max(align, 512)})"
+                )
+
+
+# Per generation. See the module docstring; README.md has the numbers behind each choice.
+GENERATION_DEFAULTS = {
+    # 16 MiB VMEM per core, 128x128 MXU, ridge ~224 FLOP/B.
+    "v4": BlockSizes(block_q=512, block_k=512, block_q_dkv=256, block_k_dkv=512, block_q_dq=512, block_k_dq=256),
+    # 128 MiB VMEM, 4x 128x128 MXU, ridge ~240.
+    "v5e": BlockSizes(block_q=512, block_k=1024, block_q_dkv=512, block_k_dkv=512, block_q_dq=512, block_k_dq=512),
+    # 64 MiB VMEM per core (megacore), ridge ~166-187.
+    "v5p": BlockSizes(block_q=512, block_k=1024, block_q_dkv=512, block_k_dkv=512, block_q_dq=512, block_k_dq=512),
+    # 128 MiB VMEM, 2x 256x256 MXU, ridge ~560.
+    "v6e": BlockSizes(block_q=1024, block_k=512, block_q_dkv=512, block_k_dkv=1024, block_q_dq=1024, block_k_dq=512),
+}
+# Newer or unknown chips (TPU7x: 256x256 MXU, 64 MiB VMEM/core, ridge ~312) use the v6e table.
+FALLBACK_GENERATION = "v6e"
+
+_DEVICE_KINDS = {
+    "TPU v4": "v4",
+    "TPU v4 lite": "v4",
+    "TPU v5e": "v5e",
+    "TPU v5 lite": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6e": "v6e",
+    "TPU v6 lite": "v6e",
+}
+
+OPTION_NAMES = ("generation", *(f.name for f in dataclasses.fields(BlockSizes)))
+
+
+def generation_of(device_kind: str | None) -> str:
+    """Map a JAX ``device_kind`` (``"TPU v5 lite"``) to a key of :data:`GENERATION_DEFAULTS`."""
+    return _DEVICE_KINDS.get(device_kind or "", FALLBACK_GENERATION)
+
+
+def current_device_kind() -> str | None:
+    """The TPU kind being lowered for: the abstract mesh's device if set, else the default TPU device.
+
+    Never raises: on a host without TPUs (export, interpret mode) it returns ``None``.
+    """
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.device_kind
+    try:
+        return jax.devices("tpu")[0].device_kind
+    except RuntimeError:
+        return None
+
+
+def resolve_blocks(options: dict[str, Any], backend: str) -> tuple[str, BlockSizes]:
+    """Validate backend options and return ``(generation, BlockSizes)`` with user overrides applied.
+
+    Options: ``generation`` (one of :data:`GENERATION_DEFAULTS`; default: detected) and any field of
+    :class:`BlockSizes`. ``block_q``/``block_k`` also set the backward blocks unless those are given.
+    """
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise ValueError(
+            f"backend {backend!r} does not take option(s) {unknown}; valid options: {', '.join(OPTION_NAMES)}"
+        )
+    generation = options.get("generation")
+    if generation is None:
+        generation = generation_of(current_device_kind())
+    elif generation not in GENERATION_DEFAULTS:
+        raise ValueError(
+            f"backend {backend!r} option generation={generation!r} is unknown; use one of "
+            f"{', '.join(map(repr, GENERATION_DEFAULTS))}"
+        )
+    base = GENERATION_DEFAULTS[generation]
+    overrides = {k: v for k, v in options.items() if k != "generation"}
+    # A user who sets only the forward blocks means "use these tiles"; mirror them into the backward.
+    for fwd, bwd in (("block_q", ("block_q_dkv", "block_q_dq")), ("block_k", ("block_k_dkv", "block_k_dq"))):
+        if fwd in overrides:
+            for name in bwd:
+                overrides.setdefault(name, overrides[fwd])
+    blocks = dataclasses.replace(base, **overrides)
+    blocks.validate()
+    return generation, blocks

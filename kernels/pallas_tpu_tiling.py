@@ -1,0 +1,274 @@
+"""Static tiling, padding and block-skip tables shared by the Pallas TPU attention kernels.
+
+A kernel covers a padded [Sqp, Skp] score matrix with [bq, bk] tiles. For every row block i the
+causal/window structure leaves a contiguous range of visible key blocks ``[lo_i, hi_i)`` (static,
+from :meth:`AttentionSpec.key_range`); the kernels' key axis only has ``max_i(hi_i - lo_i)`` steps
+("grid shrinking") and step j of row i visits block ``lo_i + j``. Steps past ``hi_i`` are clamped to
+the last visited block, so the pipeline sees an unchanged block index and issues no DMA, and the
+compute is skipped with ``pl.when``. Segment ids narrow the ranges further at run time: per-block
+min/max ids (computed in XLA, O(S)) drop blocks whose id intervals do not overlap.
+
+The ranges travel to the kernel as scalar-prefetch tables in SMEM (int32, flattened
+``[batch_or_1 * n_blocks]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashport.kernels.pallas_tpu_blocks import K_ALIGN, LANES, Q_ALIGN
+from flashport.kernels.spec import AttentionSpec
+
+_BIG = np.iinfo(np.int32).max
+
+
+def round_up(x: int, m: int) -> int:
+    """Smallest multiple of ``m`` that is >= ``x`` (and >= m)."""
+    return max(m, -(-x // m) * m)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Block geometry of one kernel: tile sizes, padded sizes and the static visible block ranges.
+
+    ``rows`` are query blocks and ``cols`` key blocks. ``row_lo/row_hi[i]`` is the half-open range of
+    key blocks row block i may see; ``col_lo/col_hi[j]`` the range of query blocks that may see key
+    block j. ``steps_k``/``steps_q`` are the shrunken grid extents.
+    """
+
+    spec: AttentionSpec
+    bq: int
+    bk: int
+    row_lo: tuple[int, ...]
+    row_hi: tuple[int, ...]
+    col_lo: tuple[int, ...]
+    col_hi: tuple[int, ...]
+
+    @staticmethod
+    def make(spec: AttentionSpec, block_q: int, block_k: int) -> "Geometry":
+        """Clip the blocks to the sequence lengths and compute the static ranges."""
+        bq = min(block_q, round_up(spec.seq_q, Q_ALIGN))
+        bk = min(block_k, round_up(spec.seq_k, K_ALIGN))
+        nq, nk = -(-spec.seq_q // bq), -(-spec.seq_k // bk)
+        row_lo, row_hi, col_lo, col_hi = [], [], [], []
+        for i in range(nq):
+            lo, hi = spec.key_range(i * bq, min((i + 1) * bq, spec.seq_q))
+            lo_b = min(max(lo, 0) // bk, nk)
+            row_lo.append(lo_b)
+            row_hi.append(max(-(-hi // bk), lo_b) if hi > lo else lo_b)
+        for j in range(nk):
+            lo, hi = spec.query_range(j * bk, min((j + 1) * bk, spec.seq_k))
+            lo_b = min(max(lo, 0) // bq, nq)
+            col_lo.append(lo_b)
+            col_hi.append(max(-(-hi // bq), lo_b) if hi > lo else lo_b)
+        return Geometry(spec, bq, bk, tuple(row_lo), tuple(row_hi), tuple(col_lo), tuple(col_hi))
+
+    @property
+    def nq(self) -> int:
+        """Number of query blocks."""
+        return len(self.row_lo)
+
+    @property
+    def nk(self) -> int:
+        """Number of key blocks."""
+        return len(self.col_lo)
+
+    @property
+    def sqp(self) -> int:
+        """Padded query length."""
+        return self.nq * self.bq
+
+    @property
+    def skp(self) -> int:
+        """Padded key length."""
+        return self.nk * self.bk
+
+    @property
+    def steps_k(self) -> int:
+        """Grid extent of the key axis in row-major kernels (forward, dQ): the widest row."""
+        return max(1, max(h - l for l, h in zip(self.row_lo, self.row_hi)))
+
+    @property
+    def steps_q(self) -> int:
+        """Grid extent of the query axis in the column-major kernel (dK/dV): the tallest column."""
+        return max(1, max(h - l for l, h in zip(self.col_lo, self.col_hi)))
+
+    @property
+    def visited_tiles(self) -> int:
+        """Tiles the row-major kernels compute per (batch, head) without segment ids."""
+        return sum(h - l for l, h in zip(self.row_lo, self.row_hi))
+
+    @property
+    def needs_position_mask(self) -> bool:
+        """Whether tiles must compare positions (causal/window, or keys padded past ``seq_k``)."""
+        return self.spec.has_positional_mask or self.skp != self.spec.seq_k
+
+
+def pad_to(x, axis: int, size: int, value=0):
+    """Pad ``x`` along ``axis`` at the end to ``size`` (no-op when already that size)."""
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def pad_lanes(x):
+    """Pad the last (head_dim) axis to a multiple of 128 lanes; zeros leave Q·Kᵀ and P·V unchanged."""
+    return pad_to(x, x.ndim - 1, round_up(x.shape[-1], LANES))
+
+
+def prepare_operands(g: Geometry, bias, mask, q_seg, kv_seg):
+    """Pad bias/mask (only their non-broadcast sequence dims) and lay out segment ids for the kernels.
+
+    Returns ``(bias, mask_int8, q_seg [B, Sqp, 1], kv_seg [B, 1, Skp])`` (``None`` where absent).
+    """
+    if bias is not None:
+        bias = pad_to(bias, 2, g.sqp) if bias.shape[2] > 1 else bias
+        bias = pad_to(bias, 3, g.skp) if bias.shape[3] > 1 else bias
+    if mask is not None:
+        mask = mask.astype(jnp.int8)  # Mosaic has no bool memrefs
+        mask = pad_to(mask, 2, g.sqp) if mask.shape[2] > 1 else mask
+        mask = pad_to(mask, 3, g.skp) if mask.shape[3] > 1 else mask
+    if q_seg is not None:
+        q_seg = pad_to(q_seg, 1, g.sqp)[:, :, None]
+        kv_seg = pad_to(kv_seg, 1, g.skp)[:, None, :]
+    return bias, mask, q_seg, kv_seg
+
+
+def _block_minmax(seg, true_len, block, n):
+    """Per-block min and max segment id over the true (unpadded) positions: two [B, n] arrays."""
+    b = seg.shape[0]
+    valid = jnp.arange(n * block) < true_len
+    seg = pad_to(seg, 1, n * block)
+    lo = jnp.where(valid, seg, _BIG).reshape(b, n, block).min(-1)
+    hi = jnp.where(valid, seg, -_BIG).reshape(b, n, block).max(-1)
+    return lo, hi
+
+
+def block_tables(g: Geometry, q_seg, kv_seg, *, by_rows: bool):
+    """Scalar-prefetch tables: the visited block range per row (``by_rows``) or per column block.
+
+    Without segment ids: ``(lo, hi)`` int32 of shape [n] (static ranges). With them: ``(lo, hi,
+    q_min, q_max, k_min, k_max)`` flattened over the batch: the static ranges narrowed to the first
+    and last block whose id interval overlaps, plus the per-block id intervals the kernels use to
+    skip non-overlapping blocks inside the range.
+    """
+    if by_rows:
+        lo_s, hi_s = np.asarray(g.row_lo, np.int32), np.asarray(g.row_hi, np.int32)
+    else:
+        lo_s, hi_s = np.asarray(g.col_lo, np.int32), np.asarray(g.col_hi, np.int32)
+    if q_seg is None:
+        return jnp.asarray(lo_s), jnp.asarray(hi_s)
+    q_min, q_max = _block_minmax(q_seg, g.spec.seq_q, g.bq, g.nq)
+    k_min, k_max = _block_minmax(kv_seg, g.spec.seq_k, g.bk, g.nk)
+    # overlap[b, i, j]: some query id of row block i may equal some key id of column block j.
+    overlap = (q_min[:, :, None] <= k_max[:, None, :]) & (k_min[:, None, :] <= q_max[:, :, None])
+    if not by_rows:
+        overlap = jnp.swapaxes(overlap, 1, 2)
+    n_other = overlap.shape[2]
+    idx = jnp.arange(n_other)
+    in_range = (idx[None, :] >= lo_s[:, None]) & (idx[None, :] < hi_s[:, None])
+    ok = overlap & in_range[None]
+    any_ok = ok.any(-1)
+    lo = jnp.where(any_ok, jnp.argmax(ok, -1), lo_s[None, :])
+    hi = jnp.where(any_ok, n_other - jnp.argmax(ok[..., ::-1], -1), lo_s[None, :])
+    flat = lambda x: x.reshape(-1).astype(jnp.int32)  # noqa: E731
+    return flat(lo), flat(hi), flat(q_min), flat(q_max), flat(k_min), flat(k_max)
+
+
+def visited_count(g: Geometry, q_seg=None, kv_seg=None) -> int:
+    """Tiles the row-major kernels compute, summed over the batch (1 batch row without segments)."""
+    tables = block_tables(g, q_seg, kv_seg, by_rows=True)
+    lo, hi = np.asarray(tables[0]), np.asarray(tables[1])
+    if q_seg is None:
+        return int(np.sum(hi - lo))
+    q_min, q_max, k_min, k_max = (np.asarray(t) for t in tables[2:])
+    b = q_seg.shape[0]
+    total = 0
+    for bi in range(b):
+        for i in range(g.nq):
+            r = bi * g.nq + i
+            for j in range(lo[r], hi[r]):
+                c = bi * g.nk + j
+                total += int(q_min[r] <= k_max[c] and k_min[c] <= q_max[r])
+    return total
+
+
+class Step:
+    """Scalar logic of one grid step, shared by index maps and kernel bodies.
+
+    ``row`` is the resident block (query block for forward/dQ, key block for dK/dV), ``step`` the
+    position along the streamed axis. ``lo``/``hi`` index the tables at ``b * n_rows + row``.
+    """
+
+    def __init__(self, tables, b, row, step, n_rows, n_cols, segmented, by_rows):
+        base = b * n_rows + row if segmented else row
+        lo, hi = tables[0][base], tables[1][base]
+        self.count = hi - lo
+        # Clamp to the last visited block (or lo, for an empty range): an unchanged index means no DMA.
+        self.block = jnp.minimum(lo + jnp.minimum(step, jnp.maximum(self.count - 1, 0)), n_cols - 1)
+        self.run = step < self.count
+        if segmented:
+            other = b * n_cols + self.block
+            if by_rows:
+                qi, kj = base, other
+            else:
+                qi, kj = other, base
+            q_min, q_max, k_min, k_max = tables[2:6]
+            self.run = jnp.logical_and(
+                self.run, jnp.logical_and(q_min[qi] <= k_max[kj], k_min[kj] <= q_max[qi])
+            )
+
+
+def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_tile=None):
+    """In-kernel boolean [bq, bk] (or ``None`` = all visible) for query block ``qi``, key block ``kj``.
+
+    Positions come from 2-D iotas; keys past ``seq_k`` and causal/window structure are hidden; the
+    mask tile (int8, broadcastable) and segment id tiles ([bq, 1] vs [1, bk]) are applied if given.
+    """
+    spec = g.spec
+    vis = None
+
+    def both(a, b):
+        return b if a is None else jnp.logical_and(a, b)
+
+    if g.needs_position_mask:
+        k_pos = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 1)
+        vis = k_pos < spec.seq_k
+        if spec.has_positional_mask:
+            diag = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 0) + spec.offset
+            if spec.causal:
+                vis = both(vis, k_pos <= diag)
+            if spec.window_left is not None:
+                vis = both(vis, k_pos >= diag - spec.window_left)
+            if spec.window_right is not None:
+                vis = both(vis, k_pos <= diag + spec.window_right)
+    if mask_tile is not None:
+        vis = both(vis, jnp.broadcast_to(mask_tile != 0, (g.bq, g.bk)))
+    if q_seg_tile is not None:
+        vis = both(vis, q_seg_tile == kv_seg_tile)
+    return vis
+
+
+def scores(g: Geometry, q, k, bias_tile, compute_dtype):
+    """Scaled (and soft-capped, biased) f32 scores [bq, bk] of one tile plus the pre-softcap ``raw``."""
+    if compute_dtype is not None:
+        q, k = q.astype(compute_dtype), k.astype(compute_dtype)
+    raw = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    raw = raw * g.spec.scale
+    s = raw
+    if g.spec.softcap is not None:
+        s = g.spec.softcap * jnp.tanh(raw / g.spec.softcap)
+    if bias_tile is not None:
+        s = s + bias_tile
+    return s, raw
+
+
+def analytic_causal_fraction(n: int) -> float:
+    """Fraction of tiles a causal square n×n block grid visits: (n+1)/2n."""
+    return (n + 1) / (2 * n)
