@@ -1,1 +1,67 @@
-"""flashport.rules: one rule module per GPU attention source API."""
+"""flashport.rules: one rule module per GPU attention source API, plus the registry.
+
+``RULE_MODULES`` lists the rule modules in catalogue order; importing them fills
+:data:`flashport.rules.base.REGISTRY`. Rule modules import only libcst (never jax or torch), so the CLI
+stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from flashport.rules.base import REGISTRY, Rule
+
+RULE_MODULES = (
+    "fpa001_flash_attn_func",
+    "fpa002_flash_attn_qkvpacked_func",
+    "fpa003_flash_attn_kvpacked_func",
+    "fpa004_flash_attn_varlen_func",
+    "fpa101_torch_sdpa",
+    "fpa102_sdpa_backend_selector",
+    "fpa201_jax_nn_dpa_cudnn",
+    "fpa901_attn_implementation_config",
+)
+
+_loaded = False
+
+
+def all_rules() -> list[type[Rule]]:
+    """Every registered rule class, sorted by code."""
+    global _loaded
+    if not _loaded:
+        for name in RULE_MODULES:
+            importlib.import_module(f"flashport.rules.{name}")
+        _loaded = True
+    return [REGISTRY[code] for code in sorted(REGISTRY)]
+
+
+def get(code: str) -> type[Rule]:
+    """The rule with this code or kebab name (case-insensitive).
+
+    Raises:
+      KeyError: naming the known codes when nothing matches.
+    """
+    wanted = code.strip().upper()
+    for rule in all_rules():
+        if rule.CODE == wanted or rule.NAME.upper() == wanted:
+            return rule
+    raise KeyError(f"unknown rule {code!r}; known: {', '.join(r.CODE for r in all_rules())}")
+
+
+def select(select: list[str] | None = None, ignore: list[str] | None = None) -> list[type[Rule]]:
+    """Rules chosen by code prefixes (``FPA0`` = every flash-attn rule; ``ALL``), minus ``ignore``.
+
+    Raises:
+      ValueError: for a selector that matches no rule (likely a typo).
+    """
+    rules = all_rules()
+
+    def matches(rule, selector):
+        selector = selector.strip().upper()
+        return selector == "ALL" or rule.CODE.startswith(selector) or rule.NAME.upper() == selector
+
+    for selector in (select or []) + (ignore or []):
+        if not any(matches(rule, selector) for rule in rules):
+            raise ValueError(f"rule selector {selector!r} matches no rule; known: {', '.join(r.CODE for r in rules)}")
+    chosen = [r for r in rules if not select or any(matches(r, s) for s in select)]
+    return [r for r in chosen if not any(matches(r, s) for s in (ignore or []))]

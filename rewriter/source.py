@@ -1,0 +1,98 @@
+"""Byte-faithful source handling: decoding, line splitting and top-level statement units.
+
+The engine never re-renders a whole file. It decodes the bytes with the file's own encoding (PEP 263
+cookie or BOM), splits lines keeping their endings (``\\r\\n``, ``\\r``, ``\\n``), and later splices
+rewritten statement texts back in, so every byte outside a rewritten statement stays identical.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import io
+import re
+import tokenize
+
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def decode(source: bytes) -> tuple[str, str]:
+    """Return ``(text, encoding)``; ``encoding`` is ``utf-8-sig`` for a BOM so encode() restores it.
+
+    Raises:
+      SyntaxError: an unknown encoding cookie (from ``tokenize.detect_encoding``).
+      UnicodeDecodeError: bytes that do not decode.
+    """
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
+    return source.decode(encoding), encoding
+
+
+def encode(text: str, encoding: str) -> bytes:
+    """Inverse of :func:`decode`."""
+    return text.encode(encoding)
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines with their endings; ``"".join(split_lines(t)) == t`` always."""
+    return _LINE.findall(text)
+
+
+def newline_of(lines: list[str]) -> str:
+    """The file's first line ending (``"\\n"`` when it has none)."""
+    for line in lines:
+        if line.endswith("\r\n"):
+            return "\r\n"
+        if line.endswith(("\n", "\r")):
+            return line[-1]
+    return "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A run of top-level statements that share lines (usually exactly one statement).
+
+    Attributes:
+      start, end: 1-based inclusive line range (decorators included).
+      nodes: the ast statements.
+      importish: True for imports and for try/if/with blocks that contain imports (these form the
+        header that lets libcst resolve names inside a chunk).
+    """
+
+    start: int
+    end: int
+    nodes: tuple[ast.stmt, ...]
+    importish: bool
+
+
+def _contains_import(node: ast.AST) -> bool:
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (ast.Import, ast.ImportFrom)):
+            return True
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        stack.extend(ast.iter_child_nodes(item))
+    return False
+
+
+def top_level_units(tree: ast.Module) -> list[Unit]:
+    """Group the module's statements into line-disjoint :class:`Unit` s."""
+    units: list[Unit] = []
+    for stmt in tree.body:
+        start = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+        end = stmt.end_lineno or stmt.lineno
+        importish = isinstance(stmt, (ast.Import, ast.ImportFrom)) or (
+            isinstance(stmt, (ast.Try, ast.If, ast.With)) and _contains_import(stmt)
+        )
+        if units and start <= units[-1].end:
+            last = units.pop()
+            units.append(Unit(last.start, max(end, last.end), last.nodes + (stmt,), last.importish and importish))
+        else:
+            units.append(Unit(start, end, (stmt,), importish))
+    return units
+
+
+def unit_text(lines: list[str], unit: Unit) -> str:
+    """The unit's lines, joined (endings kept)."""
+    return "".join(lines[unit.start - 1 : unit.end])

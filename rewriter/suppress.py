@@ -1,0 +1,36 @@
+"""Inline suppressions: ``# flashport: ignore[FPA001, FPA101]`` (or bare ``# flashport: ignore``).
+
+A suppression applies to a site whose first or last line carries the comment.
+"""
+
+from __future__ import annotations
+
+import re
+
+_PATTERN = re.compile(r"#\s*flashport:\s*ignore(?:\[(?P<codes>[^\]]*)\])?", re.IGNORECASE)
+ALL = "*"
+
+
+def parse(lines: list[str]) -> dict[int, frozenset[str]]:
+    """Map 1-based line -> suppressed codes (``{"*"}`` for a bare ignore)."""
+    found: dict[int, frozenset[str]] = {}
+    for number, line in enumerate(lines, 1):
+        if "flashport" not in line:
+            continue
+        match = _PATTERN.search(line)
+        if match:
+            codes = match.group("codes")
+            if codes is None or not codes.strip():
+                found[number] = frozenset({ALL})
+            else:
+                found[number] = frozenset(c.strip().upper() for c in codes.split(",") if c.strip())
+    return found
+
+
+def is_suppressed(table: dict[int, frozenset[str]], code: str, start: int, end: int) -> bool:
+    """True when line ``start`` or ``end`` suppresses ``code``."""
+    for line in {start, end}:
+        codes = table.get(line)
+        if codes and (ALL in codes or code in codes):
+            return True
+    return False

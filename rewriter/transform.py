@@ -1,0 +1,186 @@
+"""The libcst pass over one chunk: resolve qualified names, ask rules, replace rewritten calls.
+
+The chunk is parsed as a *mini module* = the file's top-level import statements (header) followed by
+one top-level statement that mentions a trigger. libcst's ``QualifiedNameProvider`` resolves names
+in it exactly as in the whole file (imports, aliases, function-level and guarded imports), while
+scope analysis only runs over the chunk, not the whole file. Sites in the header are ignored (they
+are reported when their own unit is the chunk).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+from libcst.metadata import PositionProvider, QualifiedNameProvider
+
+from flashport.rewriter import suppress
+from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
+from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, RuleContext, RuleOptions, contains_comment
+
+
+class SiteTransformer(cst.CSTTransformer):
+    """Visits a mini module; collects :class:`Site` s and applies :class:`Rewrite` s in the chunk."""
+
+    METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
+
+    def __init__(
+        self,
+        rules: list[Rule],
+        options: RuleOptions,
+        path: str,
+        header_lines: int,
+        first_line: int,
+        suppressions: dict[int, frozenset[str]],
+        module: cst.Module,
+    ):
+        super().__init__()
+        self.options = options
+        self.path = path
+        self.header_lines = header_lines
+        self.first_line = first_line
+        self.suppressions = suppressions
+        self.module = module
+        self.by_source: dict[str, Rule] = {}
+        self.by_string: dict[str, Rule] = {}
+        for rule in rules:
+            for name in rule.SOURCES:
+                self.by_source.setdefault(name, rule)
+            for value in rule.STRINGS:
+                self.by_string.setdefault(value, rule)
+        self.sites: list[Site] = []
+        self.imports: set[str] = set()
+        self.rewrites = 0
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _file_lines(self, node: cst.CSTNode) -> tuple[int, int, int] | None:
+        """(start line, column, end line) in the file, or None for nodes in the header."""
+        pos = self.get_metadata(PositionProvider, node, None)
+        if pos is None or pos.start.line <= self.header_lines:
+            return None
+        shift = self.first_line - self.header_lines - 1
+        return pos.start.line + shift, pos.start.column, pos.end.line + shift
+
+    def _match(self, node: cst.CSTNode) -> tuple[Rule, str] | None:
+        if not isinstance(node, (cst.Name, cst.Attribute)):
+            return None
+        for qualified in self.get_metadata(QualifiedNameProvider, node, set()):
+            rule = self.by_source.get(qualified.name)
+            if rule is not None:
+                return rule, qualified.name
+        return None
+
+    def _record(self, rule: Rule, api: str, kind: str, where, outcome) -> Site | None:
+        line, column, end = where
+        status, reason, notes = None, "", ()
+        if suppress.is_suppressed(self.suppressions, rule.CODE, line, end):
+            status, reason = SUPPRESSED, "suppressed by a # flashport: ignore comment"
+        elif isinstance(outcome, Rewrite):
+            status, notes = REWRITE, outcome.notes
+        elif isinstance(outcome, (Refusal, Report)):
+            status, reason = REFUSED, outcome.reason
+        if status is None:
+            return None
+        site = Site(self.path, line, column, end, rule.CODE, api, kind, status, reason, tuple(notes))
+        self.sites.append(site)
+        return site
+
+    def _context(self, line: int, api: str) -> RuleContext:
+        return RuleContext(self.path, line, api, self.options, self.module.code_for_node)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        """Ask the matching rule about a call to a source API; apply its rewrite."""
+        matched = self._match(original_node.func)
+        if matched is None:
+            return updated_node
+        where = self._file_lines(original_node)
+        if where is None:
+            return updated_node
+        rule, api = matched
+        if suppress.is_suppressed(self.suppressions, rule.CODE, where[0], where[2]):
+            self._record(rule, api, "call", where, None)
+            return updated_node
+        try:
+            outcome = rule.check_call(updated_node, self._context(where[0], api))
+        except Refuse as refusal:
+            outcome = Refusal(refusal.reason)
+        if isinstance(outcome, Rewrite) and contains_comment(original_node):
+            outcome = Refusal("comments inside the call would be lost by the rewrite; move them out first")
+        self._record(rule, api, "call", where, outcome)
+        if isinstance(outcome, Rewrite):
+            self.imports.update(outcome.imports)
+            self.rewrites += 1
+            return outcome.node
+        return updated_node
+
+    # -- references (functions passed as values) ---------------------------------------------
+
+    def _reference(self, value: cst.BaseExpression | None) -> None:
+        if value is None or isinstance(value, cst.Call):
+            return
+        matched = self._match(value)
+        if matched is None:
+            return
+        where = self._file_lines(value)
+        if where is None:
+            return
+        rule, api = matched
+        try:
+            outcome = rule.check_reference(value, self._context(where[0], api))
+        except Refuse as refusal:
+            outcome = Refusal(refusal.reason)
+        if isinstance(outcome, Rewrite):  # references are reported, never rewritten by the engine
+            outcome = Report("used as a value: not rewritten")
+        self._record(rule, api, "reference", where, outcome)
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        """``f(attention_fn=flash_attn_func)`` and ``inspect.signature(flash_attn_func)``."""
+        self._reference(node.value)
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        """``fn = flash_attn_func``."""
+        self._reference(node.value)
+
+    def visit_DictElement(self, node: cst.DictElement) -> None:
+        """``{"flash_attention_2": flash_attn_func}``."""
+        self._reference(node.value)
+
+    def visit_Element(self, node: cst.Element) -> None:
+        """``(flash_attn_func, flash_attn_varlen_func)``."""
+        self._reference(node.value)
+
+    def visit_Return(self, node: cst.Return) -> None:
+        """``return flash_attn_func`` (lazy-import tables)."""
+        self._reference(node.value)
+
+    # -- configuration strings ---------------------------------------------------------------
+
+    def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> cst.BaseExpression:
+        """String literals some rule watches (``attn_implementation="flash_attention_2"``); a rule
+        may rewrite them (e.g. to a value that routes through flashport)."""
+        if not self.by_string:
+            return updated_node
+        try:
+            value = original_node.evaluated_value
+        except Exception:  # noqa: BLE001 - odd literals are simply not config values
+            return updated_node
+        rule = self.by_string.get(value) if isinstance(value, str) else None
+        if rule is None:
+            return updated_node
+        where = self._file_lines(original_node)
+        if where is None:
+            return updated_node
+        if suppress.is_suppressed(self.suppressions, rule.CODE, where[0], where[2]):
+            self._record(rule, value, "string", where, None)
+            return updated_node
+        try:
+            outcome = rule.check_string(original_node, value, self._context(where[0], value))
+        except Refuse as refusal:
+            outcome = Refusal(refusal.reason)
+        self._record(rule, value, "string", where, outcome)
+        if isinstance(outcome, Rewrite):
+            self.imports.update(outcome.imports)
+            self.rewrites += 1
+            return outcome.node
+        return updated_node

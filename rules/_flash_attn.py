@@ -1,0 +1,149 @@
+"""Shared helpers of the flash-attn 2.x rules: per-version signatures and the argument mapping.
+
+flash-attn inserted parameters mid-signature over 2.x (window_size 2.3, alibi_slopes 2.4,
+deterministic 2.4.1, softcap 2.6 *before* alibi_slopes; block_table 2.5.7 for varlen), so positional
+arguments are bound against the signature of the configured version
+(``RuleOptions.flash_attn_version``, default 2.8.3). ``causal`` is bottom-right since 2.1 and
+top-left in 2.0.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from flashport.rules.base import (
+    Refuse,
+    RuleContext,
+    Signature,
+    is_none,
+    is_zero,
+    literal_bool,
+    literal_number,
+    number,
+    string,
+    training_gated_zero,
+    tuple_of,
+)
+
+FLASH_ATTN_MODULES = ("flash_attn.", "flash_attn.flash_attn_interface.")
+
+
+def sources(function: str) -> tuple[str, ...]:
+    """Every public import path of a flash-attn 2.x function."""
+    return tuple(m + function for m in FLASH_ATTN_MODULES)
+
+
+def tail(version: tuple[int, ...]) -> tuple[str, ...]:
+    """The parameters after the tensors (and cu_seqlens) at ``version``."""
+    if version < (2, 3):
+        return ("dropout_p", "softmax_scale", "causal", "return_attn_probs")
+    if version < (2, 4):
+        return ("dropout_p", "softmax_scale", "causal", "window_size", "return_attn_probs")
+    if version < (2, 6):
+        return ("dropout_p", "softmax_scale", "causal", "window_size", "alibi_slopes", "deterministic", "return_attn_probs")
+    return ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic", "return_attn_probs")
+
+
+def signature(leading: tuple[str, ...], version: tuple[int, ...], varlen: bool = False) -> Signature:
+    """The full positional signature of a flash-attn function at ``version``."""
+    names = leading + tail(version)
+    if varlen and version >= (2, 5, 7):
+        names += ("block_table",)
+    return Signature(names)
+
+
+def align(version: tuple[int, ...]) -> str:
+    """Causal/window alignment of flash-attn ``version``."""
+    return "top_left" if version < (2, 1) else "bottom_right"
+
+
+def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
+    """flash-attn ``window_size=(left, right)`` (-1 = unbounded) as the contract's ``window``."""
+    if isinstance(node, (cst.Tuple, cst.List)) and len(node.elements) == 2 and not any(e.star if hasattr(e, "star") else False for e in node.elements):
+        values = [literal_number(e.value) for e in node.elements]
+        if all(isinstance(v, int) for v in values):
+            if all(v < 0 for v in values):
+                return None
+            return tuple_of(*[cst.Name("None") if v < 0 else number(v) for v in values])
+    # Dynamic: convert at run time, once (the iterable of a generator is evaluated in this scope).
+    template = cst.parse_expression("tuple(None if w is None or w < 0 else w for w in __window__)")
+    return template.visit(_Substitute("__window__", node))
+
+
+class _Substitute(cst.CSTTransformer):
+    def __init__(self, name: str, node: cst.BaseExpression):
+        super().__init__()
+        self.name, self.node = name, node
+
+    def leave_Name(self, original_node, updated_node):
+        return self.node if updated_node.value == self.name else updated_node
+
+
+def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
+    """Map flash-attn keyword arguments to the contract's; returns (keywords, notes).
+
+    Raises:
+      Refuse: for dropout that may be non-zero, ALiBi, return_attn_probs, paged KV.
+    """
+    value = {name: arg.value for name, arg in bound.items()}
+    notes: list[str] = []
+    dropout = value.get("dropout_p")
+    if dropout is not None and not is_zero(dropout):
+        if training_gated_zero(dropout) and ctx.options.inference:
+            notes.append(f"dropped dropout_p={ctx.code(dropout)} (--inference: treated as 0)")
+        elif training_gated_zero(dropout):
+            raise Refuse(f"dropout_p={ctx.code(dropout)} is non-zero in training; flashport.attention has no dropout (--inference drops it)")
+        else:
+            raise Refuse(f"dropout_p={ctx.code(dropout)} may be non-zero; flashport.attention has no dropout")
+    alibi = value.get("alibi_slopes")
+    if not is_none(alibi):
+        raise Refuse("alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here")
+    probs = value.get("return_attn_probs")
+    if probs is not None and literal_bool(probs) is not False:
+        raise Refuse("return_attn_probs: the (out, softmax_lse, S_dmask) tuple cannot be reproduced")
+    block_table = value.get("block_table")
+    if not is_none(block_table):
+        raise Refuse("block_table (paged KV cache) has no portable equivalent")
+    deterministic = value.get("deterministic")
+    if deterministic is not None and literal_bool(deterministic) is not False:
+        notes.append("dropped deterministic= (it only affects flash-attn's backward pass)")
+
+    scale = value.get("softmax_scale")
+    keywords: list[tuple[str, cst.BaseExpression]] = [
+        ("scale", cst.Name("None") if is_none(scale) else scale),
+        ("causal", value.get("causal", cst.Name("False"))),
+    ]
+    window = value.get("window_size")
+    if not is_none(window):
+        mapped = _window(window)
+        if mapped is not None:
+            keywords.append(("window", mapped))
+    softcap = value.get("softcap")
+    if softcap is not None and not is_zero(softcap):
+        literal = literal_number(softcap)
+        if literal is not None and literal < 0:
+            raise Refuse(f"softcap={literal} is negative")
+        if literal is not None:
+            keywords.append(("softcap", softcap))
+        else:  # flash-attn's 0.0 means "off"; the contract's off is None
+            keywords.append(("softcap", cst.BooleanOperation(left=softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]) if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda)) else softcap, operator=cst.Or(), right=cst.Name("None"))))
+    keywords.append(("align", string(align(ctx.options.flash_attn_version))))
+    return keywords, notes
+
+
+def unbind(node: cst.BaseExpression, dim: int) -> cst.Arg:
+    """``*node.unbind(dim)``: split a packed qkv/kv tensor, evaluating ``node`` once."""
+    if not isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) and not node.lpar:
+        node = node.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    call = cst.Call(func=cst.Attribute(value=node, attr=cst.Name("unbind")), args=[cst.Arg(value=cst.Integer(str(dim)))])
+    return cst.Arg(value=call, star="*")
+
+
+def required(bound: dict[str, cst.Arg], names: tuple[str, ...], api: str) -> list[cst.BaseExpression]:
+    """The values of required arguments, or Refuse naming the missing one."""
+    out = []
+    for name in names:
+        if name not in bound:
+            raise Refuse(f"{api} call without {name!r}")
+        out.append(bound[name].value)
+    return out

@@ -1,0 +1,408 @@
+"""The rule interface: what one source-API rule declares and how it answers for one call site.
+
+A rule is a small class, instantiated **fresh for every file** (no state leaks between files), that
+the engine asks about each libcst node whose *qualified name* (resolved by libcst's
+``QualifiedNameProvider``, never a bare name) is one of the rule's :attr:`Rule.SOURCES`:
+
+* :meth:`Rule.check_call` for calls ``src(...)``: return :class:`Rewrite` (a replacement node plus the
+  imports it needs), :class:`Refusal` (left byte-identical, reported with a one-line reason), or
+  :class:`Report` (scan-only finding that is not a rewrite candidate, e.g. a backend selector).
+* :meth:`Rule.check_reference` for a source passed as a value (``attention_fn=flash_attn_func``).
+* :meth:`Rule.check_string` for string literals listed in :attr:`Rule.STRINGS` (config switches).
+
+Rules never touch imports or files themselves; the engine adds ``import flashport`` once, drops GPU
+imports that became unused (:attr:`Rule.GPU_MODULES`) and keeps guarded imports.
+
+Adding a rule::
+
+    # rules/fpa0NN_my_api.py
+    from flashport.rules.base import Rule, Rewrite, Refusal, Signature, register
+    @register
+    class MyApi(Rule):
+        '''What it rewrites / Semantics mapping / What it refuses / Example.'''
+        CODE, NAME, API = "FPA0NN", "my-api", "pkg.my_api"
+        SOURCES = ("pkg.my_api",); TRIGGERS = (b"my_api",)
+        def check_call(self, call, ctx): ...
+    # then list the module in rules/__init__.py::RULE_MODULES and add tests/fixtures/FPA0NN/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import ClassVar, Sequence
+
+import libcst as cst
+
+# ----------------------------------------------------------------------------------- outcomes
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+    """Replace the matched node with ``node``.
+
+    Attributes:
+      node: the replacement expression.
+      imports: top-level modules the replacement needs (``"flashport"``); the engine adds
+        ``import <module>`` once per file.
+      notes: human notes shown in the report and JSON (e.g. "dropped dropout_p (--inference)").
+    """
+
+    node: cst.BaseExpression
+    imports: tuple[str, ...] = ("flashport",)
+    notes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Leave the site byte-identical; ``reason`` is one line saying why."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A scan finding that is not a rewrite candidate (selector, config string, probe)."""
+
+    reason: str
+
+
+Outcome = Rewrite | Refusal | Report | None
+
+
+class Refuse(Exception):
+    """Raised by helpers (argument binding, literal checks); the engine turns it into a Refusal."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# ----------------------------------------------------------------------------------- options
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleOptions:
+    """Options every rule may read (CLI flags and ``[tool.flashport]``).
+
+    Attributes:
+      inference: treat ``p if self.training else 0.0`` style dropout as zero and drop it
+        (the finding's note says so).
+      flash_attn_version: (major, minor) of flash-attn the source was written against; positional
+        arguments are bound against that version's signature and ``causal`` is top-left before 2.1.
+      torch_version: (major, minor) of torch for SDPA's signature.
+      jax_version: (major, minor, patch) of jax for ``jax.nn.dot_product_attention``'s signature.
+    """
+
+    inference: bool = False
+    flash_attn_version: tuple[int, ...] = (2, 8)
+    torch_version: tuple[int, ...] = (2, 5)
+    jax_version: tuple[int, ...] = (0, 10, 2)
+
+
+@dataclasses.dataclass
+class RuleContext:
+    """What a rule knows about the current site besides the node.
+
+    Attributes:
+      path: file path (for messages only).
+      line: 1-based line of the site in the file.
+      qualified_name: the source API name the node resolved to.
+      options: :class:`RuleOptions`.
+      code_for_node: renders a node as source text (for messages and notes).
+    """
+
+    path: str
+    line: int
+    qualified_name: str
+    options: RuleOptions
+    code_for_node: object = None
+
+    def code(self, node: cst.CSTNode) -> str:
+        """Source text of ``node`` (best effort)."""
+        if callable(self.code_for_node):
+            return self.code_for_node(node)
+        return cst.Module(body=[]).code_for_node(node)
+
+
+# ----------------------------------------------------------------------------------- the base class
+
+
+class Rule:
+    """Base class of every rule; subclasses set the class attributes and override ``check_*``.
+
+    Class attributes:
+      CODE: stable id (``FPA001``); selection matches prefixes (``FPA0``).
+      NAME: kebab-case name (``flash-attn-func``).
+      API: the source API, for tables (``flash_attn.flash_attn_func``).
+      FRAMEWORK: ``"torch"`` or ``"jax"``.
+      SOURCES: fully qualified names that match (every public import path).
+      TRIGGERS: byte strings; a file containing none of them is never parsed for this rule.
+      STRINGS: string literal values reported by :meth:`check_string`.
+      GPU_MODULES: module prefixes whose imports may be dropped once unused after a rewrite.
+      TARGET: what rewrites produce (docs only).
+      REWRITES: False for scan-only rules (they only ever return Report/Refusal).
+    """
+
+    CODE: ClassVar[str] = ""
+    NAME: ClassVar[str] = ""
+    API: ClassVar[str] = ""
+    FRAMEWORK: ClassVar[str] = ""
+    SOURCES: ClassVar[tuple[str, ...]] = ()
+    TRIGGERS: ClassVar[tuple[bytes, ...]] = ()
+    STRINGS: ClassVar[tuple[str, ...]] = ()
+    GPU_MODULES: ClassVar[tuple[str, ...]] = ()
+    TARGET: ClassVar[str] = ""
+    REWRITES: ClassVar[bool] = True
+
+    def check_call(self, call: cst.Call, ctx: RuleContext) -> Outcome:
+        """Answer for ``call`` (whose ``func`` resolved to one of :attr:`SOURCES`)."""
+        return Refusal("no rewrite implemented for this API")
+
+    def check_reference(self, node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
+        """Answer for a source API used as a value (callback, mapping entry, feature probe)."""
+        return Report("used as a value (callback, mapping or feature probe), not called: not rewritten")
+
+    def check_string(self, node: cst.SimpleString, value: str, ctx: RuleContext) -> Outcome:
+        """Answer for a string literal whose value is in :attr:`STRINGS`."""
+        return None
+
+    @classmethod
+    def doc(cls) -> str:
+        """The rule's user documentation: its module docstring plus the class docstring."""
+        import sys
+
+        module_doc = inspect.getdoc(sys.modules[cls.__module__]) or ""
+        class_doc = inspect.getdoc(cls) or ""
+        return "\n\n".join(part for part in (module_doc, class_doc) if part)
+
+    @classmethod
+    def summary(cls) -> str:
+        """First line of the rule's docstring."""
+        return (cls.doc().splitlines() or [""])[0]
+
+
+# ----------------------------------------------------------------------------------- signatures
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """A source API's parameter list for one version.
+
+    Attributes:
+      positional: names that may be passed positionally, in order.
+      keyword_only: names that must be passed by keyword.
+    """
+
+    positional: tuple[str, ...]
+    keyword_only: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every parameter name."""
+        return self.positional + self.keyword_only
+
+    def bind(self, call: cst.Call, api: str) -> dict[str, cst.Arg]:
+        """Map every argument of ``call`` to its parameter name.
+
+        Raises:
+          Refuse: on ``*args``/``**kwargs`` splats, too many positionals, unknown or repeated names.
+        """
+        bound: dict[str, cst.Arg] = {}
+        index = 0
+        for arg in call.args:
+            if arg.star == "**":
+                raise Refuse("**kwargs splat: its keys are unknown statically")
+            if arg.star == "*":
+                raise Refuse("*args splat: which parameters it fills is unknown statically")
+            if arg.keyword is None:
+                if index >= len(self.positional):
+                    raise Refuse(f"{api} takes at most {len(self.positional)} positional arguments here")
+                name = self.positional[index]
+                index += 1
+            else:
+                name = arg.keyword.value
+                if name not in self.names:
+                    raise Refuse(f"unknown argument {name!r} for {api} at this version")
+            if name in bound:
+                raise Refuse(f"argument {name!r} given twice")
+            bound[name] = arg
+        return bound
+
+
+# ----------------------------------------------------------------------------------- literal helpers
+
+
+def literal_number(node: cst.BaseExpression | None) -> float | int | None:
+    """The value of an int/float literal (with an optional unary minus), else None."""
+    if node is None:
+        return None
+    sign = 1
+    while isinstance(node, cst.UnaryOperation) and isinstance(node.operator, (cst.Minus, cst.Plus)):
+        if isinstance(node.operator, cst.Minus):
+            sign = -sign
+        node = node.expression
+    if isinstance(node, cst.Integer):
+        return sign * int(node.evaluated_value)
+    if isinstance(node, cst.Float):
+        return sign * float(node.evaluated_value)
+    return None
+
+
+def is_none(node: cst.BaseExpression | None) -> bool:
+    """True for an absent argument or the literal ``None``."""
+    return node is None or (isinstance(node, cst.Name) and node.value == "None")
+
+
+def literal_bool(node: cst.BaseExpression | None) -> bool | None:
+    """True/False for the literals ``True``/``False``, else None."""
+    if isinstance(node, cst.Name) and node.value in ("True", "False"):
+        return node.value == "True"
+    return None
+
+
+def is_zero(node: cst.BaseExpression | None) -> bool:
+    """True for a literal numeric zero."""
+    value = literal_number(node)
+    return value is not None and value == 0
+
+
+def literal_string(node: cst.BaseExpression | None) -> str | None:
+    """The value of a plain string literal, else None."""
+    if isinstance(node, cst.SimpleString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    return None
+
+
+def training_gated_zero(node: cst.BaseExpression) -> bool:
+    """True for ``x if <cond> else 0`` or ``0 if <cond> else x`` (dropout gated by a condition)."""
+    return isinstance(node, cst.IfExp) and (is_zero(node.orelse) or is_zero(node.body))
+
+
+def contains_comment(node: cst.CSTNode) -> bool:
+    """True when ``node``'s subtree holds a comment (a rebuild would lose it)."""
+    found = []
+
+    class _Finder(cst.CSTVisitor):
+        def visit_Comment(self, comment: cst.Comment) -> bool:
+            found.append(comment)
+            return False
+
+    node.visit(_Finder())
+    return bool(found)
+
+
+# ----------------------------------------------------------------------------------- builders
+
+
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def dotted(name: str) -> cst.BaseExpression:
+    """``"flashport.torch.attention"`` as a Name/Attribute chain."""
+    if not _DOTTED.match(name):
+        raise ValueError(f"not a dotted name: {name!r}")
+    parts = name.split(".")
+    node: cst.BaseExpression = cst.Name(parts[0])
+    for part in parts[1:]:
+        node = cst.Attribute(value=node, attr=cst.Name(part))
+    return node
+
+
+def build_call(
+    target: str,
+    positional: Sequence[cst.BaseExpression | cst.Arg],
+    keywords: Sequence[tuple[str, cst.BaseExpression] | cst.Arg],
+    like: cst.Call,
+) -> cst.Call:
+    """A call ``target(*positional, **keywords)`` formatted like ``like`` (one line or one arg per line).
+
+    ``positional`` and ``keywords`` items may be ready-made ``cst.Arg`` (e.g. a ``*x.unbind(2)``
+    or ``**mapping`` argument). Keyword values are inserted as given; build string values with
+    :func:`string`.
+    """
+    args: list[cst.Arg] = []
+    for item in positional:
+        args.append(item if isinstance(item, cst.Arg) else cst.Arg(value=item))
+    for item in keywords:
+        if isinstance(item, cst.Arg):
+            args.append(item)
+            continue
+        name, value = item
+        args.append(
+            cst.Arg(
+                value=value,
+                keyword=cst.Name(name),
+                equal=cst.AssignEqual(
+                    whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+                ),
+            )
+        )
+    opening = like.whitespace_before_args
+    between_ws = opening if isinstance(opening, cst.ParenthesizedWhitespace) else None
+    for original in like.args[:-1]:
+        if between_ws is None and isinstance(original.comma, cst.Comma) and isinstance(original.comma.whitespace_after, cst.ParenthesizedWhitespace):
+            between_ws = original.comma.whitespace_after
+    multiline = between_ws is not None
+    closing: cst.BaseParenthesizableWhitespace = cst.SimpleWhitespace("")
+    if multiline and like.args:
+        last = like.args[-1]
+        if isinstance(last.comma, cst.Comma):
+            closing = last.comma.whitespace_after
+        else:
+            closing = last.whitespace_after_arg
+    formatted = []
+    for i, arg in enumerate(args):
+        arg = arg.with_changes(whitespace_after_arg=cst.SimpleWhitespace(""))
+        if i < len(args) - 1:
+            between = between_ws if multiline else cst.SimpleWhitespace(" ")
+            arg = arg.with_changes(comma=cst.Comma(whitespace_after=between))
+        elif multiline:
+            arg = arg.with_changes(comma=cst.Comma(whitespace_after=closing))
+        else:
+            arg = arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        formatted.append(arg)
+    return like.with_changes(
+        func=dotted(target),
+        args=formatted,
+        whitespace_before_args=opening,
+    )
+
+
+def string(value: str) -> cst.SimpleString:
+    """A double-quoted string literal."""
+    return cst.SimpleString('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"')
+
+
+def tuple_of(*items: cst.BaseExpression) -> cst.Tuple:
+    """``(a, b)`` as a parenthesized tuple."""
+    elements = []
+    for i, item in enumerate(items):
+        comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")) if i < len(items) - 1 else cst.MaybeSentinel.DEFAULT
+        elements.append(cst.Element(value=item, comma=comma))
+    return cst.Tuple(elements=elements)
+
+
+def number(value: int | float) -> cst.BaseExpression:
+    """An int or float literal (negative values get a unary minus)."""
+    node: cst.BaseExpression = cst.Integer(str(abs(value))) if isinstance(value, int) else cst.Float(repr(abs(value)))
+    return cst.UnaryOperation(operator=cst.Minus(), expression=node) if value < 0 else node
+
+
+# ----------------------------------------------------------------------------------- registry
+
+
+REGISTRY: dict[str, type[Rule]] = {}
+
+
+def register(cls: type[Rule]) -> type[Rule]:
+    """Class decorator adding a rule to :data:`REGISTRY` (codes and names must be unique)."""
+    if not re.fullmatch(r"FPA\d{3}", cls.CODE):
+        raise ValueError(f"rule code must look like FPA001, got {cls.CODE!r}")
+    for other in REGISTRY.values():
+        if other is not cls and (other.CODE == cls.CODE or other.NAME == cls.NAME):
+            raise ValueError(f"duplicate rule code/name: {cls.CODE} {cls.NAME} vs {other.CODE} {other.NAME}")
+    REGISTRY[cls.CODE] = cls
+    return cls

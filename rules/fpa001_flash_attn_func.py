@@ -1,0 +1,54 @@
+"""FPA001 flash-attn-func: ``flash_attn.flash_attn_func`` (flash-attn 2.x) -> ``flashport.torch.attention``.
+
+What it rewrites:
+  ``flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+  deterministic, return_attn_probs)`` imported from ``flash_attn`` or
+  ``flash_attn.flash_attn_interface`` (any alias, module or function-level import, guarded or not).
+
+Semantics mapping:
+  layout ``[B, S, H, D]`` -> ``layout="BSHD"``; ``causal`` is bottom-right since 2.1 ->
+  ``align="bottom_right"`` (``"top_left"`` with ``flash-attn-version`` < 2.1); ``softmax_scale``
+  (None = 1/sqrt(D)) -> ``scale``; ``window_size=(l, r)`` inclusive, -1 = unbounded -> ``window``
+  with ``None`` for -1 (non-literal windows are converted at run time); ``softcap`` (0.0 = off) ->
+  ``softcap`` (None = off); GQA (Hk divides Hq, contiguous groups) is the same in the contract;
+  ``deterministic`` is dropped (backward-only). Positional arguments are bound against the
+  configured flash-attn version's signature (2.x inserted parameters mid-signature).
+
+What it refuses:
+  ``dropout_p`` that may be non-zero (``p if self.training else 0.0`` is dropped only with
+  ``--inference``), ``alibi_slopes``, ``return_attn_probs``, ``*args``/``**kwargs`` splats, unknown
+  arguments, calls with comments inside the argument list.
+
+Example::
+
+    out = flash_attn_func(q, k, v, 0.0, softmax_scale=s, causal=True, window_size=(128, 0))
+    # becomes
+    out = flashport.torch.attention(q, k, v, scale=s, causal=True, window=(128, 0), align="bottom_right", layout="BSHD")
+"""
+
+from __future__ import annotations
+
+from flashport.rules import _flash_attn as fa
+from flashport.rules.base import Rewrite, Rule, build_call, register, string
+
+
+@register
+class FlashAttnFunc(Rule):
+    """Rewrite flash-attn 2.x ``flash_attn_func`` to ``flashport.torch.attention``."""
+
+    CODE = "FPA001"
+    NAME = "flash-attn-func"
+    API = "flash_attn.flash_attn_func"
+    FRAMEWORK = "torch"
+    SOURCES = fa.sources("flash_attn_func")
+    TRIGGERS = (b"flash_attn",)
+    GPU_MODULES = ("flash_attn",)
+    TARGET = "flashport.torch.attention"
+
+    def check_call(self, call, ctx):
+        """Bind against the configured version's signature and map to the contract."""
+        bound = fa.signature(("q", "k", "v"), ctx.options.flash_attn_version).bind(call, self.API)
+        q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API)
+        node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("BSHD"))], call)
+        return Rewrite(node, notes=tuple(notes))

@@ -1,0 +1,49 @@
+"""FPA002 flash-attn-qkvpacked-func: ``flash_attn_qkvpacked_func`` -> ``flashport.torch.attention``.
+
+What it rewrites:
+  ``flash_attn_qkvpacked_func(qkv, dropout_p, softmax_scale, causal, window_size, softcap,
+  alibi_slopes, deterministic, return_attn_probs)`` from ``flash_attn`` /
+  ``flash_attn.flash_attn_interface``.
+
+Semantics mapping:
+  ``qkv`` is ``[B, S, 3, H, D]``; it is split once with ``*qkv.unbind(2)`` into BSHD q, k, v
+  (``layout="BSHD"``). Sq == Sk, so alignment does not change the result, but it is stated
+  (``align="bottom_right"``). Everything else as FPA001 (scale, causal, window, softcap).
+
+What it refuses:
+  as FPA001: non-zero dropout (unless ``--inference`` and training-gated), ALiBi,
+  ``return_attn_probs``, splats, unknown arguments, comments inside the call.
+
+Example::
+
+    out = flash_attn_qkvpacked_func(qkv, 0.0, causal=True)
+    # becomes
+    out = flashport.torch.attention(*qkv.unbind(2), scale=None, causal=True, align="bottom_right", layout="BSHD")
+"""
+
+from __future__ import annotations
+
+from flashport.rules import _flash_attn as fa
+from flashport.rules.base import Rewrite, Rule, build_call, register, string
+
+
+@register
+class FlashAttnQKVPackedFunc(Rule):
+    """Rewrite flash-attn 2.x ``flash_attn_qkvpacked_func`` to ``flashport.torch.attention``."""
+
+    CODE = "FPA002"
+    NAME = "flash-attn-qkvpacked-func"
+    API = "flash_attn.flash_attn_qkvpacked_func"
+    FRAMEWORK = "torch"
+    SOURCES = fa.sources("flash_attn_qkvpacked_func")
+    TRIGGERS = (b"flash_attn",)
+    GPU_MODULES = ("flash_attn",)
+    TARGET = "flashport.torch.attention"
+
+    def check_call(self, call, ctx):
+        """Split the packed tensor once and map the rest like FPA001."""
+        bound = fa.signature(("qkv",), ctx.options.flash_attn_version).bind(call, self.API)
+        (qkv,) = fa.required(bound, ("qkv",), self.API)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API)
+        node = build_call(self.TARGET, [fa.unbind(qkv, 2)], keywords + [("layout", string("BSHD"))], call)
+        return Rewrite(node, notes=tuple(notes))

@@ -1,0 +1,49 @@
+"""FPA003 flash-attn-kvpacked-func: ``flash_attn_kvpacked_func`` -> ``flashport.torch.attention``.
+
+What it rewrites:
+  ``flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_size, softcap,
+  alibi_slopes, deterministic, return_attn_probs)`` from ``flash_attn`` /
+  ``flash_attn.flash_attn_interface``.
+
+Semantics mapping:
+  ``q`` is ``[B, Sq, H, D]``, ``kv`` is ``[B, Sk, 2, Hk, D]``; ``kv`` is split once with
+  ``*kv.unbind(2)`` (``layout="BSHD"``). Causal/window are bottom-right (``align="bottom_right"``),
+  which matters here because Sq may differ from Sk (decode, chunked prefill). GQA: Hk divides H,
+  contiguous groups, same as the contract. Rest as FPA001.
+
+What it refuses:
+  as FPA001.
+
+Example::
+
+    out = flash_attn_kvpacked_func(q, kv, causal=True)
+    # becomes
+    out = flashport.torch.attention(q, *kv.unbind(2), scale=None, causal=True, align="bottom_right", layout="BSHD")
+"""
+
+from __future__ import annotations
+
+from flashport.rules import _flash_attn as fa
+from flashport.rules.base import Rewrite, Rule, build_call, register, string
+
+
+@register
+class FlashAttnKVPackedFunc(Rule):
+    """Rewrite flash-attn 2.x ``flash_attn_kvpacked_func`` to ``flashport.torch.attention``."""
+
+    CODE = "FPA003"
+    NAME = "flash-attn-kvpacked-func"
+    API = "flash_attn.flash_attn_kvpacked_func"
+    FRAMEWORK = "torch"
+    SOURCES = fa.sources("flash_attn_kvpacked_func")
+    TRIGGERS = (b"flash_attn",)
+    GPU_MODULES = ("flash_attn",)
+    TARGET = "flashport.torch.attention"
+
+    def check_call(self, call, ctx):
+        """Split ``kv`` once and map the rest like FPA001."""
+        bound = fa.signature(("q", "kv"), ctx.options.flash_attn_version).bind(call, self.API)
+        q, kv = fa.required(bound, ("q", "kv"), self.API)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API)
+        node = build_call(self.TARGET, [q, fa.unbind(kv, 2)], keywords + [("layout", string("BSHD"))], call)
+        return Rewrite(node, notes=tuple(notes))

@@ -1,0 +1,58 @@
+"""FPA004 flash-attn-varlen-func: ``flash_attn_varlen_func`` -> ``flashport.varlen_attention``.
+
+What it rewrites:
+  ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+  return_attn_probs, block_table)`` from ``flash_attn`` / ``flash_attn.flash_attn_interface``.
+
+Semantics mapping:
+  packed ``[total, H, D]`` tensors with int32 ``cu_seqlens`` ``(B+1,)`` -> ``layout="THD"`` and
+  ``flashport.varlen_attention`` (``flashport/kernels/varlen.py``), which runs the contract with
+  batch 1, segment ids from ``cu_seqlens`` and a mask that keeps **per-sequence** bottom-right
+  causal/window alignment (offset ``len_k[b] - len_q[b]`` for each sequence, not one global
+  ``Sk - Sq``), so ``align="bottom_right"`` means what flash-attn means. Tokens past
+  ``cu_seqlens[-1]`` attend nothing (output 0). ``max_seqlen_q/k`` are dropped (they only size
+  flash-attn's kernel launch). Scale, window, softcap as FPA001.
+
+What it refuses:
+  non-zero dropout (unless ``--inference`` and training-gated), ALiBi, ``return_attn_probs``,
+  ``block_table`` (paged KV), splats (``flash_attn_varlen_func(**flash_kwargs)``), unknown
+  arguments, comments inside the call.
+
+Example::
+
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal=True)
+    # becomes
+    out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=None, causal=True, align="bottom_right", layout="THD")
+"""
+
+from __future__ import annotations
+
+from flashport.rules import _flash_attn as fa
+from flashport.rules.base import Rewrite, Rule, build_call, register, string
+
+LEADING = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+@register
+class FlashAttnVarlenFunc(Rule):
+    """Rewrite flash-attn 2.x ``flash_attn_varlen_func`` to ``flashport.varlen_attention``."""
+
+    CODE = "FPA004"
+    NAME = "flash-attn-varlen-func"
+    API = "flash_attn.flash_attn_varlen_func"
+    FRAMEWORK = "torch"
+    SOURCES = fa.sources("flash_attn_varlen_func")
+    TRIGGERS = (b"flash_attn",)
+    GPU_MODULES = ("flash_attn",)
+    TARGET = "flashport.varlen_attention"
+
+    def check_call(self, call, ctx):
+        """Bind, map like FPA001, and pass cu_seqlens to the varlen helper."""
+        bound = fa.signature(LEADING, ctx.options.flash_attn_version, varlen=True).bind(call, self.API)
+        q, k, v, cu_q, cu_k = fa.required(bound, LEADING[:5], self.API)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API)
+        keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords
+        notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
+        node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("THD"))], call)
+        return Rewrite(node, notes=tuple(notes))

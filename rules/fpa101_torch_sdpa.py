@@ -1,0 +1,105 @@
+"""FPA101 torch-sdpa: ``torch.nn.functional.scaled_dot_product_attention`` -> ``flashport.torch.attention``.
+
+What it rewrites:
+  ``F.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+  is_causal=False, *, scale=None, enable_gqa=False)`` however ``torch.nn.functional`` is imported.
+
+Semantics mapping:
+  layout ``[B, H, S, D]`` (heads before sequence) -> ``layout="BHSD"``; ``is_causal`` is
+  **top-left** (``tril(ones(L, S))``) -> ``causal=..., align="top_left"``; ``scale`` (None =
+  1/sqrt(E)) -> ``scale``; ``attn_mask``: a bool mask (True = attend) becomes the contract's
+  ``mask``, a float mask is additive and becomes ``bias`` -- the dtype is only known at run time, so
+  the rewrite passes ``**flashport.sdpa_mask(attn_mask)`` which picks the keyword by dtype;
+  ``enable_gqa``: the contract always accepts Hk dividing Hq with the same contiguous grouping
+  (``repeat_interleave``), so the flag is dropped. Fully masked rows give 0, as SDPA >= 2.5.
+  Positional arguments are bound against SDPA's signature for ``torch-version``.
+
+What it refuses:
+  ``dropout_p`` that may be non-zero (training-gated dropout is dropped only with
+  ``--inference``), ``*args``/``**kwargs`` splats, unknown arguments, comments inside the call.
+
+Known problems:
+  SDPA accepts any number of batch dims (``(N, ..., H, L, E)``); the contract needs rank 4.
+
+Example::
+
+    y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=False)
+    # becomes
+    y = flashport.torch.attention(q, k, v, scale=None, causal=False, **flashport.sdpa_mask(mask), align="top_left", layout="BHSD")
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from flashport.rules.base import (
+    Refuse,
+    Rewrite,
+    Rule,
+    Signature,
+    build_call,
+    dotted,
+    is_none,
+    is_zero,
+    literal_bool,
+    register,
+    string,
+    training_gated_zero,
+)
+
+POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def sdpa_signature(version: tuple[int, ...]) -> Signature:
+    """SDPA's signature at torch ``version`` (scale from 2.1, enable_gqa from 2.5)."""
+    keyword_only = ()
+    if version >= (2, 1):
+        keyword_only += ("scale",)
+    if version >= (2, 5):
+        keyword_only += ("enable_gqa",)
+    return Signature(POSITIONAL, keyword_only)
+
+
+@register
+class TorchSDPA(Rule):
+    """Rewrite ``torch.nn.functional.scaled_dot_product_attention`` to ``flashport.torch.attention``."""
+
+    CODE = "FPA101"
+    NAME = "torch-sdpa"
+    API = "torch.nn.functional.scaled_dot_product_attention"
+    FRAMEWORK = "torch"
+    SOURCES = ("torch.nn.functional.scaled_dot_product_attention",)
+    TRIGGERS = (b"scaled_dot_product_attention",)
+    TARGET = "flashport.torch.attention"
+
+    def check_call(self, call, ctx):
+        """Bind against SDPA's signature; map mask polarity, top-left causal and BHSD."""
+        bound = sdpa_signature(ctx.options.torch_version).bind(call, self.API)
+        for name in ("query", "key", "value"):
+            if name not in bound:
+                raise Refuse(f"{self.API} call without {name!r}")
+        value = {name: arg.value for name, arg in bound.items()}
+        notes = []
+        dropout = value.get("dropout_p")
+        if dropout is not None and not is_zero(dropout):
+            if training_gated_zero(dropout) and ctx.options.inference:
+                notes.append(f"dropped dropout_p={ctx.code(dropout)} (--inference: treated as 0)")
+            elif training_gated_zero(dropout):
+                raise Refuse(f"dropout_p={ctx.code(dropout)} is non-zero in training; flashport.attention has no dropout (--inference drops it)")
+            else:
+                raise Refuse(f"dropout_p={ctx.code(dropout)} may be non-zero; flashport.attention has no dropout")
+        gqa = value.get("enable_gqa")
+        if gqa is not None and literal_bool(gqa) is not False:
+            notes.append("dropped enable_gqa= (flashport always groups KV heads contiguously, like repeat_interleave)")
+        scale = value.get("scale")
+        keywords: list[tuple[str, cst.BaseExpression]] = [
+            ("scale", cst.Name("None") if is_none(scale) else scale),
+            ("causal", value.get("is_causal", cst.Name("False"))),
+        ]
+        mask = value.get("attn_mask")
+        if not is_none(mask):
+            splat = cst.Call(func=dotted("flashport.sdpa_mask"), args=[cst.Arg(value=mask)])
+            keywords.append(cst.Arg(value=splat, star="**"))
+        keywords += [("align", string("top_left")), ("layout", string("BHSD"))]
+        positional = [value["query"], value["key"], value["value"]]
+        return Rewrite(build_call(self.TARGET, positional, keywords, call), notes=tuple(notes))

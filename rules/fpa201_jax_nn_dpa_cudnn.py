@@ -1,0 +1,129 @@
+"""FPA201 jax-nn-dpa-cudnn: ``jax.nn.dot_product_attention(implementation="cudnn")`` -> ``flashport.attention``.
+
+What it rewrites:
+  ``jax.nn.dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+  is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+  implementation="cudnn", return_residual=False)``. Calls with ``implementation`` None/"xla"
+  already run everywhere and are left alone (not reported).
+
+Semantics mapping:
+  layout ``[B, T, N, H]`` -> ``layout="BSHD"``; ``is_causal`` is top-left (``tril(ones(T, S))``) ->
+  ``causal=..., align="top_left"``; ``scale`` (None = 1/sqrt(H)) -> ``scale``; ``mask`` (bool, True =
+  attend) -> ``mask``; ``bias`` (additive) -> ``bias``; both broadcast to ``[B, N, T, S]`` like the
+  contract's ``[B, Hq, Sq, Sk]``; ``local_window_size=(l, r)`` (inclusive, top-left anchored; an int
+  ``w`` means ``(w, w)``) -> ``window=(l, r)`` with ``align="top_left"``; GQA (N a multiple of K,
+  contiguous groups) is the same. ``bias``/``mask`` are positional since jax 0.4.33 and
+  keyword-only in 0.4.31: arguments are bound against ``jax-version``.
+
+What it refuses:
+  a non-literal ``implementation``; ``query_seq_lengths``/``key_value_seq_lengths`` (padding
+  lengths; not mapped yet); ``return_residual`` (its lse is ``[B, T, N]``, the contract's is
+  ``[B, N, T]``); a non-literal ``local_window_size``; splats; unknown arguments; comments inside
+  the call.
+
+Known problems:
+  jax.nn fills masked logits with a large finite value, so a fully masked row returns the mean of
+  ``value``; the contract returns 0 for such rows. The contract needs rank-4 inputs (jax.nn also
+  accepts ``[T, N, H]``).
+
+Example::
+
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    # becomes
+    out = flashport.attention(q, k, v, scale=None, causal=True, align="top_left", layout="BSHD")
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from flashport.rules.base import (
+    Refuse,
+    Rewrite,
+    Rule,
+    Signature,
+    build_call,
+    is_none,
+    literal_bool,
+    literal_number,
+    literal_string,
+    number,
+    register,
+    string,
+    tuple_of,
+)
+
+
+def jax_signature(version: tuple[int, ...]) -> Signature:
+    """``jax.nn.dot_product_attention``'s signature at jax ``version``."""
+    keyword_only = ("scale", "is_causal")
+    if version >= (0, 4, 33):
+        positional = ("query", "key", "value", "bias", "mask")
+        keyword_only += ("query_seq_lengths", "key_value_seq_lengths")
+    else:
+        positional = ("query", "key", "value")
+        keyword_only = ("bias", "mask") + keyword_only
+    if version >= (0, 4, 35):
+        keyword_only += ("local_window_size",)
+    keyword_only += ("implementation",)
+    if version >= (0, 9, 0):
+        keyword_only += ("return_residual",)
+    return Signature(positional, keyword_only)
+
+
+@register
+class JaxNNDotProductAttentionCudnn(Rule):
+    """Rewrite ``jax.nn.dot_product_attention(implementation="cudnn")`` to ``flashport.attention``."""
+
+    CODE = "FPA201"
+    NAME = "jax-nn-dpa-cudnn"
+    API = "jax.nn.dot_product_attention"
+    FRAMEWORK = "jax"
+    SOURCES = ("jax.nn.dot_product_attention", "jax._src.nn.functions.dot_product_attention")
+    TRIGGERS = (b"dot_product_attention",)
+    TARGET = "flashport.attention"
+
+    def check_call(self, call, ctx):
+        """Only ``implementation="cudnn"`` calls are GPU-only; map them to the contract."""
+        bound = jax_signature(ctx.options.jax_version).bind(call, self.API)
+        value = {name: arg.value for name, arg in bound.items()}
+        implementation = value.get("implementation")
+        if is_none(implementation):
+            return None
+        literal = literal_string(implementation)
+        if literal is None:
+            raise Refuse("implementation= is not a string literal; only implementation='cudnn' calls are rewritten")
+        if literal != "cudnn":
+            return None
+        for name in ("query", "key", "value"):
+            if name not in value:
+                raise Refuse(f"{self.API} call without {name!r}")
+        for name in ("query_seq_lengths", "key_value_seq_lengths"):
+            if not is_none(value.get(name)):
+                raise Refuse(f"{name}: per-batch padding lengths are not mapped to the contract yet")
+        residual = value.get("return_residual")
+        if residual is not None and literal_bool(residual) is not False:
+            raise Refuse("return_residual: jax.nn's lse is [B, T, N], flashport's is [B, N, T]")
+        scale = value.get("scale")
+        keywords: list = [("scale", cst.Name("None") if is_none(scale) else scale),
+                          ("causal", value.get("is_causal", cst.Name("False")))]
+        window = value.get("local_window_size")
+        if not is_none(window):
+            keywords.append(("window", _window(window)))
+        for name in ("bias", "mask"):
+            if not is_none(value.get(name)):
+                keywords.append((name, value[name]))
+        keywords += [("align", string("top_left")), ("layout", string("BSHD"))]
+        node = build_call(self.TARGET, [value["query"], value["key"], value["value"]], keywords, call)
+        return Rewrite(node)
+
+
+def _window(node: cst.BaseExpression) -> cst.BaseExpression:
+    single = literal_number(node)
+    if isinstance(single, int) and single >= 0:
+        return tuple_of(number(single), number(single))
+    if isinstance(node, (cst.Tuple, cst.List)) and len(node.elements) == 2:
+        values = [literal_number(e.value) for e in node.elements]
+        if all(isinstance(v, int) and v >= 0 for v in values):
+            return tuple_of(*(number(v) for v in values))
+    raise Refuse("local_window_size is not a literal int or (left, right) pair")
