@@ -53,8 +53,16 @@ class Config:
 
     @property
     def interpret_mode(self):
-        """The ``interpret=`` argument for ``pallas_call``."""
-        return pltpu.InterpretParams() if self.interpret else False
+        """The ``interpret=`` argument for ``pallas_call``.
+
+        The TPU interpreter (``InterpretParams``) simulates memory spaces and DMAs through ordered
+        host callbacks, which cannot be lowered inside a ``custom_partitioning`` call; in a
+        multi-device process the kernels therefore run in the plain discharge interpreter
+        (``interpret=True``, same kernel body, no memory-space model).
+        """
+        if not self.interpret:
+            return False
+        return pltpu.InterpretParams() if jax.device_count() == 1 else True
 
 
 def _pad_qkv(g: Geometry, q, k, v):
