@@ -21,6 +21,8 @@ _LAZY = {
     "BackendInfo": "flashport.kernels.registry:BackendInfo",
     "fuse_attention": "flashport.rewriter.jaxpr.fuse:fuse_attention",
     "find_attention": "flashport.rewriter.jaxpr.fuse:find_attention",
+    "varlen_attention": "flashport.kernels.varlen:varlen_attention",
+    "sdpa_mask": "flashport.kernels.sdpa_compat:sdpa_mask",
 }
 
 __all__ = ["__version__", *_LAZY]
