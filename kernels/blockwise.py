@@ -10,8 +10,8 @@ and a dK/dV pass (map over key blocks, loop over the query blocks that see them)
 probabilities from the saved lse, so training memory stays O(S) too. The bias gradient, when a bias
 is given, is produced block by block in the dQ pass.
 
-Options: ``block_q`` and ``block_k`` (default 512; ``flashport.kernels.registry.use("blockwise",
-block_q=256)``).
+Options: ``block_q`` and ``block_k`` (defaults 256 and 512; ``flashport.kernels.registry.use(
+"blockwise", block_q=128)``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from flashport.kernels import registry
 from flashport.kernels.scores import group_broadcastable, group_heads, softcap_grad, tile_logits
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
-DEFAULT_BLOCK = 512
+# Measured on a 2-core XLA:CPU host at S=4096, D=64 (causal): 256x512 tiles beat 512x512 by ~1.5x
+# (less wasted work on diagonal blocks, scores tile stays in L2).
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 512
 # auto on CPU: below this many keys the materialized xla path is faster and small enough.
 MIN_KEYS_FOR_BLOCKWISE = 1024
 
@@ -36,8 +39,8 @@ def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, *, spec: AttentionSp
     unknown = set(options) - {"block_q", "block_k"}
     if unknown:
         raise ValueError(f"backend 'blockwise' takes options block_q, block_k; got unknown {sorted(unknown)}")
-    block_q = _block(options.get("block_q", DEFAULT_BLOCK), spec.seq_q, "block_q")
-    block_k = _block(options.get("block_k", DEFAULT_BLOCK), spec.seq_k, "block_k")
+    block_q = _block(options.get("block_q", DEFAULT_BLOCK_Q), spec.seq_q, "block_q")
+    block_k = _block(options.get("block_k", DEFAULT_BLOCK_K), spec.seq_k, "block_k")
     tiling = _Tiling(spec, block_q, block_k)
     return _attention(tiling, q, k, v, bias, mask, q_seg, kv_seg)
 
@@ -55,17 +58,29 @@ class _Tiling:
         self.spec, self.bq, self.bk = spec, block_q, block_k
         self.nq = -(-spec.seq_q // block_q)
         self.nk = -(-spec.seq_k // block_k)
-        kv_lo, kv_hi, q_lo, q_hi = [], [], [], []
+        kv_lo, kv_hi, q_lo, q_hi, full_lo, full_hi = [], [], [], [], [], []
         for i in range(self.nq):
-            lo, hi = spec.key_range(i * block_q, min((i + 1) * block_q, spec.seq_q))
+            first, last = i * block_q, min((i + 1) * block_q, spec.seq_q) - 1
+            lo, hi = spec.key_range(first, last + 1)
             kv_lo.append(min(max(lo, 0) // block_k, self.nk))
             kv_hi.append(max(-(-hi // block_k), kv_lo[-1]) if hi > lo else kv_lo[-1])
+            # Key blocks every query of this block sees entirely (no positional mask needed): keys
+            # visible to all of them are [lo(last), hi(first)); ragged key tails always need one.
+            lo_all = spec.key_range(last, last + 1)[0]
+            hi_all = min(spec.key_range(first, first + 1)[1], (spec.seq_k // block_k) * block_k)
+            full_lo.append(-(-lo_all // block_k))
+            full_hi.append(max(hi_all // block_k, full_lo[-1]))
         for j in range(self.nk):
             lo, hi = spec.query_range(j * block_k, min((j + 1) * block_k, spec.seq_k))
             q_lo.append(min(max(lo, 0) // block_q, self.nq))
             q_hi.append(max(-(-hi // block_q), q_lo[-1]) if hi > lo else q_lo[-1])
         self.kv_lo, self.kv_hi = np.array(kv_lo, np.int32), np.array(kv_hi, np.int32)
         self.q_lo, self.q_hi = np.array(q_lo, np.int32), np.array(q_hi, np.int32)
+        self.full_lo, self.full_hi = np.array(full_lo, np.int32), np.array(full_hi, np.int32)
+
+    def is_full(self, i, j):
+        """Traced bool: tile (i, j) needs no positional masking."""
+        return (j >= jnp.asarray(self.full_lo)[i]) & (j < jnp.asarray(self.full_hi)[i])
 
     def __hash__(self):
         return hash((self.spec, self.bq, self.bk))
@@ -97,10 +112,12 @@ def _slice(x, axis, start, size):
 class _Inputs:
     """Padded, grouped arrays and per-tile accessors."""
 
-    def __init__(self, t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
+    def __init__(self, t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, *, prescale=False):
         hkv = k.shape[1]
         sqp, skp = t.nq * t.bq, t.nk * t.bk
-        self.t = t
+        self.t, self.prescaled = t, prescale
+        if prescale:  # one multiply of q instead of one per score tile
+            q = (q.astype(jnp.float32) * t.spec.scale).astype(q.dtype)
         self.q = _pad(group_heads(q, hkv), 3, sqp)
         self.k = _pad(k, 2, skp)
         self.v = _pad(v, 2, skp)
@@ -109,7 +126,7 @@ class _Inputs:
         self.q_seg = _pad(q_seg, 1, sqp)
         self.kv_seg = _pad(kv_seg, 1, skp)
 
-    def logits(self, i, j):
+    def logits(self, i, j, positional=True):
         t = self.t
         return tile_logits(
             t.spec,
@@ -121,6 +138,17 @@ class _Inputs:
             _slice(_slice(self.mask, 3, i, t.bq), 4, j, t.bk),
             _slice(self.q_seg, 1, i, t.bq),
             _slice(self.kv_seg, 1, j, t.bk),
+            positional=positional,
+            q_prescaled=self.prescaled,
+        )
+
+    def tile(self, i, j, fn):
+        """``fn(logits, visible, raw)`` for tile (i, j), skipping the positional mask when the tile is
+        fully visible (both branches are traced; one runs)."""
+        return jax.lax.cond(
+            self.t.is_full(i, j),
+            lambda: fn(*self.logits(i, j, positional=False)),
+            lambda: fn(*self.logits(i, j, positional=True)),
         )
 
 
@@ -139,15 +167,17 @@ def _attention(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
 
 
 def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
-    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg)
+    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, prescale=True)
     b, hkv, g = x.q.shape[:3]
     dv = v.shape[-1]
     kv_lo, kv_hi = jnp.asarray(t.kv_lo), jnp.asarray(t.kv_hi)
 
     def q_block(i):
         def kv_step(j, carry):
+            return x.tile(i, j, lambda logits, visible, raw: update(j, carry, logits))
+
+        def update(j, carry, logits):
             m, l, acc = carry
-            logits, _, _ = x.logits(i, j)
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp(m - m_safe)
@@ -191,9 +221,8 @@ def _backward(t: _Tiling, residuals, cotangents):
     delta_g = _pad(group_heads(delta[..., None], hkv)[..., 0], 3, sqp)
     lse_g = _pad(group_heads(lse[..., None], hkv)[..., 0], 3, sqp, -jnp.inf)
 
-    def probs_and_dlogits(i, j):
+    def probs_and_dlogits(i, j, logits, visible, raw):
         """Recompute P and dL/dlogits of tile (i, j)."""
-        logits, visible, raw = x.logits(i, j)
         lse_i = _slice(lse_g, 3, i, t.bq)[..., None]
         p = jnp.where(visible & (lse_i > -jnp.inf), jnp.exp(logits - jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), 0.0)
         d_out_i = _slice(d_out_g, 3, i, t.bq)
@@ -209,8 +238,11 @@ def _backward(t: _Tiling, residuals, cotangents):
     # ---- dQ (and dbias) pass: map over query blocks, loop over their key blocks.
     def dq_block(i):
         def kv_step(j, carry):
+            return x.tile(i, j, lambda *tile: dq_update(j, carry, *tile))
+
+        def dq_update(j, carry, *tile):
             dq, dbias = carry
-            _, dlogits, raw, _ = probs_and_dlogits(i, j)
+            _, dlogits, raw, _ = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
             dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32))
             if dbias is not None:
@@ -239,8 +271,11 @@ def _backward(t: _Tiling, residuals, cotangents):
 
     def dkv_block(j):
         def q_step(i, carry):
+            return x.tile(i, j, lambda *tile: dkv_update(i, carry, *tile))
+
+        def dkv_update(i, carry, *tile):
             dk, dv = carry
-            p, dlogits, raw, d_out_i = probs_and_dlogits(i, j)
+            p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32))
             dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32))

@@ -27,7 +27,8 @@ def group_broadcastable(x, hkv):
     return x.reshape(b, hkv, h // hkv, sq, sk)
 
 
-def tile_logits(spec: AttentionSpec, q, k, q_pos, k_pos, bias=None, mask=None, q_seg=None, kv_seg=None):
+def tile_logits(spec: AttentionSpec, q, k, q_pos, k_pos, bias=None, mask=None, q_seg=None, kv_seg=None,
+                *, positional=True, q_prescaled=False):
     """Scores of one tile with everything of the contract applied.
 
     Args:
@@ -35,22 +36,29 @@ def tile_logits(spec: AttentionSpec, q, k, q_pos, k_pos, bias=None, mask=None, q
       q_pos: int [bq] absolute query positions; k_pos: int [bk] absolute key positions.
       bias / mask: grouped tiles broadcastable to [B, Hkv, G, bq, bk].
       q_seg: [B, bq]; kv_seg: [B, bk].
+      positional: apply causal/window/length masking; pass False for tiles known to be fully
+        visible (saves the iota compares and selects).
+      q_prescaled: ``q`` already carries ``spec.scale``.
 
     Returns:
       ``(logits, visible, raw)``: float32 logits with hidden entries at -inf, the boolean visibility,
       and the pre-softcap scaled scores (backward passes need them for the tanh derivative).
     """
-    raw = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32) * spec.scale
+    raw = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32)
+    if not q_prescaled:
+        raw = raw * spec.scale
     logits = apply_softcap(spec, raw)
     if bias is not None:
         logits = logits + bias
-    visible = positional_visible(spec, q_pos[:, None], k_pos[None, :])[None, None, None]
+    visible = positional_visible(spec, q_pos[:, None], k_pos[None, :])[None, None, None] if positional else None
     if mask is not None:
-        visible = visible & mask
+        visible = mask if visible is None else visible & mask
     if q_seg is not None:
-        visible = visible & (q_seg[:, None, None, :, None] == kv_seg[:, None, None, None, :])
-    logits = jnp.where(visible, logits, -jnp.inf)
-    return logits, visible, raw
+        same = q_seg[:, None, None, :, None] == kv_seg[:, None, None, None, :]
+        visible = same if visible is None else visible & same
+    if visible is None:  # fully visible tile: logits are final, every entry counts
+        return logits, jnp.ones((), bool), raw
+    return jnp.where(visible, logits, -jnp.inf), visible, raw
 
 
 def softcap_grad(spec: AttentionSpec, raw):
