@@ -29,7 +29,7 @@ import importlib
 
 import torch
 
-from flashport.torch import _jax, _native
+from flashport.torch import _checks, _jax, _native
 from flashport.torch._checks import check
 
 __all__ = ["attention", "NATIVE_BACKENDS"]
@@ -135,7 +135,10 @@ def _run_native(backend, query, key, value, options, tensors, return_lse):
 
 
 def _run_jax(kind, backend, query, key, value, options, tensors, return_lse):
-    for name, x in (("key", key), ("value", value), *tensors.items()):
+    # JAX validates everything else, but DLPack would hand it float64 already cast down (no x64).
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _checks.check_tensor(name, x)
+    for name, x in tensors.items():
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if kind == "xla":

@@ -62,15 +62,15 @@ class Call:
     layout: str
 
 
-def check(query, key, value, *, scale, causal, window, align, softcap, bias, mask, q_segment_ids,
-          kv_segment_ids, layout, return_lse) -> Call:
+def check(query, key, value, *, scale=None, causal=False, window=None, align="bottom_right", softcap=None,
+          bias=None, mask=None, q_segment_ids=None, kv_segment_ids=None, layout="BSHD", return_lse=False) -> Call:
     """Validate the contract's arguments for torch tensors and return the canonical :class:`Call`.
 
     Raises:
       TypeError / ValueError naming the offending argument and what was expected.
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(name, x)
+        check_tensor(name, x)
     layout = _check_choice("layout", layout, LAYOUTS)
     align = _check_choice("align", align, ALIGNS)
     _check_bool("return_lse", return_lse)
@@ -104,7 +104,8 @@ def check(query, key, value, *, scale, causal, window, align, softcap, bias, mas
     )
 
 
-def _check_tensor(name, x):
+def check_tensor(name, x):
+    """Raise unless ``x`` is a rank-4 float32/bfloat16/float16 torch tensor."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.ndim != 4:
