@@ -1,11 +1,34 @@
-"""The ``flashport`` command line."""
+"""The ``flashport`` command line: ``scan``, ``rewrite`` and ``rules``.
+
+Exit codes:
+  0  success (``scan``: even with findings; ``rewrite``: dry run shown or files written)
+  1  ``rewrite --check``: some file would change
+  2  usage or configuration error (bad flag, unknown rule, missing path, bad [tool.flashport])
+  3  some file could not be processed (undecodable, syntax error, write failure); it is reported,
+     left untouched, and the other files are still processed
+
+Results go to stdout (rich tables and diffs, or ``--format json``, schema in
+:mod:`flashport.rewriter.report`); progress goes to stderr (a progress bar only when stderr is a
+terminal). The CLI never imports jax or torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 import flashport
+
+EXIT_OK = 0
+EXIT_CHANGES = 1
+EXIT_USAGE = 2
+EXIT_ERRORS = 3
+
+
+def _codes(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,14 +36,185 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashport",
         description="Port GPU flash-attention code to the portable flashport.attention API.",
+        epilog="exit codes: 0 ok, 1 --check found changes, 2 usage/config error, 3 a file failed",
     )
     parser.add_argument("--version", action="version", version=f"flashport {flashport.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{scan,rewrite,rules}")
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("paths", nargs="*", default=["."], help="files or directories (default: .)")
+    common.add_argument("--select", type=_codes, action="extend", metavar="RULES", help="comma-separated rule codes/prefixes to run (default: all)")
+    common.add_argument("--ignore", type=_codes, action="extend", metavar="RULES", help="comma-separated rule codes/prefixes to skip")
+    common.add_argument("--exclude", action="append", metavar="GLOB", help="skip paths matching GLOB (repeatable)")
+    common.add_argument("--no-gitignore", action="store_true", help="do not skip files ignored by .gitignore")
+    common.add_argument("-j", "--jobs", type=int, metavar="N", help="worker processes (default: CPU count)")
+    common.add_argument("--format", choices=("text", "json"), default="text", help="output format (json: schema flashport.report/1)")
+    common.add_argument("--no-color", action="store_true", help="plain output (also when NO_COLOR is set or stdout is not a terminal)")
+    common.add_argument("--config", metavar="PYPROJECT", help="read [tool.flashport] from this file instead of the nearest pyproject.toml")
+    common.add_argument("--isolated", action="store_true", help="ignore any [tool.flashport] configuration")
+    common.add_argument("--inference", action="store_true", default=None, help="treat training-gated dropout (`p if self.training else 0.0`) as 0 and drop it; the diff notes say so")
+    common.add_argument("--flash-attn-version", metavar="X.Y.Z", help="flash-attn version the code targets (positional binding, causal alignment; default 2.8.3)")
+    common.add_argument("--torch-version", metavar="X.Y", help="torch version for SDPA's signature (default 2.5)")
+    common.add_argument("--jax-version", metavar="X.Y.Z", help="jax version for jax.nn.dot_product_attention's signature (default 0.10.2)")
+
+    sub.add_parser("scan", parents=[common], help="list every GPU attention use and whether it can be rewritten")
+    rewrite = sub.add_parser("rewrite", parents=[common], help="show (default) or apply the rewrites as a diff")
+    mode = rewrite.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="apply the rewrites (atomic per file)")
+    mode.add_argument("--check", action="store_true", help="exit 1 when any file would change (CI)")
+
+    rules = sub.add_parser("rules", help="list the rules, or print one rule's documentation")
+    rules.add_argument("rule", nargs="?", help="rule code or name, e.g. FPA001")
+    rules.add_argument("--format", choices=("text", "json"), default="text")
+    rules.add_argument("--no-color", action="store_true")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code."""
     parser = build_parser()
-    parser.parse_args(argv)
-    parser.print_help(sys.stdout)
-    return 0
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0) if not isinstance(exit_.code, str) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.command == "rules":
+        return _rules(args)
+    try:
+        settings = _settings(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"flashport: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    return _run(args, *settings)
+
+
+def _color(args) -> bool:
+    return not args.no_color and "NO_COLOR" not in os.environ and sys.stdout.isatty()
+
+
+def _settings(args):
+    from flashport import rules as registry
+    from flashport.rewriter import config as cfg
+    from flashport.rewriter.discover import discover
+    from flashport.rules.base import RuleOptions
+
+    table: dict = {}
+    if args.config:
+        table = cfg.load(args.config)
+    elif not args.isolated:
+        found = cfg.find_pyproject(args.paths[0] if args.paths else ".")
+        if found:
+            table = cfg.load(found)
+    select = args.select or table.get("select")
+    ignore = (args.ignore or []) + list(table.get("ignore", []))
+    chosen = registry.select(select, ignore)
+    defaults = RuleOptions()
+    options = RuleOptions(
+        inference=bool(args.inference if args.inference is not None else table.get("inference", False)),
+        flash_attn_version=_version(args.flash_attn_version or table.get("flash-attn-version"), defaults.flash_attn_version, "--flash-attn-version"),
+        torch_version=_version(args.torch_version or table.get("torch-version"), defaults.torch_version, "--torch-version"),
+        jax_version=_version(args.jax_version or table.get("jax-version"), defaults.jax_version, "--jax-version"),
+    )
+    jobs = args.jobs or table.get("jobs")
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    exclude = tuple((args.exclude or []) + list(table.get("exclude", [])))
+    gitignore = not args.no_gitignore and table.get("respect-gitignore", True)
+    files = discover(args.paths, exclude=exclude, respect_gitignore=gitignore)
+    return files, chosen, options, jobs
+
+
+def _version(text, default, flag):
+    from flashport.rewriter.config import parse_version
+
+    return default if text is None else parse_version(str(text), flag)
+
+
+def _run(args, files, chosen, options, jobs) -> int:
+    from flashport.rewriter import report as rep
+    from flashport.rewriter.results import CHANGED, ERROR
+    from flashport.rewriter.runner import StaleFile, atomic_write, run
+
+    results = _collect(run(files, chosen, options, jobs), len(files), args.format == "text")
+    written: set[str] = set()
+    if args.command == "rewrite" and args.write:
+        for result in results:
+            if result.status != CHANGED:
+                continue
+            try:
+                atomic_write(result.path, result.old, result.new)
+                written.add(result.path)
+            except (OSError, StaleFile) as err:
+                result.status, result.error = ERROR, f"write failed: {err}"
+    failed = any(r.status == ERROR for r in results)
+    changed = any(r.status == CHANGED for r in results)
+    code = EXIT_ERRORS if failed else EXIT_CHANGES if (args.command == "rewrite" and args.check and changed) else EXIT_OK
+    mode = "scan" if args.command == "scan" else "write" if args.write else "check" if args.check else "dry-run"
+    if args.format == "json":
+        json.dump(rep.to_json(args.command, mode, results, written, code), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return code
+    text = rep.TextReport(_color(args))
+    if args.command == "scan":
+        text.scan(results)
+    else:
+        text.diffs(results)
+        text.refusals(results)
+        text.errors(results)
+        text.summary(results, written=len(written) if args.write else None)
+    return code
+
+
+def _collect(stream, total: int, text: bool):
+    """Drain the runner, with a rich progress bar on stderr when it is a terminal."""
+    if not (text and sys.stderr.isatty() and total > 20):
+        return list(stream)
+    from rich.console import Console
+    from rich.progress import Progress
+
+    results = []
+    with Progress(console=Console(file=sys.stderr), transient=True) as progress:
+        task = progress.add_task("scanning", total=total)
+        for result in stream:
+            results.append(result)
+            progress.advance(task)
+    return results
+
+
+def _rules(args) -> int:
+    from flashport import rules as registry
+
+    if args.rule:
+        try:
+            rule = registry.get(args.rule)
+        except KeyError as err:
+            print(f"flashport: error: {err.args[0]}", file=sys.stderr)
+            return EXIT_USAGE
+        if args.format == "json":
+            json.dump(_rule_json(rule) | {"doc": rule.doc()}, sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        else:
+            sys.stdout.write(f"{rule.CODE} {rule.NAME}\n\n{rule.doc()}\n")
+        return EXIT_OK
+    all_rules = registry.all_rules()
+    if args.format == "json":
+        json.dump([_rule_json(rule) for rule in all_rules], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="flashport rules")
+    for column in ("code", "name", "source API", "framework", "fix", "rewrites to"):
+        table.add_column(column, overflow="fold")
+    for rule in all_rules:
+        table.add_row(rule.CODE, rule.NAME, rule.API, rule.FRAMEWORK, "rewrite" if rule.REWRITES else "report", rule.TARGET or "-")
+    Console(no_color=not _color(args), highlight=False).print(table)
+    return EXIT_OK
+
+
+def _rule_json(rule) -> dict:
+    return {"code": rule.CODE, "name": rule.NAME, "api": rule.API, "framework": rule.FRAMEWORK,
+            "sources": list(rule.SOURCES), "rewrites": rule.REWRITES, "target": rule.TARGET, "summary": rule.summary()}

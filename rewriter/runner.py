@@ -1,0 +1,114 @@
+"""Running the engine over many files: byte prefilter in the parent, parsing in worker processes,
+results in input order (deterministic output), and atomic writes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from typing import Callable, Iterator, Sequence
+
+from flashport.rewriter.engine import transform_source, trigger_pattern
+from flashport.rewriter.results import ERROR, FileResult
+from flashport.rules.base import Rule, RuleOptions
+
+_WORKER_STATE: dict = {}
+
+
+def _init_worker(codes: tuple[str, ...], options: RuleOptions) -> None:
+    from flashport import rules as registry
+
+    chosen = [registry.get(code) for code in codes]
+    _WORKER_STATE["rules"] = chosen
+    _WORKER_STATE["options"] = options
+    _WORKER_STATE["pattern"] = trigger_pattern(chosen)
+
+
+def _work(item: tuple[str, bytes]) -> FileResult:
+    path, data = item
+    return transform_source(data, path, _WORKER_STATE["rules"], _WORKER_STATE["options"], _WORKER_STATE["pattern"])
+
+
+def run(
+    paths: Sequence[str],
+    rules: Sequence[type[Rule]],
+    options: RuleOptions,
+    jobs: int | None = None,
+    progress: Callable[[FileResult], None] | None = None,
+) -> Iterator[FileResult]:
+    """Yield one :class:`FileResult` per path, in the order of ``paths``.
+
+    Files are read in this process and checked with the byte prefilter; only files that pass are
+    sent to ``jobs`` worker processes (inline when there are few).
+    """
+    pattern = trigger_pattern(rules)
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    slots: list[FileResult | None] = []
+    todo: list[tuple[int, str, bytes]] = []
+    for index, path in enumerate(paths):
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError as err:
+            slots.append(FileResult(path, ERROR, error=f"cannot read: {err.strerror or err}"))
+            continue
+        if pattern.search(data):
+            slots.append(None)
+            todo.append((index, path, data))
+        else:
+            slots.append(FileResult(path, size=len(data)))
+    if jobs == 1 or len(todo) <= 1:
+        computed = (transform_source(data, path, rules, options, pattern) for _, path, data in todo)
+        yield from _merge(slots, todo, computed, progress)
+        return
+    codes = tuple(rule.CODE for rule in rules)
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), initializer=_init_worker, initargs=(codes, options)) as pool:
+        computed = pool.map(_work, [(path, data) for _, path, data in todo], chunksize=1)
+        yield from _merge(slots, todo, computed, progress)
+
+
+def _merge(slots, todo, computed, progress) -> Iterator[FileResult]:
+    pending = iter(todo)
+    next_todo = next(pending, None)
+    for index, slot in enumerate(slots):
+        if slot is None:
+            assert next_todo is not None and next_todo[0] == index
+            slot = next(computed)
+            next_todo = next(pending, None)
+        if progress is not None:
+            progress(slot)
+        yield slot
+
+
+class StaleFile(RuntimeError):
+    """The file changed on disk after it was read; it is not overwritten."""
+
+
+def atomic_write(path: str, old: bytes, new: bytes) -> None:
+    """Replace ``path``'s content ``old`` with ``new``: a temp file in the same folder, fsync,
+    the original mode bits, then ``os.replace`` (readers see the old or the new file, never a mix).
+
+    Raises:
+      StaleFile: when the file no longer holds ``old``.
+      OSError: from the filesystem (the temp file is removed).
+    """
+    with open(path, "rb") as handle:
+        if handle.read() != old:
+            raise StaleFile(f"{path} changed since it was read; not written")
+    mode = os.stat(path).st_mode & 0o7777
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".flashport-tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(new)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, mode)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
