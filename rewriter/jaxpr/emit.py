@@ -1,0 +1,60 @@
+"""Build the ``flashport.attention`` call that replaces one matched site."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from flashport.rewriter.jaxpr.canon import to_canonical
+
+
+def emit(match, read, backend):
+    """Compute the replacement of ``match.anchor``'s output from the environment ``read``."""
+    from flashport.kernels.api import attention
+
+    sz = match.sizes
+    b = math.prod(sz["B"])
+    h = sz["H"] or 1
+    g = math.prod(sz["G"])
+    dtype = jnp.dtype(match.dtype)
+    q = _canon(read(match.q), match.q_order, (b, sz["T"], h * g, sz["D"]), dtype)
+    k = _canon(read(match.k), match.k_order, (b, sz["S"], h, sz["D"]), dtype)
+    v = _canon(read(match.v), match.v_order, (b, sz["S"], h, sz["Dv"]), dtype)
+    full = _full_sizes(match)
+    bias = None
+    for term in match.biases:
+        val = to_canonical(jnp, read(term.var), term.dmap, match.canon_dims, full, match.groups)
+        val = val.astype(jnp.float32) * term.mult
+        bias = val if bias is None else bias + val
+    mask = None
+    for term in match.masks:
+        val = to_canonical(jnp, read(term.var), term.dmap, match.canon_dims, full, match.groups)
+        val = val.astype(bool) if term.keep_when_true else ~val.astype(bool)
+        mask = val if mask is None else mask & val
+    need_lse = match.empty in ("mean", "nan")
+    res = attention(q, k, v, scale=match.scale, causal=match.causal, window=match.window,
+                    align=match.align, softcap=match.softcap, bias=bias, mask=mask, layout="BSHD",
+                    backend=backend, return_lse=need_lse)
+    out = res[0] if need_lse else res
+    if need_lse:
+        empty = jnp.transpose(res[1] == -jnp.inf, (0, 2, 1))[..., None]  # [B, T, Hq, 1]
+        if match.empty == "mean":
+            fill = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)  # [B, 1, Hkv, Dv]
+            fill = jnp.repeat(fill, g, axis=2).astype(out.dtype)
+        else:
+            fill = jnp.full((), jnp.nan, out.dtype)
+        out = jnp.where(empty, fill, out)
+    out = out.astype(match.out_dtype)
+    out = jnp.reshape(out, [*sz["B"], sz["T"], *([sz["H"]] if sz["H"] else []), *sz["G"], sz["Dv"]])
+    return jnp.transpose(out, match.out_perm)
+
+
+def _full_sizes(match):
+    sz = match.sizes
+    return [*sz["B"], *([sz["H"]] if sz["H"] else []), *sz["G"], sz["T"], sz["S"]]
+
+
+def _canon(x, order, shape4, dtype):
+    x = jnp.transpose(x, order)
+    return jnp.reshape(x, shape4).astype(dtype)
