@@ -221,7 +221,7 @@ def _resolve_backend(backend, call: Call):
     if missing:
         alternatives = registry.backends_with(call.features) or ["none"]
         raise ValueError(
-            f"backend={choice.name!r} does not support {', '.join(missing)} needed by this call; "
+            f"backend={choice.name!r} does not support this call: {'; '.join(missing)}; "
             f"backends that support these features: {', '.join(alternatives)} (or use backend='auto')"
         )
     return choice

@@ -42,11 +42,11 @@ def check_call(call) -> str | None:
     spec = call.spec
     dim = call.q_shape[3]
     if not gpu_present():
-        return "a CUDA device in this process (cuDNN is traced only where a GPU is present)"
+        return "needs a CUDA device in this process (cuDNN is traced only where a GPU is present)"
     if dim % 8 or dim > MAX_HEAD_DIM:
         return f"head_dim={dim} (cuDNN needs a multiple of 8, at most {MAX_HEAD_DIM})"
     if call.v_head_dim != dim:
-        return "a value head_dim different from the query head_dim"
+        return "value head_dim differs from query head_dim"
     if spec.has_positional_mask and spec.offset != 0:
         return "causal/window with bottom-right alignment when Sq != Sk"
     has_window = spec.window_left is not None or spec.window_right is not None
