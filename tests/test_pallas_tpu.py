@@ -1,0 +1,292 @@
+"""The Pallas TPU kernels, run in the TPU interpreter on CPU, against the independent float64 reference.
+
+Every case goes through ``flashport.attention(..., backend=pallas_tpu_interpret)`` with small blocks
+(32 query rows x 128 keys) so that each spans several query and key blocks with ragged tails, and
+checks the output, the lse and the gradients of q, k, v (and bias) against ``tests/reference.py``.
+
+Tolerances (max abs error, relative to max(1, max|reference|)): float32 forward 2e-5 and gradients
+1e-4; bfloat16 3e-2 / 6e-2; float16 4e-3 / 1e-2 (inputs are rounded to the dtype before the reference
+sees them, so only the kernel's own arithmetic is measured).
+
+The interpreter is slow (every grid step is a host round trip), so the default matrix is kept small;
+``-m slow`` runs a wider one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashport
+from flashport.kernels import pallas_tpu, registry
+from flashport.kernels.pallas_tpu_blocks import GENERATION_DEFAULTS, BlockSizes, resolve_blocks
+from flashport.kernels.pallas_tpu_tiling import Geometry, analytic_causal_fraction, visited_count
+from flashport.kernels.spec import AttentionSpec
+from reference import reduce_to_shape, reference_attention, reference_attention_vjp
+
+SMALL = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)
+TOL = {"float32": (2e-5, 1e-4), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 1e-2)}
+
+
+def make_case(seed=0, b=1, sq=40, sk=200, hq=2, hkv=1, d=64, dv=None, dtype="float32", bias=None, mask=None,
+              segments=False, empty_rows=False, **opts):
+    """Random inputs in BSHD plus the keyword arguments of the call."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
+    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, sk, hkv, dv or d)).astype(np.float32)
+    d_out = rng.standard_normal((b, sq, hq, dv or d)).astype(np.float32)
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    kwargs = dict(opts)
+    if bias is not None:
+        kwargs["bias"] = jnp.asarray(rng.standard_normal(bias), jnp.float32)
+    if mask is not None:
+        m = rng.random(mask) < 0.7
+        if empty_rows:
+            m[..., ::5, :] = False
+        kwargs["mask"] = jnp.asarray(m)
+    if segments:
+        kwargs["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (b, sq)), axis=1), jnp.int32)
+        kwargs["kv_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (b, sk)), axis=1), jnp.int32)
+    return q, k, v, d_out, kwargs
+
+
+def assert_close(got, want, tol, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+    err = float(np.max(np.abs(got - want))) if want.size else 0.0
+    assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol * scale:.3g}"
+
+
+def check(q, k, v, d_out, kwargs, backend=SMALL, dtype="float32", grads=True):
+    """Forward, lse and (optionally) all gradients against the float64 reference."""
+    fwd_tol, grad_tol = TOL[dtype]
+    kwargs = dict(kwargs)
+    bias = kwargs.pop("bias", None)
+
+    def run(q, k, v, bias):
+        return flashport.attention(q, k, v, bias=bias, backend=backend, return_lse=True, **kwargs)
+
+    ref_kwargs = dict(kwargs, bias=bias)
+    want_out, want_lse = reference_attention(q, k, v, **ref_kwargs)
+    if not grads:
+        out, lse = run(q, k, v, bias)
+    else:
+        (out, lse), vjp = jax.vjp(run, q, k, v, bias)
+    assert out.dtype == q.dtype and out.shape == want_out.shape
+    assert lse.dtype == jnp.float32 and lse.shape == want_lse.shape
+    assert_close(out, want_out, fwd_tol, "out")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    assert_close(np.asarray(lse)[finite], want_lse[finite], fwd_tol, "lse")
+    if not grads:
+        return
+    got = vjp((jnp.asarray(d_out, q.dtype), jnp.zeros_like(lse)))
+    want = reference_attention_vjp(q, k, v, jnp.asarray(d_out, q.dtype), **ref_kwargs)
+    for name, g, w in zip("qkv", got[:3], want[:3]):
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), f"d{name} has non-finite values"
+        assert_close(g, w, grad_tol, f"d{name}")
+    if bias is not None:
+        assert_close(got[3], reduce_to_shape(want[3], bias.shape), grad_tol, "dbias")
+
+
+# Each default case combines several features so the matrix stays small; together they cover every
+# feature, both alignments with Sq < Sk and Sq > Sk, GQA ratios 1/2/4 (MHA, GQA, MQA), ragged
+# lengths, head_dim 64/96/128/256, Sq = 1 and empty rows.
+CASES = {
+    "plain_mqa_ragged": dict(),
+    "causal_br_gqa_dv64": dict(hq=4, hkv=2, causal=True, d=128, dv=64),
+    "causal_tl_sq>sk_mha": dict(sq=100, sk=70, hq=2, hkv=2, causal=True, align="top_left", d=128),
+    "causal_br_sq>sk_empty_rows": dict(sq=100, sk=70, hq=1, causal=True),
+    "window_softcap_scale_d96": dict(window=(40, 10), softcap=2.5, scale=0.3, d=96),
+    "window_left_tl_bias_full": dict(window=(50, None), align="top_left", bias=(1, 2, 40, 200)),
+    "bias_bcast_mask_segments": dict(b=2, hq=1, bias=(2, 1, 1, 200), mask=(1, 1, 40, 200),
+                                      segments=True, causal=True),
+    "mask_empty_rows_d256": dict(sq=40, sk=130, mask=(1, 1, 40, 130), empty_rows=True, d=256),
+    "decode_sq1": dict(sq=1, sk=200, hq=4, causal=True, bias=(1, 4, 1, 200)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_and_grads_match_reference(name):
+    check(*make_case(**CASES[name]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision(dtype):
+    check(*make_case(hq=4, hkv=2, causal=True, dtype=dtype), dtype=dtype)
+
+
+def test_default_blocks_single_tile():
+    """Default (large) blocks clip to short sequences: one tile per row (forward only)."""
+    check(*make_case(sq=50, sk=90, causal=True), backend="pallas_tpu_interpret", grads=False)
+
+
+def test_empty_rows_are_zero_with_zero_grads():
+    q, k, v, d_out, _ = make_case(sq=40, sk=130, hq=1)
+    seg_q = jnp.asarray(np.r_[np.zeros(20), np.full(20, 7)][None].astype(np.int32))
+    seg_k = jnp.zeros((1, 130), jnp.int32)  # queries with id 7 see nothing
+    kw = dict(q_segment_ids=seg_q, kv_segment_ids=seg_k, backend=SMALL)
+    (out, lse), vjp = jax.vjp(lambda q: flashport.attention(q, k, v, return_lse=True, **kw), q)
+    assert np.all(np.asarray(out)[:, 20:] == 0) and np.all(np.isneginf(np.asarray(lse)[:, :, 20:]))
+    (dq,) = vjp((jnp.ones_like(out), jnp.zeros_like(lse)))
+    assert np.all(np.isfinite(np.asarray(dq))) and np.all(np.asarray(dq)[:, 20:] == 0)
+
+
+# ------------------------------------------------------------------------------ block skipping
+
+
+def _spec(sq, sk, **kw):
+    return AttentionSpec(scale=1.0, causal=kw.get("causal", False), window_left=kw.get("left"),
+                         window_right=kw.get("right"), offset=sk - sq, softcap=None, seq_q=sq, seq_k=sk)
+
+
+def _tiles_with_visible_keys(spec, bq, bk, q_seg=None, kv_seg=None):
+    """Brute force from the reference's own notion of visibility: tiles with >= 1 visible pair."""
+    sq, sk = spec.seq_q, spec.seq_k
+    i = np.arange(sq)[:, None] + spec.offset
+    j = np.arange(sk)[None, :]
+    keep = np.ones((sq, sk), bool)
+    if spec.causal:
+        keep &= j <= i
+    if spec.window_left is not None:
+        keep &= j >= i - spec.window_left
+    keep = np.broadcast_to(keep, (1 if q_seg is None else q_seg.shape[0], sq, sk))
+    if q_seg is not None:
+        keep = keep & (np.asarray(q_seg)[:, :, None] == np.asarray(kv_seg)[:, None, :])
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    return sum(bool(keep[b, a * bq:(a + 1) * bq, c * bk:(c + 1) * bk].any())
+               for b in range(keep.shape[0]) for a in range(nq) for c in range(nk))
+
+
+def test_causal_square_visits_n_plus_1_over_2n_blocks():
+    """Instrumented interpreter run: the kernel's compute ran on exactly (n+1)/2n of the tiles."""
+    n, block = 8, 128
+    s = n * block
+    q, k, v, _, _ = make_case(sq=s, sk=s, hq=1, d=128)
+    spec = _spec(s, s, causal=True)
+    out, _, visits = pallas_tpu.count_visited_tiles(
+        jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), spec=spec,
+        options=dict(block_q=block, block_k=block))
+    visited = int(np.sum(visits))
+    assert visited == n * (n + 1) // 2 == 36
+    assert visited / (n * n) == pytest.approx(analytic_causal_fraction(n))  # 0.5625 for n = 8
+    g = Geometry.make(spec, block, block)
+    assert g.steps_k == n and g.visited_tiles == visited
+    want, _ = reference_attention(q, k, v, causal=True, scale=1.0)
+    assert_close(jnp.swapaxes(out, 1, 2), want, 2e-5, "out")
+
+
+def test_window_and_segments_visit_only_overlapping_blocks():
+    """Sliding windows shrink the grid; segment ids skip blocks whose id ranges do not overlap."""
+    sq = sk = 1024
+    spec = _spec(sq, sk, causal=True, left=200)
+    g = Geometry.make(spec, 128, 128)
+    assert g.steps_k == 3  # a 201-key window touches at most 3 key blocks of 128
+    assert g.visited_tiles == _tiles_with_visible_keys(spec, 128, 128)
+    rng = np.random.default_rng(0)
+    q_seg = np.sort(rng.integers(0, 6, (2, sq)), axis=1).astype(np.int32)
+    spec2 = _spec(sq, sk)
+    g2 = Geometry.make(spec2, 128, 128)
+    counted = visited_count(g2, jnp.asarray(q_seg), jnp.asarray(q_seg))
+    assert counted == _tiles_with_visible_keys(spec2, 128, 128, q_seg, q_seg) < 2 * 8 * 8
+    q, k, v, _, _ = make_case(b=2, sq=sq, sk=sk, hq=1, d=128)
+    canon = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
+    _, _, visits = pallas_tpu.count_visited_tiles(*canon, spec=spec2, options=dict(block_q=128, block_k=128),
+                                                  q_seg=jnp.asarray(q_seg), kv_seg=jnp.asarray(q_seg))
+    assert int(np.sum(visits)) == counted
+
+
+# ------------------------------------------------------------------------------ options, registry
+
+
+def test_bad_block_option_is_named_before_lowering():
+    q, k, v, _, _ = make_case(sq=8, sk=8)
+    with pytest.raises(ValueError, match=r"block_k=100 .*multiple of 128.*registry.use"):
+        flashport.attention(q, k, v, backend=registry.use("pallas_tpu_interpret", block_k=100))
+    with pytest.raises(ValueError, match=r"block_q_dq=0"):
+        flashport.attention(q, k, v, backend=registry.use("pallas_tpu_interpret", block_q_dq=0))
+    with pytest.raises(ValueError, match=r"does not take option\(s\) \['blockq'\]"):
+        flashport.attention(q, k, v, backend=registry.use("pallas_tpu_interpret", blockq=64))
+    with pytest.raises(ValueError, match=r"generation='v9'"):
+        flashport.attention(q, k, v, backend=registry.use("pallas_tpu_interpret", generation="v9"))
+
+
+def test_block_defaults_per_generation():
+    for gen, blocks in GENERATION_DEFAULTS.items():
+        blocks.validate()
+        assert resolve_blocks({"generation": gen}, "pallas_tpu") == (gen, blocks)
+        assert min(blocks.block_q, blocks.block_k) >= 256, "128-blocks are known to be far too slow"
+    assert all(getattr(GENERATION_DEFAULTS["v6e"], f) % 256 == 0 for f in BlockSizes.__dataclass_fields__)
+    _, b = resolve_blocks({"block_q": 256}, "pallas_tpu")
+    assert b.block_q == b.block_q_dkv == b.block_q_dq == 256
+
+
+def test_registry_and_auto_on_cpu():
+    rows = flashport.backends() if hasattr(flashport, "backends") else registry.backends()
+    assert rows["pallas_tpu"]["platforms"] == ["tpu"] and all(rows["pallas_tpu"]["features"].values())
+    assert rows["pallas_tpu_interpret"]["platforms"] == ["cpu"]
+    assert "pallas_tpu_interpret" not in registry.AUTO_PREFERENCE["cpu"]
+    assert registry.AUTO_PREFERENCE["tpu"][0] == "pallas_tpu"
+
+
+def test_cost_estimate_is_analytic():
+    """The forward pallas_call carries a CostEstimate counting only the tiles it visits."""
+    s, d = 512, 128
+    q = jnp.zeros((1, 2, s, d), jnp.bfloat16)
+    spec = _spec(s, s, causal=True)
+    fn = registry.get("pallas_tpu").fn
+    jaxpr = jax.make_jaxpr(lambda q: fn(q, q, q, None, None, None, None, spec=spec,
+                                        options=dict(block_q=128, block_k=128)))(q)
+    costs = [e.params["cost_estimate"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    assert len(costs) == 1
+    tiles = 2 * 10  # 2 heads x (4*5/2) causal tiles
+    assert costs[0].flops == tiles * 4 * 128 * 128 * d
+    assert costs[0].transcendentals == tiles * 128 * 128
+    assert costs[0].bytes_accessed > 0
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.core.subjaxprs(e) if hasattr(jax.core, "subjaxprs") else ():
+            yield from _eqns(sub)
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                yield from _eqns(inner)
+            elif hasattr(p, "eqns"):
+                yield from _eqns(p)
+
+
+# ------------------------------------------------------------------------------ wider matrix
+
+
+SLOW = {
+    f"{feat}_{dt}_{hq}x{hkv}_d{d}_{sq}x{sk}": (dict(hq=hq, hkv=hkv, d=d, sq=sq, sk=sk, dtype=dt, **extra), dt)
+    for feat, extra in {
+        "causal_br": dict(causal=True),
+        "causal_tl": dict(causal=True, align="top_left"),
+        "window": dict(window=(33, 17)),
+        "softcap_bias": dict(softcap=1.5, bias=(1, 1, 1, 1)),
+        "segments_mask": dict(segments=True, mask=(1, 1, 1, 1), b=1),
+    }.items()
+    for dt in ("float32", "bfloat16")
+    for hq, hkv in ((4, 4), (4, 1))
+    for d in (64, 128)
+    for sq, sk in ((97, 260), (260, 97))
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SLOW))
+def test_wide_matrix(name):
+    case, dtype = SLOW[name]
+    case = dict(case)
+    if case.get("bias") == (1, 1, 1, 1):
+        case["bias"] = (1, case["hq"], case["sq"], case["sk"])
+    if case.get("mask") == (1, 1, 1, 1):
+        case["mask"] = (1, 1, 1, case["sk"])
+    check(*make_case(**case), dtype=dtype)
