@@ -1,0 +1,136 @@
+"""Check flashport.torch.attention's CUDA path (flash-attn / SDPA / math) against the float64 reference.
+
+Run on a CUDA machine from the repository root (torch with CUDA; flash-attn optional):
+
+    python benchmarks/torch_cuda_check.py            # --device cpu runs the same checks on CPU
+
+For each case and dtype it prints which path ran (from the adapter's debug log), the max abs error of
+the output and lse against tests/reference.py (float64 numpy), and of dq/dk/dv/dbias against the
+pure-torch math path run on CPU in float32 (that path is checked against the float64 reference by
+tests/test_torch_adapter.py). Errors are relative to max(1, max |reference|). Exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import flashport.torch as ft  # noqa: E402
+from reference import reference_attention  # noqa: E402
+
+TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}  # fp32 allows TF32 matmuls
+
+
+def cases():
+    """(name, q_shape BSHD, kv_shape BSHD, options, extras) covering each feature of the contract."""
+    b, hq, hkv, d = 2, 8, 2, 64
+    ids = torch.tensor([[0] * 100 + [1] * 80 + [2] * 76, [3] * 256])
+    return [
+        ("self causal GQA", (b, 256, hq, d), (b, 256, hkv, d), dict(causal=True), {}),
+        ("decode Sq<Sk causal bottom-right", (b, 4, hq, d), (b, 300, hkv, d), dict(causal=True), {}),
+        ("Sq>Sk causal bottom-right (empty rows)", (b, 300, hq, d), (b, 200, hkv, d), dict(causal=True), {}),
+        ("Sq<Sk causal top-left", (b, 64, hq, d), (b, 300, hkv, d), dict(causal=True, align="top_left"), {}),
+        ("sliding window", (b, 256, hq, d), (b, 256, hkv, d), dict(causal=True, window=(63, 0)), {}),
+        ("window top-left Sq>Sk", (b, 200, hq, d), (b, 120, hkv, d), dict(window=(16, 8), align="top_left"), {}),
+        ("softcap", (b, 256, hq, d), (b, 256, hkv, d), dict(causal=True, softcap=20.0, scale=0.3), {}),
+        ("bias", (b, 128, hq, d), (b, 160, hkv, d), dict(causal=True), dict(bias=(1, hq, 128, 160))),
+        ("mask", (b, 128, hq, d), (b, 160, hkv, d), {}, dict(mask=(b, 1, 128, 160))),
+        ("packed segments (varlen)", (b, 256, hq, d), (b, 256, hkv, d), dict(causal=True), dict(segments=ids)),
+        ("BHSD layout", (b, 128, hq, d), (b, 128, hkv, d), dict(causal=True, layout="BHSD"), {}),
+    ]
+
+
+class PathLog(logging.Handler):
+    """Remembers the adapter's last 'runs this call' debug line."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.path = ""
+
+    def emit(self, record):
+        """Keep the path named by a 'runs this call' line."""
+        message = record.getMessage()
+        if "runs this call" in message:
+            self.path = message.split(": ")[-1].replace(" runs this call", "").replace("exact ", "")
+
+
+def check(name, q_shape, kv_shape, options, extras, dtype, device, log, rng):
+    """Run one case on ``device``, print its errors, return whether all are within tolerance."""
+    layout = options.get("layout", "BSHD")
+
+    def tensor(shape, scale=1.0):
+        x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).to(dtype)
+        return x.transpose(1, 2).contiguous() if layout == "BHSD" else x
+
+    q, k, v = tensor(q_shape, 2.0), tensor(kv_shape), tensor(kv_shape)
+    kw = {key: value for key, value in options.items()}
+    if "bias" in extras:
+        kw["bias"] = torch.from_numpy(rng.standard_normal(extras["bias"]).astype(np.float32))
+    if "mask" in extras:
+        kw["mask"] = torch.from_numpy(rng.random(extras["mask"]) < 0.6)
+    if "segments" in extras:
+        kw["q_segment_ids"] = kw["kv_segment_ids"] = extras["segments"]
+    cpu = {n: x for n, x in dict(query=q, key=k, value=v, **kw).items()}
+    dev = {n: x.to(device, copy=True) if isinstance(x, torch.Tensor) else x for n, x in cpu.items()}
+    grads = ("query", "key", "value") + (("bias",) if "bias" in kw else ())
+    for n in grads:
+        dev[n].requires_grad_(True)
+    log.path = "jax"  # the native paths log which one ran; the JAX path (CPU, XLA) does not
+    out, lse = ft.attention(**dev, return_lse=True)
+    path_lse = log.path
+    out = ft.attention(**dev)  # without lse: flash-attn or SDPA where they fit
+    path = log.path
+    g = torch.from_numpy(rng.standard_normal(tuple(out.shape)).astype(np.float32))
+    out.backward(g.to(device=device, dtype=out.dtype))
+
+    ref_in = {n: (x.double().numpy() if n in grads else x.numpy()) if isinstance(x, torch.Tensor) else x
+              for n, x in cpu.items()}
+    ref_out, ref_lse = reference_attention(ref_in.pop("query"), ref_in.pop("key"), ref_in.pop("value"), **ref_in)
+    math_in = {n: (x.float().requires_grad_(True) if n in grads else x) for n, x in cpu.items()}
+    ft.attention(**math_in, backend="torch").backward(g)
+
+    def err(got, want):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        both_inf = np.isinf(got) & np.isinf(want) & (np.sign(got) == np.sign(want))
+        with np.errstate(invalid="ignore"):
+            diff = np.where(both_inf, 0.0, np.abs(got - want))
+        return float(np.nan_to_num(diff, nan=np.inf).max()) / max(1.0, float(np.abs(want[np.isfinite(want)]).max()))
+
+    errors = {"out": err(out.detach().float().cpu(), ref_out), "lse": err(lse.cpu(), ref_lse)}
+    for n in grads:
+        errors["d" + ("bias" if n == "bias" else n[0])] = err(dev[n].grad.float().cpu(), math_in[n].grad)
+    ok = all(e <= TOLERANCE[dtype] for e in errors.values())
+    shown = "  ".join(f"{n}={e:.1e}" for n, e in errors.items())
+    print(f"{'ok  ' if ok else 'FAIL'} {name:40s} {str(dtype)[6:]:9s} {path:11s} (lse: {path_lse:5s}) {shown}")
+    return ok
+
+
+def main():
+    """Run every case for every dtype; print one line each; exit 1 on any failure."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device visible to torch (use --device cpu to dry-run)")
+    log = PathLog()
+    logging.getLogger("flashport").addHandler(log)
+    logging.getLogger("flashport").setLevel(logging.DEBUG)
+    flash = ft._native.import_flash_attn()
+    print(f"torch {torch.__version__}, device {args.device}, flash-attn "
+          f"{getattr(flash, '__version__', 'installed') if flash else 'not installed'}")
+    rng = np.random.default_rng(0)
+    results = [check(*case, dtype, args.device, log, rng)
+               for dtype in (torch.bfloat16, torch.float16, torch.float32) for case in cases()]
+    print(f"{sum(results)}/{len(results)} passed")
+    sys.exit(0 if all(results) else 1)
+
+
+if __name__ == "__main__":
+    main()
