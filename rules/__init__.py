@@ -19,6 +19,14 @@ RULE_MODULES = (
     "fpa101_torch_sdpa",
     "fpa102_sdpa_backend_selector",
     "fpa201_jax_nn_dpa_cudnn",
+    "fpa202_cudnn_fused_attention",
+    "fpa203_pallas_gpu_mha",
+    "fpa204_pallas_gpu_decode",
+    "fpa205_flash_attn_jax_mha",
+    "fpa206_flash_attn_jax_varlen",
+    "fpa207_keras_dpa",
+    "fpa208_te_jax_dpa",
+    "fpa209_te_jax_fused_attn",
     "fpa901_attn_implementation_config",
 )
 
