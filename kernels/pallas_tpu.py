@@ -31,6 +31,7 @@ from flashport.kernels import registry
 from flashport.kernels.pallas_tpu_blocks import LANES, BlockSizes, resolve_blocks
 from flashport.kernels.pallas_tpu_bwd import dkv_call, dq_call
 from flashport.kernels.pallas_tpu_fwd import forward_call
+from flashport.kernels.pallas_tpu_platform import tpu_only
 from flashport.kernels.pallas_tpu_sharding import partitioned
 from flashport.kernels.pallas_tpu_tiling import Geometry, block_tables, pad_lanes, pad_to, prepare_operands
 from flashport.kernels.spec import FEATURES, AttentionSpec
@@ -69,6 +70,25 @@ def _pad_qkv(g: Geometry, q, k, v):
     return (pad_lanes(pad_to(q, 2, g.sqp)), pad_lanes(pad_to(k, 2, g.skp)), pad_lanes(pad_to(v, 2, g.skp)))
 
 
+def _launch(cfg: Config, call_fn, g: Geometry, operands, tables, **kwargs):
+    """Run a kernel builder; for real TPU lowering route it through :func:`tpu_only`."""
+    if cfg.interpret:
+        return call_fn(g, *operands, tables, interpret=cfg.interpret_mode, **kwargs)
+    present = [x is not None for x in operands]
+    flat = [x for x in operands if x is not None] + list(tables)
+    n = len(flat) - len(tables)
+
+    def make(interpret):
+        def run(*flat):
+            it = iter(flat[:n])
+            ops = [next(it) if p else None for p in present]
+            return tuple(call_fn(g, *ops, tuple(flat[n:]), interpret=interpret, **kwargs))
+
+        return run
+
+    return tpu_only(make, *flat)
+
+
 def _lanes(x, size):
     """[B, H, S] f32 -> lane-replicated [B, H, size, 128] (padded rows are 0)."""
     return jnp.broadcast_to(pad_to(x, 2, size)[..., None], (*x.shape[:2], size, LANES))
@@ -81,8 +101,7 @@ def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, *, count_vis
     qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
     tables = block_tables(g, q_seg, kv_seg, by_rows=True)
-    res = forward_call(g, qp, kp, vp, bias, mask, qs, ks, tables, interpret=cfg.interpret_mode,
-                       count_visits=count_visits)
+    res = _launch(cfg, forward_call, g, [qp, kp, vp, bias, mask, qs, ks], tables, count_visits=count_visits)
     out, lse = res[0][:, :, :sq, :dv], res[1][:, :, :sq, 0]
     if count_visits:
         return out, lse, res[2][:, :, ::8, 0]
@@ -103,8 +122,7 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
         b_, m_, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
         tables = block_tables(g, q_seg, kv_seg, by_rows=(kind == "dq"))
         call = dkv_call if kind == "dkv" else dq_call
-        results[kind] = (g, call(g, qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks, tables,
-                                 interpret=cfg.interpret_mode))
+        results[kind] = (g, _launch(cfg, call, g, [qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks], tables))
     _, (dk, dv_) = results["dkv"]
     g, dq_out = results["dq"]
     dq = dq_out[0][:, :, :sq, :d]
