@@ -19,6 +19,7 @@ Rules are instantiated afresh for every file.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import traceback
 from typing import Iterable, Sequence
@@ -109,30 +110,44 @@ def _transform(result, data, text, encoding, tree, rules, options) -> FileResult
     replacements: list[tuple[int, int, str]] = []
     needed: set[str] = set()
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
-    for unit in units:
-        chunk = src.unit_text(lines, unit)
-        if not text_pattern.search(chunk):
-            continue
-        if unit.importish and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in unit.nodes):
-            continue
-        header = "".join(_terminated(src.unit_text(lines, h)) for h in header_units if h is not unit)
-        header_lines = len(src.split_lines(header))
-        body = _terminated(chunk)
-        module = cst.parse_module(header + body)
-        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-        transformer = SiteTransformer(rules, options, result.path, header_lines, unit.start, table, module)
-        new_module = wrapper.visit(transformer)
-        result.sites.extend(transformer.sites)
-        if transformer.rewrites:
-            new_code = new_module.code
-            if not new_code.startswith(header):
-                raise RuntimeError("rewrite touched the import header")
-            new_chunk = new_code[len(header) :]
-            if body is not chunk and new_chunk.endswith(body[len(chunk) :]):
-                new_chunk = new_chunk[: len(new_chunk) - (len(body) - len(chunk))]
+    newline = src.newline_of(lines)
+    chunks = list(_chunks(units, lines, text_pattern))
+    if not chunks:
+        return result
+    chunk_ids = {id(c.parent or c) for c in chunks}
+    header = "".join(_terminated(src.unit_text(lines, h)) for h in header_units if id(h) not in chunk_ids)
+    parts, line_map = [header], []
+    mini_line = len(src.split_lines(header))
+    wrapper_of: dict[int, int] = {}
+    ordered = [c for c in chunks if c.parent is None] + [c for c in chunks if c.parent is not None]
+    for index, unit in enumerate(ordered):
+        if unit.parent is not None and id(unit.parent) not in wrapper_of:
+            wrapper_of[id(unit.parent)] = len(wrapper_of)
+            parts.append(f"class _flashport_chunk_{wrapper_of[id(unit.parent)]}_:{newline}")
+            mini_line += 1
+        parts.append(f"# flashport-chunk-{index}{newline}")
+        mini_line += 1
+        body = _terminated(src.unit_text(lines, unit))
+        count = len(src.split_lines(body))
+        line_map.append((mini_line + 1, mini_line + count, unit.start))
+        parts.append(body)
+        mini_line += count
+    module = cst.parse_module("".join(parts))
+    transformer = SiteTransformer(rules, options, result.path, line_map, table, module)
+    new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
+    result.sites.extend(transformer.sites)
+    if transformer.rewrites:
+        new_code = new_module.code
+        if not new_code.startswith(header):
+            raise RuntimeError("rewrite touched the import header")
+        pieces = _split_chunks(new_code[len(header) :], len(ordered))
+        for unit, new_chunk in zip(ordered, pieces):
+            chunk = src.unit_text(lines, unit)
+            if not chunk.endswith(("\n", "\r")) and new_chunk.endswith("\n"):
+                new_chunk = new_chunk[:-1]  # _terminated() added it
             if new_chunk != chunk:
                 replacements.append((unit.start, unit.end, new_chunk))
-                needed.update(transformer.imports)
+        needed.update(transformer.imports)
     result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
     if not replacements:
         return result
@@ -141,7 +156,6 @@ def _transform(result, data, text, encoding, tree, rules, options) -> FileResult
     new_text = "".join(lines)
     before = import_edits.name_uses(tree)
     new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules)
-    newline = src.newline_of(src.split_lines(text))
     for module_name in sorted(needed):
         new_text, added = import_edits.ensure_import(new_text, module_name, newline)
         if added:
@@ -154,6 +168,41 @@ def _transform(result, data, text, encoding, tree, rules, options) -> FileResult
         result.old = data
         result.new = new_data
     return result
+
+
+_SENTINEL = re.compile(r"^(?:class _flashport_chunk_\d+_:|# flashport-chunk-(\d+))(?:\r\n|\r|\n)", re.M)
+
+
+def _split_chunks(code: str, count: int) -> list[str]:
+    """Cut the rewritten mini-module body back into chunk texts at the sentinel comments."""
+    marks = list(_SENTINEL.finditer(code))
+    pieces: dict[int, str] = {}
+    for i, mark in enumerate(marks):
+        if mark.group(1) is None:
+            continue
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(code)
+        pieces[int(mark.group(1))] = code[mark.end() : end]
+    if sorted(pieces) != list(range(count)):
+        raise RuntimeError("chunk sentinels lost in the rewrite")
+    return [pieces[i] for i in range(count)]
+
+
+def _chunks(units, lines, pattern):
+    """Units to parse: statements mentioning a trigger, descending one level into top-level
+    classes (methods are parsed alone, which is what keeps big model files cheap). Plain import
+    statements are header only."""
+    for unit in units:
+        if not pattern.search(src.unit_text(lines, unit)):
+            continue
+        if unit.importish and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in unit.nodes):
+            continue
+        inner = src.class_body_units(unit)
+        if inner:
+            head = src.Unit(unit.start, inner[0].start - 1, unit.nodes, False)
+            if inner[0].start > unit.start and not pattern.search(src.unit_text(lines, head)):
+                yield from (dataclasses.replace(u, parent=unit) for u in inner if pattern.search(src.unit_text(lines, u)))
+                continue
+        yield unit
 
 
 def _terminated(chunk: str) -> str:

@@ -47,7 +47,7 @@ def newline_of(lines: list[str]) -> str:
     return "\n"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Unit:
     """A run of top-level statements that share lines (usually exactly one statement).
 
@@ -62,6 +62,8 @@ class Unit:
     end: int
     nodes: tuple[ast.stmt, ...]
     importish: bool
+    in_class: bool = False
+    parent: "Unit | None" = None
 
 
 def _contains_import(node: ast.AST) -> bool:
@@ -78,8 +80,20 @@ def _contains_import(node: ast.AST) -> bool:
 
 def top_level_units(tree: ast.Module) -> list[Unit]:
     """Group the module's statements into line-disjoint :class:`Unit` s."""
+    return _group(tree.body)
+
+
+def class_body_units(unit: Unit) -> list[Unit] | None:
+    """The statements of a top-level class as units (``in_class``), or None if ``unit`` is not one
+    plain class."""
+    if len(unit.nodes) != 1 or not isinstance(unit.nodes[0], ast.ClassDef):
+        return None
+    return [dataclasses.replace(u, importish=False, in_class=True) for u in _group(unit.nodes[0].body)]
+
+
+def _group(body: list[ast.stmt]) -> list[Unit]:
     units: list[Unit] = []
-    for stmt in tree.body:
+    for stmt in body:
         start = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
         end = stmt.end_lineno or stmt.lineno
         importish = isinstance(stmt, (ast.Import, ast.ImportFrom)) or (

@@ -1,10 +1,11 @@
 """The libcst pass over one chunk: resolve qualified names, ask rules, replace rewritten calls.
 
-The chunk is parsed as a *mini module* = the file's top-level import statements (header) followed by
-one top-level statement that mentions a trigger. libcst's ``QualifiedNameProvider`` resolves names
+The file is parsed as a *mini module* = its top-level import statements (header) followed by the
+statements that mention a trigger (top-level ones, or single statements of a top-level class inside
+a stand-in class), separated by sentinel comments. libcst's ``QualifiedNameProvider`` resolves names
 in it exactly as in the whole file (imports, aliases, function-level and guarded imports), while
-scope analysis only runs over the chunk, not the whole file. Sites in the header are ignored (they
-are reported when their own unit is the chunk).
+scope analysis only runs over the chunks, not the whole file. ``line_map`` maps mini-module lines
+back to file lines; nodes outside the chunks (the header) are ignored.
 """
 
 from __future__ import annotations
@@ -27,16 +28,14 @@ class SiteTransformer(cst.CSTTransformer):
         rules: list[Rule],
         options: RuleOptions,
         path: str,
-        header_lines: int,
-        first_line: int,
+        line_map: list[tuple[int, int, int]],
         suppressions: dict[int, frozenset[str]],
         module: cst.Module,
     ):
         super().__init__()
         self.options = options
         self.path = path
-        self.header_lines = header_lines
-        self.first_line = first_line
+        self.line_map = line_map
         self.suppressions = suppressions
         self.module = module
         self.by_source: dict[str, Rule] = {}
@@ -53,12 +52,15 @@ class SiteTransformer(cst.CSTTransformer):
     # -- helpers -----------------------------------------------------------------------------
 
     def _file_lines(self, node: cst.CSTNode) -> tuple[int, int, int] | None:
-        """(start line, column, end line) in the file, or None for nodes in the header."""
+        """(start line, column, end line) in the file, or None for nodes outside the chunks."""
         pos = self.get_metadata(PositionProvider, node, None)
-        if pos is None or pos.start.line <= self.header_lines:
+        if pos is None:
             return None
-        shift = self.first_line - self.header_lines - 1
-        return pos.start.line + shift, pos.start.column, pos.end.line + shift
+        for first, last, file_line in self.line_map:
+            if first <= pos.start.line <= last:
+                shift = file_line - first
+                return pos.start.line + shift, pos.start.column, pos.end.line + shift
+        return None
 
     def _match(self, node: cst.CSTNode) -> tuple[Rule, str] | None:
         if not isinstance(node, (cst.Name, cst.Attribute)):
