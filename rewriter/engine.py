@@ -111,6 +111,9 @@ def _transform(result, data, text, encoding, tree, rules, options) -> FileResult
     needed: set[str] = set()
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
     newline = src.newline_of(lines)
+    aliases = _aliases(header_units, text_pattern)
+    if aliases:  # `from flash_attn import flash_attn_func as fa`: a later `fa(...)` has no trigger text
+        text_pattern = re.compile(text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b")
     chunks = list(_chunks(units, lines, text_pattern))
     if not chunks:
         return result
@@ -168,6 +171,24 @@ def _transform(result, data, text, encoding, tree, rules, options) -> FileResult
         result.old = data
         result.new = new_data
     return result
+
+
+def _aliases(header_units, pattern) -> set[str]:
+    """Names bound by module-level imports of trigger names (``... import x as alias``)."""
+    names: set[str] = set()
+    for unit in header_units:
+        for stmt in unit.nodes:
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.ImportFrom):
+                    for alias in node.names:
+                        if pattern.search(f"{node.module or ''}.{alias.name}"):
+                            names.add(alias.asname or alias.name)
+                elif isinstance(node, ast.Import):
+                    for alias in node.names:
+                        if pattern.search(alias.name):
+                            names.add(alias.asname or alias.name.split(".")[0])
+    names.discard("*")
+    return names
 
 
 _SENTINEL = re.compile(r"^(?:class _flashport_chunk_\d+_:|# flashport-chunk-(\d+))(?:\r\n|\r|\n)", re.M)

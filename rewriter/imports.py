@@ -166,16 +166,18 @@ def ensure_import(text: str, module: str, newline: str) -> tuple[str, bool]:
     while index < len(body) and isinstance(body[index], ast.ImportFrom) and body[index].module == "__future__":
         index += 1
     statement = f"import {module}{newline}"
-    if index < len(body):
-        node = body[index]
-        line = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        lines.insert(line - 1, statement)
-    else:
-        if index > 0:
-            last_line = body[index - 1].end_lineno or len(lines)
-        else:
-            last_line = 0
-        if lines and last_line and not lines[last_line - 1].endswith(("\n", "\r")):
+    if index < len(body) and isinstance(body[index], (ast.Import, ast.ImportFrom)):
+        lines.insert(body[index].lineno - 1, statement)  # at the top of the import block
+    elif index > 0:  # right after the docstring / __future__ imports
+        last_line = body[index - 1].end_lineno or len(lines)
+        if not lines[last_line - 1].endswith(("\n", "\r")):
             lines[last_line - 1] += newline
         lines.insert(last_line, statement)
+    elif body:  # before the first statement (comments, shebang and coding line stay above)
+        node = body[0]
+        lines.insert(min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1, statement)
+    else:
+        if lines and not lines[-1].endswith(("\n", "\r")):
+            lines[-1] += newline
+        lines.append(statement)
     return "".join(lines), True
