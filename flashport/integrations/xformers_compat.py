@@ -1,0 +1,306 @@
+"""xformers' ``memory_efficient_attention`` and its ``attn_bias`` classes on the flashport contract.
+
+Rewritten code calls :func:`memory_efficient_attention` (same signature as
+``xformers.ops.memory_efficient_attention``) and builds biases with the classes below, which mirror
+xformers' constructors (``LowerTriangularMask()``, ``BlockDiagonalMask.from_seqlens(...)``,
+``.make_causal()``, ...) but only record what the bias means. Semantics (xformers 0.0.35,
+``xformers/ops/fmha/attn_bias.py``):
+
+===========================================  ===============================================
+bias                                         contract keywords
+===========================================  ===============================================
+``LowerTriangularMask``                      ``causal=True, align="top_left"``
+``LowerTriangularMaskWithTensorBias(b)``     top-left causal + ``bias=b``
+``LowerTriangularFromBottomRightMask``       ``causal=True, align="bottom_right"``
+``...FromBottomRightLocalAttentionMask(w)``  bottom-right causal, ``window=(w - 1, 0)``
+``LocalAttentionFromBottomRightMask(l, r)``  ``window=(l, r), align="bottom_right"`` (= FA2)
+``BlockDiagonalMask.from_seqlens(q, kv)``    B = 1, sequences concatenated: segment ids
+``BlockDiagonalCausalMask``                  + causal per block, top-left
+``BlockDiagonalCausalFromBottomRightMask``   + causal per block, bottom-right
+``BlockDiagonalCausalLocalAttentionMask(w)`` + keys in ``(i - w, i]`` per block (``left = w - 1``)
+``torch.Tensor``                             additive ``bias`` broadcast to [B, H, Mq, Mk]
+===========================================  ===============================================
+
+Inputs may be 3-D ``[B, M, K]`` (one head), 4-D ``[B, M, H, K]`` or 5-D ``[B, M, G, H, K]`` (GQA with
+K/V expanded by the caller); the output has the query's rank. Real xformers bias objects of the
+classes above are accepted too (read through their attributes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = [
+    "AttentionBias", "LowerTriangularMask", "LowerTriangularMaskWithTensorBias",
+    "LowerTriangularFromBottomRightMask", "LowerTriangularFromBottomRightLocalAttentionMask",
+    "LocalAttentionFromBottomRightMask", "BlockDiagonalMask", "BlockDiagonalCausalMask",
+    "BlockDiagonalCausalFromBottomRightMask", "BlockDiagonalCausalLocalAttentionMask",
+    "BlockDiagonalCausalLocalAttentionFromBottomRightMask", "memory_efficient_attention", "contract_kwargs",
+]
+
+
+class AttentionBias:
+    """Base class of the bias objects (``xformers.ops.AttentionBias``)."""
+
+    def _contract(self, total_q, total_k, device):
+        raise NotImplementedError(f"{type(self).__name__} has no flashport equivalent")
+
+
+@dataclasses.dataclass
+class _Dense(AttentionBias):
+    """A bias given by causal/window/alignment flags (no sequence structure)."""
+
+    causal = False
+    align = "top_left"
+
+    def window(self):
+        """The contract's ``window`` (None = unbounded)."""
+        return None
+
+    def _contract(self, total_q, total_k, device):
+        out = {"causal": self.causal, "align": self.align}
+        if self.window() is not None:
+            out["window"] = self.window()
+        return out
+
+
+class LowerTriangularMask(_Dense):
+    """Causal, **top-left** aligned (query ``i`` sees keys ``j <= i``)."""
+
+    causal = True
+
+    def add_bias(self, bias):
+        """Causal plus an additive tensor bias."""
+        return LowerTriangularMaskWithTensorBias(bias)
+
+
+@dataclasses.dataclass
+class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
+    """Top-left causal plus an additive bias tensor."""
+
+    _bias: object = None
+
+    def _contract(self, total_q, total_k, device):
+        return {**super()._contract(total_q, total_k, device), "bias": self._bias}
+
+
+class LowerTriangularFromBottomRightMask(_Dense):
+    """Causal, **bottom-right** aligned (query ``i`` sees keys ``j <= i + Mk - Mq``)."""
+
+    causal = True
+    align = "bottom_right"
+
+    def make_local_attention(self, window_size):
+        """Bottom-right causal limited to the last ``window_size`` keys."""
+        return LowerTriangularFromBottomRightLocalAttentionMask(window_size)
+
+
+@dataclasses.dataclass
+class LowerTriangularFromBottomRightLocalAttentionMask(LowerTriangularFromBottomRightMask):
+    """Bottom-right causal; query ``i`` sees keys in ``(i + s - w, i + s]`` (FA2 window ``(w - 1, 0)``)."""
+
+    _window_size: int = 0
+
+    def window(self):
+        """``(w - 1, 0)``."""
+        return (int(self._window_size) - 1, 0)
+
+
+@dataclasses.dataclass
+class LocalAttentionFromBottomRightMask(_Dense):
+    """``q - window_left <= k + s <= q + window_right`` with ``s = Mq - Mk``: FA2's ``window_size=(l, r)``."""
+
+    window_left: int = 0
+    window_right: int = 0
+    align = "bottom_right"
+
+    def window(self):
+        """``(window_left, window_right)``."""
+        return (int(self.window_left), int(self.window_right))
+
+
+@dataclasses.dataclass
+class BlockDiagonalMask(AttentionBias):
+    """Packed sequences (B = 1, concatenated along M); each query block sees only its key block."""
+
+    q_seqlen: list = dataclasses.field(default_factory=list)
+    kv_seqlen: list = dataclasses.field(default_factory=list)
+    _batch_sizes: list | None = None
+    causal = False
+    align = "top_left"
+    _window_size: int = 0
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqlen=None):
+        """Blocks of ``q_seqlen[i]`` queries and ``kv_seqlen[i]`` keys (default: the same lengths)."""
+        q = [int(n) for n in q_seqlen]
+        kv = q if kv_seqlen is None else [int(n) for n in kv_seqlen]
+        if len(q) != len(kv):
+            raise ValueError(f"q_seqlen has {len(q)} sequences but kv_seqlen has {len(kv)}")
+        return cls(q_seqlen=q, kv_seqlen=kv)
+
+    @classmethod
+    def from_tensor_list(cls, tensors):
+        """``(bias, tensors concatenated along M)`` for tensors ``[B_i, M_i, ...]`` (like xformers)."""
+        import torch
+
+        lengths = [x.shape[1] for x in tensors for _ in range(x.shape[0])]
+        bias = cls.from_seqlens(lengths)
+        bias._batch_sizes = [x.shape[0] for x in tensors]
+        return bias, torch.cat([x.reshape(1, -1, *x.shape[2:]) for x in tensors], dim=1)
+
+    def split(self, tensor):
+        """Inverse of :meth:`from_tensor_list`: ``[1, sum M_i, ...]`` back to the list of tensors."""
+        sizes = self._batch_sizes or [1] * len(self.q_seqlen)
+        chunks, start, out = [], 0, []
+        for size in sizes:
+            chunks.append(sum(self.q_seqlen[start:start + size]))
+            start += size
+        for size, part in zip(sizes, tensor.split(chunks, dim=1)):
+            out.append(part.reshape(size, -1, *part.shape[2:]))
+        return out
+
+    def _derive(self, cls, **extra):
+        return cls(q_seqlen=self.q_seqlen, kv_seqlen=self.kv_seqlen, _batch_sizes=self._batch_sizes, **extra)
+
+    def make_causal(self):
+        """Causal blocks, top-left aligned."""
+        return self._derive(BlockDiagonalCausalMask)
+
+    def make_causal_from_bottomright(self):
+        """Causal blocks, bottom-right aligned."""
+        return self._derive(BlockDiagonalCausalFromBottomRightMask)
+
+    def window(self):
+        """The per-block window, or None."""
+        return (int(self._window_size) - 1, 0) if self._window_size else None
+
+    def _contract(self, total_q, total_k, device):
+        import torch
+
+        from flashport.kernels.varlen import varlen_layout
+
+        def cumulative(lengths):
+            return torch.tensor([0] + lengths, device=device).cumsum(0)
+
+        if sum(self.q_seqlen) != total_q or sum(self.kv_seqlen) != total_k:
+            raise ValueError(f"{type(self).__name__}: the blocks cover {sum(self.q_seqlen)} queries and "
+                             f"{sum(self.kv_seqlen)} keys, the tensors have {total_q} and {total_k}")
+        q_ids, kv_ids, mask = varlen_layout(cumulative(self.q_seqlen), cumulative(self.kv_seqlen), total_q, total_k,
+                                            causal=self.causal, window=self.window(), align=self.align)
+        return {"mask": mask[None, None], "q_segment_ids": q_ids[None], "kv_segment_ids": kv_ids[None],
+                "blocks": True}
+
+
+class BlockDiagonalCausalMask(BlockDiagonalMask):
+    """Block-diagonal, each block causal **top-left**."""
+
+    causal = True
+
+    def make_local_attention(self, window_size):
+        """Each block sees keys in ``(i - window_size, i]``."""
+        return self._derive(BlockDiagonalCausalLocalAttentionMask, _window_size=window_size)
+
+
+class BlockDiagonalCausalFromBottomRightMask(BlockDiagonalMask):
+    """Block-diagonal, each block causal **bottom-right**."""
+
+    causal = True
+    align = "bottom_right"
+
+    def make_local_attention(self, window_size):
+        """Each block sees keys in ``(i + s - window_size, i + s]``."""
+        return self._derive(BlockDiagonalCausalLocalAttentionFromBottomRightMask, _window_size=window_size)
+
+
+class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
+    """Top-left causal blocks limited to the last ``window_size`` keys (FA2 ``left = window_size - 1``)."""
+
+
+class BlockDiagonalCausalLocalAttentionFromBottomRightMask(BlockDiagonalCausalFromBottomRightMask):
+    """Bottom-right causal blocks limited to the last ``window_size`` keys."""
+
+
+def _from_xformers(bias):
+    """A real xformers bias object of a supported class as the flashport mirror (by class name)."""
+    name = type(bias).__name__
+    cls = globals().get(name)
+    if cls is None or not (isinstance(cls, type) and issubclass(cls, AttentionBias)) or name in ("AttentionBias",):
+        raise ValueError(f"xformers bias {name} has no flashport equivalent")
+    if issubclass(cls, BlockDiagonalMask):
+        def lengths(info):
+            starts = getattr(info, "seqstart_py", None) or getattr(info, "cu_seqlen_py", None)
+            return [b - a for a, b in zip(starts, starts[1:])]
+        out = cls(q_seqlen=lengths(bias.q_seqinfo), kv_seqlen=lengths(bias.k_seqinfo))
+        out._window_size = getattr(bias, "_window_size", 0) or 0
+        return out
+    if cls is LowerTriangularMaskWithTensorBias:
+        return cls(bias._bias)
+    if cls is LocalAttentionFromBottomRightMask:
+        return cls(bias.window_left, bias.window_right)
+    if cls is LowerTriangularFromBottomRightLocalAttentionMask:
+        return cls(bias._window_size)
+    return cls()
+
+
+def contract_kwargs(attn_bias, total_q, total_k, device):
+    """The contract keywords (``causal``, ``align``, ``window``, ``bias``, ``mask``, segment ids) for
+    an ``attn_bias`` (None, a mirror/xformers bias object, or an additive tensor)."""
+    if attn_bias is None:
+        return {}
+    if type(attn_bias).__module__.split(".")[0] == "torch":
+        return {"bias": attn_bias}
+    if not isinstance(attn_bias, AttentionBias):
+        attn_bias = _from_xformers(attn_bias)
+    return attn_bias._contract(total_q, total_k, device)
+
+
+def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None,
+                               output_dtype=None, backend="auto"):
+    """``xformers.ops.memory_efficient_attention`` through :func:`flashport.torch.attention`.
+
+    Args:
+      query: [B, Mq, K], [B, Mq, H, K] or [B, Mq, G, H, K]; key/value the same rank with Mk.
+      attn_bias: None, a bias object (module docstring) or an additive tensor broadcastable to
+        [B, H, Mq, Mk] ([B, G, H, Mq, Mk] for 5-D inputs).
+      p: dropout probability; only 0 is supported.
+      scale: None = ``K ** -0.5``.
+      op: ignored (xformers kernel choice).
+      output_dtype: cast of the output (default: the query dtype).
+      backend: passed to :func:`flashport.torch.attention`.
+
+    Returns:
+      [B, Mq, (G,) (H,) Kv] like xformers.
+
+    Raises:
+      ValueError: for ``p > 0``, unsupported ranks or bias objects, or blocks that do not cover the tensors.
+    """
+    import flashport.torch
+
+    if p:
+        raise ValueError(f"memory_efficient_attention: dropout p={p} is not supported by flashport")
+    rank = query.ndim
+    if rank not in (3, 4, 5):
+        raise ValueError(f"memory_efficient_attention: query must be 3-D, 4-D or 5-D, got shape {tuple(query.shape)}")
+    shape = query.shape
+    if rank == 3:
+        query, key, value = (x.unsqueeze(2) for x in (query, key, value))
+    elif rank == 5:
+        query, key, value = (x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]) for x in (query, key, value))
+    kwargs = contract_kwargs(attn_bias, query.shape[1], key.shape[1], query.device)
+    if kwargs.pop("blocks", False) and query.shape[0] != 1:
+        raise ValueError(f"memory_efficient_attention: block-diagonal biases need batch 1, got {query.shape[0]}")
+    bias = kwargs.get("bias")
+    if bias is not None:
+        if rank == 3 and bias.ndim == 3:
+            bias = bias.unsqueeze(1)
+        elif rank == 5:
+            full = (shape[0], shape[2], shape[3], query.shape[1], key.shape[1])
+            bias = bias.expand(full).reshape(shape[0], shape[2] * shape[3], *full[-2:])
+        kwargs["bias"] = bias
+    out = flashport.torch.attention(query, key, value, scale=scale, layout="BSHD", backend=backend, **kwargs)
+    if rank == 3:
+        out = out.squeeze(2)
+    elif rank == 5:
+        out = out.reshape(*shape[:4], out.shape[-1])
+    return out if output_dtype is None else out.to(output_dtype)

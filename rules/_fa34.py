@@ -1,0 +1,87 @@
+"""Shared helpers of the FlashAttention-3 (``flash_attn_interface``) and -4 (``flash_attn.cute``) rules.
+
+Both keep FA2's layout, default scale and **bottom-right** causal/window, but: FA3's 4th positional
+parameter is ``softmax_scale`` (FA2: ``dropout_p``) and its signature changed between releases, so
+only the leading parameters that never moved may be positional; FA3's return type changed
+(``(out, lse)`` always before 2025-07-11, then ``out``, then ``(out, lse)`` with
+``return_attn_probs=True``) and FA4 spells "unbounded window" ``None`` and returns ``lse`` with
+``return_lse``. Whether the caller expects a tuple is decided from how the result is used
+(:func:`flashport.rules._sites.result_usage`); when that is unknown the site is refused.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from flashport.rules import _flash_attn as fa
+from flashport.rules import _sites
+from flashport.rules.base import Refuse, is_none, is_zero, literal_bool, literal_number, number, string, tuple_of
+
+
+def refuse_set(value: dict, reasons: dict[str, str]) -> None:
+    """Refuse when any argument named in ``reasons`` is given and not None."""
+    for name, reason in reasons.items():
+        if not is_none(value.get(name)):
+            raise Refuse(reason)
+
+
+def dropped_notes(value: dict, names: tuple[str, ...]) -> list[str]:
+    """Notes for tuning-only arguments that the rewrite drops."""
+    return [f"dropped {name}= (kernel tuning only)" for name in names if name in value]
+
+
+def common(bound: dict[str, cst.Arg], ctx, api: str) -> tuple[list, list[str]]:
+    """scale/causal/window(FA2 spelling)/softcap keywords plus ``align="bottom_right"``."""
+    subset = {n: bound[n] for n in ("softmax_scale", "causal", "window_size", "softcap") if n in bound}
+    keywords, notes = fa.map_arguments(subset, ctx, api)
+    keywords = [kw for kw in keywords if kw[0] != "align"]
+    keywords.append(("align", string("bottom_right")))
+    return keywords, notes
+
+
+def fa4_window(node: cst.BaseExpression) -> cst.BaseExpression | None:
+    """FA4 ``window_size=(l, r)`` (``None`` = unbounded; both ints with ``l + r < 0`` = unbounded).
+
+    Raises:
+      Refuse: for non-literal windows and one-sided negative values (their meaning differs by FA4 build).
+    """
+    if not (isinstance(node, (cst.Tuple, cst.List)) and len(node.elements) == 2):
+        raise Refuse("window_size is not a literal (l, r) pair: FA4's None/negative conventions cannot be mapped statically")
+    sides = []
+    for element in node.elements:
+        if is_none(element.value):
+            sides.append(None)
+            continue
+        v = literal_number(element.value)
+        if not isinstance(v, int):
+            raise Refuse("window_size is not a literal (l, r) pair of ints/None")
+        sides.append(v)
+    left, right = sides
+    if left is not None and right is not None and left + right < 0:
+        return None
+    if any(s is not None and s < 0 for s in sides):
+        raise Refuse(f"window_size={tuple(sides)} mixes a negative bound with a finite one; FA4 builds disagree on it")
+    if left is None and right is None:
+        return None
+    return tuple_of(*[cst.Name("None") if s is None else number(s) for s in sides])
+
+
+def returns_tuple(call: cst.Call, ctx, flag: cst.BaseExpression | None, flag_name: str, history: str) -> bool:
+    """Whether the rewritten call must return ``(out, lse)``.
+
+    ``flag`` is the call's own return-lse argument: literal True -> tuple; literal False -> tensor;
+    absent -> decided from the result's use; anything else, or an unknown use -> Refuse.
+    """
+    if flag is not None:
+        value = literal_bool(flag)
+        if value is None:
+            raise Refuse(f"{flag_name}={ctx.code(flag)} is not a literal: the return type is unknown")
+        return value
+    usage = _sites.result_usage(call, ctx)
+    if usage == "unknown":
+        raise Refuse(f"{history}; how this result is used does not show which one the code expects "
+                     f"(index it, unpack it, or pass {flag_name}= explicitly)")
+    return usage == "tuple"
+
+
+__all__ = ["common", "dropped_notes", "fa4_window", "is_zero", "refuse_set", "returns_tuple"]

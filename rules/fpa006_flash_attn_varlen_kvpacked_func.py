@@ -1,0 +1,55 @@
+"""FPA006 flash-attn-varlen-kvpacked-func: ``flash_attn_varlen_kvpacked_func`` -> ``flashport.varlen_attention``.
+
+What it rewrites:
+  ``flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+  return_attn_probs)`` from ``flash_attn`` / ``flash_attn.flash_attn_interface``.
+
+Semantics mapping:
+  ``q`` is ``[total_q, H, D]``, ``kv`` packed ``[total_k, 2, Hk, D]``; ``kv`` is split once with
+  ``*kv.unbind(1)``. Causal and window are bottom-right **per sequence** (offset
+  ``len_k[b] - len_q[b]``), which ``flashport.varlen_attention`` reproduces from the two
+  ``cu_seqlens``; GQA (Hk divides H, contiguous groups) carries over. ``max_seqlen_*`` are dropped.
+  Scale, window, softcap as FPA001.
+
+What it refuses:
+  as FPA004: non-zero dropout (unless ``--inference`` and training-gated), ALiBi,
+  ``return_attn_probs``, splats, unknown arguments, comments inside the call.
+
+Example::
+
+    out = flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, mq, mk, causal=True)
+    # becomes
+    out = flashport.varlen_attention(q, *kv.unbind(1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=None, causal=True, align="bottom_right", layout="THD")
+"""
+
+from __future__ import annotations
+
+from flashport.rules import _flash_attn as fa
+from flashport.rules.base import Rewrite, Rule, build_call, register, string
+
+LEADING = ("q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+@register
+class FlashAttnVarlenKVPackedFunc(Rule):
+    """Rewrite flash-attn 2.x ``flash_attn_varlen_kvpacked_func`` to ``flashport.varlen_attention``."""
+
+    CODE = "FPA006"
+    NAME = "flash-attn-varlen-kvpacked-func"
+    API = "flash_attn.flash_attn_varlen_kvpacked_func"
+    FRAMEWORK = "torch"
+    SOURCES = fa.sources("flash_attn_varlen_kvpacked_func")
+    TRIGGERS = (b"flash_attn",)
+    GPU_MODULES = ("flash_attn",)
+    TARGET = "flashport.varlen_attention"
+
+    def check_call(self, call, ctx):
+        """Split kv once, pass both cu_seqlens, map the rest like FPA001."""
+        bound = fa.signature(LEADING, ctx.options.flash_attn_version).bind(call, self.API)
+        q, kv, cu_q, cu_k = fa.required(bound, LEADING[:4], self.API)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API)
+        keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords
+        notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
+        node = build_call(self.TARGET, [q, fa.unbind(kv, 1)], keywords + [("layout", string("THD"))], call)
+        return Rewrite(node, notes=tuple(notes))

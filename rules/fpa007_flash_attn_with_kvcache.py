@@ -1,0 +1,184 @@
+"""FPA007 flash-attn-with-kvcache: ``flash_attn_with_kvcache`` -> a functional ``kvcache_attention``.
+
+What it rewrites:
+  ``flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=..., softmax_scale=...,
+  causal=..., window_size=..., softcap=..., return_softmax_lse=...)`` from ``flash_attn`` /
+  ``flash_attn.flash_attn_interface`` into
+  ``flashport.integrations.flash_attn_compat.kvcache_attention(...)``, in two cases:
+
+  * no new ``k``/``v``: a pure read of the cache (nothing is mutated), always safe;
+  * new ``k``/``v`` whose in-place cache update is **provably not relied on**: ``k_cache`` and
+    ``v_cache`` are plain local names of the enclosing function (assigned there, not parameters,
+    not ``global``/``nonlocal``), read nowhere else, and the call is not inside a loop. The
+    functional call inserts the rows into a copy and attends over it, so the output is the same.
+
+Semantics mapping:
+  layout ``[B, S, H, D]`` kept; keys ``j < cache_seqlens[b] (+ S_new)`` are valid; causal/window are
+  bottom-right **per sequence** (offset ``L_b - S_q``), built as a boolean mask; ``softmax_scale`` ->
+  ``scale``; ``window_size`` (-1 = unbounded) -> ``window`` (None); ``softcap`` 0.0 -> off;
+  ``return_softmax_lse=True`` -> ``return_lse=True`` (the same ``(out, lse[B, H, Sq])``);
+  ``num_splits`` / ``rotary_interleaved`` are dropped (kernel tuning / unused without rotary).
+  Only ``q, k_cache, v_cache, k, v`` may be positional (the rest moved between 2.2 and 2.6).
+
+What it refuses:
+  new ``k``/``v`` when the in-place update may be relied on (a cache that is a parameter, an
+  attribute such as ``self.k_cache``, read again, or updated in a loop) -- rewriting would drop
+  the update; ``rotary_cos``/``rotary_sin`` (fused rotary embedding), ``cache_batch_idx``,
+  ``cache_leftpad``, ``block_table`` (paged cache), ``alibi_slopes``, a non-literal
+  ``return_softmax_lse``, positional arguments after ``v``, splats, unknown arguments.
+
+Example::
+
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True)
+    # becomes
+    out = flashport.integrations.flash_attn_compat.kvcache_attention(q, k_cache, v_cache, cache_seqlens=lens, scale=None, causal=True)
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from flashport.rules import _flash_attn as fa
+from flashport.rules import _sites
+from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, literal_bool, register
+
+MODULE = "flashport.integrations.flash_attn_compat"
+POSITIONAL = ("q", "k_cache", "v_cache", "k", "v")
+KEYWORDS = ("rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
+            "softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved", "alibi_slopes",
+            "num_splits", "return_softmax_lse")
+UNSUPPORTED = {
+    "rotary_cos": "fused rotary embedding (rotary_cos/rotary_sin) is not part of the attention contract; apply rotary first",
+    "rotary_sin": "fused rotary embedding (rotary_cos/rotary_sin) is not part of the attention contract; apply rotary first",
+    "cache_batch_idx": "cache_batch_idx (indirect cache rows) has no portable equivalent",
+    "cache_leftpad": "cache_leftpad (left-padded caches) has no portable equivalent",
+    "block_table": "block_table (paged KV cache) has no portable equivalent",
+    "alibi_slopes": "alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here",
+}
+
+
+ALLOCATORS = frozenset({"zeros", "zeros_like", "empty", "empty_like", "ones", "ones_like", "full", "full_like",
+                        "rand", "randn", "rand_like", "randn_like", "clone", "cat", "stack", "tensor"})
+
+
+def _allocates(node: cst.BaseExpression) -> bool:
+    """True for a call that returns a fresh tensor (``torch.zeros(...)``, ``x.clone()``, ...)."""
+    if not isinstance(node, cst.Call):
+        return False
+    func = node.func
+    name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+    return name in ALLOCATORS
+
+
+def cache_is_dead(call: cst.Call, names: list[str], ctx) -> str | None:
+    """None when the in-place update of the caches ``names`` provably is not relied on, else why."""
+    found = _sites.originals(call, ctx)
+    if len(found) != 1:
+        return "the call could not be located in its function"
+    function = next((a for a in _sites.ancestors(found[0], ctx) if isinstance(a, cst.FunctionDef)), None)
+    if function is None:
+        return "the call is not inside a function"
+    for up in _sites.ancestors(found[0], ctx):
+        if up is function:
+            break
+        if isinstance(up, (cst.For, cst.While, cst.CompFor)):
+            return "the call is inside a loop (the next iteration reads the updated cache)"
+    params = {p.name.value for p in (*function.params.params, *function.params.posonly_params, *function.params.kwonly_params)}
+    for star in (function.params.star_arg, function.params.star_kwarg):
+        if isinstance(star, cst.Param):
+            params.add(star.name.value)
+    counts = {name: [0, 0] for name in names}  # [assignments, other uses]
+    aliased: list[str] = []
+
+    class _Uses(cst.CSTVisitor):
+        def visit_Global(self, node):
+            for item in node.names:
+                if item.name.value in counts:
+                    counts[item.name.value][1] += 99
+
+        visit_Nonlocal = visit_Global
+
+        def visit_Assign(self, node):
+            for target in node.targets:
+                if isinstance(target.target, cst.Name) and target.target.value in counts:
+                    counts[target.target.value][0] += 1
+                    if len(node.targets) > 1 or not _allocates(node.value):
+                        aliased.append(target.target.value)
+
+        def visit_Name(self, node):
+            if node.value in counts:
+                counts[node.value][1] += 1
+
+    function.body.visit(_Uses())
+    for name in names:
+        if name in params:
+            return f"{name} is a parameter: the caller may read the updated cache"
+        assigned, uses = counts[name]
+        if assigned == 0:
+            return f"{name} is not assigned in this function"
+        if name in aliased:
+            return f"{name} is not assigned a fresh tensor (torch.zeros/empty/..., .clone()): it may alias a cache kept elsewhere"
+        if uses - assigned != 1:  # each assignment target is also a Name; the call is the one read
+            return f"{name} is used again after the in-place update"
+    return None
+
+
+@register
+class FlashAttnWithKVCache(Rule):
+    """Rewrite ``flash_attn_with_kvcache`` to a functional call where the in-place update is not relied on."""
+
+    CODE = "FPA007"
+    NAME = "flash-attn-with-kvcache"
+    API = "flash_attn.flash_attn_with_kvcache"
+    FRAMEWORK = "torch"
+    SOURCES = fa.sources("flash_attn_with_kvcache")
+    TRIGGERS = (b"flash_attn",)
+    GPU_MODULES = ("flash_attn",)
+    TARGET = MODULE + ".kvcache_attention"
+    KEYWORDS = KEYWORDS
+    UNSUPPORTED = UNSUPPORTED
+    DROPPED = ("num_splits", "rotary_interleaved")
+
+    def check_call(self, call, ctx):
+        """Refuse what the contract cannot hold; rewrite reads, and updates nobody relies on."""
+        bound = Signature(POSITIONAL, self.KEYWORDS).bind(call, self.API)
+        q, k_cache, v_cache = fa.required(bound, POSITIONAL[:3], self.API)
+        value = {name: arg.value for name, arg in bound.items()}
+        for name, reason in self.UNSUPPORTED.items():
+            if not is_none(value.get(name)):
+                raise Refuse(reason)
+        self.check_extra(value, ctx)
+        notes = []
+        for name in self.DROPPED:
+            if name in value:
+                notes.append(f"dropped {name}= (kernel tuning / rotary only)")
+        new_k, new_v = value.get("k"), value.get("v")
+        positional = [q, k_cache, v_cache]
+        if not (is_none(new_k) and is_none(new_v)):
+            if is_none(new_k) or is_none(new_v):
+                raise Refuse("only one of k/v is given")
+            if is_none(value.get("cache_seqlens")):
+                raise Refuse("new k/v without cache_seqlens: where flash-attn writes them is not expressible here")
+            if not all(isinstance(c, cst.Name) for c in (k_cache, v_cache)):
+                raise Refuse("flash_attn_with_kvcache updates k_cache/v_cache in place and they are not local names "
+                             f"({ctx.code(k_cache)}, {ctx.code(v_cache)}): the functional rewrite would drop the update")
+            why = cache_is_dead(call, [k_cache.value, v_cache.value], ctx)
+            if why:
+                raise Refuse(f"flash_attn_with_kvcache updates k_cache/v_cache in place and the update may be relied on: {why}")
+            positional += [new_k, new_v]
+            notes.append("functional: the in-place cache update is not relied on (caches are local and not read again)")
+        lse = value.get("return_softmax_lse")
+        if lse is not None and literal_bool(lse) is None:
+            raise Refuse(f"return_softmax_lse={ctx.code(lse)} is not a literal: the return type is unknown")
+        fa_bound = {n: bound[n] for n in ("softmax_scale", "causal", "window_size", "softcap") if n in bound}
+        keywords, more = fa.map_arguments(fa_bound, ctx, self.API)
+        keywords = [kw for kw in keywords if kw[0] != "align"]  # kvcache alignment is per sequence, bottom-right
+        if not is_none(value.get("cache_seqlens")):
+            keywords.insert(0, ("cache_seqlens", value["cache_seqlens"]))
+        if literal_bool(lse):
+            keywords.append(("return_lse", cst.Name("True")))
+        node = build_call(self.TARGET, positional, keywords, call)
+        return Rewrite(node, imports=(MODULE,), notes=tuple(notes + more))
+
+    def check_extra(self, value, ctx):
+        """Hook for version-specific refusals (FA3 subclasses it)."""

@@ -1,0 +1,92 @@
+"""FPA010 fa3-flash-attn-func: FlashAttention-3 ``flash_attn_interface.flash_attn_func`` -> ``flashport.torch.attention``.
+
+What it rewrites:
+  ``flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, ...,
+  window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
+  deterministic=False, sm_margin=0, return_attn_probs=False)`` imported from ``flash_attn_interface``
+  (Hopper build), ``flash_attn_3.flash_attn_interface`` or ``hopper.flash_attn_interface``.
+
+Semantics mapping:
+  as FA2 (FPA001): ``[B, S, H, D]``, ``1/sqrt(D)`` default scale, **bottom-right** causal and
+  inclusive window (-1 = unbounded), softcap 0.0 = off, contiguous GQA. Only ``q, k, v,
+  softmax_scale, causal`` may be positional -- **FA3's 4th positional is softmax_scale, FA2's is
+  dropout_p**, and later FA3 releases inserted parameters. Return type: FA3 returned ``(out, lse)``
+  before 2025-07-11, then ``out``, and ``(out, lse)`` again with ``return_attn_probs=True``; the
+  rewrite returns ``(out, lse)`` (``return_lse=True``, the same ``lse[B, H, Sq]`` float32) when
+  ``return_attn_probs=True`` or when the result is indexed/unpacked, and ``out`` when the flag is
+  ``False`` or the result is only used as a tensor. ``num_splits``, ``pack_gqa``, ``sm_margin``,
+  ``deterministic``, ``gqa_parallel`` are dropped (kernel tuning).
+
+What it refuses:
+  ``qv``, FP8 ``*_descale`` arguments, non-zero ``attention_chunk``, ``sink_token_length``,
+  positional arguments after ``causal``, a result whose expected type cannot be told (e.g.
+  ``return flash_attn_func(...)``), splats, unknown arguments, comments inside the call.
+
+Example::
+
+    out, lse = flash_attn_func(q, k, v, causal=True)
+    # becomes
+    out, lse = flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD", return_lse=True)
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from flashport.rules import _fa34
+from flashport.rules import _flash_attn as fa
+from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_zero, register, string
+
+MODULES = ("flash_attn_interface.", "flash_attn_3.flash_attn_interface.", "hopper.flash_attn_interface.")
+POSITIONAL = ("q", "k", "v", "softmax_scale", "causal")
+KEYWORDS = ("qv", "q_descale", "k_descale", "v_descale", "descale_q", "descale_k", "descale_v", "window_size",
+            "attention_chunk", "softcap", "num_splits", "pack_gqa", "deterministic", "sm_margin",
+            "return_attn_probs", "sink_token_length", "gqa_parallel")
+UNSUPPORTED = {
+    "qv": "qv (extra query projection for MLA) has no portable equivalent",
+    **{name: "FP8 descale factors: flashport.attention has no FP8 path" for name in
+       ("q_descale", "k_descale", "v_descale", "descale_q", "descale_k", "descale_v")},
+}
+TUNING = ("num_splits", "pack_gqa", "sm_margin", "deterministic", "gqa_parallel")
+HISTORY = "FA3 flash_attn_func returned (out, lse) before 2025-07-11 and out after"
+
+
+def fa3_sources(function: str) -> tuple[str, ...]:
+    """Every import path of an FA3 function."""
+    return tuple(m + function for m in MODULES)
+
+
+def check_extras(value: dict, ctx) -> list[str]:
+    """Refuse FA3-only features; return notes for dropped tuning arguments."""
+    _fa34.refuse_set(value, UNSUPPORTED)
+    for name in ("attention_chunk", "sink_token_length"):
+        if name in value and not is_zero(value[name]):
+            raise Refuse(f"{name}={ctx.code(value[name])}: no portable equivalent (only 0 is accepted)")
+    return _fa34.dropped_notes(value, TUNING)
+
+
+@register
+class FA3FlashAttnFunc(Rule):
+    """Rewrite FlashAttention-3 ``flash_attn_func`` to ``flashport.torch.attention``."""
+
+    CODE = "FPA010"
+    NAME = "fa3-flash-attn-func"
+    API = "flash_attn_interface.flash_attn_func"
+    FRAMEWORK = "torch"
+    SOURCES = fa3_sources("flash_attn_func")
+    TRIGGERS = (b"flash_attn_interface",)
+    GPU_MODULES = ("flash_attn_interface", "flash_attn_3", "hopper")
+    TARGET = "flashport.torch.attention"
+
+    def check_call(self, call, ctx):
+        """Bind the stable prefix, refuse FA3-only features, pick the return type from the use."""
+        bound = Signature(POSITIONAL, KEYWORDS).bind(call, self.API)
+        q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
+        value = {name: arg.value for name, arg in bound.items()}
+        notes = check_extras(value, ctx)
+        keywords, more = _fa34.common(bound, ctx, self.API)
+        keywords.append(("layout", string("BSHD")))
+        if _fa34.returns_tuple(call, ctx, value.get("return_attn_probs"), "return_attn_probs", HISTORY):
+            keywords.append(("return_lse", cst.Name("True")))
+            notes.append("returns (out, lse) like the FA3 call it replaces")
+        return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), notes=tuple(notes + more))

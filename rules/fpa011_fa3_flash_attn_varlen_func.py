@@ -1,0 +1,65 @@
+"""FPA011 fa3-flash-attn-varlen-func: FlashAttention-3 ``flash_attn_varlen_func`` -> ``flashport.varlen_attention``.
+
+What it rewrites:
+  ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+  seqused_q=None, seqused_k=None, softmax_scale=None, causal=False, ...)`` from
+  ``flash_attn_interface`` / ``flash_attn_3.flash_attn_interface`` / ``hopper.flash_attn_interface``.
+
+Semantics mapping:
+  as FA2 varlen (FPA004): ``[total, H, D]`` with int32 ``cu_seqlens`` -> ``layout="THD"``, causal and
+  window bottom-right **per sequence**; ``max_seqlen_*`` and tuning arguments are dropped. Only the
+  seven leading parameters may be positional (``seqused_q/k`` were inserted after them later).
+
+What it refuses:
+  ``seqused_q``/``seqused_k`` (per-sequence used lengths inside padded buffers), ``qv``, FP8
+  descales, non-zero ``attention_chunk``, a result used as ``(out, lse)`` or
+  ``return_attn_probs`` that is not literally False (``varlen_attention`` has no lse), a result whose
+  type cannot be told, positional arguments after ``max_seqlen_k``, splats, unknown arguments.
+
+Example::
+
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True)
+    out = out.transpose(0, 1)
+    # becomes
+    out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=None, causal=True, align="bottom_right", layout="THD")
+"""
+
+from __future__ import annotations
+
+from flashport.rules import _fa34
+from flashport.rules import _flash_attn as fa
+from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, register, string
+from flashport.rules.fpa010_fa3_flash_attn_func import HISTORY, KEYWORDS, check_extras, fa3_sources
+
+POSITIONAL = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+@register
+class FA3FlashAttnVarlenFunc(Rule):
+    """Rewrite FlashAttention-3 ``flash_attn_varlen_func`` to ``flashport.varlen_attention``."""
+
+    CODE = "FPA011"
+    NAME = "fa3-flash-attn-varlen-func"
+    API = "flash_attn_interface.flash_attn_varlen_func"
+    FRAMEWORK = "torch"
+    SOURCES = fa3_sources("flash_attn_varlen_func")
+    TRIGGERS = (b"flash_attn_interface",)
+    GPU_MODULES = ("flash_attn_interface", "flash_attn_3", "hopper")
+    TARGET = "flashport.varlen_attention"
+
+    def check_call(self, call, ctx):
+        """Bind the stable prefix, refuse seqused/lse uses, map like FPA004."""
+        signature = Signature(POSITIONAL, ("seqused_q", "seqused_k", "softmax_scale", "causal") + KEYWORDS)
+        bound = signature.bind(call, self.API)
+        q, k, v, cu_q, cu_k = fa.required(bound, POSITIONAL[:5], self.API)
+        value = {name: arg.value for name, arg in bound.items()}
+        for name in ("seqused_q", "seqused_k"):
+            if not is_none(value.get(name)):
+                raise Refuse(f"{name} (used lengths inside padded per-sequence buffers) has no portable equivalent")
+        notes = check_extras(value, ctx)
+        if _fa34.returns_tuple(call, ctx, value.get("return_attn_probs"), "return_attn_probs", HISTORY):
+            raise Refuse("the caller expects (out, lse); flashport.varlen_attention returns no lse")
+        keywords, more = _fa34.common(bound, ctx, self.API)
+        keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords + [("layout", string("THD"))]
+        notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
+        return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), notes=tuple(notes + more))

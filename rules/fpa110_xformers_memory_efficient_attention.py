@@ -1,0 +1,100 @@
+"""FPA110 xformers-memory-efficient-attention: ``xformers.ops.memory_efficient_attention`` -> flashport.
+
+What it rewrites:
+  ``memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None,
+  output_dtype=None)`` (and ``memory_efficient_attention_forward``, same arguments) imported from
+  ``xformers.ops`` or ``xformers.ops.fmha`` (``import xformers.ops as xops`` included), into
+  ``flashport.integrations.xformers_compat.memory_efficient_attention`` with the same arguments.
+
+Semantics mapping:
+  layout ``[B, M, H, K]`` (3-D ``[B, M, K]`` = one head, 5-D ``[B, M, G, H, K]`` = GQA with expanded
+  K/V) is kept; ``scale=None`` is ``K ** -0.5`` in both. ``attn_bias`` is converted at run time
+  (its class is rarely visible at the call): ``LowerTriangularMask`` -> **top-left** causal,
+  ``...FromBottomRight...`` -> bottom-right, ``LocalAttentionFromBottomRightMask(l, r)`` -> window
+  ``(l, r)``, ``BlockDiagonal*`` -> segment ids (+ per-block causal/window), a tensor -> additive
+  ``bias``; bias objects are built with flashport's mirror classes (FPA111) or read from real xformers
+  objects. ``op=`` (kernel choice) is dropped; ``output_dtype`` is kept.
+
+What it refuses:
+  dropout ``p`` that may be non-zero (training-gated ``p`` is dropped only with ``--inference``),
+  an ``attn_bias`` expression naming a padded/paged/gappy block mask (see FPA111), splats,
+  unknown arguments, comments inside the call. ``memory_efficient_attention_partial`` /
+  ``_backward`` are reported, not rewritten (partial results + LSE merging / a raw backward).
+
+Example::
+
+    y = xops.memory_efficient_attention(q, k, v, attn_bias=xops.LowerTriangularMask())
+    # becomes (FPA111 rewrites the bias constructor)
+    y = flashport.integrations.xformers_compat.memory_efficient_attention(q, k, v, attn_bias=flashport.integrations.xformers_compat.LowerTriangularMask())
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from flashport.rules import _flash_attn as fa
+from flashport.rules.base import (
+    Refuse,
+    Refusal,
+    Rewrite,
+    Rule,
+    Signature,
+    build_call,
+    is_none,
+    is_zero,
+    register,
+    training_gated_zero,
+)
+
+MODULE = "flashport.integrations.xformers_compat"
+PREFIXES = ("xformers.ops.", "xformers.ops.fmha.")
+REWRITTEN = ("memory_efficient_attention", "memory_efficient_attention_forward")
+REPORTED = ("memory_efficient_attention_partial", "memory_efficient_attention_backward",
+            "memory_efficient_attention_forward_requires_grad")
+SIGNATURE = Signature(("query", "key", "value", "attn_bias", "p", "scale"), ("op", "output_dtype"))
+
+
+@register
+class XformersMemoryEfficientAttention(Rule):
+    """Rewrite ``xformers.ops.memory_efficient_attention`` to flashport's drop-in."""
+
+    CODE = "FPA110"
+    NAME = "xformers-memory-efficient-attention"
+    API = "xformers.ops.memory_efficient_attention"
+    FRAMEWORK = "torch"
+    SOURCES = tuple(p + f for f in REWRITTEN + REPORTED for p in PREFIXES)
+    TRIGGERS = (b"memory_efficient_attention",)
+    GPU_MODULES = ("xformers",)
+    TARGET = MODULE + ".memory_efficient_attention"
+
+    def check_call(self, call, ctx):
+        """Refuse dropout; keep q/k/v/attn_bias/scale/output_dtype; drop op."""
+        if ctx.qualified_name.rsplit(".", 1)[-1] in REPORTED:
+            return Refusal(f"{ctx.qualified_name.rsplit('.', 1)[-1]} (partial results or a raw backward) has no flashport equivalent")
+        bound = SIGNATURE.bind(call, self.API)
+        q, k, v = fa.required(bound, ("query", "key", "value"), self.API)
+        value = {name: arg.value for name, arg in bound.items()}
+        notes = []
+        dropout = value.get("p")
+        if dropout is not None and not is_zero(dropout):
+            if training_gated_zero(dropout) and ctx.options.inference:
+                notes.append(f"dropped p={ctx.code(dropout)} (--inference: treated as 0)")
+            elif training_gated_zero(dropout):
+                raise Refuse(f"p={ctx.code(dropout)} is non-zero in training; flashport.attention has no dropout (--inference drops it)")
+            else:
+                raise Refuse(f"p={ctx.code(dropout)} may be non-zero; flashport.attention has no dropout")
+        if "op" in value and not is_none(value["op"]):
+            notes.append("dropped op= (xformers kernel choice)")
+        bias = value.get("attn_bias")
+        if bias is not None:
+            from flashport.rules.fpa111_xformers_attn_bias import UNSUPPORTED
+
+            text = ctx.code(bias)
+            bad = next((name for name in UNSUPPORTED if name in text), None)
+            if bad:
+                raise Refuse(f"attn_bias {bad}: padded, paged or gappy block layouts have no flashport equivalent")
+        keywords: list[tuple[str, cst.BaseExpression]] = []
+        for name in ("attn_bias", "scale", "output_dtype"):
+            if name in value and not is_none(value[name]):
+                keywords.append((name, value[name]))
+        return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), imports=(MODULE,), notes=tuple(notes))
