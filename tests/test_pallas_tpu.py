@@ -116,7 +116,7 @@ def test_forward_and_grads_match_reference(name):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision(dtype):
-    check(*make_case(hq=4, hkv=2, causal=True, dtype=dtype), dtype=dtype)
+    check(*make_case(hq=4, hkv=2, sk=130, causal=True, dtype=dtype), dtype=dtype)
 
 
 def test_default_blocks_single_tile():
@@ -181,17 +181,17 @@ def test_causal_square_visits_n_plus_1_over_2n_blocks():
 
 def test_window_and_segments_visit_only_overlapping_blocks():
     """Sliding windows shrink the grid; segment ids skip blocks whose id ranges do not overlap."""
-    sq = sk = 1024
-    spec = _spec(sq, sk, causal=True, left=200)
+    spec = _spec(1024, 1024, causal=True, left=200)
     g = Geometry.make(spec, 128, 128)
     assert g.steps_k == 3  # a 201-key window touches at most 3 key blocks of 128
-    assert g.visited_tiles == _tiles_with_visible_keys(spec, 128, 128)
+    assert g.visited_tiles == _tiles_with_visible_keys(spec, 128, 128) == 21  # of 64
+    sq = sk = 512
     rng = np.random.default_rng(0)
-    q_seg = np.sort(rng.integers(0, 6, (2, sq)), axis=1).astype(np.int32)
+    q_seg = np.sort(rng.integers(0, 4, (2, sq)), axis=1).astype(np.int32)
     spec2 = _spec(sq, sk)
     g2 = Geometry.make(spec2, 128, 128)
     counted = visited_count(g2, jnp.asarray(q_seg), jnp.asarray(q_seg))
-    assert counted == _tiles_with_visible_keys(spec2, 128, 128, q_seg, q_seg) < 2 * 8 * 8
+    assert counted == _tiles_with_visible_keys(spec2, 128, 128, q_seg, q_seg) < 2 * 4 * 4
     q, k, v, _, _ = make_case(b=2, sq=sq, sk=sk, hq=1, d=128)
     canon = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
     _, _, visits = pallas_tpu.count_visited_tiles(*canon, spec=spec2, options=dict(block_q=128, block_k=128),
@@ -240,8 +240,10 @@ def test_cost_estimate_is_analytic():
     fn = registry.get("pallas_tpu").fn
     jaxpr = jax.make_jaxpr(lambda q: fn(q, q, q, None, None, None, None, spec=spec,
                                         options=dict(block_q=128, block_k=128)))(q)
-    costs = [e.params["cost_estimate"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    # The TPU lowering and its interpreter fallback (pallas_tpu_platform) carry the same kernel.
+    costs = {e.params["cost_estimate"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"}
     assert len(costs) == 1
+    costs = list(costs)
     tiles = 2 * 10  # 2 heads x (4*5/2) causal tiles
     assert costs[0].flops == tiles * 4 * 128 * 128 * d
     assert costs[0].transcendentals == tiles * 128 * 128
