@@ -1,0 +1,217 @@
+"""Engine behaviour: prefilter, name resolution, per-version binding, imports, bytes, failures."""
+
+from __future__ import annotations
+
+import textwrap
+
+import libcst
+import pytest
+
+from flashport import rules as registry
+from flashport.rewriter import engine
+from flashport.rewriter.engine import transform_source
+from flashport.rules.base import RuleOptions
+
+
+def run(source: str | bytes, **options):
+    data = textwrap.dedent(source).encode() if isinstance(source, str) else source
+    return transform_source(data, "m.py", registry.all_rules(), RuleOptions(**options))
+
+
+def new_text(result) -> str:
+    assert result.status == "changed", (result.status, result.error, result.sites)
+    return result.new.decode()
+
+
+def test_prefilter_never_parses_files_without_triggers(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(engine.cst, "parse_module", boom)
+    monkeypatch.setattr(engine.ast, "parse", boom)
+    result = run("import torch\n\ndef attention(q, k, v):\n    return q @ k\n")
+    assert not result.parsed and result.status == "unchanged" and not result.sites
+
+
+def test_statements_without_triggers_are_not_given_to_libcst(monkeypatch):
+    seen = []
+    real = libcst.parse_module
+    monkeypatch.setattr(engine.cst, "parse_module", lambda code: seen.append(code) or real(code))
+    run("""
+        from flash_attn import flash_attn_func
+
+        def untouched():
+            return 'a big unrelated function'
+
+        class Model:
+            def other(self):
+                return 1
+
+            def forward(self, q, k, v):
+                return flash_attn_func(q, k, v)
+    """)
+    assert len(seen) == 1 and "untouched" not in seen[0] and "def other" not in seen[0] and "def forward" in seen[0]
+
+
+def test_resolution_through_module_alias_and_class_methods():
+    text = new_text(run("""
+        import flash_attn.flash_attn_interface as fai
+        import torch.nn.functional as F
+
+        class A:
+            def f(self, q, k, v):
+                return fai.flash_attn_func(q, k, v), F.scaled_dot_product_attention(q, k, v)
+    """))
+    assert "fai.flash_attn_func" not in text and text.count("flashport.torch.attention(") == 2
+    assert "import flash_attn.flash_attn_interface as fai" not in text  # became unused
+
+
+def test_bare_names_never_match():
+    source = """
+        from mypkg import flash_attn_func, scaled_dot_product_attention
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v), scaled_dot_product_attention(q, k, v)
+    """
+    result = run(source)
+    assert result.status == "unchanged" and not result.sites
+
+
+def test_shadowing_local_definition_is_not_rewritten():
+    result = run("""
+        import torch.nn.functional as F
+
+        def f(q, k, v):
+            F = object()
+            return F.scaled_dot_product_attention(q, k, v)
+    """)
+    assert result.status == "unchanged" and not [s for s in result.sites if s.status == "rewrite"]
+
+
+def test_top_level_and_nested_calls():
+    text = new_text(run("""
+        from flash_attn import flash_attn_func
+        out = flash_attn_func(flash_attn_func(q, k, v), k, v, causal=True)
+    """))
+    assert text.count("flashport.torch.attention(") == 2 and "flash_attn_func" not in text
+
+
+@pytest.mark.parametrize("version,expect", [
+    ((2, 8, 3), 'window=(4, 0), align="bottom_right"'),  # 7th positional = window_size (>= 2.3)
+    ((2, 3), 'window=(4, 0), align="bottom_right"'),
+])
+def test_positional_binding_follows_the_flash_attn_version(version, expect):
+    text = new_text(run("""
+        from flash_attn import flash_attn_func
+        y = flash_attn_func(q, k, v, 0.0, None, True, (4, 0))
+    """, flash_attn_version=version))
+    assert expect in text
+
+
+def test_flash_attn_2_0_signature_and_top_left_causal():
+    result = run("""
+        from flash_attn import flash_attn_func
+        y = flash_attn_func(q, k, v, 0.0, None, True, (4, 0))
+    """, flash_attn_version=(2, 0))
+    assert result.status == "unchanged" and "return_attn_probs" in result.sites[0].reason  # 7th positional in 2.0-2.2
+    text = new_text(run("""
+        from flash_attn import flash_attn_func
+        y = flash_attn_func(q, k, v, 0.0, None, True)
+    """, flash_attn_version=(2, 0)))
+    assert 'causal=True, align="top_left"' in text
+
+
+def test_sdpa_scale_keyword_unknown_before_torch_2_1():
+    result = run("import torch.nn.functional as F\ny = F.scaled_dot_product_attention(q, k, v, scale=0.5)\n", torch_version=(2, 0))
+    assert result.status == "unchanged" and "unknown argument 'scale'" in result.sites[0].reason
+
+
+def test_jax_bias_mask_keyword_only_in_0_4_31():
+    result = run("import jax\ny = jax.nn.dot_product_attention(q, k, v, b, implementation='cudnn')\n", jax_version=(0, 4, 31))
+    assert result.status == "unchanged" and "positional" in result.sites[0].reason
+
+
+def test_imports_partial_removal_guarded_kept_and_flashport_added_once():
+    text = new_text(run("""
+        import flashport
+        from flash_attn import flash_attn_func, flash_attn_varlen_func  # GPU kernels
+        if available():
+            from flash_attn import flash_attn_kvpacked_func
+
+        def f(q, k, v, kv, kw):
+            a = flash_attn_func(q, k, v)
+            b = flash_attn_varlen_func(**kw)
+            c = flash_attn_kvpacked_func(q, kv)
+            return a, b, c
+    """))
+    assert text.count("import flashport") == 1
+    assert "from flash_attn import flash_attn_varlen_func  # GPU kernels\n" in text
+    assert "    from flash_attn import flash_attn_kvpacked_func\n" in text  # guarded: kept
+
+
+def test_feature_probe_keeps_its_import():
+    text = new_text(run("""
+        import inspect
+        from flash_attn import flash_attn_func
+        HAS_WINDOW = "window_size" in inspect.signature(flash_attn_func).parameters
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v)
+    """))
+    assert "from flash_attn import flash_attn_func\n" in text
+
+
+def test_coding_declaration_and_latin1_bytes_preserved():
+    source = (b"# -*- coding: latin-1 -*-\n# caf\xe9 \xb5s\r\nfrom flash_attn import flash_attn_func\n"
+              b"s = '\xe9'\t# tab\n\n\ndef f(q, k, v):\n\treturn flash_attn_func(q, k, v)  # trailing \xe9\n")
+    result = run(source)
+    new = result.new
+    assert new.startswith(b"# -*- coding: latin-1 -*-\n# caf\xe9 \xb5s\r\n")
+    assert b"s = '\xe9'\t# tab\n\n\n" in new
+    assert b'\treturn flashport.torch.attention(q, k, v, scale=None, causal=False, align="bottom_right", layout="BSHD")  # trailing \xe9\n' in new
+    compile(new, "m.py", "exec")
+
+
+def test_only_rewritten_lines_and_imports_differ():
+    source = textwrap.dedent("""\
+        '''doc'''
+        import os  # keep
+        from flash_attn import flash_attn_func
+
+
+        # a comment
+        def f(q, k, v):
+            x = 1   # odd   spacing
+            return flash_attn_func(q, k, v, causal=True)
+        """)
+    new = new_text(run(source)).splitlines()
+    old = source.splitlines()
+    assert new[0] == old[0] and new[1] == "import flashport" and new[2] == old[1]  # GPU import dropped
+    assert new[3:8] == old[3:8] and len(new) == len(old)
+    assert new[8].startswith("    return flashport.torch.attention(")
+
+
+def test_suppression_bare_and_other_code():
+    result = run("""
+        from flash_attn import flash_attn_func
+        a = flash_attn_func(q, k, v)  # flashport: ignore
+        b = flash_attn_func(q, k, v)  # flashport: ignore[FPA101]
+    """)
+    assert [s.status for s in result.sites] == ["suppressed", "rewrite"]
+
+
+@pytest.mark.parametrize("data,needle", [
+    (b"from flash_attn import flash_attn_func\ndef f(:\n", "syntax error at line 2"),
+    (b"from flash_attn import flash_attn_func\nx = '\xff\xfe'\n", "cannot decode"),
+    (b"# -*- coding: nonsense -*-\nimport flash_attn\n", "cannot decode"),
+])
+def test_broken_files_are_errors_and_untouched(data, needle):
+    result = transform_source(data, "bad.py", registry.all_rules())
+    assert result.status == "error" and needle in result.error and result.new is None
+
+
+def test_results_are_deterministic_and_rules_fresh_per_file():
+    source = "from flash_attn import flash_attn_func\nx = flash_attn_func(q, k, v)\n"
+    first = run(source)
+    second = run(source)
+    assert first.sites == second.sites and first.new == second.new
