@@ -1,0 +1,89 @@
+"""FPA900 transformers-attn-implementation: ``attn_implementation="flash_attention_2"`` -> flashport.
+
+What it rewrites:
+  the strings ``"flash_attention_2"`` / ``"flash_attention_3"`` where they **set** transformers'
+  attention implementation:
+
+  * a keyword argument ``attn_implementation="flash_attention_2"`` of any call
+    (``from_pretrained``, ``from_config``, ``AutoConfig...``);
+  * the argument of ``model.set_attn_implementation("flash_attention_2")``;
+  * an assignment to ``attn_implementation`` / ``x.attn_implementation`` / ``x._attn_implementation``;
+  * a dict entry ``{"attn_implementation": "flash_attention_2"}`` (kwargs tables).
+
+  Each becomes ``flashport.integrations.transformers.ATTN_IMPLEMENTATION`` (the string
+  ``"flashport"``); the rewritten file imports ``flashport.integrations.transformers``, which
+  registers flashport's attention function and mask builder with transformers' registries at
+  import time, so the name is valid before the model is built.
+
+Semantics mapping:
+  transformers calls the registered function with ``[B, H, S, D]`` tensors, the SDPA-style mask
+  (boolean, True = attend, with padding, causal and sliding window folded in) or ``None`` plus
+  ``is_causal`` (top-left, as in the SDPA integration), ``scaling`` and ``softcap``; it runs
+  ``flashport.torch.attention(..., layout="BHSD", align="top_left")``. GQA needs no ``repeat_kv``.
+  Outputs match ``attn_implementation="sdpa"`` (and ``"eager"`` on non-padding rows) to float32
+  round-off (tests/test_transformers_integration.py).
+
+What it refuses:
+  nothing; the same strings in any other position (comparisons such as
+  ``config._attn_implementation == "flash_attention_2"``, dispatch tables, messages) are reported,
+  not rewritten: changing them would change the code's branching. At run time the flashport function
+  raises for dropout > 0 in training, attention sinks (``s_aux``) and ``head_mask``.
+
+Example::
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flash_attention_2")
+    # becomes
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=flashport.integrations.transformers.ATTN_IMPLEMENTATION)
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from flashport.rules import _sites
+from flashport.rules.base import Report, Rewrite, Rule, dotted, literal_string, register
+
+MODULE = "flashport.integrations.transformers"
+NAMES = ("attn_implementation", "_attn_implementation")
+
+
+def setting_context(node: cst.SimpleString, ctx) -> bool:
+    """True when the string literal sets transformers' attention implementation."""
+    up = _sites.parent(node, ctx)
+    if isinstance(up, cst.Arg) and up.value is node:
+        if up.keyword is not None:
+            return up.keyword.value in NAMES
+        call = _sites.parent(up, ctx)
+        return (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+                and call.func.attr.value == "set_attn_implementation" and call.args and call.args[0] is up)
+    if isinstance(up, cst.Assign) and up.value is node:
+        for target in up.targets:
+            t = target.target
+            name = t.value if isinstance(t, cst.Name) else t.attr.value if isinstance(t, cst.Attribute) else None
+            if name not in NAMES:
+                return False
+        return True
+    if isinstance(up, cst.DictElement) and up.value is node:
+        return literal_string(up.key) in NAMES
+    return False
+
+
+@register
+class TransformersAttnImplementation(Rule):
+    """Point transformers' ``attn_implementation`` settings at flashport's registered implementation."""
+
+    CODE = "FPA900"
+    NAME = "transformers-attn-implementation"
+    API = "transformers attn_implementation (rewrite)"
+    FRAMEWORK = "torch"
+    STRINGS = ("flash_attention_2", "flash_attention_3")
+    TRIGGERS = (b"flash_attention_2", b"flash_attention_3")
+    TARGET = MODULE + ".ATTN_IMPLEMENTATION"
+
+    def check_string(self, node, value, ctx):
+        """Rewrite setting positions; report every other occurrence."""
+        if setting_context(node, ctx):
+            return Rewrite(dotted(self.TARGET), imports=(MODULE,),
+                           notes=(f"{value!r} -> 'flashport' (registered by importing {MODULE})",))
+        return Report(f"configuration string {value!r} selects a CUDA flash-attention kernel; it is not "
+                      "setting attn_implementation here (comparison or table), so it is not rewritten")
