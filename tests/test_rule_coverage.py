@@ -1,0 +1,49 @@
+"""The coverage table: every rule documents what it rewrites and refuses; README and CLI show it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from flashport.rules import all_rules
+from flashport.rules import coverage as cov
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("rule", all_rules(), ids=lambda r: r.CODE)
+def test_every_rule_has_coverage_metadata(rule):
+    row = cov.coverage(rule)
+    assert row.rewrites and row.refuses and row.api and row.framework in ("torch", "jax")
+    assert "\n" not in row.rewrites + row.refuses
+
+
+def test_sections_parser_reads_indented_paragraphs_only():
+    doc = "Title.\n\nWhat it rewrites:\n  a b\n  c.\n\nWhat it refuses:\n  x.\n\nExample::\n\n    code\n"
+    assert cov.sections(doc) == {"What it rewrites": "a b c.", "What it refuses": "x."}
+
+
+def test_missing_sections_are_an_error(monkeypatch):
+    rule = all_rules()[0]
+    monkeypatch.setattr(sys.modules[rule.__module__], "__doc__", "No sections here.")
+    with pytest.raises(ValueError, match="What it refuses"):
+        cov.coverage(rule)
+
+
+def test_readme_section_matches_the_generator():
+    text = README.read_text(encoding="utf-8")
+    assert cov.START in text, "README lacks the rule coverage section"
+    assert cov.update(text) == text, "README's rule coverage is stale: python -m flashport.rules.coverage --update README.md"
+    assert text.count("\n| FPA") == len(all_rules())
+
+
+def test_cli_rules_json_has_rewritten_and_refused():
+    out = subprocess.run([sys.executable, "-m", "flashport", "rules", "--format", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    listed = {row["code"]: row for row in json.loads(out)}
+    assert set(listed) == {rule.CODE for rule in all_rules()}
+    assert "base-2" in listed["FPA203"]["refused"] and listed["FPA208"]["rewrites"] is False
