@@ -207,14 +207,21 @@ def _rules(args) -> int:
     from rich.table import Table
 
     table = Table(title="flashport rules")
-    for column in ("code", "name", "source API", "framework", "fix", "rewrites to"):
+    from flashport.rules.coverage import coverage
+
+    for column in ("code", "name", "source API", "framework", "fix", "rewrites to", "rewritten", "refused (why)"):
         table.add_column(column, overflow="fold")
     for rule in all_rules:
-        table.add_row(rule.CODE, rule.NAME, rule.API, rule.FRAMEWORK, "rewrite" if rule.REWRITES else "report", rule.TARGET or "-")
+        row = coverage(rule)
+        table.add_row(rule.CODE, rule.NAME, rule.API, rule.FRAMEWORK, "rewrite" if rule.REWRITES else "report", rule.TARGET or "-", row.rewrites, row.refuses)
     Console(no_color=not _color(args), highlight=False).print(table)
     return EXIT_OK
 
 
 def _rule_json(rule) -> dict:
+    from flashport.rules.coverage import coverage
+
+    row = coverage(rule)
     return {"code": rule.CODE, "name": rule.NAME, "api": rule.API, "framework": rule.FRAMEWORK,
-            "sources": list(rule.SOURCES), "rewrites": rule.REWRITES, "target": rule.TARGET, "summary": rule.summary()}
+            "sources": list(rule.SOURCES), "rewrites": rule.REWRITES, "target": rule.TARGET, "summary": rule.summary(),
+            "rewritten": row.rewrites, "refused": row.refuses}
