@@ -37,11 +37,11 @@ RULE_MODULES = (
     "fpa207_keras_dpa",
     "fpa208_te_jax_dpa",
     "fpa209_te_jax_fused_attn",
-    "fpa900_transformers_attn_implementation",
     "fpa901_attn_implementation_config",
     "fpa902_use_flash_attention_2",
     "fpa903_maxtext_attention_config",
     "fpa904_nvte_fused_attn_env",
+    "fpa905_transformers_attn_implementation",
 )
 
 _loaded = False

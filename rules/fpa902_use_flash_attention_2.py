@@ -4,10 +4,10 @@ What it rewrites:
   the keyword ``use_flash_attention_2=True`` of ``from_pretrained`` / ``from_config`` on the
   transformers Auto classes and ``PreTrainedModel`` (transformers <= 4.3x popped it and meant
   ``attn_implementation="flash_attention_2"``). It is replaced by
-  ``attn_implementation=flashport.integrations.transformers.ATTN_IMPLEMENTATION`` (see FPA900).
+  ``attn_implementation=flashport.integrations.transformers.ATTN_IMPLEMENTATION`` (see FPA905).
 
 Semantics mapping:
-  as FPA900: the model's attention layers run ``flashport.torch.attention`` with the SDPA-style
+  as FPA905: the model's attention layers run ``flashport.torch.attention`` with the SDPA-style
   masks transformers builds.
 
 What it refuses:

@@ -12,7 +12,7 @@ Importing this module registers, once:
   (True = attend; padding, causal and sliding window included) or ``None`` when the mask is purely
   causal and SDPA would use ``is_causal`` instead.
 
-The codemod rule FPA900 rewrites ``attn_implementation="flash_attention_2"`` to
+The codemod rule FPA905 rewrites ``attn_implementation="flash_attention_2"`` to
 ``flashport.integrations.transformers.ATTN_IMPLEMENTATION``; evaluating that name imports this
 module, so the registration happens before the model is built. Tested with transformers 4.57.
 """

@@ -1,4 +1,7 @@
-"""FPA900 transformers-attn-implementation: ``attn_implementation="flash_attention_2"`` -> flashport.
+"""FPA905 transformers-attn-implementation: ``attn_implementation="flash_attention_2"`` -> flashport (opt-in).
+
+Opt-in: FPA901 reports the same strings and, listed first, answers for them by default. Enable the
+rewrite with ``flashport rewrite --ignore FPA901`` (or ``--select FPA905,...``).
 
 What it rewrites:
   the strings ``"flash_attention_2"`` / ``"flash_attention_3"`` where they **set** transformers'
@@ -72,7 +75,7 @@ def setting_context(node: cst.SimpleString, ctx) -> bool:
 class TransformersAttnImplementation(Rule):
     """Point transformers' ``attn_implementation`` settings at flashport's registered implementation."""
 
-    CODE = "FPA900"
+    CODE = "FPA905"
     NAME = "transformers-attn-implementation"
     API = "transformers attn_implementation (rewrite)"
     FRAMEWORK = "torch"
