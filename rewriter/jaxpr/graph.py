@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+
+from flashport.rewriter.jaxpr import consteval
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
@@ -34,8 +36,11 @@ class Graph:
         self.index: dict = {}
         self.consts = dict(zip(jaxpr.constvars, consts))
         self.outvars = {v for v in jaxpr.outvars if not is_literal(v)}
+        dead = _dead_eqns(jaxpr)
         for i, eqn in enumerate(jaxpr.eqns):
             self.index[id(eqn)] = i
+            if i in dead:
+                continue  # e.g. `_ = sign l` in logsumexp: not a user
             for v in eqn.invars:
                 if not is_literal(v):
                     self.users.setdefault(v, []).append(eqn)
@@ -70,6 +75,9 @@ class Graph:
         eqn = self.prod(v)
         if eqn is None:
             k = ("var", id(v))
+        elif (eqn.primitive.name == "convert_element_type"
+              and eqn.invars[0].aval.dtype == v.aval.dtype):  # a weak-type-only cast
+            k = self.key(eqn.invars[0])
         else:
             k = (eqn.primitive.name, _params_key(eqn.params), tuple(self.key(x) for x in eqn.invars),
                  eqn.outvars.index(v))
@@ -96,27 +104,24 @@ class Graph:
             out = np.asarray(val)
         else:
             eqn = self.prod(v)
-            if eqn is None or eqn.effects or _size(v) > MAX_CONST_ELEMENTS:
-                return None
-            if eqn.primitive.name in ("dot_general", "scan", "while", "cond", "rng_bit_generator",
-                                      "random_bits", "random_seed", "random_wrap", "random_unwrap"):
+            if eqn is None or eqn.effects or _size(v) > MAX_CONST_ELEMENTS or len(eqn.outvars) != 1:
                 return None
             vals = [self.const_value(x) for x in eqn.invars]
             if any(x is None for x in vals):
                 return None
-            try:
-                with jax.ensure_compile_time_eval():
-                    res = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
-            except Exception:  # noqa: BLE001 -- anything unfoldable is simply not a constant
+            out = consteval.evaluate(eqn, vals)
+            if out is None:
                 return None
-            if eqn.primitive.multiple_results:
-                res = res[eqn.outvars.index(v)]
-            out = np.asarray(res)
         self._const[v] = out
         return out
 
     def scalar(self, v) -> float | None:
         """``v`` as a Python float when it is a constant scalar (or a constant broadcast of one)."""
+        while (e := self.prod(v)) is not None and e.primitive.name in (
+                "broadcast_in_dim", "convert_element_type", "reshape"):
+            v = e.invars[0]
+        if _size(v) != 1:
+            return None
         val = self.const_value(v)
         if val is None:
             return None
@@ -135,6 +140,18 @@ def location(eqn) -> str:
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # noqa: BLE001 -- source info is best effort
         return "?"
+
+
+def _dead_eqns(jaxpr) -> set:
+    live = {v for v in jaxpr.outvars if not is_literal(v)}
+    dead = set()
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        if eqn.effects or any(o in live for o in eqn.outvars):
+            live.update(v for v in eqn.invars if not is_literal(v))
+        else:
+            dead.add(i)
+    return dead
 
 
 def _size(v) -> int:

@@ -291,7 +291,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     assert k_out0 == s_dot
 
     # ---- probabilities down to PV
-    zero_preds = list(sm.zero_preds)
+    zero_preds = [(pred, keep, sm.p, list(t_dims)) for pred, keep in sm.zero_preds]
     cur, pdims = sm.p, list(t_dims)
     while True:
         if g.n_users(cur) != 1:
@@ -306,9 +306,10 @@ def match_at(g: Graph, exp_eqn) -> Match:
         elif name == "transpose":
             pdims = [pdims[p] for p in u.params["permutation"]]
         elif name == "select_n" and len(u.invars) == 3 and u.invars[2] is cur and g.scalar(u.invars[1]) == 0.0:
-            zero_preds.append((u.invars[0], True))
-        elif name == "mul":
-            raise NoMatch("the probabilities are multiplied by a tensor (dropout or a post-softmax mask without renormalisation)")
+            zero_preds.append((u.invars[0], True, cur, list(pdims)))
+        elif name in ("mul", "div"):
+            raise NoMatch("the probabilities are multiplied by a tensor or rescaled (dropout, or a post-softmax "
+                          "mask without renormalisation)")
         else:
             raise NoMatch(f"`{name}` between the softmax and the PV product")
         cur = u.outvars[0]
@@ -339,11 +340,11 @@ def match_at(g: Graph, exp_eqn) -> Match:
     scale, softcap, biases, masks = _algebra(g, annotated, t_dtype)
 
     # ---- zero-masks must repeat a pre-softmax mask
-    pre_keys = {(g.key(peel_broadcast(g, m.var, casts=False)[0]), m.keep_when_true) for m in masks}
-    for pred, keep in zero_preds:
-        if (g.key(peel_broadcast(g, pred, casts=False)[0]), keep) not in pre_keys:
-            raise NoMatch("a post-softmax mask differs from the pre-softmax mask (no renormalisation)")
-        explained.add(id(g.prod(pred)) if g.prod(pred) is not None else 0)
+    pre_keys = {(g.key(m.var), m.dmap, m.keep_when_true) for m in masks}
+    for pred, keep, at, at_dims in zero_preds:
+        src, dmap = _term(g, pred, at, at_dims)
+        if (g.key(src), dmap, keep) not in pre_keys:
+            raise NoMatch("a post-softmax mask differs from the pre-softmax mask (dropout, or no renormalisation)")
 
     # ---- escape rule: every equation between the two products is explained and private
     _check_internal(g, dot, pv, cur, explained)
@@ -446,8 +447,9 @@ def _check_internal(g: Graph, dot, pv, p_operand, explained):
             if id(e) in fwd:
                 internal.append(e)
     inside = {id(e) for e in internal} | {id(pv)}
+    known = {g.key(o) for e in eqns[i0:i1 + 1] if id(e) in explained for o in e.outvars}
     for e in [dot, *internal]:
-        if id(e) not in explained:
+        if id(e) not in explained and not all(g.key(o) in known for o in e.outvars):
             raise NoMatch(f"`{e.primitive.name}` between the QK and PV products is not part of the pattern")
         for o in e.outvars:
             if o in g.outvars or any(id(u) not in inside for u in g.users.get(o, ())):

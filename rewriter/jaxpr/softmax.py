@@ -89,8 +89,6 @@ def _max_chain(g: Graph, v):
             return e, eqns + [e]
         if name in ("stop_gradient", "convert_element_type", "copy", "broadcast_in_dim", "transpose",
                     "reshape"):
-            if name == "broadcast_in_dim" and len(shape(e.invars[0])) != len(shape(v)):
-                break
             v = e.invars[0]
         elif name == "max":
             lits = [g.scalar(x) for x in e.invars]
@@ -131,7 +129,8 @@ def _logsumexp(g: Graph, src, a, axis):
         return None
     eqns.append(e)
     v = e.invars[0]
-    while (pe := g.prod(v)) is not None and pe.primitive.name in ("abs", "convert_element_type"):
+    while (pe := g.prod(v)) is not None and pe.primitive.name in ("abs", "convert_element_type",
+                                                                  "broadcast_in_dim", "reshape"):
         eqns.append(pe)
         v = pe.invars[0]
     rs = g.prod(v)
@@ -151,9 +150,6 @@ def _logsumexp(g: Graph, src, a, axis):
     y0, more = shifted
     if not _same_axis(g, y0, rs.params["axes"], a, axis):
         return None
-    for x in (g.prod(y),):
-        if x is not None:
-            eqns.append(x)
     return eqns + more
 
 
@@ -224,4 +220,8 @@ def _normalizer(g: Graph, ex, axis):
             seqns, spreds = derived[rs.invars[0]]
             zero_preds = preds + spreds
             return u.outvars[0], [*eqns, u, *beqns, *recip, rs, *seqns], zero_preds
+    for v in derived:
+        for u in g.users.get(v, ()):
+            if u.primitive.name == "reduce_sum" and tuple(u.params["axes"]) != (axis,):
+                raise NoMatch("the max and the sum of the softmax run over different axes")
     raise NoMatch("exp(scores - max) is not normalized by its own sum over the same axis")
