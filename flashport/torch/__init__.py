@@ -152,6 +152,9 @@ def _run_jax(kind, backend, query, key, value, options, tensors, return_lse):
         for ids in (tensors["q_segment_ids"], tensors["kv_segment_ids"])
     )
     static = dict(options, backend=backend)
-    out, lse = _jax.JaxAttention.apply(runner, static, query, key, value, tensors["bias"], tensors["mask"],
+    bias = tensors["bias"]
+    need_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (query, key, value, bias))
+    out, lse = _jax.JaxAttention.apply(runner, static, need_grad, query, key, value, bias, tensors["mask"],
                                        q_seg, kv_seg)
     return (out, lse) if return_lse else out

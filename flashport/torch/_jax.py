@@ -127,9 +127,9 @@ class JaxAttention(torch.autograd.Function):
     """``(out, lse)`` from a runner; the backward is the JAX VJP. ``lse`` is not differentiable."""
 
     @staticmethod
-    def forward(ctx, runner, static, q, k, v, bias, mask, q_seg, kv_seg):
-        """Run the JAX forward; keep what the backward needs."""
-        need_grad = any(ctx.needs_input_grad[2:6])
+    def forward(ctx, runner, static, need_grad, q, k, v, bias, mask, q_seg, kv_seg):
+        """Run the JAX forward; keep what the backward needs when ``need_grad`` (the caller's grad
+        mode and requires_grad: ``ctx.needs_input_grad`` ignores ``torch.no_grad()``)."""
         out, lse, state = runner.forward((q, k, v, bias, mask, q_seg, kv_seg), static, need_grad)
         ctx.runner, ctx.static, ctx.state = runner, static, state
         if need_grad:
@@ -144,4 +144,4 @@ class JaxAttention(torch.autograd.Function):
         """Gradients for query, key, value and bias from the JAX VJP."""
         *saved, _ = ctx.saved_tensors
         dq, dk, dv, dbias = ctx.runner.backward(ctx.state, tuple(saved), d_out, ctx.static)
-        return None, None, dq, dk, dv, dbias, None, None, None
+        return None, None, None, dq, dk, dv, dbias, None, None, None
