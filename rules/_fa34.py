@@ -18,6 +18,12 @@ from flashport.rules import _sites
 from flashport.rules.base import Refuse, is_none, is_zero, literal_bool, literal_number, number, string, tuple_of
 
 
+def positional_limit(call: cst.Call, limit: int, reason: str) -> None:
+    """Refuse (with ``reason``) a call with more than ``limit`` positional arguments."""
+    if sum(1 for a in call.args if a.keyword is None and not a.star) > limit:
+        raise Refuse(reason)
+
+
 def refuse_set(value: dict, reasons: dict[str, str]) -> None:
     """Refuse when any argument named in ``reasons`` is given and not None."""
     for name, reason in reasons.items():

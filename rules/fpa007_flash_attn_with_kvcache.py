@@ -72,13 +72,13 @@ def _allocates(node: cst.BaseExpression) -> bool:
 
 def cache_is_dead(call: cst.Call, names: list[str], ctx) -> str | None:
     """None when the in-place update of the caches ``names`` provably is not relied on, else why."""
-    found = _sites.originals(call, ctx)
-    if len(found) != 1:
+    node = _sites.locate(call, ctx)
+    if node is None:
         return "the call could not be located in its function"
-    function = next((a for a in _sites.ancestors(found[0], ctx) if isinstance(a, cst.FunctionDef)), None)
+    function = next((a for a in _sites.ancestors(node, ctx) if isinstance(a, cst.FunctionDef)), None)
     if function is None:
         return "the call is not inside a function"
-    for up in _sites.ancestors(found[0], ctx):
+    for up in _sites.ancestors(node, ctx):
         if up is function:
             break
         if isinstance(up, (cst.For, cst.While, cst.CompFor)):
@@ -141,6 +141,8 @@ class FlashAttnWithKVCache(Rule):
 
     def check_call(self, call, ctx):
         """Refuse what the contract cannot hold; rewrite reads, and updates nobody relies on."""
+        if sum(1 for a in call.args if a.keyword is None and not a.star) > len(POSITIONAL):
+            raise Refuse("arguments after v must be passed by keyword: their positions changed between releases")
         bound = Signature(POSITIONAL, self.KEYWORDS).bind(call, self.API)
         q, k_cache, v_cache = fa.required(bound, POSITIONAL[:3], self.API)
         value = {name: arg.value for name, arg in bound.items()}

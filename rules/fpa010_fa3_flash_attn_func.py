@@ -80,6 +80,7 @@ class FA3FlashAttnFunc(Rule):
 
     def check_call(self, call, ctx):
         """Bind the stable prefix, refuse FA3-only features, pick the return type from the use."""
+        _fa34.positional_limit(call, len(POSITIONAL), "arguments after causal must be passed by keyword: FA3 inserted and renamed parameters between releases")
         bound = Signature(POSITIONAL, KEYWORDS).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}

@@ -89,6 +89,7 @@ class FA4FlashAttnFunc(Rule):
 
     def check_call(self, call, ctx):
         """Keywords only after q, k, v; FA4 window conventions; return type from flag or use."""
+        _fa34.positional_limit(call, 3, "arguments after v must be passed by keyword: FA4's 4th parameter is qv and its tail changed across betas")
         bound = Signature(("q", "k", "v"), KEYWORDS).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}

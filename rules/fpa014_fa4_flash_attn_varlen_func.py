@@ -46,6 +46,7 @@ class FA4FlashAttnVarlenFunc(Rule):
 
     def check_call(self, call, ctx):
         """Require both cu_seqlens, refuse padded/paged buffers and lse uses, map like FPA013."""
+        _fa34.positional_limit(call, 3, "arguments after v must be passed by keyword: FA4's varlen signature changed across betas")
         bound = Signature(("q", "k", "v"), VARLEN + KEYWORDS).bind(call, self.API)
         q, k, v, cu_q, cu_k = fa.required(bound, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
