@@ -72,8 +72,6 @@ def _pad_qkv(g: Geometry, q, k, v):
 
 def _launch(cfg: Config, call_fn, g: Geometry, operands, tables, **kwargs):
     """Run a kernel builder; for real TPU lowering route it through :func:`tpu_only`."""
-    if cfg.interpret:
-        return call_fn(g, *operands, tables, interpret=cfg.interpret_mode, **kwargs)
     present = [x is not None for x in operands]
     flat = [x for x in operands if x is not None] + list(tables)
     n = len(flat) - len(tables)
@@ -86,7 +84,34 @@ def _launch(cfg: Config, call_fn, g: Geometry, operands, tables, **kwargs):
 
         return run
 
+    if cfg.interpret:
+        return _map_under_vmap(make(cfg.interpret_mode), *flat)
     return tpu_only(make, *flat)
+
+
+def _map_under_vmap(fn, *flat):
+    """Call ``fn``; under ``vmap`` loop over the batch with ``lax.map`` instead of batching the kernel.
+
+    The TPU interpreter rejects a vmapped ``pallas_call`` (the batching rule adds a grid dimension but
+    not its dimension semantics), so the interpreter backends map sequentially instead.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def call(*xs):
+        return fn(*xs)
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, *xs):
+        batched = [x for x, b in zip(xs, in_batched) if b]
+
+        def one(slices):
+            it = iter(slices)
+            return call(*[next(it) if b else x for x, b in zip(xs, in_batched)])
+
+        outs = tuple(jax.lax.map(one, batched))
+        return outs, tuple(True for _ in outs)
+
+    return call(*flat)
 
 
 def _lanes(x, size):

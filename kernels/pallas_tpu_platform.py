@@ -57,7 +57,7 @@ mlir.register_lowering(tpu_only_p, _lowering("tpu"), platform="tpu")
 
 def _batch(args, dims, *, tpu, other):
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-    axes = [None if d is batching.not_mapped else d for d in dims]
+    axes = list(dims)  # None = not mapped
 
     def vmapped(jaxpr):
         return jax.make_jaxpr(jax.vmap(core.jaxpr_as_fun(jaxpr), in_axes=axes))(*structs)

@@ -135,6 +135,15 @@ def test_empty_rows_are_zero_with_zero_grads():
     assert np.all(np.isfinite(np.asarray(dq))) and np.all(np.asarray(dq)[:, 20:] == 0)
 
 
+def test_vmap_and_jit():
+    """vmap over an extra leading axis (the interpreter maps it; on TPU the kernel grid grows)."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 1, 40, 2, 64)), jnp.float32)
+    out = jax.jit(jax.vmap(lambda q: flashport.attention(q, q, q, causal=True, backend=SMALL)))(q)
+    for i in range(2):
+        assert_close(out[i], reference_attention(q[i], q[i], q[i], causal=True)[0], 2e-5, f"out[{i}]")
+
+
 # ------------------------------------------------------------------------------ block skipping
 
 

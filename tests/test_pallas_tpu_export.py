@@ -124,3 +124,11 @@ def test_auto_exports_for_cpu_and_tpu_together():
 def test_explicit_user_blocks_lower():
     backend = registry.use("pallas_tpu", block_q=256, block_k=512, block_q_dkv=128, block_k_dkv=256)
     assert_three_kernels(export_train_step(KINDS["v5p"], "bfloat16", "everything", backend=backend))
+
+
+def test_vmap_of_grad_lowers():
+    q = S((3, 1, 512, 2, 128), jnp.bfloat16)
+    f = jax.jit(jax.vmap(jax.grad(lambda q: flashport.attention(q, q, q, causal=True, backend="pallas_tpu").sum())))
+    with jax.sharding.use_abstract_mesh(abstract_tpu(KINDS["v6e"])):
+        text = jax.export.export(f, platforms=["tpu"])(q).mlir_module()
+    assert_three_kernels(text)
