@@ -117,7 +117,7 @@ def _settings(args):
         torch_version=_version(args.torch_version or table.get("torch-version"), defaults.torch_version, "--torch-version"),
         jax_version=_version(args.jax_version or table.get("jax-version"), defaults.jax_version, "--jax-version"),
     )
-    jobs = args.jobs or table.get("jobs")
+    jobs = args.jobs if args.jobs is not None else table.get("jobs")
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     exclude = tuple((args.exclude or []) + list(table.get("exclude", [])))

@@ -4,7 +4,7 @@ Directories are walked recursively without following symlinked directories (so n
 tree is reached); symlinked files are kept only when they resolve inside the walked root; every
 file is listed once (by resolved path). Skipped: the default excludes (VCS, virtualenv, cache and
 build folders), ``--exclude`` globs (matched against the path relative to the walked root and
-against the name), and paths ignored by ``.gitignore`` files (the root's and nested ones; the
+every trailing part of it, so ``sub/*`` and ``*_pb2.py`` match at any depth), and paths ignored by ``.gitignore`` files (the root's and nested ones; the
 patterns of git's own syntax: ``*``, ``?``, ``**``, ``[...]``, anchoring ``/``, trailing ``/`` for
 directories, ``!`` negation). Files named explicitly are always included.
 """
@@ -104,7 +104,12 @@ def _glob_regex(pattern: str) -> str:
 
 
 def _excluded(rel: str, name: str, globs: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(rel, g) or fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(rel, g.rstrip("/") + "/*") for g in globs)
+    """True when a glob matches the relative path, any trailing part of it, or the name."""
+    if not globs:
+        return False
+    parts = rel.split("/")
+    tails = ["/".join(parts[i:]) for i in range(len(parts))]
+    return any(fnmatch.fnmatchcase(tail, g) or fnmatch.fnmatchcase(tail, g.rstrip("/") + "/*") for g in globs for tail in tails)
 
 
 def _git_root(start: str) -> str | None:
