@@ -59,6 +59,7 @@ def transform_source(
     rules: Sequence[type[Rule]],
     options: RuleOptions | None = None,
     pattern: re.Pattern[bytes] | None = None,
+    skip: dict[int, frozenset[str]] | None = None,
 ) -> FileResult:
     """Find and rewrite GPU attention sites in one file's bytes.
 
@@ -68,6 +69,8 @@ def transform_source(
       rules: rule classes to apply (instantiated fresh here).
       options: :class:`RuleOptions`.
       pattern: a precompiled :func:`trigger_pattern` (computed when omitted).
+      skip: extra suppressions, 1-based line -> rule codes, merged with the file's
+        ``# flashport: ignore`` comments (the interactive review leaves declined sites this way).
 
     Returns:
       A :class:`FileResult`; ``new`` holds the rewritten bytes when something changed.
@@ -89,7 +92,7 @@ def transform_source(
     except (ValueError, RecursionError, MemoryError) as err:
         return _error(result, f"cannot parse: {err}")
     try:
-        return _transform(result, data, text, encoding, tree, [rule() for rule in rules], options)
+        return _transform(result, data, text, encoding, tree, [rule() for rule in rules], options, skip)
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
         return _error(result, f"internal error, file left unchanged: {detail}")
@@ -101,12 +104,14 @@ def _error(result: FileResult, message: str) -> FileResult:
     return result
 
 
-def _transform(result, data, text, encoding, tree, rules, options) -> FileResult:
+def _transform(result, data, text, encoding, tree, rules, options, skip=None) -> FileResult:
     lines = src.split_lines(text)
     text_pattern = re.compile("|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x")
     units = src.top_level_units(tree)
     header_units = [u for u in units if u.importish]
     table = suppress.parse(lines)
+    for line, codes in (skip or {}).items():
+        table[line] = table.get(line, frozenset()) | frozenset(codes)
     replacements: list[tuple[int, int, str]] = []
     needed: set[str] = set()
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
