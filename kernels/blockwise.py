@@ -212,11 +212,12 @@ def _forward_vjp(t, q, k, v, bias, mask, q_seg, kv_seg):
 
 def _backward(t: _Tiling, residuals, cotangents):
     q, k, v, bias, mask, q_seg, kv_seg, out, lse = residuals
-    d_out, _ = cotangents  # lse is an output for callers, not differentiated through
+    d_out, d_lse = cotangents
     x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg)
     hkv = k.shape[1]
     sqp = t.nq * t.bq
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    # dL/dlogits = P * (dP - rowsum(dO*O)) + P * dlse, so the lse cotangent folds into delta.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     d_out_g = _pad(group_heads(d_out, hkv), 3, sqp)
     delta_g = _pad(group_heads(delta[..., None], hkv)[..., 0], 3, sqp)
     lse_g = _pad(group_heads(lse[..., None], hkv)[..., 0], 3, sqp, -jnp.inf)

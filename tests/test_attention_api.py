@@ -139,6 +139,35 @@ def test_empty_rows_are_zero_with_zero_gradients(backend):
     assert np.all(np.asarray(dq)[:, :empty] == 0) and np.all(np.isfinite(np.asarray(dq)))
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_lse_is_differentiable(backend):
+    q, k, v, _, kwargs = build(CASES["causal_br_sq>sk"])
+
+    def lse_sum(q, k, v):
+        _, lse = flashport.attention(q, k, v, backend=BACKENDS[backend], return_lse=True, **kwargs)
+        return jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    grads = jax.grad(lse_sum, argnums=(0, 1, 2))(q, k, v)
+    # d lse_i / d s_ij = p_ij: the same as the output's gradient with V = 0 and a unit cotangent on
+    # a constant value column, which the reference gives as: dq = scale * P K, dk = scale * Pᵀ Q.
+    qd, kd = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k))
+    kr = np.repeat(kd, qd.shape[1] // kd.shape[1], axis=1)
+    scale = 1 / np.sqrt(qd.shape[-1])
+    ones = np.ones(v.shape, np.float64)
+    out, _ = reference_attention(q, k, ones, **kwargs)  # 1 where a row sees keys, 0 where empty
+    p_rows = out.transpose(0, 2, 1, 3)[..., :1]
+    s = np.einsum("bhqd,bhkd->bhqk", qd, kr) * scale
+    offset = kd.shape[2] - qd.shape[2]
+    keep = np.arange(kd.shape[2])[None, :] <= np.arange(qd.shape[2])[:, None] + offset
+    s = np.where(keep, s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    p = np.where(p_rows > 0, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+    p = p / np.where(p.sum(-1, keepdims=True) > 0, p.sum(-1, keepdims=True), 1)
+    want_dq = scale * np.einsum("bhqk,bhkd->bhqd", p, kr).transpose(0, 2, 1, 3)
+    assert_close(grads[0], want_dq, 1e-4, "d sum(lse) / dq")
+    assert np.all(np.asarray(grads[2]) == 0)
+
+
 def test_auto_matches_reference_long_and_short():
     for sk in (40, 1100):  # below and above the CPU blockwise threshold
         q, k, v, d_out, kwargs = build(dict(sq=17, sk=sk, opts=dict(causal=True, window=(300, None))))
