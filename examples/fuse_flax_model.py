@@ -15,11 +15,14 @@ It prints the report table and the largest difference between the fused and the 
 
 from __future__ import annotations
 
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
+from rich.table import Table
 
 import flashport
 
@@ -58,11 +61,23 @@ def build(batch: int = 2, seq: int = 64, seed: int = 0):
     return model.apply, params, tokens
 
 
+def compact_table(report) -> Table:
+    """The report's key columns (the full table, ``report.table()``, has every field)."""
+    table = Table(title=f"flashport.find_attention: {len(report.matches)} fused, {len(report.near_misses)} near-miss")
+    for column in ("status", "location", "q shape", "layout", "scale", "mask", "gqa", "reason"):
+        table.add_column(column, overflow="fold")
+    for site in report.to_dicts():
+        location = site["location"].split("/")[-1]
+        table.add_row(site["status"], location, str(site["q"]), site["layout"], str(site["scale"]), site["mask"],
+                      str(site["gqa"]), site["reason"])
+    return table
+
+
 def main() -> dict:
     """Print the ``find_attention`` report and the fused-vs-original difference; return both as data."""
     apply, params, tokens = build()
     report = flashport.find_attention(apply)(params, tokens)
-    Console(highlight=False).print(report.table())
+    Console(highlight=False, width=None if sys.stdout.isatty() else 120).print(compact_table(report))
     fused = jax.jit(flashport.fuse_attention(apply))
     expected = jax.jit(apply)(params, tokens)
     got = fused(params, tokens)

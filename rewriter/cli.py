@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode = rewrite.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="apply the rewrites (atomic per file)")
     mode.add_argument("--check", action="store_true", help="exit 1 when any file would change (CI)")
+    mode.add_argument("--interactive", action="store_true", help="review the rewrites one site at a time (y/n/a/d/q), then write only the accepted ones")
+    rewrite.add_argument("--report", metavar="PATH", help="also write a self-contained HTML report (summary, diffs, refused sites) to PATH")
 
     rules = sub.add_parser("rules", help="list the rules, or print one rule's documentation")
     rules.add_argument("rule", nargs="?", help="rule code or name, e.g. FPA001")
@@ -148,10 +150,15 @@ def _run(args, files, chosen, options, jobs) -> int:
                 written.add(result.path)
             except (OSError, StaleFile) as err:
                 result.status, result.error = ERROR, f"write failed: {err}"
+    interactive = args.command == "rewrite" and args.interactive
+    if interactive:
+        written.update(_interactive(args, results, chosen, options))
     failed = any(r.status == ERROR for r in results)
     changed = any(r.status == CHANGED for r in results)
     code = EXIT_ERRORS if failed else EXIT_CHANGES if (args.command == "rewrite" and args.check and changed) else EXIT_OK
-    mode = "scan" if args.command == "scan" else "write" if args.write else "check" if args.check else "dry-run"
+    mode = "scan" if args.command == "scan" else "write" if args.write or interactive else "check" if args.check else "dry-run"
+    if getattr(args, "report", None):
+        code = _html_report(args.report, results, written, "interactive" if interactive else mode) or code
     if args.format == "json":
         json.dump(rep.to_json(args.command, mode, results, written, code), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -160,10 +167,11 @@ def _run(args, files, chosen, options, jobs) -> int:
     if args.command == "scan":
         text.scan(results)
     else:
-        text.diffs(results)
+        if not interactive:
+            text.diffs(results)
         text.refusals(results)
         text.errors(results)
-        text.summary(results, written=len(written) if args.write else None)
+        text.summary(results, written=len(written) if args.write or interactive else None)
     return code
 
 
@@ -225,3 +233,32 @@ def _rule_json(rule) -> dict:
     return {"code": rule.CODE, "name": rule.NAME, "api": rule.API, "framework": rule.FRAMEWORK,
             "sources": list(rule.SOURCES), "rewrites": rule.REWRITES, "target": rule.TARGET, "summary": rule.summary(),
             "rewritten": row.rewrites, "refused": row.refuses}
+
+
+def _interactive(args, results, chosen, options) -> set[str]:
+    """Run the one-site-at-a-time review (:mod:`flashport.rewriter.interactive`); return written paths."""
+    from flashport.rewriter import report as rep
+    from flashport.rewriter.interactive import review, stdin_asker
+    from flashport.rewriter.results import ERROR
+
+    out = sys.stderr if args.format == "json" else sys.stdout  # keep a JSON document on stdout clean
+    console = rep.TextReport(_color(args)).console
+    console.file = out
+    outcome = review(results, chosen, options, ask=stdin_asker(sys.stdin, out), console=console)
+    failed = dict(outcome.failed)
+    for result in results:
+        if result.path in failed:
+            result.status, result.error = ERROR, failed[result.path]
+    return set(outcome.written)
+
+
+def _html_report(path, results, written, mode) -> int:
+    """Write the ``--report`` HTML page (:mod:`flashport.rewriter.html_report`); EXIT_ERRORS if that fails."""
+    from flashport.rewriter import html_report
+
+    try:
+        html_report.write(path, results, mode=mode, written=written)
+    except OSError as err:
+        print(f"flashport: error: cannot write report {path}: {err.strerror or err}", file=sys.stderr)
+        return EXIT_ERRORS
+    return 0
