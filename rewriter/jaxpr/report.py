@@ -87,7 +87,7 @@ def site_from(plan, item, status) -> Site:
         return Site(status=status, where=where, location=info["location"], dtypes=info.get("dtype", ""),
                     reason=item.reason, q=None, layout=f"scores{list(info['scores_shape'])}")
     return Site(status=status, where=where, location=info["location"], q=info["q_shape"], k=info["k_shape"],
-                v=info["v_shape"], layout=info["layout"], scale=round(info["scale"], 6), mask=info["mask"],
+                v=info["v_shape"], layout=info["layout"], scale=float(info["scale"]), mask=info["mask"],
                 softcap=info["softcap"], dtypes=info["dtypes"] + f" (softmax {info['softmax_dtype']})",
                 gqa=info["gqa"], empty_rows=info["empty_rows"])
 
