@@ -172,7 +172,8 @@ def test_report_as_data_and_table():
     assert m["q"] == (B, T, N, H) and m["scale"] == pytest.approx(1 / math.sqrt(H), rel=1e-6)
     assert m["mask"] == "causal(bottom_right)" and m["gqa"] == 1 and m["dtypes"].startswith("float32")
     text = str(rep)
-    assert "near-miss" in text and "other users" in text
+    assert "near-miss" in text and "other" in text
+    assert "other users" in rep.near_misses[0].reason
     from rich.table import Table
     assert isinstance(rep.__rich__(), Table)
     assert rep.to_dicts()[1]["status"] == "near-miss"
