@@ -59,7 +59,7 @@ def align(version: tuple[int, ...]) -> str:
 
 def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
     """flash-attn ``window_size=(left, right)`` (-1 = unbounded) as the contract's ``window``."""
-    if isinstance(node, (cst.Tuple, cst.List)) and len(node.elements) == 2 and not any(e.star if hasattr(e, "star") else False for e in node.elements):
+    if isinstance(node, (cst.Tuple, cst.List)) and len(node.elements) == 2 and all(type(e) is cst.Element for e in node.elements):
         values = [literal_number(e.value) for e in node.elements]
         if all(isinstance(v, int) for v in values):
             if all(v < 0 for v in values):

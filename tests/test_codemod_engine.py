@@ -215,3 +215,34 @@ def test_results_are_deterministic_and_rules_fresh_per_file():
     first = run(source)
     second = run(source)
     assert first.sites == second.sites and first.new == second.new
+
+
+def test_a_new_rule_plugs_into_the_engine_without_registration():
+    """The seam issue-5 rules use: a Rule subclass, SOURCES/TRIGGERS, check_call -> Rewrite/Refusal."""
+    from flashport.rules.base import Refusal, Rewrite, Rule, Signature, build_call, string
+
+    class Demo(Rule):
+        CODE, NAME, API = "FPA999", "demo", "mypkg.attn"
+        SOURCES = ("mypkg.attn",)
+        TRIGGERS = (b"mypkg",)
+        GPU_MODULES = ("mypkg",)
+
+        def check_call(self, call, ctx):
+            bound = Signature(("q", "k", "v", "causal")).bind(call, self.API)
+            if "causal" not in bound:
+                return Refusal("needs an explicit causal")
+            args = [bound[n].value for n in ("q", "k", "v")]
+            return Rewrite(build_call("flashport.attention", args, [("causal", bound["causal"].value), ("layout", string("BSHD"))], call))
+
+    source = b"from mypkg import attn as a\n\nx = a(q, k, v, True)\ny = a(q, k, v)\n"
+    result = transform_source(source, "demo.py", [Demo])
+    assert result.new == b'import flashport\nfrom mypkg import attn as a\n\nx = flashport.attention(q, k, v, causal=True, layout="BSHD")\ny = a(q, k, v)\n'
+    assert [(s.line, s.status, s.reason) for s in result.sites] == [(3, "rewrite", ""), (4, "refused", "needs an explicit causal")]
+
+
+def test_rule_selection_by_prefix_and_name():
+    assert {r.CODE for r in registry.select(["FPA00"])} >= {"FPA001", "FPA002", "FPA003", "FPA004"}
+    assert all(r.CODE.startswith("FPA00") for r in registry.select(["FPA00"]))
+    assert "FPA101" not in {r.CODE for r in registry.select(None, ["torch-sdpa"])}
+    with pytest.raises(ValueError, match="matches no rule"):
+        registry.select(["NOPE"])
