@@ -21,6 +21,7 @@ from flashport.rewriter import source as src
 from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, SITE_STATUSES, FileResult
 
 _CONTEXT = 3
+_LABEL = {REWRITE: "rewritten"}
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;padding:1.5em 2em;color:#1f2328;background:#fff}
@@ -71,8 +72,7 @@ def render(results: Sequence[FileResult], *, title: str = "flashport rewrite rep
         f"<h1>{_e(title)}</h1>",
         f'<div class="meta">mode: <b>{_e(mode)}</b> · {info["files_scanned"]} files scanned, '
         f'{info["files_parsed"]} parsed, {info["files_changed"]} changed, {info["files_failed"]} failed · '
-        f'sites: {info["sites"]["rewrite"]} rewritten, {info["sites"]["refused"]} refused, '
-        f'{info["sites"]["suppressed"]} suppressed</div>',
+        "sites: " + ", ".join(f'{count} {_LABEL.get(status, status)}' for status, count in info["sites"].items()) + "</div>",
     ]
     parts += _summary(info, shown, anchors, written)
     parts += _refused(results, anchors)
@@ -100,7 +100,7 @@ def write(path: str, results: Sequence[FileResult], **kwargs) -> None:
 
 def _summary(info: dict, shown: Sequence[FileResult], anchors: dict, written) -> list[str]:
     out = ["<h2>Summary</h2>", '<table class="t" id="summary"><tr><th>rule</th>']
-    out += [f"<th>{s}</th>" for s in ("rewritten", "refused", "suppressed")]
+    out += [f"<th>{_LABEL.get(s, s)}</th>" for s in SITE_STATUSES]
     out.append("</tr>")
     for code, counts in info["rules"].items():
         out.append(f"<tr><td>{_e(code)}</td>" + "".join(f'<td class="n">{counts[s]}</td>' for s in SITE_STATUSES) + "</tr>")
