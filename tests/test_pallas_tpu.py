@@ -102,7 +102,7 @@ CASES = {
     "causal_br_sq>sk_empty_rows": dict(sq=100, sk=70, hq=1, causal=True),
     "window_softcap_scale_d96": dict(window=(40, 10), softcap=2.5, scale=0.3, d=96),
     "window_left_tl_bias_full": dict(window=(50, None), align="top_left", bias=(1, 2, 40, 200)),
-    "bias_bcast_mask_segments": dict(b=2, hq=1, bias=(2, 1, 1, 200), mask=(1, 1, 40, 200),
+    "bias_bcast_mask_segments": dict(b=2, hq=1, sk=130, bias=(2, 1, 1, 130), mask=(1, 1, 40, 130),
                                       segments=True, causal=True),
     "mask_empty_rows_d256": dict(sq=40, sk=130, mask=(1, 1, 40, 130), empty_rows=True, d=256),
     "decode_sq1": dict(sq=1, sk=200, hq=4, causal=True, bias=(1, 4, 1, 200)),
