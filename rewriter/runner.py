@@ -4,7 +4,9 @@ results in input order (deterministic output), and atomic writes.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterator, Sequence
@@ -63,7 +65,12 @@ def run(
         yield from _merge(slots, todo, computed, progress)
         return
     codes = tuple(rule.CODE for rule in rules)
-    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), initializer=_init_worker, initargs=(codes, options)) as pool:
+    # fork is cheapest, but unsafe once a multithreaded runtime (jax, torch) is loaded in this
+    # process (e.g. when the engine is called from a library or a test session): spawn then.
+    threaded = any(name in sys.modules for name in ("jax", "torch"))
+    context = multiprocessing.get_context("spawn" if threaded else "fork")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context,
+                             initializer=_init_worker, initargs=(codes, options)) as pool:
         computed = pool.map(_work, [(path, data) for _, path, data in todo], chunksize=1)
         yield from _merge(slots, todo, computed, progress)
 
