@@ -133,10 +133,11 @@ def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, *, count_vis
     return out, lse
 
 
-def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out):
+def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse):
     """dQ, dK, dV (and the bias gradient, or None) for one shard."""
     sq, sk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
-    di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    # dL/dlogits = P * (dP - di) with di = rowsum(dO*O) - dlse: the lse cotangent folds into di.
+    di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
 
     results = {}
     for kind in ("dkv", "dq"):
@@ -184,9 +185,9 @@ def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg):
 
 def _attention_bwd(cfg, residuals, cotangents):
     q, k, v, bias, mask, q_seg, kv_seg, out, lse = residuals
-    d_out, _ = cotangents  # lse is returned for callers; it is not differentiated through
+    d_out, d_lse = cotangents
     dq, dk, dv, dbias = partitioned(functools.partial(_backward_local, cfg), "bwd")(
-        q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out
+        q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse
     )
     return dq, dk, dv, dbias, None, None, None
 

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 # "q" = query heads, "kv" = kv heads, "bias" = query heads or broadcast, None = no head dim.
 _ROLES = {
     "fwd": ("q", "kv", "kv", "bias", "bias", None, None),
-    "bwd": ("q", "kv", "kv", "bias", "bias", None, None, "q", "q", "q"),
+    "bwd": ("q", "kv", "kv", "bias", "bias", None, None, "q", "q", "q", "q"),
 }
 _OUT_ROLES = {"fwd": ("q", "q"), "bwd": ("q", "kv", "kv", "bias")}
 
@@ -34,7 +34,7 @@ def partitioned(fn, kind: str):
     """Wrap ``fn(*arrays)`` (arrays may be ``None``) so it runs per batch/head shard.
 
     ``kind`` is ``"fwd"`` (args q, k, v, bias, mask, q_seg, kv_seg -> out, lse) or ``"bwd"`` (args
-    + out, lse, d_out -> dq, dk, dv, dbias).
+    + out, lse, d_out, d_lse -> dq, dk, dv, dbias).
     """
 
     def call(*args):
