@@ -1,4 +1,4 @@
-"""FPA102 sdpa-backend-selector: reports torch's SDPA backend selectors (scan only).
+"""FPA102 sdpa-backend-selector: torch's SDPA backend selectors; made neutral once their body is rewritten.
 
 What it reports:
   ``torch.nn.attention.sdpa_kernel(...)`` and the deprecated ``torch.backends.cuda.sdp_kernel(...)``
@@ -7,11 +7,15 @@ What it reports:
 
 Semantics mapping:
   none: they pick a CUDA kernel for SDPA and have no effect on ``flashport.torch.attention``.
-  After the SDPA calls in their body are rewritten (FPA101) they are dead weight; removing them
-  safely needs the body's calls to be rewritten first, which a later rule does.
+  A ``with sdpa_kernel(...)`` / ``with sdp_kernel(...)`` whose body only calls
+  ``torch.nn.functional.scaled_dot_product_attention`` (resolved through the file's imports) in
+  ways FPA101 rewrites, plus plain tensor methods, becomes ``with contextlib.nullcontext():``
+  (``rules/_selector_body.py``).
 
 What it refuses:
-  every site (left as is, reported with the reason).
+  selectors whose body calls anything else (it may run SDPA indirectly), holds an SDPA call that
+  is refused, or has no SDPA call; selectors not used as a ``with`` item; the global switches
+  (left as is, reported with the reason).
 
 Example::
 
@@ -21,7 +25,9 @@ Example::
 
 from __future__ import annotations
 
+from flashport.rules import _selector_body
 from flashport.rules.base import Report, Rule, register
+from flashport.rules.fpa101_torch_sdpa import TorchSDPA
 
 SWITCHES = ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_math_sdp", "enable_cudnn_sdp")
 
@@ -38,8 +44,13 @@ class SDPABackendSelector(Rule):
         f"torch.backends.cuda.{name}" for name in SWITCHES
     )
     TRIGGERS = (b"sdpa_kernel", b"sdp_kernel") + tuple(name.encode() for name in SWITCHES)
-    REWRITES = False
+    TARGET = "contextlib.nullcontext"
 
     def check_call(self, call, ctx):
-        """Always a report: the selector stays until its body's calls are rewritten."""
-        return Report("SDPA backend selector: no effect on flashport calls; kept (remove once the body's SDPA calls are rewritten)")
+        """Neutral once every call in the ``with`` body is a rewritten SDPA call; else a report."""
+        if ctx.qualified_name.rsplit(".", 1)[-1] in SWITCHES:
+            return Report("SDPA backend switch: no effect on flashport calls; kept")
+        outcome = _selector_body.neutral_selector(call, ctx, TorchSDPA())
+        if isinstance(outcome, str):
+            return Report(f"SDPA backend selector kept: {outcome}")
+        return outcome
