@@ -178,14 +178,22 @@ class TextReport:
         """Files that could not be processed, one line each."""
         for result in results:
             if result.status == ERROR:
-                self.console.print(f"[red]error[/] {result.path}: {result.error}")
+                self._line(f"[red]error[/] {result.path}: {result.error}", f"error {result.path}: {result.error}")
 
     def refusals(self, results: Sequence[FileResult]) -> None:
         """Sites left unchanged, ``path:line rule reason``."""
         for result in results:
             for site in result.sites:
                 if site.status == REFUSED:
-                    self.console.print(f"[yellow]not rewritten[/] {site.path}:{site.line} {site.rule} {site.api}: {site.reason}")
+                    plain = f"not rewritten {site.path}:{site.line} {site.rule} {site.api}: {site.reason}"
+                    self._line(f"[yellow]not rewritten[/] {plain[len('not rewritten '):]}", plain)
+
+    def _line(self, markup: str, plain: str) -> None:
+        """One finding per line: never wrapped when piped (grep-able), styled on a terminal."""
+        if self.color:
+            self.console.print(markup)
+        else:
+            self.console.file.write(plain + "\n")
 
     def summary(self, results: Sequence[FileResult], scan: bool = False, written: int | None = None) -> None:
         """Files scanned/changed/failed, sites per rule and status, refusal reasons."""
@@ -198,13 +206,14 @@ class TextReport:
         if written is not None:
             files += f", {written} written"
         if not scan or info["rules"]:
-            table = Table(title="summary", caption=files)
+            table = Table(title="summary")
             table.add_column("rule")
             for status in ("rewrite", "refused", "suppressed"):
                 table.add_column({"rewrite": "rewritable" if scan else "rewritten"}.get(status, status), justify="right")
             for code, counts in info["rules"].items():
                 table.add_row(code, *(str(counts[s]) for s in ("rewrite", "refused", "suppressed")))
             self.console.print(table)
+            self.console.print(files)
         else:
             self.console.print(files)
         if info["refused_reasons"]:
