@@ -294,3 +294,17 @@ def test_pre_commit_hook_runs_rewrite_check(tree):
     assert cli.main(argv) == cli.EXIT_CHANGES  # pre-commit fails while a rewrite is pending
     assert cli.main(["rewrite", "--write", "--isolated", "--jobs", "1"] + paths) == cli.EXIT_OK
     assert cli.main(argv) == cli.EXIT_OK
+
+
+# ----------------------------------------------------------------------------------- README SVG
+
+
+def test_walkthrough_svg_script(tmp_path):
+    out = tmp_path / "w.svg"
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "make_walkthrough_svg.py"), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    svg = out.read_text(encoding="utf-8")
+    assert svg.startswith("<svg") and "flashport&#160;scan&#160;examples/" in svg
+    assert "flashport.attention(q,&#160;k,&#160;v" in svg
+    assert "docs/walkthrough.svg" in (ROOT / "README.md").read_text()
