@@ -49,7 +49,7 @@ def peel_broadcast(g: Graph, v, dims=None, *, casts=True):
             dims = [None if d is None or d not in inv or xs[inv[d]] != os_[d] else inv[d] for d in dims]
         elif name in ("reshape", "squeeze", "expand_dims"):
             nxt = e.invars[0]
-            mapping = _unit_reshape_map(shape(nxt), shape(cur))
+            mapping = unit_reshape_map(shape(nxt), shape(cur))
             if mapping is None:
                 break
             dims = [None if d is None else mapping[d] for d in dims]
@@ -74,7 +74,7 @@ def peel_transpose(g: Graph, v):
     return cur, dims, eqns
 
 
-def _unit_reshape_map(in_shape, out_shape):
+def unit_reshape_map(in_shape, out_shape):
     """For a reshape that only adds/removes size-1 dims: out dim -> in dim (None for new 1s)."""
     big_in = [i for i, s in enumerate(in_shape) if s != 1]
     big_out = [i for i, s in enumerate(out_shape) if s != 1]

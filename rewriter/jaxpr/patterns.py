@@ -11,11 +11,12 @@ users (the escape rule), otherwise the candidate is reported as a near-miss with
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 from flashport.rewriter.jaxpr import positional
-from flashport.rewriter.jaxpr.axes import operand_dims, peel_broadcast, shape
+from flashport.rewriter.jaxpr.axes import unit_reshape_map, operand_dims, peel_broadcast, shape
 from flashport.rewriter.jaxpr.graph import Graph, location
 from flashport.rewriter.jaxpr.softmax import NoMatch, match_softmax
 
@@ -152,6 +153,8 @@ def _walk_up(g: Graph, c, depth=0):
         stage, up = ("perm", e.params["permutation"], None), ins[0]
     elif name == "tanh":
         stage, up = ("tanh", None, None), ins[0]
+    elif (mapping := _unit_map(e)) is not None:  # size-1 dims added/removed (jnp.matmul with B=1)
+        stage, up = ("remap", mapping, None), ins[0]
     elif name == "mul":
         s0, s1 = g.scalar(ins[0]), g.scalar(ins[1])
         if s1 is not None and shape(ins[0]) == shape(c):
@@ -193,6 +196,19 @@ def _walk_up(g: Graph, c, depth=0):
         raise NoMatch(f"`{name}` on the scores path is not part of the attention contract")
     dot, stages = _walk_up(g, up, depth + 1)
     return dot, [(stage[0], stage[1], (stage[2], e, c))] + stages
+
+
+def _unit_map(e):
+    """For a reshape/squeeze/expand_dims/broadcast that only adds or drops size-1 dims: out -> in."""
+    name = e.primitive.name
+    if name not in ("reshape", "squeeze", "expand_dims", "broadcast_in_dim"):
+        return None
+    src, out = shape(e.invars[0]), shape(e.outvars[0])
+    if math.prod(src) != math.prod(out):
+        return None
+    if name == "broadcast_in_dim" and list(e.params["broadcast_dimensions"]) != sorted(e.params["broadcast_dimensions"]):
+        return None
+    return unit_reshape_map(src, out)
 
 
 def _term(g: Graph, y, out_var, out_dims):
@@ -260,6 +276,8 @@ def match_at(g: Graph, exp_eqn) -> Match:
     for kind, val, (extra, eqn, out_var) in reversed(stages):
         if kind == "perm":
             dims = [dims[p] for p in val]
+        elif kind == "remap":
+            dims = [None if m is None else dims[m] for m in val]
         annotated.append((kind, val, (extra, eqn, out_var, list(dims))))
         explained.add(id(eqn))
     t_dims = dims
@@ -305,6 +323,8 @@ def match_at(g: Graph, exp_eqn) -> Match:
             pass
         elif name == "transpose":
             pdims = [pdims[p] for p in u.params["permutation"]]
+        elif (mapping := _unit_map(u)) is not None:
+            pdims = [None if m is None else pdims[m] for m in mapping]
         elif name == "select_n" and len(u.invars) == 3 and u.invars[2] is cur and g.scalar(u.invars[1]) == 0.0:
             zero_preds.append((u.invars[0], True, cur, list(pdims)))
         elif name in ("mul", "div"):
@@ -314,6 +334,8 @@ def match_at(g: Graph, exp_eqn) -> Match:
             raise NoMatch(f"`{name}` between the softmax and the PV product")
         cur = u.outvars[0]
     pv = u
+    if None in pdims:
+        raise NoMatch("size-1 dims of the probabilities reach the PV product")
     (plc, prc), (plb, prb) = pv.params["dimension_numbers"]
     if pv.invars[0] is cur and pv.invars[1] is cur:
         raise NoMatch("the probabilities are multiplied by themselves")

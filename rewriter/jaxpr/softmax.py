@@ -44,8 +44,7 @@ def match_softmax(g: Graph, exp_eqn) -> Softmax:
         raise NoMatch("the exp input is not `scores - row max` (no max subtraction)")
     a, b = sub.invars
     src, dims, peqns = peel_broadcast(g, b, operand_dims(b, shape(x)))
-    out_shape = shape(x)
-    reduced = [i for i, d in enumerate(dims) if d is None and out_shape[i] != 1]
+    reduced = [i for i, d in enumerate(dims) if d is None]
     if len(reduced) != 1:
         raise NoMatch("the value subtracted before exp is not a reduction over exactly one axis")
     axis = reduced[0]
@@ -202,7 +201,7 @@ def _normalizer(g: Graph, ex, axis):
             other = u.invars[1 - num_pos]
             src, dims, beqns = peel_broadcast(g, other, operand_dims(other, shape(u.outvars[0])))
             out_shape = shape(u.outvars[0])
-            if [i for i, d in enumerate(dims) if d is None and out_shape[i] != 1] != [axis]:
+            if [i for i, d in enumerate(dims) if d is None] != [axis]:
                 continue
             recip = []
             if name == "mul":  # e * (1 / z)
