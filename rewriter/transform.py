@@ -6,6 +6,10 @@ a stand-in class), separated by sentinel comments. libcst's ``QualifiedNameProvi
 in it exactly as in the whole file (imports, aliases, function-level and guarded imports), while
 scope analysis only runs over the chunks, not the whole file. ``line_map`` maps mini-module lines
 back to file lines; nodes outside the chunks (the header) are ignored.
+
+When several selected rules watch the same qualified name or string, the one with the lowest code
+answers and the others are shadowed (``--ignore`` the first to let the next one answer); FPA905
+relies on this to be opt-in behind FPA901.
 """
 
 from __future__ import annotations
