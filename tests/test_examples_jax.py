@@ -61,9 +61,9 @@ def test_rewritten_jax_model_matches_original_on_cpu(rewritten, tmp_path):
     (tmp_path / "reference_model.py").write_text(reference_src)
     reference = load(tmp_path / "reference_model.py", "flashport_example_reference")
     ported = load(root / "jax_flax_model.py", "flashport_example_ported")
-    params, tokens, expected = reference.run(batch=1, seq=128)
-    got = ported.Decoder().apply(params, tokens)
-    assert got.shape == (1, 128, ported.VOCAB)
+    params, tokens, got = ported.run(batch=1, seq=64)  # init with the fast path; same parameter tree
+    expected = reference.Decoder().apply(params, tokens)  # the Pallas interpreter runs once, unjitted
+    assert got.shape == (1, 64, ported.VOCAB)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-4, atol=2e-4)
     assert float(np.abs(np.asarray(expected)).max()) > 0.1  # a real signal, not all zeros
 
