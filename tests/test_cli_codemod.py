@@ -33,7 +33,8 @@ def tree(tmp_path):
 
 
 def run_json(capsys, *argv):
-    code = cli.main([*argv, "--format", "json", "--isolated"])
+    jobs = [] if "--jobs" in argv else ["--jobs", "1"]  # worker pools are covered by test_jobs_*
+    code = cli.main([*argv, "--format", "json", "--isolated", *jobs])
     out = capsys.readouterr().out
     return code, json.loads(out)
 
@@ -74,7 +75,7 @@ def test_rewrite_dry_run_check_and_write(tree, capsys):
 
 def test_text_output_plain_when_no_color(tree, capsys, monkeypatch):
     monkeypatch.setenv("NO_COLOR", "1")
-    assert cli.main(["rewrite", str(tree), "--isolated"]) == 0
+    assert cli.main(["rewrite", str(tree), "--isolated", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     assert "\x1b[" not in out and "+import flashport" in out and "summary" in out
     assert cli.main(["scan", str(tree), "--isolated", "--no-color"]) == 0
@@ -172,9 +173,9 @@ def test_dry_run_and_check_never_write_on_a_read_only_tree(tree, capsys, monkeyp
     for path in [tree, *tree.rglob("*")]:
         os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~0o222)
     try:
-        assert cli.main(["rewrite", str(tree), "--isolated", "--no-color"]) == 0
-        assert cli.main(["rewrite", str(tree), "--isolated", "--check"]) == cli.EXIT_CHANGES
-        assert cli.main(["scan", str(tree), "--isolated"]) == 0
+        assert cli.main(["rewrite", str(tree), "--isolated", "--no-color"]) == 0  # default --jobs: workers too
+        assert cli.main(["rewrite", str(tree), "--isolated", "--check", "--jobs", "1"]) == cli.EXIT_CHANGES
+        assert cli.main(["scan", str(tree), "--isolated", "--jobs", "1"]) == 0
     finally:
         for path in [tree, *tree.rglob("*")]:
             os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | 0o200)
