@@ -29,11 +29,19 @@ def load(path: Path, name: str):
 
 @pytest.fixture(scope="module")
 def rewritten(tmp_path_factory):
-    """A temp copy of examples/ after ``flashport rewrite --write`` (returns (dir, exit code, stdout))."""
+    """A temp copy of examples/ after ``flashport rewrite examples/ --write`` (returns (dir, exit code))."""
     root = tmp_path_factory.mktemp("ex") / "examples"
     shutil.copytree(EXAMPLES, root, ignore=shutil.ignore_patterns("__pycache__"))
-    code = cli.main(["rewrite", str(root / "jax_flax_model.py"), "--write", "--isolated", "--jobs", "1", "--no-color"])
+    code = cli.main(["rewrite", str(root), "--write", "--isolated", "--jobs", "1", "--no-color"])
     return root, code
+
+
+def test_every_example_rewrites_cleanly(rewritten):
+    root, code = rewritten
+    assert code == cli.EXIT_OK
+    for path in sorted(root.glob("*.py")):
+        compile(path.read_text(), str(path), "exec")
+    assert cli.main(["rewrite", str(root), "--check", "--isolated", "--jobs", "1"]) == cli.EXIT_OK  # idempotent
 
 
 def test_jax_example_is_rewritten(rewritten):

@@ -232,10 +232,11 @@ def test_interactive_cli_through_a_pseudo_terminal(tree):
     target = tree / "pkg" / "two.py"
     env = dict(os.environ, COLUMNS="120", TERM="xterm")
     env.pop("NO_COLOR", None)
-    pid, fd = pty.fork()
-    if pid == 0:  # child: the real CLI with a terminal on stdin/stdout
-        os.execve(sys.executable, [sys.executable, "-m", "flashport", "rewrite", str(target), "--interactive",
-                                   "--isolated", "--jobs", "1"], env)
+    fd, child_tty = pty.openpty()  # the real CLI with a terminal on stdin/stdout (no fork of this process)
+    proc = subprocess.Popen([sys.executable, "-m", "flashport", "rewrite", str(target), "--interactive",
+                             "--isolated", "--jobs", "1"], stdin=child_tty, stdout=child_tty, stderr=child_tty,
+                            env=env, start_new_session=True)
+    os.close(child_tty)
     buffer = bytearray()
     try:
         _read_until(fd, b"[y,n,a,d,q,?]? ", buffer)
@@ -247,9 +248,9 @@ def test_interactive_cli_through_a_pseudo_terminal(tree):
         os.write(fd, b"n\n")
         _read_until(fd, b"written", buffer)
     finally:
-        _, status = os.waitpid(pid, 0)
+        status = proc.wait(timeout=60)
         os.close(fd)
-    assert os.WEXITSTATUS(status) == 0
+    assert status == 0
     text = target.read_text()
     assert "flashport.torch.attention(q, k, v, scale=None, causal=True" in text
     assert "return flash_attn_func(q, k, v, softmax_scale=0.5)" in text
