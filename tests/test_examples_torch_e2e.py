@@ -54,10 +54,12 @@ def params64(model):
 
 
 def linear(x, weight):
+    """``torch.nn.Linear`` without bias, spelled out."""
     return x @ weight.T
 
 
 def close(got, want, what):
+    """Assert max |got - want| < ATOL; returns the error."""
     err = (got.double() - want).abs().max().item()
     assert err < ATOL, f"{what}: max |err| {err:.2e} >= {ATOL}"
     print(f"{what}: max |err| {err:.2e}")  # shown with pytest -s (the measured errors)
@@ -65,6 +67,7 @@ def close(got, want, what):
 
 
 def grads_close(model, ref_params, what):
+    """Assert every parameter gradient matches the reference's; returns the worst error."""
     worst = 0.0
     for name, p in model.named_parameters():
         err = (p.grad.double() - ref_params[name].grad).abs().max().item()
@@ -140,6 +143,7 @@ def test_flash_attn_model(ported):
 
 
 def sdpa_self(P, x, m, queries_from=0):
+    """Reference of Block.self_attention (SDPA semantics: top-left causal, GQA)."""
     heads = lambda t, n: t.unflatten(-1, (n, m.HEAD_DIM)).transpose(1, 2)  # noqa: E731
     q = heads(linear(x[:, queries_from:], P["q.weight"]), m.HEADS)
     k, v = (heads(t, m.KV_HEADS) for t in linear(x, P["kv.weight"]).chunk(2, dim=-1))
@@ -148,6 +152,7 @@ def sdpa_self(P, x, m, queries_from=0):
 
 
 def sdpa_cross(P, x, memory, keep, bias, m):
+    """Reference of Block.cross_attention (bool mask True = attend; float mask added; scale=0.5)."""
     heads = lambda t, n: t.unflatten(-1, (n, m.HEAD_DIM)).transpose(1, 2)  # noqa: E731
     q = heads(linear(x, P["cq.weight"]), m.HEADS)
     k, v = (heads(t, m.HEADS) for t in linear(memory, P["ckv.weight"]).chunk(2, dim=-1))

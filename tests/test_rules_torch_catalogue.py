@@ -27,6 +27,7 @@ UPDATE = os.environ.get("FLASHPORT_UPDATE_FIXTURES") == "1"
 
 
 def findings(result) -> str:
+    """Findings as ``line:col RULE status kind reason [notes]`` lines (the fixtures' .txt format)."""
     return "".join(
         f"{s.line}:{s.column} {s.rule} {s.status} {s.kind}{(' ' + s.reason) if s.reason else ''}"
         f"{(' [' + '; '.join(s.notes) + ']') if s.notes else ''}\n"
@@ -63,6 +64,7 @@ def test_fpa905_is_shadowed_by_fpa901_by_default():
 
 @pytest.fixture(scope="module")
 def torch():
+    """torch, or skip."""
     return pytest.importorskip("torch")
 
 
