@@ -20,7 +20,9 @@ What it refuses:
   padded/paged/gappy block masks (``BlockDiagonalPaddedKeysMask``,
   ``BlockDiagonalCausalWithOffsetPaddedKeysMask``, ``BlockDiagonalGappyKeysMask``,
   ``Paged...``, ``BlockDiagonalCausalWithOffsetGappyKeysMask``) and ``from_tensor_lists_qkv``:
-  their layouts (padding inside blocks, page tables) are not representable.
+  their layouts (padding inside blocks, page tables) are not representable. Every constructor in
+  a file where some ``memory_efficient_attention`` call is refused (by FPA110): a bias object
+  built here could reach that call, which still runs xformers and needs xformers' own classes.
 
 Example::
 
@@ -31,7 +33,10 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refusal, Rewrite, Rule, dotted, register
+import libcst as cst
+
+from flashport.rules import _sites
+from flashport.rules.base import Refusal, Refuse, Rewrite, Rule, dotted, register
 
 MODULE = "flashport.integrations.xformers_compat"
 PREFIXES = ("xformers.ops.", "xformers.ops.fmha.", "xformers.ops.fmha.attn_bias.")
@@ -68,4 +73,39 @@ class XformersAttnBias(Rule):
                     if ctx.qualified_name.startswith(p))
         if name not in _SUPPORTED:
             return Refusal(f"{name}: padded, paged or gappy block layouts have no flashport equivalent")
+        why = refused_attention_call(ctx)
+        if why:
+            return Refusal(f"a memory_efficient_attention call in this file stays xformers ({why}); its biases must stay xformers' classes")
         return Rewrite(call.with_changes(func=dotted(f"{MODULE}.{name}")), imports=(MODULE,))
+
+
+def refused_attention_call(ctx) -> str | None:
+    """Why some ``memory_efficient_attention*`` call of the file is not rewritten by FPA110 (None: all are)."""
+    from flashport.rules.fpa110_xformers_memory_efficient_attention import REPORTED, XformersMemoryEfficientAttention
+
+    module = _sites._module(ctx)
+    if module is None:
+        return "the file could not be analysed"
+    calls: list[cst.Call] = []
+
+    class _Calls(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            func = node.func
+            name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+            if name.startswith("memory_efficient_attention"):
+                calls.append(node)
+
+    module.visit(_Calls())
+    rule = XformersMemoryEfficientAttention()
+    for call in calls:
+        func = call.func
+        name = func.attr.value if isinstance(func, cst.Attribute) else func.value
+        if name in REPORTED:
+            return f"{name} is not rewritten"
+        try:
+            outcome = rule.check_call(call, ctx)
+        except Refuse as refusal:
+            return refusal.reason
+        if not isinstance(outcome, Rewrite):
+            return "not rewritten"
+    return None
