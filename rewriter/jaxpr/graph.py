@@ -47,6 +47,7 @@ class Graph:
             for v in eqn.outvars:
                 self.producer[v] = eqn
         self._keys: dict = {}
+        self._table: dict = {}
         self._const: dict = {}
 
     # ------------------------------------------------------------------ structure
@@ -66,23 +67,30 @@ class Graph:
         """How many equations (plus the jaxpr outputs) read ``v``."""
         return len(self.users.get(v, ())) + (v in self.outvars)
 
-    def key(self, v):
-        """A hashable structural key: equal keys mean the same computation on the same inputs."""
+    def key(self, v) -> int:
+        """A structural key: equal keys mean the same computation on the same inputs.
+
+        Keys are interned to small ints so that comparing or hashing them never walks the (shared,
+        exponentially large when unfolded) ancestry of a residual stream.
+        """
         if is_literal(v):
-            return ("lit", _hashable(v.val), str(v.aval))
+            return self._intern(("lit", _hashable(v.val), str(v.aval)))
         if v in self._keys:
             return self._keys[v]
         eqn = self.prod(v)
         if eqn is None:
-            k = ("var", id(v))
+            k = self._intern(("var", id(v)))
         elif (eqn.primitive.name == "convert_element_type"
               and eqn.invars[0].aval.dtype == v.aval.dtype):  # a weak-type-only cast
             k = self.key(eqn.invars[0])
         else:
-            k = (eqn.primitive.name, _params_key(eqn.params), tuple(self.key(x) for x in eqn.invars),
-                 eqn.outvars.index(v))
+            k = self._intern((eqn.primitive.name, _params_key(eqn.params),
+                              tuple(self.key(x) for x in eqn.invars), eqn.outvars.index(v)))
         self._keys[v] = k
         return k
+
+    def _intern(self, structure) -> int:
+        return self._table.setdefault(structure, len(self._table))
 
     # ------------------------------------------------------------------ constants
 
@@ -135,11 +143,30 @@ class Graph:
 
 
 def location(eqn) -> str:
-    """``file:line (function)`` of the user code that produced ``eqn``."""
+    """``file:line (function)`` of the code that produced ``eqn``.
+
+    When the innermost frame is inside an installed library (flax, transformers...), the first
+    frame outside ``site-packages`` is appended, so the report points at the user's own call.
+    """
     try:
-        return source_info_util.summarize(eqn.source_info)
+        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
     except Exception:  # noqa: BLE001 -- source info is best effort
         return "?"
+    if not frames:
+        return "?"
+    first = _frame(frames[0])
+    if not _is_library(frames[0].file_name):
+        return first
+    mine = next((f for f in frames if not _is_library(f.file_name)), None)
+    return first if mine is None else f"{first} <- {_frame(mine)}"
+
+
+def _is_library(path: str) -> bool:
+    return "site-packages" in path or "dist-packages" in path
+
+
+def _frame(f) -> str:
+    return f"{f.file_name}:{f.start_line} ({f.function_name})"
 
 
 def _dead_eqns(jaxpr) -> set:
