@@ -53,23 +53,34 @@ def overhead(repeats: int) -> dict:
     import jax.numpy as jnp
 
     from flashport.rewriter.jaxpr import fuse as fuse_mod
+    from flashport.rewriter.jaxpr.interpreter import analyze, run
 
     model = _model(layers=12, width=256, heads=8, vocab=512)
     ids = jnp.zeros((2, 256), jnp.int32)
-    params = model.init(jax.random.PRNGKey(0), ids)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), ids)
     fn = model.apply
-    passes, compiles = [], []
+    phases = {"trace": [], "match": [], "rewrite": [], "pass": [], "compile": []}
     for _ in range(repeats):
         flat, treedef, dyn, _ = fuse_mod._split((params, ids), {})
-        start = time.perf_counter()
-        entry, _ = fuse_mod._build(fn, flat, treedef, dyn, "auto")
-        passes.append(time.perf_counter() - start)
-        assert entry.jaxpr is not None and len(entry.plan.matches) == 12
+        t0 = time.perf_counter()
+        closed, _ = fuse_mod._trace(fn, flat, treedef, dyn)
+        t1 = time.perf_counter()
+        plan = analyze(closed)  # normalize + match, recursively
+        t2 = time.perf_counter()
+        avals = [fuse_mod._spec(flat[i]) for i in dyn]
+        jax.make_jaxpr(lambda *a: run(plan, list(a), "auto"))(*avals)
+        t3 = time.perf_counter()
+        assert len(plan.matches) == 12
+        phases["trace"].append(t1 - t0)
+        phases["match"].append(t2 - t1)
+        phases["rewrite"].append(t3 - t2)
+        phases["pass"].append(t3 - t0)
         start = time.perf_counter()
         jax.jit(lambda p, i: fn(p, i)).lower(params, ids).compile()  # a fresh function: no cache
-        compiles.append(time.perf_counter() - start)
-    p, c = statistics.median(passes), statistics.median(compiles)
-    return {"pass_s": p, "compile_s": c, "ratio": p / c, "sites": 12}
+        phases["compile"].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    return {"pass_s": med["pass"], "compile_s": med["compile"], "ratio": med["pass"] / med["compile"],
+            "trace_s": med["trace"], "match_s": med["match"], "rewrite_s": med["rewrite"], "sites": 12}
 
 
 def _worker(variant: str, seq: int, repeats: int) -> dict:
@@ -124,7 +135,9 @@ def main(argv=None) -> int:
         result["overhead"] = overhead(max(1, min(args.repeats, 3)))
         o = result["overhead"]
         print(f"(a) 12-layer transformer: pass {o['pass_s']*1e3:.0f} ms vs jit lower+compile "
-              f"{o['compile_s']*1e3:.0f} ms -> {o['ratio']:.1%} (target <= 10%)")
+              f"{o['compile_s']*1e3:.0f} ms -> {o['ratio']:.1%} (target <= 10%)\n"
+              f"    pass = trace {o['trace_s']*1e3:.0f} ms + normalize/match {o['match_s']*1e3:.0f} ms "
+              f"+ rewrite {o['rewrite_s']*1e3:.0f} ms; {o['sites']} sites")
     base = _run("unmodified", args.seq, args.repeats)
     fused = _run("fused", args.seq, args.repeats)
     result.update(unmodified=base, fused=fused)

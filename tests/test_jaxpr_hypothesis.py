@@ -24,6 +24,7 @@ from reference import reference_attention
 
 @st.composite
 def programs(draw):
+    """A random attention program configuration."""
     b = draw(st.integers(1, 2))
     t = draw(st.sampled_from([2, 3, 8]))
     s = draw(st.sampled_from([t, 5, 8]))

@@ -21,6 +21,7 @@ def _qkv(seed=0):
 
 
 def attn(q, k, v):
+    """Causal hand-written attention used across these tests."""
     s = jnp.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(H)
     s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e9)
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)

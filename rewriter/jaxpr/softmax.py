@@ -200,7 +200,6 @@ def _normalizer(g: Graph, ex, axis):
                 continue
             other = u.invars[1 - num_pos]
             src, dims, beqns = peel_broadcast(g, other, operand_dims(other, shape(u.outvars[0])))
-            out_shape = shape(u.outvars[0])
             if [i for i, d in enumerate(dims) if d is None] != [axis]:
                 continue
             recip = []
