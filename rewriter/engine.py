@@ -28,6 +28,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper
 
 from flashport.rewriter import imports as import_edits
+from flashport.rewriter import prune
 from flashport.rewriter import source as src
 from flashport.rewriter import suppress
 from flashport.rewriter.results import CHANGED, ERROR, UNCHANGED, FileResult
@@ -120,9 +121,11 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None) ->
     if aliases:  # `from flash_attn import flash_attn_func as fa`: a later `fa(...)` has no trigger text
         text_pattern = re.compile(text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b")
     chunks = list(_chunks(units, lines, text_pattern))
+    chunk_ids = {id(c.parent or c) for c in chunks}  # before pruning: the header stays as it was
+    flags = prune.keep([c.nodes for c in chunks], tree, prune.watch_of(rules))
+    chunks = [c for c, kept in zip(chunks, flags) if kept]
     if not chunks:
         return result
-    chunk_ids = {id(c.parent or c) for c in chunks}
     header = "".join(_terminated(src.unit_text(lines, h)) for h in header_units if id(h) not in chunk_ids)
     parts, line_map = [header], []
     mini_line = len(src.split_lines(header))

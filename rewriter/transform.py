@@ -15,7 +15,7 @@ relies on this to be opt-in behind FPA901.
 from __future__ import annotations
 
 import libcst as cst
-from libcst.metadata import PositionProvider, QualifiedNameProvider
+from libcst.metadata import PositionProvider, ScopeProvider
 
 from flashport.rewriter import suppress
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
@@ -25,7 +25,10 @@ from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, RuleCon
 class SiteTransformer(cst.CSTTransformer):
     """Visits a mini module; collects :class:`Site` s and applies :class:`Rewrite` s in the chunk."""
 
-    METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
+    # Qualified names come from the scope analysis, asked only for the nodes :meth:`_match` looks
+    # at: exactly what ``QualifiedNameProvider`` would give them, without computing it for every
+    # node of the chunk.
+    METADATA_DEPENDENCIES = (ScopeProvider, PositionProvider)
 
     def __init__(
         self,
@@ -66,14 +69,25 @@ class SiteTransformer(cst.CSTTransformer):
                 return pos.start.line + shift, pos.start.column, pos.end.line + shift
         return None
 
+    def _qualified_names(self, node: cst.CSTNode):
+        """``QualifiedNameProvider``'s answer for ``node`` (same computation, on demand)."""
+        scope = self.get_metadata(ScopeProvider, node, None)
+        if scope:
+            return scope.get_qualified_names_for(node)
+        return set()
+
     def _match(self, node: cst.CSTNode) -> tuple[Rule, str] | None:
         if not isinstance(node, (cst.Name, cst.Attribute)):
             return None
-        for qualified in self.get_metadata(QualifiedNameProvider, node, set()):
-            rule = self.by_source.get(qualified.name)
-            if rule is not None:
-                return rule, qualified.name
-        return None
+        # A node may have several qualified names (conditional imports): answer deterministically
+        # (a set's order varies with PYTHONHASHSEED): lowest rule code, then the rule's first-listed
+        # source (its canonical path).
+        found = [(rule.CODE, rule.SOURCES.index(q.name), q.name, rule)
+                 for q in self._qualified_names(node) if (rule := self.by_source.get(q.name)) is not None]
+        if not found:
+            return None
+        *_, name, rule = min(found, key=lambda item: item[:2])
+        return rule, name
 
     def _record(self, rule: Rule, api: str, kind: str, where, outcome) -> Site | None:
         line, column, end = where
