@@ -88,7 +88,7 @@ def test_window_visits_band_only():
             assert any_visible == (tiling.kv_lo[i] <= j < tiling.kv_hi[i])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     sq=st.integers(1, 40), sk=st.integers(1, 40), group=st.sampled_from([1, 2, 4]),
     causal=st.booleans(), left=st.one_of(st.none(), st.integers(0, 12)),
