@@ -11,6 +11,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterator, Sequence
 
+from flashport.rewriter.cache import ResultCache, from_environment
 from flashport.rewriter.engine import transform_source, trigger_pattern
 from flashport.rewriter.results import ERROR, FileResult
 from flashport.rules.base import Rule, RuleOptions
@@ -38,14 +39,22 @@ def run(
     options: RuleOptions,
     jobs: int | None = None,
     progress: Callable[[FileResult], None] | None = None,
+    cache: ResultCache | None | bool = None,
 ) -> Iterator[FileResult]:
     """Yield one :class:`FileResult` per path, in the order of ``paths``.
 
     Files are read in this process and checked with the byte prefilter; only files that pass are
-    sent to ``jobs`` worker processes (inline when there are few).
+    sent to ``jobs`` worker processes (inline when there are few), largest first so that one big
+    file does not finish alone at the end.
+
+    Args:
+      cache: a :class:`~flashport.rewriter.cache.ResultCache` to reuse and fill; None: the one the
+        ``FLASHPORT_CACHE`` environment variable asks for (default: none); False: no cache.
     """
     pattern = trigger_pattern(rules)
     jobs = max(1, jobs or os.cpu_count() or 1)
+    if cache is None:
+        cache = from_environment(rules, options)
     slots: list[FileResult | None] = []
     todo: list[tuple[int, str, bytes]] = []
     for index, path in enumerate(paths):
@@ -55,14 +64,30 @@ def run(
         except OSError as err:
             slots.append(FileResult(path, ERROR, error=f"cannot read: {err.strerror or err}"))
             continue
-        if pattern.search(data):
-            slots.append(None)
-            todo.append((index, path, data))
-        else:
+        if not pattern.search(data):
             slots.append(FileResult(path, size=len(data)))
+            continue
+        cached = cache.get(path, data) if cache else None
+        slots.append(cached)
+        if cached is None:
+            todo.append((index, path, data))
+    try:
+        yield from _compute(slots, todo, rules, options, pattern, jobs, cache, progress)
+    finally:
+        if cache:
+            cache.save()
+
+
+def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Iterator[FileResult]:
+    def remember(computed):
+        for (_, path, data), result in zip(todo, computed):
+            if cache:
+                cache.put(path, data, result)
+            yield result
+
     if jobs == 1 or len(todo) <= 1:
         computed = (transform_source(data, path, rules, options, pattern) for _, path, data in todo)
-        yield from _merge(slots, todo, computed, progress)
+        yield from _merge(slots, todo, remember(computed), progress)
         return
     codes = tuple(rule.CODE for rule in rules)
     # fork is cheapest, but unsafe once a multithreaded runtime (jax, torch) is loaded in this
@@ -71,8 +96,12 @@ def run(
     context = multiprocessing.get_context("spawn" if threaded else "fork")
     with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context,
                              initializer=_init_worker, initargs=(codes, options)) as pool:
-        computed = pool.map(_work, [(path, data) for _, path, data in todo], chunksize=1)
-        yield from _merge(slots, todo, computed, progress)
+        futures: dict[int, object] = {}
+        for position in sorted(range(len(todo)), key=lambda i: -len(todo[i][2])):
+            _, path, data = todo[position]
+            futures[position] = pool.submit(_work, (path, data))
+        computed = (futures[position].result() for position in range(len(todo)))
+        yield from _merge(slots, todo, remember(computed), progress)
 
 
 def _merge(slots, todo, computed, progress) -> Iterator[FileResult]:
