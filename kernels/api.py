@@ -10,19 +10,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from flashport.kernels import registry
-from flashport.kernels.spec import AttentionSpec, default_scale
+from flashport.kernels import checks, registry
+from flashport.kernels.spec import AttentionSpec
 
 log = logging.getLogger("flashport")
 
-LAYOUTS = ("BSHD", "BHSD")
-ALIGNS = ("bottom_right", "top_left")
 DTYPES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
 # Platforms `auto` dispatches between at lowering time.
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -117,20 +113,22 @@ def prepare(query, key, value, *, scale=None, causal=False, window=None, align="
     checks and ``auto`` look at. Useful to ask which backend would run, without running it.
     """
     q, k, v = (_as_array(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
-    layout = _check_choice("layout", layout, LAYOUTS)
-    align = _check_choice("align", align, ALIGNS)
+    layout = checks.check_choice("layout", layout, checks.LAYOUTS)
+    align = checks.check_choice("align", align, checks.ALIGNS)
     if layout == "BSHD":
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     batch, hq, sq, dim = q.shape
     _, hkv, sk, _ = k.shape
-    _check_qkv(q, k, v, layout)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    checks.check_head_shapes(q.shape, k.shape, v.shape, layout)
     spec = AttentionSpec(
-        scale=_check_scale(scale, dim),
-        causal=_check_bool("causal", causal),
-        window_left=(win := _check_window(window))[0],
+        scale=checks.check_scale(scale, dim),
+        causal=checks.check_bool("causal", causal),
+        window_left=(win := checks.check_window(window))[0],
         window_right=win[1],
         offset=(sk - sq) if align == "bottom_right" else 0,
-        softcap=_check_softcap(softcap),
+        softcap=checks.check_softcap(softcap),
         seq_q=sq,
         seq_k=sk,
     )
@@ -138,7 +136,7 @@ def prepare(query, key, value, *, scale=None, causal=False, window=None, align="
     bias = _check_broadcast("bias", bias, full, kind="float")
     mask = _check_broadcast("mask", mask, full, kind="bool")
     q_seg, kv_seg = _check_segments(q_segment_ids, kv_segment_ids, batch, sq, sk)
-    return_lse = _check_bool("return_lse", return_lse)
+    return_lse = checks.check_bool("return_lse", return_lse)
 
     features = {DTYPES[q.dtype]}
     if spec.causal:
@@ -243,109 +241,27 @@ def _as_array(x, name):
     return x
 
 
-def _check_choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(map(repr, allowed))}")
-    return value
-
-
-def _check_bool(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a Python bool (static), got {type(value).__name__}")
-    return bool(value)
-
-
-def _check_qkv(q, k, v, layout):
-    names = "[batch, seq, heads, head_dim]" if layout == "BSHD" else "[batch, heads, seq, head_dim]"
-
-    def show(x):  # in the user's layout
-        return tuple(jnp.swapaxes(x, 1, 2).shape) if layout == "BSHD" else tuple(x.shape)
-
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
-        raise ValueError(
-            f"key and value must match query's batch and each other's {names[1:-1]} except head_dim; "
-            f"got query {show(q)}, key {show(k)}, value {show(v)}"
-        )
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"key head_dim must equal query head_dim: query {show(q)} vs key {show(k)}")
-    hq, hkv = q.shape[1], k.shape[1]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"key/value heads ({hkv}) must divide query heads ({hq}) for GQA/MQA")
-
-
-def _check_scale(scale, dim):
-    if scale is None:
-        return default_scale(dim)
-    if isinstance(scale, jax.core.Tracer) or not isinstance(scale, (numbers.Real, np.ndarray, np.generic)):
-        raise TypeError(f"scale must be a static Python float (or None for 1/sqrt(head_dim)), got {type(scale).__name__}")
-    value = float(scale)
-    if not np.isfinite(value):
-        raise ValueError(f"scale must be finite, got {value}")
-    return value
-
-
-def _check_softcap(softcap):
-    if softcap is None:
-        return None
-    if isinstance(softcap, jax.core.Tracer) or not isinstance(softcap, (numbers.Real, np.generic)):
-        raise TypeError(f"softcap must be a static positive float or None, got {type(softcap).__name__}")
-    value = float(softcap)
-    if not value > 0:
-        raise ValueError(f"softcap must be > 0 (or None to disable), got {value}")
-    return value
-
-
-def _check_window(window):
-    if window is None:
-        return None, None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(f"window must be a (left, right) pair of ints or None, e.g. window=(128, 0); got {window!r}")
-    sides = []
-    for side, value in zip(("left", "right"), window):
-        if value is None:
-            sides.append(None)
-            continue
-        if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
-            raise TypeError(f"window {side} must be an int or None, got {value!r}")
-        if value < 0:
-            raise ValueError(f"window {side} must be >= 0 (None for unbounded), got {value}; flash-attn's -1 means None")
-        sides.append(int(value))
-    return tuple(sides)
-
-
 def _check_broadcast(name, x, full, *, kind):
     """Left-pad ``x`` to rank 4 and check each dim is 1 or the full size; dims stay unbroadcast."""
     if x is None:
         return None
     x = jnp.asarray(x)
     if kind == "bool" and x.dtype != jnp.bool_:
-        raise TypeError(f"{name} must be boolean (True = attend), got {x.dtype}; for an additive mask pass bias=")
+        raise TypeError(checks.MASK_DTYPE_ERROR.format(name=name, dtype=x.dtype))
     if kind == "float" and not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must be a float array (additive), got {x.dtype}; for a boolean mask pass mask=")
-    if x.ndim > 4:
-        raise ValueError(f"{name} must broadcast to [B, Hq, Sq, Sk] = {list(full)}, got rank {x.ndim} shape {tuple(x.shape)}")
-    x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
-    for size, want in zip(x.shape, full):
-        if size not in (1, want):
-            raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to [B, Hq, Sq, Sk] = {list(full)}")
-    if kind == "float":
-        x = x.astype(jnp.float32)
-    return x
+        raise TypeError(checks.BIAS_DTYPE_ERROR.format(name=name, dtype=x.dtype))
+    x = x.reshape(checks.broadcast_shape(name, x.shape, full))
+    return x.astype(jnp.float32) if kind == "float" else x
 
 
 def _check_segments(q_seg, kv_seg, batch, sq, sk):
-    if q_seg is None and kv_seg is None:
+    if not checks.check_segments_given(q_seg, kv_seg):
         return None, None
-    if q_seg is None or kv_seg is None:
-        raise ValueError("q_segment_ids and kv_segment_ids must be given together (pass both, or neither)")
     out = []
     for name, ids, seq in (("q_segment_ids", q_seg, sq), ("kv_segment_ids", kv_seg, sk)):
         ids = jnp.asarray(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
-        if tuple(ids.shape) != (batch, seq):
-            raise ValueError(f"{name} must have shape [batch, seq] = {[batch, seq]}, got {tuple(ids.shape)}")
+        checks.check_segment_shape(name, ids.shape, batch, seq)
         out.append(ids.astype(jnp.int32))
     return tuple(out)

@@ -17,7 +17,6 @@ Backends return ``(out, lse)``: ``out`` [B, Hq, Sq, D] in ``q.dtype`` and ``lse`
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 
@@ -117,8 +116,3 @@ def apply_softcap(spec: AttentionSpec, s):
     if spec.softcap is None:
         return s
     return spec.softcap * jnp.tanh(s / spec.softcap)
-
-
-def default_scale(head_dim: int) -> float:
-    """The contract's default scale, 1/sqrt(head_dim)."""
-    return 1.0 / math.sqrt(head_dim)

@@ -1,19 +1,17 @@
 """Validation for the torch-native paths (math, SDPA, flash-attn), without importing jax.
 
-The JAX path validates inside ``flashport.attention``; the torch-native paths use :func:`check`,
-whose messages follow the JAX API's wording so users see the same errors on every device.
+The JAX path validates inside ``flashport.attention``; the torch-native paths use :func:`check`.
+Both share the framework-free checks of :mod:`flashport.kernels.checks`, so users see the same errors on every device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 import torch
 
-LAYOUTS = ("BSHD", "BHSD")
-ALIGNS = ("bottom_right", "top_left")
+from flashport.kernels import checks
+from flashport.kernels.checks import ALIGNS, LAYOUTS
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -71,21 +69,25 @@ def check(query, key, value, *, scale=None, causal=False, window=None, align="bo
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, x)
-    layout = _check_choice("layout", layout, LAYOUTS)
-    align = _check_choice("align", align, ALIGNS)
-    _check_bool("return_lse", return_lse)
+    layout = checks.check_choice("layout", layout, LAYOUTS)
+    align = checks.check_choice("align", align, ALIGNS)
+    checks.check_bool("return_lse", return_lse)
     q, k, v = (x.transpose(1, 2) if layout == "BSHD" else x for x in (query, key, value))
-    _check_qkv(q, k, v, layout)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+    checks.check_head_shapes(q.shape, k.shape, v.shape, layout)
     batch, hq, sq, dim = q.shape
     sk = k.shape[2]
-    left, right = _check_window(window)
+    left, right = checks.check_window(window)
     params = Params(
-        scale=_check_scale(scale, dim),
-        causal=_check_bool("causal", causal),
+        scale=checks.check_scale(scale, dim),
+        causal=checks.check_bool("causal", causal),
         left=left,
         right=right,
         offset=(sk - sq) if align == "bottom_right" else 0,
-        softcap=_check_softcap(softcap),
+        softcap=checks.check_softcap(softcap),
         seq_q=sq,
         seq_k=sk,
     )
@@ -114,78 +116,6 @@ def check_tensor(name, x):
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def _check_choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(map(repr, allowed))}")
-    return value
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a Python bool (static), got {type(value).__name__}")
-    return value
-
-
-def _check_qkv(q, k, v, layout):
-    names = "[batch, seq, heads, head_dim]" if layout == "BSHD" else "[batch, heads, seq, head_dim]"
-
-    def show(x):  # in the user's layout
-        return tuple(x.transpose(1, 2).shape) if layout == "BSHD" else tuple(x.shape)
-
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
-        raise ValueError(
-            f"key and value must match query's batch and each other's {names[1:-1]} except head_dim; "
-            f"got query {show(q)}, key {show(k)}, value {show(v)}"
-        )
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"key head_dim must equal query head_dim: query {show(q)} vs key {show(k)}")
-    hq, hkv = q.shape[1], k.shape[1]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"key/value heads ({hkv}) must divide query heads ({hq}) for GQA/MQA")
-
-
-def _check_scale(scale, dim):
-    if scale is None:
-        return 1.0 / math.sqrt(dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a static Python float (or None for 1/sqrt(head_dim)), got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
-
-
-def _check_softcap(softcap):
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a static positive float or None, got {type(softcap).__name__}")
-    if not softcap > 0:
-        raise ValueError(f"softcap must be > 0 (or None to disable), got {softcap}")
-    return float(softcap)
-
-
-def _check_window(window):
-    if window is None:
-        return None, None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(f"window must be a (left, right) pair of ints or None, e.g. window=(128, 0); got {window!r}")
-    sides = []
-    for side, value in zip(("left", "right"), window):
-        if value is None:
-            sides.append(None)
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"window {side} must be an int or None, got {value!r}")
-        if value < 0:
-            raise ValueError(f"window {side} must be >= 0 (None for unbounded), got {value}; flash-attn's -1 means None")
-        sides.append(int(value))
-    return tuple(sides)
-
-
 def _check_broadcast(name, x, full, device, *, floating):
     """Left-pad ``x`` to rank 4 and check each dim is 1 or the full size; dims stay unbroadcast."""
     if x is None:
@@ -193,32 +123,23 @@ def _check_broadcast(name, x, full, device, *, floating):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if floating and not x.is_floating_point():
-        raise TypeError(f"{name} must be a float array (additive), got {x.dtype}; for a boolean mask pass mask=")
+        raise TypeError(checks.BIAS_DTYPE_ERROR.format(name=name, dtype=x.dtype))
     if not floating and x.dtype != torch.bool:
-        raise TypeError(f"{name} must be boolean (True = attend), got {x.dtype}; for an additive mask pass bias=")
+        raise TypeError(checks.MASK_DTYPE_ERROR.format(name=name, dtype=x.dtype))
     if x.device != device:
         raise ValueError(f"{name} must be on query's device {device}, got {x.device}")
-    if x.ndim > 4:
-        raise ValueError(f"{name} must broadcast to [B, Hq, Sq, Sk] = {list(full)}, got rank {x.ndim} shape {tuple(x.shape)}")
-    x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
-    for size, want in zip(x.shape, full):
-        if size not in (1, want):
-            raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to [B, Hq, Sq, Sk] = {list(full)}")
-    return x
+    return x.reshape(checks.broadcast_shape(name, x.shape, full))
 
 
 def _check_segments(q_seg, kv_seg, batch, sq, sk, device):
-    if q_seg is None and kv_seg is None:
+    if not checks.check_segments_given(q_seg, kv_seg):
         return None, None
-    if q_seg is None or kv_seg is None:
-        raise ValueError("q_segment_ids and kv_segment_ids must be given together (pass both, or neither)")
     for name, ids, seq in (("q_segment_ids", q_seg, sq), ("kv_segment_ids", kv_seg, sk)):
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
-        if tuple(ids.shape) != (batch, seq):
-            raise ValueError(f"{name} must have shape [batch, seq] = {[batch, seq]}, got {tuple(ids.shape)}")
+        checks.check_segment_shape(name, ids.shape, batch, seq)
         if ids.device != device:
             raise ValueError(f"{name} must be on query's device {device}, got {ids.device}")
     return q_seg, kv_seg
