@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--no-gitignore", action="store_true", help="do not skip files ignored by .gitignore")
     common.add_argument("-j", "--jobs", type=int, metavar="N", help="worker processes (default: CPU count)")
     common.add_argument("--format", choices=("text", "json"), default="text", help="output format (json: schema flashport.report/1)")
+    common.add_argument("--cache", action=argparse.BooleanOptionalAction, default=None, help="reuse per-file results from ~/.cache/flashport (keyed by file bytes, rules, options and versions); default: off unless FLASHPORT_CACHE is set")
     common.add_argument("--no-color", action="store_true", help="plain output (also when NO_COLOR is set or stdout is not a terminal)")
     common.add_argument("--config", metavar="PYPROJECT", help="read [tool.flashport] from this file instead of the nearest pyproject.toml")
     common.add_argument("--isolated", action="store_true", help="ignore any [tool.flashport] configuration")
@@ -139,7 +140,12 @@ def _run(args, files, chosen, options, jobs) -> int:
     from flashport.rewriter.results import CHANGED, ERROR
     from flashport.rewriter.runner import StaleFile, atomic_write, run
 
-    results = _collect(run(files, chosen, options, jobs), len(files), args.format == "text")
+    cache = None  # None: FLASHPORT_CACHE decides
+    if args.cache is not None:
+        from flashport.rewriter.cache import ResultCache
+
+        cache = ResultCache.for_run(chosen, options) if args.cache else False
+    results = _collect(run(files, chosen, options, jobs, cache=cache), len(files), args.format == "text")
     written: set[str] = set()
     if args.command == "rewrite" and args.write:
         for result in results:

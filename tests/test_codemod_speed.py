@@ -235,3 +235,26 @@ def test_cache_is_off_unless_asked(tmp_path, monkeypatch):
     assert result_cache.from_environment(RULES, RuleOptions()) is None
     monkeypatch.setenv("FLASHPORT_CACHE", str(tmp_path))
     assert result_cache.from_environment(RULES, RuleOptions()).path.startswith(str(tmp_path))
+
+
+def test_cli_cache_flag_turns_the_cache_on_and_off(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.py").write_text(
+        "from flash_attn import flash_attn_func\n\ndef f(q, k, v):\n    return flash_attn_func(q, k, v, causal=True)\n"
+    )
+    env = dict(os.environ, HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    env.pop("FLASHPORT_CACHE", None)
+
+    def scan(*flags):
+        cmd = [sys.executable, "-m", "flashport", "scan", str(src), "--format", "json", *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout
+
+    def cache_files():
+        return [p for p in tmp_path.rglob("results-*.pickle")]
+
+    scan("--no-cache")
+    assert cache_files() == []
+    first = scan("--cache")
+    assert len(cache_files()) == 1
+    assert scan("--cache") == first  # served from the cache, same report
