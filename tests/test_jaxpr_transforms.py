@@ -184,3 +184,42 @@ def test_explicit_backend_is_passed_through():
     q, k, v = _qkv()
     assert_fused(attn, (q, k, v), 1, backend="blockwise")
     assert_fused(attn, (q, k, v), 1, backend="xla")
+
+
+def test_rewrite_edits_the_jaxpr_without_retracing(monkeypatch):
+    """Nested bodies are rewritten in place (no evaluation through ``run``), each distinct site is
+    traced once, the result type-checks and a nested call keeps its params."""
+    from flashport.rewriter.jaxpr import fuse as fuse_mod
+    from flashport.rewriter.jaxpr import interpreter
+
+    def no_run(*a, **kw):
+        raise AssertionError("the rewrite retraced a body through interpreter.run")
+
+    traced = []
+    site_jaxpr = interpreter._site_jaxpr
+    monkeypatch.setattr(interpreter, "run", no_run)
+    monkeypatch.setattr(interpreter, "_site_jaxpr", lambda *a: traced.append(1) or site_jaxpr(*a))
+    q, k, v = _qkv()
+    ws = jax.random.normal(jax.random.PRNGKey(9), (3, H, H)) * 0.3
+    inner = jax.jit(attn, inline=False)
+
+    def program(q, k, v, ws):
+        def body(h, w):
+            return h + jax.checkpoint(attn)(h @ w, h, h), None
+        x = jax.lax.scan(body, q, ws)[0]
+        x = jax.lax.cond(x.sum() > 0, attn, lambda q, k, v: v, x, k, v)
+        return x + inner(q, k, v) + inner(v, k, q) + attn(q, k, v)
+
+    args = (q, k, v, ws)
+    closed, _ = fuse_mod._trace(program, list(args), jax.tree_util.tree_structure((args, {})), (0, 1, 2, 3))
+    plan = interpreter.analyze(closed)
+    new = interpreter.rewrite(plan, "auto")
+    jax.extend.core.check_jaxpr(new.jaxpr)
+    assert len(traced) == 1  # five sites, one signature
+    from jaxpr_util import _count
+    assert _count(new.jaxpr) == 5
+    calls = [e for e in new.jaxpr.eqns if e.primitive.name in ("jit", "pjit") and e.params["name"] == "attn"]
+    assert len(calls) == 2 and calls[0].params["jaxpr"] is calls[1].params["jaxpr"]  # shared body, once
+    assert calls[0].params["jaxpr"] is not inner.trace(q, k, v).jaxpr
+    monkeypatch.undo()
+    _close(flashport.fuse_attention(program)(*args), program(*args))

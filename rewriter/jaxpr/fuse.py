@@ -2,8 +2,9 @@
 
 ``fuse_attention(f)`` traces ``f`` once per input signature, finds ``softmax(Q·Kᵀ)·V`` subgraphs
 (also inside ``jit``, ``custom_jvp``/``custom_vjp``, ``checkpoint``, ``scan``, ``cond`` and ``while``
-bodies), replaces each with a ``flashport.attention`` call and evaluates the rewritten jaxpr by
-re-binding its primitives, so it composes with ``jax.jit``, ``jax.grad``, ``jax.vmap`` and
+bodies), replaces each with a ``flashport.attention`` call by editing the jaxpr (no retrace of
+``f``: each distinct site is traced once, alone, and spliced in) and evaluates the rewritten jaxpr
+by re-binding its primitives, so it composes with ``jax.jit``, ``jax.grad``, ``jax.vmap`` and
 ``jax.checkpoint`` in either order. A program without matches runs exactly as before (the original
 function is called).
 
@@ -26,8 +27,9 @@ Semantics that are preserved, not "fixed":
   ``fuse_attention(jax.grad(f))`` sees a program whose backward reuses the probabilities, so by
   the escape rule nothing is fused and every site is reported as a near-miss (the function still
   runs, unchanged).
-* Rebuilt nested ``jit`` calls lose their shardings and donations (plain ``jax.jit``); nested calls
-  without matches are re-bound unchanged.
+* Nested calls whose bodies contain matches keep their params (names, shardings, ``checkpoint``
+  policies, ``scan`` options) with the rewritten body; nested calls without matches are re-bound
+  unchanged.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import functools
 import jax
 import numpy as np
 
-from flashport.rewriter.jaxpr.interpreter import all_sites, analyze, run
+from flashport.rewriter.jaxpr.interpreter import all_sites, analyze, rewrite
 from flashport.rewriter.jaxpr.report import AttentionReport, site_from
 
 
@@ -158,7 +160,6 @@ def _build(fun, flat, treedef, dyn_pos, backend):
     plan = analyze(closed)
     if not plan.changed:
         return _Entry(plan=plan, jaxpr=None, out_tree=out_tree), cacheable
-    avals = [_spec(flat[i]) for i in dyn_pos]
-    new = jax.make_jaxpr(lambda *a: run(plan, list(a), backend))(*avals)
+    new = rewrite(plan, backend)
     cacheable = cacheable and not any(isinstance(c, jax.core.Tracer) for c in new.consts)
     return _Entry(plan=plan, jaxpr=new, out_tree=out_tree), cacheable

@@ -3,9 +3,10 @@
 Analysis normalizes each jaxpr (small nested calls such as ``jnp.where``'s ``_where``, ``tril`` or a
 jitted softmax are inlined so a pattern can cross them), finds matches and near-misses, and recurses
 into ``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``/``checkpoint``, ``scan``, ``cond`` and
-``while`` bodies. Evaluation re-binds every primitive (so the result composes with any transform)
-and rebuilds nested calls whose bodies changed through the public APIs (``jax.jit``,
-``jax.checkpoint``, ``lax.scan``/``switch``/``while_loop``) or by re-binding with the new body.
+``while`` bodies. :func:`rewrite` builds the rewritten jaxpr by editing equations (no retrace of the
+program); :func:`run` evaluates a plan by re-binding every primitive and rebuilds nested calls through
+the public APIs (``jax.jit``, ``jax.checkpoint``, ``lax.scan``/``switch``/``while_loop``) — the
+rewrite uses it only for a nested body that needs constants its container cannot hold.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jax.extend import core as jcore
 from flashport.rewriter.jaxpr.emit import emit
 from flashport.rewriter.jaxpr.graph import Graph, is_literal
 from flashport.rewriter.jaxpr.patterns import find_matches
+from flashport.rewriter.jaxpr.surgery import Builder
 
 # Nested calls with any of these inside are kept as calls (analyzed recursively), not inlined.
 HEAVY = frozenset({"dot_general", "scan", "while", "cond", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -137,33 +139,141 @@ def _inlinable(eqn) -> bool:
 
 
 def normalize(closed):
-    """Return ``closed`` with light nested calls inlined (the same object when there are none)."""
+    """Return ``closed`` with light nested calls inlined (the same object when there are none).
+
+    The calls' equations are spliced in directly (fresh variables, name stacks nested under the
+    call's), not retraced.
+    """
     if not any(_inlinable(e) for e in closed.jaxpr.eqns):
         return closed
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-             for v in closed.jaxpr.invars]
-    fn = functools.partial(_inline_eval, closed.jaxpr, closed.consts)
-    return jax.make_jaxpr(fn)(*avals)
+    b = Builder(closed)
+    for eqn in closed.jaxpr.eqns:
+        body = _inline_body(eqn)
+        if body is None:
+            b.keep(eqn)
+        else:
+            outs = b.inline(body, [b.atom(v) for v in eqn.invars], source=eqn.source_info,
+                            expand=_inline_body)
+            b.alias(eqn.outvars, outs)
+    return b.build()
 
 
-def _inline_eval(jaxpr, consts, *args):
-    env = {}
-    read = functools.partial(_read, env)
-    _write_all(env, jaxpr.constvars, consts)
-    _write_all(env, jaxpr.invars, args)
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        with _ctx(eqn):
-            if _inlinable(eqn):
-                body = eqn.params["jaxpr" if eqn.primitive.name in CALLS else "call_jaxpr"]
-                outs = _inline_eval(body.jaxpr, body.consts, *invals)
-            else:
-                outs = _bind(eqn, invals)
-        _write_all(env, eqn.outvars, outs)
-    return [read(v) for v in jaxpr.outvars]
+def _inline_body(eqn):
+    if not _inlinable(eqn):
+        return None
+    return eqn.params["jaxpr" if eqn.primitive.name in CALLS else "call_jaxpr"]
 
 
 # ------------------------------------------------------------------------------- evaluation
+
+
+def rewrite(plan: Plan, backend, memo=None):
+    """Return ``plan.closed`` with matched sites replaced by flashport.attention, as a ClosedJaxpr.
+
+    Built by editing the jaxpr, not by retracing it: each site's replacement is traced once per
+    distinct site signature (:func:`_site_jaxpr`) and spliced in, dead equations (the scores and
+    softmax) are dropped, and nested calls whose bodies changed get the rewritten bodies as params.
+    Only a nested body that would need constants its container cannot hold (not ``jit``) falls back
+    to retracing that one call. ``memo`` caches rewritten bodies (shared bodies are rewritten once)
+    and site snippets.
+    """
+    memo = {} if memo is None else memo
+    if id(plan) in memo:
+        return memo[id(plan)]
+    b = Builder(plan.closed)
+    live = _live(plan)
+    for i, eqn in enumerate(plan.closed.jaxpr.eqns):
+        if i not in live:
+            continue
+        if id(eqn) in plan.matches:
+            outs = _splice_site(b, plan.matches[id(eqn)], eqn, backend, memo)
+        elif id(eqn) in plan.children:
+            new = _rebuilt(plan, eqn, backend, memo)
+            if new is not None:
+                b.keep(new)
+                continue
+            outs = _splice_retraced(b, plan, eqn, backend)
+        else:
+            b.keep(eqn)
+            continue
+        b.alias(eqn.outvars, outs)
+    memo[id(plan)] = out = b.build()
+    return out
+
+
+def _splice_site(b, match, eqn, backend, memo):
+    key, inputs = _site_key(match, backend)
+    snippet = memo.get(key)
+    if snippet is None:
+        snippet = memo[key] = _site_jaxpr(match, inputs, backend)
+    return b.inline(snippet, [b.atom(v) for v in inputs], source=eqn.source_info,
+                    traceback=eqn.source_info.traceback)
+
+
+def _site_key(match, backend):
+    """A hashable signature of what :func:`emit` builds for ``match``, and its distinct inputs."""
+    inputs = list(dict.fromkeys(match.inputs))
+    slots = tuple(inputs.index(v) for v in match.inputs)
+    avals = tuple((tuple(v.aval.shape), str(v.aval.dtype), bool(v.aval.weak_type)) for v in inputs)
+    terms = tuple((t.dmap, t.mult, t.keep_when_true) for t in (*match.biases, *match.masks))
+    static = (match.q_order, match.k_order, match.v_order, match.sizes, match.out_perm,
+              match.canon_dims, match.groups, match.scale, match.softcap, len(match.biases), terms,
+              match.causal, match.window, match.align, match.empty, match.dtype, str(match.out_dtype))
+    return ("site", backend, avals, slots, _freeze(static)), inputs
+
+
+def _freeze(x):
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    return x
+
+
+def _site_jaxpr(match, inputs, backend):
+    """Trace :func:`emit` for ``match`` alone, on the avals of its distinct ``inputs``."""
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in inputs]
+
+    def snippet(*vals):
+        env = dict(zip(inputs, vals))
+        return [emit(match, env.__getitem__, backend)]
+
+    return jax.make_jaxpr(snippet)(*specs)
+
+
+def _rebuilt(plan, eqn, backend, memo):
+    """``eqn`` with its changed bodies rewritten in place, or None when a body needs constants."""
+    name, params = eqn.primitive.name, dict(eqn.params)
+    subs = [None if c is None else rewrite(c, backend, memo) for c in plan.children[id(eqn)]]
+    if name not in CALLS and any(s is not None and s.consts for s in subs):
+        return None
+    if name in CALLS:
+        params["jaxpr"] = subs[0]
+    elif name in CUSTOM_JVP + CUSTOM_VJP:
+        params["call_jaxpr"] = subs[0]
+    elif name in REMAT:
+        params["jaxpr"] = subs[0].jaxpr
+    elif name == "scan":
+        params["jaxpr"] = subs[0]
+    elif name == "cond":
+        params["branches"] = tuple(br if s is None else s for s, br in zip(subs, params["branches"]))
+    elif name == "while":
+        params["body_jaxpr"] = subs[0]
+    else:
+        raise AssertionError(name)
+    return eqn.replace(params=params)
+
+
+def _splice_retraced(b, plan, eqn, backend):
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in eqn.invars]
+
+    def one_call(*vals):
+        with _ctx(eqn):
+            return _run_nested(plan, eqn, list(vals), backend)
+
+    snippet = jax.make_jaxpr(one_call)(*specs)
+    return b.inline(snippet, [b.atom(v) for v in eqn.invars], source=eqn.source_info)
 
 
 def run(plan: Plan, args, backend):
