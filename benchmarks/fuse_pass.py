@@ -1,14 +1,27 @@
 """The jaxpr fusion pass: (a) its overhead, (b) what it buys on CPU.
 
-(a) Pass overhead: trace + match + rewrite (``fuse_attention``'s first-call work, without running)
-    of a 12-layer Flax transformer, against ``jax.jit(model).lower(...).compile()`` of the same
-    model. Target: at most 10%.
+(a) Pass overhead on a 12-layer Flax transformer (S=256, 12 attention sites), against
+    ``jax.jit(f).lower(...).compile()`` of the same model, reported two ways, measured side by side
+    in one run (medians of ``--overhead-repeats`` rounds, wall and CPU seconds). Target: at most 10%.
+
+    (1) The issue's literal metric: (trace + match + rewrite) / jit(f) lower+compile, where trace is
+        ``make_jaxpr`` of the user's function, match is normalize + match and rewrite builds the
+        rewritten jaxpr. It MISSES the target and cannot meet it: the trace alone is ~25-35% of
+        jit(f) lower+compile, and jit pays that same trace (the pass's own match + rewrite is ~3%).
+    (2) The end-to-end extra a user pays: [jit(fuse_attention(f)).lower().compile() -
+        jit(f).lower().compile()] / jit(f).lower().compile(), the median over paired rounds. Inside
+        jit the user's function is still traced once; the extra is match + rewrite + evaluating the
+        rewritten jaxpr into jit's trace (~40 ms CPU together) plus any difference in XLA compile
+        time of the fused program. It MEETS the target on a quiet machine (~5-8%); on a loaded
+        machine the difference of two ~1 s timings is noisy, so compare the CPU column and rerun.
+
 (b) A small GPT-style Flax model (causal, flax ``make_causal_mask``) at S=4096 on CPU, unmodified vs
     ``fuse_attention``: median forward time and peak memory, each variant in its own process (peak
     RSS above the process's baseline after setup, and XLA's compiled temp+argument+output bytes).
     Targets: fused at least 2x faster and at most 25% of the memory.
 
     python benchmarks/fuse_pass.py                       # both parts
+    python benchmarks/fuse_pass.py --skip-model          # (a) only
     python benchmarks/fuse_pass.py --seq 2048 --repeats 3
 """
 
@@ -88,31 +101,36 @@ def overhead(repeats: int) -> dict:
         assert _count_sites(new.jaxpr) == 12
         return {"trace": (tw, tc), "match": (mw, mc), "rewrite": (rw, rc)}
 
-    def plain():
-        return timed(lambda: jax.jit(lambda p, i: fn(p, i)).lower(params, ids).compile())[1:]
+    def jit_phases(f, name):
+        traced, tw, tc = timed(lambda: jax.jit(f).trace(params, ids))
+        _, cw, cc = timed(lambda: traced.lower().compile())
+        return {name: (tw + cw, tc + cc), f"{name}_trace": (tw, tc), f"{name}_lower_compile": (cw, cc)}
 
-    def fused():
-        f = flashport.fuse_attention(lambda p, i: fn(p, i))
-        return timed(lambda: jax.jit(f).lower(params, ids).compile())[1:]
+    def plain():  # a fresh function each time: no jit cache hit
+        return jit_phases(lambda p, i: fn(p, i), "plain")
 
-    samples: dict = {k: [] for k in ("trace", "match", "rewrite", "plain", "fused")}
+    def fused():  # a fresh fused function: its trace cache is empty, the whole pass runs
+        return jit_phases(flashport.fuse_attention(lambda p, i: fn(p, i)), "fused")
+
+    samples: dict = {}
     for r in range(repeats + 1):  # the first round warms caches shared by both sides; dropped
-        order = (the_pass, plain, fused) if r % 2 else (fused, plain, the_pass)
         got = {}
-        for step in order:
-            out = step()
-            got.update(out if isinstance(out, dict) else {step.__name__: out})
+        for step in ((the_pass, plain, fused) if r % 2 else (fused, plain, the_pass)):
+            got.update(step())
         if r:
             for k, v in got.items():
-                samples[k].append(v)
+                samples.setdefault(k, []).append(v)
     wall = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in samples.items()}
     pass_s = wall["trace"] + wall["match"] + wall["rewrite"]
+
+    def paired(i):  # median over rounds of (fused - plain) / plain: cancels drift between rounds
+        return statistics.median((f[i] - p[i]) / p[i] for f, p in zip(samples["fused"], samples["plain"]))
+
     return {"repeats": repeats, "sites": 12, "wall_s": wall, "cpu_s": cpu, "pass_s": pass_s,
             "pass_ratio": pass_s / wall["plain"],
             "own_ratio": (wall["match"] + wall["rewrite"]) / wall["plain"],
-            "e2e_ratio": (wall["fused"] - wall["plain"]) / wall["plain"],
-            "e2e_ratio_cpu": (cpu["fused"] - cpu["plain"]) / cpu["plain"]}
+            "e2e_ratio": paired(0), "e2e_ratio_cpu": paired(1)}
 
 
 def _count_sites(jaxpr) -> int:
@@ -170,7 +188,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--overhead-repeats", type=int, default=5)
+    ap.add_argument("--overhead-repeats", type=int, default=9)
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--json", action="store_true")
@@ -184,19 +202,23 @@ def main(argv=None) -> int:
     if not args.skip_overhead:
         result["overhead"] = o = overhead(args.overhead_repeats)
         w, c = o["wall_s"], o["cpu_s"]
-        ms = lambda x: f"{x * 1e3:.0f} ms"  # noqa: E731
+
+        def ms(key):
+            return f"{w[key] * 1e3:.0f} ms [{c[key] * 1e3:.0f}]"
+
         print(f"(a) 12-layer Flax transformer, S=256, {o['sites']} sites; medians of {o['repeats']} "
-              f"(wall, CPU in brackets)\n"
-              f"    jit(f).lower().compile()                  {ms(w['plain'])} [{ms(c['plain'])}]\n"
-              f"    jit(fuse_attention(f)).lower().compile()  {ms(w['fused'])} [{ms(c['fused'])}]\n"
-              f"    pass = trace {ms(w['trace'])} [{ms(c['trace'])}] + normalize/match {ms(w['match'])} "
-              f"[{ms(c['match'])}] + rewrite {ms(w['rewrite'])} [{ms(c['rewrite'])}]\n"
-              f"    (1) pass overhead, issue metric: (trace+match+rewrite) / jit compile = "
-              f"{o['pass_ratio']:.1%} -> {_verdict(o['pass_ratio'])} (target <= 10%)\n"
-              f"        of which the pass's own work (match+rewrite, without the trace jit also pays): "
-              f"{o['own_ratio']:.1%}\n"
-              f"    (2) end-to-end extra: (jit(fuse_attention(f)) - jit(f)) / jit(f), lower+compile = "
-              f"{o['e2e_ratio']:.1%} [CPU {o['e2e_ratio_cpu']:.1%}] -> {_verdict(o['e2e_ratio'])} (target <= 10%)")
+              f"(wall, CPU ms in brackets)\n"
+              f"    jit(f).lower().compile()                  {ms('plain')} = trace {ms('plain_trace')} "
+              f"+ lower/compile {ms('plain_lower_compile')}\n"
+              f"    jit(fuse_attention(f)).lower().compile()  {ms('fused')} = trace {ms('fused_trace')} "
+              f"+ lower/compile {ms('fused_lower_compile')}\n"
+              f"    pass alone: trace {ms('trace')} + normalize/match {ms('match')} + rewrite {ms('rewrite')}\n"
+              f"    (1) issue metric, (trace+match+rewrite) / jit(f) lower+compile: {o['pass_ratio']:.1%} "
+              f"-> {_verdict(o['pass_ratio'])} the <= 10% target\n"
+              f"        (the pass's own work, match+rewrite without the trace jit also pays: {o['own_ratio']:.1%})\n"
+              f"    (2) end-to-end extra, (jit(fuse_attention(f)) - jit(f)) / jit(f), lower+compile, median of "
+              f"paired rounds: {o['e2e_ratio']:.1%} [CPU {o['e2e_ratio_cpu']:.1%}] -> {_verdict(o['e2e_ratio'])} "
+              f"the <= 10% target")
     if args.skip_model:
         if args.json:
             print(json.dumps(result))

@@ -223,3 +223,40 @@ def test_rewrite_edits_the_jaxpr_without_retracing(monkeypatch):
     assert calls[0].params["jaxpr"] is not inner.trace(q, k, v).jaxpr
     monkeypatch.undo()
     _close(flashport.fuse_attention(program)(*args), program(*args))
+
+
+def test_bodies_that_need_constants_fall_back_to_retracing_that_call(monkeypatch):
+    """A rewritten scan/cond/checkpoint body with constants is rebuilt by retracing that one call
+    (its container cannot hold constants); a jit body or the top level keeps them."""
+    from flashport.rewriter.jaxpr import interpreter
+
+    site_jaxpr = interpreter._site_jaxpr
+
+    def with_const(match, inputs, backend):  # the same snippet, times an array constant of ones
+        closed = site_jaxpr(match, inputs, backend)
+        ones = np.ones(closed.out_avals[0].shape, closed.out_avals[0].dtype)
+        return jax.make_jaxpr(lambda *a: [jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a)[0] * ones])(
+            *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs])
+
+    retraced = []
+    splice_retraced = interpreter._splice_retraced
+    monkeypatch.setattr(interpreter, "_site_jaxpr", with_const)
+    monkeypatch.setattr(interpreter, "_splice_retraced",
+                        lambda b, plan, eqn, backend: retraced.append(eqn.primitive.name)
+                        or splice_retraced(b, plan, eqn, backend))
+    q, k, v = _qkv()
+    ws = jax.random.normal(jax.random.PRNGKey(9), (3, H, H)) * 0.3
+
+    def program(q, k, v, ws):
+        x = jax.lax.scan(lambda h, w: (h + jax.checkpoint(attn)(h @ w, h, h), None), q, ws)[0]
+        x = jax.lax.cond(x.sum() > 0, attn, lambda q, k, v: v, x, k, v)
+        x = jax.lax.fori_loop(0, 2, lambda i, y: attn(y, k, v), x)  # a scan (static trip count)
+        return x + jax.jit(attn)(q, k, v) + attn(q, k, v)
+
+    args = (q, k, v, ws)
+    fused = flashport.fuse_attention(program)
+    assert count_sites(fused, *args) == 5
+    # the checkpoint in the layer scan, the cond and the fori_loop's scan; the layer scan itself is
+    # edited in place (the retraced checkpoint brings no constants), the jit and the top level too
+    assert sorted(retraced) == ["cond", "remat2", "scan"], retraced
+    _close(fused(*args), program(*args))
