@@ -12,8 +12,9 @@
         jit(f).lower().compile()] / jit(f).lower().compile(), the median over paired rounds. Inside
         jit the user's function is still traced once; the extra is match + rewrite + evaluating the
         rewritten jaxpr into jit's trace (~40 ms CPU together) plus any difference in XLA compile
-        time of the fused program. It MEETS the target on a quiet machine (~5-8%); on a loaded
-        machine the difference of two ~1 s timings is noisy, so compare the CPU column and rerun.
+        time of the fused program (often shorter: the fused program has fewer ops). It MEETS the
+        target: 1-8% in most runs on a shared 2-core machine (one loaded run read 17% wall / 12%
+        CPU); the difference of two ~1 s timings is noisy, so compare the CPU column and rerun.
 
 (b) A small GPT-style Flax model (causal, flax ``make_causal_mask``) at S=4096 on CPU, unmodified vs
     ``fuse_attention``: median forward time and peak memory, each variant in its own process (peak
