@@ -19,9 +19,9 @@ from flashport.rules.base import (
     is_zero,
     literal_bool,
     literal_number,
+    no_dropout,
     number,
     string,
-    training_gated_zero,
     tuple_of,
 )
 
@@ -87,14 +87,7 @@ def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str) -> tupl
     """
     value = {name: arg.value for name, arg in bound.items()}
     notes: list[str] = []
-    dropout = value.get("dropout_p")
-    if dropout is not None and not is_zero(dropout):
-        if training_gated_zero(dropout) and ctx.options.inference:
-            notes.append(f"dropped dropout_p={ctx.code(dropout)} (--inference: treated as 0)")
-        elif training_gated_zero(dropout):
-            raise Refuse(f"dropout_p={ctx.code(dropout)} is non-zero in training; flashport.attention has no dropout (--inference drops it)")
-        else:
-            raise Refuse(f"dropout_p={ctx.code(dropout)} may be non-zero; flashport.attention has no dropout")
+    notes.extend(no_dropout(value.get("dropout_p"), "dropout_p", ctx))
     alibi = value.get("alibi_slopes")
     if not is_none(alibi):
         raise Refuse("alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here")

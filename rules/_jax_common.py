@@ -15,10 +15,8 @@ from flashport.rules.base import (
     Refuse,
     RuleContext,
     is_none,
-    is_zero,
     literal_number,
     number,
-    training_gated_zero,
     tuple_of,
 )
 
@@ -72,21 +70,6 @@ def fa_window(node: cst.BaseExpression, api: str) -> cst.BaseExpression | None:
                 return None
             return tuple_of(*[none() if v < 0 else number(v) for v in values])
     raise Refuse(f"window_size of {api} is not a literal (left, right) pair of ints")
-
-
-def no_dropout(node: cst.BaseExpression | None, name: str, ctx: RuleContext) -> list[str]:
-    """Check a dropout argument is zero; returns notes (``--inference`` drops a training-gated one).
-
-    Raises:
-      Refuse: for dropout that may be non-zero (flashport.attention has none).
-    """
-    if node is None or is_zero(node):
-        return []
-    if training_gated_zero(node) and ctx.options.inference:
-        return [f"dropped {name}={ctx.code(node)} (--inference: treated as 0)"]
-    if training_gated_zero(node):
-        raise Refuse(f"{name}={ctx.code(node)} is non-zero in training; flashport.attention has no dropout (--inference drops it)")
-    raise Refuse(f"{name}={ctx.code(node)} may be non-zero; flashport.attention has no dropout")
 
 
 def static_scale(node: cst.BaseExpression | None, default: cst.BaseExpression, ctx: RuleContext, name: str) -> cst.BaseExpression:

@@ -281,6 +281,21 @@ def training_gated_zero(node: cst.BaseExpression) -> bool:
     return isinstance(node, cst.IfExp) and (is_zero(node.orelse) or is_zero(node.body))
 
 
+def no_dropout(node: cst.BaseExpression | None, name: str, ctx: "RuleContext") -> list[str]:
+    """Check a dropout argument is zero; returns notes (``--inference`` drops a training-gated one).
+
+    Raises:
+      Refuse: for dropout that may be non-zero (flashport.attention has none).
+    """
+    if node is None or is_zero(node):
+        return []
+    if training_gated_zero(node) and ctx.options.inference:
+        return [f"dropped {name}={ctx.code(node)} (--inference: treated as 0)"]
+    if training_gated_zero(node):
+        raise Refuse(f"{name}={ctx.code(node)} is non-zero in training; flashport.attention has no dropout (--inference drops it)")
+    raise Refuse(f"{name}={ctx.code(node)} may be non-zero; flashport.attention has no dropout")
+
+
 def contains_comment(node: cst.CSTNode) -> bool:
     """True when ``node``'s subtree holds a comment (a rebuild would lose it)."""
     found = []

@@ -40,11 +40,10 @@ from flashport.rules.base import (
     build_call,
     dotted,
     is_none,
-    is_zero,
     literal_bool,
+    no_dropout,
     register,
     string,
-    training_gated_zero,
 )
 
 POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -80,14 +79,7 @@ class TorchSDPA(Rule):
                 raise Refuse(f"{self.API} call without {name!r}")
         value = {name: arg.value for name, arg in bound.items()}
         notes = []
-        dropout = value.get("dropout_p")
-        if dropout is not None and not is_zero(dropout):
-            if training_gated_zero(dropout) and ctx.options.inference:
-                notes.append(f"dropped dropout_p={ctx.code(dropout)} (--inference: treated as 0)")
-            elif training_gated_zero(dropout):
-                raise Refuse(f"dropout_p={ctx.code(dropout)} is non-zero in training; flashport.attention has no dropout (--inference drops it)")
-            else:
-                raise Refuse(f"dropout_p={ctx.code(dropout)} may be non-zero; flashport.attention has no dropout")
+        notes.extend(no_dropout(value.get("dropout_p"), "dropout_p", ctx))
         gqa = value.get("enable_gqa")
         if gqa is not None and literal_bool(gqa) is not False:
             notes.append("dropped enable_gqa= (flashport always groups KV heads contiguously, like repeat_interleave)")

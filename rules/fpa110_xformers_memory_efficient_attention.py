@@ -34,16 +34,15 @@ import libcst as cst
 
 from flashport.rules import _flash_attn as fa
 from flashport.rules.base import (
-    Refuse,
     Refusal,
+    Refuse,
     Rewrite,
     Rule,
     Signature,
     build_call,
     is_none,
-    is_zero,
+    no_dropout,
     register,
-    training_gated_zero,
 )
 
 MODULE = "flashport.integrations.xformers_compat"
@@ -75,14 +74,7 @@ class XformersMemoryEfficientAttention(Rule):
         q, k, v = fa.required(bound, ("query", "key", "value"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         notes = []
-        dropout = value.get("p")
-        if dropout is not None and not is_zero(dropout):
-            if training_gated_zero(dropout) and ctx.options.inference:
-                notes.append(f"dropped p={ctx.code(dropout)} (--inference: treated as 0)")
-            elif training_gated_zero(dropout):
-                raise Refuse(f"p={ctx.code(dropout)} is non-zero in training; flashport.attention has no dropout (--inference drops it)")
-            else:
-                raise Refuse(f"p={ctx.code(dropout)} may be non-zero; flashport.attention has no dropout")
+        notes.extend(no_dropout(value.get("p"), "p", ctx))
         if "op" in value and not is_none(value["op"]):
             notes.append("dropped op= (xformers kernel choice)")
         bias = value.get("attn_bias")

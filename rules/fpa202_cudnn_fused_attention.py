@@ -52,6 +52,7 @@ from flashport.rules.base import (
     is_none,
     literal_number,
     literal_string,
+    no_dropout,
     number,
     register,
     string,
@@ -108,7 +109,7 @@ class CudnnFusedAttention(Rule):
             raise Refuse("FP8 attention (use_fp8/fp8_params) has no portable equivalent")
         if not common.literal_false(value.get("return_residual")):
             raise Refuse("return_residual: cuDNN's logsumexp layout follows qkv_layout; not mapped")
-        notes = common.no_dropout(value.get("dropout_rate"), "dropout_rate", ctx)
+        notes = no_dropout(value.get("dropout_rate"), "dropout_rate", ctx)
         if "seed" in value:
             notes.append("dropped seed= (only used by dropout)")
         causal = self._causal(value.get("mask_type"), ctx)
