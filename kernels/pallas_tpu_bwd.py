@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels.pallas_tpu_blocks import LANES
-from flashport.kernels.pallas_tpu_fwd import bias_spec, compute_dtype_for
+from flashport.kernels.pallas_tpu_fwd import QueryMajorMaps, bias_spec, compute_dtype_for
 from flashport.kernels.pallas_tpu_tiling import Geometry, Step, scores, tile_visible
 
 _SQ = pl.Squeezed()
@@ -196,17 +196,8 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
     n_tables = len(tables)
     cdt = compute_dtype_for(q.dtype)
 
-    def step_of(bi, h, i, j, *tabs):
-        return Step(tabs, bi, i, j, g.nq, g.nk, segmented, by_rows=True)
-
-    def q_map(bi, h, i, j, *tabs):
-        return bi, h, i, 0
-
-    def kv_map(bi, h, i, j, *tabs):
-        return bi, h // group, step_of(bi, h, i, j, *tabs).block, 0
-
-    def bias_index(bi, h, i, j, *tabs):
-        return bi, h, i, step_of(bi, h, i, j, *tabs).block
+    maps = QueryMajorMaps(g, group, segmented)
+    q_map, kv_map, bias_index = maps.q, maps.kv, maps.bias
 
     in_specs = [
         pl.BlockSpec((_SQ, _SQ, g.bq, dp), q_map),
@@ -222,10 +213,7 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
             in_specs.append(bias_spec(g, x.shape, bias_index))
             operands.append(x)
     if segmented:
-        in_specs.append(pl.BlockSpec((_SQ, g.bq, 1), lambda bi, h, i, j, *t: (bi, i, 0)))
-        in_specs.append(
-            pl.BlockSpec((_SQ, 1, g.bk), lambda bi, h, i, j, *t: (bi, 0, step_of(bi, h, i, j, *t).block))
-        )
+        in_specs += maps.segment_specs()
         operands += [q_seg, kv_seg]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [pl.BlockSpec((_SQ, _SQ, g.bq, dp), q_map)]
@@ -241,7 +229,7 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
         out_shape.append(jax.ShapeDtypeStruct(dshape, jnp.float32))
         out_specs.append(
             pl.BlockSpec((_SQ, _SQ, _SQ, _SQ, rq, rk),
-                         lambda bi, h, i, j, *t: (bi, h, i, step_of(bi, h, i, j, *t).block, 0, 0))
+                         lambda bi, h, i, j, *t: (bi, h, i, maps.step(bi, h, i, j, *t).block, 0, 0))
         )
 
     def kernel(*refs):

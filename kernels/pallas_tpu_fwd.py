@@ -42,6 +42,41 @@ def bias_spec(g: Geometry, shape, index_of):
     return pl.BlockSpec(block, index_map)
 
 
+class QueryMajorMaps:
+    """Index maps of the query-major grid ``(B, Hq, nq, steps_k)`` shared by the forward and dQ kernels.
+
+    Step j of query block i visits key block ``Step(...).block`` (skipped steps repeat a fetched block,
+    so they cost no DMA); K/V use kv head ``h // group``.
+    """
+
+    def __init__(self, g: Geometry, group: int, segmented: bool):
+        self.g, self.group, self.segmented = g, group, segmented
+
+    def step(self, bi, h, i, j, *tabs):
+        """The visit schedule entry of grid point (bi, h, i, j)."""
+        return Step(tabs, bi, i, j, self.g.nq, self.g.nk, self.segmented, by_rows=True)
+
+    def q(self, bi, h, i, j, *tabs):
+        """Query-side blocks (q, out, lse, dO, dQ): query block i."""
+        return bi, h, i, 0
+
+    def kv(self, bi, h, i, j, *tabs):
+        """K/V blocks: the scheduled key block of the shared kv head."""
+        return bi, h // self.group, self.step(bi, h, i, j, *tabs).block, 0
+
+    def bias(self, bi, h, i, j, *tabs):
+        """(b, h, q block, k block) indices for bias/mask tiles (see :func:`bias_spec`)."""
+        return bi, h, i, self.step(bi, h, i, j, *tabs).block
+
+    def segment_specs(self):
+        """BlockSpecs of q/kv segment ids ([B, Sqp, 1] and [B, 1, Skp])."""
+        g = self.g
+        return [
+            pl.BlockSpec((_SQ, g.bq, 1), lambda bi, h, i, j, *t: (bi, i, 0)),
+            pl.BlockSpec((_SQ, 1, g.bk), lambda bi, h, i, j, *t: (bi, 0, self.step(bi, h, i, j, *t).block)),
+        ]
+
+
 def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, interpret, count_visits=False,
                  generation=None):
     """Run the forward kernel on padded operands; returns ``(out, lse128[, visits])``.
@@ -58,17 +93,8 @@ def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, int
     n_tables = len(tables)
     cdt = compute_dtype_for(q.dtype)
 
-    def step_of(bi, h, i, j, *tabs):
-        return Step(tabs, bi, i, j, g.nq, g.nk, segmented, by_rows=True)
-
-    def q_map(bi, h, i, j, *tabs):
-        return bi, h, i, 0
-
-    def kv_map(bi, h, i, j, *tabs):
-        return bi, h // group, step_of(bi, h, i, j, *tabs).block, 0
-
-    def bias_index(bi, h, i, j, *tabs):
-        return bi, h, i, step_of(bi, h, i, j, *tabs).block
+    maps = QueryMajorMaps(g, group, segmented)
+    q_map, kv_map, bias_index = maps.q, maps.kv, maps.bias
 
     in_specs = [
         pl.BlockSpec((_SQ, _SQ, g.bq, dp), q_map),
@@ -83,10 +109,7 @@ def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, int
         in_specs.append(bias_spec(g, mask.shape, bias_index))
         operands.append(mask)
     if segmented:
-        in_specs.append(pl.BlockSpec((_SQ, g.bq, 1), lambda bi, h, i, j, *t: (bi, i, 0)))
-        in_specs.append(
-            pl.BlockSpec((_SQ, 1, g.bk), lambda bi, h, i, j, *t: (bi, 0, step_of(bi, h, i, j, *t).block))
-        )
+        in_specs += maps.segment_specs()
         operands += [q_seg, kv_seg]
 
     out_shape = [
