@@ -23,7 +23,9 @@ Adding a rule::
         CODE, NAME, API = "FPA0NN", "my-api", "pkg.my_api"
         SOURCES = ("pkg.my_api",); TRIGGERS = (b"my_api",)
         def check_call(self, call, ctx): ...
-    # then list the module in rules/__init__.py::RULE_MODULES and add tests/fixtures/FPA0NN/.
+    # then list the module in rules/__init__.py::RULE_MODULES, add tests/fixtures/codemod/FPA0NN/ and
+    # regenerate the docs (python -m flashport.rules.coverage --update README.md;
+    # python -m flashport.rewriter.porting_guide --write docs/porting_guide.md). CONTRIBUTING.md has the steps.
 """
 
 from __future__ import annotations
