@@ -91,14 +91,14 @@ class RuleOptions:
     Attributes:
       inference: treat ``p if self.training else 0.0`` style dropout as zero and drop it
         (the finding's note says so).
-      flash_attn_version: (major, minor) of flash-attn the source was written against; positional
+      flash_attn_version: (major, minor, patch) of flash-attn the source was written against; positional
         arguments are bound against that version's signature and ``causal`` is top-left before 2.1.
       torch_version: (major, minor) of torch for SDPA's signature.
       jax_version: (major, minor, patch) of jax for ``jax.nn.dot_product_attention``'s signature.
     """
 
     inference: bool = False
-    flash_attn_version: tuple[int, ...] = (2, 8)
+    flash_attn_version: tuple[int, ...] = (2, 8, 3)
     torch_version: tuple[int, ...] = (2, 5)
     jax_version: tuple[int, ...] = (0, 10, 2)
 

@@ -7,8 +7,9 @@ What it reports:
   by call, so rewriting calls alone leaves them in place.
 
 Semantics mapping:
-  none yet: routing transformers through flashport needs an attention-function registration
-  (a later rule).
+  none here: FPA905 (opt-in, ``--ignore FPA901``) rewrites the strings that *set* the attention
+  implementation to ``flashport.integrations.transformers.ATTN_IMPLEMENTATION``, which registers
+  flashport's attention function with transformers.
 
 What it refuses:
   every site (reported with the reason).

@@ -24,7 +24,7 @@ Semantics mapping:
   ``is_causal`` (top-left, as in the SDPA integration), ``scaling`` and ``softcap``; it runs
   ``flashport.torch.attention(..., layout="BHSD", align="top_left")``. GQA needs no ``repeat_kv``.
   Outputs match ``attn_implementation="sdpa"`` (and ``"eager"`` on non-padding rows) to float32
-  round-off (tests/test_transformers_integration.py).
+  round-off (tests/test_rules_torch_catalogue.py).
 
 What it refuses:
   nothing; the same strings in any other position (comparisons such as

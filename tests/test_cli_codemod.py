@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -43,6 +44,21 @@ def test_version_and_help(capsys):
     assert cli.main(["--version"]) == 0
     assert "flashport" in capsys.readouterr().out
     assert cli.main([]) == cli.EXIT_USAGE
+
+
+def test_help_states_the_real_version_defaults(capsys):
+    """The defaults ``rewrite --help`` advertises are the ones RuleOptions binds signatures against."""
+    from flashport.rewriter.config import parse_version
+    from flashport.rules.base import RuleOptions
+
+    assert cli.main(["rewrite", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    defaults = RuleOptions()
+    for flag, field in (("--flash-attn-version", "flash_attn_version"), ("--torch-version", "torch_version"),
+                        ("--jax-version", "jax_version")):
+        match = re.search(re.escape(flag) + r" X\.Y(?:\.Z)? [^()]*\([^)]*default ([0-9.]+)\)", text)
+        assert match, f"{flag} help names no default"
+        assert parse_version(match.group(1)) == getattr(defaults, field), flag
 
 
 def test_scan_json_schema(tree, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,16 @@ def test_cli_rules_json_has_rewritten_and_refused():
     listed = {row["code"]: row for row in json.loads(out)}
     assert set(listed) == {rule.CODE for rule in all_rules()}
     assert "base-2" in listed["FPA203"]["refused"] and listed["FPA208"]["rewrites"] is False
+
+
+@pytest.mark.parametrize("rule", all_rules(), ids=lambda r: r.CODE)
+def test_rule_docs_name_only_existing_files_and_rules(rule):
+    """Paths and rule codes a rule's documentation points readers to must exist (no stale promises)."""
+    root = README.parent
+    doc = rule.doc()
+    for path in re.findall(r"\b((?:tests|rules|rewriter|kernels|docs|benchmarks|examples)/[\w/.-]+\.(?:py|md))", doc):
+        assert (root / path).is_file(), f"{rule.CODE} names {path}, which does not exist"
+    codes = {r.CODE for r in all_rules()}
+    for code in re.findall(r"\bFPA\d{3}\b", doc):
+        assert code in codes, f"{rule.CODE} names {code}, which is not a rule"
+    assert "later rule" not in doc, f"{rule.CODE} promises a later rule: name the rule that does it"
