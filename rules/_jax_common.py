@@ -2,9 +2,12 @@
 
 Every JAX rule rewrites to ``flashport.attention(...)`` (or ``flashport.varlen_attention``) and states
 ``layout``, ``align`` and ``scale`` explicitly, because the source APIs disagree on all three
-(``shared/reference/gpu_attention_apis.md`` section 3, traps 1-3). These helpers convert the pieces
-that several source APIs share: flash-attn style windows, enum members such as ``MaskType.CAUSAL``,
-dropout arguments and scales that must be static.
+(layout: ``[B, S, H, D]`` for jax.nn, Pallas-GPU, flash-attn-jax and keras, ``sbhd`` possible in TE-JAX;
+causal: top-left in jax.nn, Pallas-GPU ``mha`` and TE ``"causal"``, bottom-right in flash-attn-jax;
+scale: ``1/sqrt(D)`` except cuDNN ``fused_attention_stablehlo`` (1.0) and Pallas-GPU ``mha``
+(``sm_scale=1.0``)). These helpers convert the pieces that several source APIs share: flash-attn
+style windows, enum members such as ``MaskType.CAUSAL``, dropout arguments and scales that must be
+static.
 """
 
 from __future__ import annotations

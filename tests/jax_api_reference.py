@@ -1,8 +1,8 @@
 """Independent float64 numpy emulations of GPU-only JAX attention APIs, written from their documentation.
 
 Used by ``test_rules_jax_catalogue.py`` as "the original call" for APIs that cannot run on CPU
-(cuDNN fused attention, flash-attn-jax). Each follows the semantics recorded in
-``shared/reference/gpu_attention_apis.md`` section 2 -- not flashport's contract and not its code.
+(cuDNN fused attention, flash-attn-jax). Each follows the API's documented semantics (each function's
+docstring states them) -- not flashport's contract and not its code.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 ``jax.export(..., platforms=["tpu"])`` runs the Pallas -> Mosaic Python lowering and the MLIR
 verifier for the forward and both backward kernels (block shape rules, unsupported primitives,
 64-bit types, gathers...). It does not run Mosaic's layout passes, VMEM allocation or per-chip
-dtype legalisation: those only happen inside libtpu (see shared/reference/pallas_tpu_notes.md §4).
+dtype legalisation: those only happen inside libtpu at XLA compile time, never on a CPU host (so an
+oversized VMEM block or a matmul dtype a chip lacks still passes here).
 
 Each export runs under an abstract mesh whose device kind is the generation's TPU, so the backend
 picks that generation's default block sizes (and chip-dependent lowering rules have a chip).

@@ -1,6 +1,6 @@
 """Independent float64 references of the GPU APIs' *documented* semantics (not of flashport's contract).
 
-Written from shared/reference/gpu_attention_apis.md, one query row at a time with explicit index
+Written from the APIs' own documentation and source (flash-attn 2.8.3, torch SDPA, xformers), one query row at a time with explicit index
 sets, in torch float64 so autograd gives reference gradients. Used by the end-to-end example tests
 and the runtime tests of the rewrite targets.
 
