@@ -1,6 +1,6 @@
 """The per-file transform: bytes in, :class:`~flashport.rewriter.results.FileResult` out.
 
-Pipeline for one file (pure: no I/O besides the optional read in :func:`transform_file`):
+Pipeline for one file (pure: no I/O; the runner reads the bytes):
 
 1. **Byte prefilter**: the enabled rules' ``TRIGGERS`` as one bytes regex. A file without a match is
    never decoded or parsed.
@@ -31,7 +31,7 @@ from flashport.rewriter import imports as import_edits
 from flashport.rewriter import prune
 from flashport.rewriter import source as src
 from flashport.rewriter import suppress
-from flashport.rewriter.results import CHANGED, ERROR, UNCHANGED, FileResult
+from flashport.rewriter.results import CHANGED, ERROR, FileResult
 from flashport.rewriter.transform import SiteTransformer
 from flashport.rules.base import Rule, RuleOptions
 
@@ -42,16 +42,6 @@ def trigger_pattern(rules: Iterable[type[Rule]]) -> re.Pattern[bytes]:
     if not triggers:
         return re.compile(rb"(?!x)x")
     return re.compile(b"|".join(re.escape(t) for t in triggers))
-
-
-def transform_file(path: str, rules: Sequence[type[Rule]], options: RuleOptions, pattern=None) -> FileResult:
-    """Read ``path`` and run :func:`transform_source` (read errors become error results)."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read()
-    except OSError as err:
-        return FileResult(path, ERROR, error=f"cannot read: {err.strerror or err}")
-    return transform_source(data, path, rules, options, pattern)
 
 
 def transform_source(

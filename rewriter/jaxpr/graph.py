@@ -58,11 +58,6 @@ class Graph:
             return None
         return self.producer.get(v)
 
-    def prim(self, v) -> str | None:
-        """Name of the primitive producing ``v``."""
-        eqn = self.prod(v)
-        return None if eqn is None else eqn.primitive.name
-
     def n_users(self, v) -> int:
         """How many equations (plus the jaxpr outputs) read ``v``."""
         return len(self.users.get(v, ())) + (v in self.outvars)
