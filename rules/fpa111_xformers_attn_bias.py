@@ -107,8 +107,8 @@ def _attention_uses(tree: ast.Module) -> Counter:
             text = node.id
         elif isinstance(node, ast.Attribute):
             text = node.attr
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            text = node.value
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            text = node.value  # getattr(xops, "memory_efficient_attention"); docstrings are not identifiers
         else:
             continue
         if text.startswith(ATTENTION_PREFIX) or text in names:
