@@ -9,6 +9,8 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
 3. For every top-level statement that mentions a trigger (imports aside), build a mini module
    (header imports + that statement) and run :class:`~flashport.rewriter.transform.SiteTransformer`
    with libcst's ``QualifiedNameProvider``: rules answer per site.
+   Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
+   its own rewrites in this file (the pass is redone with them refused).
 4. Splice rewritten statement texts into the original lines (everything else is byte-identical),
    drop GPU imports a rewrite made unused, add ``import flashport`` once.
 5. The new text must parse and compile, or the file is reported as an error and left alone.
@@ -136,6 +138,10 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None) ->
     module = cst.parse_module("".join(parts))
     transformer = SiteTransformer(rules, options, result.path, line_map, table, module)
     new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
+    vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
+    if vetoes:  # per-file phase: redo the pass with those rules' rewrites refused
+        transformer = SiteTransformer(rules, options, result.path, line_map, table, module, vetoes)
+        new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
     result.sites.extend(transformer.sites)
     if transformer.rewrites:
         new_code = new_module.code

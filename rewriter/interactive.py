@@ -14,7 +14,9 @@ Then every file with at least one accepted site is rewritten **once**, atomicall
 with the declined sites suppressed (``transform_source(..., skip=...)``), so import edits follow
 exactly what was accepted (a GPU import stays while a declined call still uses it). If a declined
 site cannot be separated from an accepted one (same rule on a shared line), the file is not written
-and the review says so.
+and the review says so. An accepted site that the engine's per-file phase then refuses (an xformers
+bias constructor whose ``memory_efficient_attention`` was declined) is kept as it was, counted as
+declined, and the review prints why.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Callable, Sequence, TextIO
 
 from flashport.rewriter import source as src
 from flashport.rewriter.engine import transform_source
-from flashport.rewriter.results import CHANGED, ERROR, REWRITE, FileResult, Site
+from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult, Site
 from flashport.rewriter.runner import StaleFile, atomic_write
 from flashport.rules.base import Rule, RuleOptions
 
@@ -159,11 +161,18 @@ def _apply(result, sites, accepted, rules, options, outcome: Outcome, console) -
         partial = transform_source(result.old, result.path, rules, options,
                                    skip={line: frozenset(codes) for line, codes in skip.items()})
         done = {_key(s) for s in partial.sites if s.status == REWRITE}
-        if partial.status == ERROR or done != {_key(s) for s in accepted}:
+        # An accepted site may now be refused by the per-file phase (Rule.settle): e.g. a bias
+        # constructor whose consuming call was declined. That is sound; say so and write the rest.
+        vetoed = [s for s in partial.sites if s.status == REFUSED and _key(s) in {_key(a) for a in accepted}]
+        if partial.status == ERROR or done | {_key(s) for s in vetoed} != {_key(s) for s in accepted}:
             reason = partial.error or "an accepted site shares a line and rule with a declined one; not written"
             outcome.failed.append((result.path, reason))
             console.print(f"[red]not written[/] {result.path}: {reason}")
             return
+        for site in vetoed:
+            outcome.accepted.remove(next(a for a in outcome.accepted if _key(a) == _key(site)))
+            outcome.declined.append(site)
+            console.print(f"[yellow]kept[/] {result.path}:{site.line} {site.rule}: {site.reason}")
         new = partial.new
     if new is None or new == result.old:
         return

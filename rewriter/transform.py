@@ -10,6 +10,9 @@ back to file lines; nodes outside the chunks (the header) are ignored.
 When several selected rules watch the same qualified name or string, the one with the lowest code
 answers and the others are shadowed (``--ignore`` the first to let the next one answer); FPA905
 relies on this to be opt-in behind FPA901.
+
+``vetoes`` (rule code -> reason) turn that rule's rewrites into refusals: the engine's per-file
+phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ class SiteTransformer(cst.CSTTransformer):
         line_map: list[tuple[int, int, int]],
         suppressions: dict[int, frozenset[str]],
         module: cst.Module,
+        vetoes: dict[str, str] | None = None,
     ):
         super().__init__()
+        self.vetoes = vetoes or {}
         self.options = options
         self.path = path
         self.line_map = line_map
@@ -127,6 +132,8 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = Refusal(refusal.reason)
         if isinstance(outcome, Rewrite) and contains_comment(original_node):
             outcome = Refusal("comments inside the call would be lost by the rewrite; move them out first")
+        if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:
+            outcome = Refusal(self.vetoes[rule.CODE])
         self._record(rule, api, "call", where, outcome)
         if isinstance(outcome, Rewrite):
             self.imports.update(outcome.imports)
@@ -198,6 +205,8 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = rule.check_string(original_node, value, self._context(where[0], value))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
+        if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:
+            outcome = Refusal(self.vetoes[rule.CODE])
         self._record(rule, value, "string", where, outcome)
         if isinstance(outcome, Rewrite):
             self.imports.update(outcome.imports)

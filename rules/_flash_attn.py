@@ -4,7 +4,8 @@ flash-attn inserted parameters mid-signature over 2.x (window_size 2.3, alibi_sl
 deterministic 2.4.1, softcap 2.6 *before* alibi_slopes; block_table 2.5.7 for varlen), so positional
 arguments are bound against the signature of the configured version
 (``RuleOptions.flash_attn_version``, default 2.8.3). ``causal`` is bottom-right since 2.1 and
-top-left in 2.0.
+top-left in 2.0 and 1.x. The flash-attn 1.x varlen names (``flash_attn_unpadded_*``) are bound
+with 1.x's argument order and top-left alignment whatever the configured version.
 """
 
 from __future__ import annotations
@@ -52,6 +53,29 @@ def signature(leading: tuple[str, ...], version: tuple[int, ...], varlen: bool =
     return Signature(names)
 
 
+FA1_VERSION = (1, 0, 9)
+FA1_MODULES = ("flash_attn.flash_attn_interface.",)
+
+
+def fa1_sources(function: str) -> tuple[str, ...]:
+    """Import paths of a flash-attn 1.x function (renamed ``flash_attn_varlen_*`` in 2.0)."""
+    return tuple(m + function for m in FA1_MODULES)
+
+
+def is_fa1(qualified_name: str) -> bool:
+    """Whether ``qualified_name`` is a flash-attn 1.x ``flash_attn_unpadded_*`` name."""
+    return qualified_name.rsplit(".", 1)[-1].startswith("flash_attn_unpadded")
+
+
+def varlen_signature(leading: tuple[str, ...], qualified_name: str, version: tuple[int, ...]) -> tuple[Signature, tuple[int, ...]]:
+    """(signature, version) for a varlen call: flash-attn 1.x order for the ``flash_attn_unpadded_*``
+    names (``dropout_p`` required, ``return_attn_probs`` before ``deterministic``; tag v1.0.9),
+    else :func:`signature` at ``version``. Only 1.x has those names, so their version is fixed."""
+    if is_fa1(qualified_name):
+        return Signature(leading + ("dropout_p", "softmax_scale", "causal", "return_attn_probs", "deterministic")), FA1_VERSION
+    return signature(leading, version, varlen=True), version
+
+
 def align(version: tuple[int, ...]) -> str:
     """Causal/window alignment of flash-attn ``version``."""
     return "top_left" if version < (2, 1) else "bottom_right"
@@ -79,8 +103,10 @@ class _Substitute(cst.CSTTransformer):
         return self.node if updated_node.value == self.name else updated_node
 
 
-def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
-    """Map flash-attn keyword arguments to the contract's; returns (keywords, notes).
+def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str,
+                  version: tuple[int, ...] | None = None) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
+    """Map flash-attn keyword arguments to the contract's; returns (keywords, notes). ``version``
+    (default: the configured ``flash_attn_version``) decides the causal alignment.
 
     Raises:
       Refuse: for dropout that may be non-zero, ALiBi, return_attn_probs, paged KV.
@@ -120,7 +146,7 @@ def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str) -> tupl
             keywords.append(("softcap", softcap))
         else:  # flash-attn's 0.0 means "off"; the contract's off is None
             keywords.append(("softcap", cst.BooleanOperation(left=softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]) if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda)) else softcap, operator=cst.Or(), right=cst.Name("None"))))
-    keywords.append(("align", string(align(ctx.options.flash_attn_version))))
+    keywords.append(("align", string(align(version or ctx.options.flash_attn_version))))
     return keywords, notes
 
 

@@ -170,6 +170,18 @@ class Rule:
         """Answer for a string literal whose value is in :attr:`STRINGS`."""
         return None
 
+    def settle(self, sites, tree) -> str | None:
+        """Per-file phase, after every site of the file has its final status (rewritten, refused,
+        suppressed by a comment or by the interactive review; rules left out by ``--ignore`` have
+        no sites). Return a reason to refuse *all* of this rule's rewrites in the file (their
+        meaning depends on other sites), or None to keep them.
+
+        Args:
+          sites: every :class:`~flashport.rewriter.results.Site` of the file, all rules.
+          tree: the file's ``ast.Module``.
+        """
+        return None
+
     @classmethod
     def doc(cls) -> str:
         """The rule's user documentation: its module docstring plus the class docstring."""

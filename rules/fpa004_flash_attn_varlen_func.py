@@ -3,7 +3,10 @@
 What it rewrites:
   ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-  return_attn_probs, block_table)`` from ``flash_attn`` / ``flash_attn.flash_attn_interface``.
+  return_attn_probs, block_table)`` from ``flash_attn`` / ``flash_attn.flash_attn_interface``, and
+  its flash-attn 1.x name ``flash_attn_unpadded_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
+  max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, return_attn_probs, deterministic)``
+  from ``flash_attn.flash_attn_interface`` (1.x order: ``deterministic`` last).
 
 Semantics mapping:
   packed ``[total, H, D]`` tensors with int32 ``cu_seqlens`` ``(B+1,)`` -> ``layout="THD"`` and
@@ -12,7 +15,8 @@ Semantics mapping:
   causal/window alignment (offset ``len_k[b] - len_q[b]`` for each sequence, not one global
   ``Sk - Sq``), so ``align="bottom_right"`` means what flash-attn means. Tokens past
   ``cu_seqlens[-1]`` attend nothing (output 0). ``max_seqlen_q/k`` are dropped (they only size
-  flash-attn's kernel launch). Scale, window, softcap as FPA001.
+  flash-attn's kernel launch). Scale, window, softcap as FPA001. flash-attn 1.x causal is
+  **top-left** (bottom-right only since 2.1), so the 1.x name gets ``align="top_left"``.
 
 What it refuses:
   non-zero dropout (unless ``--inference`` and training-gated), ALiBi, ``return_attn_probs``,
@@ -42,16 +46,17 @@ class FlashAttnVarlenFunc(Rule):
     NAME = "flash-attn-varlen-func"
     API = "flash_attn.flash_attn_varlen_func"
     FRAMEWORK = "torch"
-    SOURCES = fa.sources("flash_attn_varlen_func")
+    SOURCES = fa.sources("flash_attn_varlen_func") + fa.fa1_sources("flash_attn_unpadded_func")
     TRIGGERS = (b"flash_attn",)
     GPU_MODULES = ("flash_attn",)
     TARGET = "flashport.varlen_attention"
 
     def check_call(self, call, ctx):
         """Bind, map like FPA001, and pass cu_seqlens to the varlen helper."""
-        bound = fa.signature(LEADING, ctx.options.flash_attn_version, varlen=True).bind(call, self.API)
+        sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
+        bound = sig.bind(call, self.API)
         q, k, v, cu_q, cu_k = fa.required(bound, LEADING[:5], self.API)
-        keywords, notes = fa.map_arguments(bound, ctx, self.API)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API, version)
         keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords
         notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
         node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("THD"))], call)

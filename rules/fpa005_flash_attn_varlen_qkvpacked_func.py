@@ -3,15 +3,17 @@
 What it rewrites:
   ``flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
   window_size, softcap, alibi_slopes, deterministic, return_attn_probs)`` from ``flash_attn`` /
-  ``flash_attn.flash_attn_interface`` (any alias; FA1's ``flash_attn_unpadded_qkvpacked_func`` is
-  not matched).
+  ``flash_attn.flash_attn_interface`` (any alias), and its flash-attn 1.x name
+  ``flash_attn_unpadded_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
+  causal, return_attn_probs, deterministic)`` from ``flash_attn.flash_attn_interface``.
 
 Semantics mapping:
   ``qkv`` is packed ``[total, 3, H, D]``; it is split once with ``*qkv.unbind(1)`` into THD q, k, v.
   One ``cu_seqlens`` (int32 ``(B+1,)``) serves queries and keys, so it is passed as both
   ``cu_seqlens_q`` and ``cu_seqlens_k`` of ``flashport.varlen_attention`` (per-sequence causal and
   window; with equal lengths bottom-right and top-left coincide, ``align`` is still stated).
-  ``max_seqlen`` is dropped (kernel launch size only). Scale, window, softcap as FPA001.
+  ``max_seqlen`` is dropped (kernel launch size only). Scale, window, softcap as FPA001; the 1.x
+  name gets ``align="top_left"`` (1.x causal is top-left, as FPA004).
 
 What it refuses:
   as FPA004 (non-zero dropout unless ``--inference`` and training-gated, ALiBi,
@@ -42,18 +44,19 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
     NAME = "flash-attn-varlen-qkvpacked-func"
     API = "flash_attn.flash_attn_varlen_qkvpacked_func"
     FRAMEWORK = "torch"
-    SOURCES = fa.sources("flash_attn_varlen_qkvpacked_func")
+    SOURCES = fa.sources("flash_attn_varlen_qkvpacked_func") + fa.fa1_sources("flash_attn_unpadded_qkvpacked_func")
     TRIGGERS = (b"flash_attn",)
     GPU_MODULES = ("flash_attn",)
     TARGET = "flashport.varlen_attention"
 
     def check_call(self, call, ctx):
         """Split the packed tensor once, pass cu_seqlens for both sides, map the rest like FPA001."""
-        bound = fa.signature(LEADING, ctx.options.flash_attn_version).bind(call, self.API)
+        sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
+        bound = sig.bind(call, self.API)
         qkv, cu = fa.required(bound, LEADING[:2], self.API)
         if not _sites.simple(cu):
             raise Refuse(f"cu_seqlens={ctx.code(cu)} would be evaluated twice (queries and keys); bind it to a name first")
-        keywords, notes = fa.map_arguments(bound, ctx, self.API)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API, version)
         keywords = [("cu_seqlens_q", cu), ("cu_seqlens_k", cu)] + keywords
         notes.append("dropped max_seqlen (kernel launch size only)")
         node = build_call(self.TARGET, [fa.unbind(qkv, 1)], keywords + [("layout", string("THD"))], call)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import _flash_attn as fa
+from flashport.rules._xformers import UNSUPPORTED
 from flashport.rules.base import (
     Refusal,
     Refuse,
@@ -79,8 +80,6 @@ class XformersMemoryEfficientAttention(Rule):
             notes.append("dropped op= (xformers kernel choice)")
         bias = value.get("attn_bias")
         if bias is not None:
-            from flashport.rules.fpa111_xformers_attn_bias import UNSUPPORTED
-
             text = ctx.code(bias)
             bad = next((name for name in UNSUPPORTED if name in text), None)
             if bad:

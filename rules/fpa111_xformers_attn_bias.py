@@ -20,9 +20,13 @@ What it refuses:
   padded/paged/gappy block masks (``BlockDiagonalPaddedKeysMask``,
   ``BlockDiagonalCausalWithOffsetPaddedKeysMask``, ``BlockDiagonalGappyKeysMask``,
   ``Paged...``, ``BlockDiagonalCausalWithOffsetGappyKeysMask``) and ``from_tensor_lists_qkv``:
-  their layouts (padding inside blocks, page tables) are not representable. Every constructor in
-  a file where some ``memory_efficient_attention`` call is refused (by FPA110): a bias object
-  built here could reach that call, which still runs xformers and needs xformers' own classes.
+  their layouts (padding inside blocks, page tables) are not representable. Every constructor of
+  a file (decided once the file's other sites are final) where some use of
+  ``memory_efficient_attention*`` is not rewritten by FPA110 -- refused, suppressed with
+  ``# flashport: ignore[FPA110]``, left out by ``--ignore FPA110``, declined in ``--interactive``
+  review, or used as a value -- or where a bias class is used as a value (``isinstance(b,
+  LowerTriangularMask)``): a bias built here could reach code that still runs xformers and needs
+  xformers' own classes.
 
 Example::
 
@@ -33,10 +37,11 @@ Example::
 
 from __future__ import annotations
 
-import libcst as cst
+import ast
+from collections import Counter
 
-from flashport.rules import _sites
-from flashport.rules.base import Refusal, Refuse, Rewrite, Rule, dotted, register
+from flashport.rules._xformers import ATTENTION_PREFIX, UNSUPPORTED
+from flashport.rules.base import Refusal, Rewrite, Rule, dotted, register
 
 MODULE = "flashport.integrations.xformers_compat"
 PREFIXES = ("xformers.ops.", "xformers.ops.fmha.", "xformers.ops.fmha.attn_bias.")
@@ -44,10 +49,6 @@ PLAIN = ("LowerTriangularMask", "LowerTriangularMaskWithTensorBias", "LowerTrian
          "LowerTriangularFromBottomRightLocalAttentionMask", "LocalAttentionFromBottomRightMask")
 BLOCKS = ("BlockDiagonalMask", "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask")
 CONSTRUCTORS = ("from_seqlens", "from_tensor_list")
-UNSUPPORTED = ("BlockDiagonalPaddedKeysMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask",
-               "BlockDiagonalGappyKeysMask", "BlockDiagonalCausalWithOffsetGappyKeysMask",
-               "PagedBlockDiagonalPaddedKeysMask", "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask",
-               "PagedBlockDiagonalGappyKeysMask", "PagedBlockDiagonalCausalWithOffsetGappyKeysMask")
 
 _SUPPORTED = PLAIN + tuple(f"{b}.{c}" for b in BLOCKS for c in CONSTRUCTORS)
 _REFUSED = tuple(f"{u}.{c}" for u in UNSUPPORTED for c in CONSTRUCTORS) + UNSUPPORTED + tuple(
@@ -73,39 +74,45 @@ class XformersAttnBias(Rule):
                     if ctx.qualified_name.startswith(p))
         if name not in _SUPPORTED:
             return Refusal(f"{name}: padded, paged or gappy block layouts have no flashport equivalent")
-        why = refused_attention_call(ctx)
-        if why:
-            return Refusal(f"a memory_efficient_attention call in this file stays xformers ({why}); its biases must stay xformers' classes")
         return Rewrite(call.with_changes(func=dotted(f"{MODULE}.{name}")), imports=(MODULE,))
 
+    def settle(self, sites, tree):
+        """Keep every constructor when some consumer of a bias in the file stays xformers."""
+        if not any(s.rule == self.CODE and s.status == "rewrite" for s in sites):
+            return None  # nothing to veto: skip the walk over the file
+        rewritten = Counter(s.line for s in sites if s.rule == "FPA110" and s.status == "rewrite" and s.kind == "call")
+        for line, count in sorted(_attention_uses(tree).items()):
+            if count > rewritten[line]:
+                return (f"memory_efficient_attention on line {line} stays xformers "
+                        f"({_why(sites, line)}); its biases must stay xformers' classes")
+        for site in sites:
+            if site.rule == self.CODE and site.kind == "reference":
+                return (f"{site.api.rsplit('.', 1)[-1]} on line {site.line} is used as a value and stays xformers' "
+                        "class; the biases of this file must stay xformers' classes too")
+        return None
 
-def refused_attention_call(ctx) -> str | None:
-    """Why some ``memory_efficient_attention*`` call of the file is not rewritten by FPA110 (None: all are)."""
-    from flashport.rules.fpa110_xformers_memory_efficient_attention import REPORTED, XformersMemoryEfficientAttention
 
-    module = _sites._module(ctx)
-    if module is None:
-        return "the file could not be analysed"
-    calls: list[cst.Call] = []
+def _why(sites, line: int) -> str:
+    reasons = [s.reason for s in sites if s.rule == "FPA110" and s.line == line and s.status != "rewrite"]
+    return reasons[0] if reasons else "not rewritten: FPA110 is not selected, or the function is used as a value"
 
-    class _Calls(cst.CSTVisitor):
-        def visit_Call(self, node: cst.Call) -> None:
-            func = node.func
-            name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
-            if name.startswith("memory_efficient_attention"):
-                calls.append(node)
 
-    module.visit(_Calls())
-    rule = XformersMemoryEfficientAttention()
-    for call in calls:
-        func = call.func
-        name = func.attr.value if isinstance(func, cst.Attribute) else func.value
-        if name in REPORTED:
-            return f"{name} is not rewritten"
-        try:
-            outcome = rule.check_call(call, ctx)
-        except Refuse as refusal:
-            return refusal.reason
-        if not isinstance(outcome, Rewrite):
-            return "not rewritten"
-    return None
+def _attention_uses(tree: ast.Module) -> Counter:
+    """Lines of every mention of ``memory_efficient_attention*`` (or an alias imported for it)
+    outside import statements: calls, values, ``getattr`` strings. Over-counting only keeps
+    constructors, which is the safe direction."""
+    names = {a.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             for a in node.names if a.asname and a.name.startswith(ATTENTION_PREFIX)}
+    uses: Counter = Counter()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            text = node.value  # getattr(xops, "memory_efficient_attention"); docstrings are not identifiers
+        else:
+            continue
+        if text.startswith(ATTENTION_PREFIX) or text in names:
+            uses[node.lineno] += 1
+    return uses

@@ -309,3 +309,44 @@ def test_jax_cudnn_rewrite_matches_jax_nn_on_cpu(shape, args):
     want = np.asarray(original(q, k, v, bias, mask))
     got = np.asarray(rewritten(q, k, v, bias, mask))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def fa1_varlen_reference(q, k, v, cu_q, cu_k, softmax_scale=None, causal=False):
+    """flash-attn 1.x ``flash_attn_unpadded_func``: each sequence on its own, causal **top-left**
+    (query i sees keys j <= i of its sequence; bottom-right only came with 2.1); loops, float64."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out = np.zeros(q.shape[:2] + (v.shape[-1],))
+    for b in range(len(cu_q) - 1):
+        for i in range(cu_q[b + 1] - cu_q[b]):
+            for h in range(q.shape[1]):
+                keys = [j for j in range(cu_k[b + 1] - cu_k[b]) if not causal or j <= i]
+                s = np.array([scale * q[cu_q[b] + i, h] @ k[cu_k[b] + j, h] for j in keys])
+                p = np.exp(s - s.max())
+                out[cu_q[b] + i, h] = sum(pj * v[cu_k[b] + j, h] for pj, j in zip(p / p.sum(), keys))
+    return out
+
+
+def test_fa1_unpadded_rewrites_keep_top_left_causal_and_1x_argument_order():
+    code = rewrite("""
+        from flash_attn.flash_attn_interface import (flash_attn_unpadded_func, flash_attn_unpadded_kvpacked_func,
+                                                     flash_attn_unpadded_qkvpacked_func)
+        def f(q, k, v, cu_q, cu_k, max_q, max_k):
+            return flash_attn_unpadded_func(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, 0.5, True, False, True)
+        def kvpacked(q, kv, cu_q, cu_k, max_q, max_k):
+            return flash_attn_unpadded_kvpacked_func(q, kv, cu_q, cu_k, max_q, max_k, 0.0, causal=True)
+        def qkvpacked(qkv, cu, max_len):
+            return flash_attn_unpadded_qkvpacked_func(qkv, cu, max_len, 0.0, None, False)
+    """)
+    ns = load(code)
+    cu_q, cu_k = [0, 2, 5], [0, 4, 7]  # Sq=2,3 vs Sk=4,3: top-left and bottom-right differ
+    q, k, v = rand(5, 2, 8), rand(7, 2, 8, seed=1), rand(7, 2, 8, seed=2)
+    tq, tk = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+    want = fa1_varlen_reference(q.numpy(), k.numpy(), v.numpy(), cu_q, cu_k, softmax_scale=0.5, causal=True)
+    np.testing.assert_allclose(ns["f"](q, k, v, tq, tk, 3, 4).numpy(), want, atol=1e-10)
+    kv = torch.stack([k, v], dim=1)
+    np.testing.assert_allclose(ns["kvpacked"](q, kv, tq, tk, 3, 4).numpy(),
+                               fa1_varlen_reference(q.numpy(), k.numpy(), v.numpy(), cu_q, cu_k, causal=True), atol=1e-10)
+    qkv = torch.stack([rand(5, 2, 8, seed=3), rand(5, 2, 8, seed=4), rand(5, 2, 8, seed=5)], dim=1)
+    np.testing.assert_allclose(ns["qkvpacked"](qkv, tq, 3).numpy(),
+                               fa1_varlen_reference(*(qkv[:, i].numpy() for i in range(3)), cu_q, cu_q), atol=1e-10)

@@ -23,7 +23,9 @@ bias                                         contract keywords
 
 Inputs may be 3-D ``[B, M, K]`` (one head), 4-D ``[B, M, H, K]`` or 5-D ``[B, M, G, H, K]`` (GQA with
 K/V expanded by the caller); the output has the query's rank. Real xformers bias objects of the
-classes above are accepted too (read through their attributes).
+classes above are accepted too (read through their attributes). Every bias object has xformers'
+``materialize(shape, dtype=torch.float32, device="cpu")``: the dense additive tensor (0 visible,
+``-inf`` masked).
 """
 
 from __future__ import annotations
@@ -45,6 +47,37 @@ class AttentionBias:
     def _contract(self, total_q, total_k, device):
         raise NotImplementedError(f"{type(self).__name__} has no flashport equivalent")
 
+    def _visible(self, mq, mk, device):
+        raise NotImplementedError(f"{type(self).__name__} cannot be materialized")
+
+    def materialize(self, shape, dtype=None, device="cpu"):
+        """The bias as a dense additive tensor of ``shape`` (``[..., Mq, Mk]``), like xformers':
+        0 where a query may see a key, ``-inf`` where it is masked (default dtype float32)."""
+        import torch
+
+        shape = tuple(shape)
+        if len(shape) < 2:
+            raise ValueError(f"{type(self).__name__}.materialize: shape must end with (Mq, Mk), got {shape}")
+        visible = self._visible(shape[-2], shape[-1], device)
+        zero = torch.zeros((), dtype=dtype or torch.float32, device=device)
+        out = torch.where(visible, zero, torch.full((), float("-inf"), dtype=zero.dtype, device=device))
+        return out.expand(shape).clone()
+
+
+def _band(mq, mk, device, causal, align, window):
+    """Boolean [mq, mk]: query ``i`` sees key ``j`` (``d = j - i - s``, ``s = mk - mq`` bottom-right
+    else 0; causal: ``d <= 0``; window ``(l, r)``: ``-l <= d <= r``)."""
+    import torch
+
+    shift = mk - mq if align == "bottom_right" else 0
+    d = torch.arange(mk, device=device)[None, :] - torch.arange(mq, device=device)[:, None] - shift
+    ok = torch.ones((mq, mk), dtype=torch.bool, device=device)
+    if causal:
+        ok &= d <= 0
+    if window is not None:
+        ok &= (d >= -window[0]) & (d <= window[1])
+    return ok
+
 
 @dataclasses.dataclass
 class _Dense(AttentionBias):
@@ -56,6 +89,9 @@ class _Dense(AttentionBias):
     def window(self):
         """The contract's ``window`` (None = unbounded)."""
         return None
+
+    def _visible(self, mq, mk, device):
+        return _band(mq, mk, device, self.causal, self.align, self.window())
 
     def _contract(self, total_q, total_k, device):
         out = {"causal": self.causal, "align": self.align}
@@ -82,6 +118,10 @@ class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
 
     def _contract(self, total_q, total_k, device):
         return {**super()._contract(total_q, total_k, device), "bias": self._bias}
+
+    def materialize(self, shape, dtype=None, device="cpu"):
+        """The causal mask plus the bias tensor (xformers: ``super().materialize(...) + bias``)."""
+        return super().materialize(shape, dtype=dtype, device=device) + self._bias
 
 
 class LowerTriangularFromBottomRightMask(_Dense):
@@ -174,6 +214,19 @@ class BlockDiagonalMask(AttentionBias):
     def window(self):
         """The per-block window, or None."""
         return (int(self._window_size) - 1, 0) if self._window_size else None
+
+    def _visible(self, mq, mk, device):
+        import torch
+
+        if sum(self.q_seqlen) != mq or sum(self.kv_seqlen) != mk:
+            raise ValueError(f"{type(self).__name__}.materialize: shape must end with ({sum(self.q_seqlen)}, "
+                             f"{sum(self.kv_seqlen)}) (the blocks' total queries and keys), got ({mq}, {mk})")
+        ok = torch.zeros((mq, mk), dtype=torch.bool, device=device)
+        q0 = k0 = 0
+        for nq, nk in zip(self.q_seqlen, self.kv_seqlen):
+            ok[q0:q0 + nq, k0:k0 + nk] = _band(nq, nk, device, self.causal, self.align, self.window())
+            q0, k0 = q0 + nq, k0 + nk
+        return ok
 
     def _contract(self, total_q, total_k, device):
         import torch
