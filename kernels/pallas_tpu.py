@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import registry
-from flashport.kernels.pallas_tpu_blocks import LANES, BlockSizes, resolve_blocks
+from flashport.kernels.pallas_tpu_blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
 from flashport.kernels.pallas_tpu_bwd import dkv_call, dq_call
 from flashport.kernels.pallas_tpu_fwd import forward_call
 from flashport.kernels.pallas_tpu_platform import tpu_only
@@ -44,6 +44,7 @@ class Config:
     spec: AttentionSpec
     blocks: BlockSizes
     interpret: bool
+    generation: str = "v6e"  # the chip Mosaic lowers for when the computation names none
 
     def geometry(self, kind: str) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``)."""
@@ -86,7 +87,7 @@ def _launch(cfg: Config, call_fn, g: Geometry, operands, tables, **kwargs):
 
     if cfg.interpret:
         return _map_under_vmap(make(cfg.interpret_mode), *flat)
-    return tpu_only(make, *flat)
+    return tpu_only(make, *flat, device_kind=GENERATION_DEVICE_KINDS[cfg.generation])
 
 
 def _map_under_vmap(fn, *flat):
@@ -197,8 +198,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def _make_backend_fn(name: str, interpret: bool):
     def fn(q, k, v, bias, mask, q_seg, kv_seg, *, spec: AttentionSpec, options):
-        _, blocks = resolve_blocks(dict(options), name)
-        return _attention(Config(spec, blocks, interpret), q, k, v, bias, mask, q_seg, kv_seg)
+        generation, blocks = resolve_blocks(dict(options), name)
+        return _attention(Config(spec, blocks, interpret, generation), q, k, v, bias, mask, q_seg, kv_seg)
 
     fn.__name__ = f"{name}_attention"
     fn.__doc__ = (
