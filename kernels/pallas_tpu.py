@@ -120,15 +120,23 @@ def _lanes(x, size):
     return jnp.broadcast_to(pad_to(x, 2, size)[..., None], (*x.shape[:2], size, LANES))
 
 
+def _loadable(x):
+    """float16 -> float32: Mosaic cannot load float16 vectors on any TPU generation ("Invalid vector
+    type for load"), so float16 operands enter the kernels as float32 (accumulation is f32 anyway)."""
+    return x.astype(jnp.float32) if x is not None and x.dtype == jnp.float16 else x
+
+
 def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, *, count_visits=False):
     """Forward on unpadded canonical arrays of one shard; returns ``(out, lse[, visits])``."""
+    out_dtype = q.dtype
+    q, k, v, bias = map(_loadable, (q, k, v, bias))
     g = cfg.geometry("fwd")
     sq, dv = q.shape[2], v.shape[3]
     qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
     tables = block_tables(g, q_seg, kv_seg, by_rows=True)
     res = _launch(cfg, forward_call, g, [qp, kp, vp, bias, mask, qs, ks], tables, count_visits=count_visits)
-    out, lse = res[0][:, :, :sq, :dv], res[1][:, :, :sq, 0]
+    out, lse = res[0][:, :, :sq, :dv].astype(out_dtype), res[1][:, :, :sq, 0]
     if count_visits:
         return out, lse, res[2][:, :, ::8, 0]
     return out, lse
@@ -136,6 +144,8 @@ def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, *, count_vis
 
 def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse):
     """dQ, dK, dV (and the bias gradient, or None) for one shard."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, bias_in, d_out = map(_loadable, (q, k, v, bias, d_out))
     sq, sk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     # dL/dlogits = P * (dP - di) with di = rowsum(dO*O) - dlse: the lse cotangent folds into di.
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
@@ -146,14 +156,14 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
         qp, kp, vp = _pad_qkv(g, q, k, v)
         dop = pad_lanes(pad_to(d_out, 2, g.sqp))
         lse_t, di_t = _lanes(lse, g.sqp), _lanes(di, g.sqp)
-        b_, m_, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
+        b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
         tables = block_tables(g, q_seg, kv_seg, by_rows=(kind == "dq"))
         call = dkv_call if kind == "dkv" else dq_call
         results[kind] = (g, _launch(cfg, call, g, [qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks], tables))
     _, (dk, dv_) = results["dkv"]
     g, dq_out = results["dq"]
     dq = dq_out[0][:, :, :sq, :d]
-    dk, dv_ = dk[:, :, :sk, :d], dv_[:, :, :sk, :dv]
+    dq, dk, dv_ = dq.astype(dtypes[0]), dk[:, :, :sk, :d].astype(dtypes[1]), dv_[:, :, :sk, :dv].astype(dtypes[2])
     dbias = None
     if bias is not None:
         dbias = _reduce_dbias(g, dq_out[1], bias.shape, sq, sk).astype(bias.dtype)

@@ -17,6 +17,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.extend import core as jax_core
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import flashport
@@ -165,3 +166,41 @@ def test_export_for_tpu_without_abstract_mesh(backend, platforms, grad):
 def test_generation_option_is_validated():
     with pytest.raises(ValueError, match="generation='v9'"):
         export_without_mesh(registry.use("pallas_tpu", generation="v9"), ("tpu",), grad=False)
+
+
+def _pallas_call_dtypes(closed):
+    """Dtypes of every operand and result of every pallas_call inside a (closed) jaxpr, recursively."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.extend(str(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(sub, jax_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax_core.Jaxpr):
+                        walk(sub)
+
+    walk(closed.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "f16_bias"])
+def test_float16_never_reaches_the_kernels(bias):
+    # Regression: Mosaic rejects float16 vector loads on every TPU generation ("Invalid vector type
+    # for load", found compiling with libtpu); float16 operands must enter the kernels as float32.
+    q = jnp.ones((1, 300, 2, 128), jnp.float16)
+    b = jnp.zeros((1, 2, 300, 300), jnp.float16) if bias else None
+
+    def loss(q, k, v, b):
+        return jnp.sum(flashport.attention(q, k, v, bias=b, causal=True, backend="pallas_tpu").astype(jnp.float32))
+
+    argnums = (0, 1, 2, 3) if bias else (0, 1, 2)
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=argnums))(q, q, q, b)
+    dtypes = _pallas_call_dtypes(closed)
+    assert dtypes, "no pallas_call found"
+    assert "float16" not in dtypes, dtypes
+    grads = jax.eval_shape(jax.grad(loss, argnums=argnums), q, q, q, b)
+    assert all(g.dtype == jnp.float16 for g in grads)  # the caller still gets float16 gradients
