@@ -52,8 +52,8 @@ def _impl(*args, **params):
 tpu_only_p.def_impl(_impl)
 
 
-def _target_tpu_kind(ctx) -> str | None:
-    """The TPU kind this module is compiled for, if the context names one (else ``None``)."""
+def _target_tpu(ctx):
+    """The first TPU device this module is compiled for, if the context names one (else ``None``)."""
     if jax.sharding.get_abstract_mesh().abstract_device is not None:
         return None  # Mosaic reads the abstract mesh itself
     devices = getattr(ctx.module_context.axis_context, "device_assignment", None) or ()
@@ -62,7 +62,7 @@ def _target_tpu_kind(ctx) -> str | None:
         devices = tuple(mesh.devices.flat)
     for d in devices:
         if getattr(d, "platform", None) == "tpu":
-            return d.device_kind
+            return d
     return None
 
 
@@ -79,13 +79,14 @@ def _lowering(which):
         lower = mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)
         if which != "tpu" or jax.sharding.get_abstract_mesh().abstract_device is not None:
             return lower(ctx, *args)
-        kind = _target_tpu_kind(ctx)
-        if kind is None and _has_real_tpu():
+        target = _target_tpu(ctx)
+        if target is None and _has_real_tpu():
             return lower(ctx, *args)
         # A one-chip abstract mesh only tells Mosaic which chip it lowers for (the surrounding
         # module's shardings are already fixed). Each equation re-enters the abstract mesh it was
         # traced under, so the kernel is traced again inside this one.
-        chip = AbstractDevice(device_kind=kind or device_kind, num_cores=1, platform="tpu")
+        chip = AbstractDevice(device_kind=target.device_kind if target else device_kind,
+                              num_cores=getattr(target, "num_cores", 1) or 1, platform="tpu")
         with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("_flashport_chip",), (AxisType.Auto,),
                                                          abstract_device=chip)):
             structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in]
