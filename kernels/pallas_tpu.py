@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import registry
-from flashport.kernels.pallas_tpu_blocks import LANES, BlockSizes, resolve_blocks
+from flashport.kernels.pallas_tpu_blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
 from flashport.kernels.pallas_tpu_bwd import dkv_call, dq_call
 from flashport.kernels.pallas_tpu_fwd import forward_call
 from flashport.kernels.pallas_tpu_platform import tpu_only
@@ -44,6 +44,7 @@ class Config:
     spec: AttentionSpec
     blocks: BlockSizes
     interpret: bool
+    generation: str = "v6e"  # the chip Mosaic lowers for when the computation names none
 
     def geometry(self, kind: str) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``)."""
@@ -86,7 +87,7 @@ def _launch(cfg: Config, call_fn, g: Geometry, operands, tables, **kwargs):
 
     if cfg.interpret:
         return _map_under_vmap(make(cfg.interpret_mode), *flat)
-    return tpu_only(make, *flat)
+    return tpu_only(make, *flat, device_kind=GENERATION_DEVICE_KINDS[cfg.generation])
 
 
 def _map_under_vmap(fn, *flat):
@@ -119,15 +120,23 @@ def _lanes(x, size):
     return jnp.broadcast_to(pad_to(x, 2, size)[..., None], (*x.shape[:2], size, LANES))
 
 
+def _loadable(x):
+    """float16 -> float32: Mosaic cannot load float16 vectors on any TPU generation ("Invalid vector
+    type for load"), so float16 operands enter the kernels as float32 (accumulation is f32 anyway)."""
+    return x.astype(jnp.float32) if x is not None and x.dtype == jnp.float16 else x
+
+
 def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, *, count_visits=False):
     """Forward on unpadded canonical arrays of one shard; returns ``(out, lse[, visits])``."""
+    out_dtype = q.dtype
+    q, k, v, bias = map(_loadable, (q, k, v, bias))
     g = cfg.geometry("fwd")
     sq, dv = q.shape[2], v.shape[3]
     qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
     tables = block_tables(g, q_seg, kv_seg, by_rows=True)
     res = _launch(cfg, forward_call, g, [qp, kp, vp, bias, mask, qs, ks], tables, count_visits=count_visits)
-    out, lse = res[0][:, :, :sq, :dv], res[1][:, :, :sq, 0]
+    out, lse = res[0][:, :, :sq, :dv].astype(out_dtype), res[1][:, :, :sq, 0]
     if count_visits:
         return out, lse, res[2][:, :, ::8, 0]
     return out, lse
@@ -135,6 +144,8 @@ def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, *, count_vis
 
 def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse):
     """dQ, dK, dV (and the bias gradient, or None) for one shard."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, bias_in, d_out = map(_loadable, (q, k, v, bias, d_out))
     sq, sk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     # dL/dlogits = P * (dP - di) with di = rowsum(dO*O) - dlse: the lse cotangent folds into di.
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
@@ -145,14 +156,14 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
         qp, kp, vp = _pad_qkv(g, q, k, v)
         dop = pad_lanes(pad_to(d_out, 2, g.sqp))
         lse_t, di_t = _lanes(lse, g.sqp), _lanes(di, g.sqp)
-        b_, m_, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
+        b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
         tables = block_tables(g, q_seg, kv_seg, by_rows=(kind == "dq"))
         call = dkv_call if kind == "dkv" else dq_call
         results[kind] = (g, _launch(cfg, call, g, [qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks], tables))
     _, (dk, dv_) = results["dkv"]
     g, dq_out = results["dq"]
     dq = dq_out[0][:, :, :sq, :d]
-    dk, dv_ = dk[:, :, :sk, :d], dv_[:, :, :sk, :dv]
+    dq, dk, dv_ = dq.astype(dtypes[0]), dk[:, :, :sk, :d].astype(dtypes[1]), dv_[:, :, :sk, :dv].astype(dtypes[2])
     dbias = None
     if bias is not None:
         dbias = _reduce_dbias(g, dq_out[1], bias.shape, sq, sk).astype(bias.dtype)
@@ -197,8 +208,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def _make_backend_fn(name: str, interpret: bool):
     def fn(q, k, v, bias, mask, q_seg, kv_seg, *, spec: AttentionSpec, options):
-        _, blocks = resolve_blocks(dict(options), name)
-        return _attention(Config(spec, blocks, interpret), q, k, v, bias, mask, q_seg, kv_seg)
+        generation, blocks = resolve_blocks(dict(options), name)
+        return _attention(Config(spec, blocks, interpret, generation), q, k, v, bias, mask, q_seg, kv_seg)
 
     fn.__name__ = f"{name}_attention"
     fn.__doc__ = (

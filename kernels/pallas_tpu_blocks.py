@@ -72,8 +72,14 @@ GENERATION_DEFAULTS = {
     # 128 MiB VMEM, 2x 256x256 MXU, ridge ~560.
     "v6e": BlockSizes(block_q=1024, block_k=512, block_q_dkv=512, block_k_dkv=1024, block_q_dq=1024, block_k_dq=512),
 }
-# Newer or unknown chips (TPU7x: 256x256 MXU, 64 MiB VMEM/core, ridge ~312) use the v6e table.
+# Newer or unknown chips (TPU7x: 256x256 MXU, 64 MiB VMEM/core, ridge ~312) use the v6e table. It is
+# also the default when nothing names a chip (exporting for TPU from a CPU host, no abstract mesh):
+# its blocks fit the 16 MiB default scoped VMEM of every generation (see the module docstring).
 FALLBACK_GENERATION = "v6e"
+
+# The device_kind JAX reports for each generation; the Mosaic lowering is told this chip when the
+# computation itself names none.
+GENERATION_DEVICE_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
 
 _DEVICE_KINDS = {
     "TPU v4": "v4",

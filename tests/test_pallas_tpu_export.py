@@ -3,8 +3,7 @@
 ``jax.export(..., platforms=["tpu"])`` runs the Pallas -> Mosaic Python lowering and the MLIR
 verifier for the forward and both backward kernels (block shape rules, unsupported primitives,
 64-bit types, gathers...). It does not run Mosaic's layout passes, VMEM allocation or per-chip
-dtype legalisation: those only happen inside libtpu at XLA compile time, never on a CPU host (so an
-oversized VMEM block or a matmul dtype a chip lacks still passes here).
+dtype legalisation: those only happen inside libtpu (tests/test_tpu_compile.py runs those).
 
 Each export runs under an abstract mesh whose device kind is the generation's TPU, so the backend
 picks that generation's default block sizes (and chip-dependent lowering rules have a chip).
@@ -18,6 +17,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.extend import core as jax_core
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import flashport
@@ -133,3 +133,74 @@ def test_vmap_of_grad_lowers():
     with jax.sharding.use_abstract_mesh(abstract_tpu(KINDS["v6e"])):
         text = jax.export.export(f, platforms=["tpu"])(q).mlir_module()
     assert_three_kernels(text)
+
+
+def export_without_mesh(backend, platforms, grad):
+    """Export forward (or value_and_grad) for ``platforms`` with no abstract mesh: a CPU build host."""
+    q = S((2, 300, 4, 128), jnp.bfloat16)
+    kv = S((2, 300, 2, 128), jnp.bfloat16)
+
+    def f(q, k, v):
+        return flashport.attention(q, k, v, causal=True, softcap=20.0, backend=backend)
+
+    fn = jax.value_and_grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)) if grad else f
+    assert jax.sharding.get_abstract_mesh().abstract_device is None
+    return jax.export.export(jax.jit(fn), platforms=list(platforms))(q, kv, kv).mlir_module()
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "auto", registry.use("pallas_tpu", generation="v5e"),
+                                     registry.use("pallas_tpu", generation="v4")])
+@pytest.mark.parametrize("platforms", [("tpu",), ("cpu", "tpu")])
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "grad"])
+def test_export_for_tpu_without_abstract_mesh(backend, platforms, grad):
+    # Regression: Mosaic asked the default device (a CPU here) for its TPU generation and raised
+    # "Unsupported TPU device kind: cpu"; the backend now names a chip (its generation option or the
+    # default) when the computation itself names none.
+    text = export_without_mesh(backend, platforms, grad)
+    if grad:
+        assert_three_kernels(text)
+    else:
+        assert text.count("tpu_custom_call") == 1 and "flashport_flash_fwd" in text
+
+
+def test_generation_option_is_validated():
+    with pytest.raises(ValueError, match="generation='v9'"):
+        export_without_mesh(registry.use("pallas_tpu", generation="v9"), ("tpu",), grad=False)
+
+
+def _pallas_call_dtypes(closed):
+    """Dtypes of every operand and result of every pallas_call inside a (closed) jaxpr, recursively."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.extend(str(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(sub, jax_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax_core.Jaxpr):
+                        walk(sub)
+
+    walk(closed.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "f16_bias"])
+def test_float16_never_reaches_the_kernels(bias):
+    # Regression: Mosaic rejects float16 vector loads on every TPU generation ("Invalid vector type
+    # for load", found compiling with libtpu); float16 operands must enter the kernels as float32.
+    q = jnp.ones((1, 300, 2, 128), jnp.float16)
+    b = jnp.zeros((1, 2, 300, 300), jnp.float16) if bias else None
+
+    def loss(q, k, v, b):
+        return jnp.sum(flashport.attention(q, k, v, bias=b, causal=True, backend="pallas_tpu").astype(jnp.float32))
+
+    argnums = (0, 1, 2, 3) if bias else (0, 1, 2)
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=argnums))(q, q, q, b)
+    dtypes = _pallas_call_dtypes(closed)
+    assert dtypes, "no pallas_call found"
+    assert "float16" not in dtypes, dtypes
+    grads = jax.eval_shape(jax.grad(loss, argnums=argnums), q, q, q, b)
+    assert all(g.dtype == jnp.float16 for g in grads)  # the caller still gets float16 gradients
