@@ -55,6 +55,21 @@ class SiteTransformer(cst.CSTTransformer):
         self.sites: list[Site] = []
         self.imports: set[str] = set()
         self.rewrites = 0
+        self._path: list[cst.CSTNode] = []  # original nodes from the module down to the current one
+
+    # -- traversal path (what rules get as ``ctx.node`` / ``ctx.ancestors``) ------------------
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        """Record ``node`` on the path, then dispatch to ``visit_*``."""
+        self._path.append(node)
+        return super().on_visit(node)
+
+    def on_leave(self, original_node, updated_node):
+        """Dispatch to ``leave_*``, then take ``original_node`` off the path."""
+        try:
+            return super().on_leave(original_node, updated_node)
+        finally:
+            self._path.pop()
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -104,8 +119,14 @@ class SiteTransformer(cst.CSTTransformer):
         self.sites.append(site)
         return site
 
-    def _context(self, line: int, api: str) -> RuleContext:
-        return RuleContext(self.path, line, api, self.options, self.module.code_for_node)
+    def _context(self, line: int, api: str, node: cst.CSTNode) -> RuleContext:
+        """The rule's view of the site: ``node`` is original, its ancestors come from the path."""
+        if self._path and self._path[-1] is node:
+            ancestors = tuple(reversed(self._path[:-1]))
+        else:  # a child of the node being visited (a value under an Arg/Assign/...)
+            ancestors = tuple(reversed(self._path))
+        return RuleContext(self.path, line, api, self.options, self.module.code_for_node,
+                           node=node, ancestors=ancestors, module=self.module)
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -122,7 +143,7 @@ class SiteTransformer(cst.CSTTransformer):
             self._record(rule, api, "call", where, None)
             return updated_node
         try:
-            outcome = rule.check_call(updated_node, self._context(where[0], api))
+            outcome = rule.check_call(updated_node, self._context(where[0], api, original_node))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
         if isinstance(outcome, Rewrite) and contains_comment(original_node):
@@ -147,7 +168,7 @@ class SiteTransformer(cst.CSTTransformer):
             return
         rule, api = matched
         try:
-            outcome = rule.check_reference(value, self._context(where[0], api))
+            outcome = rule.check_reference(value, self._context(where[0], api, value))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
         if isinstance(outcome, Rewrite):  # references are reported, never rewritten by the engine
@@ -195,7 +216,7 @@ class SiteTransformer(cst.CSTTransformer):
             self._record(rule, value, "string", where, None)
             return updated_node
         try:
-            outcome = rule.check_string(original_node, value, self._context(where[0], value))
+            outcome = rule.check_string(original_node, value, self._context(where[0], value, original_node))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
         self._record(rule, value, "string", where, outcome)

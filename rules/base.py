@@ -111,6 +111,11 @@ class RuleContext:
       qualified_name: the source API name the node resolved to.
       options: :class:`RuleOptions`.
       code_for_node: renders a node as source text (for messages and notes).
+      node: the *original* node the engine is asking about (rules receive the updated node,
+        a fresh object when inner nodes were rewritten; this one sits in the parsed chunk).
+      ancestors: the original parents of :attr:`node`, nearest first, up to the module (the
+        engine's traversal path: the links libcst's ``ParentNodeProvider`` would give).
+      module: the parsed chunk module the nodes belong to (None outside the engine).
     """
 
     path: str
@@ -118,6 +123,9 @@ class RuleContext:
     qualified_name: str
     options: RuleOptions
     code_for_node: object = None
+    node: cst.CSTNode | None = None
+    ancestors: tuple[cst.CSTNode, ...] = ()
+    module: cst.Module | None = None
 
     def code(self, node: cst.CSTNode) -> str:
         """Source text of ``node`` (best effort)."""

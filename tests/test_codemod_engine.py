@@ -246,3 +246,39 @@ def test_rule_selection_by_prefix_and_name():
     assert "FPA101" not in {r.CODE for r in registry.select(None, ["torch-sdpa"])}
     with pytest.raises(ValueError, match="matches no rule"):
         registry.select(["NOPE"])
+
+
+IDENTICAL_FA3_CALLS = """
+    from flash_attn_interface import flash_attn_func
+    def f(q, k, v):
+        a = flash_attn_func(q, k, v, causal=True){comment}
+        out, lse = flash_attn_func(q, k, v, causal=True)
+        return a, out, lse
+"""
+
+
+@pytest.mark.parametrize("how", ["suppressed", "declined"])
+def test_identical_fa3_call_after_a_skipped_one_keeps_its_tuple(how):
+    """Rules see the node they are asked about: skipping an identical earlier call (an ignore
+    comment, or a site declined in --interactive review) must not lend its use to the next one."""
+    comment = "  # flashport: ignore[FPA010]" if how == "suppressed" else ""
+    data = textwrap.dedent(IDENTICAL_FA3_CALLS.format(comment=comment)).encode()
+    skip = {4: frozenset({"FPA010"})} if how == "declined" else None
+    result = transform_source(data, "m.py", registry.all_rules(), RuleOptions(), skip=skip)
+    text = new_text(result)
+    assert "    a = flash_attn_func(q, k, v, causal=True)" in text
+    assert _line(text, "out, lse =").startswith("out, lse = flashport.torch.attention(")
+    assert _line(text, "out, lse =").endswith(", return_lse=True)")
+    assert [s.status for s in result.sites] == ["suppressed", "rewrite"]
+
+
+def test_identical_fa3_calls_with_different_uses_each_get_their_own_return_type():
+    result = run(IDENTICAL_FA3_CALLS.format(comment=""))
+    text = new_text(result)
+    assert _line(text, "a =") == 'a = flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")'
+    assert _line(text, "out, lse =").endswith(", return_lse=True)")
+
+
+def _line(text: str, start: str) -> str:
+    """The stripped line of ``text`` that starts with ``start``."""
+    return next(line.strip() for line in text.splitlines() if line.strip().startswith(start))
