@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import libcst
@@ -282,3 +283,42 @@ def test_identical_fa3_calls_with_different_uses_each_get_their_own_return_type(
 def _line(text: str, start: str) -> str:
     """The stripped line of ``text`` that starts with ``start``."""
     return next(line.strip() for line in text.splitlines() if line.strip().startswith(start))
+
+
+PY312_FILE = '''from flash_attn import flash_attn_func
+
+type Pair = tuple[int, int]
+
+
+def f(q, k, v, name):
+    out = flash_attn_func(q, k, v, causal=True)
+    print(f"{"done: " + name}")
+    return out
+'''
+
+
+def test_python_312_syntax_is_read_and_the_call_rewritten():
+    """``type`` statements and PEP 701 f-strings must not make the host's ast reject the file."""
+    result = run(PY312_FILE)
+    text = new_text(result)
+    expected = PY312_FILE.replace(
+        "flash_attn_func(q, k, v, causal=True)",
+        'flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")')
+    assert text.splitlines()[2:] == expected.splitlines()[2:]  # type/f-string lines byte-identical
+    assert "import flashport" in text and "from flash_attn" not in text
+    libcst.parse_module(text)
+
+
+def test_python_312_f_string_use_of_an_import_keeps_it():
+    source = PY312_FILE.replace('f"{"done: " + name}"', 'f"{"fn: " + repr(flash_attn_func)}"')
+    text = new_text(run(source))
+    assert "from flash_attn import flash_attn_func" in text and 'f"{"fn: " + repr(flash_attn_func)}"' in text
+
+
+def test_newer_syntax_without_a_placeholder_is_reported_with_the_reason():
+    result = run("from flash_attn import flash_attn_func\nclass A[T]:\n    x = flash_attn_func(q, k, v)\n")
+    if sys.version_info >= (3, 12):  # the host reads it: nothing to report
+        assert result.status == "changed"
+        return
+    assert result.status == "error" and result.new is None
+    assert "line 2 uses Python syntax newer than this host's Python" in result.error
