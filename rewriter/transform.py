@@ -14,12 +14,14 @@ relies on this to be opt-in behind FPA901.
 
 from __future__ import annotations
 
+import dataclasses
+
 import libcst as cst
 from libcst.metadata import PositionProvider, ScopeProvider
 
 from flashport.rewriter import suppress
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
-from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, RuleContext, RuleOptions, contains_comment
+from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, RuleContext, RuleOptions, keep_comments
 
 
 class SiteTransformer(cst.CSTTransformer):
@@ -146,8 +148,12 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = rule.check_call(updated_node, self._context(where[0], api, original_node))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
-        if isinstance(outcome, Rewrite) and contains_comment(original_node):
-            outcome = Refusal("comments inside the call would be lost by the rewrite; move them out first")
+        if isinstance(outcome, Rewrite):  # comments are kept, never a reason to refuse
+            node = keep_comments(original_node, outcome.node)
+            if node is None:  # no current rule replaces a call by a non-call; stay safe if one does
+                outcome = Refusal("the replacement has no place for the comments inside the call; move them out first")
+            else:
+                outcome = dataclasses.replace(outcome, node=node)
         self._record(rule, api, "call", where, outcome)
         if isinstance(outcome, Rewrite):
             self.imports.update(outcome.imports)

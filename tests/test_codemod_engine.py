@@ -322,3 +322,29 @@ def test_newer_syntax_without_a_placeholder_is_reported_with_the_reason():
         return
     assert result.status == "error" and result.new is None
     assert "line 2 uses Python syntax newer than this host's Python" in result.error
+
+
+def test_comments_inside_the_arguments_are_kept_never_refused():
+    """Each comment survives once; one after a carried-over argument stays after it, one after a
+    dropped argument (FA3 tuning) moves before the closing paren."""
+    result = run("""
+        from flash_attn_interface import flash_attn_func
+        def f(q, k, v):
+            out = flash_attn_func(
+                q,  # queries
+                k,
+                # keys and values share a layout
+                v,
+                causal=True,  # decoder
+                num_splits=1,  # tuned on H100
+            )
+            return out
+    """)
+    text = new_text(result)
+    assert [s.status for s in result.sites] == ["rewrite"]
+    for comment in ("# queries", "# keys and values share a layout", "# decoder", "# tuned on H100"):
+        assert text.count(comment) == 1, comment
+    assert "q,  # queries" in text and "causal=True,  # decoder" in text
+    assert text.index("# tuned on H100") > text.index('layout="BSHD"')
+    compile(text, "m.py", "exec")
+    assert run(text).new is None  # idempotent
