@@ -27,7 +27,7 @@ import tempfile
 from typing import Sequence
 
 _FORMAT = 1
-_ENGINE_MODULES = ("engine", "transform", "source", "prune", "imports", "suppress", "results", "cache")
+_ENGINE_MODULES = ("engine", "transform", "source", "newsyntax", "prune", "imports", "suppress", "results", "cache")
 
 
 def default_dir() -> str:

@@ -5,7 +5,9 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
 1. **Byte prefilter**: the enabled rules' ``TRIGGERS`` as one bytes regex. A file without a match is
    never decoded or parsed.
 2. Decode with the file's own encoding (cookie/BOM), ``ast.parse`` for syntax checking and for
-   top-level statement boundaries (C parser: cheap).
+   top-level statement boundaries (C parser: cheap). Syntax newer than the host's Python that
+   libcst reads (``type X = ...``, PEP 701 f-strings) is masked for the ``ast`` stages
+   (:mod:`~flashport.rewriter.newsyntax`) and restored in the output.
 3. For every top-level statement that mentions a trigger (imports aside), build a mini module
    (header imports + that statement) and run :class:`~flashport.rewriter.transform.SiteTransformer`
    with libcst's ``QualifiedNameProvider``: rules answer per site.
@@ -13,7 +15,8 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    its own rewrites in this file (the pass is redone with them refused).
 4. Splice rewritten statement texts into the original lines (everything else is byte-identical),
    drop GPU imports a rewrite made unused, add ``import flashport`` once.
-5. The new text must parse and compile, or the file is reported as an error and left alone.
+5. The new text must parse and compile (masked text: compile, and the restored text must parse
+   with libcst), or the file is reported as an error and left alone.
 
 Rules are instantiated afresh for every file.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import sys
 import traceback
 from typing import Iterable, Sequence
 
@@ -30,6 +34,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper
 
 from flashport.rewriter import imports as import_edits
+from flashport.rewriter import newsyntax
 from flashport.rewriter import prune
 from flashport.rewriter import source as src
 from flashport.rewriter import suppress
@@ -78,14 +83,24 @@ def transform_source(
         text, encoding = src.decode(data)
     except (SyntaxError, UnicodeDecodeError, LookupError) as err:
         return _error(result, f"cannot decode: {err}")
+    masks: dict[str, str] = {}
     try:
         tree = ast.parse(text, filename=path)
     except SyntaxError as err:
-        return _error(result, f"syntax error at line {err.lineno}: {err.msg}")
+        masked = newsyntax.mask(text)
+        if masked is None:  # libcst cannot read it either: a real syntax error
+            return _error(result, f"syntax error at line {err.lineno}: {err.msg}")
+        text, masks = masked
+        try:
+            tree = ast.parse(text, filename=path)
+        except SyntaxError as newer:
+            host = ".".join(map(str, sys.version_info[:2]))
+            return _error(result, f"line {newer.lineno} uses Python syntax newer than this host's Python {host} "
+                          f"can analyse ({newer.msg}); run flashport under a newer Python for this file")
     except (ValueError, RecursionError, MemoryError) as err:
         return _error(result, f"cannot parse: {err}")
     try:
-        return _transform(result, data, text, encoding, tree, [rule() for rule in rules], options, skip)
+        return _transform(result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks)
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
         return _error(result, f"internal error, file left unchanged: {detail}")
@@ -97,7 +112,7 @@ def _error(result: FileResult, message: str) -> FileResult:
     return result
 
 
-def _transform(result, data, text, encoding, tree, rules, options, skip=None) -> FileResult:
+def _transform(result, data, text, encoding, tree, rules, options, skip=None, masks=None) -> FileResult:
     lines = src.split_lines(text)
     text_pattern = re.compile("|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x")
     units = src.top_level_units(tree)
@@ -169,6 +184,12 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None) ->
             result.imports_added.append(module_name)
     result.imports_removed = removed
     compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
+    if masks:
+        try:
+            new_text = newsyntax.unmask(new_text, masks)
+        except ValueError as err:
+            return _error(result, f"{err}; file left unchanged")
+        cst.parse_module(new_text)  # the restored text must still parse (libcst's grammar)
     new_data = src.encode(new_text, encoding)
     if new_data != data:
         result.status = CHANGED

@@ -17,12 +17,14 @@ phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
 
 from __future__ import annotations
 
+import dataclasses
+
 import libcst as cst
 from libcst.metadata import PositionProvider, ScopeProvider
 
 from flashport.rewriter import suppress
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
-from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, RuleContext, RuleOptions, contains_comment
+from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, RuleContext, RuleOptions, keep_comments
 
 
 class SiteTransformer(cst.CSTTransformer):
@@ -60,6 +62,21 @@ class SiteTransformer(cst.CSTTransformer):
         self.sites: list[Site] = []
         self.imports: set[str] = set()
         self.rewrites = 0
+        self._path: list[cst.CSTNode] = []  # original nodes from the module down to the current one
+
+    # -- traversal path (what rules get as ``ctx.node`` / ``ctx.ancestors``) ------------------
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        """Record ``node`` on the path, then dispatch to ``visit_*``."""
+        self._path.append(node)
+        return super().on_visit(node)
+
+    def on_leave(self, original_node, updated_node):
+        """Dispatch to ``leave_*``, then take ``original_node`` off the path."""
+        try:
+            return super().on_leave(original_node, updated_node)
+        finally:
+            self._path.pop()
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -109,8 +126,14 @@ class SiteTransformer(cst.CSTTransformer):
         self.sites.append(site)
         return site
 
-    def _context(self, line: int, api: str) -> RuleContext:
-        return RuleContext(self.path, line, api, self.options, self.module.code_for_node)
+    def _context(self, line: int, api: str, node: cst.CSTNode) -> RuleContext:
+        """The rule's view of the site: ``node`` is original, its ancestors come from the path."""
+        if self._path and self._path[-1] is node:
+            ancestors = tuple(reversed(self._path[:-1]))
+        else:  # a child of the node being visited (a value under an Arg/Assign/...)
+            ancestors = tuple(reversed(self._path))
+        return RuleContext(self.path, line, api, self.options, self.module.code_for_node,
+                           node=node, ancestors=ancestors, module=self.module)
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -127,13 +150,17 @@ class SiteTransformer(cst.CSTTransformer):
             self._record(rule, api, "call", where, None)
             return updated_node
         try:
-            outcome = rule.check_call(updated_node, self._context(where[0], api))
+            outcome = rule.check_call(updated_node, self._context(where[0], api, original_node))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
-        if isinstance(outcome, Rewrite) and contains_comment(original_node):
-            outcome = Refusal("comments inside the call would be lost by the rewrite; move them out first")
         if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:
             outcome = Refusal(self.vetoes[rule.CODE])
+        if isinstance(outcome, Rewrite):  # comments are kept, never a reason to refuse
+            node = keep_comments(original_node, outcome.node)
+            if node is None:  # no current rule replaces a call by a non-call; stay safe if one does
+                outcome = Refusal("the replacement has no place for the comments inside the call; move them out first")
+            else:
+                outcome = dataclasses.replace(outcome, node=node)
         self._record(rule, api, "call", where, outcome)
         if isinstance(outcome, Rewrite):
             self.imports.update(outcome.imports)
@@ -154,7 +181,7 @@ class SiteTransformer(cst.CSTTransformer):
             return
         rule, api = matched
         try:
-            outcome = rule.check_reference(value, self._context(where[0], api))
+            outcome = rule.check_reference(value, self._context(where[0], api, value))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
         if isinstance(outcome, Rewrite):  # references are reported, never rewritten by the engine
@@ -202,7 +229,7 @@ class SiteTransformer(cst.CSTTransformer):
             self._record(rule, value, "string", where, None)
             return updated_node
         try:
-            outcome = rule.check_string(original_node, value, self._context(where[0], value))
+            outcome = rule.check_string(original_node, value, self._context(where[0], value, original_node))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
         if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:

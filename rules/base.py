@@ -113,6 +113,11 @@ class RuleContext:
       qualified_name: the source API name the node resolved to.
       options: :class:`RuleOptions`.
       code_for_node: renders a node as source text (for messages and notes).
+      node: the *original* node the engine is asking about (rules receive the updated node,
+        a fresh object when inner nodes were rewritten; this one sits in the parsed chunk).
+      ancestors: the original parents of :attr:`node`, nearest first, up to the module (the
+        engine's traversal path: the links libcst's ``ParentNodeProvider`` would give).
+      module: the parsed chunk module the nodes belong to (None outside the engine).
     """
 
     path: str
@@ -120,6 +125,9 @@ class RuleContext:
     qualified_name: str
     options: RuleOptions
     code_for_node: object = None
+    node: cst.CSTNode | None = None
+    ancestors: tuple[cst.CSTNode, ...] = ()
+    module: cst.Module | None = None
 
     def code(self, node: cst.CSTNode) -> str:
         """Source text of ``node`` (best effort)."""
@@ -310,17 +318,34 @@ def no_dropout(node: cst.BaseExpression | None, name: str, ctx: "RuleContext") -
     raise Refuse(f"{name}={ctx.code(node)} may be non-zero; flashport.attention has no dropout")
 
 
-def contains_comment(node: cst.CSTNode) -> bool:
-    """True when ``node``'s subtree holds a comment (a rebuild would lose it)."""
-    found = []
+def comments(node: cst.CSTNode) -> list[str]:
+    """The texts of every comment in ``node``'s subtree, in source order."""
+    found: list[str] = []
 
     class _Finder(cst.CSTVisitor):
         def visit_Comment(self, comment: cst.Comment) -> bool:
-            found.append(comment)
+            found.append(comment.value)
             return False
 
     node.visit(_Finder())
-    return bool(found)
+    return found
+
+
+def contains_comment(node: cst.CSTNode) -> bool:
+    """True when ``node``'s subtree holds a comment."""
+    return bool(comments(node))
+
+
+def _without_comment(ws):
+    """``ws`` with its comments removed (a layout template must not copy one arg's comment)."""
+    if isinstance(ws, cst.ParenthesizedWhitespace):
+        return ws.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=())
+    return ws
+
+
+def _trailing(arg: cst.Arg):
+    """The whitespace after ``arg`` (after its comma when it has one): where its comments sit."""
+    return arg.comma.whitespace_after if isinstance(arg.comma, cst.Comma) else arg.whitespace_after_arg
 
 
 # ----------------------------------------------------------------------------------- builders
@@ -348,6 +373,9 @@ def build_call(
 ) -> cst.Call:
     """A call ``target(*positional, **keywords)`` formatted like ``like`` (one line or one arg per line).
 
+    Comments are kept: an argument carried over from ``like`` keeps the comment after it; the
+    engine re-attaches any other comment of ``like`` (:func:`keep_comments`).
+
     ``positional`` and ``keywords`` items may be ready-made ``cst.Arg`` (e.g. a ``*x.unbind(2)``
     or ``**mapping`` argument). Keyword values are inserted as given; build string values with
     :func:`string`.
@@ -370,26 +398,25 @@ def build_call(
             )
         )
     opening = like.whitespace_before_args
-    between_ws = opening if isinstance(opening, cst.ParenthesizedWhitespace) else None
+    between_ws = _without_comment(opening) if isinstance(opening, cst.ParenthesizedWhitespace) else None
     for original in like.args[:-1]:
         if between_ws is None and isinstance(original.comma, cst.Comma) and isinstance(original.comma.whitespace_after, cst.ParenthesizedWhitespace):
-            between_ws = original.comma.whitespace_after
+            between_ws = _without_comment(original.comma.whitespace_after)
     multiline = between_ws is not None
     closing: cst.BaseParenthesizableWhitespace = cst.SimpleWhitespace("")
     if multiline and like.args:
-        last = like.args[-1]
-        if isinstance(last.comma, cst.Comma):
-            closing = last.comma.whitespace_after
-        else:
-            closing = last.whitespace_after_arg
+        closing = _without_comment(_trailing(like.args[-1]))
+    # An argument carried over keeps the comments that followed it (its comma's whitespace).
+    commented = {id(a.value): _trailing(a) for a in like.args if comments(_trailing(a))}
     formatted = []
     for i, arg in enumerate(args):
+        kept = commented.pop(id(arg.value), None)
         arg = arg.with_changes(whitespace_after_arg=cst.SimpleWhitespace(""))
         if i < len(args) - 1:
             between = between_ws if multiline else cst.SimpleWhitespace(" ")
-            arg = arg.with_changes(comma=cst.Comma(whitespace_after=between))
-        elif multiline:
-            arg = arg.with_changes(comma=cst.Comma(whitespace_after=closing))
+            arg = arg.with_changes(comma=cst.Comma(whitespace_after=kept or between))
+        elif multiline or kept is not None:
+            arg = arg.with_changes(comma=cst.Comma(whitespace_after=kept or closing))
         else:
             arg = arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)
         formatted.append(arg)
@@ -398,6 +425,42 @@ def build_call(
         args=formatted,
         whitespace_before_args=opening,
     )
+
+
+def keep_comments(original: cst.Call, new: cst.BaseExpression) -> cst.BaseExpression | None:
+    """``new`` with every comment of ``original`` that it lacks added before its closing paren
+    (one comment per line); None when ``new`` is not a call, so there is no place to put them."""
+    missing = list(comments(original))
+    for text in comments(new):
+        if text in missing:
+            missing.remove(text)
+    if not missing:
+        return new
+    if not isinstance(new, cst.Call):
+        return None
+    # Indent the comments like the arguments (a multi-line call's continuation lines), else like the block.
+    template = next((a.comma.whitespace_after for a in new.args[:-1] if isinstance(a.comma, cst.Comma)
+                     and isinstance(a.comma.whitespace_after, cst.ParenthesizedWhitespace)), None)
+    indent = template.indent if template is not None else True
+    space = template.last_line if template is not None else cst.SimpleWhitespace("")
+    lines = [cst.EmptyLine(indent=indent, whitespace=space, comment=cst.Comment(text)) for text in missing]
+    if not new.args:
+        ws = new.whitespace_before_args
+        return new.with_changes(whitespace_before_args=_append_lines(ws, lines))
+    last = new.args[-1]
+    if isinstance(last.comma, cst.Comma):
+        last = last.with_changes(comma=last.comma.with_changes(whitespace_after=_append_lines(last.comma.whitespace_after, lines)))
+    else:
+        last = last.with_changes(whitespace_after_arg=_append_lines(last.whitespace_after_arg, lines))
+    return new.with_changes(args=[*new.args[:-1], last])
+
+
+def _append_lines(ws, lines: list[cst.EmptyLine]) -> cst.ParenthesizedWhitespace:
+    """``ws`` followed by the comment ``lines``; the closing paren then starts its own line."""
+    if isinstance(ws, cst.ParenthesizedWhitespace):
+        return ws.with_changes(empty_lines=[*ws.empty_lines, *lines])
+    return cst.ParenthesizedWhitespace(first_line=cst.TrailingWhitespace(), empty_lines=lines, indent=True,
+                                       last_line=cst.SimpleWhitespace(""))
 
 
 def string(value: str) -> cst.SimpleString:

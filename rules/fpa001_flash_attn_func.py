@@ -17,7 +17,7 @@ Semantics mapping:
 What it refuses:
   ``dropout_p`` that may be non-zero (``p if self.training else 0.0`` is dropped only with
   ``--inference``), ``alibi_slopes``, ``return_attn_probs``, ``*args``/``**kwargs`` splats, unknown
-  arguments, calls with comments inside the argument list.
+  arguments.
 
 Example::
 

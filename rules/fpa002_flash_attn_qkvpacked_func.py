@@ -12,7 +12,7 @@ Semantics mapping:
 
 What it refuses:
   as FPA001: non-zero dropout (unless ``--inference`` and training-gated), ALiBi,
-  ``return_attn_probs``, splats, unknown arguments, comments inside the call.
+  ``return_attn_probs``, splats, unknown arguments.
 
 Example::
 

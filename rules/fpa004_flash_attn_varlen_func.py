@@ -21,7 +21,7 @@ Semantics mapping:
 What it refuses:
   non-zero dropout (unless ``--inference`` and training-gated), ALiBi, ``return_attn_probs``,
   ``block_table`` (paged KV), splats (``flash_attn_varlen_func(**flash_kwargs)``), unknown
-  arguments, comments inside the call.
+  arguments.
 
 Example::
 

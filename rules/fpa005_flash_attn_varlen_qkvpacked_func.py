@@ -17,7 +17,7 @@ Semantics mapping:
 
 What it refuses:
   as FPA004 (non-zero dropout unless ``--inference`` and training-gated, ALiBi,
-  ``return_attn_probs``, splats, unknown arguments, comments inside the call), and a ``cu_seqlens``
+  ``return_attn_probs``, splats, unknown arguments), and a ``cu_seqlens``
   expression that is not a plain name/attribute/subscript (it would be evaluated twice).
 
 Example::

@@ -20,7 +20,7 @@ Semantics mapping:
 What it refuses:
   ``qv``, FP8 ``*_descale`` arguments, non-zero ``attention_chunk``, ``sink_token_length``,
   positional arguments after ``causal``, a result whose expected type cannot be told (e.g.
-  ``return flash_attn_func(...)``), splats, unknown arguments, comments inside the call.
+  ``return flash_attn_func(...)``), splats, unknown arguments.
 
 Example::
 

@@ -12,19 +12,19 @@ Semantics mapping:
   ``None`` (not -1) and resets ``(l, r)`` with ``l + r < 0`` to unbounded; literal windows map to
   the contract's ``window`` (inclusive, ``None`` = unbounded). ``softcap`` 0.0 = off. Only ``q, k,
   v`` may be positional (FA4's 4th parameter is ``qv`` and the tail changed across betas).
-  ``return_lse=True`` -> ``(out, lse)``; without the flag, an indexed/unpacked result gets
-  ``(out, lse)`` and a tensor use gets ``out``. Tuning arguments are dropped.
+  FA4's ``flash_attn_func`` **always** returns ``(out, lse)`` (``return_lse`` only decides whether
+  lse is computed), so every rewrite passes ``return_lse=True`` and returns the same tuple, whatever
+  ``return_lse`` says. Tuning arguments are dropped.
 
 What it refuses:
   ``qv``, ``gather_kv_indices``, ``learnable_sink``, ``score_mod``/``mask_mod``/``aux_*``,
-  block-sparse tensors, non-literal or one-sided negative windows, a result whose expected type
-  cannot be told, splats, unknown arguments, comments inside the call.
+  block-sparse tensors, non-literal or one-sided negative windows, splats, unknown arguments.
 
 Example::
 
-    out = flash_attn_func(q, k, v, causal=True, window_size=(128, None)).transpose(1, 2)
+    out, lse = flash_attn_func(q, k, v, causal=True, window_size=(128, None), return_lse=False)
     # becomes
-    out = flashport.torch.attention(q, k, v, scale=None, causal=True, window=(128, None), align="bottom_right", layout="BSHD").transpose(1, 2)
+    out, lse = flashport.torch.attention(q, k, v, scale=None, causal=True, window=(128, None), align="bottom_right", layout="BSHD", return_lse=True)
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ UNSUPPORTED = {
     "block_sparse_tensors_bwd": "block-sparse attention has no portable equivalent",
 }
 TUNING = ("num_splits", "pack_gqa", "deterministic")
-HISTORY = "FA4 flash_attn_func returns (out, lse) or out depending on the build and return_lse"
+TUPLE_NOTE = "returns (out, lse): FA4 flash_attn_func always returns the tuple, whatever return_lse says"
 
 
 def fa4_sources(function: str) -> tuple[str, ...]:
@@ -88,13 +88,13 @@ class FA4FlashAttnFunc(Rule):
     TARGET = "flashport.torch.attention"
 
     def check_call(self, call, ctx):
-        """Keywords only after q, k, v; FA4 window conventions; return type from flag or use."""
+        """Keywords only after q, k, v; FA4 window conventions; always ``(out, lse)`` like FA4."""
         _fa34.positional_limit(call, 3, "arguments after v must be passed by keyword: FA4's 4th parameter is qv and its tail changed across betas")
         bound = Signature(("q", "k", "v"), KEYWORDS).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         keywords, notes = fa4_keywords(bound, value, ctx, self.API)
         keywords.append(("layout", string("BSHD")))
-        if _fa34.returns_tuple(call, ctx, value.get("return_lse"), "return_lse", HISTORY):
-            keywords.append(("return_lse", cst.Name("True")))
+        keywords.append(("return_lse", cst.Name("True")))
+        notes.append(TUPLE_NOTE)
         return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), notes=tuple(notes))

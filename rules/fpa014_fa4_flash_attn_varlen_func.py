@@ -11,29 +11,30 @@ Semantics mapping:
 
 What it refuses:
   what FPA013 refuses, plus ``seqused_q``/``seqused_k``/``page_table`` (padded or paged buffers),
-  missing ``cu_seqlens_*``, and a result used as ``(out, lse)`` or ``return_lse`` not literally
-  False (``varlen_attention`` has no lse).
+  missing ``cu_seqlens_*`` -- and, for now, **every** call: FA4's ``flash_attn_varlen_func`` always
+  returns ``(out, lse)`` (whatever ``return_lse`` says) and ``flashport.varlen_attention`` returns
+  no lse, so no rewrite keeps the result's meaning. The argument checks run first so the reason
+  names the first real obstacle.
 
 Example::
 
-    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True).float()
-    # becomes
-    out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, scale=None, causal=True, align="bottom_right", layout="THD").float()
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    # is refused: FA4 returns (out, lse) and flashport.varlen_attention has no lse
 """
 
 from __future__ import annotations
 
 from flashport.rules import _fa34
 from flashport.rules import _flash_attn as fa
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, register, string
-from flashport.rules.fpa013_fa4_flash_attn_func import HISTORY, KEYWORDS, fa4_keywords, fa4_sources
+from flashport.rules.base import Refuse, Rule, Signature, is_none, register
+from flashport.rules.fpa013_fa4_flash_attn_func import KEYWORDS, fa4_keywords, fa4_sources
 
 VARLEN = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q", "seqused_k", "page_table")
 
 
 @register
 class FA4FlashAttnVarlenFunc(Rule):
-    """Rewrite FlashAttention-4 ``flash_attn_varlen_func`` to ``flashport.varlen_attention``."""
+    """Check FlashAttention-4 ``flash_attn_varlen_func`` calls and refuse them with the first obstacle."""
 
     CODE = "FPA014"
     NAME = "fa4-flash-attn-varlen-func"
@@ -43,18 +44,16 @@ class FA4FlashAttnVarlenFunc(Rule):
     TRIGGERS = (b"flash_attn",)
     GPU_MODULES = ("flash_attn",)
     TARGET = "flashport.varlen_attention"
+    REWRITES = False  # until varlen_attention returns lse: FA4's result is always (out, lse)
 
     def check_call(self, call, ctx):
-        """Require both cu_seqlens, refuse padded/paged buffers and lse uses, map like FPA013."""
+        """Check the arguments like FPA013, then refuse: FA4 returns (out, lse), varlen_attention no lse."""
         _fa34.positional_limit(call, 3, "arguments after v must be passed by keyword: FA4's varlen signature changed across betas")
         bound = Signature(("q", "k", "v"), VARLEN + KEYWORDS).bind(call, self.API)
-        q, k, v, cu_q, cu_k = fa.required(bound, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), self.API)
+        fa.required(bound, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         for name in ("seqused_q", "seqused_k", "page_table"):
             if not is_none(value.get(name)):
                 raise Refuse(f"{name} (padded or paged per-sequence buffers) has no portable equivalent")
-        keywords, notes = fa4_keywords(bound, value, ctx, self.API)
-        if _fa34.returns_tuple(call, ctx, value.get("return_lse"), "return_lse", HISTORY):
-            raise Refuse("the caller expects (out, lse); flashport.varlen_attention returns no lse")
-        keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords + [("layout", string("THD"))]
-        return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), notes=tuple(notes))
+        fa4_keywords(bound, value, ctx, self.API)  # refuses unsupported features first
+        raise Refuse("FA4 flash_attn_varlen_func always returns (out, lse) and flashport.varlen_attention returns no lse")

@@ -16,7 +16,7 @@ Semantics mapping:
 
 What it refuses:
   ``dropout_p`` that may be non-zero (training-gated dropout is dropped only with
-  ``--inference``), ``*args``/``**kwargs`` splats, unknown arguments, comments inside the call.
+  ``--inference``), ``*args``/``**kwargs`` splats, unknown arguments.
 
 Known problems:
   SDPA accepts any number of batch dims (``(N, ..., H, L, E)``); the contract needs rank 4.

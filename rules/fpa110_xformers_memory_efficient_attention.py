@@ -18,7 +18,7 @@ Semantics mapping:
 What it refuses:
   dropout ``p`` that may be non-zero (training-gated ``p`` is dropped only with ``--inference``),
   an ``attn_bias`` expression naming a padded/paged/gappy block mask (see FPA111), splats,
-  unknown arguments, comments inside the call. ``memory_efficient_attention_partial`` /
+  unknown arguments. ``memory_efficient_attention_partial`` /
   ``_backward`` are reported, not rewritten (partial results + LSE merging / a raw backward).
 
 Example::

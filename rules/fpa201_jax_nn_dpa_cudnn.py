@@ -18,8 +18,7 @@ Semantics mapping:
 What it refuses:
   a non-literal ``implementation``; ``query_seq_lengths``/``key_value_seq_lengths`` (padding
   lengths; not mapped yet); ``return_residual`` (its lse is ``[B, T, N]``, the contract's is
-  ``[B, N, T]``); a non-literal ``local_window_size``; splats; unknown arguments; comments inside
-  the call.
+  ``[B, N, T]``); a non-literal ``local_window_size``; splats; unknown arguments.
 
 Known problems:
   jax.nn fills masked logits with a large finite value, so a fully masked row returns the mean of

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import libcst
@@ -246,3 +247,104 @@ def test_rule_selection_by_prefix_and_name():
     assert "FPA101" not in {r.CODE for r in registry.select(None, ["torch-sdpa"])}
     with pytest.raises(ValueError, match="matches no rule"):
         registry.select(["NOPE"])
+
+
+IDENTICAL_FA3_CALLS = """
+    from flash_attn_interface import flash_attn_func
+    def f(q, k, v):
+        a = flash_attn_func(q, k, v, causal=True){comment}
+        out, lse = flash_attn_func(q, k, v, causal=True)
+        return a, out, lse
+"""
+
+
+@pytest.mark.parametrize("how", ["suppressed", "declined"])
+def test_identical_fa3_call_after_a_skipped_one_keeps_its_tuple(how):
+    """Rules see the node they are asked about: skipping an identical earlier call (an ignore
+    comment, or a site declined in --interactive review) must not lend its use to the next one."""
+    comment = "  # flashport: ignore[FPA010]" if how == "suppressed" else ""
+    data = textwrap.dedent(IDENTICAL_FA3_CALLS.format(comment=comment)).encode()
+    skip = {4: frozenset({"FPA010"})} if how == "declined" else None
+    result = transform_source(data, "m.py", registry.all_rules(), RuleOptions(), skip=skip)
+    text = new_text(result)
+    assert "    a = flash_attn_func(q, k, v, causal=True)" in text
+    assert _line(text, "out, lse =").startswith("out, lse = flashport.torch.attention(")
+    assert _line(text, "out, lse =").endswith(", return_lse=True)")
+    assert [s.status for s in result.sites] == ["suppressed", "rewrite"]
+
+
+def test_identical_fa3_calls_with_different_uses_each_get_their_own_return_type():
+    result = run(IDENTICAL_FA3_CALLS.format(comment=""))
+    text = new_text(result)
+    assert _line(text, "a =") == 'a = flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")'
+    assert _line(text, "out, lse =").endswith(", return_lse=True)")
+
+
+def _line(text: str, start: str) -> str:
+    """The stripped line of ``text`` that starts with ``start``."""
+    return next(line.strip() for line in text.splitlines() if line.strip().startswith(start))
+
+
+PY312_FILE = '''from flash_attn import flash_attn_func
+
+type Pair = tuple[int, int]
+
+
+def f(q, k, v, name):
+    out = flash_attn_func(q, k, v, causal=True)
+    print(f"{"done: " + name}")
+    return out
+'''
+
+
+def test_python_312_syntax_is_read_and_the_call_rewritten():
+    """``type`` statements and PEP 701 f-strings must not make the host's ast reject the file."""
+    result = run(PY312_FILE)
+    text = new_text(result)
+    expected = PY312_FILE.replace(
+        "flash_attn_func(q, k, v, causal=True)",
+        'flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")')
+    assert text.splitlines()[2:] == expected.splitlines()[2:]  # type/f-string lines byte-identical
+    assert "import flashport" in text and "from flash_attn" not in text
+    libcst.parse_module(text)
+
+
+def test_python_312_f_string_use_of_an_import_keeps_it():
+    source = PY312_FILE.replace('f"{"done: " + name}"', 'f"{"fn: " + repr(flash_attn_func)}"')
+    text = new_text(run(source))
+    assert "from flash_attn import flash_attn_func" in text and 'f"{"fn: " + repr(flash_attn_func)}"' in text
+
+
+def test_newer_syntax_without_a_placeholder_is_reported_with_the_reason():
+    result = run("from flash_attn import flash_attn_func\nclass A[T]:\n    x = flash_attn_func(q, k, v)\n")
+    if sys.version_info >= (3, 12):  # the host reads it: nothing to report
+        assert result.status == "changed"
+        return
+    assert result.status == "error" and result.new is None
+    assert "line 2 uses Python syntax newer than this host's Python" in result.error
+
+
+def test_comments_inside_the_arguments_are_kept_never_refused():
+    """Each comment survives once; one after a carried-over argument stays after it, one after a
+    dropped argument (FA3 tuning) moves before the closing paren."""
+    result = run("""
+        from flash_attn_interface import flash_attn_func
+        def f(q, k, v):
+            out = flash_attn_func(
+                q,  # queries
+                k,
+                # keys and values share a layout
+                v,
+                causal=True,  # decoder
+                num_splits=1,  # tuned on H100
+            )
+            return out
+    """)
+    text = new_text(result)
+    assert [s.status for s in result.sites] == ["rewrite"]
+    for comment in ("# queries", "# keys and values share a layout", "# decoder", "# tuned on H100"):
+        assert text.count(comment) == 1, comment
+    assert "q,  # queries" in text and "causal=True,  # decoder" in text
+    assert text.index("# tuned on H100") > text.index('layout="BSHD"')
+    compile(text, "m.py", "exec")
+    assert run(text).new is None  # idempotent

@@ -94,11 +94,12 @@ def sdpa_reference(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_
 # ----------------------------------------------------------------------------- harness
 
 
-def _reference_torch_attention(query, key, value, backend="auto", **kwargs):
+def _reference_torch_attention(query, key, value, backend="auto", return_lse=False, **kwargs):
     """Stand-in for flashport.torch.attention: the contract's float64 reference on torch tensors."""
     kwargs = {name: (val.numpy() if hasattr(val, "numpy") else val) for name, val in kwargs.items()}
-    out, _ = reference_attention(query.numpy(), key.numpy(), value.numpy(), **kwargs)
-    return torch.from_numpy(np.asarray(out))
+    out, lse = reference_attention(query.numpy(), key.numpy(), value.numpy(), **kwargs)
+    out = torch.from_numpy(np.asarray(out))
+    return (out, torch.from_numpy(np.asarray(lse))) if return_lse else out
 
 
 FAKE_FLASHPORT = types.SimpleNamespace(
@@ -157,6 +158,38 @@ def test_flash_attn_func_rewrite_matches_flash_attn_semantics(shape, args, meani
     q, k, v = rand(b, sq, hq, d), rand(b, sk, hk, d, seed=1), rand(b, sk, hk, d, seed=2)
     got = load(code)["f"](q, k, v, 1).numpy()
     np.testing.assert_allclose(got, fa2_reference(q, k, v, **meaning), atol=1e-10)
+
+
+def fa4_lse_reference(q, k, causal):
+    """FA4's lse [B, H, Sq]: log-sum-exp of the scaled scores over the bottom-right causal keys."""
+    q, k = (np.asarray(x, np.float64) for x in (q, k))
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    lse = np.full((b, hq, sq), -np.inf)
+    for bi in range(b):
+        for h in range(hq):
+            for i in range(sq):
+                keys = [j for j in range(sk) if not causal or j <= i + sk - sq]
+                if keys:
+                    s = np.array([d ** -0.5 * q[bi, i, h] @ k[bi, j, h // (hq // hk)] for j in keys])
+                    lse[bi, h, i] = s.max() + np.log(np.exp(s - s.max()).sum())
+    return lse
+
+
+@pytest.mark.parametrize("flag", ["", ", return_lse=False", ", return_lse=True"])
+def test_fa4_rewrite_keeps_the_out_lse_tuple_whatever_return_lse_says(flag):
+    """FA4 flash_attn_func always returns (out, lse): unpacking the rewritten call must still work."""
+    code = rewrite(f"""
+        from flash_attn.cute import flash_attn_func
+        def f(q, k, v):
+            out, lse = flash_attn_func(q, k, v, causal=True{flag})
+            return out, lse
+    """)
+    b, sq, sk, hq, hk, d = SHAPES[0]
+    q, k, v = rand(b, sq, hq, d), rand(b, sk, hk, d, seed=1), rand(b, sk, hk, d, seed=2)
+    out, lse = load(code)["f"](q, k, v)
+    np.testing.assert_allclose(out.numpy(), fa2_reference(q, k, v, causal=True), atol=1e-10)
+    np.testing.assert_allclose(lse.numpy(), fa4_lse_reference(q, k, causal=True), atol=1e-10)
 
 
 @pytest.mark.parametrize("args,meaning", FA_CASES[:5], ids=[c[0] for c in FA_CASES[:5]])
