@@ -86,7 +86,8 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     if keep is not None:
         s = s.masked_fill(~_group(keep, hkv), float("-inf"))
     # The max only stabilizes exp (softmax is invariant to it), so it needs no gradient.
-    m = s.amax(dim=-1, keepdim=True).detach()
+    # amax has no identity for Sk == 0; the -inf row max then gives out 0 and lse -inf as for any empty row.
+    m = s.amax(dim=-1, keepdim=True).detach() if s.shape[-1] else s.new_full((*s.shape[:-1], 1), float("-inf"))
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     l = e.sum(dim=-1, keepdim=True)
@@ -287,6 +288,9 @@ def cuda_attention(call: Call, return_lse: bool, flash="import"):
 
     ``flash`` is the flash-attn module (``"import"`` = import it now; ``None`` = not installed).
     """
+    if call.k.shape[2] == 0:
+        log.debug("flashport.torch: no keys (Sk == 0); exact math path runs this call")
+        return math_attention(call)
     flash = import_flash_attn() if flash == "import" else flash
     if flash is not None:
         reason = flash_unsupported(call)
