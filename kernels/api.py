@@ -168,6 +168,8 @@ def flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, *, call: Call, choic
     """The jitted op (its name is what jaxprs, profiles and cost analyses show). Canonical in/out."""
     args = (q, k, v, bias, mask, q_seg, kv_seg)
     with jax.named_scope("flashport_attention"):
+        if call.kv_shape[2] == 0:
+            return _no_keys(call)
         if choice is not None:  # an explicit backend
             return _run(choice, call, args)
         picks = {p: registry.choose(p, call) for p in PLATFORMS}
@@ -184,6 +186,14 @@ def flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, *, call: Call, choic
             for p, (name, _) in picks.items()
         }
         return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
+
+
+def _no_keys(call: Call):
+    """The contract for Sk == 0, on every backend: every query row sees no key, so out is 0 and lse
+    is -inf (their gradients are 0). Kernels need not handle empty key blocks."""
+    b, hq, sq, _ = call.q_shape
+    dtype = next(d for d, name in DTYPES.items() if name == call.dtype)
+    return jnp.zeros((b, hq, sq, call.v_head_dim), dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
 
 
 def _run(choice, call, args):

@@ -8,6 +8,8 @@ Used only where the call provably means the same thing under cuDNN's rules, whic
 * causal and windows only when the diagonal sits at offset 0 (top-left alignment, or Sq == Sk),
   because cuDNN's plain causal mode is top-left; windows only on the left (``(left, 0)`` or
   ``(left, None)`` with causal), which jax.nn maps to cuDNN's sliding window;
+* a bias must span both sequence axes ([B or 1, H or 1, Sq, Sk]): cuDNN rejects a bias broadcast
+  over queries or keys (the common key-padding bias [B, 1, 1, Sk]) while lowering;
 * no softcap, boolean mask, segment ids or lse output: jax.nn's cuDNN path either lacks them or
   gives fully-masked rows a different value than the contract's 0.
 * the cuDNN custom call is traced only when a GPU backend is present in this process (jax.nn
@@ -47,6 +49,9 @@ def check_call(call) -> str | None:
         return f"head_dim={dim} (cuDNN needs a multiple of 8, at most {MAX_HEAD_DIM})"
     if call.v_head_dim != dim:
         return "value head_dim differs from query head_dim"
+    if call.bias_shape is not None and tuple(call.bias_shape[2:]) != (call.q_shape[2], call.kv_shape[2]):
+        return (f"bias of shape {list(call.bias_shape)} broadcast over the query or key axis (cuDNN "
+                f"needs the full [.., .., Sq={call.q_shape[2]}, Sk={call.kv_shape[2]}]; batch and head may be 1)")
     if spec.has_positional_mask and spec.offset != 0:
         return "causal/window with bottom-right alignment when Sq != Sk"
     has_window = spec.window_left is not None or spec.window_right is not None

@@ -181,8 +181,8 @@ def test_float32_forward_lse_and_grads(path, case, monkeypatch):
     want_out, want_lse = reference(case, numpy_inputs(case))
     # The CUDA path's SDPA branch has no lse; its lse (math branch) is checked without gradients.
     out, lse = run(path, {n: v.detach() for n, v in x.items()}, case, True) if path == "cuda" else run(path, x, case, True)
-    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5, rtol=2e-5)
-    assert lse.dtype == torch.float32 and not lse.requires_grad
+    np.testing.assert_allclose(lse.detach().numpy(), want_lse, atol=2e-5, rtol=2e-5)
+    assert lse.dtype == torch.float32 and lse.requires_grad == (path != "cuda")  # see test_torch_lse_grad
     sdpa_calls.clear()
     if path == "cuda":
         out = run(path, x, case, False)
@@ -253,7 +253,7 @@ def test_cpu_auto_goes_through_jax_zero_copy(monkeypatch):
     out = ft.attention(**x)
     out.backward(torch.ones_like(out))  # a contiguous cotangent (sum()'s is an expanded view)
     directions = [s[0] for s in seen]
-    assert directions.count("to_jax") == 4  # q, k, v forward; d_out backward
+    assert directions.count("to_jax") == 5  # q, k, v forward; d_out, d_lse backward
     assert directions.count("to_torch") == 5  # out, lse; dq, dk, dv
     for _, src, dst in seen:
         assert src == dst
@@ -372,7 +372,7 @@ class FakeFlashAttn(types.ModuleType):
         left, right = window_size
         right = 0 if causal else right
         window = (None if left < 0 else left, None if right < 0 else right)
-        out, lse = reference_attention(*(t.float().numpy() for t in (q, k, v)), scale=softmax_scale,
+        out, lse = reference_attention(*(t.detach().float().numpy() for t in (q, k, v)), scale=softmax_scale,
                                        window=window, softcap=softcap or None)
         return torch.from_numpy(out).to(q.dtype), torch.from_numpy(np.where(np.isneginf(lse), np.inf, lse)).float()
 
@@ -413,7 +413,7 @@ def test_flash_attn_mapping_matches_the_contract(case):
     expected_flash = _native.flash_unsupported(call) is None
     assert bool(fake.calls) == expected_flash
     np.testing.assert_allclose(out.float().numpy(), want_out, atol=3e-2, rtol=3e-2)
-    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5 if expected_flash else 2e-2)
+    np.testing.assert_allclose(lse.detach().numpy(), want_lse, atol=2e-5 if expected_flash else 2e-2)
 
 
 def test_flash_attn_takes_exactly_the_calls_it_can_express():
@@ -464,9 +464,9 @@ def test_flash_attn_varlen_for_packed_segments():
     assert fake.calls[-1][0] == "varlen"
     assert fake.calls[-1][1] == dict(cu_seqlens_q=[0, 3, 5, 8, 13, 15, 16], max_seqlen_q=5, causal=True,
                                      window_size=(2, -1))
-    want_out, want_lse = reference_attention(*(t.float().numpy() for t in (q, k, v)), **kw)
+    want_out, want_lse = reference_attention(*(t.detach().float().numpy() for t in (q, k, v)), **kw)
     np.testing.assert_allclose(out.float().numpy(), want_out, atol=3e-2)
-    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5)
+    np.testing.assert_allclose(lse.detach().numpy(), want_lse, atol=2e-5)
     # an id in two separate runs may see itself across runs: varlen cannot say that.
     split = torch.tensor([[0, 0, 1, 1, 0, 0, 2, 2]] * 2)
     call = dataclasses.replace(call, q_seg=split, kv_seg=split)
@@ -549,14 +549,14 @@ def test_bridges_stage_forward_and_vjp(bridge, request):
     out, lse = ft.attention(**x, **dict(case.options), layout=case.layout, return_lse=True)
     want_out, want_lse = reference(case, numpy_inputs(case))
     np.testing.assert_allclose(out.detach().numpy(), want_out, atol=2e-5)
-    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5)
+    np.testing.assert_allclose(lse.detach().numpy(), want_lse, atol=2e-5)
     check_grads(case, x, out, atol=2e-4)
     assert [name for name, _, _ in log] == ["jax_forward", "jax_backward"]
     static = dict(case.options, layout=case.layout, backend="auto", scale=None)
     assert log[0][2] == static and log[1][2] == static
     assert log[0][1] == [x[n].shape for n in ("query", "key", "value", "bias", "mask", "q_segment_ids",
                                                "kv_segment_ids")]
-    assert log[1][1] == log[0][1] + [out.shape]
+    assert log[1][1] == log[0][1] + [out.shape, lse.shape]  # cotangents of out and lse
 
 
 def test_device_kind():

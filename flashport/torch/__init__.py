@@ -66,8 +66,9 @@ def attention(
         ``"flash_attn"``, or a JAX backend name or ``registry.use(...)`` choice.
 
     Returns:
-      The output in ``query``'s layout and dtype, or ``(out, lse)`` with lse float32 [B, Hq, Sq]
-      (not differentiable). Gradients flow to query, key, value and bias. A query row that sees no
+      The output in ``query``'s layout and dtype, or ``(out, lse)`` with lse float32 [B, Hq, Sq];
+      both differentiable (with ``backend="flash_attn"`` a backward through lse raises, as
+      flash-attn's own backward ignores it; ``auto`` then runs the exact math path instead). Gradients flow to query, key, value and bias. A query row that sees no
       key returns 0 (lse = -inf) with zero gradients.
 
     Raises:
@@ -115,7 +116,7 @@ def jax_available() -> bool:
 
 def _run_native(backend, query, key, value, options, tensors, return_lse):
     call = check(query, key, value, **options, **tensors, return_lse=return_lse)
-    if backend == "torch":
+    if backend == "torch" or call.k.shape[2] == 0:  # no keys: the contract's zeros on every backend
         out, lse = _native.math_attention(call)
     elif backend == "sdpa":
         reason = _native.sdpa_unsupported(call, return_lse)

@@ -8,7 +8,8 @@ A *runner* moves arrays between torch and JAX for one kind of device:
   ``torchax.interop.call_jax``): the bridge stages :func:`jax_forward` / :func:`jax_backward` into the
   torch program, so the backward recomputes the forward inside one JAX VJP.
 
-:class:`JaxAttention` is the ``torch.autograd.Function`` both share. Nothing here imports jax at
+:class:`JaxAttention` is the ``torch.autograd.Function`` both share; both ``out`` and ``lse`` are
+differentiable (ring / context-parallel code merges partial results through lse). Nothing here imports jax at
 module import time.
 """
 
@@ -30,16 +31,16 @@ def jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static):
                      return_lse=True, **static)
 
 
-def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, d_out, **static):
-    """``(dq, dk, dv, dbias)`` for the cotangent ``d_out`` of :func:`jax_forward`'s output (dbias is
-    None without a bias); recomputes the forward under ``jax.vjp``."""
+def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, d_out, d_lse, **static):
+    """``(dq, dk, dv, dbias)`` for the cotangents ``(d_out, d_lse)`` of :func:`jax_forward`'s
+    ``(out, lse)`` (dbias is None without a bias); recomputes the forward under ``jax.vjp``."""
     import jax
 
-    def out_only(q, k, v, bias):
-        return jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static)[0]
+    def out_and_lse(q, k, v, bias):
+        return jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static)
 
-    _, vjp = jax.vjp(out_only, q, k, v, bias)
-    return vjp(d_out)
+    _, vjp = jax.vjp(out_and_lse, q, k, v, bias)
+    return vjp((d_out, d_lse))
 
 
 def _out_and_lse(q, k, v, bias, mask, q_seg, kv_seg, static):
@@ -75,14 +76,14 @@ class DLPackRunner:
         q, k, v, bias, mask, q_seg, kv_seg = (to_jax(a) for a in args)
         if need_grad:
             f = functools.partial(_out_and_lse, mask=mask, q_seg=q_seg, kv_seg=kv_seg, static=static)
-            out, vjp, lse = jax.vjp(f, q, k, v, bias, has_aux=True)
+            (out, lse), vjp = jax.vjp(f, q, k, v, bias)
         else:
             (out, lse), vjp = jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static), None
         return to_torch(out), to_torch(lse), vjp
 
-    def backward(self, state, saved, d_out, static):
+    def backward(self, state, saved, d_out, d_lse, static):
         """``(dq, dk, dv, dbias)`` from the forward's VJP closure."""
-        return tuple(to_torch(g) for g in state(to_jax(d_out)))
+        return tuple(to_torch(g) for g in state((to_jax(d_out), to_jax(d_lse))))
 
 
 class CallJaxRunner:
@@ -98,9 +99,10 @@ class CallJaxRunner:
         out, lse = self.call(jax_forward, tuple(args), dict(static))
         return out, lse, None
 
-    def backward(self, state, saved, d_out, static):
+    def backward(self, state, saved, d_out, d_lse, static):
         """``(dq, dk, dv, dbias)`` by staging :func:`jax_backward` through the bridge."""
-        return tuple(self.call(jax_backward, (*saved, d_out.contiguous()), dict(static)))
+        cotangents = (d_out.contiguous(), d_lse.contiguous())
+        return tuple(self.call(jax_backward, (*saved, *cotangents), dict(static)))
 
 
 def torch_xla_runner() -> CallJaxRunner:
@@ -124,7 +126,7 @@ def torchax_runner() -> CallJaxRunner:
 
 
 class JaxAttention(torch.autograd.Function):
-    """``(out, lse)`` from a runner; the backward is the JAX VJP. ``lse`` is not differentiable."""
+    """``(out, lse)`` from a runner; the backward is the JAX VJP of both outputs."""
 
     @staticmethod
     def forward(ctx, runner, static, need_grad, q, k, v, bias, mask, q_seg, kv_seg):
@@ -136,12 +138,12 @@ class JaxAttention(torch.autograd.Function):
             # Saving inputs and out (which JAX's residuals may alias) makes torch reject in-place
             # changes to them between forward and backward instead of silently using new values.
             ctx.save_for_backward(q, k, v, bias, mask, q_seg, kv_seg, out)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        """Gradients for query, key, value and bias from the JAX VJP."""
+        """Gradients for query, key, value and bias from the JAX VJP of ``out`` and ``lse``."""
+        # torch materializes an unused output's cotangent as zeros, so both are tensors here.
         *saved, _ = ctx.saved_tensors
-        dq, dk, dv, dbias = ctx.runner.backward(ctx.state, tuple(saved), d_out, ctx.static)
+        dq, dk, dv, dbias = ctx.runner.backward(ctx.state, tuple(saved), d_out, d_lse, ctx.static)
         return None, None, None, dq, dk, dv, dbias, None, None, None

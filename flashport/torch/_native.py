@@ -70,7 +70,8 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact contract semantics in plain torch ops; float32 softmax and accumulation, autograd-friendly.
 
     GQA stays grouped ([B, Hkv, G, Sq, D] against [B, Hkv, Sk, D]), so K/V are never repeated. Rows
-    with no visible key give 0 output, lse = -inf and zero (finite) gradients.
+    with no visible key give 0 output, lse = -inf and zero (finite) gradients. Both outputs are
+    differentiable.
     """
     p = call.params
     b, hq, sq, d = call.q.shape
@@ -85,14 +86,15 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     if keep is not None:
         s = s.masked_fill(~_group(keep, hkv), float("-inf"))
     # The max only stabilizes exp (softmax is invariant to it), so it needs no gradient.
-    m = s.amax(dim=-1, keepdim=True).detach()
+    # amax has no identity for Sk == 0; the -inf row max then gives out 0 and lse -inf as for any empty row.
+    m = s.amax(dim=-1, keepdim=True).detach() if s.shape[-1] else s.new_full((*s.shape[:-1], 1), float("-inf"))
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     l = e.sum(dim=-1, keepdim=True)
     nonempty = l > 0
     out = torch.einsum("bhgqk,bhkd->bhgqd", e, call.v.float()) / torch.where(nonempty, l, torch.ones_like(l))
-    with torch.no_grad():
-        lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))), float("-inf"))
+    # Differentiable; the inner where keeps log's gradient finite on rows with no key.
+    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))), float("-inf"))
     out = out.reshape(b, hq, sq, -1).to(call.q.dtype)
     return _to_layout(out, call.layout), lse.reshape(b, hq, sq)
 
@@ -212,6 +214,30 @@ def varlen_unsupported(call: Call) -> str | None:
     return None
 
 
+def lse_needs_grad(call: Call, return_lse: bool) -> bool:
+    """Whether the lse this call returns must carry a gradient (grad mode on and an input requires it)."""
+    return return_lse and torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (call.q, call.k, call.v, call.bias))
+
+
+class _LseWithoutGrad(torch.autograd.Function):
+    """flash-attn's lse joined to the graph so that backpropagating through it raises instead of
+    silently contributing no gradient (flash-attn 2's backward ignores the lse cotangent)."""
+
+    @staticmethod
+    def forward(ctx, lse, anchor):
+        """Return ``lse`` unchanged; ``anchor`` (the query) only puts it on the autograd graph."""
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx, d_lse):
+        """Refuse: the lse gradient cannot be computed from flash-attn's outputs."""
+        raise RuntimeError(
+            "backend='flash_attn' returns an lse without gradient (flash-attn's backward ignores it), "
+            "but the loss depends on lse; use backend='auto' or 'torch' for a differentiable lse"
+        )
+
+
 def flash_attention(call: Call, flash, return_lse: bool):
     """Run ``call`` through flash-attn 2 (``flash_attn_func``, or ``flash_attn_varlen_func`` for
     packed segments); the caller has checked :func:`flash_unsupported`."""
@@ -230,6 +256,8 @@ def flash_attention(call: Call, flash, return_lse: bool):
         out, lse = _flash_varlen(flash, call, q, k, v, kwargs, return_lse)
     if lse is not None:  # flash-attn reports +inf for rows with no key; the contract says -inf
         lse = torch.where(torch.isposinf(lse), float("-inf"), lse.float())
+        if lse_needs_grad(call, return_lse):
+            lse = _LseWithoutGrad.apply(lse, call.q)
     return _to_layout(out.transpose(1, 2), call.layout), lse
 
 
@@ -255,13 +283,19 @@ def _flash_varlen(flash, call: Call, q, k, v, kwargs, return_lse):
 
 def cuda_attention(call: Call, return_lse: bool, flash="import"):
     """``backend="auto"`` for CUDA tensors: flash-attn when installed and the call fits it, else torch
-    SDPA when the contract's semantics survive, else the exact math path (softcap or lse with SDPA).
+    SDPA when the contract's semantics survive, else the exact math path (softcap, or lse with SDPA;
+    also an lse that needs a gradient, which flash-attn cannot give).
 
     ``flash`` is the flash-attn module (``"import"`` = import it now; ``None`` = not installed).
     """
+    if call.k.shape[2] == 0:
+        log.debug("flashport.torch: no keys (Sk == 0); exact math path runs this call")
+        return math_attention(call)
     flash = import_flash_attn() if flash == "import" else flash
     if flash is not None:
         reason = flash_unsupported(call)
+        if reason is None and lse_needs_grad(call, return_lse):
+            reason = "a differentiable lse (flash-attn's backward ignores the lse cotangent)"
         if reason is None:
             log.debug("flashport.torch: flash-attn runs this call")
             return flash_attention(call, flash, return_lse)
