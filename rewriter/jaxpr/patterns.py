@@ -1,6 +1,6 @@
 """Match ``softmax(Q·Kᵀ)·V`` in one normalized jaxpr, semantically rather than by templates.
 
-Matching starts at every ``exp`` (shared/reference/jaxpr_patterns.md A12): the softmax around it,
+Matching starts at every ``exp`` (the one op every softmax spelling shares): the softmax around it,
 then the scores path up to the QK ``dot_general`` (scale, softcap, bias, masks, casts, transposes,
 with axes tracked), then the probabilities down to the PV ``dot_general``. q, k and v roles come from
 the dimension numbers: the softmax axis is k's only free dim, and the PV product must contract it
@@ -91,6 +91,9 @@ def find_matches(g: Graph):
             if info is not None:
                 misses.append(Miss(eqn=eqn, reason=str(err), info=info))
             continue
+        except Exception as err:  # noqa: BLE001 -- a matcher bug must never break the user's program
+            misses.append(internal_miss(g, eqn, "matching", err))
+            continue
         if id(m.anchor) in used:
             continue
         used.add(id(m.anchor))
@@ -101,11 +104,21 @@ def find_matches(g: Graph):
     return matches, misses
 
 
-def _candidate_info(g: Graph, exp_eqn):
+def internal_miss(g: Graph, eqn, stage: str, err: Exception) -> Miss:
+    """A near-miss for a site where the pass itself failed: the site is left exactly as written."""
+    try:
+        info = _candidate_info(g, eqn, require_dots=False)
+    except Exception:  # noqa: BLE001 -- reporting is best effort here
+        info = {"location": "?", "scores_shape": shape(eqn.invars[0]), "dtype": str(eqn.invars[0].aval.dtype)}
+    reason = f"internal error while {stage} (site left unchanged): {type(err).__name__}: {err}"
+    return Miss(eqn=eqn, reason=reason, info=info)
+
+
+def _candidate_info(g: Graph, exp_eqn, require_dots=True):
     """Report info for a failed candidate, or None when the exp is unrelated to any dot_general."""
     up = _reaches(g, exp_eqn.invars[0], "up")
     down = _reaches(g, exp_eqn.outvars[0], "down")
-    if not (up and down):
+    if require_dots and not (up and down):
         return None
     return {"location": location(exp_eqn), "scores_shape": shape(exp_eqn.invars[0]),
             "dtype": str(exp_eqn.invars[0].aval.dtype)}
@@ -312,8 +325,13 @@ def match_at(g: Graph, exp_eqn) -> Match:
     zero_preds = [(pred, keep, sm.p, list(t_dims)) for pred, keep in sm.zero_preds]
     cur, pdims = sm.p, list(t_dims)
     while True:
+        if cur in g.outvars:
+            raise NoMatch("the attention probabilities have other users: they are returned (attention maps "
+                          "are an output, so the scores must be materialized)")
         if g.n_users(cur) != 1:
             raise NoMatch("the attention probabilities have other users (returned, reused or dropped out)")
+        if not g.users.get(cur):
+            raise NoMatch("the attention probabilities are not used (no PV product)")
         u = g.users[cur][0]
         name = u.primitive.name
         explained.add(id(u))
@@ -414,6 +432,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     empty = _empty_semantics(masks, zero_preds, pos_empty)
     info = {
         "location": location(dot),
+        "scores_shape": shape(sm.t),
         "pv_location": location(pv),
         "q_shape": shape(q_src), "k_shape": shape(k_src), "v_shape": shape(v),
         "layout": _layout(q_src, q_order, nr, nh, len(g_out), "T") + "," +
