@@ -336,8 +336,12 @@ def match_at(g: Graph, exp_eqn) -> Match:
         name = u.primitive.name
         explained.add(id(u))
         if name == "dot_general":
-            break
-        if name in ("convert_element_type", "copy", "copy_p"):
+            if any(u.params["dimension_numbers"][0]):
+                break  # a contraction: the PV product
+            pdims = _unit_product(g, u, cur, pdims)
+        elif name == "mul" and shape(u.outvars[0]) == shape(cur) and _all_ones(g, _other(u, cur)):
+            pass
+        elif name in ("convert_element_type", "copy", "copy_p"):
             pass
         elif name == "transpose":
             pdims = [pdims[p] for p in u.params["permutation"]]
@@ -449,6 +453,36 @@ def match_at(g: Graph, exp_eqn) -> Match:
                  sizes=sizes, out_perm=out_perm, canon_dims=canon_dims, groups=groups, scale=float(scale),
                  softcap=softcap, biases=biases, masks=masks, causal=causal, window=window, align=align,
                  empty=empty, dtype=dtype.name, out_dtype=np.dtype(pv.outvars[0].aval.dtype), info=info)
+
+
+def _other(eqn, x):
+    a, b = eqn.invars
+    return b if a is x else a
+
+
+def _all_ones(g: Graph, x) -> bool:
+    val = g.const_value(x)
+    return val is not None and val.size > 0 and bool(np.all(val == 1))
+
+
+def _unit_product(g: Graph, u, p, pdims):
+    """Dims after a contraction-free ``dot_general`` of the probabilities ``p`` with an all-ones tensor.
+
+    transformers' Flax attention always applies its head mask as ``einsum("...hqk,h->...hqk")``, with
+    ones when the caller gives none: an identity on the probabilities, so the PV product is further down.
+    """
+    (_, _), (lb, rb) = u.params["dimension_numbers"]
+    if u.invars[0] is u.invars[1]:
+        raise NoMatch("the probabilities are multiplied by themselves")
+    p_is_lhs = u.invars[0] is p
+    other = _other(u, p)
+    pb, ob = (lb, rb) if p_is_lhs else (rb, lb)
+    if len(ob) != len(shape(other)):
+        raise NoMatch("the probabilities are multiplied by a tensor in an outer product (no PV contraction)")
+    if not _all_ones(g, other):
+        raise NoMatch("the probabilities are multiplied by a per-head or per-row tensor (e.g. a head mask) "
+                      "that is not all ones")
+    return [pdims[i] for i in pb] + [pdims[d] for d in range(len(pdims)) if d not in pb]
 
 
 def _peel_scale(g: Graph, v):
