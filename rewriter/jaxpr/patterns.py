@@ -181,6 +181,9 @@ def _walk_up(g: Graph, c, depth=0):
         if s1 is None or s1 == 0 or shape(ins[0]) != shape(c):
             raise NoMatch("the scores are divided by a non-constant or a tensor (not a scalar scale)")
         stage, up = ("scale", 1.0 / s1, None), ins[0]
+    elif name == "add" and (mul_add := _mul_add_mask(g, e, c)) is not None:
+        up, fill, pred, inner = mul_add
+        stage = ("mask", (fill, True, inner), pred)
     elif name in ("add", "sub"):
         first_err = None
         for pos in ((0, 1) if name == "add" else (0,)):
@@ -211,6 +214,46 @@ def _walk_up(g: Graph, c, depth=0):
     return dot, [(stage[0], stage[1], (stage[2], e, c))] + stages
 
 
+def _mul_add_mask(g: Graph, e, c):
+    """``s * m + (1 - m) * fill``, ``m`` a 0/1 float cast of a boolean: ``(s, fill, m, s*m eqn)`` or None.
+
+    For finite scores this equals ``where(m, s, fill)`` exactly (``0 * fill`` is ``-0.0``).
+    """
+    for a, b in (e.invars, e.invars[::-1]):
+        b_src, b_dims, _ = peel_broadcast(g, b, operand_dims(b, shape(c)), casts=False)
+        ea, eb = g.prod(a), g.prod(b_src)
+        if ea is None or eb is None or ea.primitive.name != "mul" or eb.primitive.name != "mul":
+            continue
+        for x, m in (ea.invars, ea.invars[::-1]):
+            if shape(x) != shape(c) or g.scalar(x) is not None:
+                continue
+            m_src = _bool_source(g, m, shape(c))
+            if m_src is None:
+                continue
+            for t, f in (eb.invars, eb.invars[::-1]):
+                fill = g.scalar(f)
+                if fill is None:
+                    continue
+                if shape(t) != shape(b_src):
+                    continue
+                one_minus = peel_broadcast(g, t, b_dims, casts=False)
+                es = g.prod(one_minus[0])
+                if es is None or es.primitive.name != "sub" or g.scalar(es.invars[0]) != 1.0:
+                    continue
+                sub_dims = one_minus[1]
+                inner = peel_broadcast(g, es.invars[1], [d for d in sub_dims], casts=True)
+                if (g.key(inner[0]), inner[1]) == (g.key(m_src[0]), m_src[1]):
+                    return x, fill, m, ea
+    return None
+
+
+def _bool_source(g: Graph, m, out_shape):
+    src, dims, _ = peel_broadcast(g, m, operand_dims(m, out_shape), casts=True)
+    if np.dtype(src.aval.dtype) != np.bool_ or np.dtype(m.aval.dtype) == np.bool_:
+        return None
+    return src, dims
+
+
 def _unit_map(e):
     """For a reshape/squeeze/expand_dims/broadcast that only adds or drops size-1 dims: out -> in."""
     name = e.primitive.name
@@ -224,9 +267,16 @@ def _unit_map(e):
     return unit_reshape_map(src, out)
 
 
-def _term(g: Graph, y, out_var, out_dims):
-    """Bias/mask operand ``y`` of an op whose output ``out_var`` has QK dims ``out_dims``."""
-    src, dims, _ = peel_broadcast(g, y, operand_dims(y, shape(out_var)), casts=False)
+def _term(g: Graph, y, out_var, out_dims, mask=False):
+    """Bias/mask operand ``y`` of an op whose output ``out_var`` has QK dims ``out_dims``.
+
+    For a mask, a float cast of a boolean (the multiply-add form) is traced back to the boolean.
+    """
+    bool_src = _bool_source(g, y, shape(out_var)) if mask else None
+    if bool_src is not None:
+        src, dims = bool_src
+    else:
+        src, dims, _ = peel_broadcast(g, y, operand_dims(y, shape(out_var)), casts=False)
     dmap = [None] * len(shape(src))
     for i, d in enumerate(dims):
         if d is not None:
@@ -263,8 +313,8 @@ def _algebra(g: Graph, stages, t_dtype):
             src, dmap = _term(g, extra, out_var, out_dims)
             biases.append(Term(var=src, dmap=dmap, mult=val))
         elif kind == "mask":
-            fill, keep = val
-            src, dmap = _term(g, extra, out_var, out_dims)
+            fill, keep = val[:2]
+            src, dmap = _term(g, extra, out_var, out_dims, mask=True)
             masks.append(Term(var=src, dmap=dmap, keep_when_true=keep, fill=fill))
     if tanh and beta <= 0:
         raise NoMatch("tanh on the scores is not a softcap (non-positive cap)")
@@ -293,6 +343,8 @@ def match_at(g: Graph, exp_eqn) -> Match:
             dims = [None if m is None else dims[m] for m in val]
         annotated.append((kind, val, (extra, eqn, out_var, list(dims))))
         explained.add(id(eqn))
+        if kind == "mask" and len(val) > 2:  # the multiply-add form's `s * m`
+            explained.add(id(val[2]))
     t_dims = dims
     t_dtype = np.dtype(sm.t.aval.dtype)
     s_dot = t_dims[sm.axis]
