@@ -40,8 +40,8 @@ import functools
 import jax
 import numpy as np
 
-from flashport.rewriter.jaxpr.interpreter import all_sites, analyze, rewrite
-from flashport.rewriter.jaxpr.report import AttentionReport, site_from
+from flashport.rewriter.jaxpr.interpreter import all_sites, analyze, checked_rewrite
+from flashport.rewriter.jaxpr.report import AttentionReport, Site, site_from
 
 
 @dataclasses.dataclass
@@ -86,20 +86,26 @@ def fuse_attention(fun=None, *, backend="auto"):
     return fused
 
 
-def find_attention(fun):
+def find_attention(fun, *, backend="auto"):
     """Return a function that traces ``fun`` on its arguments and reports every attention site.
 
     ``find_attention(f)(*args)`` returns an :class:`~flashport.rewriter.jaxpr.report.AttentionReport`:
     ``.matches`` (what :func:`fuse_attention` rewrites: source location, shapes, detected layout,
     scale, mask kind, softcap, dtypes, GQA grouping, fully-masked-row behaviour), ``.near_misses``
     (with the reason each was left alone), ``.to_dicts()`` for data and a rich table when printed.
+    Each match's replacement is built (for ``backend``) as :func:`fuse_attention` would, so a site
+    the pass fails on internally is reported as a near-miss naming the error, not as fused.
     """
 
     @functools.wraps(fun)
     def report(*args, **kwargs):
         flat, treedef, dyn_pos, _ = _split(args, kwargs)
         closed, _ = _trace(fun, flat, treedef, dyn_pos)
-        plan = analyze(closed)
+        try:
+            plan = analyze(closed)
+        except Exception as err:  # noqa: BLE001 -- the program runs unchanged; say why
+            return AttentionReport((_internal_site(err),))
+        checked_rewrite(plan, backend)
         sites = []
         for p, item in all_sites(plan):
             sites.append(site_from(p, item, "near-miss" if hasattr(item, "reason") else "fused"))
@@ -154,12 +160,20 @@ def _spec(x):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
+def _internal_site(err):
+    reason = f"internal error while analyzing the program (left unchanged): {type(err).__name__}: {err}"
+    return Site(status="near-miss", where="<top>", location="?", reason=reason)
+
+
 def _build(fun, flat, treedef, dyn_pos, backend):
     closed, out_tree = _trace(fun, flat, treedef, dyn_pos)
     cacheable = not any(isinstance(c, jax.core.Tracer) for c in closed.consts)
-    plan = analyze(closed)
-    if not plan.changed:
+    try:
+        plan = analyze(closed)
+    except Exception:  # noqa: BLE001 -- never break the program: run it as written
+        return _Entry(plan=None, jaxpr=None, out_tree=out_tree), cacheable
+    new = checked_rewrite(plan, backend)
+    if new is None:
         return _Entry(plan=plan, jaxpr=None, out_tree=out_tree), cacheable
-    new = rewrite(plan, backend)
     cacheable = cacheable and not any(isinstance(c, jax.core.Tracer) for c in new.consts)
     return _Entry(plan=plan, jaxpr=new, out_tree=out_tree), cacheable

@@ -20,7 +20,7 @@ from jax.extend import core as jcore
 
 from flashport.rewriter.jaxpr.emit import emit
 from flashport.rewriter.jaxpr.graph import Graph, is_literal
-from flashport.rewriter.jaxpr.patterns import find_matches
+from flashport.rewriter.jaxpr.patterns import Miss, find_matches
 from flashport.rewriter.jaxpr.surgery import Builder
 
 # Nested calls with any of these inside are kept as calls (analyzed recursively), not inlined.
@@ -72,6 +72,46 @@ def analyze(closed, path="", memo=None) -> Plan:
         if any(c.changed for c in child):
             plan.children[id(eqn)] = [c if c.changed else None for c in child]
     return plan
+
+
+def checked_rewrite(plan: Plan, backend):
+    """:func:`rewrite`, never raising: a site whose replacement cannot be built is demoted to a near-miss.
+
+    Returns the rewritten ClosedJaxpr, or None when nothing is left to rewrite or the rewrite of the
+    whole program failed (then every site is demoted and the program runs exactly as written).
+    """
+    if not plan.changed:
+        return None
+    try:
+        return rewrite(plan, backend)
+    except Exception as err:  # noqa: BLE001 -- find the site(s) at fault, keep the others
+        whole = err
+    for p, m in list(all_sites(plan)):
+        if isinstance(m, Miss):
+            continue
+        try:
+            _site_jaxpr(m, _site_key(m, backend)[1], backend)
+        except Exception as err:  # noqa: BLE001
+            demote(p, m, err)
+    if not any(p.matches for p, _ in all_sites(plan)):
+        return None
+    try:
+        return rewrite(plan, backend)
+    except Exception:  # noqa: BLE001 -- not one site: leave the whole program as written
+        for p, m in list(all_sites(plan)):
+            if not isinstance(m, Miss):
+                demote(p, m, whole)
+        return None
+
+
+def demote(plan: Plan, match, err: Exception) -> None:
+    """Turn ``match`` into a near-miss naming the internal error ``err``; its site stays as written."""
+    plan.matches.pop(id(match.anchor), None)
+    plan._fns.clear()
+    info = {"location": match.info.get("location", "?"), "scores_shape": match.info.get("scores_shape", ()),
+            "dtype": match.dtype}
+    reason = f"internal error while rewriting (site left unchanged): {type(err).__name__}: {err}"
+    plan.misses.append(Miss(eqn=match.anchor, reason=reason, info=info))
 
 
 def all_sites(plan: Plan, seen=None):

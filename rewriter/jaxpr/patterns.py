@@ -1,6 +1,6 @@
 """Match ``softmax(Q·Kᵀ)·V`` in one normalized jaxpr, semantically rather than by templates.
 
-Matching starts at every ``exp`` (shared/reference/jaxpr_patterns.md A12): the softmax around it,
+Matching starts at every ``exp`` (the one op every softmax spelling shares): the softmax around it,
 then the scores path up to the QK ``dot_general`` (scale, softcap, bias, masks, casts, transposes,
 with axes tracked), then the probabilities down to the PV ``dot_general``. q, k and v roles come from
 the dimension numbers: the softmax axis is k's only free dim, and the PV product must contract it
@@ -91,6 +91,9 @@ def find_matches(g: Graph):
             if info is not None:
                 misses.append(Miss(eqn=eqn, reason=str(err), info=info))
             continue
+        except Exception as err:  # noqa: BLE001 -- a matcher bug must never break the user's program
+            misses.append(internal_miss(g, eqn, "matching", err))
+            continue
         if id(m.anchor) in used:
             continue
         used.add(id(m.anchor))
@@ -101,11 +104,21 @@ def find_matches(g: Graph):
     return matches, misses
 
 
-def _candidate_info(g: Graph, exp_eqn):
+def internal_miss(g: Graph, eqn, stage: str, err: Exception) -> Miss:
+    """A near-miss for a site where the pass itself failed: the site is left exactly as written."""
+    try:
+        info = _candidate_info(g, eqn, require_dots=False)
+    except Exception:  # noqa: BLE001 -- reporting is best effort here
+        info = {"location": "?", "scores_shape": shape(eqn.invars[0]), "dtype": str(eqn.invars[0].aval.dtype)}
+    reason = f"internal error while {stage} (site left unchanged): {type(err).__name__}: {err}"
+    return Miss(eqn=eqn, reason=reason, info=info)
+
+
+def _candidate_info(g: Graph, exp_eqn, require_dots=True):
     """Report info for a failed candidate, or None when the exp is unrelated to any dot_general."""
     up = _reaches(g, exp_eqn.invars[0], "up")
     down = _reaches(g, exp_eqn.outvars[0], "down")
-    if not (up and down):
+    if require_dots and not (up and down):
         return None
     return {"location": location(exp_eqn), "scores_shape": shape(exp_eqn.invars[0]),
             "dtype": str(exp_eqn.invars[0].aval.dtype)}
@@ -168,6 +181,9 @@ def _walk_up(g: Graph, c, depth=0):
         if s1 is None or s1 == 0 or shape(ins[0]) != shape(c):
             raise NoMatch("the scores are divided by a non-constant or a tensor (not a scalar scale)")
         stage, up = ("scale", 1.0 / s1, None), ins[0]
+    elif name == "add" and (mul_add := _mul_add_mask(g, e, c)) is not None:
+        up, fill, pred, inner = mul_add
+        stage = ("mask", (fill, True, inner), pred)
     elif name in ("add", "sub"):
         first_err = None
         for pos in ((0, 1) if name == "add" else (0,)):
@@ -198,6 +214,46 @@ def _walk_up(g: Graph, c, depth=0):
     return dot, [(stage[0], stage[1], (stage[2], e, c))] + stages
 
 
+def _mul_add_mask(g: Graph, e, c):
+    """``s * m + (1 - m) * fill``, ``m`` a 0/1 float cast of a boolean: ``(s, fill, m, s*m eqn)`` or None.
+
+    For finite scores this equals ``where(m, s, fill)`` exactly (``0 * fill`` is ``-0.0``).
+    """
+    for a, b in (e.invars, e.invars[::-1]):
+        b_src, b_dims, _ = peel_broadcast(g, b, operand_dims(b, shape(c)), casts=False)
+        ea, eb = g.prod(a), g.prod(b_src)
+        if ea is None or eb is None or ea.primitive.name != "mul" or eb.primitive.name != "mul":
+            continue
+        for x, m in (ea.invars, ea.invars[::-1]):
+            if shape(x) != shape(c) or g.scalar(x) is not None:
+                continue
+            m_src = _bool_source(g, m, shape(c))
+            if m_src is None:
+                continue
+            for t, f in (eb.invars, eb.invars[::-1]):
+                fill = g.scalar(f)
+                if fill is None:
+                    continue
+                if shape(t) != shape(b_src):
+                    continue
+                one_minus = peel_broadcast(g, t, b_dims, casts=False)
+                es = g.prod(one_minus[0])
+                if es is None or es.primitive.name != "sub" or g.scalar(es.invars[0]) != 1.0:
+                    continue
+                sub_dims = one_minus[1]
+                inner = peel_broadcast(g, es.invars[1], [d for d in sub_dims], casts=True)
+                if (g.key(inner[0]), inner[1]) == (g.key(m_src[0]), m_src[1]):
+                    return x, fill, m, ea
+    return None
+
+
+def _bool_source(g: Graph, m, out_shape):
+    src, dims, _ = peel_broadcast(g, m, operand_dims(m, out_shape), casts=True)
+    if np.dtype(src.aval.dtype) != np.bool_ or np.dtype(m.aval.dtype) == np.bool_:
+        return None
+    return src, dims
+
+
 def _unit_map(e):
     """For a reshape/squeeze/expand_dims/broadcast that only adds or drops size-1 dims: out -> in."""
     name = e.primitive.name
@@ -211,9 +267,16 @@ def _unit_map(e):
     return unit_reshape_map(src, out)
 
 
-def _term(g: Graph, y, out_var, out_dims):
-    """Bias/mask operand ``y`` of an op whose output ``out_var`` has QK dims ``out_dims``."""
-    src, dims, _ = peel_broadcast(g, y, operand_dims(y, shape(out_var)), casts=False)
+def _term(g: Graph, y, out_var, out_dims, mask=False):
+    """Bias/mask operand ``y`` of an op whose output ``out_var`` has QK dims ``out_dims``.
+
+    For a mask, a float cast of a boolean (the multiply-add form) is traced back to the boolean.
+    """
+    bool_src = _bool_source(g, y, shape(out_var)) if mask else None
+    if bool_src is not None:
+        src, dims = bool_src
+    else:
+        src, dims, _ = peel_broadcast(g, y, operand_dims(y, shape(out_var)), casts=False)
     dmap = [None] * len(shape(src))
     for i, d in enumerate(dims):
         if d is not None:
@@ -250,8 +313,8 @@ def _algebra(g: Graph, stages, t_dtype):
             src, dmap = _term(g, extra, out_var, out_dims)
             biases.append(Term(var=src, dmap=dmap, mult=val))
         elif kind == "mask":
-            fill, keep = val
-            src, dmap = _term(g, extra, out_var, out_dims)
+            fill, keep = val[:2]
+            src, dmap = _term(g, extra, out_var, out_dims, mask=True)
             masks.append(Term(var=src, dmap=dmap, keep_when_true=keep, fill=fill))
     if tanh and beta <= 0:
         raise NoMatch("tanh on the scores is not a softcap (non-positive cap)")
@@ -280,6 +343,8 @@ def match_at(g: Graph, exp_eqn) -> Match:
             dims = [None if m is None else dims[m] for m in val]
         annotated.append((kind, val, (extra, eqn, out_var, list(dims))))
         explained.add(id(eqn))
+        if kind == "mask" and len(val) > 2:  # the multiply-add form's `s * m`
+            explained.add(id(val[2]))
     t_dims = dims
     t_dtype = np.dtype(sm.t.aval.dtype)
     s_dot = t_dims[sm.axis]
@@ -312,14 +377,23 @@ def match_at(g: Graph, exp_eqn) -> Match:
     zero_preds = [(pred, keep, sm.p, list(t_dims)) for pred, keep in sm.zero_preds]
     cur, pdims = sm.p, list(t_dims)
     while True:
+        if cur in g.outvars:
+            raise NoMatch("the attention probabilities have other users: they are returned (attention maps "
+                          "are an output, so the scores must be materialized)")
         if g.n_users(cur) != 1:
             raise NoMatch("the attention probabilities have other users (returned, reused or dropped out)")
+        if not g.users.get(cur):
+            raise NoMatch("the attention probabilities are not used (no PV product)")
         u = g.users[cur][0]
         name = u.primitive.name
         explained.add(id(u))
         if name == "dot_general":
-            break
-        if name in ("convert_element_type", "copy", "copy_p"):
+            if any(u.params["dimension_numbers"][0]):
+                break  # a contraction: the PV product
+            pdims = _unit_product(g, u, cur, pdims)
+        elif name == "mul" and shape(u.outvars[0]) == shape(cur) and _all_ones(g, _other(u, cur)):
+            pass
+        elif name in ("convert_element_type", "copy", "copy_p"):
             pass
         elif name == "transpose":
             pdims = [pdims[p] for p in u.params["permutation"]]
@@ -414,6 +488,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     empty = _empty_semantics(masks, zero_preds, pos_empty)
     info = {
         "location": location(dot),
+        "scores_shape": shape(sm.t),
         "pv_location": location(pv),
         "q_shape": shape(q_src), "k_shape": shape(k_src), "v_shape": shape(v),
         "layout": _layout(q_src, q_order, nr, nh, len(g_out), "T") + "," +
@@ -430,6 +505,36 @@ def match_at(g: Graph, exp_eqn) -> Match:
                  sizes=sizes, out_perm=out_perm, canon_dims=canon_dims, groups=groups, scale=float(scale),
                  softcap=softcap, biases=biases, masks=masks, causal=causal, window=window, align=align,
                  empty=empty, dtype=dtype.name, out_dtype=np.dtype(pv.outvars[0].aval.dtype), info=info)
+
+
+def _other(eqn, x):
+    a, b = eqn.invars
+    return b if a is x else a
+
+
+def _all_ones(g: Graph, x) -> bool:
+    val = g.const_value(x)
+    return val is not None and val.size > 0 and bool(np.all(val == 1))
+
+
+def _unit_product(g: Graph, u, p, pdims):
+    """Dims after a contraction-free ``dot_general`` of the probabilities ``p`` with an all-ones tensor.
+
+    transformers' Flax attention always applies its head mask as ``einsum("...hqk,h->...hqk")``, with
+    ones when the caller gives none: an identity on the probabilities, so the PV product is further down.
+    """
+    (_, _), (lb, rb) = u.params["dimension_numbers"]
+    if u.invars[0] is u.invars[1]:
+        raise NoMatch("the probabilities are multiplied by themselves")
+    p_is_lhs = u.invars[0] is p
+    other = _other(u, p)
+    pb, ob = (lb, rb) if p_is_lhs else (rb, lb)
+    if len(ob) != len(shape(other)):
+        raise NoMatch("the probabilities are multiplied by a tensor in an outer product (no PV contraction)")
+    if not _all_ones(g, other):
+        raise NoMatch("the probabilities are multiplied by a per-head or per-row tensor (e.g. a head mask) "
+                      "that is not all ones")
+    return [pdims[i] for i in pb] + [pdims[d] for d in range(len(pdims)) if d not in pb]
 
 
 def _peel_scale(g: Graph, v):

@@ -1,6 +1,6 @@
 """Recognize a row softmax around one ``exp`` equation.
 
-Accepted forms (see shared/reference/jaxpr_patterns.md A5):
+Accepted forms (those ``jax.nn.softmax``, its custom_jvp body, hand-written code and log-softmax produce):
 
 * ``exp(t - max(t))`` normalized by ``/ sum`` or ``* (1 / sum)`` of the same exp, with casts around the
   sum (bf16 softmax) and ``where(m, ·, 0)`` zero-masks (``softmax(where=)``);
