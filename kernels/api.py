@@ -192,8 +192,7 @@ def _no_keys(call: Call):
     """The contract for Sk == 0, on every backend: every query row sees no key, so out is 0 and lse
     is -inf (their gradients are 0). Kernels need not handle empty key blocks."""
     b, hq, sq, _ = call.q_shape
-    dtype = next(d for d, name in DTYPES.items() if name == call.dtype)
-    return jnp.zeros((b, hq, sq, call.v_head_dim), dtype), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
+    return jnp.zeros((b, hq, sq, call.v_head_dim), jnp.dtype(call.dtype)), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
 
 
 def _run(choice, call, args):

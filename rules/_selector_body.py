@@ -70,7 +70,7 @@ def neutral_selector(call: cst.Call, ctx, sdpa_rule) -> Rewrite | str:
     if not isinstance(item, cst.WithItem):
         return "not used as a `with` item"
     with_node = _sites.parent(item, ctx)
-    module = _sites._module(ctx)
+    module = ctx.module
     if not isinstance(with_node, cst.With) or module is None:
         return "its `with` statement could not be located"
     bindings = _bindings(module)

@@ -13,11 +13,6 @@ import libcst as cst
 from flashport.rules.base import RuleContext
 
 
-def _module(ctx: RuleContext) -> cst.Module | None:
-    """The parsed chunk module the site belongs to (None outside the engine)."""
-    return ctx.module
-
-
 def _path(ctx: RuleContext) -> list[cst.CSTNode]:
     return [ctx.node, *ctx.ancestors] if ctx.node is not None else []
 
