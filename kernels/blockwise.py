@@ -34,7 +34,7 @@ DEFAULT_BLOCK_K = 512
 MIN_KEYS_FOR_BLOCKWISE = 1024
 
 
-def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, *, spec: AttentionSpec, options):
+def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
     """Blockwise attention over the canonical arrays; returns ``(out, lse)``."""
     unknown = set(options) - {"block_q", "block_k"}
     if unknown:
@@ -317,7 +317,7 @@ registry.register(
         description="Online-softmax attention over key/value blocks in plain XLA; O(S) memory, "
         "causal/window block skipping, custom_vjp backward; any platform.",
         platforms=("cpu", "cuda", "rocm", "tpu"),
-        features=frozenset(FEATURES),
+        features=frozenset(FEATURES) - {"dropout"},
         fn=blockwise_attention,
         prefer=_prefer,
     )

@@ -10,6 +10,8 @@ Canonical arrays (all backends):
 * ``bias``: float, rank 4, each dim either 1 or the full size of [B, Hq, Sq, Sk] (not broadcast).
 * ``mask``: bool, rank 4, same rule as ``bias``.
 * ``q_segment_ids`` [B, Sq] / ``kv_segment_ids`` [B, Sk], int32, both or neither.
+* ``seed``: uint32 [2], the dropout seed words (see :mod:`flashport.kernels.dropout`); ``None``
+  unless ``spec.dropout_rate > 0``.
 
 Backends return ``(out, lse)``: ``out`` [B, Hq, Sq, D] in ``q.dtype`` and ``lse`` float32 [B, Hq, Sq].
 """
@@ -32,6 +34,7 @@ FEATURES = (
     "segment_ids",
     "gqa",
     "return_lse",
+    "dropout",
     "float32",
     "bfloat16",
     "float16",
@@ -49,6 +52,9 @@ class AttentionSpec:
       offset: key position of query 0 (Sk - Sq for bottom-right alignment, 0 for top-left).
       softcap: ``None`` or the tanh cap applied to the scaled scores.
       seq_q / seq_k: the true (unpadded) sequence lengths.
+      dropout_rate: probability of zeroing an entry of the normalized probabilities (kept ones are
+        scaled by 1 / (1 - rate)); the mask is :mod:`flashport.kernels.dropout`'s hash of the seed
+        the backend receives as its ``seed`` array. 0.0 means no dropout (``seed`` is None).
     """
 
     scale: float
@@ -59,6 +65,7 @@ class AttentionSpec:
     softcap: float | None
     seq_q: int
     seq_k: int
+    dropout_rate: float = 0.0
 
     @property
     def has_positional_mask(self) -> bool:
