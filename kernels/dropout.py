@@ -123,7 +123,7 @@ def hash_bits(t_bh, q_pos, k_pos):
     return _fmix(row ^ (jnp.uint32(KEY_MUL) * (j + jnp.uint32(1))), _mul_jnp)
 
 
-def keep_mask(seed, rate: float, t_bh, q_pos, k_pos):
+def keep_mask(rate: float, t_bh, q_pos, k_pos):
     """Boolean keep-mask for head seeds ``t_bh`` (see :func:`head_seed`) at the given positions."""
     return hash_bits(t_bh, q_pos, k_pos) >= jnp.uint32(threshold(rate))
 

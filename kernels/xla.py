@@ -39,7 +39,7 @@ def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options):
     l_safe = jnp.where(l > 0, l, 1.0)
     if spec.dropout_rate > 0:
         t_bh = dropout.grouped_head_seeds(seed, b, hkv, hq // hkv)[..., None, None]
-        keep = dropout.keep_mask(seed, spec.dropout_rate, t_bh, jnp.arange(sq)[:, None], jnp.arange(k.shape[2]))
+        keep = dropout.keep_mask(spec.dropout_rate, t_bh, jnp.arange(sq)[:, None], jnp.arange(k.shape[2]))
         p = dropout.apply(p, keep, spec.dropout_rate)
     out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32)) / l_safe
     lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]

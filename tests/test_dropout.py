@@ -181,3 +181,21 @@ def test_dropout_under_jit_and_vmap_over_keys_matches_eager():
         np.testing.assert_allclose(
             batched[n], flashport.attention(q, k, v, dropout_rate=0.2, dropout_rng=keys[n], backend="xla"),
             atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16), (48, 64), (7, 9)])
+def test_blockwise_dropout_is_independent_of_block_sizes(blocks):
+    """Ragged blocks (Sq=48, Sk=64 not multiples of 7/9) and GQA: same output and grads as the reference."""
+    q, k, v, do = _inputs()
+    choice = registry.use("blockwise", block_q=blocks[0], block_k=blocks[1])
+
+    def f(q, k, v):
+        return flashport.attention(q, k, v, causal=True, dropout_rate=0.3, dropout_rng=jax.random.key(4),
+                                   backend=choice)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    grads = vjp(do)
+    kw = dict(causal=True, dropout_rate=0.3, dropout_seed=_words(4))
+    np.testing.assert_allclose(out, reference_attention(q, k, v, **kw)[0], atol=2e-5, rtol=2e-5)
+    for got, want in zip(grads, reference_attention_vjp(q, k, v, do, **kw)[:3]):
+        np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
