@@ -22,6 +22,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from flashport.kernels.visibility import band_visible
+
 # Features a call can need; backends declare which they support (see registry.BackendInfo).
 FEATURES = (
     "causal",
@@ -107,15 +109,9 @@ def positional_visible(spec: AttentionSpec, q_pos, k_pos):
     ``q_pos`` and ``k_pos`` are integer arrays that broadcast against each other (e.g. [bq, 1] and
     [1, bk]). Positions beyond the true lengths are hidden too, so padded blocks are safe.
     """
-    visible = (q_pos < spec.seq_q) & (k_pos < spec.seq_k)
-    diag = q_pos + spec.offset
-    if spec.causal:
-        visible &= k_pos <= diag
-    if spec.window_left is not None:
-        visible &= k_pos >= diag - spec.window_left
-    if spec.window_right is not None:
-        visible &= k_pos <= diag + spec.window_right
-    return visible
+    in_range = (q_pos < spec.seq_q) & (k_pos < spec.seq_k)
+    return band_visible(q_pos + spec.offset, k_pos, causal=spec.causal, left=spec.window_left,
+                        right=spec.window_right, visible=in_range)
 
 
 def apply_softcap(spec: AttentionSpec, s):
