@@ -94,7 +94,9 @@ def attention(
     Returns:
       The output in ``query``'s layout and dtype, or ``(out, lse)``. Softmax and accumulation run in
       float32. A query row that sees no key (all masked) returns 0 with lse = -inf, and its
-      gradients are 0, never NaN.
+      gradients are 0, never NaN. Precision: float32 inputs get float32 matmuls (``HIGHEST``; XLA's
+      CUDA default would be TF32) unless ``jax.default_matmul_precision`` is set, which is then
+      honoured; bfloat16/float16 inputs use the platform default with float32 accumulation.
 
     Raises:
       ValueError / TypeError naming the argument for shapes, dtypes or options that do not fit, and

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashport.kernels import dropout, registry
-from flashport.kernels.scores import group_broadcastable, group_heads, softcap_grad, tile_logits
+from flashport.kernels.scores import group_broadcastable, group_heads, matmul_precision, softcap_grad, tile_logits
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
 # Measured on a 2-core XLA:CPU host at S=4096, D=64 (causal): 256x512 tiles beat 512x512 by ~1.5x
@@ -199,7 +199,7 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
             p = jnp.exp(logits - m_safe[..., None])
             l = alpha * l + jnp.sum(p, axis=-1)  # the normalizer counts dropped entries too
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", x.dropped(i, j, p).astype(v.dtype), _slice(x.v, 2, j, t.bk),
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=jnp.float32, precision=matmul_precision(v.dtype))
             return m_new, l, alpha[..., None] * acc + pv
 
         init = (
@@ -245,9 +245,14 @@ def _backward(t: _Tiling, residuals, cotangents):
         lse_i = _slice(lse_g, 3, i, t.bq)[..., None]
         p = jnp.where(visible & (lse_i > -jnp.inf), jnp.exp(logits - jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), 0.0)
         d_out_i = _slice(d_out_g, 3, i, t.bq)
-        dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out_i, _slice(x.v, 2, j, t.bk), preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out_i, _slice(x.v, 2, j, t.bk), preferred_element_type=jnp.float32,
+                        precision=matmul_precision(d_out_i.dtype))
         dlogits = p * (x.dropped(i, j, dp) - _slice(delta_g, 3, i, t.bq)[..., None])
         return x.dropped(i, j, p), dlogits, raw, d_out_i
+
+    # The f32-upcast gradient products: float32 math for float32 inputs; for bf16/f16 inputs the
+    # platform default (TF32 on CUDA) is as precise as the inputs.
+    prec = matmul_precision(q.dtype)
 
     def dscores(dlogits, raw):
         grad = softcap_grad(t.spec, raw)
@@ -263,7 +268,7 @@ def _backward(t: _Tiling, residuals, cotangents):
             dq, dbias = carry
             _, dlogits, raw, _ = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32))
+            dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32), precision=prec)
             if dbias is not None:
                 dbias = _accumulate_bias(dbias, dlogits, j, t.bk)
             return dq, dbias
@@ -296,8 +301,8 @@ def _backward(t: _Tiling, residuals, cotangents):
             dk, dv = carry
             p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32))
-            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32))
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
+            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32), precision=prec)
             return dk, dv
 
         k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)

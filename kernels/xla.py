@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from flashport.kernels import dropout, registry
-from flashport.kernels.scores import group_broadcastable, group_heads, tile_logits
+from flashport.kernels.scores import group_broadcastable, group_heads, matmul_precision, tile_logits
 from flashport.kernels.spec import FEATURES
 
 
@@ -41,7 +41,7 @@ def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options):
         t_bh = dropout.grouped_head_seeds(seed, b, hkv, hq // hkv)[..., None, None]
         keep = dropout.keep_mask(spec.dropout_rate, t_bh, jnp.arange(sq)[:, None], jnp.arange(k.shape[2]))
         p = dropout.apply(p, keep, spec.dropout_rate)
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32)) / l_safe
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32), precision=matmul_precision(v.dtype)) / l_safe
     lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]
     return out.reshape(b, hq, sq, v.shape[-1]).astype(q.dtype), lse.reshape(b, hq, sq)
 
