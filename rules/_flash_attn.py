@@ -16,6 +16,8 @@ from flashport.rules.base import (
     Refuse,
     RuleContext,
     Signature,
+    carry_dropout,
+    insert_in_source_order,
     is_none,
     is_zero,
     literal_bool,
@@ -103,17 +105,26 @@ class _Substitute(cst.CSTTransformer):
         return self.node if updated_node.value == self.name else updated_node
 
 
+VARLEN_NO_DROPOUT = "flashport.varlen_attention has no dropout (port by hand with flashport.torch.attention and segment ids)"
+
+
 def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str,
-                  version: tuple[int, ...] | None = None) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
+                  version: tuple[int, ...] | None = None,
+                  dropout: bool = True) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
     """Map flash-attn keyword arguments to the contract's; returns (keywords, notes). ``version``
     (default: the configured ``flash_attn_version``) decides the causal alignment.
 
+    ``dropout_p`` is not among the keywords: with ``dropout=True`` (a ``flashport.torch.attention``
+    target) the rule carries it with :func:`add_dropout`; with ``dropout=False`` (the varlen target,
+    which has no dropout) a dropout that may be non-zero is refused here.
+
     Raises:
-      Refuse: for dropout that may be non-zero, ALiBi, return_attn_probs, paged KV.
+      Refuse: for dropout the target cannot take, ALiBi, return_attn_probs, paged KV.
     """
     value = {name: arg.value for name, arg in bound.items()}
     notes: list[str] = []
-    notes.extend(no_dropout(value.get("dropout_p"), "dropout_p", ctx))
+    if not dropout:
+        notes.extend(no_dropout(value.get("dropout_p"), "dropout_p", ctx, VARLEN_NO_DROPOUT))
     alibi = value.get("alibi_slopes")
     if not is_none(alibi):
         raise Refuse("alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here")
@@ -147,6 +158,23 @@ def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str,
         else:  # flash-attn's 0.0 means "off"; the contract's off is None
             keywords.append(("softcap", cst.BooleanOperation(left=softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]) if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda)) else softcap, operator=cst.Or(), right=cst.Name("None"))))
     keywords.append(("align", string(align(version or ctx.options.flash_attn_version))))
+    return keywords, notes
+
+
+def add_dropout(call: cst.Call, positional: list, keywords: list, bound: dict[str, cst.Arg],
+                ctx: RuleContext) -> tuple[list, list[str]]:
+    """``keywords`` with flash-attn's ``dropout_p`` carried over verbatim as the contract's
+    ``dropout_p`` (same meaning: dropout on the normalized probabilities, kept ones scaled by
+    1/(1-p), applied whenever p > 0), placed in its source evaluation order; returns
+    (keywords, notes). A literal 0 is dropped, and so is a training-gated one under ``--inference``.
+
+    Raises:
+      Refuse: for an impure dropout expression that cannot keep its evaluation order.
+    """
+    node = bound["dropout_p"].value if "dropout_p" in bound else None
+    entries, notes = carry_dropout(node, "dropout_p", "dropout_p", ctx)
+    for entry in entries:
+        keywords = insert_in_source_order(call, positional, keywords, entry, "dropout_p", ctx)
     return keywords, notes
 
 

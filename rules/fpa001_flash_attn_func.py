@@ -11,12 +11,16 @@ Semantics mapping:
   (None = 1/sqrt(D)) -> ``scale``; ``window_size=(l, r)`` inclusive, -1 = unbounded -> ``window``
   with ``None`` for -1 (non-literal windows are converted at run time); ``softcap`` (0.0 = off) ->
   ``softcap`` (None = off); GQA (Hk divides Hq, contiguous groups) is the same in the contract;
-  ``deterministic`` is dropped (backward-only). Positional arguments are bound against the
+  ``deterministic`` is dropped (backward-only);
+  ``dropout_p`` -> ``dropout_p`` verbatim (same meaning: dropout on the normalized probabilities,
+  kept ones scaled by 1/(1-p), applied whenever p > 0, drawn from torch's default generator);
+  the expression is evaluated once, in its source order among the carried arguments (a literal 0
+  is dropped; ``--inference`` drops a training-gated ``p if self.training else 0.0``). Positional arguments are bound against the
   configured flash-attn version's signature (2.x inserted parameters mid-signature).
 
 What it refuses:
-  ``dropout_p`` that may be non-zero (``p if self.training else 0.0`` is dropped only with
-  ``--inference``), ``alibi_slopes``, ``return_attn_probs``, ``*args``/``**kwargs`` splats, unknown
+  a dropout expression with side effects (a call) that the rewrite would evaluate out of its
+  source order (bind it to a name first), ``alibi_slopes``, ``return_attn_probs``, ``*args``/``**kwargs`` splats, unknown
   arguments.
 
 Example::
@@ -24,6 +28,9 @@ Example::
     out = flash_attn_func(q, k, v, 0.0, softmax_scale=s, causal=True, window_size=(128, 0))
     # becomes
     out = flashport.torch.attention(q, k, v, scale=s, causal=True, window=(128, 0), align="bottom_right", layout="BSHD")
+    out = flash_attn_func(q, k, v, dropout_p=self.p if self.training else 0.0, causal=True)
+    # becomes
+    out = flashport.torch.attention(q, k, v, dropout_p=self.p if self.training else 0.0, scale=None, causal=True, align="bottom_right", layout="BSHD")
 """
 
 from __future__ import annotations
@@ -50,5 +57,7 @@ class FlashAttnFunc(Rule):
         bound = fa.signature(("q", "k", "v"), ctx.options.flash_attn_version).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         keywords, notes = fa.map_arguments(bound, ctx, self.API)
+        keywords, more = fa.add_dropout(call, [q, k, v], keywords, bound, ctx)
         node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("BSHD"))], call)
+        notes += more
         return Rewrite(node, notes=tuple(notes))

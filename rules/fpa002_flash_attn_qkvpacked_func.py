@@ -8,10 +8,11 @@ What it rewrites:
 Semantics mapping:
   ``qkv`` is ``[B, S, 3, H, D]``; it is split once with ``*qkv.unbind(2)`` into BSHD q, k, v
   (``layout="BSHD"``). Sq == Sk, so alignment does not change the result, but it is stated
-  (``align="bottom_right"``). Everything else as FPA001 (scale, causal, window, softcap).
+  (``align="bottom_right"``). Everything else as FPA001 (dropout_p carried verbatim, scale, causal,
+  window, softcap).
 
 What it refuses:
-  as FPA001: non-zero dropout (unless ``--inference`` and training-gated), ALiBi,
+  as FPA001: a side-effecting dropout expression that would change evaluation order, ALiBi,
   ``return_attn_probs``, splats, unknown arguments.
 
 Example::
@@ -45,5 +46,8 @@ class FlashAttnQKVPackedFunc(Rule):
         bound = fa.signature(("qkv",), ctx.options.flash_attn_version).bind(call, self.API)
         (qkv,) = fa.required(bound, ("qkv",), self.API)
         keywords, notes = fa.map_arguments(bound, ctx, self.API)
-        node = build_call(self.TARGET, [fa.unbind(qkv, 2)], keywords + [("layout", string("BSHD"))], call)
+        positional = [fa.unbind(qkv, 2)]
+        keywords, more = fa.add_dropout(call, positional, keywords, bound, ctx)
+        node = build_call(self.TARGET, positional, keywords + [("layout", string("BSHD"))], call)
+        notes += more
         return Rewrite(node, notes=tuple(notes))

@@ -9,7 +9,7 @@ Semantics mapping:
   ``q`` is ``[B, Sq, H, D]``, ``kv`` is ``[B, Sk, 2, Hk, D]``; ``kv`` is split once with
   ``*kv.unbind(2)`` (``layout="BSHD"``). Causal/window are bottom-right (``align="bottom_right"``),
   which matters here because Sq may differ from Sk (decode, chunked prefill). GQA: Hk divides H,
-  contiguous groups, same as the contract. Rest as FPA001.
+  contiguous groups, same as the contract. Rest as FPA001 (``dropout_p`` carried verbatim).
 
 What it refuses:
   as FPA001.
@@ -45,5 +45,8 @@ class FlashAttnKVPackedFunc(Rule):
         bound = fa.signature(("q", "kv"), ctx.options.flash_attn_version).bind(call, self.API)
         q, kv = fa.required(bound, ("q", "kv"), self.API)
         keywords, notes = fa.map_arguments(bound, ctx, self.API)
-        node = build_call(self.TARGET, [q, fa.unbind(kv, 2)], keywords + [("layout", string("BSHD"))], call)
+        positional = [q, fa.unbind(kv, 2)]
+        keywords, more = fa.add_dropout(call, positional, keywords, bound, ctx)
+        node = build_call(self.TARGET, positional, keywords + [("layout", string("BSHD"))], call)
+        notes += more
         return Rewrite(node, notes=tuple(notes))

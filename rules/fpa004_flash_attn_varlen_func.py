@@ -19,7 +19,8 @@ Semantics mapping:
   **top-left** (bottom-right only since 2.1), so the 1.x name gets ``align="top_left"``.
 
 What it refuses:
-  non-zero dropout (unless ``--inference`` and training-gated), ALiBi, ``return_attn_probs``,
+  dropout that may be non-zero (``flashport.varlen_attention`` has no dropout; ``--inference``
+  drops a training-gated one), ALiBi, ``return_attn_probs``,
   ``block_table`` (paged KV), splats (``flash_attn_varlen_func(**flash_kwargs)``), unknown
   arguments.
 
@@ -56,7 +57,7 @@ class FlashAttnVarlenFunc(Rule):
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         q, k, v, cu_q, cu_k = fa.required(bound, LEADING[:5], self.API)
-        keywords, notes = fa.map_arguments(bound, ctx, self.API, version)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
         keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords
         notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
         node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("THD"))], call)

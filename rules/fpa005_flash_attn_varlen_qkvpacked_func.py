@@ -56,7 +56,7 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
         qkv, cu = fa.required(bound, LEADING[:2], self.API)
         if not _sites.simple(cu):
             raise Refuse(f"cu_seqlens={ctx.code(cu)} would be evaluated twice (queries and keys); bind it to a name first")
-        keywords, notes = fa.map_arguments(bound, ctx, self.API, version)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
         keywords = [("cu_seqlens_q", cu), ("cu_seqlens_k", cu)] + keywords
         notes.append("dropped max_seqlen (kernel launch size only)")
         node = build_call(self.TARGET, [fa.unbind(qkv, 1)], keywords + [("layout", string("THD"))], call)

@@ -17,7 +17,8 @@ Semantics mapping:
   name gets ``align="top_left"``.
 
 What it refuses:
-  as FPA004: non-zero dropout (unless ``--inference`` and training-gated), ALiBi,
+  as FPA004: dropout that may be non-zero (``flashport.varlen_attention`` has no dropout; ``--inference``
+  drops a training-gated one), ALiBi,
   ``return_attn_probs``, splats, unknown arguments.
 
 Example::
@@ -53,7 +54,7 @@ class FlashAttnVarlenKVPackedFunc(Rule):
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         q, kv, cu_q, cu_k = fa.required(bound, LEADING[:4], self.API)
-        keywords, notes = fa.map_arguments(bound, ctx, self.API, version)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
         keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords
         notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
         node = build_call(self.TARGET, [q, fa.unbind(kv, 1)], keywords + [("layout", string("THD"))], call)
