@@ -140,3 +140,15 @@ def test_keep_mask_statistics_and_scaling(entry):
         out = flash_attn_compat.flash_attn_varlen_func(q[0], k2, v2, cu_q, cu_k, 34, 16, dropout_p=P)
         out = out[:, :, :s_k]
     _check_keep_statistics(out, s_k, P)
+
+
+def test_transformers_attention_function_passes_dropout_on():
+    """``attn_implementation="flashport"`` in training: the layer's dropout goes to the contract."""
+    pytest.importorskip("transformers")
+    from flashport.integrations.transformers import flashport_attention_forward
+
+    q, k = rand(1, 4, 5, 8), rand(1, 2, 5, 8, seed=1)
+    torch.manual_seed(31)
+    got, _ = flashport_attention_forward(None, q, k, k, None, dropout=P, is_causal=False)
+    want = flashport.torch.attention(q, k, k, align="top_left", layout="BHSD", dropout_p=P, generator=seeded(31))
+    torch.testing.assert_close(got, want.transpose(1, 2), atol=0, rtol=0)

@@ -216,10 +216,3 @@ def test_transformers_attn_implementation_flashport(torch):
     assert (windowed - logits(mistral, "eager")).abs().max() > 1e-3
 
 
-def test_transformers_attention_function_refuses_dropout(torch):
-    pytest.importorskip("transformers")
-    from flashport.integrations.transformers import flashport_attention_forward
-
-    q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flashport_attention_forward(None, q, q, q, None, dropout=0.1)
