@@ -313,3 +313,52 @@ def test_unpad_and_pad_input_round_trip():
     unused = torch.tensor([[0, 0, 1, 0], [0, 0, 0, 0]])
     _, indices, cu, _, used = fa.unpad_input(x, mask, unused)
     assert indices.tolist() == [0, 1, 2, 4, 5, 6] and cu.tolist() == [0, 3, 6] and used.tolist() == [2, 3]
+
+
+# ----------------------------------------------------------------------------------- FA3 / FA4
+
+
+def test_fa3_return_type_and_semantics():
+    from flashport.integrations import flash_attn3_compat as fa3
+
+    q, k, v = rand(2, 6, 4, 8), rand(2, 4, 2, 8, seed=1), rand(2, 4, 2, 8, seed=2)
+    want, want_lse = reference(q, k, v, allowed=band(6, 4, True, (1, -1)), scale=0.4)
+    out = fa3.flash_attn_func(q, k, v, 0.4, True, window_size=(1, -1))  # FA3's 4th positional is the scale
+    close(out, want)
+    out, lse = fa3.flash_attn_func(q, k, v, 0.4, True, window_size=(1, -1), return_attn_probs=True)
+    close(out, want)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and bool((lse[torch.isinf(lse)] > 0).all())
+    close(torch.where(torch.isinf(lse), 0, lse), torch.where(torch.isinf(want_lse), 0, want_lse))
+    qp, kp, vp = rand(7, 2, 8), rand(11, 1, 8, seed=1), rand(11, 1, 8, seed=2)
+    want, want_lse = varlen_reference(qp, kp, vp, CU_Q, CU_K, causal=True)
+    out, lse = fa3.flash_attn_varlen_func(qp, kp, vp, CU_Q, CU_K, 3, 4, causal=True, return_attn_probs=True)
+    close(out, want)
+    close(lse[:, :6], want_lse[:, :6])
+    with pytest.raises(NotImplementedError, match="seqused_k"):
+        fa3.flash_attn_varlen_func(qp, kp, vp, CU_Q, CU_K, 3, 4, seqused_k=torch.tensor([1, 2, 3]))
+    with pytest.raises(NotImplementedError, match="qv"):
+        fa3.flash_attn_func(q, k, v, qv=q)
+
+
+def test_fa4_always_returns_out_and_lse():
+    from flashport.integrations import flash_attn4_compat as fa4
+
+    q, k, v = rand(2, 3, 4, 8), rand(2, 5, 2, 8, seed=1), rand(2, 5, 2, 8, seed=2)
+    for return_lse in (False, True):
+        out, lse = fa4.flash_attn_func(q, k, v, causal=True, window_size=(1, None), return_lse=return_lse)
+        want, want_lse = reference(q, k, v, allowed=band(3, 5, True, (1, -1)))
+        close(out, want)
+        close(lse, want_lse)
+    out, _ = fa4.flash_attn_func(q, k, v, window_size=(-3, 1), num_splits=2)  # l + r < 0: unbounded
+    close(out, reference(q, k, v, allowed=band(3, 5))[0])
+    with pytest.raises(ValueError, match="negative"):
+        fa4.flash_attn_func(q, k, v, window_size=(-1, 2))
+    with pytest.raises(TypeError):
+        fa4.flash_attn_func(q, k, v, None, True)  # FA4's 4th positional moved between releases
+    with pytest.raises(NotImplementedError, match="learnable_sink"):
+        fa4.flash_attn_func(q, k, v, learnable_sink=torch.zeros(4))
+    qp, kp, vp = rand(7, 2, 8), rand(11, 1, 8, seed=1), rand(11, 1, 8, seed=2)
+    out, lse = fa4.flash_attn_varlen_func(qp, kp, vp, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, causal=True)
+    want, want_lse = varlen_reference(qp, kp, vp, CU_Q, CU_K, causal=True)
+    close(out, want)
+    close(lse[:, :6], want_lse[:, :6])

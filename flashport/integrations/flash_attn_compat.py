@@ -15,6 +15,9 @@
   ``cache_leftpad``, paged caches; see ``_fa_kvcache``);
 * ``pad_input``, ``unpad_input``, ``index_first_axis``, ``index_put_first_axis`` (``bert_padding``).
 
+FlashAttention-3 (``flash_attn_interface``) and -4 (``flash_attn.cute``) have their own drop-ins,
+``flash_attn3_compat`` and ``flash_attn4_compat`` (different signatures and return types).
+
 ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third value (the
 dropout-encoded probabilities, "for testing only") is not produced. ``deterministic`` and
 ``num_splits`` are accepted and ignored (backward determinism / kernel tuning). An lse row that sees
@@ -226,25 +229,47 @@ def _paged(cache, block_table, cu_seqlens_k):
     return cache[blocks, row % page]
 
 
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
-            alibi_slopes, return_attn_probs, block_table=None, align="bottom_right"):
-    """The varlen functions' common body: segment ids and a per-sequence mask (as
-    :func:`flashport.varlen_attention`), batch 1 through the contract."""
+def varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False, window=None, softcap=None,
+                align="bottom_right", dropout_p=0.0, return_lse=False, block_table=None):
+    """Packed variable-length attention on the contract, shared by the flash-attn 1/2/3/4 drop-ins.
+
+    Segment ids and a per-sequence causal/window mask (as :func:`flashport.varlen_attention`), batch 1
+    through :func:`flashport.torch.attention`; a paged ``k``/``v`` [num_blocks, page, Hk, D] is first
+    gathered through ``block_table`` [B, max_blocks].
+
+    Args:
+      q: [total_q, H, D]; k, v: [total_k, Hk, D] (or paged). cu_seqlens_q, cu_seqlens_k: int [B + 1].
+      scale, causal, window, softcap, align, dropout_p: the contract's keywords (``window`` with None
+        for an unbounded side).
+      return_lse: also return lse [H, total_q] (the contract's: -inf for a row that sees no key).
+
+    Returns:
+      ``out`` [total_q, H, D] (0 past ``cu_seqlens_q[-1]``), or ``(out, lse)``.
+    """
     import flashport.torch
     from flashport.kernels.varlen import varlen_layout
 
-    if alibi_slopes is not None:
-        raise NotImplementedError("flash_attn_varlen_*: alibi_slopes is not supported by flashport's drop-in")
     if block_table is not None:
         k, v = _paged(k, block_table, cu_seqlens_k), _paged(v, block_table, cu_seqlens_k)
     q_ids, kv_ids, mask = varlen_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal=causal,
-                                        window=_window(window_size), align=align)
-    result = flashport.torch.attention(q[None], k[None], v[None], scale=softmax_scale, softcap=softcap or None,
-                                       mask=mask[None, None], q_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None],
-                                       layout="BSHD", return_lse=bool(return_attn_probs), **_dropout(dropout_p))
+                                        window=window, align=align)
+    result = flashport.torch.attention(q[None], k[None], v[None], scale=scale, softcap=softcap, mask=mask[None, None],
+                                       q_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None], layout="BSHD",
+                                       return_lse=return_lse, **_dropout(dropout_p))
+    return (result[0][0], result[1][0]) if return_lse else result[0]
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
+            alibi_slopes, return_attn_probs, block_table=None, align="bottom_right"):
+    """The flash-attn 1/2 varlen functions' common body (flash-attn's lse convention)."""
+    if alibi_slopes is not None:
+        raise NotImplementedError("flash_attn_varlen_*: alibi_slopes is not supported by flashport's drop-in")
+    result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale, causal=causal,
+                         window=_window(window_size), softcap=softcap or None, align=align, dropout_p=dropout_p,
+                         return_lse=bool(return_attn_probs), block_table=block_table)
     if return_attn_probs:
-        return result[0][0], _lse_like_flash_attn(result[1][0]), None
-    return result[0]
+        return result[0], _lse_like_flash_attn(result[1]), None
+    return result
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
