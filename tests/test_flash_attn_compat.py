@@ -362,3 +362,45 @@ def test_fa4_always_returns_out_and_lse():
     want, want_lse = varlen_reference(qp, kp, vp, CU_Q, CU_K, causal=True)
     close(out, want)
     close(lse[:, :6], want_lse[:, :6])
+
+
+# ----------------------------------------------------------------------------------- through the codemod
+
+
+def test_fpa007_drop_in_rewrite_keeps_the_in_place_decode_loop():
+    """A decoder that keeps its caches on ``self`` (refused by the functional rewrite) is ported to the
+    drop-in: step after step the caches fill in place and each output matches flash-attn's."""
+    import textwrap
+
+    from flashport import rules as registry
+    from flashport.rewriter.engine import transform_source
+    from flashport.rules.base import RuleOptions
+
+    source = textwrap.dedent("""
+        import torch
+        from flash_attn import flash_attn_with_kvcache
+
+        class Decoder:
+            def __init__(self):
+                self.k_cache = torch.zeros(2, 6, 1, 8)
+                self.v_cache = torch.zeros(2, 6, 1, 8)
+
+            def step(self, q, k, v, lengths):
+                return flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=lengths, causal=True)
+    """)
+    result = transform_source(source.encode(), "decoder.py", registry.all_rules(), RuleOptions())
+    assert [s.status for s in result.sites] == ["rewrite"] and "drop-in" in result.sites[0].notes[0]
+    code = result.new.decode()
+    assert "flash_attn_compat.flash_attn_with_kvcache(" in code and "from flash_attn" not in code
+    namespace: dict = {}
+    exec(compile(code, "decoder.py", "exec"), namespace)
+    decoder = namespace["Decoder"]()
+    want_k, want_v = torch.zeros(2, 6, 1, 8), torch.zeros(2, 6, 1, 8)
+    for step in range(3):
+        q, k, v = rand(2, 1, 2, 8, seed=step), rand(2, 1, 1, 8, seed=10 + step), rand(2, 1, 1, 8, seed=20 + step)
+        lengths = torch.tensor([step, step + 1], dtype=torch.int32)
+        out = decoder.step(q, k, v, lengths)
+        want, _, want_k, want_v = kvcache_reference(q, want_k, want_v, k, v, lengths.tolist(), causal=True)
+        close(out, want)
+        close(decoder.k_cache, want_k)
+        close(decoder.v_cache, want_v)
