@@ -14,9 +14,11 @@ import libcst as cst
 
 from flashport.rules.base import (
     Refuse,
+    Rewrite,
     RuleContext,
     Signature,
     carry_dropout,
+    dotted,
     insert_in_source_order,
     is_none,
     is_zero,
@@ -25,6 +27,7 @@ from flashport.rules.base import (
     no_dropout,
     number,
     string,
+    training_gated_zero,
     tuple_of,
 )
 
@@ -176,6 +179,41 @@ def add_dropout(call: cst.Call, positional: list, keywords: list, bound: dict[st
     for entry in entries:
         keywords = insert_in_source_order(call, positional, keywords, entry, "dropout_p", ctx)
     return keywords, notes
+
+
+COMPAT = "flashport.integrations.flash_attn_compat"
+
+
+def varlen_drop_in(call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int) -> Rewrite | None:
+    """A varlen call whose dropout may be non-zero, on flashport's drop-in of the same name
+    (``flash_attn_compat.flash_attn_varlen_func``..., flash-attn's signature, dropout passed to the
+    contract): ``flashport.varlen_attention`` has no dropout. The call keeps its arguments, so
+    evaluation order and comments are unchanged.
+
+    Returns None when the usual rewrite applies (no dropout, or dropped by ``--inference``) or when
+    the usual refusal should name the blocker (ALiBi, ``return_attn_probs``, flash-attn 2.0's
+    top-left causal, which the 2.x drop-ins do not follow).
+
+    Raises:
+      Refuse: for 2.x positional arguments after ``dropout_p`` (their order changed between releases).
+    """
+    node = bound["dropout_p"].value if "dropout_p" in bound else None
+    if node is None or is_zero(node) or (training_gated_zero(node) and ctx.options.inference):
+        return None
+    probs = bound["return_attn_probs"].value if "return_attn_probs" in bound else None
+    if "alibi_slopes" in bound and not is_none(bound["alibi_slopes"].value):
+        return None
+    if probs is not None and literal_bool(probs) is not False:
+        return None
+    if not is_fa1(ctx.qualified_name) and ctx.options.flash_attn_version < (2, 1):
+        return None
+    positional = sum(1 for arg in call.args if arg.keyword is None)
+    if not is_fa1(ctx.qualified_name) and positional > leading + 1:
+        raise Refuse(f"dropout_p={ctx.code(node)}: flashport.varlen_attention has no dropout, and the drop-in "
+                     "takes flash-attn 2.8's argument order; pass the arguments after dropout_p by keyword")
+    function = ctx.qualified_name.rsplit(".", 1)[-1]
+    note = f"drop-in {function} (flash-attn's signature; dropout_p passed to the contract): flashport.varlen_attention has no dropout"
+    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
 
 
 def unbind(node: cst.BaseExpression, dim: int) -> cst.Arg:

@@ -152,3 +152,20 @@ def test_transformers_attention_function_passes_dropout_on():
     got, _ = flashport_attention_forward(None, q, k, k, None, dropout=P, is_causal=False)
     want = flashport.torch.attention(q, k, k, align="top_left", layout="BHSD", dropout_p=P, generator=seeded(31))
     torch.testing.assert_close(got, want.transpose(1, 2), atol=0, rtol=0)
+
+
+def test_rewritten_varlen_call_with_dropout_runs_the_drop_in():
+    ns = rewrite_and_load("""
+        from flash_attn import flash_attn_varlen_func
+
+        def attend(q, k, v, cu_q, cu_k, p):
+            return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, dropout_p=p, causal=True)
+    """)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32)
+    q, k, v = rand(5, 2, 8), rand(8, 1, 8, seed=1), rand(8, 1, 8, seed=2)
+    torch.manual_seed(41)
+    got = ns["attend"](q, k, v, cu_q, cu_k, P)
+    torch.manual_seed(41)
+    want = flash_attn_compat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, dropout_p=P, causal=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert not torch.allclose(got, flash_attn_compat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, causal=True))

@@ -404,3 +404,32 @@ def test_fpa007_drop_in_rewrite_keeps_the_in_place_decode_loop():
         close(out, want)
         close(decoder.k_cache, want_k)
         close(decoder.v_cache, want_v)
+
+
+def test_varlen_call_with_dropout_is_ported_to_the_drop_in():
+    """FPA004-006 send a varlen call with dropout to the drop-in; in eval mode (dropout 0) it computes
+    flash-attn's per-sequence result."""
+    import textwrap
+
+    from flashport import rules as registry
+    from flashport.rewriter.engine import transform_source
+    from flashport.rules.base import RuleOptions
+
+    source = textwrap.dedent("""
+        from flash_attn import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func
+
+        def attend(q, k, v, cu_q, cu_k, training, p):
+            a = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, dropout_p=p if training else 0.0, causal=True)
+            b = flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu_q, cu_k, 3, 4, p if training else 0.0)
+            return a, b
+    """)
+    result = transform_source(source.encode(), "varlen.py", registry.all_rules(), RuleOptions())
+    assert [s.status for s in result.sites] == ["rewrite", "rewrite"], result.sites
+    code = result.new.decode()
+    assert code.count("flash_attn_compat.flash_attn_varlen") == 2 and "from flash_attn" not in code
+    namespace: dict = {"torch": torch}
+    exec(compile(code, "varlen.py", "exec"), namespace)
+    q, k, v = rand(7, 2, 8), rand(11, 1, 8, seed=1), rand(11, 1, 8, seed=2)
+    a, b = namespace["attend"](q, k, v, CU_Q, CU_K, False, 0.3)
+    close(a, varlen_reference(q, k, v, CU_Q, CU_K, causal=True)[0])
+    close(b, varlen_reference(q, k, v, CU_Q, CU_K)[0])
