@@ -216,6 +216,57 @@ def varlen_drop_in(call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, 
     return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
 
 
+def dense_drop_in(call: cst.Call, ctx: RuleContext, leading: int, why: str) -> Rewrite | None:
+    """The call itself on flashport's drop-in of the same name (``flash_attn_compat.flash_attn_func``...:
+    flash-attn 2.8's signature and semantics, ALiBi and dropout included): arguments, their
+    evaluation order and comments unchanged. ``why`` goes into the note.
+
+    Returns None for flash-attn 2.0 (top-left causal; the drop-in is bottom-right).
+
+    Raises:
+      Refuse: for positional arguments after ``window_size`` before flash-attn 2.6 (``softcap`` was
+        inserted before ``alibi_slopes`` in 2.6; the drop-in follows 2.8).
+    """
+    version = ctx.options.flash_attn_version
+    if version < (2, 1):
+        return None
+    if version < (2, 6) and sum(1 for arg in call.args if arg.keyword is None) > leading + 4:
+        raise Refuse(f"{why}, and the drop-in follows flash-attn 2.8's argument order: pass the arguments "
+                     "after window_size by keyword")
+    function = ctx.qualified_name.rsplit(".", 1)[-1]
+    note = f"drop-in {function} (flash-attn's signature and semantics): {why}"
+    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+
+
+def alibi_drop_in(call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int) -> Rewrite | None:
+    """A dense call with ``alibi_slopes`` on the drop-in (:func:`dense_drop_in`), which adds
+    flash-attn's ALiBi bias as its kernel does. None without ALiBi, or when the usual refusal should
+    stand (``return_attn_probs``, flash-attn 2.0)."""
+    if "alibi_slopes" not in bound or is_none(bound["alibi_slopes"].value):
+        return None
+    probs = bound["return_attn_probs"].value if "return_attn_probs" in bound else None
+    if probs is not None and literal_bool(probs) is not False:
+        return None
+    return dense_drop_in(call, ctx, leading, "alibi_slopes (ALiBi bias added as flash-attn's kernel adds it)")
+
+
+def dropout_or_drop_in(call: cst.Call, positional: list, keywords: list, bound: dict[str, cst.Arg],
+                       ctx: RuleContext, leading: int) -> tuple[list, list[str]] | Rewrite:
+    """:func:`add_dropout`, or, when the dropout expression cannot keep its evaluation order in the
+    explicit rewrite, the drop-in call (:func:`dense_drop_in`), which keeps every argument in place.
+
+    Raises:
+      Refuse: when neither applies.
+    """
+    try:
+        return add_dropout(call, positional, keywords, bound, ctx)
+    except Refuse:
+        drop_in = dense_drop_in(call, ctx, leading, "dropout_p keeps its place among arguments with side effects")
+        if drop_in is None:
+            raise
+        return drop_in
+
+
 def unbind(node: cst.BaseExpression, dim: int) -> cst.Arg:
     """``*node.unbind(dim)``: split a packed qkv/kv tensor, evaluating ``node`` once."""
     if not isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) and not node.lpar:

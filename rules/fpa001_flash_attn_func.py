@@ -19,9 +19,15 @@ Semantics mapping:
   configured flash-attn version's signature (2.x inserted parameters mid-signature).
 
 What it refuses:
-  a dropout expression with side effects (a call) that the rewrite would evaluate out of its
-  source order (bind it to a name first), ``alibi_slopes``, ``return_attn_probs``, ``*args``/``**kwargs`` splats, unknown
-  arguments.
+  ``return_attn_probs``, ``*args``/``**kwargs`` splats, unknown arguments; the drop-in cases below
+  with flash-attn 2.0 (top-left causal) or, before 2.6, with positional arguments after
+  ``window_size``.
+
+Drop-in:
+  a call with ``alibi_slopes``, or whose dropout expression has side effects and would be evaluated
+  out of its source order by the explicit rewrite, keeps its arguments and calls
+  ``flashport.integrations.flash_attn_compat.flash_attn_func`` (flash-attn's signature and
+  semantics: ALiBi added as flash-attn's kernel adds it, dropout passed to the contract).
 
 Example::
 
@@ -56,8 +62,14 @@ class FlashAttnFunc(Rule):
         """Bind against the configured version's signature and map to the contract."""
         bound = fa.signature(("q", "k", "v"), ctx.options.flash_attn_version).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
+        drop_in = fa.alibi_drop_in(call, bound, ctx, 3)
+        if drop_in is not None:
+            return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API)
-        keywords, more = fa.add_dropout(call, [q, k, v], keywords, bound, ctx)
+        carried = fa.dropout_or_drop_in(call, [q, k, v], keywords, bound, ctx, 3)
+        if isinstance(carried, Rewrite):
+            return carried
+        keywords, more = carried
         node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("BSHD"))], call)
         notes += more
         return Rewrite(node, notes=tuple(notes))

@@ -12,8 +12,8 @@ Semantics mapping:
   window, softcap).
 
 What it refuses:
-  as FPA001: a side-effecting dropout expression that would change evaluation order, ALiBi,
-  ``return_attn_probs``, splats, unknown arguments.
+  as FPA001: ``return_attn_probs``, splats, unknown arguments (ALiBi and an out-of-order
+  side-effecting dropout go to the ``flash_attn_qkvpacked_func`` drop-in, as in FPA001).
 
 Example::
 
@@ -45,9 +45,15 @@ class FlashAttnQKVPackedFunc(Rule):
         """Split the packed tensor once and map the rest like FPA001."""
         bound = fa.signature(("qkv",), ctx.options.flash_attn_version).bind(call, self.API)
         (qkv,) = fa.required(bound, ("qkv",), self.API)
+        drop_in = fa.alibi_drop_in(call, bound, ctx, 1)
+        if drop_in is not None:
+            return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API)
         positional = [fa.unbind(qkv, 2)]
-        keywords, more = fa.add_dropout(call, positional, keywords, bound, ctx)
+        carried = fa.dropout_or_drop_in(call, positional, keywords, bound, ctx, 1)
+        if isinstance(carried, Rewrite):
+            return carried
+        keywords, more = carried
         node = build_call(self.TARGET, positional, keywords + [("layout", string("BSHD"))], call)
         notes += more
         return Rewrite(node, notes=tuple(notes))

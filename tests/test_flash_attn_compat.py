@@ -433,3 +433,39 @@ def test_varlen_call_with_dropout_is_ported_to_the_drop_in():
     a, b = namespace["attend"](q, k, v, CU_Q, CU_K, False, 0.3)
     close(a, varlen_reference(q, k, v, CU_Q, CU_K, causal=True)[0])
     close(b, varlen_reference(q, k, v, CU_Q, CU_K)[0])
+
+
+def test_alibi_and_out_of_order_dropout_calls_are_ported_to_the_drop_in():
+    """FPA001 sends ALiBi calls, and calls whose side-effecting dropout the explicit rewrite would
+    move, to the drop-in: results match flash-attn and the arguments run in their source order."""
+    import textwrap
+
+    from flashport import rules as registry
+    from flashport.rewriter.engine import transform_source
+    from flashport.rules.base import RuleOptions
+
+    source = textwrap.dedent("""
+        from flash_attn import flash_attn_func
+
+        def alibi(q, k, v, slopes):
+            return flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+
+        def ordered(q, k, v, log):
+            def note(name, value):
+                log.append(name)
+                return value
+            return flash_attn_func(q, k, v, causal=note("causal", True), dropout_p=note("dropout", 0.0),
+                                   softmax_scale=note("scale", 0.5))
+    """)
+    result = transform_source(source.encode(), "m.py", registry.all_rules(), RuleOptions())
+    assert [s.status for s in result.sites] == ["rewrite", "rewrite"], result.sites
+    assert all("drop-in" in s.notes[0] for s in result.sites)
+    namespace: dict = {}
+    exec(compile(result.new.decode(), "m.py", "exec"), namespace)
+    q, k, v = rand(2, 3, 2, 8), rand(2, 5, 2, 8, seed=1), rand(2, 5, 2, 8, seed=2)
+    slopes = torch.tensor([0.5, 0.25])
+    close(namespace["alibi"](q, k, v, slopes),
+          reference(q, k, v, allowed=band(3, 5, True), bias=lambda b, h, i, j: -float(slopes[h]) * abs(i + 2 - j))[0])
+    log: list = []
+    close(namespace["ordered"](q, k, v, log), reference(q, k, v, allowed=band(3, 5, True), scale=0.5)[0])
+    assert log == ["causal", "dropout", "scale"]
