@@ -59,6 +59,7 @@ class _Cache:
         import torch
 
         device = k_cache.device
+        self.direct = False
         if block_table is not None:
             if cache_batch_idx is not None:
                 raise ValueError("flash_attn_with_kvcache: cache_batch_idx is not supported with a paged cache (block_table)")
@@ -68,6 +69,7 @@ class _Cache:
         else:
             self.page = None
             self.length = k_cache.shape[1]
+            self.direct = cache_batch_idx is None  # sequence b is cache row b: read a view, no copy
             self.rows = (torch.arange(batch, device=device) if cache_batch_idx is None
                          else cache_batch_idx.to(device=device, dtype=torch.long))
 
@@ -78,9 +80,11 @@ class _Cache:
         return self.table.gather(1, rows // self.page), rows % self.page
 
     def read(self, cache, batch):
-        """The logical cache [B, length, Hk, D] (a gathered copy)."""
+        """The logical cache [B, length, Hk, D] (a view of the first B rows, else a gathered copy)."""
         import torch
 
+        if self.page is None and self.direct:
+            return cache[:batch]
         rows = torch.arange(self.length, device=cache.device)[None, :].expand(batch, -1)
         return cache[self.index(rows)]
 
