@@ -163,8 +163,6 @@ def test_xformers_block_diagonal_variants(torch):
     with pytest.raises(ValueError, match="batch 1"):
         xf.memory_efficient_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
                                       xf.BlockDiagonalMask.from_seqlens(q_lens, kv_lens), backend="torch")
-    with pytest.raises(ValueError, match="dropout"):
-        xf.memory_efficient_attention(q, k, v, p=0.1)
 
 
 def test_xformers_compat_reads_real_xformers_objects_by_class(torch):
@@ -218,10 +216,3 @@ def test_transformers_attn_implementation_flashport(torch):
     assert (windowed - logits(mistral, "eager")).abs().max() > 1e-3
 
 
-def test_transformers_attention_function_refuses_dropout(torch):
-    pytest.importorskip("transformers")
-    from flashport.integrations.transformers import flashport_attention_forward
-
-    q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flashport_attention_forward(None, q, q, q, None, dropout=0.1)

@@ -316,7 +316,9 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
       query: [B, Mq, K], [B, Mq, H, K] or [B, Mq, G, H, K]; key/value the same rank with Mk.
       attn_bias: None, a bias object (module docstring) or an additive tensor broadcastable to
         [B, H, Mq, Mk] ([B, G, H, Mq, Mk] for 5-D inputs).
-      p: dropout probability; only 0 is supported.
+      p: dropout probability on the attention weights (kept ones scaled by 1/(1-p), as xformers);
+        passed to :func:`flashport.torch.attention` as ``dropout_p`` when non-zero, drawing from
+        torch's default generator.
       scale: None = ``K ** -0.5``.
       op: ignored (xformers kernel choice).
       output_dtype: cast of the output (default: the query dtype).
@@ -326,12 +328,10 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
       [B, Mq, (G,) (H,) Kv] like xformers.
 
     Raises:
-      ValueError: for ``p > 0``, unsupported ranks or bias objects, or blocks that do not cover the tensors.
+      ValueError: for unsupported ranks or bias objects, or blocks that do not cover the tensors.
     """
     import flashport.torch
 
-    if p:
-        raise ValueError(f"memory_efficient_attention: dropout p={p} is not supported by flashport")
     rank = query.ndim
     if rank not in (3, 4, 5):
         raise ValueError(f"memory_efficient_attention: query must be 3-D, 4-D or 5-D, got shape {tuple(query.shape)}")
@@ -351,6 +351,8 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
             full = (shape[0], shape[2], shape[3], query.shape[1], key.shape[1])
             bias = bias.expand(full).reshape(shape[0], shape[2] * shape[3], *full[-2:])
         kwargs["bias"] = bias
+    if p:
+        kwargs["dropout_p"] = p
     out = flashport.torch.attention(query, key, value, scale=scale, layout="BSHD", backend=backend, **kwargs)
     if rank == 3:
         out = out.squeeze(2)
