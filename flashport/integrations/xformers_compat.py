@@ -337,7 +337,12 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
       ``p`` outside [0, 1) (TypeError for a non-number).
     """
     import flashport.torch
+    from flashport.torch import _dropout
 
+    try:
+        _dropout.check_p(p)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"memory_efficient_attention: p is flashport's dropout_p: {e}") from None
     rank = query.ndim
     if rank not in (3, 4, 5):
         raise ValueError(f"memory_efficient_attention: query must be 3-D, 4-D or 5-D, got shape {tuple(query.shape)}")
