@@ -168,6 +168,24 @@ def test_backward_reuses_the_forward_words():
         np.testing.assert_allclose(t["value"].grad.numpy(), want, atol=1e-4, rtol=1e-4, err_msg=backend)
 
 
+def test_activation_checkpointing_recomputes_the_same_mask():
+    """torch.utils.checkpoint restores the default generator for the recomputed forward."""
+    x, _, options = make_inputs(CONFIGS["causal_gqa"])
+    grads = []
+    for checkpointed in (False, True):
+        t = {n: torch.tensor(v, dtype=torch.float32, requires_grad=True) for n, v in x.items()}
+
+        def f(q, k, v):
+            return ft.attention(q, k, v, **options, dropout_p=RATE, backend="torch")
+
+        torch.manual_seed(30)
+        out = torch.utils.checkpoint.checkpoint(f, *t.values(), use_reentrant=False) if checkpointed else f(*t.values())
+        out.sum().backward()
+        grads.append([v.grad for v in t.values()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 # ------------------------------------------------------------------------------ the mask, read back
 
 
@@ -186,6 +204,16 @@ def test_kept_fraction_is_one_minus_p_within_binomial_error(backend, rate):
     np.testing.assert_array_equal(mask, dropout_keep(words_of(21), rate, mask.shape))
     sigma = np.sqrt(rate * (1 - rate) / mask.size)
     assert abs(mask.mean() - (1 - rate)) < 5 * sigma
+
+
+def test_mean_over_draws_is_the_no_dropout_output():
+    rng = np.random.default_rng(9)
+    q, k, v = (torch.tensor(rng.standard_normal(s), dtype=torch.float32) for s in ((1, 6, 2, 4), (1, 9, 2, 4), (1, 9, 2, 4)))
+    plain = ft.attention(q, k, v, backend="torch").numpy()
+    g, n = torch.Generator().manual_seed(0), 400
+    outs = np.stack([ft.attention(q, k, v, backend="torch", dropout_p=0.3, generator=g).numpy() for _ in range(n)])
+    sem = outs.std(axis=0) / np.sqrt(n)
+    assert np.all(np.abs(outs.mean(axis=0) - plain) < 5 * sem + 1e-6)
 
 
 def test_seeded_generator_is_deterministic_and_the_default_generator_draws_fresh_masks():

@@ -85,7 +85,9 @@ def attention(
         path and every JAX path draw the same mask for the same words, and
         ``flashport.attention(..., dropout_rate=p, dropout_rng=jnp.asarray(words, jnp.uint32))``
         reproduces the call; the backward reuses the words, so gradients are exact for them.
-        Drawing advances the generator only when ``dropout_p > 0``.
+        Drawing advances the generator only when ``dropout_p > 0``. Under activation
+        checkpointing (``torch.utils.checkpoint``) keep ``generator=None``: checkpoint restores the
+        default generator's state for the recomputed forward, so it draws the same words.
 
     Returns:
       The output in ``query``'s layout and dtype, or ``(out, lse)`` with lse float32 [B, Hq, Sq];
