@@ -57,8 +57,8 @@ def test_torch_mask_is_bit_equal_to_the_jax_definition_and_the_reference(words, 
 
 def test_seed_tensor_holds_the_words_bit_patterns():
     words = (0xFFFFFFFF, 5)
-    t = _dropout.seed_tensor(words, "cpu")
-    assert t.dtype == torch.int32
+    t = _dropout.seed_tensor(words, torchax_like(torch.zeros(3, requires_grad=True)).detach())
+    assert t.dtype == torch.int32 and not t.requires_grad and type(t) is TorchaxLike
     back = jax.lax.bitcast_convert_type(_jax.to_jax(t), jnp.uint32)
     assert tuple(int(w) for w in np.asarray(back)) == words
 

@@ -197,7 +197,7 @@ def _run_jax(kind, backend, query, key, value, options, tensors, return_lse, dro
     seed = None
     if dropout[0] > 0:  # the words ride as a tensor (not static), so a new draw compiles nothing new
         static["dropout_rate"] = dropout[0]
-        seed = _dropout.seed_tensor(_dropout.draw_words(dropout[1]), query.device)
+        seed = _dropout.seed_tensor(_dropout.draw_words(dropout[1]), query.detach())
     bias = tensors["bias"]
     need_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (query, key, value, bias))

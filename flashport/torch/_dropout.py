@@ -65,11 +65,12 @@ def draw_words(generator) -> tuple[int, int]:
     return int(w0), int(w1)
 
 
-def seed_tensor(words: tuple[int, int], device) -> torch.Tensor:
-    """The seed words as an int32 [2] tensor holding their bit patterns (JAX runs without x64, so
-    int64 would not survive; the JAX side bitcasts it back to uint32)."""
+def seed_tensor(words: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """The seed words as an int32 [2] tensor holding their bit patterns, made like ``like`` (same
+    device and tensor type: ``new_tensor`` dispatches through torchax / torch_xla tensors). JAX
+    runs without x64, so int64 would not survive; the JAX side bitcasts it back to uint32."""
     signed = [w - 2**32 if w >= 2**31 else w for w in words]
-    return torch.tensor(signed, dtype=torch.int32, device=device)
+    return like.new_tensor(signed, dtype=torch.int32)
 
 
 def threshold(rate: float) -> int:
