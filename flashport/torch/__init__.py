@@ -31,12 +31,11 @@ exact math path, and ``backend="sdpa"`` / ``"flash_attn"`` refuse ``dropout_p > 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
 import torch
-
-import dataclasses
 
 from flashport.torch import _checks, _dropout, _jax, _native
 from flashport.torch._checks import check
