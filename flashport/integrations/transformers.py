@@ -31,8 +31,10 @@ def flashport_attention_forward(module, query, key, value, attention_mask, dropo
       query: [B, Hq, Sq, D]; key, value: [B, Hkv, Sk, D] (GQA: Hkv divides Hq, no ``repeat_kv`` needed).
       attention_mask: None, a boolean mask (True = attend) or an additive float mask, broadcastable
         to [B, Hq, Sq, Sk] (sliced to Sk like SDPA's integration does).
-      dropout: attention dropout (transformers passes ``0.0`` outside training); non-zero values go
-        to :func:`flashport.torch.attention` as ``dropout_p`` (torch's default generator).
+      dropout: the attention dropout probability, applied when ``module.training`` (transformers'
+        attention layers pass ``0.0 if not self.training else self.attention_dropout``) as
+        ``dropout_p`` of :func:`flashport.torch.attention` (the contract's keep-mask, seeded from
+        torch's default generator, so ``torch.manual_seed`` reproduces it); ignored in eval mode.
       scaling: the softmax scale (None = 1/sqrt(D)).
       is_causal: as SDPA's integration: default ``module.is_causal``; only used when there is no mask
         and Sq > 1, with SDPA's **top-left** alignment.
@@ -50,6 +52,7 @@ def flashport_attention_forward(module, query, key, value, attention_mask, dropo
     import flashport
     import flashport.torch
 
+    dropout_p = (dropout or 0.0) if getattr(module, "training", True) else 0.0
     for name in ("s_aux", "head_mask"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attn_implementation='flashport' does not support {name}")
@@ -60,8 +63,7 @@ def flashport_attention_forward(module, query, key, value, attention_mask, dropo
     causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
     out = flashport.torch.attention(
         query, key, value, scale=scaling, causal=causal, softcap=softcap or None,
-        **flashport.sdpa_mask(attention_mask), align="top_left", layout="BHSD",
-        **({"dropout_p": dropout} if dropout else {}),
+        **flashport.sdpa_mask(attention_mask), align="top_left", layout="BHSD", dropout_p=dropout_p,
     )
     return out.transpose(1, 2).contiguous(), None
 
