@@ -317,34 +317,114 @@ def merge(acc, part):
 
 def _ring_shard(q, k, v, q_seg, kv_seg, *, plan: Plan, axis_name, backend, features):
     """Body of the shard_map: this shard's queries against every shard's K/V, merged through lse."""
-    n, m, pq, pk = plan.n, plan.m, plan.pq, plan.pk
-    r = jax.lax.axis_index(axis_name)
-    q_pieces = [(_piece(q, 2, a, pq), _piece(q_seg, 1, a, pq)) for a in range(m)]
-    step = _Step(plan, backend, features, q_pieces[0][0], _piece(k, 2, 0, pk), _piece(v, 2, 0, pk))
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    b_, h_ = q.shape[:2]
-    init = tuple((jnp.zeros((b_, h_, pq, v.shape[-1]), jnp.float32), jnp.full((b_, h_, pq), -jnp.inf, jnp.float32))
-                 for _ in range(m))
+    ring = _Ring(plan, axis_name, backend, features)
 
-    def body(carry, t):
-        acc, kv = carry
-        k_cur, v_cur, ks_cur = kv
-        kv_next = jax.lax.ppermute(kv, axis_name, perm)  # issued first: overlaps the compute below
-        s = (r - t) % n
-        new = []
-        for a in range(m):
-            qa, qsa = q_pieces[a]
-            acc_a = acc[a]
-            for b in range(m):
-                if step.skipped(a, b):
-                    continue
-                part = step(a, b, r, s, qa, _piece(k_cur, 2, b, pk), _piece(v_cur, 2, b, pk), qsa,
-                            _piece(ks_cur, 1, b, pk))
-                acc_a = merge(acc_a, part)
-            new.append(acc_a)
-        return (tuple(new), kv_next), None
+    @jax.custom_vjp
+    def core(q, k, v, q_seg, kv_seg):
+        return ring.forward(q, k, v, q_seg, kv_seg)
 
-    (acc, _), _ = jax.lax.scan(body, (init, (k, v, kv_seg)), jnp.arange(n))
-    out = jnp.concatenate([o for o, _ in acc], axis=2).astype(q.dtype)
-    lse = jnp.concatenate([l for _, l in acc], axis=2)
-    return out, lse
+    def core_fwd(q, k, v, q_seg, kv_seg):
+        out, lse = ring.forward(q, k, v, q_seg, kv_seg)
+        return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+    def core_bwd(res, cotangents):
+        dq, dk, dv = ring.backward(*res, *cotangents)
+        return dq, dk, dv, None, None
+
+    core.defvjp(core_fwd, core_bwd)
+    return core(q, k, v, q_seg, kv_seg)
+
+
+class _Ring:
+    """The ring's forward and backward loops on one shard (inside the shard_map)."""
+
+    def __init__(self, plan: Plan, axis_name, backend, features):
+        self.plan, self.axis_name, self.backend, self.features = plan, axis_name, backend, features
+        self.perm = [(i, (i + 1) % plan.n) for i in range(plan.n)]
+
+    def _setup(self, q, k, v, q_seg):
+        plan = self.plan
+        q_pieces = [(_piece(q, 2, a, plan.pq), _piece(q_seg, 1, a, plan.pq)) for a in range(plan.m)]
+        step = _Step(plan, self.backend, self.features, q_pieces[0][0], _piece(k, 2, 0, plan.pk),
+                     _piece(v, 2, 0, plan.pk))
+        return q_pieces, step
+
+    def _pairs(self, step):
+        return [(a, b) for a in range(self.plan.m) for b in range(self.plan.m) if not step.skipped(a, b)]
+
+    def _kv_piece(self, kv, b):
+        k, v, ks = kv[:3]
+        pk = self.plan.pk
+        return _piece(k, 2, b, pk), _piece(v, 2, b, pk), _piece(ks, 1, b, pk)
+
+    def forward(self, q, k, v, q_seg, kv_seg):
+        """Return this shard's ``(out, lse)`` for its queries over the whole (global) key sequence."""
+        plan, n = self.plan, self.plan.n
+        r = jax.lax.axis_index(self.axis_name)
+        q_pieces, step = self._setup(q, k, v, q_seg)
+        b_, h_ = q.shape[:2]
+        init = tuple((jnp.zeros((b_, h_, plan.pq, v.shape[-1]), jnp.float32),
+                      jnp.full((b_, h_, plan.pq), -jnp.inf, jnp.float32)) for _ in range(plan.m))
+
+        def body(carry, t):
+            acc, kv = carry
+            kv_next = jax.lax.ppermute(kv, self.axis_name, self.perm)  # issued first: overlaps the compute
+            s = (r - t) % n
+            acc = list(acc)
+            for a, b in self._pairs(step):
+                kb, vb, ksb = self._kv_piece(kv, b)
+                acc[a] = merge(acc[a], step(a, b, r, s, q_pieces[a][0], kb, vb, q_pieces[a][1], ksb))
+            return (tuple(acc), kv_next), None
+
+        (acc, _), _ = jax.lax.scan(body, (init, (k, v, kv_seg)), jnp.arange(n))
+        out = jnp.concatenate([o for o, _ in acc], axis=2).astype(q.dtype)
+        lse = jnp.concatenate([l for _, l in acc], axis=2)
+        return out, lse
+
+    def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+        """Ring backward: dQ stays local; dK/dV travel with their K/V and arrive home after n steps.
+
+        Each step recomputes its partial ``(out_t, lse_t)`` and pulls the merge's cotangents through
+        the backend's own backward (``jax.vjp``): with ``w_t = exp(lse_t − lse)``,
+        ``d out_t = w_t · dO`` and ``d lse_t = w_t · (rowsum(dO · (out_t − out)) + d lse)``.
+        """
+        plan, n = self.plan, self.plan.n
+        r = jax.lax.axis_index(self.axis_name)
+        q_pieces, step = self._setup(q, k, v, q_seg)
+        pq = plan.pq
+        d_out = d_out.astype(jnp.float32)
+        d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
+        rows = [(_piece(d_out, 2, a, pq), _piece(out, 2, a, pq).astype(jnp.float32), _piece(lse, 2, a, pq),
+                 _piece(d_lse, 2, a, pq)) for a in range(plan.m)]
+
+        def body(carry, t):
+            dq, kv = carry
+            k_cur, v_cur, ks_cur, dk_cur, dv_cur = kv
+            s = (r - t) % n
+            dq = list(dq)
+            dk_parts = [jnp.zeros_like(x) for x in jnp.split(dk_cur, plan.m, axis=2)]
+            dv_parts = [jnp.zeros_like(x) for x in jnp.split(dv_cur, plan.m, axis=2)]
+            for a, b in self._pairs(step):
+                kb, vb, ksb = self._kv_piece(kv, b)
+                qa, qsa = q_pieces[a]
+                do_a, o_a, lse_a, dlse_a = rows[a]
+                fn = functools.partial(step, a, b, r, s)
+                (o_t, l_t), vjp = jax.vjp(lambda q_, k_, v_: fn(q_, k_, v_, qsa, ksb), qa, kb, vb)
+                finite = jnp.isfinite(lse_a)
+                w = jnp.where(finite, jnp.exp(l_t - jnp.where(finite, lse_a, 0.0)), 0.0)
+                d_o = (w[..., None] * do_a).astype(o_t.dtype)
+                d_l = w * (jnp.sum(do_a * (o_t.astype(jnp.float32) - o_a), axis=-1) + dlse_a)
+                gq, gk, gv = vjp((d_o, d_l))
+                dq[a] = dq[a] + gq.astype(jnp.float32)
+                dk_parts[b] = dk_parts[b] + gk.astype(jnp.float32)
+                dv_parts[b] = dv_parts[b] + gv.astype(jnp.float32)
+            dk_cur = dk_cur + jnp.concatenate(dk_parts, axis=2)
+            dv_cur = dv_cur + jnp.concatenate(dv_parts, axis=2)
+            kv = jax.lax.ppermute((k_cur, v_cur, ks_cur, dk_cur, dv_cur), self.axis_name, self.perm)
+            return (tuple(dq), kv), None
+
+        dq0 = tuple(jnp.zeros(x.shape, jnp.float32) for x, _ in q_pieces)
+        kv0 = (k, v, kv_seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        (dq, kv), _ = jax.lax.scan(body, (dq0, kv0), jnp.arange(n))
+        dq = jnp.concatenate(dq, axis=2).astype(q.dtype)
+        return dq, kv[3].astype(k.dtype), kv[4].astype(v.dtype)
