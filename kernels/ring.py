@@ -146,6 +146,9 @@ def ring_attention(
         out_specs=(x_spec, P(batch_axis, head_axis, axis_name)),
         check_vma=False,
     )
+    if _has_explicit_axes(mesh):  # explicit-sharding mode: shard_map wants inputs already laid out
+        q, k, v = (_reshard(x, mesh, x_spec) for x in (q, k, v))
+        q_seg, kv_seg = (_reshard(x, mesh, seg_spec) for x in (q_seg, kv_seg))
     out, lse = fn(q, k, v, q_seg, kv_seg)
     if layout == "BSHD":
         out = jnp.swapaxes(out, 1, 2)
@@ -155,6 +158,16 @@ def ring_attention(
 def seq_layout_check(name):
     """Validate ``seq_layout`` (see :mod:`flashport.kernels.seq_layout`)."""
     return layouts.check_layout(name)
+
+
+def _has_explicit_axes(mesh) -> bool:
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _reshard(x, mesh, spec):
+    if x is None:
+        return None
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 def _axis_size(mesh, axes, arg):
