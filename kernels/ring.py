@@ -441,3 +441,58 @@ class _Ring:
         (dq, kv), _ = jax.lax.scan(body, (dq0, kv0), jnp.arange(n))
         dq = jnp.concatenate(dq, axis=2).astype(q.dtype)
         return dq, kv[3].astype(k.dtype), kv[4].astype(v.dtype)
+
+
+# ------------------------------------------------------------------- auto-dispatch from sharding
+
+
+def detect(query, key, layout: str):
+    """Ring keywords (mesh, axis_name, batch_axis, head_axis) when query and key are sequence-sharded.
+
+    Used by :func:`flashport.attention` to run the ring by itself. The sharding is read from concrete
+    arrays (``x.sharding``) or, under ``jit``, from the abstract value (``jax.typeof(x).sharding``),
+    which carries a spec only for mesh axes in explicit-sharding mode (``AxisType.Explicit``); with
+    the default ``Auto`` axes a traced array's sharding is decided later by the partitioner, so it
+    cannot be seen here and the call stays on the gathering path. Returns ``None`` when the
+    sequence dims are not sharded over one common mesh axis of size > 1 that divides both lengths.
+    """
+    seq_dim, head_dim = (1, 2) if layout == "BSHD" else (2, 1)
+    specs, mesh = [], None
+    for x in (query, key):
+        sharding = _sharding_of(x)
+        if not isinstance(sharding, jax.sharding.NamedSharding) or getattr(x, "ndim", 0) != 4:
+            return None
+        if mesh is not None and sharding.mesh.shape != mesh.shape:
+            return None
+        mesh = sharding.mesh
+        specs.append(tuple(sharding.spec) + (None,) * (4 - len(sharding.spec)))
+    (q_spec, k_spec) = specs
+    axis = q_spec[seq_dim]
+    if isinstance(axis, tuple):
+        axis = axis[0] if len(axis) == 1 else None
+    k_axis = k_spec[seq_dim]
+    if isinstance(k_axis, tuple):
+        k_axis = k_axis[0] if len(k_axis) == 1 else None
+    if axis is None or axis != k_axis or mesh.shape[axis] < 2:
+        return None
+    n = mesh.shape[axis]
+    if query.shape[seq_dim] % n or key.shape[seq_dim] % n:
+        return None
+    batch = q_spec[0] if q_spec[0] == k_spec[0] else None
+    heads = q_spec[head_dim] if q_spec[head_dim] == k_spec[head_dim] else None
+    if heads is not None:
+        size = _axis_size(mesh, heads, "head_axis")
+        if query.shape[head_dim] % size or key.shape[head_dim] % size:
+            heads = None
+    if batch is not None and query.shape[0] % _axis_size(mesh, batch, "batch_axis"):
+        batch = None
+    return dict(mesh=mesh, axis_name=axis, batch_axis=batch, head_axis=heads)
+
+
+def _sharding_of(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return x.sharding
+    try:
+        return jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+        return None

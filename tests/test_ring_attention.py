@@ -35,7 +35,7 @@ def _run(args, timeout=900):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("case", sorted(ring_check.CASES))
+@pytest.mark.parametrize("case", [*sorted(ring_check.CASES), "auto_dispatch"])
 def test_ring_matches_reference_on_8_devices(case):
     proc = _run([os.path.join(TESTS, "ring_check.py"), case])
     assert proc.returncode == 0 and f"{case} ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
