@@ -8,7 +8,8 @@ same call on sequence-sharded inputs (the partitioner gathers K/V on every shard
 ``flashport.ring_attention`` over the 8 shards (contiguous and zigzag), forward and forward+backward
 (value_and_grad of a sum). The last column is each program's scratch over the unsharded one's.
 
-Usage: python benchmarks/ring_cpu.py [--seq 32768] [--heads 8] [--dim 64] [--backend blockwise]
+Usage: python benchmarks/ring_cpu.py [--seq 32768] [--heads 8] [--kv-heads 2] [--dim 64]
+       [--dtype float32|bfloat16] [--backend blockwise] [--forward-only]
 """
 
 from __future__ import annotations
@@ -38,14 +39,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=None, help="GQA: kv heads (default: --heads)")
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--backend", default="blockwise")
     args = parser.parse_args()
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("seq",))
-    shape = (1, args.seq, args.heads, args.dim)
-    plain = jax.ShapeDtypeStruct(shape, jnp.float32)
-    sharded = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P(None, "seq", None, None)))
+    dtype = jnp.dtype(args.dtype)
+    seq_sharded = NamedSharding(mesh, P(None, "seq", None, None))
+    q_shape = (1, args.seq, args.heads, args.dim)
+    kv_shape = (1, args.seq, args.kv_heads or args.heads, args.dim)
+    plain = (jax.ShapeDtypeStruct(q_shape, dtype),) + (jax.ShapeDtypeStruct(kv_shape, dtype),) * 2
+    sharded = (jax.ShapeDtypeStruct(q_shape, dtype, sharding=seq_sharded),) + (
+        jax.ShapeDtypeStruct(kv_shape, dtype, sharding=seq_sharded),) * 2
 
     def contract(q, k, v):
         return flashport.attention(q, k, v, causal=True, backend=args.backend)
@@ -63,13 +71,14 @@ def main() -> None:
     programs = [("unsharded, 1 device", contract, plain), ("seq-sharded, gathered", contract, sharded),
                 (f"ring contiguous, {n} shards", ring("contiguous"), sharded),
                 (f"ring zigzag, {n} shards", ring("zigzag"), sharded)]
-    for kind in ("forward", "fwd+bwd"):
+    for kind in ("forward",) if args.forward_only else ("forward", "fwd+bwd"):
         base = None
         for name, fn, x in programs:
-            temp, arg, out, gathers = measure(fn if kind == "forward" else train(fn), x, x, x)
+            temp, arg, out, gathers = measure(fn if kind == "forward" else train(fn), *x)
             base = temp if base is None else base
             rows.append((kind, name, temp, arg, out, gathers, temp / base))
-    print(f"causal attention, B=1, S={args.seq}, H={args.heads}, D={args.dim}, float32, backend={args.backend}; "
+    print(f"causal attention, B=1, S={args.seq}, Hq={args.heads}, Hkv={kv_shape[2]}, D={args.dim}, {args.dtype}, "
+          f"backend={args.backend}; "
           f"per-device bytes from compiled.memory_analysis()")
     print(f"| pass | program | temp (scratch) MiB | arguments MiB | outputs MiB | all-gather in HLO | temp / unsharded |")
     print("|---|---|---|---|---|---|---|")
