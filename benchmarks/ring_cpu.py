@@ -19,12 +19,13 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import flashport  # noqa: E402
+import flashport
 
 
 def measure(fn, *args):
@@ -80,7 +81,7 @@ def main() -> None:
     print(f"causal attention, B=1, S={args.seq}, Hq={args.heads}, Hkv={kv_shape[2]}, D={args.dim}, {args.dtype}, "
           f"backend={args.backend}; "
           f"per-device bytes from compiled.memory_analysis()")
-    print(f"| pass | program | temp (scratch) MiB | arguments MiB | outputs MiB | all-gather in HLO | temp / unsharded |")
+    print("| pass | program | temp (scratch) MiB | arguments MiB | outputs MiB | all-gather in HLO | temp / unsharded |")
     print("|---|---|---|---|---|---|---|")
     for kind, name, temp, arg, out, gathers, ratio in rows:
         print(f"| {kind} | {name} | {temp / 2**20:.1f} | {arg / 2**20:.1f} | {out / 2**20:.1f} | "

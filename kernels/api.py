@@ -106,7 +106,7 @@ def attention(
     :func:`flashport.ring_attention` over that axis instead of gathering the sequence.
     """
     if bias is None and mask is None and not dropout_rate:
-        from flashport.kernels import ring  # noqa: PLC0415 (ring imports this module)
+        from flashport.kernels import ring
 
         route = ring.detect(query, key, layout)
         if route is not None:
