@@ -422,7 +422,8 @@ class _Ring:
                 qa, qsa = q_pieces[a]
                 do_a, o_a, lse_a, dlse_a = rows[a]
                 fn = functools.partial(step, a, b, r, s)
-                (o_t, l_t), vjp = jax.vjp(lambda q_, k_, v_: fn(q_, k_, v_, qsa, ksb), qa, kb, vb)
+                (o_t, l_t), vjp = jax.vjp(lambda q_, k_, v_, fn=fn, qsa=qsa, ksb=ksb: fn(q_, k_, v_, qsa, ksb),
+                                          qa, kb, vb)
                 finite = jnp.isfinite(lse_a)
                 w = jnp.where(finite, jnp.exp(l_t - jnp.where(finite, lse_a, 0.0)), 0.0)
                 d_o = (w[..., None] * do_a).astype(o_t.dtype)

@@ -12,14 +12,15 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-from reference import reference_attention, reference_attention_vjp  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from reference import reference_attention, reference_attention_vjp
 
-import flashport  # noqa: E402
-from flashport.kernels import registry  # noqa: E402
+import flashport
+from flashport.kernels import registry
 
 BLOCKWISE = registry.use("blockwise", block_q=8, block_k=8)
 INTERPRET = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)
@@ -99,7 +100,7 @@ def run_case(name):
         return float(np.max(np.abs(got[fin] - want[fin]), initial=0.0) / max(1.0, np.max(np.abs(want[fin]), initial=0.0)))
 
     errors = {"out": err(back(out), want_out), "lse": err(back(lse, axis=2), want_lse)}
-    errors.update({f"d{x}": err(back(g), w) for x, g, w in zip("qkv", grads, want_g)})
+    errors.update({f"d{x}": err(back(g), w) for x, g, w in zip("qkv", grads, want_g, strict=True)})
     bad = {key: e for key, e in errors.items() if not e <= (2e-5 if key in ("out", "lse") else 1e-4)}
     assert not bad, (name, errors)
     print(name, "ok", {key: f"{e:.1e}" for key, e in errors.items()}, flush=True)
@@ -138,7 +139,7 @@ def auto_dispatch():
         out = jax.jit(call)(*args[:3])
     assert "all-gather" not in hlo and "collective-permute" in hlo
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-5)
-    for g, w in zip(grads, want_g):
+    for g, w in zip(grads, want_g, strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float64), w, atol=1e-4)
     print("auto_dispatch ok", flush=True)
 
