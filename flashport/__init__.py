@@ -3,6 +3,8 @@
 Public API (imported lazily, so ``import flashport`` and the CLI never pay for importing jax):
 
 * :func:`flashport.attention` -- the portable attention contract (``flashport.kernels.api``).
+* :func:`flashport.ring_attention` -- the contract with the sequence sharded over a mesh axis
+  (``flashport.kernels.ring``); :mod:`flashport.seq_layout` lays sequences out for it (zigzag).
 * :func:`flashport.backends` -- which backends exist here and what each supports.
 * :func:`flashport.fuse_attention` / :func:`flashport.find_attention` -- the jaxpr pass.
 * :func:`flashport.varlen_attention` -- flash-attn's packed variable-length convention, for JAX
@@ -24,9 +26,12 @@ _LAZY = {
     "fuse_attention": "flashport.rewriter.jaxpr.fuse:fuse_attention",
     "find_attention": "flashport.rewriter.jaxpr.fuse:find_attention",
     "sdpa_mask": "flashport.kernels.sdpa_compat:sdpa_mask",
+    "ring_attention": "flashport.kernels.ring:ring_attention",
 }
+# name -> module, resolved on first access.
+_SUBMODULES = {"seq_layout": "flashport.kernels.seq_layout"}
 
-__all__ = ["__version__", "varlen_attention", *_LAZY]
+__all__ = ["__version__", "varlen_attention", *_LAZY, *_SUBMODULES]
 
 
 def varlen_attention(query, key, value, **kwargs):
@@ -52,6 +57,10 @@ def __getattr__(name: str):
     if name in _LAZY:
         module_name, attr = _LAZY[name].split(":")
         value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
         globals()[name] = value
         return value
     if name in ("torch", "kernels", "rewriter", "rules"):

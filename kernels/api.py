@@ -101,7 +101,22 @@ def attention(
     Raises:
       ValueError / TypeError naming the argument for shapes, dtypes or options that do not fit, and
       ValueError naming the missing feature when an explicit backend cannot serve the call.
+
+    Sequence parallelism: when ``query`` and ``key`` are sharded along their sequence dim over a mesh
+    axis (concrete arrays with a ``NamedSharding``, or under ``jit`` with explicit-sharding mesh
+    axes) and no ``bias``/``mask``/dropout is given, the call runs as
+    :func:`flashport.ring_attention` over that axis instead of gathering the sequence.
     """
+    if bias is None and mask is None and not dropout_rate:
+        from flashport.kernels import ring
+
+        route = ring.detect(query, key, layout)
+        if route is not None:
+            return ring.ring_attention(
+                query, key, value, scale=scale, causal=causal, window=window, align=align, softcap=softcap,
+                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, layout=layout, backend=backend,
+                return_lse=return_lse, **route,
+            )
     (q, k, v, bias, mask, q_seg, kv_seg, seed), call = prepare(
         query, key, value, scale=scale, causal=causal, window=window, align=align, softcap=softcap,
         bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,

@@ -1,0 +1,499 @@
+"""Sequence-parallel (ring) attention: ``flashport.ring_attention``.
+
+The sequence dim of query/key/value is sharded over one mesh axis of ``n`` devices. Inside a
+``shard_map`` each shard keeps its queries while the K/V chunks (with their kv segment ids) travel
+around the ring with ``ppermute``: at step ``t`` shard ``r`` holds the K/V of shard ``(r − t) mod n``.
+Every step runs the contract's backend on (local queries, visiting keys) with ``return_lse=True`` and
+the partial results merge through the log-sum-exp::
+
+    lse = logsumexp_t lse_t,    out = Σ_t exp(lse_t − lse) · out_t
+
+which is exactly softmax attention over the union of the key chunks. No device ever holds more than
+two K/V chunks (the one it computes on and the one arriving), so per-device memory is O(S / n).
+
+Positions: a shard's queries and keys are pieces of the global sequence (one piece per shard in the
+``"contiguous"`` layout, two in ``"zigzag"``, see :mod:`flashport.kernels.seq_layout`). For a query
+piece starting at global position ``q0`` and a key piece at ``k0``, the contract's condition
+``j_glob <= i_glob + offset (+ window)`` is the same condition on local positions with
+``offset' = offset + q0 − k0``; causal, windows, bottom-right alignment (``offset = Sk − Sq`` of the
+*global* lengths) and segment ids keep their meaning. Because ``q0 − k0`` depends on the traced shard
+index, every (shard, piece, visiting shard, piece) combination is classified ahead of time from
+:meth:`AttentionSpec.key_range` as *empty* (nothing visible: out 0, lse −inf, no compute), *full*
+(every key visible: the call runs without positional masking) or *partial* (its own offset); the
+distinct ones become the branches of a ``lax.switch`` indexed by a static table.
+
+Gradients: a ``custom_vjp`` runs the ring backward: it recomputes each step's partial attention,
+back-propagates the merge into the backend's own backward (through ``jax.vjp``), keeps dQ local and
+sends dK/dV around the ring with their K/V, so after ``n`` steps each shard holds its chunk's dK/dV.
+Training memory stays O(S / n) per device too.
+
+Not supported (clear errors): ``bias`` and ``mask`` arrays (they span the key sequence; express
+document masking with segment ids), and dropout (the contract's dropout hash takes positions in the
+arrays a backend receives, and backends take no global position offset yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from flashport.kernels import api
+from flashport.kernels import seq_layout as layouts
+from flashport.kernels.spec import AttentionSpec
+
+EMPTY = "empty"
+
+
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    mesh,
+    axis_name,
+    seq_layout: str = "contiguous",
+    batch_axis=None,
+    head_axis=None,
+    scale=None,
+    causal=False,
+    window=None,
+    align="bottom_right",
+    softcap=None,
+    bias=None,
+    mask=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    layout="BSHD",
+    backend="auto",
+    return_lse=False,
+    dropout_rate=0.0,
+    dropout_rng=None,
+):
+    """``flashport.attention`` with the sequence dim sharded over mesh axis ``axis_name`` (ring attention).
+
+    Takes the *global* arrays (usually already sharded; they are resharded to the ring's layout if
+    not) and returns the global output, sharded the same way. All contract keywords keep their
+    meaning for the global sequence (see :func:`flashport.attention`).
+
+    Args:
+      query, key, value: as in :func:`flashport.attention` (``layout`` BSHD or BHSD). Sq and Sk must
+        be multiples of ``n`` (the size of ``axis_name``), or of ``2n`` for ``seq_layout="zigzag"``.
+      mesh: a ``jax.sharding.Mesh`` (or ``AbstractMesh``, e.g. for ``jax.export``).
+      axis_name: the mesh axis that shards the sequence; K/V rotate around it.
+      seq_layout: ``"contiguous"`` (shard r holds positions [r·S/n, (r+1)·S/n)) or ``"zigzag"``
+        (the arrays are stored in :func:`flashport.seq_layout.to_zigzag` order; balances causal work).
+        The output (and lse) come back in the same order as the inputs.
+      batch_axis, head_axis: optional mesh axes (a name or tuple of names) that also shard the batch
+        dim and the head dim (Hq and Hkv must both split evenly); attention is independent across
+        them, so they need no communication.
+      backend: the backend each ring step runs (``"auto"``, a name, or ``registry.use(...)``); it must
+        support ``return_lse`` (every shipped one does).
+      return_lse: also return the global log-sum-exp, float32 [B, Hq, Sq] (in the layout's order).
+
+    Raises:
+      ValueError naming the argument for ``bias``/``mask`` arrays or dropout (not supported by the
+      ring), a sequence length that does not split over the axis, an unknown mesh axis, and whatever
+      :func:`flashport.attention` raises for the call itself.
+    """
+    for name, given in (("bias", bias), ("mask", mask)):
+        if given is not None:
+            raise ValueError(
+                f"ring_attention does not take {name}=: a {name} array spans the key sequence, which the "
+                f"ring shards; express document masking with q_segment_ids/kv_segment_ids, or call "
+                f"flashport.attention (which gathers the sequence on every shard)"
+            )
+    if dropout_rate:
+        raise ValueError(
+            "ring_attention does not support dropout_rate > 0: the contract's dropout mask hashes "
+            "global positions and the backends take no position offset yet; use dropout_rate=0.0, or "
+            "flashport.attention on gathered arrays"
+        )
+    (q, k, v, _, _, q_seg, kv_seg, _), call = api.prepare(
+        query, key, value, scale=scale, causal=causal, window=window, align=align, softcap=softcap,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, layout=layout, return_lse=return_lse,
+    )
+    seq_layout_ = seq_layout_check(seq_layout)
+    n = _axis_size(mesh, axis_name, "axis_name")
+    _axis_size(mesh, batch_axis, "batch_axis")
+    hsize = _axis_size(mesh, head_axis, "head_axis")
+    for name, length in (("query", call.spec.seq_q), ("key", call.spec.seq_k)):
+        parts = n * layouts.pieces(seq_layout_)
+        if length % parts or length == 0:
+            raise ValueError(
+                f"ring_attention: {name}'s sequence length {length} must be a positive multiple of "
+                f"{parts} ({n} shards of mesh axis {axis_name!r}"
+                f"{' x 2 zigzag pieces' if parts != n else ''}); pad it (e.g. with a padding segment id)"
+            )
+    if head_axis is not None and (call.q_shape[1] % hsize or call.kv_shape[1] % hsize):
+        raise ValueError(
+            f"ring_attention: head_axis {head_axis!r} has size {hsize}, which must divide both the query "
+            f"heads ({call.q_shape[1]}) and the kv heads ({call.kv_shape[1]}); use head_axis=None"
+        )
+    plan = Plan.make(call.spec, n, seq_layout_)
+    run = functools.partial(_ring_shard, plan=plan, axis_name=axis_name, backend=backend,
+                            features=call.features)
+    x_spec = P(batch_axis, head_axis, axis_name, None)
+    seg_spec = P(batch_axis, axis_name)
+    fn = jax.shard_map(
+        run,
+        mesh=mesh,
+        in_specs=(x_spec, x_spec, x_spec, seg_spec, seg_spec),
+        out_specs=(x_spec, P(batch_axis, head_axis, axis_name)),
+        check_vma=False,
+    )
+    if _has_explicit_axes(mesh):  # explicit-sharding mode: shard_map wants inputs already laid out
+        q, k, v = (_reshard(x, mesh, x_spec) for x in (q, k, v))
+        q_seg, kv_seg = (_reshard(x, mesh, seg_spec) for x in (q_seg, kv_seg))
+    out, lse = fn(q, k, v, q_seg, kv_seg)
+    if layout == "BSHD":
+        out = jnp.swapaxes(out, 1, 2)
+    return (out, lse) if return_lse else out
+
+
+def seq_layout_check(name):
+    """Validate ``seq_layout`` (see :mod:`flashport.kernels.seq_layout`)."""
+    return layouts.check_layout(name)
+
+
+def _has_explicit_axes(mesh) -> bool:
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _reshard(x, mesh, spec):
+    if x is None:
+        return None
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _axis_size(mesh, axes, arg):
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    size = 1
+    for name in names:
+        if name not in mesh.shape:
+            raise ValueError(f"ring_attention: {arg}={name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})")
+        size *= mesh.shape[name]
+    return size
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static schedule of one ring call: piece geometry and the branch of every piece pair.
+
+    Attributes:
+      n: ring size; m: pieces per shard (1 contiguous, 2 zigzag).
+      pq, pk: query / key positions per piece.
+      specs: the distinct local specs (``None`` for the empty branch), one ``lax.switch`` branch each.
+      table: int ``[n, m, n, m]`` (nested tuples): branch of (query shard, query piece, key shard,
+        key piece).
+    """
+
+    n: int
+    m: int
+    pq: int
+    pk: int
+    specs: tuple[AttentionSpec | None, ...]
+    table: tuple
+
+    @staticmethod
+    def make(spec: AttentionSpec, n: int, layout: str) -> Plan:
+        """Classify every (query piece, key piece) pair of the ring for global ``spec``."""
+        m = layouts.pieces(layout)
+        pq, pk = spec.seq_q // (n * m), spec.seq_k // (n * m)
+        q_starts = layouts.piece_starts(layout, n, spec.seq_q)
+        k_starts = layouts.piece_starts(layout, n, spec.seq_k)
+        specs: list[AttentionSpec | None] = []
+        table = np.zeros((n, m, n, m), np.int32)
+        for r, a, s, b in np.ndindex(n, m, n, m):
+            local = local_spec(spec, pq, pk, int(q_starts[r, a]) - int(k_starts[s, b]))
+            if local not in specs:
+                specs.append(local)
+            table[r, a, s, b] = specs.index(local)
+        return Plan(n, m, pq, pk, tuple(specs), tuple(map(tuple, table.reshape(n * m, n * m))))
+
+    def branches_of(self, a: int, b: int) -> set[int]:
+        """The branch ids query piece ``a`` x key piece ``b`` can take over all shard pairs."""
+        table = np.asarray(self.table).reshape(self.n, self.m, self.n, self.m)
+        return set(np.unique(table[:, a, :, b]).tolist())
+
+    def index(self, r, a, s, b):
+        """Traced branch id for query shard ``r`` piece ``a``, key shard ``s`` piece ``b``."""
+        table = jnp.asarray(np.asarray(self.table, np.int32).reshape(self.n, self.m, self.n, self.m))
+        return table[r, a, s, b]
+
+    @property
+    def computed_pairs(self) -> int:
+        """How many (query piece, key piece) pairs over the whole ring run a kernel (not empty)."""
+        table = np.asarray(self.table)
+        return int(sum(np.sum(table == i) for i, sp in enumerate(self.specs) if sp is not None))
+
+
+def local_spec(spec: AttentionSpec, pq: int, pk: int, delta: int) -> AttentionSpec | None:
+    """The spec a [pq queries] x [pk keys] piece pair runs with, or ``None`` when nothing is visible.
+
+    ``delta`` = global start of the query piece − global start of the key piece. The local offset is
+    ``spec.offset + delta``; when every key is visible to every query the positional mask is dropped
+    (so all such pairs share one branch).
+    """
+    local = dataclasses.replace(spec, seq_q=pq, seq_k=pk, offset=spec.offset + delta)
+    if not spec.has_positional_mask:
+        return dataclasses.replace(local, offset=0)
+    lo, hi = local.key_range(0, pq)
+    if hi <= lo:
+        return None
+    if local.key_range(pq - 1, pq)[0] <= 0 and local.key_range(0, 1)[1] >= pk:
+        return dataclasses.replace(local, causal=False, window_left=None, window_right=None, offset=0)
+    return local
+
+
+# ------------------------------------------------------------------------- per-shard computation
+
+
+def _local_call(spec: AttentionSpec, features, q, k, v) -> api.Call:
+    feats = set(features) - {"causal", "window", "align_bottom_right", "bias", "mask", "dropout"}
+    feats.add("return_lse")
+    if spec.causal:
+        feats.add("causal")
+    if spec.window_left is not None or spec.window_right is not None:
+        feats.add("window")
+    if spec.has_positional_mask and spec.offset != 0:
+        feats.add("align_bottom_right")
+    return api.Call(spec=spec, features=frozenset(feats), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
+                    v_head_dim=v.shape[-1], dtype=api.DTYPES[q.dtype], bias_shape=None, mask_shape=None)
+
+
+def _piece(x, axis, i, size):
+    return None if x is None else jax.lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis)
+
+
+class _Step:
+    """The partial attention of one (query piece, key piece) pair, dispatched over the plan's branches."""
+
+    def __init__(self, plan: Plan, backend, features, q_piece, k_piece, v_piece):
+        self.plan = plan
+        self.out_shape = q_piece.shape[:3] + (v_piece.shape[-1],)
+        self.dtype = q_piece.dtype
+        self.fns = []
+        for sp in plan.specs:
+            if sp is None:
+                self.fns.append(self._empty)
+                continue
+            call = _local_call(sp, features, q_piece, k_piece, v_piece)
+            choice = api._resolve_backend(backend, call)
+            self.fns.append(functools.partial(_run_local, call, choice))
+
+    def _empty(self, q, k, v, qs, ks):
+        del q, k, v, qs, ks
+        return jnp.zeros(self.out_shape, self.dtype), jnp.full(self.out_shape[:3], -jnp.inf, jnp.float32)
+
+    def __call__(self, a, b, r, s, *args):
+        ids = sorted(self.plan.branches_of(a, b))
+        if len(ids) == 1:  # the same branch on every shard pair: no switch
+            return self.fns[ids[0]](*args)
+        return jax.lax.switch(self.plan.index(r, a, s, b), self.fns, *args)
+
+    def skipped(self, a, b) -> bool:
+        """True when piece pair (a, b) is empty on every shard pair (never computed)."""
+        ids = self.plan.branches_of(a, b)
+        return len(ids) == 1 and self.plan.specs[next(iter(ids))] is None
+
+
+def _run_local(call, choice, q, k, v, qs, ks):
+    return api.flashport_attention(q, k, v, None, None, qs, ks, None, call=call, choice=choice)
+
+
+def merge(acc, part):
+    """Merge two normalized partial attentions ``(out f32, lse)`` over disjoint key sets.
+
+    Rows where both are empty (lse −inf) stay out 0, lse −inf, with finite (zero) gradients.
+    """
+    o1, l1 = acc
+    o2, l2 = part
+    mx = jnp.maximum(l1, l2)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w1, w2 = jnp.exp(l1 - mx), jnp.exp(l2 - mx)
+    total = w1 + w2
+    safe = jnp.where(total > 0, total, 1.0)
+    lse = jnp.where(total > 0, mx + jnp.log(safe), -jnp.inf)
+    out = o1 * (w1 / safe)[..., None] + o2.astype(jnp.float32) * (w2 / safe)[..., None]
+    return out, lse
+
+
+def _ring_shard(q, k, v, q_seg, kv_seg, *, plan: Plan, axis_name, backend, features):
+    """Body of the shard_map: this shard's queries against every shard's K/V, merged through lse."""
+    ring = _Ring(plan, axis_name, backend, features)
+
+    @jax.custom_vjp
+    def core(q, k, v, q_seg, kv_seg):
+        return ring.forward(q, k, v, q_seg, kv_seg)
+
+    def core_fwd(q, k, v, q_seg, kv_seg):
+        out, lse = ring.forward(q, k, v, q_seg, kv_seg)
+        return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+    def core_bwd(res, cotangents):
+        dq, dk, dv = ring.backward(*res, *cotangents)
+        return dq, dk, dv, None, None
+
+    core.defvjp(core_fwd, core_bwd)
+    return core(q, k, v, q_seg, kv_seg)
+
+
+class _Ring:
+    """The ring's forward and backward loops on one shard (inside the shard_map)."""
+
+    def __init__(self, plan: Plan, axis_name, backend, features):
+        self.plan, self.axis_name, self.backend, self.features = plan, axis_name, backend, features
+        self.perm = [(i, (i + 1) % plan.n) for i in range(plan.n)]
+
+    def _setup(self, q, k, v, q_seg):
+        plan = self.plan
+        q_pieces = [(_piece(q, 2, a, plan.pq), _piece(q_seg, 1, a, plan.pq)) for a in range(plan.m)]
+        step = _Step(plan, self.backend, self.features, q_pieces[0][0], _piece(k, 2, 0, plan.pk),
+                     _piece(v, 2, 0, plan.pk))
+        return q_pieces, step
+
+    def _pairs(self, step):
+        return [(a, b) for a in range(self.plan.m) for b in range(self.plan.m) if not step.skipped(a, b)]
+
+    def _kv_piece(self, kv, b):
+        k, v, ks = kv[:3]
+        pk = self.plan.pk
+        return _piece(k, 2, b, pk), _piece(v, 2, b, pk), _piece(ks, 1, b, pk)
+
+    def forward(self, q, k, v, q_seg, kv_seg):
+        """Return this shard's ``(out, lse)`` for its queries over the whole (global) key sequence."""
+        plan, n = self.plan, self.plan.n
+        r = jax.lax.axis_index(self.axis_name)
+        q_pieces, step = self._setup(q, k, v, q_seg)
+        b_, h_ = q.shape[:2]
+        init = tuple((jnp.zeros((b_, h_, plan.pq, v.shape[-1]), jnp.float32),
+                      jnp.full((b_, h_, plan.pq), -jnp.inf, jnp.float32)) for _ in range(plan.m))
+
+        def body(carry, t):
+            acc, kv = carry
+            kv_next = jax.lax.ppermute(kv, self.axis_name, self.perm)  # issued first: overlaps the compute
+            s = (r - t) % n
+            acc = list(acc)
+            for a, b in self._pairs(step):
+                kb, vb, ksb = self._kv_piece(kv, b)
+                acc[a] = merge(acc[a], step(a, b, r, s, q_pieces[a][0], kb, vb, q_pieces[a][1], ksb))
+            return (tuple(acc), kv_next), None
+
+        (acc, _), _ = jax.lax.scan(body, (init, (k, v, kv_seg)), jnp.arange(n))
+        out = jnp.concatenate([o for o, _ in acc], axis=2).astype(q.dtype)
+        lse = jnp.concatenate([l for _, l in acc], axis=2)
+        return out, lse
+
+    def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+        """Ring backward: dQ stays local; dK/dV travel with their K/V and arrive home after n steps.
+
+        Each step recomputes its partial ``(out_t, lse_t)`` and pulls the merge's cotangents through
+        the backend's own backward (``jax.vjp``): with ``w_t = exp(lse_t − lse)``,
+        ``d out_t = w_t · dO`` and ``d lse_t = w_t · (rowsum(dO · (out_t − out)) + d lse)``.
+        """
+        plan, n = self.plan, self.plan.n
+        r = jax.lax.axis_index(self.axis_name)
+        q_pieces, step = self._setup(q, k, v, q_seg)
+        pq = plan.pq
+        d_out = d_out.astype(jnp.float32)
+        d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
+        rows = [(_piece(d_out, 2, a, pq), _piece(out, 2, a, pq).astype(jnp.float32), _piece(lse, 2, a, pq),
+                 _piece(d_lse, 2, a, pq)) for a in range(plan.m)]
+
+        def body(carry, t):
+            dq, kv = carry
+            k_cur, v_cur, ks_cur, dk_cur, dv_cur = kv
+            s = (r - t) % n
+            dq = list(dq)
+            dk_parts = [jnp.zeros_like(x) for x in jnp.split(dk_cur, plan.m, axis=2)]
+            dv_parts = [jnp.zeros_like(x) for x in jnp.split(dv_cur, plan.m, axis=2)]
+            for a, b in self._pairs(step):
+                kb, vb, ksb = self._kv_piece(kv, b)
+                qa, qsa = q_pieces[a]
+                do_a, o_a, lse_a, dlse_a = rows[a]
+                fn = functools.partial(step, a, b, r, s)
+                (o_t, l_t), vjp = jax.vjp(lambda q_, k_, v_, fn=fn, qsa=qsa, ksb=ksb: fn(q_, k_, v_, qsa, ksb),
+                                          qa, kb, vb)
+                finite = jnp.isfinite(lse_a)
+                w = jnp.where(finite, jnp.exp(l_t - jnp.where(finite, lse_a, 0.0)), 0.0)
+                d_o = (w[..., None] * do_a).astype(o_t.dtype)
+                d_l = w * (jnp.sum(do_a * (o_t.astype(jnp.float32) - o_a), axis=-1) + dlse_a)
+                gq, gk, gv = vjp((d_o, d_l))
+                dq[a] = dq[a] + gq.astype(jnp.float32)
+                dk_parts[b] = dk_parts[b] + gk.astype(jnp.float32)
+                dv_parts[b] = dv_parts[b] + gv.astype(jnp.float32)
+            dk_cur = dk_cur + jnp.concatenate(dk_parts, axis=2)
+            dv_cur = dv_cur + jnp.concatenate(dv_parts, axis=2)
+            kv = jax.lax.ppermute((k_cur, v_cur, ks_cur, dk_cur, dv_cur), self.axis_name, self.perm)
+            return (tuple(dq), kv), None
+
+        dq0 = tuple(jnp.zeros(x.shape, jnp.float32) for x, _ in q_pieces)
+        kv0 = (k, v, kv_seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        (dq, kv), _ = jax.lax.scan(body, (dq0, kv0), jnp.arange(n))
+        dq = jnp.concatenate(dq, axis=2).astype(q.dtype)
+        return dq, kv[3].astype(k.dtype), kv[4].astype(v.dtype)
+
+
+# ------------------------------------------------------------------- auto-dispatch from sharding
+
+
+def detect(query, key, layout: str):
+    """Ring keywords (mesh, axis_name, batch_axis, head_axis) when query and key are sequence-sharded.
+
+    Used by :func:`flashport.attention` to run the ring by itself. The sharding is read from concrete
+    arrays (``x.sharding``) or, under ``jit``, from the abstract value (``jax.typeof(x).sharding``),
+    which carries a spec only for mesh axes in explicit-sharding mode (``AxisType.Explicit``); with
+    the default ``Auto`` axes a traced array's sharding is decided later by the partitioner, so it
+    cannot be seen here and the call stays on the gathering path. Returns ``None`` when the
+    sequence dims are not sharded over one common mesh axis of size > 1 that divides both lengths.
+    """
+    seq_dim, head_dim = (1, 2) if layout == "BSHD" else (2, 1)
+    specs, mesh = [], None
+    for x in (query, key):
+        sharding = _sharding_of(x)
+        if not isinstance(sharding, jax.sharding.NamedSharding) or getattr(x, "ndim", 0) != 4:
+            return None
+        if mesh is not None and sharding.mesh.shape != mesh.shape:
+            return None
+        mesh = sharding.mesh
+        specs.append(tuple(sharding.spec) + (None,) * (4 - len(sharding.spec)))
+    (q_spec, k_spec) = specs
+    axis = q_spec[seq_dim]
+    if isinstance(axis, tuple):
+        axis = axis[0] if len(axis) == 1 else None
+    k_axis = k_spec[seq_dim]
+    if isinstance(k_axis, tuple):
+        k_axis = k_axis[0] if len(k_axis) == 1 else None
+    if axis is None or axis != k_axis or mesh.shape[axis] < 2:
+        return None
+    n = mesh.shape[axis]
+    if query.shape[seq_dim] % n or key.shape[seq_dim] % n:
+        return None
+    batch = q_spec[0] if q_spec[0] == k_spec[0] else None
+    heads = q_spec[head_dim] if q_spec[head_dim] == k_spec[head_dim] else None
+    if heads is not None:
+        size = _axis_size(mesh, heads, "head_axis")
+        if query.shape[head_dim] % size or key.shape[head_dim] % size:
+            heads = None
+    if batch is not None and query.shape[0] % _axis_size(mesh, batch, "batch_axis"):
+        batch = None
+    return dict(mesh=mesh, axis_name=axis, batch_axis=batch, head_axis=heads)
+
+
+def _sharding_of(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return x.sharding
+    try:
+        return jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+        return None
