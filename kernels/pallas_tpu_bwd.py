@@ -1,7 +1,10 @@
 """Backward Pallas TPU flash-attention kernels: dK/dV (key-major) and dQ (query-major, + dbias).
 
 Both recompute probabilities ``P = exp(S - lse)`` from the forward's saved log-sum-exp and use
-``di = rowsum(dO * O)`` (computed in XLA), with the same masking and block skipping as the forward:
+``di = rowsum(dO * O)`` (computed in XLA), with the same masking and block skipping as the forward.
+With dropout both regenerate the forward's keep-mask Z from the head-seed table (never stored):
+``dV = (P∘Z/(1-p))ᵀ dO``, ``dP = (dO Vᵀ)∘Z/(1-p)``, ``dS = P∘(dP - di)``.
+
 
 * dK/dV: grid ``(B, Hkv, nk, G, steps_q)``. K/V blocks stay resident while the query blocks that can
   see them (and, for GQA, all G query heads of the group) stream past; dK/dV accumulate in f32 VMEM
@@ -19,8 +22,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels.pallas_tpu_blocks import LANES
-from flashport.kernels.pallas_tpu_fwd import QueryMajorMaps, bias_spec, compute_dtype_for
-from flashport.kernels.pallas_tpu_tiling import Geometry, Step, scores, tile_visible
+from flashport.kernels import dropout
+from flashport.kernels.pallas_tpu_fwd import QueryMajorMaps, bias_spec
+from flashport.kernels.pallas_tpu_tiling import Geometry, Step, scores, tile_keep, tile_visible
 
 _SQ = pl.Squeezed()
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -28,28 +32,33 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
-def _dot(a, b, dims, dtype):
-    if dtype is not None:
-        a, b = a.astype(dtype), b.astype(dtype)
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+def _dot(a, b, dims):
+    """f32-accumulated matmul in ``b``'s dtype (the operand loaded from HBM: bf16 or f32)."""
+    return jax.lax.dot_general(a.astype(b.dtype), b, dims, preferred_element_type=jnp.float32)
 
 
-def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, cdt):
-    """Recompute one tile: returns ``(p, dlogits, raw)`` (all f32 [bq, bk]).
+def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, head_seed):
+    """Recompute one tile: returns ``(p_dropped, dlogits, raw)`` (all f32 [bq, bk]).
 
-    ``dlogits = P * (dO·Vᵀ - di)`` is the gradient w.r.t. the biased, soft-capped scores (and so the
-    bias gradient); ``raw`` are the pre-softcap scaled scores.
+    ``dlogits = P * (dP - di)`` with ``dP = (dO·Vᵀ)∘Z/(1-rate)`` is the gradient w.r.t. the biased,
+    soft-capped scores (and so the bias gradient); ``p_dropped = P∘Z/(1-rate)`` is what multiplied V
+    in the forward (``P`` itself without dropout); ``raw`` are the pre-softcap scaled scores. The
+    keep-mask Z is regenerated from ``head_seed`` and the tile's positions.
     """
-    s, raw = scores(g, q, k, bias, cdt)
+    s, raw = scores(g, q, k, bias)
     vis = tile_visible(g, st_q, st_k, mask, qs, ks)
     if vis is not None:
         s = jnp.where(vis, s, -jnp.inf)
     lse0 = lse[:, :1]
     p = jnp.exp(s - jnp.where(lse0 == -jnp.inf, 0.0, lse0))
-    mm_dtype = jnp.float32 if cdt is not None else v.dtype
-    dp = _dot(do, v, _NT, mm_dtype)
+    dp = _dot(do, v, _NT)
+    keep = tile_keep(g, head_seed, st_q, st_k)
+    p_dropped = p
+    if keep is not None:
+        rate = g.spec.dropout_rate
+        p_dropped, dp = dropout.apply(p, keep, rate), dropout.apply(dp, keep, rate)
     dlogits = p * (dp - di[:, :1])
-    return p, dlogits, raw
+    return p_dropped, dlogits, raw
 
 
 def _dscores(g: Geometry, dlogits, raw):
@@ -86,7 +95,7 @@ def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, table
     group = hq // hkv
     segmented = q_seg is not None
     n_tables = len(tables)
-    cdt = compute_dtype_for(q.dtype)
+    dropping = g.spec.dropout_rate > 0
 
     def step_of(bi, hk, j, gi, i, *tabs):
         return Step(tabs, bi, j, i, g.nk, g.nq, segmented, by_rows=False)
@@ -125,7 +134,7 @@ def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, table
     def kernel(*refs):
         tabs, r, rest = _split_refs(refs, n_tables, bias is not None, mask is not None, segmented)
         dk_ref, dv_ref, dk_scr, dv_scr = rest
-        bi, j, gi, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+        bi, hk, j, gi, i = (pl.program_id(a) for a in range(5))
         st = Step(tabs, bi, j, i, g.nk, g.nq, segmented, by_rows=False)
 
         @pl.when(jnp.logical_and(gi == 0, i == 0))
@@ -136,13 +145,13 @@ def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, table
         @pl.when(st.run)
         def _compute():
             qq, do = r["q"][...], r["do"][...]
+            head_seed = tabs[-1][bi * hq + hk * group + gi] if dropping else None
             p, dlogits, raw = _probs_and_dlogits(
                 g, st.block, j, qq, r["k"][...], r["v"][...], do, r["lse"][...], r["di"][...],
-                _load(r["bias"]), _load(r["mask"]), _load(r["qs"]), _load(r["ks"]), cdt,
+                _load(r["bias"]), _load(r["mask"]), _load(r["qs"]), _load(r["ks"]), head_seed,
             )
-            mm = jnp.float32 if cdt is not None else do.dtype
-            dv_scr[...] += _dot(p, do, _TN, mm)
-            dk_scr[...] += _dot(_dscores(g, dlogits, raw), qq, _TN, mm)
+            dv_scr[...] += _dot(p, do, _TN)
+            dk_scr[...] += _dot(_dscores(g, dlogits, raw), qq, _TN)
 
         @pl.when(jnp.logical_and(gi == group - 1, i == g.steps_q - 1))
         def _finish():
@@ -194,7 +203,7 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
     group = hq // hkv
     segmented = q_seg is not None
     n_tables = len(tables)
-    cdt = compute_dtype_for(q.dtype)
+    dropping = g.spec.dropout_rate > 0
 
     maps = QueryMajorMaps(g, group, segmented)
     q_map, kv_map, bias_index = maps.q, maps.kv, maps.bias
@@ -238,7 +247,7 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
             _zeros_hbm, dq_ref, db_ref, dq_scr = rest
         else:
             dq_ref, dq_scr = rest
-        bi, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+        bi, h, i, j = (pl.program_id(a) for a in range(4))
         st = Step(tabs, bi, i, j, g.nq, g.nk, segmented, by_rows=True)
 
         @pl.when(j == 0)
@@ -250,10 +259,10 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
             kk = r["k"][...]
             _, dlogits, raw = _probs_and_dlogits(
                 g, i, st.block, r["q"][...], kk, r["v"][...], r["do"][...], r["lse"][...], r["di"][...],
-                _load(r["bias"]), _load(r["mask"]), _load(r["qs"]), _load(r["ks"]), cdt,
+                _load(r["bias"]), _load(r["mask"]), _load(r["qs"]), _load(r["ks"]),
+                tabs[-1][bi * hq + h] if dropping else None,
             )
-            mm = jnp.float32 if cdt is not None else kk.dtype
-            dq_scr[...] += _dot(_dscores(g, dlogits, raw), kk, _NN, mm)
+            dq_scr[...] += _dot(_dscores(g, dlogits, raw), kk, _NN)
             if has_bias:
                 tile = dlogits
                 if rq == 1:

@@ -16,14 +16,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels.pallas_tpu_blocks import LANES
-from flashport.kernels.pallas_tpu_tiling import Geometry, Step, scores, tile_visible
+from flashport.kernels import dropout
+from flashport.kernels.pallas_tpu_tiling import Geometry, Step, scores, tile_keep, tile_visible
 
 _SQ = pl.Squeezed()
-
-
-def compute_dtype_for(dtype):
-    """The MXU input dtype: native bf16/f32; float16 is upcast to f32 (f16 matmuls differ per chip)."""
-    return jnp.float32 if jnp.dtype(dtype) == jnp.float16 else None
 
 
 def bias_spec(g: Geometry, shape, index_of):
@@ -82,7 +78,8 @@ def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, int
     """Run the forward kernel on padded operands; returns ``(out, lse128[, visits])``.
 
     ``q`` [B, Hq, Sqp, Dp], ``k`` [B, Hkv, Skp, Dp], ``v`` [B, Hkv, Skp, Dvp] (already padded),
-    ``bias``/``mask`` prepared by :func:`prepare_operands`, ``tables`` from ``block_tables``.
+    ``bias``/``mask`` prepared by :func:`prepare_operands`, ``tables`` from ``block_tables`` (with
+    dropout, followed by the flattened uint32 [B * Hq] head-seed table of ``head_seed_table``).
     ``count_visits`` adds an int32 output counting computed tiles per (b, h, query block) - an
     instrumentation used by the block-skipping test.
     """
@@ -91,7 +88,7 @@ def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, int
     group = hq // hkv
     segmented = q_seg is not None
     n_tables = len(tables)
-    cdt = compute_dtype_for(q.dtype)
+    rate = g.spec.dropout_rate
 
     maps = QueryMajorMaps(g, group, segmented)
     q_map, kv_map, bias_index = maps.q, maps.kv, maps.bias
@@ -158,7 +155,7 @@ def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, int
 
         @pl.when(st.run)
         def _compute():
-            s, _ = scores(g, q_ref[...], k_ref[...], None if bias_ref is None else bias_ref[...], cdt)
+            s, _ = scores(g, q_ref[...], k_ref[...], None if bias_ref is None else bias_ref[...])
             vis = tile_visible(
                 g, i, st.block,
                 None if mask_ref is None else mask_ref[...],
@@ -176,8 +173,11 @@ def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, int
             l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
             m_scr[...] = m_new
             vv = v_ref[...]
-            pv_dtype = jnp.float32 if cdt is not None else vv.dtype
-            pv = jax.lax.dot_general(p.astype(pv_dtype), vv.astype(pv_dtype), (((1,), (0,)), ((), ())),
+            # Dropout acts on the normalized probabilities: l (and so lse) sums the undropped p.
+            keep = tile_keep(g, tabs[-1][bi * hq + h] if rate else None, i, st.block)
+            if keep is not None:
+                p = dropout.apply(p, keep, rate)
+            pv = jax.lax.dot_general(p.astype(vv.dtype), vv, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
             acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
             if count_visits:

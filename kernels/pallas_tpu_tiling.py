@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flashport.kernels import dropout
 from flashport.kernels.pallas_tpu_blocks import K_ALIGN, LANES, Q_ALIGN
 from flashport.kernels.spec import AttentionSpec
 
@@ -255,10 +256,8 @@ def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_ti
     return vis
 
 
-def scores(g: Geometry, q, k, bias_tile, compute_dtype):
+def scores(g: Geometry, q, k, bias_tile):
     """Scaled (and soft-capped, biased) f32 scores [bq, bk] of one tile plus the pre-softcap ``raw``."""
-    if compute_dtype is not None:
-        q, k = q.astype(compute_dtype), k.astype(compute_dtype)
     raw = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     raw = raw * g.spec.scale
     s = raw
@@ -267,6 +266,26 @@ def scores(g: Geometry, q, k, bias_tile, compute_dtype):
     if bias_tile is not None:
         s = s + bias_tile
     return s, raw
+
+
+def tile_keep(g: Geometry, head_seed, qi, kj):
+    """In-kernel dropout keep-mask [bq, bk] of query block ``qi`` x key block ``kj`` (``None``: no dropout).
+
+    ``head_seed`` is the uint32 scalar ``t_bh`` of the tile's (global) batch and query head, read from
+    the scalar-prefetch table. Positions are absolute (query and key axes are never sharded), so the
+    mask is :func:`flashport.kernels.dropout.keep_mask` itself, whatever the block sizes: the row hash
+    is computed once per query row ([bq, 1]) and combined with each key column.
+    """
+    if g.spec.dropout_rate == 0:
+        return None
+    rows = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, 1), 0)
+    cols = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, (1, g.bk), 1)
+    return dropout.keep_mask(None, g.spec.dropout_rate, head_seed, rows, cols)
+
+
+def head_seed_table(seed, batch: int, heads: int):
+    """``t_bh`` for every (batch, query head): uint32 [B, Hq] (the kernels read it flattened from SMEM)."""
+    return dropout.head_seed(seed, jnp.arange(batch)[:, None], jnp.arange(heads)[None, :])
 
 
 def analytic_causal_fraction(n: int) -> float:
