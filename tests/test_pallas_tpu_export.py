@@ -22,7 +22,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import flashport
 from flashport.kernels import registry
-from flashport.kernels.pallas_tpu_blocks import GENERATION_DEFAULTS, resolve_blocks
+from flashport.kernels.pallas_tpu.blocks import GENERATION_DEFAULTS, resolve_blocks
 
 S = jax.ShapeDtypeStruct
 # device_kind strings as JAX reports them; TPU7x has no table of its own and uses the fallback.

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashport.kernels import dropout
-from flashport.kernels.pallas_tpu_blocks import K_ALIGN, LANES, Q_ALIGN
+from flashport.kernels.pallas_tpu.blocks import K_ALIGN, LANES, Q_ALIGN
 from flashport.kernels.spec import AttentionSpec
 
 _BIG = np.iinfo(np.int32).max

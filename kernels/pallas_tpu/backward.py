@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flashport.kernels.pallas_tpu_blocks import LANES
+from flashport.kernels.pallas_tpu.blocks import LANES
 from flashport.kernels import dropout
-from flashport.kernels.pallas_tpu_fwd import QueryMajorMaps, bias_spec
-from flashport.kernels.pallas_tpu_tiling import Geometry, Step, scores, tile_keep, tile_visible
+from flashport.kernels.pallas_tpu.forward import QueryMajorMaps, bias_spec
+from flashport.kernels.pallas_tpu.tiling import Geometry, Step, scores, tile_keep, tile_visible
 
 _SQ = pl.Squeezed()
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T

@@ -1,23 +1,7 @@
-"""The ``pallas_tpu`` and ``pallas_tpu_interpret`` backends: flashport's own Pallas TPU flash attention.
+"""The backend functions around the kernels: padding, the custom_vjp, dropout seeds, registration.
 
-Both run the same kernels (:mod:`~flashport.kernels.pallas_tpu_fwd`,
-:mod:`~flashport.kernels.pallas_tpu_bwd`); ``pallas_tpu_interpret`` runs them in the TPU interpreter
-(``interpret=pltpu.InterpretParams()``) on CPU for tests and debugging and is never picked by
-``auto``.
-
-What this module adds around the kernels:
-
-* padding: sequences to whole blocks (padded keys are hidden by a position test inside the kernel,
-  never by an O(S²) bias) and head dims to 128 lanes;
-* a ``custom_vjp``: forward saves ``out`` and ``lse`` (O(S)); backward runs the dK/dV and dQ kernels;
-* dropout: the per-(batch, query head) seeds ``t_bh`` of :mod:`~flashport.kernels.dropout` as a
-  scalar-prefetch table; the kernels hash positions into the keep-mask tile by tile (never stored);
-* sharding: a ``pallas_call`` cannot be partitioned by GSPMD/Shardy, so each kernel call is wrapped in
-  ``custom_partitioning`` that runs it per shard over the batch and head dims (sequence and head_dim
-  are gathered). Users pass sharded arrays and never write a ``shard_map``.
-
-Options (``registry.use("pallas_tpu", block_q=512, ...)``): ``generation`` and the fields of
-:class:`~flashport.kernels.pallas_tpu_blocks.BlockSizes`; see ``kernels/README.md``.
+See the package docstring (:mod:`flashport.kernels.pallas_tpu`) for what this adds around the
+kernels and for the options.
 """
 
 from __future__ import annotations
@@ -30,12 +14,12 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import registry
-from flashport.kernels.pallas_tpu_blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
-from flashport.kernels.pallas_tpu_bwd import dkv_call, dq_call
-from flashport.kernels.pallas_tpu_fwd import forward_call
-from flashport.kernels.pallas_tpu_platform import tpu_only
-from flashport.kernels.pallas_tpu_sharding import partitioned
-from flashport.kernels.pallas_tpu_tiling import (Geometry, block_tables, head_seed_table, pad_lanes, pad_to,
+from flashport.kernels.pallas_tpu.blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
+from flashport.kernels.pallas_tpu.backward import dkv_call, dq_call
+from flashport.kernels.pallas_tpu.forward import forward_call
+from flashport.kernels.pallas_tpu.platform import tpu_only
+from flashport.kernels.pallas_tpu.sharding import partitioned
+from flashport.kernels.pallas_tpu.tiling import (Geometry, block_tables, head_seed_table, pad_lanes, pad_to,
                                                  prepare_operands)
 from flashport.kernels.spec import FEATURES, AttentionSpec
 

@@ -2,7 +2,7 @@
 
 Grid ``(B, Hq, nq, steps_k)``; the key axis is last and ``"arbitrary"`` (it carries the running
 max ``m``, sum ``l`` and f32 accumulator in VMEM scratch), the others ``"parallel"``. Step j of query
-block i visits key block ``lo_i + j`` (see :mod:`flashport.kernels.pallas_tpu_tiling`); K/V index
+block i visits key block ``lo_i + j`` (see :mod:`flashport.kernels.pallas_tpu.tiling`); K/V index
 maps use kv head ``h // (Hq // Hkv)`` so GQA/MQA never repeats K/V. Broadcast bias/mask dims are
 indexed at 0 instead of being materialized. Outputs: ``out`` [B, Hq, Sqp, Dvp] and the log-sum-exp
 as lane-replicated f32 tiles [B, Hq, Sqp, 128] (sliced to [B, Hq, Sq] by the caller).
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flashport.kernels.pallas_tpu_blocks import LANES
+from flashport.kernels.pallas_tpu.blocks import LANES
 from flashport.kernels import dropout
-from flashport.kernels.pallas_tpu_tiling import Geometry, Step, scores, tile_keep, tile_visible
+from flashport.kernels.pallas_tpu.tiling import Geometry, Step, scores, tile_keep, tile_visible
 
 _SQ = pl.Squeezed()
 
