@@ -27,7 +27,10 @@ BLOCKS = [(32, 128), (64, 128), (32, 256), (64, 256)]
 
 
 def _read_mask(options, rate, b=2, hq=4, hkv=2, sq=50, sk=200):
-    """The kernels' keep-mask [B, Hq, Sq, Sk]: with zero scores and V = I per kv head, out = Z / ((1-rate) Sk)."""
+    """The kernels' keep-mask [B, Hq, Sq, Sk].
+
+    With zero scores and V = I per kv head, out = Z / ((1 - rate) Sk).
+    """
     q = jnp.zeros((b, sq, hq, 8), jnp.float32)
     k = jnp.zeros((b, sk, hkv, 8), jnp.float32)
     v = jnp.broadcast_to(jnp.eye(sk, dtype=jnp.float32)[None, :, None, :], (b, sk, hkv, sk))

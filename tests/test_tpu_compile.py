@@ -103,7 +103,8 @@ def test_every_feature_compiles(feature, dtype):
 def test_dropout_compiles_on_every_generation_and_dtype(gen, dtype):
     # The in-kernel keep-mask hash (uint32 multiply, xor, logical shifts, unsigned compare) must pass
     # Mosaic on every chip, in the forward and both backward kernels.
-    fwd, grad = compile_fwd_and_grad(one_chip(gen), dtype, "dropout_gqa", registry.use("pallas_tpu", generation=gen))
+    backend = registry.use("pallas_tpu", generation=gen)
+    fwd, grad = compile_fwd_and_grad(one_chip(gen), dtype, "dropout_gqa", backend)
     assert "flashport_flash_fwd" in fwd
     assert "flashport_flash_dkv" in grad and "flashport_flash_dq" in grad
 

@@ -20,8 +20,10 @@ Options (``registry.use("pallas_tpu", block_q=512, ...)``): ``generation`` and t
 :class:`~flashport.kernels.pallas_tpu.blocks.BlockSizes`; see ``kernels/README.md``.
 
 Modules: ``backend`` (padding, ``custom_vjp``, registration), ``forward`` and ``backward`` (the
-kernels), ``tiling`` (geometry, block-skip tables, in-tile masks and dropout), ``blocks`` (block sizes per generation), ``sharding`` (per-shard
-``custom_partitioning``), ``platform`` (TPU-only lowering for multi-platform export).
+kernels), ``specs`` (their BlockSpecs: one builder per grid order), ``tiling`` (geometry, the
+scalar-prefetch ``Tables``, in-tile masks and dropout), ``blocks`` (block sizes per generation),
+``sharding`` (per-shard ``custom_partitioning``), ``platform`` (TPU-only lowering for multi-platform
+export).
 """
 
 from flashport.kernels.pallas_tpu.backend import (

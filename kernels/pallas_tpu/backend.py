@@ -19,8 +19,8 @@ from flashport.kernels.pallas_tpu.backward import dkv_call, dq_call
 from flashport.kernels.pallas_tpu.forward import forward_call
 from flashport.kernels.pallas_tpu.platform import tpu_only
 from flashport.kernels.pallas_tpu.sharding import partitioned
-from flashport.kernels.pallas_tpu.tiling import (Geometry, block_tables, head_seed_table, pad_lanes, pad_to,
-                                                 prepare_operands)
+from flashport.kernels.pallas_tpu.tiling import (Geometry, Tables, block_tables, head_seed_table, pad_lanes,
+                                                 pad_to, prepare_operands)
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
 
@@ -58,17 +58,23 @@ def _pad_qkv(g: Geometry, q, k, v):
     return (pad_lanes(pad_to(q, 2, g.sqp)), pad_lanes(pad_to(k, 2, g.skp)), pad_lanes(pad_to(v, 2, g.skp)))
 
 
-def _launch(cfg: Config, call_fn, g: Geometry, operands, tables, **kwargs):
-    """Run a kernel builder; for real TPU lowering route it through :func:`tpu_only`."""
+def _launch(cfg: Config, call_fn, g: Geometry, operands, tables: Tables, **kwargs):
+    """Run a kernel builder ``call_fn(g, *operands, tables, interpret=...)``.
+
+    Operands (``None`` where absent) and the tables travel as one flat list of arrays; for real TPU
+    lowering the call is routed through :func:`tpu_only`.
+    """
     present = [x is not None for x in operands]
-    flat = [x for x in operands if x is not None] + list(tables)
-    n = len(flat) - len(tables)
+    table_leaves, table_tree = jax.tree_util.tree_flatten(tables)
+    flat = [x for x in operands if x is not None] + table_leaves
+    n = len(flat) - len(table_leaves)
 
     def make(interpret):
         def run(*flat):
             it = iter(flat[:n])
             ops = [next(it) if p else None for p in present]
-            return tuple(call_fn(g, *ops, tuple(flat[n:]), interpret=interpret, **kwargs))
+            tabs = jax.tree_util.tree_unflatten(table_tree, flat[n:])
+            return tuple(call_fn(g, *ops, tabs, interpret=interpret, **kwargs))
 
         return run
 
@@ -113,9 +119,10 @@ def _loadable(x):
     return x.astype(jnp.float32) if x is not None and x.dtype == jnp.float16 else x
 
 
-def _seed_tables(head_seeds):
-    """The dropout head-seed table appended to a kernel's scalar-prefetch tables (none without dropout)."""
-    return () if head_seeds is None else (head_seeds.reshape(-1),)
+def _tables(g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool) -> Tables:
+    """A kernel's scalar-prefetch tables: block ranges, plus the dropout head seeds when given."""
+    tables = block_tables(g, q_seg, kv_seg, by_rows=by_rows)
+    return tables if head_seeds is None else tables._replace(head_seeds=head_seeds.reshape(-1))
 
 
 def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds=None, *, count_visits=False):
@@ -130,7 +137,7 @@ def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds=N
     sq, dv = q.shape[2], v.shape[3]
     qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
-    tables = block_tables(g, q_seg, kv_seg, by_rows=True) + _seed_tables(head_seeds)
+    tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=True)
     res = _launch(cfg, forward_call, g, [qp, kp, vp, bias, mask, qs, ks], tables, count_visits=count_visits)
     out, lse = res[0][:, :, :sq, :dv].astype(out_dtype), res[1][:, :, :sq, 0]
     if count_visits:
@@ -153,7 +160,7 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
         dop = pad_lanes(pad_to(d_out, 2, g.sqp))
         lse_t, di_t = _lanes(lse, g.sqp), _lanes(di, g.sqp)
         b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
-        tables = block_tables(g, q_seg, kv_seg, by_rows=(kind == "dq")) + _seed_tables(head_seeds)
+        tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"))
         call = dkv_call if kind == "dkv" else dq_call
         results[kind] = (g, _launch(cfg, call, g, [qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks], tables))
     _, (dk, dv_) = results["dkv"]

@@ -16,15 +16,17 @@ With dropout both regenerate the forward's keep-mask Z from the head-seed table 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flashport.kernels.pallas_tpu.blocks import LANES
 from flashport.kernels import dropout
-from flashport.kernels.pallas_tpu.forward import QueryMajorMaps, bias_spec
-from flashport.kernels.pallas_tpu.tiling import Geometry, Step, scores, tile_keep, tile_visible
+from flashport.kernels.pallas_tpu.blocks import LANES
+from flashport.kernels.pallas_tpu.specs import key_major_specs, query_major_specs
+from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, tile_keep, tile_visible
 
 _SQ = pl.Squeezed()
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -69,94 +71,48 @@ def _dscores(g: Geometry, dlogits, raw):
     return dlogits * g.spec.scale
 
 
-def _split_refs(refs, n_tables, has_bias, has_mask, segmented):
-    tabs = refs[:n_tables]
-    refs = list(refs[n_tables:])
-    named = dict(zip(("q", "k", "v", "do", "lse", "di"), refs[:6]))
-    pos = 6
-    for name, present in (("bias", has_bias), ("mask", has_mask)):
-        named[name] = refs[pos] if present else None
-        pos += present
-    named["qs"] = named["ks"] = None
-    if segmented:
-        named["qs"], named["ks"] = refs[pos], refs[pos + 1]
-        pos += 2
-    return tabs, named, refs[pos:]
+def _dkv_kernel(tables, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, bias_ref, mask_ref, q_seg_ref,  # inputs
+                kv_seg_ref, dk_ref, dv_ref, dk_scr, dv_scr, *, g: Geometry, group: int):
+    """One grid step ``(b, hk, j, gi, i)``: add query block ``Step(...).block`` of query head
+    ``hk * G + gi`` to the resident key block j's dK/dV (absent inputs are ``None``)."""
+    bi, hk, j, gi, i = (pl.program_id(a) for a in range(5))
+    st = Step(tables, bi, j, i, g.nk, g.nq, by_rows=False)
 
+    @pl.when(jnp.logical_and(gi == 0, i == 0))
+    def _init():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-def _load(ref):
-    return None if ref is None else ref[...]
+    @pl.when(st.run)
+    def _compute():
+        q, do = q_ref[...], do_ref[...]
+        head_seed = None
+        if g.spec.dropout_rate:
+            head_seed = tables.head_seeds[bi * pl.num_programs(1) * group + hk * group + gi]
+        p, dlogits, raw = _probs_and_dlogits(
+            g, st.block, j, q, k_ref[...], v_ref[...], do, lse_ref[...], di_ref[...],
+            load(bias_ref), load(mask_ref), load(q_seg_ref), load(kv_seg_ref), head_seed,
+        )
+        dv_scr[...] += _dot(p, do, _TN)
+        dk_scr[...] += _dot(_dscores(g, dlogits, raw), q, _TN)
+
+    @pl.when(jnp.logical_and(gi == group - 1, i == g.steps_q - 1))
+    def _finish():
+        dk_ref[...] = dk_scr[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
 def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables, *, interpret):
-    """dK/dV kernel on padded operands; returns ``(dk [B, Hkv, Skp, Dp], dv [B, Hkv, Skp, Dvp])``."""
+    """dK/dV kernel on padded operands; returns ``(dk [B, Hkv, Skp, Dp], dv [B, Hkv, Skp, Dvp])``.
+
+    ``tables`` is the call's column-major :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
+    """
     b, hq, _, dp = q.shape
     hkv, dvp = k.shape[1], v.shape[3]
     group = hq // hkv
-    segmented = q_seg is not None
-    n_tables = len(tables)
-    dropping = g.spec.dropout_rate > 0
-
-    def step_of(bi, hk, j, gi, i, *tabs):
-        return Step(tabs, bi, j, i, g.nk, g.nq, segmented, by_rows=False)
-
-    def q_map(bi, hk, j, gi, i, *tabs):
-        return bi, hk * group + gi, step_of(bi, hk, j, gi, i, *tabs).block, 0
-
-    def kv_map(bi, hk, j, gi, i, *tabs):
-        return bi, hk, j, 0
-
-    def bias_index(bi, hk, j, gi, i, *tabs):
-        return bi, hk * group + gi, step_of(bi, hk, j, gi, i, *tabs).block, j
-
-    in_specs = [
-        pl.BlockSpec((_SQ, _SQ, g.bq, dp), q_map),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dp), kv_map),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dvp), kv_map),
-        pl.BlockSpec((_SQ, _SQ, g.bq, dvp), q_map),
-        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), q_map),
-        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), q_map),
-    ]
-    operands = [q, k, v, do, lse, di]
-    for x in (bias, mask):
-        if x is not None:
-            in_specs.append(bias_spec(g, x.shape, bias_index))
-            operands.append(x)
-    if segmented:
-        in_specs.append(
-            pl.BlockSpec((_SQ, g.bq, 1), lambda bi, hk, j, gi, i, *t: (bi, step_of(bi, hk, j, gi, i, *t).block, 0))
-        )
-        in_specs.append(pl.BlockSpec((_SQ, 1, g.bk), lambda bi, hk, j, gi, i, *t: (bi, 0, j)))
-        operands += [q_seg, kv_seg]
+    maps, in_specs = key_major_specs(g, q, k, v, bias, mask, q_seg is not None)
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    out_specs = [pl.BlockSpec((_SQ, _SQ, g.bk, dp), kv_map), pl.BlockSpec((_SQ, _SQ, g.bk, dvp), kv_map)]
-
-    def kernel(*refs):
-        tabs, r, rest = _split_refs(refs, n_tables, bias is not None, mask is not None, segmented)
-        dk_ref, dv_ref, dk_scr, dv_scr = rest
-        bi, hk, j, gi, i = (pl.program_id(a) for a in range(5))
-        st = Step(tabs, bi, j, i, g.nk, g.nq, segmented, by_rows=False)
-
-        @pl.when(jnp.logical_and(gi == 0, i == 0))
-        def _init():
-            dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
-            dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
-
-        @pl.when(st.run)
-        def _compute():
-            qq, do = r["q"][...], r["do"][...]
-            head_seed = tabs[-1][bi * hq + hk * group + gi] if dropping else None
-            p, dlogits, raw = _probs_and_dlogits(
-                g, st.block, j, qq, r["k"][...], r["v"][...], do, r["lse"][...], r["di"][...],
-                _load(r["bias"]), _load(r["mask"]), _load(r["qs"]), _load(r["ks"]), head_seed,
-            )
-            dv_scr[...] += _dot(p, do, _TN)
-            dk_scr[...] += _dot(_dscores(g, dlogits, raw), qq, _TN)
-
-        @pl.when(jnp.logical_and(gi == group - 1, i == g.steps_q - 1))
-        def _finish():
-            dk_ref[...] = dk_scr[...].astype(dk_ref.dtype)
-            dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+    out_specs = [pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv), pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv)]
 
     itemsize = jnp.dtype(q.dtype).itemsize
     tiles = b * hq * sum(h - l for l, h in zip(g.col_lo, g.col_hi))
@@ -168,10 +124,10 @@ def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, table
         ),
     )
     return pl.pallas_call(
-        kernel,
+        functools.partial(_dkv_kernel, g=g, group=group),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=n_tables,
+            num_scalar_prefetch=1,
             grid=(b, hkv, g.nk, group, g.steps_q),
             in_specs=in_specs,
             out_specs=out_specs,
@@ -183,7 +139,7 @@ def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, table
         cost_estimate=cost,
         interpret=interpret,
         name="flashport_flash_dkv",
-    )(*tables, *operands)
+    )(tables, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg)
 
 
 def dbias_block(g: Geometry, bias_shape):
@@ -191,96 +147,80 @@ def dbias_block(g: Geometry, bias_shape):
     return (g.bq if bias_shape[2] > 1 else 1), (g.bk if bias_shape[3] > 1 else 1)
 
 
+def _dq_kernel(tables, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, bias_ref, mask_ref, q_seg_ref,  # inputs
+               kv_seg_ref, dbias_zeros_ref, *rest, g: Geometry, dbias_block):
+    """One grid step ``(b, h, i, j)``: add key block ``Step(...).block`` to query block i's dQ.
+
+    ``rest`` is ``dq_ref, [dbias_ref,] dq_scratch``. With a bias, ``dbias_zeros_ref`` (HBM, never
+    read) is the zero-filled buffer the dbias output aliases, and ``dbias_block`` its ``(rq, rk)``.
+    """
+    del dbias_zeros_ref
+    has_bias = dbias_block is not None
+    dq_ref, dq_scr = rest[0], rest[-1]
+    db_ref = rest[1] if has_bias else None
+    bi, h, i, j = (pl.program_id(a) for a in range(4))
+    st = Step(tables, bi, i, j, g.nq, g.nk, by_rows=True)
+
+    @pl.when(j == 0)
+    def _init():
+        dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+    @pl.when(st.run)
+    def _compute():
+        k = k_ref[...]
+        head_seed = tables.head_seeds[bi * pl.num_programs(1) + h] if g.spec.dropout_rate else None
+        _, dlogits, raw = _probs_and_dlogits(
+            g, i, st.block, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], di_ref[...],
+            load(bias_ref), load(mask_ref), load(q_seg_ref), load(kv_seg_ref), head_seed,
+        )
+        dq_scr[...] += _dot(_dscores(g, dlogits, raw), k, _NN)
+        if has_bias:
+            rq, rk = dbias_block
+            tile = dlogits
+            if rq == 1:
+                tile = jnp.sum(tile, axis=0, keepdims=True)
+            if rk == 1:
+                tile = jnp.sum(tile, axis=1, keepdims=True)
+            db_ref[...] = tile
+
+    if has_bias:
+        # A block entered without computing (empty row, or skipped by segment ids) must still be
+        # written: output blocks are not read from HBM, so it would otherwise flush garbage.
+        @pl.when(jnp.logical_and(jnp.logical_not(st.run), jnp.logical_or(j == 0, j < st.count)))
+        def _zero():
+            db_ref[...] = jnp.zeros(db_ref.shape, jnp.float32)
+
+    @pl.when(j == g.steps_k - 1)
+    def _finish():
+        dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
+
+
 def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables, *, interpret):
     """dQ (+ bias gradient) kernel on padded operands.
 
     Returns ``(dq [B, Hq, Sqp, Dp], dbias_tiles)`` where ``dbias_tiles`` is ``None`` without a bias,
     else f32 [B, Hq, nq, nk, rq, rk] (see :func:`dbias_block`); the caller reduces it to the bias
-    shape.
+    shape. ``tables`` is the call's row-major :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
     """
     b, hq, _, dp = q.shape
-    hkv, dvp = k.shape[1], v.shape[3]
-    group = hq // hkv
-    segmented = q_seg is not None
-    n_tables = len(tables)
-    dropping = g.spec.dropout_rate > 0
-
-    maps = QueryMajorMaps(g, group, segmented)
-    q_map, kv_map, bias_index = maps.q, maps.kv, maps.bias
-
-    in_specs = [
-        pl.BlockSpec((_SQ, _SQ, g.bq, dp), q_map),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dp), kv_map),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dvp), kv_map),
-        pl.BlockSpec((_SQ, _SQ, g.bq, dvp), q_map),
-        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), q_map),
-        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), q_map),
-    ]
-    operands = [q, k, v, do, lse, di]
-    for x in (bias, mask):
-        if x is not None:
-            in_specs.append(bias_spec(g, x.shape, bias_index))
-            operands.append(x)
-    if segmented:
-        in_specs += maps.segment_specs()
-        operands += [q_seg, kv_seg]
+    dvp = v.shape[3]
+    maps, in_specs = query_major_specs(g, q, k, v, bias, mask, q_seg is not None, grads=True)
+    operands = [q, k, v, do, lse, di, bias, mask, q_seg, kv_seg]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [pl.BlockSpec((_SQ, _SQ, g.bq, dp), q_map)]
-    aliases = {}
-    has_bias = bias is not None
-    if has_bias:
-        rq, rk = dbias_block(g, bias.shape)
+    out_specs = [pl.BlockSpec((_SQ, _SQ, g.bq, dp), maps.q)]
+    aliases, block, zeros = {}, None, None
+    if bias is not None:
+        block = rq, rk = dbias_block(g, bias.shape)
         dshape = (b, hq, g.nq, g.nk, rq, rk)
         # Tiles the grid never visits keep these zeros (their true gradient is 0).
-        aliases = {n_tables + len(operands): 1}
-        operands.append(jnp.zeros(dshape, jnp.float32))
-        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        zeros = jnp.zeros(dshape, jnp.float32)
+        aliases = {len(jax.tree_util.tree_leaves((tables, *operands))): 1}
         out_shape.append(jax.ShapeDtypeStruct(dshape, jnp.float32))
         out_specs.append(
             pl.BlockSpec((_SQ, _SQ, _SQ, _SQ, rq, rk),
-                         lambda bi, h, i, j, *t: (bi, h, i, maps.step(bi, h, i, j, *t).block, 0, 0))
+                         lambda bi, h, i, j, t: (bi, h, i, maps.step(bi, h, i, j, t).block, 0, 0))
         )
-
-    def kernel(*refs):
-        tabs, r, rest = _split_refs(refs, n_tables, has_bias, mask is not None, segmented)
-        if has_bias:
-            _zeros_hbm, dq_ref, db_ref, dq_scr = rest
-        else:
-            dq_ref, dq_scr = rest
-        bi, h, i, j = (pl.program_id(a) for a in range(4))
-        st = Step(tabs, bi, i, j, g.nq, g.nk, segmented, by_rows=True)
-
-        @pl.when(j == 0)
-        def _init():
-            dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
-
-        @pl.when(st.run)
-        def _compute():
-            kk = r["k"][...]
-            _, dlogits, raw = _probs_and_dlogits(
-                g, i, st.block, r["q"][...], kk, r["v"][...], r["do"][...], r["lse"][...], r["di"][...],
-                _load(r["bias"]), _load(r["mask"]), _load(r["qs"]), _load(r["ks"]),
-                tabs[-1][bi * hq + h] if dropping else None,
-            )
-            dq_scr[...] += _dot(_dscores(g, dlogits, raw), kk, _NN)
-            if has_bias:
-                tile = dlogits
-                if rq == 1:
-                    tile = jnp.sum(tile, axis=0, keepdims=True)
-                if rk == 1:
-                    tile = jnp.sum(tile, axis=1, keepdims=True)
-                db_ref[...] = tile
-
-        if has_bias:
-            # A block entered without computing (empty row, or skipped by segment ids) must still be
-            # written: output blocks are not read from HBM, so it would otherwise flush garbage.
-            @pl.when(jnp.logical_and(jnp.logical_not(st.run), jnp.logical_or(j == 0, j < st.count)))
-            def _zero():
-                db_ref[...] = jnp.zeros(db_ref.shape, jnp.float32)
-
-        @pl.when(j == g.steps_k - 1)
-        def _finish():
-            dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
+    in_specs.append(None if zeros is None else pl.BlockSpec(memory_space=pl.ANY))
 
     itemsize = jnp.dtype(q.dtype).itemsize
     tiles = b * hq * g.visited_tiles
@@ -290,14 +230,14 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
         bytes_accessed=int(
             (2 * q.size + do.size) * itemsize + 2 * b * hq * g.sqp * LANES * 4
             + tiles * g.bk * (dp + dvp) * itemsize
-            + (tiles * rq * rk * 4 * 2 if has_bias else 0)
+            + (tiles * block[0] * block[1] * 4 * 2 if block else 0)
         ),
     )
     return pl.pallas_call(
-        kernel,
+        functools.partial(_dq_kernel, g=g, dbias_block=block),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=n_tables,
+            num_scalar_prefetch=1,
             grid=(b, hq, g.nq, g.steps_k),
             in_specs=in_specs,
             out_specs=out_specs,
@@ -310,4 +250,4 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
         cost_estimate=cost,
         interpret=interpret,
         name="flashport_flash_dq",
-    )(*tables, *operands)
+    )(tables, *operands, zeros)
