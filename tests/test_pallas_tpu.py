@@ -21,8 +21,8 @@ import pytest
 
 import flashport
 from flashport.kernels import pallas_tpu, registry
-from flashport.kernels.pallas_tpu_blocks import GENERATION_DEFAULTS, BlockSizes, resolve_blocks
-from flashport.kernels.pallas_tpu_tiling import Geometry, analytic_causal_fraction, visited_count
+from flashport.kernels.pallas_tpu.blocks import GENERATION_DEFAULTS, BlockSizes, resolve_blocks
+from flashport.kernels.pallas_tpu.tiling import Geometry, analytic_causal_fraction, visited_count
 from flashport.kernels.spec import AttentionSpec
 from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
@@ -249,7 +249,7 @@ def test_cost_estimate_is_analytic():
     fn = registry.get("pallas_tpu").fn
     jaxpr = jax.make_jaxpr(lambda q: fn(q, q, q, None, None, None, None, None, spec=spec,
                                         options=dict(block_q=128, block_k=128)))(q)
-    # The TPU lowering and its interpreter fallback (pallas_tpu_platform) carry the same kernel.
+    # The TPU lowering and its interpreter fallback (pallas_tpu.platform) carry the same kernel.
     costs = {e.params["cost_estimate"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"}
     assert len(costs) == 1
     costs = list(costs)

@@ -22,7 +22,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import flashport
 from flashport.kernels import registry
-from flashport.kernels.pallas_tpu_blocks import GENERATION_DEFAULTS, resolve_blocks
+from flashport.kernels.pallas_tpu.blocks import GENERATION_DEFAULTS, resolve_blocks
 
 S = jax.ShapeDtypeStruct
 # device_kind strings as JAX reports them; TPU7x has no table of its own and uses the fallback.
@@ -47,6 +47,8 @@ FEATURES = {
     "d64": ({}, {}, dict(d=64)),
     "d96": ({}, {}, dict(d=96)),
     "d256": ({}, {}, dict(d=256)),
+    "dropout": (dict(causal=True, dropout_rate=0.1), dict(dropout_rng=lambda b, h, q, k: S((2,), jnp.uint32)),
+                dict(hkv=1)),
     "everything": (dict(causal=True, window=(512, None), softcap=20.0),
                    dict(bias=lambda b, h, q, k: S((1, h, q, k), jnp.float32),
                         mask=lambda b, h, q, k: S((b, 1, 1, k), jnp.bool_),
@@ -135,17 +137,22 @@ def test_vmap_of_grad_lowers():
     assert_three_kernels(text)
 
 
-def export_without_mesh(backend, platforms, grad):
-    """Export forward (or value_and_grad) for ``platforms`` with no abstract mesh: a CPU build host."""
-    q = S((2, 300, 4, 128), jnp.bfloat16)
-    kv = S((2, 300, 2, 128), jnp.bfloat16)
+def export_without_mesh(backend, platforms, grad, dtype="bfloat16", dropout=False):
+    """Export forward (or value_and_grad) for ``platforms`` with no abstract mesh: a CPU build host.
 
-    def f(q, k, v):
-        return flashport.attention(q, k, v, causal=True, softcap=20.0, backend=backend)
+    With ``dropout`` the call drops with rate 0.1 and a traced raw uint32[2] key.
+    """
+    q = S((2, 300, 4, 128), jnp.dtype(dtype))
+    kv = S((2, 300, 2, 128), jnp.dtype(dtype))
+    key = S((2,), jnp.uint32)
+
+    def f(q, k, v, key):
+        drop = dict(dropout_rate=0.1, dropout_rng=key) if dropout else {}
+        return flashport.attention(q, k, v, causal=True, softcap=20.0, backend=backend, **drop)
 
     fn = jax.value_and_grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)) if grad else f
     assert jax.sharding.get_abstract_mesh().abstract_device is None
-    return jax.export.export(jax.jit(fn), platforms=list(platforms))(q, kv, kv).mlir_module()
+    return jax.export.export(jax.jit(fn), platforms=list(platforms))(q, kv, kv, key).mlir_module()
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "auto", registry.use("pallas_tpu", generation="v5e"),
@@ -161,6 +168,19 @@ def test_export_for_tpu_without_abstract_mesh(backend, platforms, grad):
         assert_three_kernels(text)
     else:
         assert text.count("tpu_custom_call") == 1 and "flashport_flash_fwd" in text
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gen", ["v4", "v5e", "v5p", "v6e"])
+def test_dropout_exports_without_abstract_mesh(gen, dtype):
+    text = export_without_mesh(registry.use("pallas_tpu", generation=gen), ("tpu",), grad=True, dtype=dtype,
+                               dropout=True)
+    assert_three_kernels(text)
+
+
+def test_dropout_exports_for_cpu_and_tpu_together():
+    text = export_without_mesh("auto", ("cpu", "tpu"), grad=True, dropout=True)
+    assert_three_kernels(text)
 
 
 def test_generation_option_is_validated():

@@ -40,6 +40,11 @@ FEATURES = {
                                kv_segment_ids=((2, SEQ), jnp.int32)), {}),
     "bottom_right_sq_ne_sk": (dict(causal=True), {}, dict(sq=SEQ // 2 + 7)),
     "decode_sq1": (dict(causal=True), {}, dict(sq=1)),
+    # Dropout (the key is a traced raw uint32[2] key): with GQA and causal, and with every masking feature.
+    "dropout_gqa": (dict(causal=True, dropout_rate=0.1), dict(dropout_rng=((2,), jnp.uint32)), dict(hkv=1)),
+    "dropout_everything": (dict(causal=True, softcap=30.0, window=(64, None), dropout_rate=0.3),
+                           dict(bias=((2, 4, SEQ, SEQ), jnp.float32), q_segment_ids=((2, SEQ), jnp.int32),
+                                kv_segment_ids=((2, SEQ), jnp.int32), dropout_rng=((2,), jnp.uint32)), {}),
 }
 
 
@@ -91,6 +96,17 @@ def test_every_generation_and_dtype_compiles(gen, dtype, feature):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_every_feature_compiles(feature, dtype):
     compile_fwd_and_grad(one_chip("v6e"), dtype, feature, registry.use("pallas_tpu", generation="v6e"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("gen", sorted(TOPOLOGIES))
+def test_dropout_compiles_on_every_generation_and_dtype(gen, dtype):
+    # The in-kernel keep-mask hash (uint32 multiply, xor, logical shifts, unsigned compare) must pass
+    # Mosaic on every chip, in the forward and both backward kernels.
+    backend = registry.use("pallas_tpu", generation=gen)
+    fwd, grad = compile_fwd_and_grad(one_chip(gen), dtype, "dropout_gqa", backend)
+    assert "flashport_flash_fwd" in fwd
+    assert "flashport_flash_dkv" in grad and "flashport_flash_dq" in grad
 
 
 def test_auto_with_default_generation_compiles():

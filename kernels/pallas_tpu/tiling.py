@@ -15,12 +15,14 @@ The ranges travel to the kernel as scalar-prefetch tables in SMEM (int32, flatte
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashport.kernels.pallas_tpu_blocks import K_ALIGN, LANES, Q_ALIGN
+from flashport.kernels import dropout
+from flashport.kernels.pallas_tpu.blocks import K_ALIGN, LANES, Q_ALIGN
 from flashport.kernels.spec import AttentionSpec
 
 _BIG = np.iinfo(np.int32).max
@@ -150,20 +152,43 @@ def _block_minmax(seg, true_len, block, n):
     return lo, hi
 
 
-def block_tables(g: Geometry, q_seg, kv_seg, *, by_rows: bool):
-    """Scalar-prefetch tables: the visited block range per row (``by_rows``) or per column block.
+class Tables(NamedTuple):
+    """The scalar-prefetch tables (SMEM) of one kernel call; absent tables are ``None``.
 
-    Without segment ids: ``(lo, hi)`` int32 of shape [n] (static ranges). With them: ``(lo, hi,
-    q_min, q_max, k_min, k_max)`` flattened over the batch: the static ranges narrowed to the first
-    and last block whose id interval overlaps, plus the per-block id intervals the kernels use to
-    skip non-overlapping blocks inside the range.
+    ``lo``/``hi``: int32 visited block range per resident block, [n] without segment ids, else
+    [B * n] (narrowed to the blocks whose segment-id intervals overlap). ``q_min``/``q_max`` [B * nq]
+    and ``k_min``/``k_max`` [B * nk]: per-block segment-id intervals (segment ids only).
+    ``head_seeds``: uint32 [B * Hq] dropout seeds ``t_bh`` (dropout only). Passed to ``pallas_call``
+    as one scalar-prefetch argument, so index maps and kernels receive a ``Tables`` of refs.
+    """
+
+    lo: Any
+    hi: Any
+    q_min: Any = None
+    q_max: Any = None
+    k_min: Any = None
+    k_max: Any = None
+    head_seeds: Any = None
+
+    @property
+    def segmented(self) -> bool:
+        """Whether the ranges are per batch row (segment ids given)."""
+        return self.q_min is not None
+
+
+def block_tables(g: Geometry, q_seg, kv_seg, *, by_rows: bool) -> Tables:
+    """Block-range :class:`Tables`: the visited block range per row (``by_rows``) or per column block.
+
+    Without segment ids: the static ranges. With them: ranges flattened over the batch and narrowed
+    to the first and last block whose id interval overlaps, plus the per-block id intervals the
+    kernels use to skip non-overlapping blocks inside the range.
     """
     if by_rows:
         lo_s, hi_s = np.asarray(g.row_lo, np.int32), np.asarray(g.row_hi, np.int32)
     else:
         lo_s, hi_s = np.asarray(g.col_lo, np.int32), np.asarray(g.col_hi, np.int32)
     if q_seg is None:
-        return jnp.asarray(lo_s), jnp.asarray(hi_s)
+        return Tables(jnp.asarray(lo_s), jnp.asarray(hi_s))
     q_min, q_max = _block_minmax(q_seg, g.spec.seq_q, g.bq, g.nq)
     k_min, k_max = _block_minmax(kv_seg, g.spec.seq_k, g.bk, g.nk)
     # overlap[b, i, j]: some query id of row block i may equal some key id of column block j.
@@ -178,16 +203,17 @@ def block_tables(g: Geometry, q_seg, kv_seg, *, by_rows: bool):
     lo = jnp.where(any_ok, jnp.argmax(ok, -1), lo_s[None, :])
     hi = jnp.where(any_ok, n_other - jnp.argmax(ok[..., ::-1], -1), lo_s[None, :])
     flat = lambda x: x.reshape(-1).astype(jnp.int32)  # noqa: E731
-    return flat(lo), flat(hi), flat(q_min), flat(q_max), flat(k_min), flat(k_max)
+    return Tables(flat(lo), flat(hi), flat(q_min), flat(q_max), flat(k_min), flat(k_max))
 
 
 def visited_count(g: Geometry, q_seg=None, kv_seg=None) -> int:
     """Tiles the row-major kernels compute, summed over the batch (1 batch row without segments)."""
     tables = block_tables(g, q_seg, kv_seg, by_rows=True)
-    lo, hi = np.asarray(tables[0]), np.asarray(tables[1])
+    lo, hi = np.asarray(tables.lo), np.asarray(tables.hi)
     if q_seg is None:
         return int(np.sum(hi - lo))
-    q_min, q_max, k_min, k_max = (np.asarray(t) for t in tables[2:])
+    q_min, q_max = np.asarray(tables.q_min), np.asarray(tables.q_max)
+    k_min, k_max = np.asarray(tables.k_min), np.asarray(tables.k_max)
     b = q_seg.shape[0]
     total = 0
     for bi in range(b):
@@ -203,26 +229,28 @@ class Step:
     """Scalar logic of one grid step, shared by index maps and kernel bodies.
 
     ``row`` is the resident block (query block for forward/dQ, key block for dK/dV), ``step`` the
-    position along the streamed axis. ``lo``/``hi`` index the tables at ``b * n_rows + row``.
+    position along the streamed axis; ``tables`` is the call's :class:`Tables` (of refs in a kernel).
     """
 
-    def __init__(self, tables, b, row, step, n_rows, n_cols, segmented, by_rows):
+    def __init__(self, tables: Tables, b, row, step, n_rows, n_cols, by_rows):
+        segmented = tables.segmented
         base = b * n_rows + row if segmented else row
-        lo, hi = tables[0][base], tables[1][base]
+        lo, hi = tables.lo[base], tables.hi[base]
         self.count = hi - lo
         # Clamp to the last visited block (or lo, for an empty range): an unchanged index means no DMA.
         self.block = jnp.minimum(lo + jnp.minimum(step, jnp.maximum(self.count - 1, 0)), n_cols - 1)
         self.run = step < self.count
         if segmented:
             other = b * n_cols + self.block
-            if by_rows:
-                qi, kj = base, other
-            else:
-                qi, kj = other, base
-            q_min, q_max, k_min, k_max = tables[2:6]
-            self.run = jnp.logical_and(
-                self.run, jnp.logical_and(q_min[qi] <= k_max[kj], k_min[kj] <= q_max[qi])
-            )
+            qi, kj = (base, other) if by_rows else (other, base)
+            t = tables
+            overlap = jnp.logical_and(t.q_min[qi] <= t.k_max[kj], t.k_min[kj] <= t.q_max[qi])
+            self.run = jnp.logical_and(self.run, overlap)
+
+
+def load(ref):
+    """``ref[...]``, or ``None`` for an absent (``None``) optional operand."""
+    return None if ref is None else ref[...]
 
 
 def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_tile=None):
@@ -255,10 +283,8 @@ def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_ti
     return vis
 
 
-def scores(g: Geometry, q, k, bias_tile, compute_dtype):
+def scores(g: Geometry, q, k, bias_tile):
     """Scaled (and soft-capped, biased) f32 scores [bq, bk] of one tile plus the pre-softcap ``raw``."""
-    if compute_dtype is not None:
-        q, k = q.astype(compute_dtype), k.astype(compute_dtype)
     raw = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     raw = raw * g.spec.scale
     s = raw
@@ -267,6 +293,26 @@ def scores(g: Geometry, q, k, bias_tile, compute_dtype):
     if bias_tile is not None:
         s = s + bias_tile
     return s, raw
+
+
+def tile_keep(g: Geometry, head_seed, qi, kj):
+    """In-kernel dropout keep-mask [bq, bk] of query block ``qi`` x key block ``kj`` (``None``: no dropout).
+
+    ``head_seed`` is the uint32 scalar ``t_bh`` of the tile's (global) batch and query head, read from
+    the scalar-prefetch table. Positions are absolute (query and key axes are never sharded), so the
+    mask is :func:`flashport.kernels.dropout.keep_mask` itself, whatever the block sizes: the row hash
+    is computed once per query row ([bq, 1]) and combined with each key column.
+    """
+    if g.spec.dropout_rate == 0:
+        return None
+    rows = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, 1), 0)
+    cols = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, (1, g.bk), 1)
+    return dropout.keep_mask(g.spec.dropout_rate, head_seed, rows, cols)
+
+
+def head_seed_table(seed, batch: int, heads: int):
+    """``t_bh`` for every (batch, query head): uint32 [B, Hq] (the kernels read it flattened from SMEM)."""
+    return dropout.head_seed(seed, jnp.arange(batch)[:, None], jnp.arange(heads)[None, :])
 
 
 def analytic_causal_fraction(n: int) -> float:

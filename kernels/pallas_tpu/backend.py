@@ -1,21 +1,7 @@
-"""The ``pallas_tpu`` and ``pallas_tpu_interpret`` backends: flashport's own Pallas TPU flash attention.
+"""The backend functions around the kernels: padding, the custom_vjp, dropout seeds, registration.
 
-Both run the same kernels (:mod:`~flashport.kernels.pallas_tpu_fwd`,
-:mod:`~flashport.kernels.pallas_tpu_bwd`); ``pallas_tpu_interpret`` runs them in the TPU interpreter
-(``interpret=pltpu.InterpretParams()``) on CPU for tests and debugging and is never picked by
-``auto``.
-
-What this module adds around the kernels:
-
-* padding: sequences to whole blocks (padded keys are hidden by a position test inside the kernel,
-  never by an O(S²) bias) and head dims to 128 lanes;
-* a ``custom_vjp``: forward saves ``out`` and ``lse`` (O(S)); backward runs the dK/dV and dQ kernels;
-* sharding: a ``pallas_call`` cannot be partitioned by GSPMD/Shardy, so each kernel call is wrapped in
-  ``custom_partitioning`` that runs it per shard over the batch and head dims (sequence and head_dim
-  are gathered). Users pass sharded arrays and never write a ``shard_map``.
-
-Options (``registry.use("pallas_tpu", block_q=512, ...)``): ``generation`` and the fields of
-:class:`~flashport.kernels.pallas_tpu_blocks.BlockSizes`; see ``kernels/README.md``.
+See the package docstring (:mod:`flashport.kernels.pallas_tpu`) for what this adds around the
+kernels and for the options.
 """
 
 from __future__ import annotations
@@ -28,12 +14,13 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import registry
-from flashport.kernels.pallas_tpu_blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
-from flashport.kernels.pallas_tpu_bwd import dkv_call, dq_call
-from flashport.kernels.pallas_tpu_fwd import forward_call
-from flashport.kernels.pallas_tpu_platform import tpu_only
-from flashport.kernels.pallas_tpu_sharding import partitioned
-from flashport.kernels.pallas_tpu_tiling import Geometry, block_tables, pad_lanes, pad_to, prepare_operands
+from flashport.kernels.pallas_tpu.blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
+from flashport.kernels.pallas_tpu.backward import dkv_call, dq_call
+from flashport.kernels.pallas_tpu.forward import forward_call
+from flashport.kernels.pallas_tpu.platform import tpu_only
+from flashport.kernels.pallas_tpu.sharding import partitioned
+from flashport.kernels.pallas_tpu.tiling import (Geometry, Tables, block_tables, head_seed_table, pad_lanes,
+                                                 pad_to, prepare_operands)
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
 
@@ -71,17 +58,23 @@ def _pad_qkv(g: Geometry, q, k, v):
     return (pad_lanes(pad_to(q, 2, g.sqp)), pad_lanes(pad_to(k, 2, g.skp)), pad_lanes(pad_to(v, 2, g.skp)))
 
 
-def _launch(cfg: Config, call_fn, g: Geometry, operands, tables, **kwargs):
-    """Run a kernel builder; for real TPU lowering route it through :func:`tpu_only`."""
+def _launch(cfg: Config, call_fn, g: Geometry, operands, tables: Tables, **kwargs):
+    """Run a kernel builder ``call_fn(g, *operands, tables, interpret=...)``.
+
+    Operands (``None`` where absent) and the tables travel as one flat list of arrays; for real TPU
+    lowering the call is routed through :func:`tpu_only`.
+    """
     present = [x is not None for x in operands]
-    flat = [x for x in operands if x is not None] + list(tables)
-    n = len(flat) - len(tables)
+    table_leaves, table_tree = jax.tree_util.tree_flatten(tables)
+    flat = [x for x in operands if x is not None] + table_leaves
+    n = len(flat) - len(table_leaves)
 
     def make(interpret):
         def run(*flat):
             it = iter(flat[:n])
             ops = [next(it) if p else None for p in present]
-            return tuple(call_fn(g, *ops, tuple(flat[n:]), interpret=interpret, **kwargs))
+            tabs = jax.tree_util.tree_unflatten(table_tree, flat[n:])
+            return tuple(call_fn(g, *ops, tabs, interpret=interpret, **kwargs))
 
         return run
 
@@ -126,15 +119,25 @@ def _loadable(x):
     return x.astype(jnp.float32) if x is not None and x.dtype == jnp.float16 else x
 
 
-def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, *, count_visits=False):
-    """Forward on unpadded canonical arrays of one shard; returns ``(out, lse[, visits])``."""
+def _tables(g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool) -> Tables:
+    """A kernel's scalar-prefetch tables: block ranges, plus the dropout head seeds when given."""
+    tables = block_tables(g, q_seg, kv_seg, by_rows=by_rows)
+    return tables if head_seeds is None else tables._replace(head_seeds=head_seeds.reshape(-1))
+
+
+def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds=None, *, count_visits=False):
+    """Forward on unpadded canonical arrays of one shard; returns ``(out, lse[, visits])``.
+
+    ``head_seeds`` (uint32 [B, Hq] of this shard, or None) are the dropout seeds ``t_bh`` of the
+    shard's global batch rows and query heads.
+    """
     out_dtype = q.dtype
     q, k, v, bias = map(_loadable, (q, k, v, bias))
     g = cfg.geometry("fwd")
     sq, dv = q.shape[2], v.shape[3]
     qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
-    tables = block_tables(g, q_seg, kv_seg, by_rows=True)
+    tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=True)
     res = _launch(cfg, forward_call, g, [qp, kp, vp, bias, mask, qs, ks], tables, count_visits=count_visits)
     out, lse = res[0][:, :, :sq, :dv].astype(out_dtype), res[1][:, :, :sq, 0]
     if count_visits:
@@ -142,7 +145,7 @@ def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, *, count_vis
     return out, lse
 
 
-def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse):
+def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds):
     """dQ, dK, dV (and the bias gradient, or None) for one shard."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, bias_in, d_out = map(_loadable, (q, k, v, bias, d_out))
@@ -157,7 +160,7 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
         dop = pad_lanes(pad_to(d_out, 2, g.sqp))
         lse_t, di_t = _lanes(lse, g.sqp), _lanes(di, g.sqp)
         b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
-        tables = block_tables(g, q_seg, kv_seg, by_rows=(kind == "dq"))
+        tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"))
         call = dkv_call if kind == "dkv" else dq_call
         results[kind] = (g, _launch(cfg, call, g, [qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks], tables))
     _, (dk, dv_) = results["dkv"]
@@ -185,22 +188,23 @@ def _reduce_dbias(g: Geometry, tiles, bias_shape, sq, sk):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg):
-    return partitioned(functools.partial(_forward_local, cfg), "fwd")(q, k, v, bias, mask, q_seg, kv_seg)
+def _attention(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds):
+    return partitioned(functools.partial(_forward_local, cfg), "fwd")(q, k, v, bias, mask, q_seg, kv_seg,
+                                                                       head_seeds)
 
 
-def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg):
-    out, lse = _attention(cfg, q, k, v, bias, mask, q_seg, kv_seg)
-    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, out, lse)
+def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds):
+    out, lse = _attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
+    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, out, lse, head_seeds)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
-    q, k, v, bias, mask, q_seg, kv_seg, out, lse = residuals
+    q, k, v, bias, mask, q_seg, kv_seg, out, lse, head_seeds = residuals
     d_out, d_lse = cotangents
     dq, dk, dv, dbias = partitioned(functools.partial(_backward_local, cfg), "bwd")(
-        q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse
+        q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds
     )
-    return dq, dk, dv, dbias, None, None, None
+    return dq, dk, dv, dbias, None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -209,7 +213,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def _make_backend_fn(name: str, interpret: bool):
     def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
         generation, blocks = resolve_blocks(dict(options), name)
-        return _attention(Config(spec, blocks, interpret, generation), q, k, v, bias, mask, q_seg, kv_seg)
+        # Dropout seeds of every (batch, query head), computed before sharding so that each shard's
+        # kernels hash global batch and head indices (positions are global: sequences are never split).
+        head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
+        return _attention(Config(spec, blocks, interpret, generation), q, k, v, bias, mask, q_seg, kv_seg,
+                          head_seeds)
 
     fn.__name__ = f"{name}_attention"
     fn.__doc__ = (
@@ -241,7 +249,7 @@ registry.register(
         description="flashport's Pallas TPU flash attention (forward + dK/dV and dQ kernels, block "
         "skipping in compute and DMA, GQA via index maps); TPU only.",
         platforms=("tpu",),
-        features=frozenset(FEATURES) - {"dropout"},
+        features=frozenset(FEATURES),
         fn=pallas_tpu_attention,
     )
 )
@@ -251,7 +259,7 @@ registry.register(
         description="The pallas_tpu kernels run in the TPU interpreter on CPU (slow; for tests and "
         "debugging, never chosen by auto).",
         platforms=("cpu",),
-        features=frozenset(FEATURES) - {"dropout"},
+        features=frozenset(FEATURES),
         fn=pallas_tpu_interpret_attention,
     )
 )

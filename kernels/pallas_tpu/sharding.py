@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 # Argument roles per call kind: which arguments carry a batch dim (dim 0) and which a head dim (dim 1):
 # "q" = query heads, "kv" = kv heads, "bias" = query heads or broadcast, None = no head dim.
 _ROLES = {
-    "fwd": ("q", "kv", "kv", "bias", "bias", None, None),
-    "bwd": ("q", "kv", "kv", "bias", "bias", None, None, "q", "q", "q", "q"),
+    "fwd": ("q", "kv", "kv", "bias", "bias", None, None, "q"),
+    "bwd": ("q", "kv", "kv", "bias", "bias", None, None, "q", "q", "q", "q", "q"),
 }
 _OUT_ROLES = {"fwd": ("q", "q"), "bwd": ("q", "kv", "kv", "bias")}
 
@@ -33,8 +33,10 @@ _OUT_ROLES = {"fwd": ("q", "q"), "bwd": ("q", "kv", "kv", "bias")}
 def partitioned(fn, kind: str):
     """Wrap ``fn(*arrays)`` (arrays may be ``None``) so it runs per batch/head shard.
 
-    ``kind`` is ``"fwd"`` (args q, k, v, bias, mask, q_seg, kv_seg -> out, lse) or ``"bwd"`` (args
-    + out, lse, d_out, d_lse -> dq, dk, dv, dbias).
+    ``kind`` is ``"fwd"`` (args q, k, v, bias, mask, q_seg, kv_seg, head_seeds -> out, lse) or
+    ``"bwd"`` (args q..kv_seg, out, lse, d_out, d_lse, head_seeds -> dq, dk, dv, dbias). The dropout
+    ``head_seeds`` [B, Hq] are sharded like the query's batch and heads, so each shard hashes global
+    (batch, head) indices.
     """
 
     def call(*args):

@@ -1,0 +1,136 @@
+"""BlockSpecs of the Pallas TPU attention kernels: one builder per grid order.
+
+The forward and dQ kernels share the query-major grid ``(B, Hq, nq, steps_k)`` and so one spec
+builder (:func:`query_major_specs`); the dK/dV kernel has the key-major grid
+``(B, Hkv, nk, G, steps_q)`` (:func:`key_major_specs`). Both return the input specs in the kernels'
+operand order ``q, k, v, [do, lse, di,] bias, mask, q_seg, kv_seg`` with ``None`` for an absent
+operand, so the kernel bodies take every ref by name (an absent one arrives as ``None``).
+
+Index maps receive the grid indices and the call's :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
+Step j along the streamed axis visits block ``Step(...).block``; skipped steps repeat a fetched block,
+so they cost no DMA. K/V use the kv head ``h // G``, so GQA/MQA never repeats K/V.
+"""
+
+from __future__ import annotations
+
+from jax.experimental import pallas as pl
+
+from flashport.kernels.pallas_tpu.blocks import LANES
+from flashport.kernels.pallas_tpu.tiling import Geometry, Step
+
+_SQ = pl.Squeezed()
+
+
+def bias_spec(g: Geometry, shape, index_of):
+    """BlockSpec of a rank-4 bias/mask with size-1 (broadcast) dims kept at block index 0.
+
+    ``index_of(*grid_indices, tables) -> (b, h, q_block, k_block)`` gives the indices to use for the
+    non-broadcast dims.
+    """
+    bb, hb, sqb, skb = shape
+    block = (_SQ, _SQ, g.bq if sqb > 1 else 1, g.bk if skb > 1 else 1)
+
+    def index_map(*args):
+        b, h, qi, kj = index_of(*args)
+        return (b if bb > 1 else 0, h if hb > 1 else 0, qi if sqb > 1 else 0, kj if skb > 1 else 0)
+
+    return pl.BlockSpec(block, index_map)
+
+
+def _optional_specs(g: Geometry, bias, mask, segmented, bias_index, q_seg_map, kv_seg_map):
+    """Specs of ``bias, mask, q_seg [B, Sqp, 1], kv_seg [B, 1, Skp]`` (``None`` where absent)."""
+    return [
+        None if bias is None else bias_spec(g, bias.shape, bias_index),
+        None if mask is None else bias_spec(g, mask.shape, bias_index),
+        pl.BlockSpec((_SQ, g.bq, 1), q_seg_map) if segmented else None,
+        pl.BlockSpec((_SQ, 1, g.bk), kv_seg_map) if segmented else None,
+    ]
+
+
+class QueryMajor:
+    """Index maps of the query-major grid ``(B, Hq, nq, steps_k)`` (forward and dQ kernels)."""
+
+    def __init__(self, g: Geometry, group: int):
+        self.g, self.group = g, group
+
+    def step(self, bi, h, i, j, tables):
+        """The visit schedule entry of grid point (bi, h, i, j)."""
+        return Step(tables, bi, i, j, self.g.nq, self.g.nk, by_rows=True)
+
+    def q(self, bi, h, i, j, tables):
+        """Query-side blocks (q, out, lse, dO, di, dQ): query block i."""
+        return bi, h, i, 0
+
+    def kv(self, bi, h, i, j, tables):
+        """K/V blocks: the scheduled key block of the shared kv head."""
+        return bi, h // self.group, self.step(bi, h, i, j, tables).block, 0
+
+    def bias(self, bi, h, i, j, tables):
+        """(b, h, q block, k block) indices of bias/mask tiles (see :func:`bias_spec`)."""
+        return bi, h, i, self.step(bi, h, i, j, tables).block
+
+
+def query_major_specs(g: Geometry, q, k, v, bias, mask, segmented: bool, *, grads: bool):
+    """Input specs of the forward (``grads=False``) or dQ kernel (``grads=True``: adds dO, lse, di)."""
+    maps = QueryMajor(g, q.shape[1] // k.shape[1])
+    dp, dvp = q.shape[3], v.shape[3]
+    specs = [
+        pl.BlockSpec((_SQ, _SQ, g.bq, dp), maps.q),
+        pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv),
+        pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv),
+    ]
+    if grads:
+        specs += [
+            pl.BlockSpec((_SQ, _SQ, g.bq, dvp), maps.q),
+            pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
+            pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
+        ]
+    specs += _optional_specs(
+        g, bias, mask, segmented, maps.bias,
+        lambda bi, h, i, j, t: (bi, i, 0),
+        lambda bi, h, i, j, t: (bi, 0, maps.step(bi, h, i, j, t).block),
+    )
+    return maps, specs
+
+
+class KeyMajor:
+    """Index maps of the key-major grid ``(B, Hkv, nk, G, steps_q)`` (dK/dV kernel)."""
+
+    def __init__(self, g: Geometry, group: int):
+        self.g, self.group = g, group
+
+    def step(self, bi, hk, j, gi, i, tables):
+        """The visit schedule entry of grid point (bi, hk, j, gi, i): the query block to visit."""
+        return Step(tables, bi, j, i, self.g.nk, self.g.nq, by_rows=False)
+
+    def q(self, bi, hk, j, gi, i, tables):
+        """Query-side blocks of query head ``hk * G + gi``: the scheduled query block."""
+        return bi, hk * self.group + gi, self.step(bi, hk, j, gi, i, tables).block, 0
+
+    def kv(self, bi, hk, j, gi, i, tables):
+        """K/V (and dK/dV) blocks: the resident key block j."""
+        return bi, hk, j, 0
+
+    def bias(self, bi, hk, j, gi, i, tables):
+        """(b, h, q block, k block) indices of bias/mask tiles."""
+        return bi, hk * self.group + gi, self.step(bi, hk, j, gi, i, tables).block, j
+
+
+def key_major_specs(g: Geometry, q, k, v, bias, mask, segmented: bool):
+    """Input specs of the dK/dV kernel: ``q, k, v, do, lse, di, bias, mask, q_seg, kv_seg``."""
+    maps = KeyMajor(g, q.shape[1] // k.shape[1])
+    dp, dvp = q.shape[3], v.shape[3]
+    specs = [
+        pl.BlockSpec((_SQ, _SQ, g.bq, dp), maps.q),
+        pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv),
+        pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv),
+        pl.BlockSpec((_SQ, _SQ, g.bq, dvp), maps.q),
+        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
+        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
+    ]
+    specs += _optional_specs(
+        g, bias, mask, segmented, maps.bias,
+        lambda bi, hk, j, gi, i, t: (bi, maps.step(bi, hk, j, gi, i, t).block, 0),
+        lambda bi, hk, j, gi, i, t: (bi, 0, j),
+    )
+    return maps, specs
