@@ -128,7 +128,10 @@ def _drop_aliases(stmt_text: str, names: set[str]) -> str | None:
             kept = [a for a in updated.names if (a.evaluated_alias or a.evaluated_name) not in names]
             if not kept:
                 return updated
-            kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT) if updated.rpar is None else kept[-1]
+            if updated.rpar is not None:
+                kept[-1] = kept[-1].with_changes(comma=_closing_comma(kept[-1].comma, updated.names[-1].comma))
+            else:
+                kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
             return updated.with_changes(names=kept)
 
         def leave_Import(self, original, updated):
@@ -141,6 +144,24 @@ def _drop_aliases(stmt_text: str, names: set[str]) -> str | None:
     new_body = module.visit(_Drop()).code
     out_lines = split_lines(new_body)
     return "".join((indent + line) if i == 0 or line.strip() else line for i, line in enumerate(out_lines))
+
+
+def _closing_comma(own, last):
+    """The comma for the new last alias of a parenthesized import.
+
+    What sits before ``)`` (the newline and indentation of the closing parenthesis) belongs to the
+    old last alias's comma, or to ``rpar`` when it had none. The new last alias keeps its own
+    comma and line comment and takes over the old last one's line break and indentation; without
+    a trailing comma before, it loses its comma.
+    """
+    if not isinstance(last, cst.Comma):
+        return cst.MaybeSentinel.DEFAULT
+    if not isinstance(own, cst.Comma):
+        return last
+    mine, theirs = own.whitespace_after, last.whitespace_after
+    if isinstance(mine, cst.ParenthesizedWhitespace) and isinstance(theirs, cst.ParenthesizedWhitespace):
+        return own.with_changes(whitespace_after=mine.with_changes(indent=theirs.indent, last_line=theirs.last_line))
+    return last
 
 
 def has_import(tree: ast.Module, module: str) -> bool:
