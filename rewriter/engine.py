@@ -124,7 +124,7 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
     needed: set[str] = set()
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
     newline = src.newline_of(lines)
-    aliases = _aliases(header_units, text_pattern)
+    aliases = _aliases(header_units, text_pattern) | _value_aliases(units, text_pattern)
     if aliases:  # `from flash_attn import flash_attn_func as fa`: a later `fa(...)` has no trigger text
         text_pattern = re.compile(text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b")
     chunks = list(_chunks(units, lines, text_pattern))
@@ -214,6 +214,27 @@ def _aliases(header_units, pattern) -> set[str]:
                             names.add(alias.asname or alias.name.split(".")[0])
     names.discard("*")
     return names
+
+
+def _value_aliases(units, pattern) -> set[str]:
+    """Names bound at module level by ``name = <trigger name>`` (``attn = flash_attn_func``): calls
+    through them (rewriter/aliases.py) sit in statements without trigger text."""
+    names: set[str] = set()
+    for unit in units:
+        for stmt in unit.nodes:
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                    and isinstance(stmt.value, (ast.Name, ast.Attribute)) and pattern.search(_dotted(stmt.value))):
+                names.add(stmt.targets[0].id)
+    return names
+
+
+def _dotted(node: ast.expr) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    parts.append(node.id if isinstance(node, ast.Name) else "")
+    return ".".join(reversed(parts))
 
 
 _SENTINEL = re.compile(r"^(?:class _flashport_chunk_\d+_:|# flashport-chunk-(\d+))(?:\r\n|\r|\n)", re.M)

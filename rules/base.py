@@ -171,8 +171,11 @@ class Rule:
         return Refusal("no rewrite implemented for this API")
 
     def check_reference(self, node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
-        """Answer for a source API used as a value (callback, mapping entry, feature probe)."""
-        return Report("used as a value (callback, mapping or feature probe), not called: not rewritten")
+        """Answer for a source API used as a value (callback, mapping entry, feature probe): a
+        report whose reason names the context (:func:`flashport.rules._values.describe`)."""
+        from flashport.rules import _values
+
+        return Report(_values.describe(node, ctx))
 
     def check_string(self, node: cst.SimpleString, value: str, ctx: RuleContext) -> Outcome:
         """Answer for a string literal whose value is in :attr:`STRINGS`."""
