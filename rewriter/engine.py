@@ -150,12 +150,13 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
         line_map.append((mini_line + 1, mini_line + count, unit.start))
         parts.append(body)
         mini_line += count
-    module = cst.parse_module("".join(parts))
-    transformer = SiteTransformer(rules, options, result.path, line_map, table, module)
+    mini_source = "".join(parts)
+    module = cst.parse_module(mini_source)
+    transformer = SiteTransformer(rules, options, result.path, line_map, table, module, source=mini_source)
     new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
     if vetoes:  # per-file phase: redo the pass with those rules' rewrites refused
-        transformer = SiteTransformer(rules, options, result.path, line_map, table, module, vetoes)
+        transformer = SiteTransformer(rules, options, result.path, line_map, table, module, vetoes, source=mini_source)
         new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
     result.sites.extend(transformer.sites)
     if transformer.rewrites:

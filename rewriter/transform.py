@@ -44,8 +44,10 @@ class SiteTransformer(cst.CSTTransformer):
         suppressions: dict[int, frozenset[str]],
         module: cst.Module,
         vetoes: dict[str, str] | None = None,
+        source: str | None = None,
     ):
         super().__init__()
+        self._lines = source.splitlines() if source is not None else None  # the mini module's text
         self.vetoes = vetoes or {}
         self.options = options
         self.path = path
@@ -92,6 +94,13 @@ class SiteTransformer(cst.CSTTransformer):
                 shift = file_line - first
                 return pos.start.line + shift, pos.start.column, pos.end.line + shift
         return None
+
+    def _has_comment(self, node: cst.CSTNode) -> bool:
+        """Whether the source lines of ``node`` hold a ``#`` (a cheap test before looking for comments)."""
+        pos = self.get_metadata(PositionProvider, node, None)
+        if pos is None or self._lines is None:
+            return True
+        return any("#" in line for line in self._lines[pos.start.line - 1 : pos.end.line])
 
     def _qualified_names(self, node: cst.CSTNode):
         """``QualifiedNameProvider``'s answer for ``node`` (same computation, on demand)."""
@@ -166,7 +175,7 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = Refusal(refusal.reason)
         if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:
             outcome = Refusal(self.vetoes[rule.CODE])
-        if isinstance(outcome, Rewrite):  # comments are kept, never a reason to refuse
+        if isinstance(outcome, Rewrite) and self._has_comment(original_node):  # comments are kept, never a reason to refuse
             node = keep_comments(original_node, outcome.node)
             if node is None:  # no current rule replaces a call by a non-call; stay safe if one does
                 outcome = Refusal("the replacement has no place for the comments inside the call; move them out first")

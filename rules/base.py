@@ -321,8 +321,15 @@ def no_dropout(node: cst.BaseExpression | None, name: str, ctx: "RuleContext") -
     raise Refuse(f"{name}={ctx.code(node)} may be non-zero; flashport.attention has no dropout")
 
 
+_EMPTY = cst.Module(body=())
+
+
 def comments(node: cst.CSTNode) -> list[str]:
     """The texts of every comment in ``node``'s subtree, in source order."""
+    # Fast paths: visiting a subtree rebuilds it node by node (milliseconds per call), rendering
+    # it is cheap, and almost no subtree holds a comment.
+    if isinstance(node, cst.SimpleWhitespace) or "#" not in _EMPTY.code_for_node(node):
+        return []
     found: list[str] = []
 
     class _Finder(cst.CSTVisitor):
