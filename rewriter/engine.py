@@ -125,11 +125,15 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
     newline = src.newline_of(lines)
     aliases = _aliases(header_units, text_pattern) | _value_aliases(units, text_pattern)
+    attributes = _attribute_aliases(tree, text_pattern)  # self.fn = flash_attn_func: calls self.fn(...) are reported
+    aliases |= attributes
     if aliases:  # `from flash_attn import flash_attn_func as fa`: a later `fa(...)` has no trigger text
         text_pattern = re.compile(text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b")
     chunks = list(_chunks(units, lines, text_pattern))
     chunk_ids = {id(c.parent or c) for c in chunks}  # before pruning: the header stays as it was
-    flags = prune.keep([c.nodes for c in chunks], tree, prune.watch_of(rules))
+    watch = prune.watch_of(rules)
+    watch = dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
+    flags = prune.keep([c.nodes for c in chunks], tree, watch)
     chunks = [c for c, kept in zip(chunks, flags) if kept]
     if not chunks:
         return result
@@ -227,6 +231,16 @@ def _value_aliases(units, pattern) -> set[str]:
                     and isinstance(stmt.value, (ast.Name, ast.Attribute)) and pattern.search(_dotted(stmt.value))):
                 names.add(stmt.targets[0].id)
     return names
+
+
+def _attribute_aliases(tree: ast.Module, pattern) -> frozenset[str]:
+    """Attribute names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute))
+                and pattern.search(_dotted(node.value))):
+            names.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
+    return frozenset(names)
 
 
 def _dotted(node: ast.expr) -> str:

@@ -67,6 +67,7 @@ class SiteTransformer(cst.CSTTransformer):
         self._path: list[cst.CSTNode] = []  # original nodes from the module down to the current one
         self._aliases: dict[int, aliases.Alias] = {}  # id(libcst Assignment) -> alias (rewriter/aliases.py)
         self._values: dict[int, tuple[Rule, str, int]] = {}  # id(Name target) of other `name = <source>`
+        self._attributes: dict[tuple[str, str], tuple[Rule, str, int]] = {}  # (receiver, attr) of `self.fn = <source>`
 
     # -- traversal path (what rules get as ``ctx.node`` / ``ctx.ancestors``) ------------------
 
@@ -194,6 +195,16 @@ class SiteTransformer(cst.CSTTransformer):
     def _through_value(self, call: cst.Call) -> None:
         """Report a call through a name that *may* hold a source API (bound to it and to other
         things): the call is where a reader looks, so it is listed there too."""
+        if isinstance(call.func, cst.Attribute) and isinstance(call.func.value, cst.Name):
+            held = self._attributes.get((call.func.value.value, call.func.attr.value))
+            where = self._file_lines(call) if held else None
+            if where is not None:
+                rule, api, line = held
+                self._record(rule, api, "call", where, Report(
+                    f"called through {call.func.value.value}.{call.func.attr.value}, which holds {api.rsplit('.', 1)[-1]} "
+                    f"(line {line}): an attribute can be rebound from anywhere, so the call does not resolve to one "
+                    "function; not rewritten"))
+            return
         if not self._values or not isinstance(call.func, cst.Name):
             return
         scope = self.get_metadata(ScopeProvider, call.func, None)
@@ -297,6 +308,8 @@ class SiteTransformer(cst.CSTTransformer):
             for target in node.targets:
                 if isinstance(target.target, cst.Name):
                     self._values[id(target.target)] = (*matched, where[0])
+                elif isinstance(target.target, cst.Attribute) and isinstance(target.target.value, cst.Name):
+                    self._attributes[(target.target.value.value, target.target.attr.value)] = (*matched, where[0])
 
     def visit_DictElement(self, node: cst.DictElement) -> None:
         """``{"flash_attention_2": flash_attn_func}``."""

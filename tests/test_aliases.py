@@ -161,3 +161,19 @@ def test_value_uses_are_reported_with_their_context(use, words):
     assert result.new is None
     [site] = result.sites
     assert site.kind == "reference" and site.status == "refused" and words in site.reason
+
+
+def test_a_call_through_an_attribute_alias_is_reported_at_the_call():
+    result = run("""
+        from flash_attn import flash_attn_qkvpacked_func
+
+        class Attention:
+            def __init__(self):
+                self.flash_qkv_fn = flash_attn_qkvpacked_func
+
+            def forward(self, qkv):
+                return self.flash_qkv_fn(qkv, causal=True)
+    """)
+    assert result.new is None
+    call = next(s for s in result.sites if s.kind == "call")
+    assert call.line == 9 and call.status == "refused" and "self.flash_qkv_fn" in call.reason
