@@ -88,6 +88,7 @@ class Result:
     fully_ported: list = dataclasses.field(default_factory=list)  # (root, relative path, new bytes)
     still_gpu: list = dataclasses.field(default_factory=list)
     imports: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    gpu_on_import: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -262,7 +263,9 @@ def import_check(result: Result, gpu_modules: tuple[str, ...]) -> None:
         done = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, base, ",".join(BLOCKED), *modules],
                               capture_output=True, text=True, timeout=1800)
         try:
-            result.imports.update(json.loads(done.stdout.strip().splitlines()[-1]).values())
+            outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+            result.imports.update(outcomes.values())
+            result.gpu_on_import += [m for m, how in outcomes.items() if how == "gpu"]
         except (json.JSONDecodeError, IndexError):
             result.imports["crash"] += len(modules)
 
@@ -312,7 +315,8 @@ def report(results: list[Result]) -> None:
         print(f"  {count:4d}  {reason}")
     for r in results:
         for label, items in (("crashes", r.crashes), ("stray changes", r.stray), ("not compiling", r.not_compiling),
-                             ("not idempotent", r.not_idempotent), ("fully ported, still importing GPU modules", r.still_gpu)):
+                             ("not idempotent", r.not_idempotent), ("fully ported, still importing GPU modules", r.still_gpu),
+                             ("fully ported modules whose import reached a GPU module", r.gpu_on_import)):
             if items:
                 print(f"\n{r.name} {label} ({len(items)}):")
                 for item in items[:8]:

@@ -34,7 +34,7 @@ import re
 from flashport.rewriter.source import split_lines
 
 _PROBE_CALL = re.compile(r"(available|find_spec|^is_|^has_)", re.I)
-_LOG_CALL = re.compile(r"(^|\.)(warn|warning|info|debug|print|print_once|warning_once|info_once)$")
+_LOG_CALL = re.compile(r"(^|\.)(warn|warning|info|debug|error|exception|critical|print|print_once|warning_once|info_once)$")
 _TRY = (ast.Try, getattr(ast, "TryStar", ast.Try))
 
 

@@ -258,3 +258,16 @@ def test_a_ported_file_imports_and_runs_where_flash_attn_and_xformers_cannot_be_
     assert "flash_attn" not in ported and "import xformers" not in ported
     done = _run_model(tmp_path, ported)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_guard_that_only_logs_the_missing_library_goes_with_it():
+    text = port("""
+        try:
+            import xformers.ops
+        except ImportError:
+            LOG.error("xformers not found! Please install it before trying to use it.")
+
+        def f(q, k, v):
+            return xformers.ops.memory_efficient_attention(q, k, v)
+    """)
+    assert "try:" not in text and "LOG.error" not in text and "import xformers" not in text
