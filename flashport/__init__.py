@@ -5,6 +5,8 @@ Public API (imported lazily, so ``import flashport`` and the CLI never pay for i
 * :func:`flashport.attention` -- the portable attention contract (``flashport.kernels.api``).
 * :func:`flashport.backends` -- which backends exist here and what each supports.
 * :func:`flashport.fuse_attention` / :func:`flashport.find_attention` -- the jaxpr pass.
+* :func:`flashport.varlen_attention` -- flash-attn's packed variable-length convention, for JAX
+  arrays and torch tensors alike.
 * ``flashport.torch.attention`` -- the PyTorch adapter (imports torch only when used).
 """
 
@@ -21,11 +23,29 @@ _LAZY = {
     "BackendInfo": "flashport.kernels.registry:BackendInfo",
     "fuse_attention": "flashport.rewriter.jaxpr.fuse:fuse_attention",
     "find_attention": "flashport.rewriter.jaxpr.fuse:find_attention",
-    "varlen_attention": "flashport.kernels.varlen:varlen_attention",
     "sdpa_mask": "flashport.kernels.sdpa_compat:sdpa_mask",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", "varlen_attention", *_LAZY]
+
+
+def varlen_attention(query, key, value, **kwargs):
+    """Attention over packed variable-length sequences (flash-attn's varlen convention).
+
+    Dispatches on the tensor type: torch tensors (torchax and torch_xla tensors included) go to
+    :func:`flashport.torch.varlen_attention` (dropout keywords ``dropout_p`` / ``generator``), JAX
+    arrays to :func:`flashport.kernels.varlen.varlen_attention` (``dropout_rate`` /
+    ``dropout_rng``). Both take ``cu_seqlens_q``, ``cu_seqlens_k``, ``scale``, ``causal``,
+    ``window``, ``align``, ``softcap``, ``layout="THD"`` and ``backend``, and return
+    ``[total_q, Hq, D]``; see those functions for the details.
+    """
+    from flashport.kernels.varlen import is_torch_tensor
+
+    if is_torch_tensor(query):
+        from flashport.torch import varlen_attention as impl
+    else:
+        from flashport.kernels.varlen import varlen_attention as impl
+    return impl(query, key, value, **kwargs)
 
 
 def __getattr__(name: str):

@@ -14,7 +14,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from flashport.kernels import checks, registry
+from flashport.kernels import checks, dropout, registry
 from flashport.kernels.spec import AttentionSpec
 
 log = logging.getLogger("flashport")
@@ -58,6 +58,8 @@ def attention(
     layout="BSHD",
     backend="auto",
     return_lse=False,
+    dropout_rate=0.0,
+    dropout_rng=None,
 ):
     """Scaled dot-product attention with one contract on every platform.
 
@@ -81,23 +83,32 @@ def attention(
         :func:`flashport.backends`, or a :class:`flashport.kernels.registry.BackendChoice` carrying
         backend options (``registry.use("pallas_tpu", block_q=512)``).
       return_lse: also return the log-sum-exp of the scores, float32 [B, Hq, Sq].
+      dropout_rate: probability of zeroing each entry of the normalized attention probabilities;
+        kept entries are scaled by ``1 / (1 - dropout_rate)`` (flash-attn / torch SDPA semantics).
+        The lse is that of the scores, unaffected by dropout.
+      dropout_rng: a JAX PRNG key, required when ``dropout_rate > 0``. The keep-mask is a pure
+        function of (key, batch, query head, query position, key position)
+        (:mod:`flashport.kernels.dropout`): every backend draws the same mask for the same key,
+        and gradients are exact for a fixed key. Split the key per step for fresh masks.
 
     Returns:
       The output in ``query``'s layout and dtype, or ``(out, lse)``. Softmax and accumulation run in
       float32. A query row that sees no key (all masked) returns 0 with lse = -inf, and its
-      gradients are 0, never NaN.
+      gradients are 0, never NaN. Precision: float32 inputs get float32 matmuls (``HIGHEST``; XLA's
+      CUDA default would be TF32) unless ``jax.default_matmul_precision`` is set, which is then
+      honoured; bfloat16/float16 inputs use the platform default with float32 accumulation.
 
     Raises:
       ValueError / TypeError naming the argument for shapes, dtypes or options that do not fit, and
       ValueError naming the missing feature when an explicit backend cannot serve the call.
     """
-    (q, k, v, bias, mask, q_seg, kv_seg), call = prepare(
+    (q, k, v, bias, mask, q_seg, kv_seg, seed), call = prepare(
         query, key, value, scale=scale, causal=causal, window=window, align=align, softcap=softcap,
         bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        layout=layout, return_lse=return_lse,
+        layout=layout, return_lse=return_lse, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
     )
     choice = _resolve_backend(backend, call)
-    out, lse = flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, call=call, choice=choice)
+    out, lse = flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, call=call, choice=choice)
     if layout == "BSHD":
         out = jnp.swapaxes(out, 1, 2)
     return (out, lse) if "return_lse" in call.features else out
@@ -105,10 +116,10 @@ def attention(
 
 def prepare(query, key, value, *, scale=None, causal=False, window=None, align="bottom_right",
             softcap=None, bias=None, mask=None, q_segment_ids=None, kv_segment_ids=None,
-            layout="BSHD", return_lse=False):
+            layout="BSHD", return_lse=False, dropout_rate=0.0, dropout_rng=None):
     """Validate ``attention``'s arguments and return ``(canonical_arrays, call)``.
 
-    ``canonical_arrays`` is ``(q, k, v, bias, mask, q_segment_ids, kv_segment_ids)`` in the
+    ``canonical_arrays`` is ``(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed)`` in the
     backend form of :mod:`flashport.kernels.spec`; ``call`` is the static :class:`Call` that backend
     checks and ``auto`` look at. Useful to ask which backend would run, without running it.
     """
@@ -131,12 +142,14 @@ def prepare(query, key, value, *, scale=None, causal=False, window=None, align="
         softcap=checks.check_softcap(softcap),
         seq_q=sq,
         seq_k=sk,
+        dropout_rate=dropout.check_rate("dropout_rate", dropout_rate),
     )
     full = (batch, hq, sq, sk)
     bias = _check_broadcast("bias", bias, full, kind="float")
     mask = _check_broadcast("mask", mask, full, kind="bool")
     q_seg, kv_seg = _check_segments(q_segment_ids, kv_segment_ids, batch, sq, sk)
     return_lse = checks.check_bool("return_lse", return_lse)
+    seed = dropout.seed_words(dropout_rng) if spec.dropout_rate > 0 else None
 
     features = {DTYPES[q.dtype]}
     if spec.causal:
@@ -147,7 +160,8 @@ def prepare(query, key, value, *, scale=None, causal=False, window=None, align="
         features.add("align_bottom_right")
     for name, present in (("softcap", spec.softcap is not None), ("bias", bias is not None),
                           ("mask", mask is not None), ("segment_ids", q_seg is not None),
-                          ("gqa", hq != hkv), ("return_lse", return_lse)):
+                          ("gqa", hq != hkv), ("return_lse", return_lse),
+                          ("dropout", spec.dropout_rate > 0)):
         if present:
             features.add(name)
     call = Call(
@@ -160,13 +174,13 @@ def prepare(query, key, value, *, scale=None, causal=False, window=None, align="
         bias_shape=None if bias is None else tuple(bias.shape),
         mask_shape=None if mask is None else tuple(mask.shape),
     )
-    return (q, k, v, bias, mask, q_seg, kv_seg), call
+    return (q, k, v, bias, mask, q_seg, kv_seg, seed), call
 
 
 @functools.partial(jax.jit, static_argnames=("call", "choice"))
-def flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, *, call: Call, choice):
+def flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, call: Call, choice):
     """The jitted op (its name is what jaxprs, profiles and cost analyses show). Canonical in/out."""
-    args = (q, k, v, bias, mask, q_seg, kv_seg)
+    args = (q, k, v, bias, mask, q_seg, kv_seg, seed)
     with jax.named_scope("flashport_attention"):
         if call.kv_shape[2] == 0:
             return _no_keys(call)
@@ -198,8 +212,7 @@ def _no_keys(call: Call):
 def _run(choice, call, args):
     info = registry.get(choice.name)
     log.debug("flashport_attention %s: running backend %s", _describe(call), info.name)
-    q, k, v, bias, mask, q_seg, kv_seg = args
-    return info.fn(q, k, v, bias, mask, q_seg, kv_seg, spec=call.spec, options=choice.options_dict)
+    return info.fn(*args, spec=call.spec, options=choice.options_dict)
 
 
 def _run_positional(choice, call, *args):

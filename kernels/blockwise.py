@@ -8,7 +8,8 @@ the log-sum-exp are saved for the backward.
 Backward (``custom_vjp``, FA2 split): a dQ pass (map over query blocks, loop over their key blocks)
 and a dK/dV pass (map over key blocks, loop over the query blocks that see them), both recomputing
 probabilities from the saved lse, so training memory stays O(S) too. The bias gradient, when a bias
-is given, is produced block by block in the dQ pass.
+is given, is produced block by block in the dQ pass. Dropout (:mod:`flashport.kernels.dropout`)
+hashes each tile's positions, so the backward regenerates the forward's mask instead of storing it.
 
 Options: ``block_q`` and ``block_k`` (defaults 256 and 512; ``flashport.kernels.registry.use(
 "blockwise", block_q=128)``).
@@ -22,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashport.kernels import registry
-from flashport.kernels.scores import group_broadcastable, group_heads, softcap_grad, tile_logits
+from flashport.kernels import dropout, registry
+from flashport.kernels.scores import group_broadcastable, group_heads, matmul_precision, softcap_grad, tile_logits
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
 # Measured on a 2-core XLA:CPU host at S=4096, D=64 (causal): 256x512 tiles beat 512x512 by ~1.5x
@@ -34,7 +35,7 @@ DEFAULT_BLOCK_K = 512
 MIN_KEYS_FOR_BLOCKWISE = 1024
 
 
-def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, *, spec: AttentionSpec, options):
+def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
     """Blockwise attention over the canonical arrays; returns ``(out, lse)``."""
     unknown = set(options) - {"block_q", "block_k"}
     if unknown:
@@ -42,7 +43,7 @@ def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, *, spec: AttentionSp
     block_q = _block(options.get("block_q", DEFAULT_BLOCK_Q), spec.seq_q, "block_q")
     block_k = _block(options.get("block_k", DEFAULT_BLOCK_K), spec.seq_k, "block_k")
     tiling = _Tiling(spec, block_q, block_k)
-    return _attention(tiling, q, k, v, bias, mask, q_seg, kv_seg)
+    return _attention(tiling, q, k, v, bias, mask, q_seg, kv_seg, seed)
 
 
 def _block(value, seq, name):
@@ -112,7 +113,7 @@ def _slice(x, axis, start, size):
 class _Inputs:
     """Padded, grouped arrays and per-tile accessors."""
 
-    def __init__(self, t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, *, prescale=False):
+    def __init__(self, t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed, *, prescale=False):
         hkv = k.shape[1]
         sqp, skp = t.nq * t.bq, t.nk * t.bk
         self.t, self.prescaled = t, prescale
@@ -125,6 +126,20 @@ class _Inputs:
         self.mask = _pad(_pad(group_broadcastable(mask, hkv), 3, sqp, False), 4, skp, False)
         self.q_seg = _pad(q_seg, 1, sqp)
         self.kv_seg = _pad(kv_seg, 1, skp)
+        # Dropout: per (batch, query head) seeds [B, Hkv, G, 1, 1]; tiles hash their own positions.
+        self.head_seeds = None
+        if t.spec.dropout_rate > 0:
+            self.head_seeds = dropout.grouped_head_seeds(seed, q.shape[0], hkv, q.shape[1] // hkv)[..., None, None]
+
+    def dropped(self, i, j, p):
+        """``p`` of tile (i, j) with the contract's dropout applied (``p`` itself without dropout)."""
+        if self.head_seeds is None:
+            return p
+        t = self.t
+        q_pos = (i * t.bq + jnp.arange(t.bq))[:, None]
+        k_pos = j * t.bk + jnp.arange(t.bk)
+        keep = dropout.keep_mask(t.spec.dropout_rate, self.head_seeds, q_pos, k_pos)
+        return dropout.apply(p, keep, t.spec.dropout_rate)
 
     def logits(self, i, j, positional=True):
         t = self.t
@@ -161,13 +176,13 @@ def _unblock(stacked, axis_of_block, true_len):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
-    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg)
+def _attention(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
+    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg, seed)
     return out, lse
 
 
-def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
-    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, prescale=True)
+def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
+    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, seed, prescale=True)
     b, hkv, g = x.q.shape[:3]
     dv = v.shape[-1]
     kv_lo, kv_hi = jnp.asarray(t.kv_lo), jnp.asarray(t.kv_hi)
@@ -182,9 +197,9 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp(m - m_safe)
             p = jnp.exp(logits - m_safe[..., None])
-            l = alpha * l + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), _slice(x.v, 2, j, t.bk),
-                            preferred_element_type=jnp.float32)
+            l = alpha * l + jnp.sum(p, axis=-1)  # the normalizer counts dropped entries too
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", x.dropped(i, j, p).astype(v.dtype), _slice(x.v, 2, j, t.bk),
+                            preferred_element_type=jnp.float32, precision=matmul_precision(v.dtype))
             return m_new, l, alpha[..., None] * acc + pv
 
         init = (
@@ -205,15 +220,15 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg):
     return out, lse
 
 
-def _forward_vjp(t, q, k, v, bias, mask, q_seg, kv_seg):
-    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg)
-    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, out, lse)
+def _forward_vjp(t, q, k, v, bias, mask, q_seg, kv_seg, seed):
+    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg, seed)
+    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse)
 
 
 def _backward(t: _Tiling, residuals, cotangents):
-    q, k, v, bias, mask, q_seg, kv_seg, out, lse = residuals
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse = residuals
     d_out, d_lse = cotangents
-    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg)
+    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, seed)
     hkv = k.shape[1]
     sqp = t.nq * t.bq
     # dL/dlogits = P * (dP - rowsum(dO*O)) + P * dlse, so the lse cotangent folds into delta.
@@ -223,13 +238,21 @@ def _backward(t: _Tiling, residuals, cotangents):
     lse_g = _pad(group_heads(lse[..., None], hkv)[..., 0], 3, sqp, -jnp.inf)
 
     def probs_and_dlogits(i, j, logits, visible, raw):
-        """Recompute P and dL/dlogits of tile (i, j)."""
+        """Recompute P and dL/dlogits of tile (i, j); P comes back with dropout applied (for dV).
+
+        With dropout, out = (P∘Z/(1-r))·V: dP picks up Z/(1-r) and delta = rowsum(dO∘O) still holds.
+        """
         lse_i = _slice(lse_g, 3, i, t.bq)[..., None]
         p = jnp.where(visible & (lse_i > -jnp.inf), jnp.exp(logits - jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), 0.0)
         d_out_i = _slice(d_out_g, 3, i, t.bq)
-        dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out_i, _slice(x.v, 2, j, t.bk), preferred_element_type=jnp.float32)
-        dlogits = p * (dp - _slice(delta_g, 3, i, t.bq)[..., None])
-        return p, dlogits, raw, d_out_i
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out_i, _slice(x.v, 2, j, t.bk), preferred_element_type=jnp.float32,
+                        precision=matmul_precision(d_out_i.dtype))
+        dlogits = p * (x.dropped(i, j, dp) - _slice(delta_g, 3, i, t.bq)[..., None])
+        return x.dropped(i, j, p), dlogits, raw, d_out_i
+
+    # The f32-upcast gradient products: float32 math for float32 inputs; for bf16/f16 inputs the
+    # platform default (TF32 on CUDA) is as precise as the inputs.
+    prec = matmul_precision(q.dtype)
 
     def dscores(dlogits, raw):
         grad = softcap_grad(t.spec, raw)
@@ -245,7 +268,7 @@ def _backward(t: _Tiling, residuals, cotangents):
             dq, dbias = carry
             _, dlogits, raw, _ = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32))
+            dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32), precision=prec)
             if dbias is not None:
                 dbias = _accumulate_bias(dbias, dlogits, j, t.bk)
             return dq, dbias
@@ -278,8 +301,8 @@ def _backward(t: _Tiling, residuals, cotangents):
             dk, dv = carry
             p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32))
-            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32))
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
+            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32), precision=prec)
             return dk, dv
 
         k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)
@@ -290,7 +313,7 @@ def _backward(t: _Tiling, residuals, cotangents):
     sk = k.shape[2]
     dk = _unblock(dk, 2, sk).astype(k.dtype)
     dv = _unblock(dv, 2, sk).astype(v.dtype)
-    return dq, dk, dv, dbias, None, None, None
+    return dq, dk, dv, dbias, None, None, None, None
 
 
 def _accumulate_bias(dbias, dlogits, j, bk):

@@ -60,7 +60,7 @@ def check_call(call) -> str | None:
     return None
 
 
-def cudnn_attention(q, k, v, bias, mask, q_seg, kv_seg, *, spec, options):
+def cudnn_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options):
     """Run jax.nn's cuDNN attention on canonical BHSD arrays; returns ``(out, lse)`` with lse unset."""
     if options:
         raise ValueError(f"backend 'cudnn' takes no options, got {sorted(options)}")
@@ -89,7 +89,9 @@ registry.register(
         description="cuDNN fused attention via jax.nn.dot_product_attention(implementation='cudnn'); "
         "GPU only, fp16/bf16, top-left causal, left windows, bias.",
         platforms=("cuda",),
-        features=FEATURES,
+        # No dropout: cuDNN draws its mask from its own Philox stream, which cannot reproduce the
+        # contract's position hash, so auto falls back to a backend that can.
+        features=frozenset(FEATURES) - {"dropout"},
         fn=cudnn_attention,
         check=check_call,
         is_available=gpu_present,

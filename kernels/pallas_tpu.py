@@ -207,7 +207,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _make_backend_fn(name: str, interpret: bool):
-    def fn(q, k, v, bias, mask, q_seg, kv_seg, *, spec: AttentionSpec, options):
+    def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
         generation, blocks = resolve_blocks(dict(options), name)
         return _attention(Config(spec, blocks, interpret, generation), q, k, v, bias, mask, q_seg, kv_seg)
 
@@ -241,7 +241,7 @@ registry.register(
         description="flashport's Pallas TPU flash attention (forward + dK/dV and dQ kernels, block "
         "skipping in compute and DMA, GQA via index maps); TPU only.",
         platforms=("tpu",),
-        features=frozenset(FEATURES),
+        features=frozenset(FEATURES) - {"dropout"},
         fn=pallas_tpu_attention,
     )
 )
@@ -251,7 +251,7 @@ registry.register(
         description="The pallas_tpu kernels run in the TPU interpreter on CPU (slow; for tests and "
         "debugging, never chosen by auto).",
         platforms=("cpu",),
-        features=frozenset(FEATURES),
+        features=frozenset(FEATURES) - {"dropout"},
         fn=pallas_tpu_interpret_attention,
     )
 )

@@ -1,6 +1,6 @@
 """The backend registry: the seam where kernels plug into ``flashport.attention``.
 
-A backend is a function ``fn(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, *, spec, options)``
+A backend is a function ``fn(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed, *, spec, options)``
 over the canonical arrays described in :mod:`flashport.kernels.spec`, returning ``(out, lse)``. It is
 registered with :func:`register` together with the features it supports, the platforms it runs on
 and an optional ``check`` for limits that features alone cannot express (head_dim, dtype pairs...).

@@ -6,9 +6,24 @@ einsum against the kv head the group shares.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from flashport.kernels.spec import AttentionSpec, apply_softcap, positional_visible
+
+
+def matmul_precision(dtype):
+    """The ``precision`` of the XLA backends' matmuls for operands of ``dtype``.
+
+    The contract computes float32 inputs in float32. XLA's default on CUDA runs float32 matmuls in
+    TF32 (about 1e-3 relative error), so float32 operands get ``Precision.HIGHEST`` unless the caller
+    chose a precision with ``jax.default_matmul_precision`` (or the ``jax_default_matmul_precision``
+    flag), which is then honoured. bfloat16/float16 operands keep the default (their products are
+    exact in the float32 accumulator).
+    """
+    if jnp.dtype(dtype) != jnp.float32 or jax.config.jax_default_matmul_precision is not None:
+        return None
+    return jax.lax.Precision.HIGHEST
 
 
 def group_heads(x, hkv):
@@ -44,7 +59,8 @@ def tile_logits(spec: AttentionSpec, q, k, q_pos, k_pos, bias=None, mask=None, q
       ``(logits, visible, raw)``: float32 logits with hidden entries at -inf, the boolean visibility,
       and the pre-softcap scaled scores (backward passes need them for the tanh derivative).
     """
-    raw = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32)
+    raw = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32,
+                     precision=matmul_precision(q.dtype))
     if not q_prescaled:
         raw = raw * spec.scale
     logits = apply_softcap(spec, raw)

@@ -10,6 +10,8 @@ Canonical arrays (all backends):
 * ``bias``: float, rank 4, each dim either 1 or the full size of [B, Hq, Sq, Sk] (not broadcast).
 * ``mask``: bool, rank 4, same rule as ``bias``.
 * ``q_segment_ids`` [B, Sq] / ``kv_segment_ids`` [B, Sk], int32, both or neither.
+* ``seed``: uint32 [2], the dropout seed words (see :mod:`flashport.kernels.dropout`); ``None``
+  unless ``spec.dropout_rate > 0``.
 
 Backends return ``(out, lse)``: ``out`` [B, Hq, Sq, D] in ``q.dtype`` and ``lse`` float32 [B, Hq, Sq].
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+
+from flashport.kernels.visibility import band_visible
 
 # Features a call can need; backends declare which they support (see registry.BackendInfo).
 FEATURES = (
@@ -32,6 +36,7 @@ FEATURES = (
     "segment_ids",
     "gqa",
     "return_lse",
+    "dropout",
     "float32",
     "bfloat16",
     "float16",
@@ -49,6 +54,9 @@ class AttentionSpec:
       offset: key position of query 0 (Sk - Sq for bottom-right alignment, 0 for top-left).
       softcap: ``None`` or the tanh cap applied to the scaled scores.
       seq_q / seq_k: the true (unpadded) sequence lengths.
+      dropout_rate: probability of zeroing an entry of the normalized probabilities (kept ones are
+        scaled by 1 / (1 - rate)); the mask is :mod:`flashport.kernels.dropout`'s hash of the seed
+        the backend receives as its ``seed`` array. 0.0 means no dropout (``seed`` is None).
     """
 
     scale: float
@@ -59,6 +67,7 @@ class AttentionSpec:
     softcap: float | None
     seq_q: int
     seq_k: int
+    dropout_rate: float = 0.0
 
     @property
     def has_positional_mask(self) -> bool:
@@ -100,15 +109,9 @@ def positional_visible(spec: AttentionSpec, q_pos, k_pos):
     ``q_pos`` and ``k_pos`` are integer arrays that broadcast against each other (e.g. [bq, 1] and
     [1, bk]). Positions beyond the true lengths are hidden too, so padded blocks are safe.
     """
-    visible = (q_pos < spec.seq_q) & (k_pos < spec.seq_k)
-    diag = q_pos + spec.offset
-    if spec.causal:
-        visible &= k_pos <= diag
-    if spec.window_left is not None:
-        visible &= k_pos >= diag - spec.window_left
-    if spec.window_right is not None:
-        visible &= k_pos <= diag + spec.window_right
-    return visible
+    in_range = (q_pos < spec.seq_q) & (k_pos < spec.seq_k)
+    return band_visible(q_pos + spec.offset, k_pos, causal=spec.causal, left=spec.window_left,
+                        right=spec.window_right, visible=in_range)
 
 
 def apply_softcap(spec: AttentionSpec, s):

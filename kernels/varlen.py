@@ -7,16 +7,28 @@ lengths differ, so this helper builds, from ``cu_seqlens``, segment ids (tokens 
 ``cu_seqlens[-1]`` get ids that match nothing, so their output is 0) and a boolean mask that holds
 each sequence's own causal/window band, then calls the contract with batch 1.
 
-Works on torch tensors (through ``flashport.torch.attention``) and on JAX arrays (through
-``flashport.attention``, jit-compatible: ``total`` is a static shape). Imports neither framework
-at module import.
+:func:`varlen_attention` here runs JAX arrays through ``flashport.attention`` (jit-compatible:
+``total`` is a static shape); torch tensors (torchax and torch_xla tensors included) go through
+``flashport.torch.varlen_attention``, and ``flashport.varlen_attention`` dispatches between the two.
+This module never imports the torch adapter, and imports neither framework at module import.
+
+Dropout positions: the sequences are packed into one batch row, so the contract's keep-mask is
+drawn at batch 0 and at the **packed token positions** (query ``i`` and key ``j`` index the
+``total_q`` / ``total_k`` axes), not at positions within each sequence.
 """
 
 from __future__ import annotations
 
+import sys
 
-def _is_torch(x) -> bool:
-    return type(x).__module__.split(".")[0] == "torch"
+
+def is_torch_tensor(x) -> bool:
+    """Whether ``x`` is a ``torch.Tensor`` (subclasses too: torchax tensors), without importing torch.
+
+    A torch tensor cannot exist unless torch has been imported, so an unimported torch means no.
+    """
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def varlen_layout(cu_seqlens_q, cu_seqlens_k, total_q, total_k, *, causal=False, window=None, align="bottom_right"):
@@ -26,7 +38,7 @@ def varlen_layout(cu_seqlens_q, cu_seqlens_k, total_q, total_k, *, causal=False,
     """
     if align not in ("bottom_right", "top_left"):
         raise ValueError(f"align={align!r} is not supported; use 'bottom_right' or 'top_left'")
-    if _is_torch(cu_seqlens_q):
+    if is_torch_tensor(cu_seqlens_q):
         import torch
 
         cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
@@ -70,6 +82,24 @@ def varlen_layout(cu_seqlens_q, cu_seqlens_k, total_q, total_k, *, causal=False,
     return q_ids, kv_ids, mask
 
 
+def run_varlen(attention, query, key, value, *, cu_seqlens_q, cu_seqlens_k, scale, causal, window, align,
+               softcap, layout, backend, **extra):
+    """Call ``attention`` (a contract implementation) on packed sequences; shared by the JAX and the
+    torch ``varlen_attention``. ``extra`` (dropout keywords) is passed through unchanged."""
+    if layout != "THD":
+        raise ValueError(f"layout={layout!r}: varlen_attention takes packed [total, heads, head_dim] tensors (layout='THD')")
+    q_ids, kv_ids, mask = varlen_layout(
+        cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0], causal=causal, window=window, align=align
+    )
+    out = attention(
+        query[None], key[None], value[None],
+        scale=scale, softcap=softcap, mask=mask[None, None],
+        q_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None],
+        layout="BSHD", backend=backend, **extra,
+    )
+    return out[0]
+
+
 def varlen_attention(
     query,
     key,
@@ -84,9 +114,11 @@ def varlen_attention(
     softcap=None,
     layout="THD",
     backend="auto",
+    dropout_rate=0.0,
+    dropout_rng=None,
     attention=None,
 ):
-    """Attention over packed variable-length sequences, flash-attn varlen semantics.
+    """Attention over packed variable-length JAX arrays, flash-attn varlen semantics.
 
     Args:
       query: [total_q, Hq, D]; key, value: [total_k, Hkv, D] (``layout="THD"``).
@@ -96,28 +128,26 @@ def varlen_attention(
         ``len_k[b] - len_q[b]``, flash-attn >= 2.1; ``"top_left"``: offset 0).
       layout: must be ``"THD"``.
       backend: passed to the attention function.
-      attention: the contract implementation to call (default: ``flashport.torch.attention`` for
-        torch tensors, ``flashport.attention`` otherwise); tests pass a reference.
+      dropout_rate, dropout_rng: as :func:`flashport.attention`; the keep-mask is drawn at batch 0
+        and the packed token positions (module docstring).
+      attention: the contract implementation to call (default: ``flashport.attention``); tests pass
+        a reference. Dropout keywords are passed to it only when ``dropout_rate`` is non-zero.
 
     Returns:
       [total_q, Hq, D]; rows of tokens past ``cu_seqlens_q[-1]`` are 0.
-    """
-    if layout != "THD":
-        raise ValueError(f"layout={layout!r}: varlen_attention takes packed [total, heads, head_dim] tensors (layout='THD')")
-    if attention is None:
-        if _is_torch(query):
-            import flashport.torch
 
-            attention = flashport.torch.attention
-        else:
-            from flashport.kernels.api import attention
-    q_ids, kv_ids, mask = varlen_layout(
-        cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0], causal=causal, window=window, align=align
-    )
-    out = attention(
-        query[None], key[None], value[None],
-        scale=scale, softcap=softcap, mask=mask[None, None],
-        q_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None],
-        layout="BSHD", backend=backend,
-    )
-    return out[0]
+    Raises:
+      TypeError for torch tensors without ``attention`` (use ``flashport.varlen_attention`` or
+      ``flashport.torch.varlen_attention``, which take ``dropout_p`` / ``generator``).
+    """
+    if attention is None:
+        if is_torch_tensor(query):
+            raise TypeError(
+                "flashport.kernels.varlen.varlen_attention takes JAX arrays, got a torch tensor; use "
+                "flashport.varlen_attention or flashport.torch.varlen_attention for torch tensors"
+            )
+        from flashport.kernels.api import attention
+    extra = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng) if dropout_rate else {}
+    return run_varlen(attention, query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      scale=scale, causal=causal, window=window, align=align, softcap=softcap, layout=layout,
+                      backend=backend, **extra)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashport.kernels import registry
-from flashport.kernels.scores import group_broadcastable, group_heads, tile_logits
+from flashport.kernels import dropout, registry
+from flashport.kernels.scores import group_broadcastable, group_heads, matmul_precision, tile_logits
 from flashport.kernels.spec import FEATURES
 
 
-def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, *, spec, options):
+def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options):
     """Materialized attention over the canonical arrays; returns ``(out, lse)``."""
     if options:
         raise ValueError(f"backend 'xla' takes no options, got {sorted(options)}")
@@ -37,7 +37,11 @@ def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, *, spec, options):
     p = jnp.exp(logits - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
     l_safe = jnp.where(l > 0, l, 1.0)
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32)) / l_safe
+    if spec.dropout_rate > 0:
+        t_bh = dropout.grouped_head_seeds(seed, b, hkv, hq // hkv)[..., None, None]
+        keep = dropout.keep_mask(spec.dropout_rate, t_bh, jnp.arange(sq)[:, None], jnp.arange(k.shape[2]))
+        p = dropout.apply(p, keep, spec.dropout_rate)
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32), precision=matmul_precision(v.dtype)) / l_safe
     lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]
     return out.reshape(b, hq, sq, v.shape[-1]).astype(q.dtype), lse.reshape(b, hq, sq)
 

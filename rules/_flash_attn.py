@@ -14,8 +14,12 @@ import libcst as cst
 
 from flashport.rules.base import (
     Refuse,
+    Rewrite,
     RuleContext,
     Signature,
+    carry_dropout,
+    dotted,
+    insert_in_source_order,
     is_none,
     is_zero,
     literal_bool,
@@ -23,6 +27,7 @@ from flashport.rules.base import (
     no_dropout,
     number,
     string,
+    training_gated_zero,
     tuple_of,
 )
 
@@ -103,17 +108,26 @@ class _Substitute(cst.CSTTransformer):
         return self.node if updated_node.value == self.name else updated_node
 
 
+VARLEN_NO_DROPOUT = "flashport.varlen_attention has no dropout (port by hand with flashport.torch.attention and segment ids)"
+
+
 def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str,
-                  version: tuple[int, ...] | None = None) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
+                  version: tuple[int, ...] | None = None,
+                  dropout: bool = True) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
     """Map flash-attn keyword arguments to the contract's; returns (keywords, notes). ``version``
     (default: the configured ``flash_attn_version``) decides the causal alignment.
 
+    ``dropout_p`` is not among the keywords: with ``dropout=True`` (a ``flashport.torch.attention``
+    target) the rule carries it with :func:`add_dropout`; with ``dropout=False`` (the varlen target,
+    which has no dropout) a dropout that may be non-zero is refused here.
+
     Raises:
-      Refuse: for dropout that may be non-zero, ALiBi, return_attn_probs, paged KV.
+      Refuse: for dropout the target cannot take, ALiBi, return_attn_probs, paged KV.
     """
     value = {name: arg.value for name, arg in bound.items()}
     notes: list[str] = []
-    notes.extend(no_dropout(value.get("dropout_p"), "dropout_p", ctx))
+    if not dropout:
+        notes.extend(no_dropout(value.get("dropout_p"), "dropout_p", ctx, VARLEN_NO_DROPOUT))
     alibi = value.get("alibi_slopes")
     if not is_none(alibi):
         raise Refuse("alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here")
@@ -148,6 +162,109 @@ def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str,
             keywords.append(("softcap", cst.BooleanOperation(left=softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]) if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda)) else softcap, operator=cst.Or(), right=cst.Name("None"))))
     keywords.append(("align", string(align(version or ctx.options.flash_attn_version))))
     return keywords, notes
+
+
+def add_dropout(call: cst.Call, positional: list, keywords: list, bound: dict[str, cst.Arg],
+                ctx: RuleContext) -> tuple[list, list[str]]:
+    """``keywords`` with flash-attn's ``dropout_p`` carried over verbatim as the contract's
+    ``dropout_p`` (same meaning: dropout on the normalized probabilities, kept ones scaled by
+    1/(1-p), applied whenever p > 0), placed in its source evaluation order; returns
+    (keywords, notes). A literal 0 is dropped, and so is a training-gated one under ``--inference``.
+
+    Raises:
+      Refuse: for an impure dropout expression that cannot keep its evaluation order.
+    """
+    node = bound["dropout_p"].value if "dropout_p" in bound else None
+    entries, notes = carry_dropout(node, "dropout_p", "dropout_p", ctx)
+    for entry in entries:
+        keywords = insert_in_source_order(call, positional, keywords, entry, "dropout_p", ctx)
+    return keywords, notes
+
+
+COMPAT = "flashport.integrations.flash_attn_compat"
+
+
+def varlen_drop_in(call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int) -> Rewrite | None:
+    """A varlen call whose dropout may be non-zero, on flashport's drop-in of the same name
+    (``flash_attn_compat.flash_attn_varlen_func``..., flash-attn's signature, dropout passed to the
+    contract): ``flashport.varlen_attention`` has no dropout. The call keeps its arguments, so
+    evaluation order and comments are unchanged.
+
+    Returns None when the usual rewrite applies (no dropout, or dropped by ``--inference``) or when
+    the usual refusal should name the blocker (ALiBi, ``return_attn_probs``, flash-attn 2.0's
+    top-left causal, which the 2.x drop-ins do not follow).
+
+    Raises:
+      Refuse: for 2.x positional arguments after ``dropout_p`` (their order changed between releases).
+    """
+    node = bound["dropout_p"].value if "dropout_p" in bound else None
+    if node is None or is_zero(node) or (training_gated_zero(node) and ctx.options.inference):
+        return None
+    probs = bound["return_attn_probs"].value if "return_attn_probs" in bound else None
+    if "alibi_slopes" in bound and not is_none(bound["alibi_slopes"].value):
+        return None
+    if probs is not None and literal_bool(probs) is not False:
+        return None
+    if not is_fa1(ctx.qualified_name) and ctx.options.flash_attn_version < (2, 1):
+        return None
+    positional = sum(1 for arg in call.args if arg.keyword is None)
+    if not is_fa1(ctx.qualified_name) and positional > leading + 1:
+        raise Refuse(f"dropout_p={ctx.code(node)}: flashport.varlen_attention has no dropout, and the drop-in "
+                     "takes flash-attn 2.8's argument order; pass the arguments after dropout_p by keyword")
+    function = ctx.qualified_name.rsplit(".", 1)[-1]
+    note = f"drop-in {function} (flash-attn's signature; dropout_p passed to the contract): flashport.varlen_attention has no dropout"
+    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+
+
+def dense_drop_in(call: cst.Call, ctx: RuleContext, leading: int, why: str) -> Rewrite | None:
+    """The call itself on flashport's drop-in of the same name (``flash_attn_compat.flash_attn_func``...:
+    flash-attn 2.8's signature and semantics, ALiBi and dropout included): arguments, their
+    evaluation order and comments unchanged. ``why`` goes into the note.
+
+    Returns None for flash-attn 2.0 (top-left causal; the drop-in is bottom-right).
+
+    Raises:
+      Refuse: for positional arguments after ``window_size`` before flash-attn 2.6 (``softcap`` was
+        inserted before ``alibi_slopes`` in 2.6; the drop-in follows 2.8).
+    """
+    version = ctx.options.flash_attn_version
+    if version < (2, 1):
+        return None
+    if version < (2, 6) and sum(1 for arg in call.args if arg.keyword is None) > leading + 4:
+        raise Refuse(f"{why}, and the drop-in follows flash-attn 2.8's argument order: pass the arguments "
+                     "after window_size by keyword")
+    function = ctx.qualified_name.rsplit(".", 1)[-1]
+    note = f"drop-in {function} (flash-attn's signature and semantics): {why}"
+    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+
+
+def alibi_drop_in(call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int) -> Rewrite | None:
+    """A dense call with ``alibi_slopes`` on the drop-in (:func:`dense_drop_in`), which adds
+    flash-attn's ALiBi bias as its kernel does. None without ALiBi, or when the usual refusal should
+    stand (``return_attn_probs``, flash-attn 2.0)."""
+    if "alibi_slopes" not in bound or is_none(bound["alibi_slopes"].value):
+        return None
+    probs = bound["return_attn_probs"].value if "return_attn_probs" in bound else None
+    if probs is not None and literal_bool(probs) is not False:
+        return None
+    return dense_drop_in(call, ctx, leading, "alibi_slopes (ALiBi bias added as flash-attn's kernel adds it)")
+
+
+def dropout_or_drop_in(call: cst.Call, positional: list, keywords: list, bound: dict[str, cst.Arg],
+                       ctx: RuleContext, leading: int) -> tuple[list, list[str]] | Rewrite:
+    """:func:`add_dropout`, or, when the dropout expression cannot keep its evaluation order in the
+    explicit rewrite, the drop-in call (:func:`dense_drop_in`), which keeps every argument in place.
+
+    Raises:
+      Refuse: when neither applies.
+    """
+    try:
+        return add_dropout(call, positional, keywords, bound, ctx)
+    except Refuse:
+        drop_in = dense_drop_in(call, ctx, leading, "dropout_p keeps its place among arguments with side effects")
+        if drop_in is None:
+            raise
+        return drop_in
 
 
 def unbind(node: cst.BaseExpression, dim: int) -> cst.Arg:

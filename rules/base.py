@@ -306,19 +306,128 @@ def training_gated_zero(node: cst.BaseExpression) -> bool:
     return isinstance(node, cst.IfExp) and (is_zero(node.orelse) or is_zero(node.body))
 
 
-def no_dropout(node: cst.BaseExpression | None, name: str, ctx: "RuleContext") -> list[str]:
-    """Check a dropout argument is zero; returns notes (``--inference`` drops a training-gated one).
+def no_dropout(node: cst.BaseExpression | None, name: str, ctx: "RuleContext", why: str = "flashport.attention has no dropout") -> list[str]:
+    """Check a dropout argument is zero, for targets that cannot take dropout; returns notes
+    (``--inference`` drops a training-gated one).
 
     Raises:
-      Refuse: for dropout that may be non-zero (flashport.attention has none).
+      Refuse: for dropout that may be non-zero; ``why`` says why the target cannot carry it.
     """
     if node is None or is_zero(node):
         return []
     if training_gated_zero(node) and ctx.options.inference:
         return [f"dropped {name}={ctx.code(node)} (--inference: treated as 0)"]
     if training_gated_zero(node):
-        raise Refuse(f"{name}={ctx.code(node)} is non-zero in training; flashport.attention has no dropout (--inference drops it)")
-    raise Refuse(f"{name}={ctx.code(node)} may be non-zero; flashport.attention has no dropout")
+        raise Refuse(f"{name}={ctx.code(node)} is non-zero in training; {why} (--inference drops it)")
+    raise Refuse(f"{name}={ctx.code(node)} may be non-zero; {why}")
+
+
+def carry_dropout(node: cst.BaseExpression | None, name: str, target: str,
+                  ctx: "RuleContext") -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
+    """Carry a dropout argument over verbatim as the target's ``target`` keyword.
+
+    Returns ``(keywords, notes)``: no keyword for an absent or literal-zero dropout (the contract's
+    default is 0), none either for a training-gated one under ``--inference`` (dropped, with a note),
+    else ``[(target, node)]`` -- the expression itself, evaluated once by the new call. Place the
+    keyword with :func:`insert_in_source_order`.
+    """
+    if node is None or is_zero(node):
+        return [], []
+    if training_gated_zero(node) and ctx.options.inference:
+        return [], [f"dropped {name}={ctx.code(node)} (--inference: treated as 0)"]
+    return [(target, node)], []
+
+
+_PURE_LEAVES = (cst.Name, cst.Integer, cst.Float, cst.Imaginary, cst.SimpleString, cst.ConcatenatedString)
+
+
+def is_pure(node: cst.BaseExpression) -> bool:
+    """True for expressions whose evaluation order does not matter: names, attribute chains,
+    literals, subscripts, and operators / comparisons / conditionals over those (no calls, no
+    ``await``/``yield``/``:=``). Properties and operator overloads are presumed side-effect free."""
+    if isinstance(node, _PURE_LEAVES):
+        return True
+    if isinstance(node, cst.Attribute):
+        return is_pure(node.value)
+    if isinstance(node, cst.UnaryOperation):
+        return is_pure(node.expression)
+    if isinstance(node, (cst.BinaryOperation, cst.BooleanOperation)):
+        return is_pure(node.left) and is_pure(node.right)
+    if isinstance(node, cst.Comparison):
+        return is_pure(node.left) and all(is_pure(t.comparator) for t in node.comparisons)
+    if isinstance(node, cst.IfExp):
+        return is_pure(node.test) and is_pure(node.body) and is_pure(node.orelse)
+    if isinstance(node, cst.Subscript):
+        return is_pure(node.value) and all(
+            isinstance(e.slice, cst.Index) and is_pure(e.slice.value) for e in node.slice)
+    if isinstance(node, cst.Tuple):
+        return all(type(e) is cst.Element and is_pure(e.value) for e in node.elements)
+    return False
+
+
+def _is_literal(node: cst.BaseExpression) -> bool:
+    """Numbers, strings, ``None``/``True``/``False`` (with a unary sign): nothing to evaluate."""
+    if isinstance(node, cst.Name):
+        return node.value in ("None", "True", "False")
+    return literal_number(node) is not None or isinstance(node, (cst.SimpleString, cst.ConcatenatedString))
+
+
+def _source_positions(node: cst.CSTNode, positions: dict[int, int]) -> list[int]:
+    """Indices (in the original call) of the source arguments whose value appears in ``node``."""
+    found: list[int] = []
+
+    class _Finder(cst.CSTVisitor):
+        def on_visit(self, inner: cst.CSTNode) -> bool:
+            if id(inner) in positions:
+                found.append(positions[id(inner)])
+                return False
+            return True
+
+    if id(node) in positions:
+        return [positions[id(node)]]
+    node.visit(_Finder())
+    return found
+
+
+def insert_in_source_order(
+    call: cst.Call,
+    positional: Sequence[cst.BaseExpression | cst.Arg],
+    keywords: list,
+    entry: tuple[str, cst.BaseExpression],
+    name: str,
+    ctx: "RuleContext",
+) -> list:
+    """``keywords`` with ``entry`` (whose value is an argument of ``call``) inserted so that it is
+    evaluated in the same order, relative to the other carried-over arguments, as in ``call``.
+
+    The entry goes right after the last keyword holding an argument that preceded it in ``call``.
+    When the rewrite reorders the other arguments around it (e.g. SDPA's ``is_causal`` written
+    before a positional dropout), the order still holds for a side-effect-free expression
+    (:func:`is_pure`); otherwise the site is refused.
+
+    Raises:
+      Refuse: for an impure expression that cannot keep its place.
+    """
+    value = entry[1]
+    # A literal argument cannot observe a side effect, so its place does not constrain the entry.
+    positions = {id(arg.value): i for i, arg in enumerate(call.args)
+                 if arg.value is value or not _is_literal(arg.value)}
+    here = positions[id(value)]
+
+    def spots(item) -> list[int]:
+        node = item if isinstance(item, cst.CSTNode) else item[1]
+        return _source_positions(node, positions)
+
+    index = 0
+    for i, item in enumerate(keywords):
+        if any(p < here for p in spots(item)):
+            index = i + 1
+    before = [p for item in [*positional, *keywords[:index]] for p in spots(item)]
+    after = [p for item in keywords[index:] for p in spots(item)]
+    if not is_pure(value) and (any(p > here for p in before) or any(p < here for p in after)):
+        raise Refuse(f"{name}={ctx.code(value)} may have side effects and would be evaluated out of its "
+                     f"original order here; bind it to a name first")
+    return [*keywords[:index], entry, *keywords[index:]]
 
 
 _EMPTY = cst.Module(body=())

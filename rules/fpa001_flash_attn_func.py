@@ -11,19 +11,32 @@ Semantics mapping:
   (None = 1/sqrt(D)) -> ``scale``; ``window_size=(l, r)`` inclusive, -1 = unbounded -> ``window``
   with ``None`` for -1 (non-literal windows are converted at run time); ``softcap`` (0.0 = off) ->
   ``softcap`` (None = off); GQA (Hk divides Hq, contiguous groups) is the same in the contract;
-  ``deterministic`` is dropped (backward-only). Positional arguments are bound against the
+  ``deterministic`` is dropped (backward-only);
+  ``dropout_p`` -> ``dropout_p`` verbatim (same meaning: dropout on the normalized probabilities,
+  kept ones scaled by 1/(1-p), applied whenever p > 0, drawn from torch's default generator);
+  the expression is evaluated once, in its source order among the carried arguments (a literal 0
+  is dropped; ``--inference`` drops a training-gated ``p if self.training else 0.0``). Positional arguments are bound against the
   configured flash-attn version's signature (2.x inserted parameters mid-signature).
 
 What it refuses:
-  ``dropout_p`` that may be non-zero (``p if self.training else 0.0`` is dropped only with
-  ``--inference``), ``alibi_slopes``, ``return_attn_probs``, ``*args``/``**kwargs`` splats, unknown
-  arguments.
+  ``return_attn_probs``, ``*args``/``**kwargs`` splats, unknown arguments; the drop-in cases below
+  with flash-attn 2.0 (top-left causal) or, before 2.6, with positional arguments after
+  ``window_size``.
+
+Drop-in:
+  a call with ``alibi_slopes``, or whose dropout expression has side effects and would be evaluated
+  out of its source order by the explicit rewrite, keeps its arguments and calls
+  ``flashport.integrations.flash_attn_compat.flash_attn_func`` (flash-attn's signature and
+  semantics: ALiBi added as flash-attn's kernel adds it, dropout passed to the contract).
 
 Example::
 
     out = flash_attn_func(q, k, v, 0.0, softmax_scale=s, causal=True, window_size=(128, 0))
     # becomes
     out = flashport.torch.attention(q, k, v, scale=s, causal=True, window=(128, 0), align="bottom_right", layout="BSHD")
+    out = flash_attn_func(q, k, v, dropout_p=self.p if self.training else 0.0, causal=True)
+    # becomes
+    out = flashport.torch.attention(q, k, v, dropout_p=self.p if self.training else 0.0, scale=None, causal=True, align="bottom_right", layout="BSHD")
 """
 
 from __future__ import annotations
@@ -49,6 +62,14 @@ class FlashAttnFunc(Rule):
         """Bind against the configured version's signature and map to the contract."""
         bound = fa.signature(("q", "k", "v"), ctx.options.flash_attn_version).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
+        drop_in = fa.alibi_drop_in(call, bound, ctx, 3)
+        if drop_in is not None:
+            return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API)
+        carried = fa.dropout_or_drop_in(call, [q, k, v], keywords, bound, ctx, 3)
+        if isinstance(carried, Rewrite):
+            return carried
+        keywords, more = carried
         node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("BSHD"))], call)
+        notes += more
         return Rewrite(node, notes=tuple(notes))

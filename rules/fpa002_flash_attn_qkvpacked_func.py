@@ -8,11 +8,12 @@ What it rewrites:
 Semantics mapping:
   ``qkv`` is ``[B, S, 3, H, D]``; it is split once with ``*qkv.unbind(2)`` into BSHD q, k, v
   (``layout="BSHD"``). Sq == Sk, so alignment does not change the result, but it is stated
-  (``align="bottom_right"``). Everything else as FPA001 (scale, causal, window, softcap).
+  (``align="bottom_right"``). Everything else as FPA001 (dropout_p carried verbatim, scale, causal,
+  window, softcap).
 
 What it refuses:
-  as FPA001: non-zero dropout (unless ``--inference`` and training-gated), ALiBi,
-  ``return_attn_probs``, splats, unknown arguments.
+  as FPA001: ``return_attn_probs``, splats, unknown arguments (ALiBi and an out-of-order
+  side-effecting dropout go to the ``flash_attn_qkvpacked_func`` drop-in, as in FPA001).
 
 Example::
 
@@ -44,6 +45,15 @@ class FlashAttnQKVPackedFunc(Rule):
         """Split the packed tensor once and map the rest like FPA001."""
         bound = fa.signature(("qkv",), ctx.options.flash_attn_version).bind(call, self.API)
         (qkv,) = fa.required(bound, ("qkv",), self.API)
+        drop_in = fa.alibi_drop_in(call, bound, ctx, 1)
+        if drop_in is not None:
+            return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API)
-        node = build_call(self.TARGET, [fa.unbind(qkv, 2)], keywords + [("layout", string("BSHD"))], call)
+        positional = [fa.unbind(qkv, 2)]
+        carried = fa.dropout_or_drop_in(call, positional, keywords, bound, ctx, 1)
+        if isinstance(carried, Rewrite):
+            return carried
+        keywords, more = carried
+        node = build_call(self.TARGET, positional, keywords + [("layout", string("BSHD"))], call)
+        notes += more
         return Rewrite(node, notes=tuple(notes))

@@ -9,10 +9,11 @@ Semantics mapping:
   ``q`` is ``[B, Sq, H, D]``, ``kv`` is ``[B, Sk, 2, Hk, D]``; ``kv`` is split once with
   ``*kv.unbind(2)`` (``layout="BSHD"``). Causal/window are bottom-right (``align="bottom_right"``),
   which matters here because Sq may differ from Sk (decode, chunked prefill). GQA: Hk divides H,
-  contiguous groups, same as the contract. Rest as FPA001.
+  contiguous groups, same as the contract. Rest as FPA001 (``dropout_p`` carried verbatim).
 
 What it refuses:
-  as FPA001.
+  as FPA001 (ALiBi and an out-of-order side-effecting dropout go to the ``flash_attn_kvpacked_func``
+  drop-in, as in FPA001).
 
 Example::
 
@@ -44,6 +45,15 @@ class FlashAttnKVPackedFunc(Rule):
         """Split ``kv`` once and map the rest like FPA001."""
         bound = fa.signature(("q", "kv"), ctx.options.flash_attn_version).bind(call, self.API)
         q, kv = fa.required(bound, ("q", "kv"), self.API)
+        drop_in = fa.alibi_drop_in(call, bound, ctx, 2)
+        if drop_in is not None:
+            return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API)
-        node = build_call(self.TARGET, [q, fa.unbind(kv, 2)], keywords + [("layout", string("BSHD"))], call)
+        positional = [q, fa.unbind(kv, 2)]
+        carried = fa.dropout_or_drop_in(call, positional, keywords, bound, ctx, 2)
+        if isinstance(carried, Rewrite):
+            return carried
+        keywords, more = carried
+        node = build_call(self.TARGET, positional, keywords + [("layout", string("BSHD"))], call)
+        notes += more
         return Rewrite(node, notes=tuple(notes))

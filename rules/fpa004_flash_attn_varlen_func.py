@@ -7,6 +7,7 @@ What it rewrites:
   its flash-attn 1.x name ``flash_attn_unpadded_func(q, k, v, cu_seqlens_q, cu_seqlens_k,
   max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, return_attn_probs, deterministic)``
   from ``flash_attn.flash_attn_interface`` (1.x order: ``deterministic`` last).
+  Calls with dropout go to the ``flash_attn_compat`` drop-in of the same name (see Dropout).
 
 Semantics mapping:
   packed ``[total, H, D]`` tensors with int32 ``cu_seqlens`` ``(B+1,)`` -> ``layout="THD"`` and
@@ -18,8 +19,16 @@ Semantics mapping:
   flash-attn's kernel launch). Scale, window, softcap as FPA001. flash-attn 1.x causal is
   **top-left** (bottom-right only since 2.1), so the 1.x name gets ``align="top_left"``.
 
+Dropout:
+  ``flashport.varlen_attention`` has no dropout, so a call whose ``dropout_p`` may be non-zero (and
+  is not a training-gated one dropped by ``--inference``) keeps its arguments and calls the drop-in
+  of the same name, ``flashport.integrations.flash_attn_compat.<function>`` (flash-attn's signature
+  and semantics; ``dropout_p`` goes to ``flashport.torch.attention``). Not with flash-attn 2.0
+  (top-left causal), ALiBi or ``return_attn_probs``; 2.x positional arguments after ``dropout_p``
+  are refused (their order changed between releases).
+
 What it refuses:
-  non-zero dropout (unless ``--inference`` and training-gated), ALiBi, ``return_attn_probs``,
+  dropout the drop-in cannot take (see Dropout), ALiBi, ``return_attn_probs``,
   ``block_table`` (paged KV), splats (``flash_attn_varlen_func(**flash_kwargs)``), unknown
   arguments.
 
@@ -56,7 +65,10 @@ class FlashAttnVarlenFunc(Rule):
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         q, k, v, cu_q, cu_k = fa.required(bound, LEADING[:5], self.API)
-        keywords, notes = fa.map_arguments(bound, ctx, self.API, version)
+        drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
+        if drop_in is not None:
+            return drop_in
+        keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
         keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords
         notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
         node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("THD"))], call)

@@ -16,7 +16,7 @@ Semantics mapping:
   name gets ``align="top_left"`` (1.x causal is top-left, as FPA004).
 
 What it refuses:
-  as FPA004 (non-zero dropout unless ``--inference`` and training-gated, ALiBi,
+  as FPA004 (dropout goes to the drop-in as there; ALiBi,
   ``return_attn_probs``, splats, unknown arguments), and a ``cu_seqlens``
   expression that is not a plain name/attribute/subscript (it would be evaluated twice).
 
@@ -54,9 +54,12 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         qkv, cu = fa.required(bound, LEADING[:2], self.API)
+        drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
+        if drop_in is not None:
+            return drop_in
         if not _sites.simple(cu):
             raise Refuse(f"cu_seqlens={ctx.code(cu)} would be evaluated twice (queries and keys); bind it to a name first")
-        keywords, notes = fa.map_arguments(bound, ctx, self.API, version)
+        keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
         keywords = [("cu_seqlens_q", cu), ("cu_seqlens_k", cu)] + keywords
         notes.append("dropped max_seqlen (kernel launch size only)")
         node = build_call(self.TARGET, [fa.unbind(qkv, 1)], keywords + [("layout", string("THD"))], call)

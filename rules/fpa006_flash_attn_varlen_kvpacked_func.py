@@ -17,7 +17,7 @@ Semantics mapping:
   name gets ``align="top_left"``.
 
 What it refuses:
-  as FPA004: non-zero dropout (unless ``--inference`` and training-gated), ALiBi,
+  as FPA004 (dropout goes to the drop-in as there): ALiBi,
   ``return_attn_probs``, splats, unknown arguments.
 
 Example::
@@ -53,7 +53,10 @@ class FlashAttnVarlenKVPackedFunc(Rule):
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         q, kv, cu_q, cu_k = fa.required(bound, LEADING[:4], self.API)
-        keywords, notes = fa.map_arguments(bound, ctx, self.API, version)
+        drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
+        if drop_in is not None:
+            return drop_in
+        keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
         keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords
         notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
         node = build_call(self.TARGET, [q, fa.unbind(kv, 1)], keywords + [("layout", string("THD"))], call)

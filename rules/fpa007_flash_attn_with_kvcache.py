@@ -1,4 +1,4 @@
-"""FPA007 flash-attn-with-kvcache: ``flash_attn_with_kvcache`` -> a functional ``kvcache_attention``.
+"""FPA007 flash-attn-with-kvcache: ``flash_attn_with_kvcache`` -> a functional ``kvcache_attention`` or the drop-in.
 
 What it rewrites:
   ``flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=..., softmax_scale=...,
@@ -12,6 +12,15 @@ What it rewrites:
     not ``global``/``nonlocal``), read nowhere else, and the call is not inside a loop. The
     functional call inserts the rows into a copy and attends over it, so the output is the same.
 
+  Every other call -- new ``k``/``v`` whose in-place update may be relied on (caches that are
+  attributes, parameters, aliases, updated in a loop), ``rotary_cos``/``rotary_sin``,
+  ``cache_batch_idx``, ``cache_leftpad``, ``block_table``, a non-literal ``return_softmax_lse`` --
+  keeps its arguments and becomes a call of the drop-in
+  ``flashport.integrations.flash_attn_compat.flash_attn_with_kvcache``, which has flash-attn's
+  signature and full behaviour: it writes the new rows **in place** into the caches (rotated, at
+  ``cache_seqlens``, through ``cache_batch_idx`` or the pages of ``block_table``) and attends like
+  flash-attn (rotary positions, ``cache_leftpad``, per-sequence bottom-right causal/window).
+
 Semantics mapping:
   layout ``[B, S, H, D]`` kept; keys ``j < cache_seqlens[b] (+ S_new)`` are valid; causal/window are
   bottom-right **per sequence** (offset ``L_b - S_q``), built as a boolean mask; ``softmax_scale`` ->
@@ -21,17 +30,17 @@ Semantics mapping:
   Only ``q, k_cache, v_cache, k, v`` may be positional (the rest moved between 2.2 and 2.6).
 
 What it refuses:
-  new ``k``/``v`` when the in-place update may be relied on (a cache that is a parameter, an
-  attribute such as ``self.k_cache``, read again, or updated in a loop) -- rewriting would drop
-  the update; ``rotary_cos``/``rotary_sin`` (fused rotary embedding), ``cache_batch_idx``,
-  ``cache_leftpad``, ``block_table`` (paged cache), ``alibi_slopes``, a non-literal
-  ``return_softmax_lse``, positional arguments after ``v``, splats, unknown arguments.
+  ``alibi_slopes``, only one of ``k``/``v``, new ``k``/``v`` without ``cache_seqlens``, positional
+  arguments after ``v`` (their positions changed between releases), splats, unknown arguments.
 
 Example::
 
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True)
     # becomes
     out = flashport.integrations.flash_attn_compat.kvcache_attention(q, k_cache, v_cache, cache_seqlens=lens, scale=None, causal=True)
+    out = flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=lens, causal=True)
+    # becomes (the caches are updated in place, as before)
+    out = flashport.integrations.flash_attn_compat.flash_attn_with_kvcache(q, self.k_cache, self.v_cache, k, v, cache_seqlens=lens, causal=True)
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import libcst as cst
 
 from flashport.rules import _flash_attn as fa
 from flashport.rules import _sites
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, literal_bool, register
+from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, dotted, is_none, literal_bool, register
 
 MODULE = "flashport.integrations.flash_attn_compat"
 POSITIONAL = ("q", "k_cache", "v_cache", "k", "v")
@@ -55,6 +64,9 @@ UNSUPPORTED = {
     "block_table": "block_table (paged KV cache) has no portable equivalent",
     "alibi_slopes": "alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here",
 }
+# What only the drop-in ``flash_attn_compat.flash_attn_with_kvcache`` (flash-attn's full behaviour,
+# in-place update included) can port; the functional ``kvcache_attention`` cannot.
+DROP_IN_ONLY = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad", "block_table")
 
 
 ALLOCATORS = frozenset({"zeros", "zeros_like", "empty", "empty_like", "ones", "ones_like", "full", "full_like",
@@ -138,14 +150,20 @@ class FlashAttnWithKVCache(Rule):
     KEYWORDS = KEYWORDS
     UNSUPPORTED = UNSUPPORTED
     DROPPED = ("num_splits", "rotary_interleaved")
+    DROP_IN = MODULE + ".flash_attn_with_kvcache"  # FA3 (FPA012, other signature) sets None
 
     def check_call(self, call, ctx):
-        """Refuse what the contract cannot hold; rewrite reads, and updates nobody relies on."""
+        """Refuse what the contract cannot hold; rewrite reads, and updates nobody relies on, to the
+        functional form; the rest (live in-place updates, rotary, paged...) to the drop-in."""
         if sum(1 for a in call.args if a.keyword is None and not a.star) > len(POSITIONAL):
             raise Refuse("arguments after v must be passed by keyword: their positions changed between releases")
         bound = Signature(POSITIONAL, self.KEYWORDS).bind(call, self.API)
         q, k_cache, v_cache = fa.required(bound, POSITIONAL[:3], self.API)
         value = {name: arg.value for name, arg in bound.items()}
+        if self.DROP_IN and is_none(value.get("alibi_slopes")):
+            drop_in = [name for name in DROP_IN_ONLY if not is_none(value.get(name))]
+            if drop_in:
+                return self.drop_in(call, value, f"{drop_in[0]}= needs flash-attn's full behaviour")
         for name, reason in self.UNSUPPORTED.items():
             if not is_none(value.get(name)):
                 raise Refuse(reason)
@@ -162,14 +180,18 @@ class FlashAttnWithKVCache(Rule):
             if is_none(value.get("cache_seqlens")):
                 raise Refuse("new k/v without cache_seqlens: where flash-attn writes them is not expressible here")
             if not all(isinstance(c, cst.Name) for c in (k_cache, v_cache)):
-                raise Refuse("flash_attn_with_kvcache updates k_cache/v_cache in place and they are not local names "
-                             f"({ctx.code(k_cache)}, {ctx.code(v_cache)}): the functional rewrite would drop the update")
-            why = cache_is_dead(call, [k_cache.value, v_cache.value], ctx)
+                why = f"k_cache/v_cache are not local names ({ctx.code(k_cache)}, {ctx.code(v_cache)})"
+            else:
+                why = cache_is_dead(call, [k_cache.value, v_cache.value], ctx)
+            if why and self.DROP_IN:
+                return self.drop_in(call, value, f"the in-place cache update may be relied on ({why})")
             if why:
                 raise Refuse(f"flash_attn_with_kvcache updates k_cache/v_cache in place and the update may be relied on: {why}")
             positional += [new_k, new_v]
             notes.append("functional: the in-place cache update is not relied on (caches are local and not read again)")
         lse = value.get("return_softmax_lse")
+        if lse is not None and literal_bool(lse) is None and self.DROP_IN:
+            return self.drop_in(call, value, f"return_softmax_lse={ctx.code(lse)} decides the return type at run time")
         if lse is not None and literal_bool(lse) is None:
             raise Refuse(f"return_softmax_lse={ctx.code(lse)} is not a literal: the return type is unknown")
         fa_bound = {n: bound[n] for n in ("softmax_scale", "causal", "window_size", "softcap") if n in bound}
@@ -181,6 +203,20 @@ class FlashAttnWithKVCache(Rule):
             keywords.append(("return_lse", cst.Name("True")))
         node = build_call(self.TARGET, positional, keywords, call)
         return Rewrite(node, imports=(MODULE,), notes=tuple(notes + more))
+
+    def drop_in(self, call, value, why):
+        """The call itself, on flashport's drop-in ``flash_attn_with_kvcache`` (same signature and
+        behaviour, in-place cache update included): arguments, order and comments unchanged.
+
+        Raises:
+          Refuse: for what the drop-in cannot do (new k/v without cache_seqlens, only one of k/v).
+        """
+        if is_none(value.get("k")) != is_none(value.get("v")):
+            raise Refuse("only one of k/v is given")
+        if not is_none(value.get("k")) and is_none(value.get("cache_seqlens")):
+            raise Refuse("new k/v without cache_seqlens: where flash-attn writes them is not expressible here")
+        note = f"drop-in flash_attn_with_kvcache (updates the caches in place like flash-attn): {why}"
+        return Rewrite(call.with_changes(func=dotted(self.DROP_IN)), imports=(MODULE,), notes=(note,))
 
     def check_extra(self, value, ctx):
         """Hook for version-specific refusals (FA3 subclasses it)."""

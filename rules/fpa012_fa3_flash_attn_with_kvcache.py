@@ -13,8 +13,9 @@ Semantics mapping:
   ``pack_gqa``, ``sm_margin`` and ``rotary_interleaved`` are dropped (tuning / rotary only).
 
 What it refuses:
-  everything FPA007 refuses (in-place update that may be relied on, rotary, ``cache_batch_idx``,
-  ``cache_leftpad``), plus FA3's ``page_table`` (paged cache), ``qv``, FP8 descales,
+  everything FPA007 ports to its FA2 drop-in instead (in-place update that may be relied on, rotary,
+  ``cache_batch_idx``, ``cache_leftpad``, non-literal ``return_softmax_lse``: FA3's signature
+  differs, so there is no drop-in here), everything FPA007 refuses, plus FA3's ``page_table`` (paged cache), ``qv``, FP8 descales,
   ``cu_seqlens_q`` / ``cu_seqlens_k_new`` / ``max_seqlen_q`` / ``rotary_seqlens`` (varlen decode) and
   non-zero ``attention_chunk``.
 
@@ -60,6 +61,7 @@ class FA3FlashAttnWithKVCache(FlashAttnWithKVCache):
                 "return_softmax_lse")
     UNSUPPORTED = FA3_UNSUPPORTED
     DROPPED = ("scheduler_metadata", "num_splits", "pack_gqa", "sm_margin", "rotary_interleaved")
+    DROP_IN = None  # FA3's signature differs from the FA2 drop-in's
 
     def check_extra(self, value, ctx):
         """Refuse a non-zero ``attention_chunk``."""

@@ -11,12 +11,14 @@ Semantics mapping:
   ``mask``, a float mask is additive and becomes ``bias`` -- the dtype is only known at run time, so
   the rewrite passes ``**flashport.sdpa_mask(attn_mask)`` which picks the keyword by dtype;
   ``enable_gqa``: the contract always accepts Hk dividing Hq with the same contiguous grouping
-  (``repeat_interleave``), so the flag is dropped. Fully masked rows give 0, as SDPA >= 2.5.
+  (``repeat_interleave``), so the flag is dropped. ``dropout_p`` -> ``dropout_p`` verbatim (same
+  meaning and default generator; evaluated once, in its source order among the carried arguments;
+  a literal 0 is dropped, ``--inference`` drops a training-gated one). Fully masked rows give 0, as SDPA >= 2.5.
   Positional arguments are bound against SDPA's signature for ``torch-version``.
 
 What it refuses:
-  ``dropout_p`` that may be non-zero (training-gated dropout is dropped only with
-  ``--inference``), ``*args``/``**kwargs`` splats, unknown arguments.
+  a dropout expression with side effects (a call) that the rewrite would evaluate out of its
+  source order (bind it to a name first), ``*args``/``**kwargs`` splats, unknown arguments.
 
 Known problems:
   SDPA accepts any number of batch dims (``(N, ..., H, L, E)``); the contract needs rank 4.
@@ -38,10 +40,11 @@ from flashport.rules.base import (
     Rule,
     Signature,
     build_call,
+    carry_dropout,
     dotted,
+    insert_in_source_order,
     is_none,
     literal_bool,
-    no_dropout,
     register,
     string,
 )
@@ -78,8 +81,7 @@ class TorchSDPA(Rule):
             if name not in bound:
                 raise Refuse(f"{self.API} call without {name!r}")
         value = {name: arg.value for name, arg in bound.items()}
-        notes = []
-        notes.extend(no_dropout(value.get("dropout_p"), "dropout_p", ctx))
+        dropout, notes = carry_dropout(value.get("dropout_p"), "dropout_p", "dropout_p", ctx)
         gqa = value.get("enable_gqa")
         if gqa is not None and literal_bool(gqa) is not False:
             notes.append("dropped enable_gqa= (flashport always groups KV heads contiguously, like repeat_interleave)")
@@ -94,4 +96,6 @@ class TorchSDPA(Rule):
             keywords.append(cst.Arg(value=splat, star="**"))
         keywords += [("align", string("top_left")), ("layout", string("BHSD"))]
         positional = [value["query"], value["key"], value["value"]]
+        for entry in dropout:
+            keywords = insert_in_source_order(call, positional, keywords, entry, "dropout_p", ctx)
         return Rewrite(build_call(self.TARGET, positional, keywords, call), notes=tuple(notes))

@@ -13,11 +13,13 @@ Semantics mapping:
   ``...FromBottomRight...`` -> bottom-right, ``LocalAttentionFromBottomRightMask(l, r)`` -> window
   ``(l, r)``, ``BlockDiagonal*`` -> segment ids (+ per-block causal/window), a tensor -> additive
   ``bias``; bias objects are built with flashport's mirror classes (FPA111) or read from real xformers
-  objects. ``op=`` (kernel choice) is dropped; ``output_dtype`` is kept.
+  objects. ``op=`` (kernel choice) is dropped; ``output_dtype`` is kept; dropout ``p`` is kept verbatim (the
+  drop-in passes it to ``flashport.torch.attention(dropout_p=p)``: same scaling, default generator;
+  a literal 0 is dropped, ``--inference`` drops a training-gated one).
 
 What it refuses:
-  dropout ``p`` that may be non-zero (training-gated ``p`` is dropped only with ``--inference``),
-  an ``attn_bias`` expression naming a padded/paged/gappy block mask (see FPA111), splats,
+  a dropout ``p`` with side effects that the rewrite would evaluate out of its source order, an
+  ``attn_bias`` expression naming a padded/paged/gappy block mask (see FPA111), splats,
   unknown arguments. ``memory_efficient_attention_partial`` /
   ``_backward`` are reported, not rewritten (partial results + LSE merging / a raw backward).
 
@@ -41,8 +43,9 @@ from flashport.rules.base import (
     Rule,
     Signature,
     build_call,
+    carry_dropout,
+    insert_in_source_order,
     is_none,
-    no_dropout,
     register,
 )
 
@@ -68,14 +71,13 @@ class XformersMemoryEfficientAttention(Rule):
     TARGET = MODULE + ".memory_efficient_attention"
 
     def check_call(self, call, ctx):
-        """Refuse dropout; keep q/k/v/attn_bias/scale/output_dtype; drop op."""
+        """Keep q/k/v/attn_bias/p/scale/output_dtype (dropout ``p`` verbatim); drop op."""
         if ctx.qualified_name.rsplit(".", 1)[-1] in REPORTED:
             return Refusal(f"{ctx.qualified_name.rsplit('.', 1)[-1]} (partial results or a raw backward) has no flashport equivalent")
         bound = SIGNATURE.bind(call, self.API)
         q, k, v = fa.required(bound, ("query", "key", "value"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
-        notes = []
-        notes.extend(no_dropout(value.get("p"), "p", ctx))
+        dropout, notes = carry_dropout(value.get("p"), "p", "p", ctx)
         if "op" in value and not is_none(value["op"]):
             notes.append("dropped op= (xformers kernel choice)")
         bias = value.get("attn_bias")
@@ -88,4 +90,6 @@ class XformersMemoryEfficientAttention(Rule):
         for name in ("attn_bias", "scale", "output_dtype"):
             if name in value and not is_none(value[name]):
                 keywords.append((name, value[name]))
+        for entry in dropout:
+            keywords = insert_in_source_order(call, [q, k, v], keywords, entry, "p", ctx)
         return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), imports=(MODULE,), notes=tuple(notes))

@@ -22,7 +22,8 @@ Semantics mapping:
 What it refuses:
   ``mask_type`` PADDING/PADDING_CAUSAL/ALIBI or a non-literal mask type; ``q_seqlen``/``kv_seqlen``
   and ``q_offsets``/``kv_offsets`` (padding and packed segments); ``dropout_rate`` that may be
-  non-zero; FP8 (``use_fp8``/``fp8_params``); ``return_residual``; a non-literal ``qkv_layout`` or
+  non-zero (cuDNN draws it from an integer ``seed``; the contract's ``dropout_rng`` is a PRNG key
+  the call does not have); FP8 (``use_fp8``/``fp8_params``); ``return_residual``; a non-literal ``qkv_layout`` or
   ``sliding_window_length``; a scale computed with array ops (the contract needs a static float);
   splats; unknown arguments.
 
@@ -84,6 +85,10 @@ def cudnn_signature(version: tuple[int, ...]) -> Signature:
     return Signature(positional, keyword_only)
 
 
+SEED_ONLY = ("cuDNN draws its dropout from the integer seed= (default 42) and flashport.attention needs a "
+             "PRNG key (dropout_rng=) that this call does not have; port by hand with dropout_rate=/dropout_rng=")
+
+
 @register
 class CudnnFusedAttention(Rule):
     """Rewrite JAX's private cuDNN ``dot_product_attention`` to ``flashport.attention``."""
@@ -109,7 +114,7 @@ class CudnnFusedAttention(Rule):
             raise Refuse("FP8 attention (use_fp8/fp8_params) has no portable equivalent")
         if not common.literal_false(value.get("return_residual")):
             raise Refuse("return_residual: cuDNN's logsumexp layout follows qkv_layout; not mapped")
-        notes = no_dropout(value.get("dropout_rate"), "dropout_rate", ctx)
+        notes = no_dropout(value.get("dropout_rate"), "dropout_rate", ctx, SEED_ONLY)
         if "seed" in value:
             notes.append("dropped seed= (only used by dropout)")
         causal = self._causal(value.get("mask_type"), ctx)

@@ -19,7 +19,9 @@ Semantics mapping (for the manual port):
 
 What it refuses:
   every construction, with a reason naming its mask type and the blocking features
-  (``attention_dropout``, packed layouts, ALiBi/bias types).
+  (``attention_dropout``, packed layouts, ALiBi/bias types). Dropout maps to the contract's
+  ``dropout_rate=attention_dropout, dropout_rng=self.make_rng("dropout")`` (``deterministic`` at
+  call time -> ``dropout_rate=0.0``), which the manual port writes where the tensors are.
 
 Example::
 
@@ -80,7 +82,8 @@ class TransformerEngineDotProductAttention(Rule):
         blockers = []
         dropout = value.get("attention_dropout")
         if dropout is not None and not is_zero(dropout):
-            blockers.append(f"attention_dropout={ctx.code(dropout)} (no dropout in the contract)")
+            blockers.append(f"attention_dropout={ctx.code(dropout)} (drawn from the module's 'dropout' rng at call time: "
+                            "port with dropout_rate=, dropout_rng=self.make_rng('dropout'))")
         layout = literal_string(value.get("qkv_layout"))
         if layout is not None and layout.lower() != "bshd_bshd_bshd":
             blockers.append(f"qkv_layout={layout!r} (packed: unpack q/k/v first)")

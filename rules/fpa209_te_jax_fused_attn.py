@@ -14,7 +14,9 @@ Semantics mapping (for the manual port):
   ``scaling_factor`` (required; no default) -> ``scale``; ``AttnMaskType.CAUSAL_MASK`` ->
   ``causal=True, align="top_left"``; ``*_BOTTOM_RIGHT_MASK`` -> ``align="bottom_right"``;
   ``NO_MASK`` -> ``causal=False``; padding masks -> segment ids; a boolean mask -> ``mask=~mask``;
-  ``QKVLayout.BSHD_BSHD_BSHD`` -> ``layout="BSHD"``; ``window_size=(l, r)`` -> ``window``.
+  ``QKVLayout.BSHD_BSHD_BSHD`` -> ``layout="BSHD"``; ``window_size=(l, r)`` -> ``window``;
+  ``dropout_probability`` (when ``is_training``) -> ``dropout_rate`` with a PRNG key as
+  ``dropout_rng`` (TE's ``seed`` is its own rng state, not that key).
 
 What it refuses:
   every call; the reason names non-zero ``dropout_probability`` first, then the mask type found.
@@ -60,7 +62,8 @@ class TransformerEngineFusedAttn(Rule):
         positional = [arg.value for arg in call.args if arg.keyword is None and not arg.star]
         dropout = value.get("dropout_probability", positional[8] if len(positional) > 8 else None)
         if dropout is not None and not is_zero(dropout):
-            head = f"dropout_probability={ctx.code(dropout)} may be non-zero (no dropout in the contract)"
+            head = (f"dropout_probability={ctx.code(dropout)} may be non-zero and TE's seed= (per-device rng state, "
+                    "gated by is_training) is not a PRNG key to carry: port with dropout_rate=/dropout_rng=")
         else:
             head = "TE fused_attn's parameter list differs between TransformerEngine releases and its mask is True = masked out: not rewritten"
         found = [common.enum_member(node, "AttnMaskType", tuple(MASKS)) for node in list(value.values()) + positional]

@@ -37,7 +37,8 @@ What it refuses:
   The same strings in any other position (comparisons such as
   ``config._attn_implementation == "flash_attention_2"``, dispatch tables, messages) are reported,
   not rewritten: changing them would change the code's branching. At run time the flashport function
-  raises for dropout > 0 in training, attention sinks (``s_aux``) and ``head_mask``.
+  raises for attention sinks (``s_aux``) and ``head_mask``; attention dropout in training is passed
+  on to ``flashport.torch.attention(dropout_p=...)``.
 
 Example::
 

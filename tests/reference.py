@@ -11,8 +11,12 @@ import numpy as np
 
 def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align="bottom_right",
                         softcap=None, bias=None, mask=None, q_segment_ids=None, kv_segment_ids=None,
-                        layout="BSHD"):
-    """float64 attention following the contract; inputs in ``layout``, outputs (out BHSD/BSHD, lse)."""
+                        layout="BSHD", dropout_rate=0.0, dropout_seed=None):
+    """float64 attention following the contract; inputs in ``layout``, outputs (out BHSD/BSHD, lse).
+
+    ``dropout_seed`` is the pair of uint32 seed words (``jax.random.key(s)`` has ``(s >> 32, s &
+    0xFFFFFFFF)``); the keep-mask is :func:`dropout_keep`, written from the contract's definition.
+    """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     if layout == "BSHD":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
@@ -33,6 +37,8 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
+    if dropout_rate:
+        p = p * dropout_keep(dropout_seed, dropout_rate, p.shape) / (1.0 - dropout_rate)
     out = np.einsum("bhqk,bhkd->bhqd", p, v) / np.where(l > 0, l, 1.0)
     with np.errstate(divide="ignore"):
         lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), -np.inf)[..., 0]
@@ -43,7 +49,8 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align
 
 def reference_attention_vjp(q, k, v, d_out, *, scale=None, causal=False, window=None,
                             align="bottom_right", softcap=None, bias=None, mask=None,
-                            q_segment_ids=None, kv_segment_ids=None, layout="BSHD"):
+                            q_segment_ids=None, kv_segment_ids=None, layout="BSHD", dropout_rate=0.0,
+                            dropout_seed=None):
     """float64 gradients (dq, dk, dv, dbias_full) of ``sum(out * d_out)``, derived by hand.
 
     The textbook attention backward (dP = dO·Vᵀ, dS = P∘(dP − rowsum(dO∘O)), chain through softcap
@@ -52,7 +59,7 @@ def reference_attention_vjp(q, k, v, d_out, *, scale=None, causal=False, window=
     """
     kwargs = dict(scale=scale, causal=causal, window=window, align=align, softcap=softcap,
                   bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  layout="BHSD")
+                  layout="BHSD", dropout_rate=dropout_rate, dropout_seed=dropout_seed)
     q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
     if layout == "BSHD":
         q, k, v, d_out = (x.transpose(0, 2, 1, 3) for x in (q, k, v, d_out))
@@ -72,8 +79,10 @@ def reference_attention_vjp(q, k, v, d_out, *, scale=None, causal=False, window=
         p = np.where(finite, np.exp(s - np.where(finite, lse[..., None], 0.0)), 0.0)
     keep = _visible(q.shape, k.shape, causal, window, align, mask, q_segment_ids, kv_segment_ids)
     p = np.where(keep, p, 0.0)
-    dv = np.einsum("bhqk,bhqd->bhkd", p, d_out)
-    dp = np.einsum("bhqd,bhkd->bhqk", d_out, vr)
+    # Dropout: out = (P∘Z/(1-r))·V, so dV and dP carry Z/(1-r); delta = rowsum(dO∘O) still holds.
+    drop = dropout_keep(dropout_seed, dropout_rate, p.shape) / (1.0 - dropout_rate) if dropout_rate else 1.0
+    dv = np.einsum("bhqk,bhqd->bhkd", p * drop, d_out)
+    dp = np.einsum("bhqd,bhkd->bhqk", d_out, vr) * drop
     delta = np.sum(d_out * out, axis=-1, keepdims=True)
     ds = p * (dp - delta)  # gradient w.r.t. the post-softcap, post-bias logits
     dbias = ds.copy()
@@ -87,6 +96,41 @@ def reference_attention_vjp(q, k, v, d_out, *, scale=None, causal=False, window=
     if layout == "BSHD":
         dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
     return dq, dk, dv, dbias
+
+
+def dropout_keep(seed, rate, shape):
+    """The contract's dropout keep-mask [B, Hq, Sq, Sk] (bool), from its written definition.
+
+    uint32 arithmetic is done in Python-int-safe uint64 numpy with explicit wrap-around.
+    """
+    m32 = np.uint64(0xFFFFFFFF)
+
+    def u32(x):
+        return np.asarray(x, np.uint64) & m32
+
+    def mul(x, c):
+        return (u32(x) * np.uint64(c)) & m32
+
+    def fmix(x):
+        x = u32(x)
+        x ^= x >> np.uint64(16)
+        x = mul(x, 0x85EBCA6B)
+        x ^= x >> np.uint64(13)
+        x = mul(x, 0xC2B2AE35)
+        return x ^ (x >> np.uint64(16))
+
+    b, h, sq, sk = shape
+    k0, k1 = (int(w) for w in seed)
+    bb = np.arange(b, dtype=np.uint64)[:, None, None, None]
+    hh = np.arange(h, dtype=np.uint64)[None, :, None, None]
+    ii = np.arange(sq, dtype=np.uint64)[None, None, :, None]
+    jj = np.arange(sk, dtype=np.uint64)[None, None, None, :]
+    t_b = fmix(np.uint64(k0) + mul(bb + np.uint64(1), 0x9E3779B9))
+    t_bh = fmix(t_b ^ u32(np.uint64(k1) + mul(hh + np.uint64(1), 0x7F4A7C15)))
+    row = fmix(t_bh + mul(ii + np.uint64(1), 0x9E3779B9))
+    bits = fmix(row ^ mul(jj + np.uint64(1), 0x27D4EB2F))
+    cut = min(int(np.floor(rate * 2.0**32)), 0xFFFFFFFF)
+    return bits >= np.uint64(cut)
 
 
 def _visible(q_shape, k_shape, causal, window, align, mask, q_segment_ids, kv_segment_ids):

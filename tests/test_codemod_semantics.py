@@ -94,8 +94,17 @@ def sdpa_reference(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_
 # ----------------------------------------------------------------------------- harness
 
 
-def _reference_torch_attention(query, key, value, backend="auto", return_lse=False, **kwargs):
-    """Stand-in for flashport.torch.attention: the contract's float64 reference on torch tensors."""
+DROPOUT_SEEN: list = []  # every dropout_p the stand-in received, in call order
+
+
+def _reference_torch_attention(query, key, value, backend="auto", return_lse=False, dropout_p=0.0, **kwargs):
+    """Stand-in for flashport.torch.attention: the contract's float64 reference on torch tensors.
+
+    It has no dropout: it records ``dropout_p`` (so tests see what the rewrite passed) and only runs
+    when it is 0 (tests/test_dropout_port_semantics.py runs p > 0 against the real contract)."""
+    DROPOUT_SEEN.append(dropout_p)
+    if dropout_p != 0:
+        raise AssertionError(f"the float64 stand-in has no dropout, got dropout_p={dropout_p}")
     kwargs = {name: (val.numpy() if hasattr(val, "numpy") else val) for name, val in kwargs.items()}
     out, lse = reference_attention(query.numpy(), key.numpy(), value.numpy(), **kwargs)
     out = torch.from_numpy(np.asarray(out))
@@ -287,6 +296,76 @@ def test_sdpa_rewrite_matches_sdpa_semantics(shape, args, mask_kind, meaning):
         bottom_right = fa2_reference(q.transpose(1, 2), torch.repeat_interleave(k, hq // hk, 1).transpose(1, 2),
                                      torch.repeat_interleave(v, hq // hk, 1).transpose(1, 2), meaning.get("scale"), True)
         assert not np.allclose(got, bottom_right.transpose(0, 2, 1, 3), atol=1e-6)
+
+
+DROPOUT_MODULE = """
+    import torch
+    import torch.nn.functional as F
+    from flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+    class Attention(torch.nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.dropout = p
+            self.calls = []
+
+        def rate(self, name):
+            self.calls.append(name)
+            return self.dropout if self.training else 0.0
+
+        def forward(self, q, k, v, qkv, kv, heads_first):
+            a = flash_attn_func(q, k, v, dropout_p=self.dropout if self.training else 0.0, causal=True)
+            b = flash_attn_func(q, k, v, self.rate("b"), None, True)
+            c = flash_attn_qkvpacked_func(qkv, self.dropout if self.training else 0.0)
+            d = flash_attn_kvpacked_func(q, kv, causal=True, dropout_p=self.rate("d"))
+            e = F.scaled_dot_product_attention(heads_first, heads_first, heads_first, None,
+                                               self.dropout if self.training else 0.0, True)
+            return a, b, c, d, e
+"""
+
+
+def test_training_gated_dropout_is_carried_and_eval_mode_matches_the_original():
+    """Dropout expressions are ported (not refused, not dropped): in eval mode they evaluate to 0 and
+    the rewritten module computes what flash-attn / SDPA compute (float64 references); in training
+    mode the target receives exactly the module's rate, each expression evaluated once."""
+    code = rewrite(DROPOUT_MODULE)
+    assert code.count("dropout_p=") == 5 and "flash_attn_func(" not in code
+    module = load(code)["Attention"](0.25)
+    q, k, v = rand(2, 3, 4, 8), rand(2, 6, 2, 8, seed=1), rand(2, 6, 2, 8, seed=2)
+    qkv, x = rand(2, 5, 3, 4, 8, seed=3), rand(1, 2, 5, 4, seed=4)
+    kv = torch.stack([k, v], dim=2)
+    DROPOUT_SEEN.clear()
+    a, b, c, d, e = module.eval()(q, k, v, qkv, kv, x)
+    assert DROPOUT_SEEN == [0.0] * 5 and module.calls == ["b", "d"]
+    want = fa2_reference(q, k, v, causal=True)
+    for got in (a, b, d):
+        np.testing.assert_allclose(got.numpy(), want, atol=1e-10)
+    np.testing.assert_allclose(c.numpy(), fa2_reference(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]), atol=1e-10)
+    np.testing.assert_allclose(e.numpy(), sdpa_reference(x, x, x, is_causal=True), atol=1e-10)
+    DROPOUT_SEEN.clear()
+    with pytest.raises(AssertionError, match="dropout_p=0.25"):
+        module.train()(q, k, v, qkv, kv, x)
+    assert DROPOUT_SEEN == [0.25]
+
+
+def test_dropout_with_side_effects_is_evaluated_once_in_source_order():
+    """``dropout_p=next(rates)`` written between two other calls keeps its place (or is refused)."""
+    code = rewrite("""
+        from flash_attn import flash_attn_func
+        def f(q, k, v, log):
+            def p():
+                log.append("dropout")
+                return 0.0
+            def c():
+                log.append("causal")
+                return True
+            return flash_attn_func(q, k, v, causal=c(), dropout_p=p(), softmax_scale=0.5)
+    """)
+    log: list = []
+    q, k, v = rand(1, 3, 2, 4), rand(1, 5, 2, 4, seed=1), rand(1, 5, 2, 4, seed=2)
+    got = load(code)["f"](q, k, v, log).numpy()
+    assert log == ["causal", "dropout"]
+    np.testing.assert_allclose(got, fa2_reference(q, k, v, softmax_scale=0.5, causal=True), atol=1e-10)
 
 
 def test_inference_flag_drops_training_gated_dropout():

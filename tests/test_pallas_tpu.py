@@ -247,7 +247,7 @@ def test_cost_estimate_is_analytic():
     q = jnp.zeros((1, 2, s, d), jnp.bfloat16)
     spec = _spec(s, s, causal=True)
     fn = registry.get("pallas_tpu").fn
-    jaxpr = jax.make_jaxpr(lambda q: fn(q, q, q, None, None, None, None, spec=spec,
+    jaxpr = jax.make_jaxpr(lambda q: fn(q, q, q, None, None, None, None, None, spec=spec,
                                         options=dict(block_q=128, block_k=128)))(q)
     # The TPU lowering and its interpreter fallback (pallas_tpu_platform) carry the same kernel.
     costs = {e.params["cost_estimate"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"}

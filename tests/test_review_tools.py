@@ -42,8 +42,8 @@ def second(q, k, v):
 REFUSED = '''from flash_attn import flash_attn_func
 
 
-def f(q, k, v, slopes):
-    return flash_attn_func(q, k, v, alibi_slopes=slopes)
+def f(q, k, v):
+    return flash_attn_func(q, k, v, return_attn_probs=True)
 '''
 SDPA = '''import torch.nn.functional as F
 
@@ -79,7 +79,7 @@ def test_html_report_content_links_and_no_network(tree):
     assert anchors and all(a in ids for a in anchors), "every summary/refusal link resolves to a section"
     for name in ("two.py", "refused.py", "sdpa.py", "broken.py"):
         assert re.search(rf'<a href="#file-\d+">[^<]*{name}</a>', page), name
-    assert "alibi_slopes" in page and "Refused sites" in page  # refusal with its reason
+    assert "return_attn_probs" in page and "Refused sites" in page  # refusal with its reason
     assert "syntax error" in page  # the broken file is listed with its error
     assert page.count('<tr class="add">') >= 4 and page.count('<tr class="del">') >= 3
     assert '<span class="k">return</span>' in page  # pygments colour classes inside the diff

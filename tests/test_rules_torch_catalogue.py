@@ -163,8 +163,8 @@ def test_xformers_block_diagonal_variants(torch):
     with pytest.raises(ValueError, match="batch 1"):
         xf.memory_efficient_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
                                       xf.BlockDiagonalMask.from_seqlens(q_lens, kv_lens), backend="torch")
-    with pytest.raises(ValueError, match="dropout"):
-        xf.memory_efficient_attention(q, k, v, p=0.1)
+    with pytest.raises(ValueError, match="dropout_p must be in"):  # p > 0 is dropout (tests/test_torch_dropout.py)
+        xf.memory_efficient_attention(q, k, v, p=1.0)
 
 
 def test_xformers_compat_reads_real_xformers_objects_by_class(torch):
@@ -218,13 +218,21 @@ def test_transformers_attn_implementation_flashport(torch):
     assert (windowed - logits(mistral, "eager")).abs().max() > 1e-3
 
 
-def test_transformers_attention_function_refuses_dropout(torch):
+def test_transformers_attention_function_carries_dropout_in_training(torch):
+    """``dropout`` becomes dropout_p when the module trains (values: tests/test_torch_dropout.py)."""
     pytest.importorskip("transformers")
     from flashport.integrations.transformers import flashport_attention_forward
 
-    q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flashport_attention_forward(None, q, q, q, None, dropout=0.1)
+    q = torch.randn(1, 2, 8, 4)
+    layer = torch.nn.Module()
+    torch.manual_seed(0)
+    first, _ = flashport_attention_forward(layer.train(), q, q, q, None, dropout=0.5)
+    torch.manual_seed(0)
+    again, _ = flashport_attention_forward(layer, q, q, q, None, dropout=0.5)
+    plain, _ = flashport_attention_forward(layer.eval(), q, q, q, None, dropout=0.5)
+    assert torch.equal(first, again) and not torch.allclose(first, plain)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        flashport_attention_forward(layer.train(), q, q, q, None, dropout=1.0)
 
 
 def test_fpa905_leaves_a_file_that_dispatches_on_the_string_working():

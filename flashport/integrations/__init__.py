@@ -1,6 +1,11 @@
 """``flashport.integrations``: drop-in pieces that rewritten code (and users) call instead of GPU-only APIs.
 
-* :mod:`flashport.integrations.flash_attn_compat` -- flash-attn's KV-cache attention, functionally.
+* :mod:`flashport.integrations.flash_attn_compat` -- drop-ins for flash-attn 2.x's public functions
+  (dense, varlen, flash-attn 1.x names, ``flash_attn_with_kvcache`` with in-place cache updates,
+  the ``bert_padding`` helpers) and the functional KV-cache attention FPA007 rewrites use.
+* :mod:`flashport.integrations.flash_attn3_compat` / :mod:`flashport.integrations.flash_attn4_compat`
+  -- FlashAttention-3 / -4 ``flash_attn_func`` and ``flash_attn_varlen_func`` with their return types.
+* :mod:`flashport.integrations.bert_padding` -- ``flash_attn.bert_padding`` in plain torch.
 * :mod:`flashport.integrations.xformers_compat` -- xformers' ``memory_efficient_attention`` and its
   ``attn_bias`` classes on the flashport contract.
 * :mod:`flashport.integrations.transformers` -- registers ``attn_implementation="flashport"`` with

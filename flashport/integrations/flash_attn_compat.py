@@ -1,5 +1,29 @@
-"""flash-attn's ``flash_attn_with_kvcache`` as a functional call on the flashport contract.
+"""Drop-in replacements for flash-attn 2.x's public functions, on :func:`flashport.torch.attention`.
 
+``from flashport.integrations.flash_attn_compat import flash_attn_func`` works where
+``from flash_attn import flash_attn_func`` did, for code the codemod cannot rewrite call by call
+(functions used as values, aliases, dispatch tables). Signatures follow flash-attn 2.8.3:
+
+* :func:`flash_attn_func`, :func:`flash_attn_qkvpacked_func`, :func:`flash_attn_kvpacked_func`
+  ([B, S, H, D]; causal/window bottom-right, ``window_size`` -1 = unbounded, ``softcap`` 0 = off,
+  contiguous GQA, ALiBi as flash-attn's kernel adds it, ``dropout_p`` passed on as the contract's
+  ``dropout_p`` -- same scaling, torch's default generator);
+* :func:`flash_attn_varlen_func` and its packed variants ([total, H, D] with ``cu_seqlens``;
+  per-sequence alignment; paged keys through ``block_table``), and the flash-attn 1.x names
+  ``flash_attn_unpadded_*`` (1.x argument order, **top-left** causal);
+* :func:`flash_attn_with_kvcache` (in-place cache update, rotary, ``cache_batch_idx``,
+  ``cache_leftpad``, paged caches; see ``_fa_kvcache``);
+* ``pad_input``, ``unpad_input``, ``index_first_axis``, ``index_put_first_axis`` (``bert_padding``).
+
+FlashAttention-3 (``flash_attn_interface``) and -4 (``flash_attn.cute``) have their own drop-ins,
+``flash_attn3_compat`` and ``flash_attn4_compat`` (different signatures and return types).
+
+``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third value (the
+dropout-encoded probabilities, "for testing only") is not produced. ``deterministic`` and
+``num_splits`` are accepted and ignored (backward determinism / kernel tuning). An lse row that sees
+no key is +inf, as flash-attn's.
+
+:func:`kvcache_attention` is the functional form the codemod's FPA007 rewrites use:
 ``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=..., causal=...)`` (flash-attn
 2.2+) writes the new keys/values into the caches **in place** at rows ``cache_seqlens[b] ..
 cache_seqlens[b] + S_new`` and attends over the first ``cache_seqlens[b] + S_new`` keys of sequence
@@ -7,10 +31,21 @@ cache_seqlens[b] + S_new`` and attends over the first ``cache_seqlens[b] + S_new
 ``j <= i + L_b - S_q`` for ``L_b`` the sequence's key count). :func:`kvcache_attention` computes the
 same output without mutating anything: the new rows go into a copy of each cache (the copy is
 returned with ``return_cache=True``), and the per-sequence lengths and alignment become a boolean
-mask. Works on torch tensors (through :func:`flashport.torch.attention`).
+mask.
 """
 
 from __future__ import annotations
+
+from flashport.integrations._fa_kvcache import flash_attn_with_kvcache
+from flashport.integrations.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+
+__all__ = [
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_unpadded_func", "flash_attn_unpadded_qkvpacked_func", "flash_attn_unpadded_kvpacked_func",
+    "flash_attn_with_kvcache", "kvcache_attention", "kvcache_mask",
+    "index_first_axis", "index_put_first_axis", "pad_input", "unpad_input",
+]
 
 
 def _as_lengths(cache_seqlens, batch, device):
@@ -99,3 +134,190 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
     if return_cache:
         result = result + (k_cache, v_cache)
     return result[0] if len(result) == 1 else result
+
+
+# ----------------------------------------------------------------------------------- shared pieces
+
+
+def _window(window_size):
+    """flash-attn ``window_size=(l, r)`` (-1 = unbounded) as the contract's ``window`` (or None)."""
+    left, right = (int(w) for w in window_size)
+    if left < 0 and right < 0:
+        return None
+    return (None if left < 0 else left, None if right < 0 else right)
+
+
+def _lse_like_flash_attn(lse):
+    """The contract's lse with flash-attn's value for a row that sees no key (+inf, not -inf)."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def _dropout(dropout_p):
+    """The contract's dropout keywords: none for 0 (the default), else ``dropout_p``."""
+    return {"dropout_p": dropout_p} if dropout_p else {}
+
+
+def _alibi_bias(slopes, s_q, s_k, causal, device):
+    """flash-attn's ALiBi as an additive bias [B or 1, H, S_q, S_k] (float32), as its kernel adds it:
+    ``slope * j`` when causal (a per-row constant away from the symmetric form), else
+    ``-slope * |i + S_k - S_q - j|``."""
+    import torch
+
+    slopes = slopes.to(device=device, dtype=torch.float32)
+    slopes = (slopes[None] if slopes.ndim == 1 else slopes)[:, :, None, None]
+    j = torch.arange(s_k, device=device, dtype=torch.float32)
+    if causal:
+        return slopes * j
+    i = torch.arange(s_q, device=device, dtype=torch.float32)[:, None]
+    return -slopes * (i + s_k - s_q - j).abs()
+
+
+def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+           align="bottom_right"):
+    """The BSHD functions' common body."""
+    import flashport.torch
+
+    bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
+    result = flashport.torch.attention(q, k, v, scale=softmax_scale, causal=causal, window=_window(window_size),
+                                       align=align, softcap=softcap or None, bias=bias, layout="BSHD",
+                                       return_lse=bool(return_attn_probs), **_dropout(dropout_p))
+    if return_attn_probs:
+        return result[0], _lse_like_flash_attn(result[1]), None
+    return result
+
+
+# ----------------------------------------------------------------------------------- dense [B, S, H, D]
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_func``: q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D].
+
+    With ``return_attn_probs=True`` returns ``(out, softmax_lse [B, H, Sq], None)`` (module docstring).
+    """
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_qkvpacked_func``: qkv [B, S, 3, H, D] -> [B, S, H, D]."""
+    q, k, v = qkv.unbind(2)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_kvpacked_func``: q [B, Sq, H, D], kv [B, Sk, 2, Hk, D] -> [B, Sq, H, D]."""
+    k, v = kv.unbind(2)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+# ----------------------------------------------------------------------------------- varlen [total, H, D]
+
+
+def _paged(cache, block_table, cu_seqlens_k):
+    """Packed keys [total_k, Hk, D] of a paged cache [num_blocks, page, Hk, D] (sequence ``b`` is the
+    first ``cu[b+1] - cu[b]`` rows of the pages ``block_table[b]``)."""
+    import torch
+
+    cu = cu_seqlens_k.to(device=cache.device, dtype=torch.long)
+    pos = torch.arange(int(cu[-1]), device=cache.device)
+    seq = torch.searchsorted(cu[1:].contiguous(), pos, right=True)
+    row = pos - cu[seq]
+    page = cache.shape[1]
+    blocks = block_table.to(device=cache.device, dtype=torch.long)[seq, row // page]
+    return cache[blocks, row % page]
+
+
+def varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False, window=None, softcap=None,
+                align="bottom_right", dropout_p=0.0, return_lse=False, block_table=None):
+    """Packed variable-length attention on the contract, shared by the flash-attn 1/2/3/4 drop-ins.
+
+    Segment ids and a per-sequence causal/window mask (as :func:`flashport.varlen_attention`), batch 1
+    through :func:`flashport.torch.attention`; a paged ``k``/``v`` [num_blocks, page, Hk, D] is first
+    gathered through ``block_table`` [B, max_blocks].
+
+    Args:
+      q: [total_q, H, D]; k, v: [total_k, Hk, D] (or paged). cu_seqlens_q, cu_seqlens_k: int [B + 1].
+      scale, causal, window, softcap, align, dropout_p: the contract's keywords (``window`` with None
+        for an unbounded side).
+      return_lse: also return lse [H, total_q] (the contract's: -inf for a row that sees no key).
+
+    Returns:
+      ``out`` [total_q, H, D] (0 past ``cu_seqlens_q[-1]``), or ``(out, lse)``.
+    """
+    import flashport.torch
+    from flashport.kernels.varlen import varlen_layout
+
+    if block_table is not None:
+        k, v = _paged(k, block_table, cu_seqlens_k), _paged(v, block_table, cu_seqlens_k)
+    q_ids, kv_ids, mask = varlen_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal=causal,
+                                        window=window, align=align)
+    result = flashport.torch.attention(q[None], k[None], v[None], scale=scale, softcap=softcap, mask=mask[None, None],
+                                       q_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None], layout="BSHD",
+                                       return_lse=return_lse, **_dropout(dropout_p))
+    return (result[0][0], result[1][0]) if return_lse else result[0]
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
+            alibi_slopes, return_attn_probs, block_table=None, align="bottom_right"):
+    """The flash-attn 1/2 varlen functions' common body (flash-attn's lse convention)."""
+    if alibi_slopes is not None:
+        raise NotImplementedError("flash_attn_varlen_*: alibi_slopes is not supported by flashport's drop-in")
+    result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale, causal=causal,
+                         window=_window(window_size), softcap=softcap or None, align=align, dropout_p=dropout_p,
+                         return_lse=bool(return_attn_probs), block_table=block_table)
+    if return_attn_probs:
+        return result[0], _lse_like_flash_attn(result[1]), None
+    return result
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn 2.x ``flash_attn_varlen_func``: q [total_q, H, D], k/v [total_k, Hk, D] (or paged
+    [num_blocks, page, Hk, D] with ``block_table`` [B, max_blocks]) -> [total_q, H, D]; lse [H, total_q].
+    ``max_seqlen_*`` are ignored (kernel launch sizes)."""
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, return_attn_probs, block_table)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_varlen_qkvpacked_func``: qkv [total, 3, H, D] -> [total, H, D]."""
+    q, k, v = qkv.unbind(1)
+    return _varlen(q, k, v, cu_seqlens, cu_seqlens, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2.x ``flash_attn_varlen_kvpacked_func``: q [total_q, H, D], kv [total_k, 2, Hk, D]."""
+    k, v = kv.unbind(1)
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, return_attn_probs)
+
+
+def flash_attn_unpadded_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                             softmax_scale=None, causal=False, return_attn_probs=False, deterministic=False):
+    """flash-attn 1.x ``flash_attn_unpadded_func`` (``dropout_p`` required; causal **top-left**)."""
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, (-1, -1), 0.0, None,
+                   return_attn_probs, align="top_left")
+
+
+def flash_attn_unpadded_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale=None, causal=False,
+                                       return_attn_probs=False, deterministic=False):
+    """flash-attn 1.x ``flash_attn_unpadded_qkvpacked_func``: qkv [total, 3, H, D] (causal top-left)."""
+    q, k, v = qkv.unbind(1)
+    return _varlen(q, k, v, cu_seqlens, cu_seqlens, dropout_p, softmax_scale, causal, (-1, -1), 0.0, None,
+                   return_attn_probs, align="top_left")
+
+
+def flash_attn_unpadded_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                      softmax_scale=None, causal=False, return_attn_probs=False, deterministic=False):
+    """flash-attn 1.x ``flash_attn_unpadded_kvpacked_func``: kv [total_k, 2, Hk, D] (causal top-left)."""
+    k, v = kv.unbind(1)
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, (-1, -1), 0.0, None,
+                   return_attn_probs, align="top_left")

@@ -31,7 +31,10 @@ def flashport_attention_forward(module, query, key, value, attention_mask, dropo
       query: [B, Hq, Sq, D]; key, value: [B, Hkv, Sk, D] (GQA: Hkv divides Hq, no ``repeat_kv`` needed).
       attention_mask: None, a boolean mask (True = attend) or an additive float mask, broadcastable
         to [B, Hq, Sq, Sk] (sliced to Sk like SDPA's integration does).
-      dropout: must be 0 (flashport has no dropout); callers pass 0.0 outside training.
+      dropout: the attention dropout probability, applied when ``module.training`` (transformers'
+        attention layers pass ``0.0 if not self.training else self.attention_dropout``) as
+        ``dropout_p`` of :func:`flashport.torch.attention` (the contract's keep-mask, seeded from
+        torch's default generator, so ``torch.manual_seed`` reproduces it); ignored in eval mode.
       scaling: the softmax scale (None = 1/sqrt(D)).
       is_causal: as SDPA's integration: default ``module.is_causal``; only used when there is no mask
         and Sq > 1, with SDPA's **top-left** alignment.
@@ -44,14 +47,12 @@ def flashport_attention_forward(module, query, key, value, attention_mask, dropo
       ``(attn_output [B, Sq, Hq, D], None)`` like transformers' SDPA integration.
 
     Raises:
-      NotImplementedError: for dropout > 0, attention sinks or a head mask.
+      NotImplementedError: for attention sinks or a head mask.
     """
     import flashport
     import flashport.torch
 
-    if dropout:
-        raise NotImplementedError(f"attn_implementation='flashport' has no attention dropout (got {dropout}); "
-                                  "use model.eval() or set the config's attention_dropout to 0")
+    dropout_p = (dropout or 0.0) if getattr(module, "training", True) else 0.0
     for name in ("s_aux", "head_mask"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attn_implementation='flashport' does not support {name}")
@@ -62,7 +63,7 @@ def flashport_attention_forward(module, query, key, value, attention_mask, dropo
     causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
     out = flashport.torch.attention(
         query, key, value, scale=scaling, causal=causal, softcap=softcap or None,
-        **flashport.sdpa_mask(attention_mask), align="top_left", layout="BHSD",
+        **flashport.sdpa_mask(attention_mask), align="top_left", layout="BHSD", dropout_p=dropout_p,
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from flashport.kernels.varlen import is_torch_tensor
+
 __all__ = [
     "AttentionBias", "LowerTriangularMask", "LowerTriangularMaskWithTensorBias",
     "LowerTriangularFromBottomRightMask", "LowerTriangularFromBottomRightLocalAttentionMask",
@@ -301,7 +303,7 @@ def contract_kwargs(attn_bias, total_q, total_k, device):
     an ``attn_bias`` (None, a mirror/xformers bias object, or an additive tensor)."""
     if attn_bias is None:
         return {}
-    if type(attn_bias).__module__.split(".")[0] == "torch":
+    if is_torch_tensor(attn_bias):  # torchax / torch_xla tensors too (torch.Tensor subclasses)
         return {"bias": attn_bias}
     if not isinstance(attn_bias, AttentionBias):
         attn_bias = _from_xformers(attn_bias)
@@ -309,14 +311,19 @@ def contract_kwargs(attn_bias, total_q, total_k, device):
 
 
 def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None,
-                               output_dtype=None, backend="auto"):
+                               output_dtype=None, backend="auto", generator=None):
     """``xformers.ops.memory_efficient_attention`` through :func:`flashport.torch.attention`.
 
     Args:
       query: [B, Mq, K], [B, Mq, H, K] or [B, Mq, G, H, K]; key/value the same rank with Mk.
       attn_bias: None, a bias object (module docstring) or an additive tensor broadcastable to
         [B, H, Mq, Mk] ([B, G, H, Mq, Mk] for 5-D inputs).
-      p: dropout probability; only 0 is supported.
+      p: dropout probability on the attention probabilities (``dropout_p`` of
+        :func:`flashport.torch.attention`: the contract's keep-mask, kept entries scaled by
+        ``1 / (1 - p)``). Positions are those of the tensors flashport sees: 5-D inputs flatten
+        ``(G, H)`` to query head ``g * H + h``; block-diagonal biases keep batch 0 and the packed
+        positions. Pass 0.0 in eval mode, as with xformers.
+      generator: the ``torch.Generator`` the seed words are drawn from (None = torch's default).
       scale: None = ``K ** -0.5``.
       op: ignored (xformers kernel choice).
       output_dtype: cast of the output (default: the query dtype).
@@ -326,12 +333,16 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
       [B, Mq, (G,) (H,) Kv] like xformers.
 
     Raises:
-      ValueError: for ``p > 0``, unsupported ranks or bias objects, or blocks that do not cover the tensors.
+      ValueError: for unsupported ranks or bias objects, blocks that do not cover the tensors, or
+      ``p`` outside [0, 1) (TypeError for a non-number).
     """
     import flashport.torch
+    from flashport.torch import _dropout
 
-    if p:
-        raise ValueError(f"memory_efficient_attention: dropout p={p} is not supported by flashport")
+    try:
+        _dropout.check_p(p)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"memory_efficient_attention: p is flashport's dropout_p: {e}") from None
     rank = query.ndim
     if rank not in (3, 4, 5):
         raise ValueError(f"memory_efficient_attention: query must be 3-D, 4-D or 5-D, got shape {tuple(query.shape)}")
@@ -351,7 +362,8 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
             full = (shape[0], shape[2], shape[3], query.shape[1], key.shape[1])
             bias = bias.expand(full).reshape(shape[0], shape[2] * shape[3], *full[-2:])
         kwargs["bias"] = bias
-    out = flashport.torch.attention(query, key, value, scale=scale, layout="BSHD", backend=backend, **kwargs)
+    out = flashport.torch.attention(query, key, value, scale=scale, layout="BSHD", backend=backend,
+                                    dropout_p=p, generator=generator, **kwargs)
     if rank == 3:
         out = out.squeeze(2)
     elif rank == 5:

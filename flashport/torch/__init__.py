@@ -20,19 +20,28 @@ other         torch SDPA, else the exact math path
 Explicit ``backend=`` values: ``"torch"`` (pure-torch math on any device), ``"sdpa"``,
 ``"flash_attn"``, or any JAX backend name / ``flashport.kernels.registry.use(...)`` choice, which
 runs the JAX implementation with that backend. Importing this module imports torch, never jax.
+
+Dropout (``dropout_p``, ``generator``) draws the contract's keep-mask, a position hash of two seed
+words (:mod:`flashport.kernels.dropout`), on the math path and on every JAX path alike; SDPA and
+flash-attn draw their own masks, so ``auto`` routes dropout calls on CUDA and other devices to the
+exact math path, and ``backend="sdpa"`` / ``"flash_attn"`` refuse ``dropout_p > 0``.
+
+:func:`varlen_attention` is flash-attn's packed variable-length convention on torch tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
 import torch
 
-from flashport.torch import _checks, _jax, _native
+from flashport.torch import _checks, _dropout, _jax, _native
 from flashport.torch._checks import check
+from flashport.torch._varlen import varlen_attention
 
-__all__ = ["attention", "NATIVE_BACKENDS"]
+__all__ = ["attention", "varlen_attention", "NATIVE_BACKENDS"]
 
 # Backends implemented in torch itself; every other backend name belongs to the JAX implementation.
 NATIVE_BACKENDS = ("torch", "sdpa", "flash_attn")
@@ -55,6 +64,8 @@ def attention(
     layout="BSHD",
     backend="auto",
     return_lse=False,
+    dropout_p=0.0,
+    generator=None,
 ):
     """Scaled dot-product attention on torch tensors with the contract of :func:`flashport.attention`.
 
@@ -64,6 +75,18 @@ def attention(
         (bias, mask and segment ids too) on one device.
       backend: ``"auto"`` (by device, see the module docstring), ``"torch"``, ``"sdpa"``,
         ``"flash_attn"``, or a JAX backend name or ``registry.use(...)`` choice.
+      dropout_p: probability of zeroing each entry of the normalized attention probabilities; kept
+        entries are scaled by ``1 / (1 - dropout_p)`` (flash-attn / SDPA semantics; pass 0.0 in
+        eval mode, as callers of those do). The lse is that of the scores, unaffected.
+      generator: the ``torch.Generator`` each call draws two uint32 seed words from (``None`` =
+        torch's default CPU generator, seeded by ``torch.manual_seed``). The keep-mask is the
+        contract's hash of (words, batch, query head, query position, key position), so the math
+        path and every JAX path draw the same mask for the same words, and
+        ``flashport.attention(..., dropout_rate=p, dropout_rng=jnp.asarray(words, jnp.uint32))``
+        reproduces the call; the backward reuses the words, so gradients are exact for them.
+        Drawing advances the generator only when ``dropout_p > 0``. Under activation
+        checkpointing (``torch.utils.checkpoint``) keep ``generator=None``: checkpoint restores the
+        default generator's state for the recomputed forward, so it draws the same words.
 
     Returns:
       The output in ``query``'s layout and dtype, or ``(out, lse)`` with lse float32 [B, Hq, Sq];
@@ -73,8 +96,10 @@ def attention(
 
     Raises:
       TypeError / ValueError naming the argument for inputs that do not fit the contract, and
-      ValueError when an explicit backend cannot serve the call (naming the reason).
+      ValueError when an explicit backend cannot serve the call (naming the reason), e.g.
+      ``backend="sdpa"`` or ``"flash_attn"`` with ``dropout_p > 0``.
     """
+    dropout = (_dropout.check_p(dropout_p), _dropout.check_generator(generator))
     options = dict(scale=scale, causal=causal, window=window, align=align, softcap=softcap, layout=layout)
     tensors = dict(bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     if not isinstance(query, torch.Tensor):
@@ -82,19 +107,19 @@ def attention(
     kind = device_kind(query)
     native = backend in NATIVE_BACKENDS if isinstance(backend, str) else False
     if native:
-        return _run_native(backend, query, key, value, options, tensors, return_lse)
+        return _run_native(backend, query, key, value, options, tensors, return_lse, dropout)
     if backend == "auto" and kind not in ("cpu", "xla", "torchax"):
-        call = check(query, key, value, **options, **tensors, return_lse=return_lse)
+        call = _native_call(query, key, value, options, tensors, return_lse, dropout)
         out, lse = _native.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
         return (out, lse) if return_lse else out
     if backend == "auto" and kind == "cpu" and not jax_available():
-        return _run_native("torch", query, key, value, options, tensors, return_lse)
+        return _run_native("torch", query, key, value, options, tensors, return_lse, dropout)
     if not jax_available():
         raise ValueError(
             f"backend={backend!r} runs flashport's JAX implementation, but jax is not importable here; "
             f"use backend='auto' or one of {', '.join(map(repr, NATIVE_BACKENDS))}"
         )
-    return _run_jax(kind, backend, query, key, value, options, tensors, return_lse)
+    return _run_jax(kind, backend, query, key, value, options, tensors, return_lse, dropout)
 
 
 def device_kind(t: torch.Tensor) -> str:
@@ -114,8 +139,23 @@ def jax_available() -> bool:
     return True
 
 
-def _run_native(backend, query, key, value, options, tensors, return_lse):
-    call = check(query, key, value, **options, **tensors, return_lse=return_lse)
+def _native_call(query, key, value, options, tensors, return_lse, dropout):
+    """The validated :class:`_checks.Call`, with seed words drawn when ``dropout_p > 0``."""
+    p, generator = dropout
+    call = check(query, key, value, **options, **tensors, return_lse=return_lse, dropout_p=p)
+    return dataclasses.replace(call, seed=_dropout.draw_words(generator)) if p > 0 else call
+
+
+def _run_native(backend, query, key, value, options, tensors, return_lse, dropout):
+    if dropout[0] > 0 and backend != "torch":
+        check(query, key, value, **options, **tensors, return_lse=return_lse)  # argument errors first
+        name = "SDPA" if backend == "sdpa" else "flash-attn"
+        raise ValueError(
+            f"backend={backend!r} cannot run dropout_p={dropout[0]}: "
+            f"{_native.DROPOUT_REASON.format(name=name)}; use backend='torch' (exact "
+            f"math), 'auto', or a JAX backend such as 'xla', which draw the contract's mask"
+        )
+    call = _native_call(query, key, value, options, tensors, return_lse, dropout)
     if backend == "torch" or call.k.shape[2] == 0:  # no keys: the contract's zeros on every backend
         out, lse = _native.math_attention(call)
     elif backend == "sdpa":
@@ -135,7 +175,7 @@ def _run_native(backend, query, key, value, options, tensors, return_lse):
     return (out, lse) if return_lse else out
 
 
-def _run_jax(kind, backend, query, key, value, options, tensors, return_lse):
+def _run_jax(kind, backend, query, key, value, options, tensors, return_lse, dropout):
     # JAX validates everything else, but DLPack would hand it float64 already cast down (no x64).
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.check_tensor(name, x)
@@ -153,9 +193,13 @@ def _run_jax(kind, backend, query, key, value, options, tensors, return_lse):
         for ids in (tensors["q_segment_ids"], tensors["kv_segment_ids"])
     )
     static = dict(options, backend=backend)
+    seed = None
+    if dropout[0] > 0:  # the words ride as a tensor (not static), so a new draw compiles nothing new
+        static["dropout_rate"] = dropout[0]
+        seed = _dropout.seed_tensor(_dropout.draw_words(dropout[1]), query.detach())
     bias = tensors["bias"]
     need_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (query, key, value, bias))
     out, lse = _jax.JaxAttention.apply(runner, static, need_grad, query, key, value, bias, tensors["mask"],
-                                       q_seg, kv_seg)
+                                       q_seg, kv_seg, seed)
     return (out, lse) if return_lse else out

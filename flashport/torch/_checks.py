@@ -47,7 +47,11 @@ class Params:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """A validated call in canonical form: q/k/v as [B, H, S, D] views, bias/mask rank 4 (unbroadcast)."""
+    """A validated call in canonical form: q/k/v as [B, H, S, D] views, bias/mask rank 4 (unbroadcast).
+
+    ``dropout_p`` > 0 comes with ``seed``, the two uint32 seed words of the contract's keep-mask
+    (:mod:`flashport.torch._dropout`).
+    """
 
     params: Params
     q: torch.Tensor
@@ -58,11 +62,17 @@ class Call:
     q_seg: torch.Tensor | None
     kv_seg: torch.Tensor | None
     layout: str
+    dropout_p: float = 0.0
+    seed: tuple[int, int] | None = None
 
 
 def check(query, key, value, *, scale=None, causal=False, window=None, align="bottom_right", softcap=None,
-          bias=None, mask=None, q_segment_ids=None, kv_segment_ids=None, layout="BSHD", return_lse=False) -> Call:
+          bias=None, mask=None, q_segment_ids=None, kv_segment_ids=None, layout="BSHD", return_lse=False, dropout_p=0.0,
+          seed=None) -> Call:
     """Validate the contract's arguments for torch tensors and return the canonical :class:`Call`.
+
+    ``dropout_p`` is validated by the caller (:func:`flashport.torch._dropout.check_p`); ``seed``
+    (the drawn words) is required when it is > 0.
 
     Raises:
       TypeError / ValueError naming the offending argument and what was expected.
@@ -103,6 +113,8 @@ def check(query, key, value, *, scale=None, causal=False, window=None, align="bo
         q_seg=q_seg,
         kv_seg=kv_seg,
         layout=layout,
+        dropout_p=dropout_p,
+        seed=seed if dropout_p > 0 else None,
     )
 
 

@@ -20,31 +20,39 @@ import functools
 import torch
 
 
-def jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static):
+def jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed=None, **static):
     """``flashport.attention`` on JAX arrays with ``return_lse=True``; returns ``(out, lse)``.
 
-    Module-level (a stable object) because torch_xla caches its compiled computation per function.
+    ``seed`` is None or the dropout seed words as int32 [2] bit patterns (``static`` then holds
+    ``dropout_rate``); they become the raw uint32 key ``dropout_rng``. Module-level (a stable object)
+    because torch_xla caches its compiled computation per function.
     """
     from flashport.kernels.api import attention
 
+    if seed is not None:
+        import jax
+        import jax.numpy as jnp
+
+        static = dict(static, dropout_rng=jax.lax.bitcast_convert_type(seed, jnp.uint32))
     return attention(q, k, v, bias=bias, mask=mask, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                      return_lse=True, **static)
 
 
-def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, d_out, d_lse, **static):
+def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, d_out, d_lse, **static):
     """``(dq, dk, dv, dbias)`` for the cotangents ``(d_out, d_lse)`` of :func:`jax_forward`'s
-    ``(out, lse)`` (dbias is None without a bias); recomputes the forward under ``jax.vjp``."""
+    ``(out, lse)`` (dbias is None without a bias); recomputes the forward under ``jax.vjp`` with the
+    forward's dropout ``seed`` (the same mask)."""
     import jax
 
     def out_and_lse(q, k, v, bias):
-        return jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static)
+        return jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed, **static)
 
     _, vjp = jax.vjp(out_and_lse, q, k, v, bias)
     return vjp((d_out, d_lse))
 
 
-def _out_and_lse(q, k, v, bias, mask, q_seg, kv_seg, static):
-    return jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static)
+def _out_and_lse(q, k, v, bias, mask, q_seg, kv_seg, seed, static):
+    return jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed, **static)
 
 
 def to_jax(t: torch.Tensor | None):
@@ -73,12 +81,12 @@ class DLPackRunner:
         """Return ``(out, lse, state)``; ``state`` is the VJP closure when gradients are needed."""
         import jax
 
-        q, k, v, bias, mask, q_seg, kv_seg = (to_jax(a) for a in args)
+        q, k, v, bias, mask, q_seg, kv_seg, seed = (to_jax(a) for a in args)
         if need_grad:
-            f = functools.partial(_out_and_lse, mask=mask, q_seg=q_seg, kv_seg=kv_seg, static=static)
+            f = functools.partial(_out_and_lse, mask=mask, q_seg=q_seg, kv_seg=kv_seg, seed=seed, static=static)
             (out, lse), vjp = jax.vjp(f, q, k, v, bias)
         else:
-            (out, lse), vjp = jax_forward(q, k, v, bias, mask, q_seg, kv_seg, **static), None
+            (out, lse), vjp = jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed, **static), None
         return to_torch(out), to_torch(lse), vjp
 
     def backward(self, state, saved, d_out, d_lse, static):
@@ -129,15 +137,16 @@ class JaxAttention(torch.autograd.Function):
     """``(out, lse)`` from a runner; the backward is the JAX VJP of both outputs."""
 
     @staticmethod
-    def forward(ctx, runner, static, need_grad, q, k, v, bias, mask, q_seg, kv_seg):
+    def forward(ctx, runner, static, need_grad, q, k, v, bias, mask, q_seg, kv_seg, seed=None):
         """Run the JAX forward; keep what the backward needs when ``need_grad`` (the caller's grad
-        mode and requires_grad: ``ctx.needs_input_grad`` ignores ``torch.no_grad()``)."""
-        out, lse, state = runner.forward((q, k, v, bias, mask, q_seg, kv_seg), static, need_grad)
+        mode and requires_grad: ``ctx.needs_input_grad`` ignores ``torch.no_grad()``). ``seed``: the
+        dropout seed words (int32 [2]) or None; saved so the backward regenerates the same mask."""
+        out, lse, state = runner.forward((q, k, v, bias, mask, q_seg, kv_seg, seed), static, need_grad)
         ctx.runner, ctx.static, ctx.state = runner, static, state
         if need_grad:
             # Saving inputs and out (which JAX's residuals may alias) makes torch reject in-place
             # changes to them between forward and backward instead of silently using new values.
-            ctx.save_for_backward(q, k, v, bias, mask, q_seg, kv_seg, out)
+            ctx.save_for_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out)
         return out, lse
 
     @staticmethod
@@ -146,4 +155,4 @@ class JaxAttention(torch.autograd.Function):
         # torch materializes an unused output's cotangent as zeros, so both are tensors here.
         *saved, _ = ctx.saved_tensors
         dq, dk, dv, dbias = ctx.runner.backward(ctx.state, tuple(saved), d_out, d_lse, ctx.static)
-        return None, None, None, dq, dk, dv, dbias, None, None, None
+        return None, None, None, dq, dk, dv, dbias, None, None, None, None

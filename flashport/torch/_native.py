@@ -14,6 +14,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from flashport.torch import _dropout
 from flashport.torch._checks import Call
 
 log = logging.getLogger("flashport")
@@ -23,6 +24,11 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 # SDPA takes enable_gqa from torch 2.5; older versions get K/V repeated.
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+# Why SDPA and flash-attn cannot run dropout with the contract's semantics.
+DROPOUT_REASON = ("{name} draws its own dropout mask, which cannot reproduce the contract's (a position "
+                  "hash of the seed words drawn from generator, identical on every backend)")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -71,17 +77,21 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
 
     GQA stays grouped ([B, Hkv, G, Sq, D] against [B, Hkv, Sk, D]), so K/V are never repeated. Rows
     with no visible key give 0 output, lse = -inf and zero (finite) gradients. Both outputs are
-    differentiable.
+    differentiable. With ``call.dropout_p`` > 0 the normalized probabilities are multiplied by the
+    contract's keep-mask (:func:`flashport.torch._dropout.keep_mask` of ``call.seed``) and scaled
+    by ``1 / (1 - p)``; lse is that of the scores. float64 inputs (internal callers such as
+    gradcheck) are computed in float64.
     """
     p = call.params
     b, hq, sq, d = call.q.shape
     hkv = call.k.shape[1]
-    q = call.q.float().reshape(b, hkv, hq // hkv, sq, d)
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q, call.k.float()) * p.scale
+    acc = torch.float64 if call.q.dtype == torch.float64 else torch.float32
+    q = call.q.to(acc).reshape(b, hkv, hq // hkv, sq, d)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, call.k.to(acc)) * p.scale
     if p.softcap is not None:
         s = p.softcap * torch.tanh(s / p.softcap)
     if call.bias is not None:
-        s = s + _group(call.bias.float(), hkv)
+        s = s + _group(call.bias.to(acc), hkv)
     keep = visible(call)
     if keep is not None:
         s = s.masked_fill(~_group(keep, hkv), float("-inf"))
@@ -92,7 +102,11 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     e = torch.exp(s - m)
     l = e.sum(dim=-1, keepdim=True)
     nonempty = l > 0
-    out = torch.einsum("bhgqk,bhkd->bhgqd", e, call.v.float()) / torch.where(nonempty, l, torch.ones_like(l))
+    weights = e
+    if call.dropout_p > 0:
+        kept = _dropout.keep_mask(call.seed, call.dropout_p, b, hq, sq, call.k.shape[2], call.q.device)
+        weights = e * (_group(kept, hkv).to(acc) * (1.0 / (1.0 - call.dropout_p)))
+    out = torch.einsum("bhgqk,bhkd->bhgqd", weights, call.v.to(acc)) / torch.where(nonempty, l, torch.ones_like(l))
     # Differentiable; the inner where keeps log's gradient finite on rows with no key.
     lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))), float("-inf"))
     out = out.reshape(b, hq, sq, -1).to(call.q.dtype)
@@ -104,6 +118,8 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sdpa_unsupported(call: Call, return_lse: bool) -> str | None:
     """Why torch SDPA cannot run ``call`` with the contract's semantics (None when it can)."""
+    if call.dropout_p > 0:
+        return "dropout_p > 0: " + DROPOUT_REASON.format(name="SDPA")
     if return_lse:
         return "return_lse (SDPA returns no log-sum-exp)"
     if call.params.softcap is not None:
@@ -178,6 +194,8 @@ def flash_window(call: Call) -> tuple[bool, tuple[int, int]] | str:
 
 def flash_unsupported(call: Call) -> str | None:
     """Why flash-attn 2 cannot run ``call`` (None when it can; segment ids go to the varlen API)."""
+    if call.dropout_p > 0:
+        return "dropout_p > 0: " + DROPOUT_REASON.format(name="flash-attn")
     if call.q.dtype not in FLASH_DTYPES:
         return f"dtype {call.q.dtype} (flash-attn takes float16/bfloat16)"
     if call.q.shape[-1] > FLASH_MAX_HEAD_DIM:
@@ -284,12 +302,17 @@ def _flash_varlen(flash, call: Call, q, k, v, kwargs, return_lse):
 def cuda_attention(call: Call, return_lse: bool, flash="import"):
     """``backend="auto"`` for CUDA tensors: flash-attn when installed and the call fits it, else torch
     SDPA when the contract's semantics survive, else the exact math path (softcap, or lse with SDPA;
-    also an lse that needs a gradient, which flash-attn cannot give).
+    also an lse that needs a gradient, which flash-attn cannot give; and dropout, whose mask only
+    the math path draws as the contract defines it).
 
     ``flash`` is the flash-attn module (``"import"`` = import it now; ``None`` = not installed).
     """
     if call.k.shape[2] == 0:
         log.debug("flashport.torch: no keys (Sk == 0); exact math path runs this call")
+        return math_attention(call)
+    if call.dropout_p > 0:
+        # flash-attn and SDPA draw their own dropout masks, which cannot reproduce the contract's.
+        log.debug("flashport.torch: dropout; exact math path runs this call (it draws the contract's mask)")
         return math_attention(call)
     flash = import_flash_attn() if flash == "import" else flash
     if flash is not None:
