@@ -177,3 +177,11 @@ def test_a_call_through_an_attribute_alias_is_reported_at_the_call():
     assert result.new is None
     call = next(s for s in result.sites if s.kind == "call")
     assert call.line == 9 and call.status == "refused" and "self.flash_qkv_fn" in call.reason
+
+
+def test_a_value_use_names_the_drop_in_when_flashport_has_one():
+    source = b"from flash_attn import flash_attn_varlen_func\nfrom flash_attn.flash_attn_triton import flash_attn_func\nT = {'a': flash_attn_varlen_func, 'b': flash_attn_func}\n"
+    result = transform_source(source, "m.py", registry.all_rules(), RuleOptions())
+    varlen, triton = sorted(result.sites, key=lambda s: s.column)
+    assert "flashport.integrations.flash_attn_compat.flash_attn_varlen_func is a drop-in" in varlen.reason
+    assert "drop-in" not in triton.reason  # the Triton kernel's 4th argument is a bias: no drop-in
