@@ -124,12 +124,16 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
     needed: set[str] = set()
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
     newline = src.newline_of(lines)
-    aliases = _aliases(header_units, text_pattern)
+    aliases = _aliases(header_units, text_pattern) | _value_aliases(units, text_pattern)
+    attributes = _attribute_aliases(tree, text_pattern)  # self.fn = flash_attn_func: calls self.fn(...) are reported
+    aliases |= attributes
     if aliases:  # `from flash_attn import flash_attn_func as fa`: a later `fa(...)` has no trigger text
         text_pattern = re.compile(text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b")
     chunks = list(_chunks(units, lines, text_pattern))
     chunk_ids = {id(c.parent or c) for c in chunks}  # before pruning: the header stays as it was
-    flags = prune.keep([c.nodes for c in chunks], tree, prune.watch_of(rules))
+    watch = prune.watch_of(rules)
+    watch = dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
+    flags = prune.keep([c.nodes for c in chunks], tree, watch)
     chunks = [c for c, kept in zip(chunks, flags) if kept]
     if not chunks:
         return result
@@ -150,12 +154,13 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
         line_map.append((mini_line + 1, mini_line + count, unit.start))
         parts.append(body)
         mini_line += count
-    module = cst.parse_module("".join(parts))
-    transformer = SiteTransformer(rules, options, result.path, line_map, table, module)
+    mini_source = "".join(parts)
+    module = cst.parse_module(mini_source)
+    transformer = SiteTransformer(rules, options, result.path, line_map, table, module, source=mini_source)
     new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
     if vetoes:  # per-file phase: redo the pass with those rules' rewrites refused
-        transformer = SiteTransformer(rules, options, result.path, line_map, table, module, vetoes)
+        transformer = SiteTransformer(rules, options, result.path, line_map, table, module, vetoes, source=mini_source)
         new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
     result.sites.extend(transformer.sites)
     if transformer.rewrites:
@@ -214,6 +219,37 @@ def _aliases(header_units, pattern) -> set[str]:
                             names.add(alias.asname or alias.name.split(".")[0])
     names.discard("*")
     return names
+
+
+def _value_aliases(units, pattern) -> set[str]:
+    """Names bound at module level by ``name = <trigger name>`` (``attn = flash_attn_func``): calls
+    through them (rewriter/aliases.py) sit in statements without trigger text."""
+    names: set[str] = set()
+    for unit in units:
+        for stmt in unit.nodes:
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                    and isinstance(stmt.value, (ast.Name, ast.Attribute)) and pattern.search(_dotted(stmt.value))):
+                names.add(stmt.targets[0].id)
+    return names
+
+
+def _attribute_aliases(tree: ast.Module, pattern) -> frozenset[str]:
+    """Attribute names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute))
+                and pattern.search(_dotted(node.value))):
+            names.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
+    return frozenset(names)
+
+
+def _dotted(node: ast.expr) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    parts.append(node.id if isinstance(node, ast.Name) else "")
+    return ".".join(reversed(parts))
 
 
 _SENTINEL = re.compile(r"^(?:class _flashport_chunk_\d+_:|# flashport-chunk-(\d+))(?:\r\n|\r|\n)", re.M)

@@ -1,23 +1,24 @@
 """Import management after rewrites, done as line splices on the new text.
 
-* :func:`ensure_import` adds ``import flashport`` once, unguarded, after the module docstring and
-  ``from __future__`` imports (flashport is always installed where rewritten code runs).
+* :func:`ensure_import` adds ``import flashport`` once, unguarded, where isort would put it (the
+  third-party group, sorted the way the file sorts; flashport is always installed where rewritten
+  code runs).
 * :func:`remove_unused` drops imports from GPU-only modules (``flash_attn``) whose names a rewrite
-  made unused. Imports under ``try``/``if``/``with`` (guards such as ``try: ... except ImportError``
-  or ``if is_flash_attn_2_available():``) are never touched, and a name still used anywhere
-  (feature probes like ``inspect.signature(flash_attn_func)``) keeps its import.
+  made unused, at every scope, with ``try: ... except ImportError`` / ``if available():`` guards and
+  fallbacks that only existed for them (:mod:`flashport.rewriter.dead_imports`); a name still used
+  anywhere (feature probes like ``inspect.signature(flash_attn_func)``) keeps its import.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
+import sys
 
 import libcst as cst
 
+from flashport.rewriter import dead_imports
 from flashport.rewriter.source import split_lines
-
-_SCOPES = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def name_uses(tree: ast.AST) -> collections.Counter:
@@ -33,82 +34,17 @@ def name_uses(tree: ast.AST) -> collections.Counter:
     return uses
 
 
-def _bound_name(alias: ast.alias) -> str:
-    return alias.asname or alias.name.split(".")[0]
-
-
-def _unguarded_imports(tree: ast.Module):
-    """Yield (import node, parent body) for imports whose ancestors are only module/def/class."""
-    stack = [(tree, True)]
-    while stack:
-        node, clean = stack.pop()
-        for field in ("body", "orelse", "finalbody", "handlers"):
-            body = getattr(node, field, None)
-            if not isinstance(body, list):
-                continue
-            for child in body:
-                if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    if clean and field == "body":
-                        yield child, body
-                elif isinstance(child, ast.AST):
-                    stack.append((child, clean and isinstance(child, _SCOPES)))
-
-
-def _is_gpu(module: str, gpu_modules: tuple[str, ...]) -> bool:
-    return any(module == m or module.startswith(m + ".") for m in gpu_modules)
-
-
 def remove_unused(text: str, before: collections.Counter, gpu_modules: tuple[str, ...]) -> tuple[str, list[str]]:
-    """Drop unguarded GPU imports whose bound names were used in ``before`` and are unused now.
+    """Drop GPU imports whose bound names were read in ``before`` and are unread now, at every
+    scope, with the ``try``/``if`` guards and fallbacks that only existed for them
+    (:mod:`flashport.rewriter.dead_imports`).
 
     Returns the new text and the dotted names removed.
     """
     if not gpu_modules:
         return text, []
     tree = ast.parse(text)
-    after = name_uses(tree)
-    lines = split_lines(text)
-    edits: list[tuple[int, int, str]] = []  # (start line, end line, replacement text)
-    removed: list[str] = []
-    for node, body in _unguarded_imports(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level or not _is_gpu(node.module or "", gpu_modules):
-                continue
-            drop = [a for a in node.names if a.name != "*" and before[_bound_name(a)] and not after[_bound_name(a)]]
-            prefix = f"{node.module}."
-        else:
-            drop = [a for a in node.names if _is_gpu(a.name, gpu_modules) and before[_bound_name(a)] and not after[_bound_name(a)]]
-            prefix = ""
-        if not drop:
-            continue
-        start, end = node.lineno, node.end_lineno or node.lineno
-        first, last = lines[start - 1], lines[end - 1]
-        alone = first[: node.col_offset].strip() == "" and _only_comment(last.encode("utf-8")[node.end_col_offset :].decode("utf-8", "replace"))
-        if not alone or any(other is not node and _overlaps(other, start, end) for other in body):
-            continue
-        if len(drop) == len(node.names):
-            if len(body) == 1:
-                continue  # the block would become empty
-            edits.append((start, end, ""))
-        else:
-            new = _drop_aliases("".join(lines[start - 1 : end]), {a.asname or a.name for a in drop})
-            if new is None:
-                continue
-            edits.append((start, end, new))
-        removed.extend(prefix + a.name for a in drop)
-    for start, end, new in sorted(edits, reverse=True):
-        lines[start - 1 : end] = [new] if new else []
-    return "".join(lines), removed
-
-
-def _only_comment(rest: str) -> bool:
-    rest = rest.strip()
-    return not rest or rest.startswith("#")
-
-
-def _overlaps(other: ast.stmt, start: int, end: int) -> bool:
-    o_start, o_end = other.lineno, other.end_lineno or other.lineno
-    return not (o_end < start or o_start > end)
+    return dead_imports.remove_dead(text, tree, before, name_uses(tree), gpu_modules, _drop_aliases)
 
 
 def _drop_aliases(stmt_text: str, names: set[str]) -> str | None:
@@ -128,7 +64,10 @@ def _drop_aliases(stmt_text: str, names: set[str]) -> str | None:
             kept = [a for a in updated.names if (a.evaluated_alias or a.evaluated_name) not in names]
             if not kept:
                 return updated
-            kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT) if updated.rpar is None else kept[-1]
+            if updated.rpar is not None:
+                kept[-1] = kept[-1].with_changes(comma=_closing_comma(kept[-1].comma, updated.names[-1].comma))
+            else:
+                kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
             return updated.with_changes(names=kept)
 
         def leave_Import(self, original, updated):
@@ -143,6 +82,24 @@ def _drop_aliases(stmt_text: str, names: set[str]) -> str | None:
     return "".join((indent + line) if i == 0 or line.strip() else line for i, line in enumerate(out_lines))
 
 
+def _closing_comma(own, last):
+    """The comma for the new last alias of a parenthesized import.
+
+    What sits before ``)`` (the newline and indentation of the closing parenthesis) belongs to the
+    old last alias's comma, or to ``rpar`` when it had none. The new last alias keeps its own
+    comma and line comment and takes over the old last one's line break and indentation; without
+    a trailing comma before, it loses its comma.
+    """
+    if not isinstance(last, cst.Comma):
+        return cst.MaybeSentinel.DEFAULT
+    if not isinstance(own, cst.Comma):
+        return last
+    mine, theirs = own.whitespace_after, last.whitespace_after
+    if isinstance(mine, cst.ParenthesizedWhitespace) and isinstance(theirs, cst.ParenthesizedWhitespace):
+        return own.with_changes(whitespace_after=mine.with_changes(indent=theirs.indent, last_line=theirs.last_line))
+    return last
+
+
 def has_import(tree: ast.Module, module: str) -> bool:
     """True when the module has an unguarded top-level ``import <module>`` (or a submodule)."""
     for node in tree.body:
@@ -154,24 +111,57 @@ def has_import(tree: ast.Module, module: str) -> bool:
 
 
 def ensure_import(text: str, module: str, newline: str) -> tuple[str, bool]:
-    """Add ``import <module>`` once; returns (text, added)."""
+    """Add ``import <module>`` once, where isort would put it; returns (text, added).
+
+    The statement joins the file's third-party import group (the first blank-line separated group
+    of top-level imports after the standard-library ones that holds an absolute, non-stdlib import),
+    sorted as the group already is: among the plain ``import x`` statements when they all come
+    before the ``from x import`` ones (isort's default), else among all by module name
+    (``force_sort_within_sections``). Without such a group it gets its own, after the standard
+    library group or before the local (relative) one; without imports, it goes after the module
+    docstring and ``from __future__`` imports.
+    """
     tree = ast.parse(text)
     if has_import(tree, module):
         return text, False
     lines = split_lines(text)
+    statement = f"import {module}{newline}"
+    groups = _import_groups(tree, lines)
+    third = next((g for g in groups if any(_section(n) == "third" for n in g)), None)
+    if third is not None:
+        line = _sorted_position(third, module, lines)
+        lines.insert(line - 1, statement)
+        return "".join(lines), True
+    std = [g for g in groups if all(_section(n) in ("stdlib", "future") for n in g)
+           and any(_section(n) == "stdlib" for n in g)]
+    local = [g for g in groups if any(_section(n) == "local" for n in g)]
+    if std and (not local or std[-1][-1].lineno < local[0][0].lineno):
+        end = std[-1][-1].end_lineno or std[-1][-1].lineno
+        _terminate(lines, end, newline)
+        lines.insert(end, newline + statement)
+        return "".join(lines), True
+    if local:
+        lines.insert(_above_comments(lines, local[0][0].lineno) - 1, statement + newline)
+        return "".join(lines), True
+    return _after_header(tree, lines, statement, newline), True
+
+
+def _terminate(lines: list[str], line: int, newline: str) -> None:
+    if not lines[line - 1].endswith(("\n", "\r")):
+        lines[line - 1] += newline
+
+
+def _after_header(tree: ast.Module, lines: list[str], statement: str, newline: str) -> str:
+    """``statement`` after the docstring and ``__future__`` imports (a file without other imports)."""
     index = 0
     body = tree.body
     if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
         index = 1
     while index < len(body) and isinstance(body[index], ast.ImportFrom) and body[index].module == "__future__":
         index += 1
-    statement = f"import {module}{newline}"
-    if index < len(body) and isinstance(body[index], (ast.Import, ast.ImportFrom)):
-        lines.insert(body[index].lineno - 1, statement)  # at the top of the import block
-    elif index > 0:  # right after the docstring / __future__ imports
+    if index > 0:  # right after the docstring / __future__ imports
         last_line = body[index - 1].end_lineno or len(lines)
-        if not lines[last_line - 1].endswith(("\n", "\r")):
-            lines[last_line - 1] += newline
+        _terminate(lines, last_line, newline)
         lines.insert(last_line, statement)
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
@@ -180,4 +170,71 @@ def ensure_import(text: str, module: str, newline: str) -> tuple[str, bool]:
         if lines and not lines[-1].endswith(("\n", "\r")):
             lines[-1] += newline
         lines.append(statement)
-    return "".join(lines), True
+    return "".join(lines)
+
+
+def _section(node: ast.stmt) -> str:
+    """isort's section of a top-level import: future, stdlib, local (relative) or third."""
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            return "local"
+        name = node.module or ""
+    else:
+        name = node.names[0].name
+    top = name.split(".")[0]
+    if top == "__future__":
+        return "future"
+    return "stdlib" if top in sys.stdlib_module_names else "third"
+
+
+def _import_groups(tree: ast.Module, lines: list[str]) -> list[list[ast.stmt]]:
+    """Top-level, one-per-line import statements of the leading import region, split at blank lines."""
+    groups: list[list[ast.stmt]] = []
+    previous = None
+    for node in tree.body:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            if previous is None and isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant):
+                continue  # the docstring
+            if groups:
+                break
+            continue
+        end = node.end_lineno or node.lineno
+        if previous is not None and (node.lineno == (previous.end_lineno or previous.lineno)
+                                     or lines[node.lineno - 1][: node.col_offset].strip()):
+            return groups  # statements sharing a line: leave the layout alone
+        gap = previous is None or any(not lines[i].strip() for i in range((previous.end_lineno or previous.lineno), node.lineno - 1))
+        if gap or not groups:
+            groups.append([node])
+        else:
+            groups[-1].append(node)
+        previous = node
+        if end > len(lines):
+            break
+    return groups
+
+
+def _key(node: ast.stmt) -> str:
+    return (node.names[0].name if isinstance(node, ast.Import) else node.module or "").lower()
+
+
+def _sorted_position(group: list[ast.stmt], module: str, lines: list[str]) -> int:
+    """1-based line before which ``import <module>`` goes in ``group``."""
+    plain = [n for n in group if isinstance(n, ast.Import)]
+    froms = [n for n in group if isinstance(n, ast.ImportFrom)]
+    imports_first = not plain or not froms or max(n.lineno for n in plain) < min(n.lineno for n in froms)
+    candidates = plain if imports_first else group
+    key = module.lower()
+    for node in candidates:
+        if _key(node) > key:
+            return _above_comments(lines, node.lineno)
+    if imports_first and froms:
+        return _above_comments(lines, froms[0].lineno)
+    last = group[-1]
+    return (last.end_lineno or last.lineno) + 1
+
+
+def _above_comments(lines: list[str], line: int) -> int:
+    """``line``, moved up over the comment lines directly above it (they belong to its statement)."""
+    while line > 1 and lines[line - 2].lstrip().startswith("#"):
+        line -= 1
+    return line

@@ -22,7 +22,7 @@ import dataclasses
 import libcst as cst
 from libcst.metadata import PositionProvider, ScopeProvider
 
-from flashport.rewriter import suppress
+from flashport.rewriter import aliases, suppress
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, RuleContext, RuleOptions, keep_comments
 
@@ -44,8 +44,10 @@ class SiteTransformer(cst.CSTTransformer):
         suppressions: dict[int, frozenset[str]],
         module: cst.Module,
         vetoes: dict[str, str] | None = None,
+        source: str | None = None,
     ):
         super().__init__()
+        self._lines = source.splitlines() if source is not None else None  # the mini module's text
         self.vetoes = vetoes or {}
         self.options = options
         self.path = path
@@ -63,6 +65,9 @@ class SiteTransformer(cst.CSTTransformer):
         self.imports: set[str] = set()
         self.rewrites = 0
         self._path: list[cst.CSTNode] = []  # original nodes from the module down to the current one
+        self._aliases: dict[int, aliases.Alias] = {}  # id(libcst Assignment) -> alias (rewriter/aliases.py)
+        self._values: dict[int, tuple[Rule, str, int]] = {}  # id(Name target) of other `name = <source>`
+        self._attributes: dict[tuple[str, str], tuple[Rule, str, int]] = {}  # (receiver, attr) of `self.fn = <source>`
 
     # -- traversal path (what rules get as ``ctx.node`` / ``ctx.ancestors``) ------------------
 
@@ -90,6 +95,13 @@ class SiteTransformer(cst.CSTTransformer):
                 shift = file_line - first
                 return pos.start.line + shift, pos.start.column, pos.end.line + shift
         return None
+
+    def _has_comment(self, node: cst.CSTNode) -> bool:
+        """Whether the source lines of ``node`` hold a ``#`` (a cheap test before looking for comments)."""
+        pos = self.get_metadata(PositionProvider, node, None)
+        if pos is None or self._lines is None:
+            return True
+        return any("#" in line for line in self._lines[pos.start.line - 1 : pos.end.line])
 
     def _qualified_names(self, node: cst.CSTNode):
         """``QualifiedNameProvider``'s answer for ``node`` (same computation, on demand)."""
@@ -138,13 +150,22 @@ class SiteTransformer(cst.CSTTransformer):
     # -- calls -------------------------------------------------------------------------------
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        """Ask the matching rule about a call to a source API; apply its rewrite."""
+        """Ask the matching rule about a call to a source API (directly or through a local alias,
+        :mod:`flashport.rewriter.aliases`); apply its rewrite."""
         matched = self._match(original_node.func)
+        alias = None
+        if matched is None and isinstance(original_node.func, cst.Name):
+            scope = self.get_metadata(ScopeProvider, original_node.func, None)
+            alias = self._aliases.get(id(aliases.referent(scope, original_node.func)))
+            matched = (alias.rule, alias.api) if alias is not None else None
         if matched is None:
+            self._through_value(original_node)
             return updated_node
         where = self._file_lines(original_node)
         if where is None:
             return updated_node
+        if alias is not None:
+            alias.calls += 1
         rule, api = matched
         if suppress.is_suppressed(self.suppressions, rule.CODE, where[0], where[2]):
             self._record(rule, api, "call", where, None)
@@ -155,18 +176,102 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = Refusal(refusal.reason)
         if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:
             outcome = Refusal(self.vetoes[rule.CODE])
-        if isinstance(outcome, Rewrite):  # comments are kept, never a reason to refuse
+        if isinstance(outcome, Rewrite) and self._has_comment(original_node):  # comments are kept, never a reason to refuse
             node = keep_comments(original_node, outcome.node)
             if node is None:  # no current rule replaces a call by a non-call; stay safe if one does
                 outcome = Refusal("the replacement has no place for the comments inside the call; move them out first")
             else:
                 outcome = dataclasses.replace(outcome, node=node)
+        if alias is not None and isinstance(outcome, Rewrite):
+            alias.rewritten += 1
+            outcome = dataclasses.replace(outcome, notes=(f"called through alias {alias.name} (line {alias.where[0]})", *outcome.notes))
         self._record(rule, api, "call", where, outcome)
         if isinstance(outcome, Rewrite):
             self.imports.update(outcome.imports)
             self.rewrites += 1
             return outcome.node
         return updated_node
+
+    def _through_value(self, call: cst.Call) -> None:
+        """Report a call through a name that *may* hold a source API (bound to it and to other
+        things): the call is where a reader looks, so it is listed there too."""
+        if isinstance(call.func, cst.Attribute) and isinstance(call.func.value, cst.Name):
+            held = self._attributes.get((call.func.value.value, call.func.attr.value))
+            where = self._file_lines(call) if held else None
+            if where is not None:
+                rule, api, line = held
+                self._record(rule, api, "call", where, Report(
+                    f"called through {call.func.value.value}.{call.func.attr.value}, which holds {api.rsplit('.', 1)[-1]} "
+                    f"(line {line}): an attribute can be rebound from anywhere, so the call does not resolve to one "
+                    "function; not rewritten"))
+            return
+        if not self._values or not isinstance(call.func, cst.Name):
+            return
+        scope = self.get_metadata(ScopeProvider, call.func, None)
+        for access in (scope.accesses[call.func.value] if scope else ()):
+            if access.node is call.func:
+                hits = [self._values[id(r.node)] for r in access.referents if id(getattr(r, "node", None)) in self._values]
+                where = self._file_lines(call)
+                if hits and where is not None:
+                    rule, api, line = hits[0]
+                    self._record(rule, api, "call", where, Report(
+                        f"called through {call.func.value}, which holds {api.rsplit('.', 1)[-1]} (line {line}) but may "
+                        "also hold something else: it does not resolve to one function; not rewritten"))
+                return
+
+    # -- local aliases (``attn = flash_attn_func``; rewriter/aliases.py) ------------------------
+
+    def _alias(self, node: cst.Assign) -> bool:
+        """Register ``node`` as an alias statement when it is one; its site is recorded when its
+        function/module is left, once every call through it has an outcome."""
+        if not isinstance(node.value, (cst.Name, cst.Attribute)):
+            return False
+        matched = self._match(node.value)
+        where = self._file_lines(node.value) if matched else None
+        if where is None or suppress.is_suppressed(self.suppressions, matched[0].CODE, where[0], where[2]):
+            return False
+        found = aliases.candidate(node, tuple(reversed(self._path[:-1])))
+        if found is None:
+            return False
+        target, statement, owner = found
+        assignment = aliases.single_assignment(self.get_metadata(ScopeProvider, target, None), target)
+        if assignment is None:
+            return False
+        rule, api = matched
+        own_reason = ""
+        if type(rule).check_reference is not Rule.check_reference:  # the rule says why its values stay
+            try:
+                answer = rule.check_reference(node.value, self._context(where[0], api, node.value))
+            except Refuse as refusal:
+                answer = Refusal(refusal.reason)
+            own_reason = answer.reason if isinstance(answer, (Refusal, Report)) else ""
+        self._aliases[id(assignment)] = aliases.Alias(target.value, api, rule, statement, owner, target, where,
+                                                      uses=len(assignment.references), own_reason=own_reason)
+        return True
+
+    def _settle_aliases(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
+        """Record the sites of the aliases bound in ``original``'s body; remove the removable ones."""
+        for alias in [a for a in self._aliases.values() if a.owner is original]:
+            outcome = Report(alias.own_reason or alias.reason())
+            if alias.removable():
+                block = updated.body if isinstance(updated, cst.FunctionDef) else None
+                body = aliases.drop_statement(block.body if block else updated.body,
+                                              original.body.body if block else original.body, alias.statement)
+                if body is not None:
+                    updated = (updated.with_changes(body=block.with_changes(body=body)) if block
+                               else updated.with_changes(body=body))
+                    outcome = Rewrite(cst.Name(alias.name), notes=(f"alias removed: all {alias.uses} calls through it were ported",))
+                    self.rewrites += 1
+            self._record(alias.rule, alias.api, "reference", alias.where, outcome)
+        return updated
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
+        """Settle the aliases bound in this function."""
+        return self._settle_aliases(original_node, updated_node)
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        """Settle the module-level aliases."""
+        return self._settle_aliases(original_node, updated_node)
 
     # -- references (functions passed as values) ---------------------------------------------
 
@@ -193,8 +298,18 @@ class SiteTransformer(cst.CSTTransformer):
         self._reference(node.value)
 
     def visit_Assign(self, node: cst.Assign) -> None:
-        """``fn = flash_attn_func``."""
+        """``fn = flash_attn_func``: a local alias (calls through it are ported) or a value use."""
+        if self._alias(node):
+            return
         self._reference(node.value)
+        matched = self._match(node.value) if isinstance(node.value, (cst.Name, cst.Attribute)) else None
+        where = self._file_lines(node.value) if matched else None
+        if where is not None:
+            for target in node.targets:
+                if isinstance(target.target, cst.Name):
+                    self._values[id(target.target)] = (*matched, where[0])
+                elif isinstance(target.target, cst.Attribute) and isinstance(target.target.value, cst.Name):
+                    self._attributes[(target.target.value.value, target.target.attr.value)] = (*matched, where[0])
 
     def visit_DictElement(self, node: cst.DictElement) -> None:
         """``{"flash_attention_2": flash_attn_func}``."""

@@ -171,8 +171,11 @@ class Rule:
         return Refusal("no rewrite implemented for this API")
 
     def check_reference(self, node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
-        """Answer for a source API used as a value (callback, mapping entry, feature probe)."""
-        return Report("used as a value (callback, mapping or feature probe), not called: not rewritten")
+        """Answer for a source API used as a value (callback, mapping entry, feature probe): a
+        report whose reason names the context (:func:`flashport.rules._values.describe`)."""
+        from flashport.rules import _values
+
+        return Report(_values.describe(node, ctx))
 
     def check_string(self, node: cst.SimpleString, value: str, ctx: RuleContext) -> Outcome:
         """Answer for a string literal whose value is in :attr:`STRINGS`."""
@@ -427,8 +430,15 @@ def insert_in_source_order(
     return [*keywords[:index], entry, *keywords[index:]]
 
 
+_EMPTY = cst.Module(body=())
+
+
 def comments(node: cst.CSTNode) -> list[str]:
     """The texts of every comment in ``node``'s subtree, in source order."""
+    # Fast paths: visiting a subtree rebuilds it node by node (milliseconds per call), rendering
+    # it is cheap, and almost no subtree holds a comment.
+    if isinstance(node, cst.SimpleWhitespace) or "#" not in _EMPTY.code_for_node(node):
+        return []
     found: list[str] = []
 
     class _Finder(cst.CSTVisitor):

@@ -27,7 +27,14 @@ Semantics mapping:
   round-off (tests/test_rules_torch_catalogue.py).
 
 What it refuses:
-  nothing; the same strings in any other position (comparisons such as
+  * a setting passed to a call with ``trust_remote_code`` (not literally ``False``): the model's own
+    remote code (``modeling_*.py``) often dispatches on the string itself
+    (``ATTENTION_CLASSES[config._attn_implementation]``) and would raise ``KeyError: 'flashport'``;
+  * every setting in a file whose own code dispatches on the same string (a comparison, a dict key,
+    a ``match`` case ...: any non-setting occurrence) or that loads remote code with one: ``"flashport"``
+    would fall through or raise ``KeyError`` there (per-file phase, :meth:`settle`).
+
+  The same strings in any other position (comparisons such as
   ``config._attn_implementation == "flash_attention_2"``, dispatch tables, messages) are reported,
   not rewritten: changing them would change the code's branching. At run time the flashport function
   raises for attention sinks (``s_aux``) and ``head_mask``; attention dropout in training is passed
@@ -87,7 +94,39 @@ class TransformersAttnImplementation(Rule):
     def check_string(self, node, value, ctx):
         """Rewrite setting positions; report every other occurrence."""
         if setting_context(node, ctx):
+            if _remote_code(node, ctx):
+                return Report(f"{value!r} is passed with trust_remote_code: the model's own remote code may dispatch "
+                              "on the string (ATTENTION_CLASSES[config._attn_implementation]) and would raise "
+                              "KeyError: 'flashport'; not rewritten")
             return Rewrite(dotted(self.TARGET), imports=(MODULE,),
                            notes=(f"{value!r} -> 'flashport' (registered by importing {MODULE})",))
         return Report(f"configuration string {value!r} selects a CUDA flash-attention kernel; it is not "
                       "setting attn_implementation here (comparison or table), so it is not rewritten")
+
+    def settle(self, sites, tree) -> str | None:
+        """Refuse every setting in a file that also dispatches on the watched strings itself."""
+        reads = [s for s in sites if s.rule == self.CODE and s.kind == "string" and s.status == "refused"]
+        if not reads or not any(s.rule == self.CODE and s.status == "rewrite" for s in sites):
+            return None
+        first = min(reads, key=lambda s: (s.line, s.column))
+        if "trust_remote_code" in first.reason:
+            return (f"line {first.line} loads remote model code with this setting, whose dispatch on the string "
+                    "may not know 'flashport' (KeyError); no setting in this file is rewritten")
+        return (f"this file dispatches on {first.api!r} itself (line {first.line}): 'flashport' would not "
+                "match there (KeyError or a different branch); not rewritten")
+
+
+def _remote_code(node: cst.SimpleString, ctx) -> bool:
+    """True when ``node`` is an argument of a call that passes ``trust_remote_code`` (not ``False``)."""
+    up = _sites.parent(node, ctx)
+    call = _sites.parent(up, ctx) if isinstance(up, cst.Arg) else None
+    if not isinstance(call, cst.Call):
+        return False
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value == "trust_remote_code":
+            return not (isinstance(arg.value, cst.Name) and arg.value.value in ("False", "None"))
+        if arg.star == "**":  # unknown keywords could hold it: only a literal dict is read
+            if isinstance(arg.value, cst.Dict) and any(literal_string(e.key) == "trust_remote_code"
+                                                       for e in arg.value.elements if isinstance(e, cst.DictElement)):
+                return True
+    return False

@@ -233,3 +233,28 @@ def test_transformers_attention_function_carries_dropout_in_training(torch):
     assert torch.equal(first, again) and not torch.allclose(first, plain)
     with pytest.raises(ValueError, match="dropout_p must be in"):
         flashport_attention_forward(layer.train(), q, q, q, None, dropout=1.0)
+
+
+def test_fpa905_leaves_a_file_that_dispatches_on_the_string_working():
+    """Issue 10: FPA905 switched a config to "flashport" in code that looks the string up itself
+    (``KeyError: 'flashport'``). The ported file must still pick the same entry as the original."""
+    source = (b"ATTENTION_CLASSES = {'eager': 'eager-class', 'flash_attention_2': 'flash-class'}\n\n\n"
+              b"def build(config):\n"
+              b"    config._attn_implementation = 'flash_attention_2'\n"
+              b"    return ATTENTION_CLASSES[config._attn_implementation]\n")
+    result = transform_source(source, "modeling_x.py", registry.select(ignore=["FPA901"]), RuleOptions())
+    assert result.status != "error", result.error
+    assert any(s.rule == "FPA905" and "dispatches" in s.reason for s in result.sites)
+
+    def run(code: bytes) -> str:
+        namespace: dict = {}
+        exec(compile(code, "modeling_x.py", "exec"), namespace)
+        return namespace["build"](type("Config", (), {})())
+
+    assert run(result.new or source) == run(source) == "flash-class"
+
+
+def test_fpa905_keeps_settings_without_remote_code_or_dispatch():
+    source = b"from transformers import AutoModel\nm = AutoModel.from_pretrained('x', trust_remote_code=False, attn_implementation='flash_attention_2')\n"
+    result = transform_source(source, "x.py", registry.select(ignore=["FPA901"]), RuleOptions())
+    assert [s.status for s in result.sites] == ["rewrite"]

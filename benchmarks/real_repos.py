@@ -1,0 +1,359 @@
+"""Port real model code: how much of it the codemod ports, why it refuses the rest, and whether the
+ported files still need the GPU libraries (issue 10's measure).
+
+Run:  .venv/bin/python benchmarks/real_repos.py [--packages sglang,deepspeed] [--speed-sites 20000] [--no-import-check]
+
+Each pinned package (sources or wheels, no dependencies) is fetched once with ``pip download`` into a
+cache outside the repository (``$FLASHPORT_BENCH_CACHE/real_repos`` or
+``~/.cache/flashport-bench/real_repos``; :func:`benchmarks.corpus.fetch`) and every ``.py`` file is run
+through :func:`flashport.rewriter.engine.transform_source` with the default rules and options.
+Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *test* code, the rest
+*model* code. Per package it prints:
+
+* model-code call and value-use sites (config strings aside), how many were ported, and test sites;
+* refusals by reason (model code);
+* checks on every changed file: it compiles, a second run changes nothing, every changed line is in
+  a rewritten site, an import, or a guard/alias the import clean-up removed ("stray" otherwise);
+* *fully ported* files (every site rewritten): how many still import a GPU module (``flash_attn``,
+  ``xformers``, ...) statically, and - unless ``--no-import-check`` - whether their module imports
+  in a subprocess where GPU modules are blocked (``ok``, ``gpu`` = a GPU import was attempted,
+  ``dep`` = another dependency of the package is missing here, so nothing is known);
+* crashes (internal engine errors).
+
+Then the per-site speed on a generated file of ``--speed-sites`` ``flash_attn_func`` calls
+(issue goal: <= 1 ms a site, 20,000 sites in < 20 s), as wall and CPU seconds.
+
+Exit status 0 when there are no crashes, no stray changes, and every changed file compiles and is
+idempotent; the porting share is reported, not enforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import dataclasses
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus  # noqa: E402 - the shared fetcher
+
+from flashport import rules as registry  # noqa: E402
+from flashport.rewriter.engine import transform_source  # noqa: E402
+from flashport.rules.base import RuleOptions  # noqa: E402
+
+# name, version: sources or wheels that carry model code calling flash-attn / xformers / SDPA
+PACKAGES = (
+    ("sglang", "0.5.23"),
+    ("megatron-core", "0.16.1"),
+    ("deepspeed", "0.19.8"),
+    ("torchtune", "0.6.1"),
+    ("torchtitan", "0.3.0"),
+    ("unsloth", "2026.10.9"),
+    ("axolotl", "0.19.0"),
+    ("colossalai", "0.5.0"),
+    ("fairseq2", "0.8.1"),
+    ("lmdeploy", "0.18.0"),
+)
+# what a TPU/CPU host lacks (jax itself stays: flashport runs on it; its GPU-only submodules load lazily)
+BLOCKED = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper", "xformers", "flash_attn_jax")
+TEST_PARTS = {"tests", "test", "testing", "benchmarks", "benchmark", "examples", "example"}
+
+
+@dataclasses.dataclass
+class Result:
+    """What happened to one package."""
+
+    name: str
+    version: str
+    files: int = 0
+    model_sites: int = 0
+    model_ported: int = 0
+    test_sites: int = 0
+    test_ported: int = 0
+    refusals: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    changed: int = 0
+    not_compiling: list = dataclasses.field(default_factory=list)
+    not_idempotent: list = dataclasses.field(default_factory=list)
+    stray: list = dataclasses.field(default_factory=list)
+    crashes: list = dataclasses.field(default_factory=list)
+    syntax_errors: int = 0
+    fully_ported: list = dataclasses.field(default_factory=list)  # (root, relative path, new bytes)
+    still_gpu: list = dataclasses.field(default_factory=list)
+    imports: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    gpu_on_import: list = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every guarantee held."""
+        return not (self.crashes or self.stray or self.not_compiling or self.not_idempotent)
+
+
+def is_test(relative: str) -> bool:
+    """Test, benchmark or example code (by path)."""
+    parts = relative.replace(os.sep, "/").split("/")
+    return bool(TEST_PARTS & {p.lower() for p in parts[:-1]}) or parts[-1].startswith("test_")
+
+
+def normalize(reason: str) -> str:
+    """A refusal reason with its call-specific code removed, for grouping."""
+    reason = re.sub(r"\b[\w.]+=\S+", "<arg>=<expr>", reason)
+    reason = re.sub(r"line \d+", "line N", reason)
+    reason = re.sub(r"'[^']*'|\"[^\"]*\"", "'...'", reason)
+    return reason[:110]
+
+
+def gpu_imports(data: bytes, gpu_modules: tuple[str, ...]) -> list[str]:
+    """GPU modules a file still imports, at any scope (``guarded`` when inside try/if)."""
+    found = []
+    tree = ast.parse(data)
+    guarded_lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Try, ast.If)):
+            guarded_lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if any(name == m or name.startswith(m + ".") for m in gpu_modules):
+                found.append(f"{name}{' (guarded)' if node.lineno in guarded_lines else ''}")
+    return found
+
+
+def _allowed_lines(old: bytes, sites, gpu_modules) -> set[int]:
+    """Old lines a port may change: rewritten sites, imports, and guards/aliases around GPU imports."""
+    allowed = {line for s in sites if s.status == "rewrite" for line in range(s.line, s.end_line + 1)}
+    alias_lines = {s.line for s in sites if s.kind == "reference" and s.status == "rewrite"}
+    tree = ast.parse(old)
+    for node in ast.walk(tree):
+        span = range(node.lineno, (getattr(node, "end_lineno", None) or node.lineno) + 1) if hasattr(node, "lineno") else ()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            allowed.update(span)
+        elif isinstance(node, (ast.Try, ast.If)) and gpu_imports(ast.unparse(node).encode(), gpu_modules):
+            allowed.update(span)
+        elif isinstance(node, ast.Assign) and node.lineno in alias_lines:
+            allowed.update(span)
+    return allowed
+
+
+def check_changes(path: str, old: bytes, new: bytes, sites, gpu_modules) -> list[str]:
+    """Changed old lines outside what a port may change (empty when every change is explained)."""
+    allowed = _allowed_lines(old, sites, gpu_modules)
+    old_lines = old.decode("utf-8", "replace").splitlines()
+    new_lines = new.decode("utf-8", "replace").splitlines()
+    stray = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        stray += [f"{path}:{i + 1}" for i in range(i1, i2) if i + 1 not in allowed and old_lines[i].strip()]
+        extra = new_lines[j1 + (i2 - i1) : j2] if tag == "replace" else new_lines[j1:j2] if tag == "insert" else []
+        inside = any(line in allowed for line in (i1, i1 + 1, i2))  # more lines for a rewritten call or import
+        stray += [f"{path}:+{t.strip()}" for t in extra
+                  if t.strip() and not inside and not t.strip().startswith(("import ", "from ", "pass", "#"))]
+    return stray
+
+
+def run_package(name: str, version: str, cache: str) -> Result:
+    """Fetch one package and port every file in memory."""
+    out = Result(name, version)
+    root = corpus.fetch(name, version, cache)
+    rules = registry.all_rules()
+    gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
+    options = RuleOptions()
+    start = time.perf_counter()
+    for directory, dirs, files in os.walk(root):
+        dirs.sort()
+        for filename in sorted(files):
+            if not filename.endswith(".py"):
+                continue
+            path = os.path.join(directory, filename)
+            relative = os.path.relpath(path, root)
+            data = open(path, "rb").read()
+            out.files += 1
+            result = transform_source(data, relative, rules, options)
+            if result.status == "error":
+                if "internal error" in (result.error or ""):
+                    out.crashes.append(f"{relative}: {result.error}")
+                else:
+                    out.syntax_errors += 1
+                continue
+            counted = [s for s in result.sites if s.kind in ("call", "reference")]
+            ported = [s for s in counted if s.status == "rewrite"]
+            if is_test(relative):
+                out.test_sites += len(counted)
+                out.test_ported += len(ported)
+            else:
+                out.model_sites += len(counted)
+                out.model_ported += len(ported)
+                out.refusals.update(f"{s.rule} {s.kind}: {normalize(s.reason)}" for s in counted if s.status != "rewrite")
+            if result.new is None:
+                continue
+            out.changed += 1
+            try:
+                compile(result.new, relative, "exec", dont_inherit=True)
+            except SyntaxError as err:
+                out.not_compiling.append(f"{relative}: {err}")
+                continue
+            if transform_source(result.new, relative, rules, options).new is not None:
+                out.not_idempotent.append(relative)
+            out.stray += check_changes(relative, data, result.new, result.sites, gpu_modules)
+            if counted and len(ported) == len(counted) and not is_test(relative):
+                out.fully_ported.append((root, relative, result.new))
+                left = gpu_imports(result.new, gpu_modules)
+                if left:
+                    out.still_gpu.append(f"{relative}: {', '.join(sorted(set(left)))}")
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+_IMPORT_CHECK = r'''
+import importlib, importlib.abc, json, sys, traceback
+GPU = set(sys.argv[2].split(","))  # top-level module names
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in GPU:
+            raise ImportError(f"GPU module {name} is blocked")
+        return None
+sys.meta_path.insert(0, Blocker())
+sys.path.insert(0, sys.argv[1])
+out = {}
+for module in sys.argv[3:]:
+    try:
+        importlib.import_module(module)
+        out[module] = "ok"
+    except BaseException as err:  # noqa: BLE001
+        text = "".join(traceback.format_exception_only(type(err), err))
+        out[module] = "gpu" if "is blocked" in text else "dep"
+print(json.dumps(out))
+'''
+
+
+def import_check(result: Result, gpu_modules: tuple[str, ...]) -> None:
+    """Import every fully ported model module (ported text in a copy of the package) with GPU
+    modules blocked; counts ok / gpu / dep into ``result.imports``."""
+    if not result.fully_ported:
+        return
+    root = result.fully_ported[0][0]
+    with tempfile.TemporaryDirectory(prefix=f"flashport-real-{result.name}-") as tmp:
+        tree = os.path.join(tmp, "tree")
+        subprocess.run(["cp", "-r", root, tree], check=True)
+        modules = []
+        for _, relative, new in result.fully_ported:
+            with open(os.path.join(tree, relative), "wb") as handle:
+                handle.write(new)
+            parts = relative[:-3].replace(os.sep, "/").split("/")
+            modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+        top = {m.split(".")[0] for m in modules}
+        base = tree if all(os.path.isdir(os.path.join(tree, t)) or os.path.isfile(os.path.join(tree, t + ".py")) for t in top) else None
+        if base is None:  # an sdist: the package sits one folder down
+            inner = [d for d in os.listdir(tree) if os.path.isdir(os.path.join(tree, d))]
+            base = os.path.join(tree, inner[0]) if len(inner) == 1 else tree
+            modules = [m.split(".", 1)[1] if "." in m else m for m in modules]
+        done = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, base, ",".join(BLOCKED), *modules],
+                              capture_output=True, text=True, timeout=1800)
+        try:
+            outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+            result.imports.update(outcomes.values())
+            result.gpu_on_import += [m for m, how in outcomes.items() if how == "gpu"]
+        except (json.JSONDecodeError, IndexError):
+            result.imports["crash"] += len(modules)
+
+
+def speed(sites: int) -> tuple[float, float, int]:
+    """(wall s, CPU s, bytes) to port a generated file of ``sites`` flash_attn_func calls (20 a function)."""
+    lines = ["from flash_attn import flash_attn_func\n\n"]
+    for f in range(max(1, sites // 20)):
+        lines.append(f"\ndef f{f}(q, k, v):\n")
+        lines += [f"    o{i} = flash_attn_func(q, k, v, causal=True, softmax_scale=0.{i % 9 + 1})\n" for i in range(min(20, sites))]
+        lines.append("    return q\n")
+    data = "".join(lines).encode()
+    rules = registry.all_rules()
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = transform_source(data, "generated.py", rules, RuleOptions())
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert result.status == "changed" and len(result.sites) == max(1, sites // 20) * min(20, sites), result.error
+    return wall, cpu, len(data)
+
+
+def report(results: list[Result]) -> None:
+    """Print the per-package table and the top refusal reasons."""
+    head = ("package", "files", "model sites", "ported", "share", "test sites", "test ported", "changed",
+            "compile/idem", "stray", "crashes", "fully ported", "still GPU import", "import ok/gpu/dep", "s")
+    rows = []
+    for r in results:
+        share = f"{100 * r.model_ported / r.model_sites:.0f}%" if r.model_sites else "-"
+        rows.append((f"{r.name}=={r.version}", r.files, r.model_sites, r.model_ported, share, r.test_sites, r.test_ported,
+                     r.changed, "ok" if not (r.not_compiling or r.not_idempotent) else f"{len(r.not_compiling)}/{len(r.not_idempotent)}",
+                     len(r.stray), len(r.crashes), len(r.fully_ported), len(r.still_gpu),
+                     f"{r.imports['ok']}/{r.imports['gpu']}/{r.imports['dep']}" if r.imports else "-", f"{r.seconds:.0f}"))
+    total_sites = sum(r.model_sites for r in results)
+    total_ported = sum(r.model_ported for r in results)
+    rows.append(("TOTAL", sum(r.files for r in results), total_sites, total_ported,
+                 f"{100 * total_ported / total_sites:.0f}%" if total_sites else "-",
+                 sum(r.test_sites for r in results), sum(r.test_ported for r in results), sum(r.changed for r in results),
+                 "", sum(len(r.stray) for r in results), sum(len(r.crashes) for r in results),
+                 sum(len(r.fully_ported) for r in results), sum(len(r.still_gpu) for r in results), "", ""))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    for row in (head, *rows):
+        print("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths))))
+    reasons = collections.Counter()
+    for r in results:
+        reasons.update(r.refusals)
+    print("\nTop refusal reasons in model code (all packages):")
+    for reason, count in reasons.most_common(15):
+        print(f"  {count:4d}  {reason}")
+    for r in results:
+        for label, items in (("crashes", r.crashes), ("stray changes", r.stray), ("not compiling", r.not_compiling),
+                             ("not idempotent", r.not_idempotent), ("fully ported, still importing GPU modules", r.still_gpu),
+                             ("fully ported modules whose import reached a GPU module", r.gpu_on_import)):
+            if items:
+                print(f"\n{r.name} {label} ({len(items)}):")
+                for item in items[:8]:
+                    print(f"  {item}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the packages and the speed measurement; print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--packages", help="comma-separated names from the pinned list (default: all)")
+    parser.add_argument("--speed-sites", type=int, default=20000, help="sites in the generated file (0: skip)")
+    parser.add_argument("--no-import-check", action="store_true", help="skip importing the fully ported modules")
+    args = parser.parse_args(argv)
+    base = os.environ.get("FLASHPORT_BENCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "flashport-bench")
+    cache = os.path.join(base, "real_repos")
+    wanted = set(args.packages.split(",")) if args.packages else None
+    gpu_modules = tuple(sorted({m for r in registry.all_rules() for m in r.GPU_MODULES}))
+    results = []
+    for name, version in PACKAGES:
+        if wanted and name not in wanted:
+            continue
+        try:
+            result = run_package(name, version, cache)
+        except RuntimeError as err:
+            print(f"{name}=={version}: not fetched ({err})", file=sys.stderr)
+            continue
+        if not args.no_import_check:
+            import_check(result, gpu_modules)
+        results.append(result)
+        print(f"... {name}: {result.model_ported}/{result.model_sites} model sites ported", file=sys.stderr, flush=True)
+    report(results)
+    if args.speed_sites:
+        wall, cpu, size = speed(args.speed_sites)
+        print(f"\nSpeed: {args.speed_sites} sites ({size / 1e6:.2f} MB) in {wall:.1f} s wall, {cpu:.1f} s CPU: "
+              f"{1000 * cpu / args.speed_sites:.2f} ms CPU a site (goal <= 1 ms; 20,000 sites < 20 s)")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

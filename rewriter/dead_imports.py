@@ -1,0 +1,290 @@
+"""Remove GPU imports a rewrite made dead, at every scope, as line splices on the new text.
+
+A name is *dead* when the original file read it and the rewritten one no longer does (``before``
+and ``after`` are :func:`flashport.rewriter.imports.name_uses` counts, so a name read anywhere in
+the file keeps every import of it: feature probes, re-exports listed in ``__all__``, ...). Names
+the original never read (possible re-exports) are never touched.
+
+What goes:
+
+* an import from a GPU module (``flash_attn``, ``xformers``, ... :attr:`Rule.GPU_MODULES`) whose
+  bound names are all dead, wherever it is (module, function, class, ``if``, ``with`` ...); a
+  partly dead one loses only its dead names;
+* a whole ``try: <GPU imports> except ...: <fallbacks>`` block when its imports are all dead and
+  everything else in it only existed for them: fallback assignments of the imported names
+  (``flash_attn_func = None``), flags nobody reads any more (``HAS_FLASH_ATTN = True/False``),
+  ``pass``, warnings/log calls and ``raise`` in the handlers. When anything else is there (a flag
+  still read, other code) the block stays exactly as it was: removing the import would change what
+  it computes, and a guarded import already loads without the GPU library;
+* likewise a whole ``if available(): <GPU imports> else: <fallbacks>`` whose condition is a
+  plain probe (names, attributes, ``is_*_available()`` / ``find_spec`` calls, comparisons of those).
+
+A block left empty gets ``pass``. Statements that share a line with others (``;``, one-line
+compound statements) are left alone. Blank lines around a removed top-level block are collapsed
+to the larger of the two runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import dataclasses
+import re
+
+from flashport.rewriter.source import split_lines
+
+_PROBE_CALL = re.compile(r"(available|find_spec|^is_|^has_)", re.I)
+_LOG_CALL = re.compile(r"(^|\.)(warn|warning|info|debug|error|exception|critical|print|print_once|warning_once|info_once)$")
+_TRY = (ast.Try, getattr(ast, "TryStar", ast.Try))
+
+
+@dataclasses.dataclass
+class _Plan:
+    lines: list[str]
+    before: collections.Counter
+    after: collections.Counter
+    gpu_modules: tuple[str, ...]
+    edits: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)  # 1-based inclusive lines
+    removed: list[str] = dataclasses.field(default_factory=list)
+
+    def dead(self, name: str) -> bool:
+        return bool(self.before[name]) and not self.after[name]
+
+
+def remove_dead(text: str, tree: ast.Module, before: collections.Counter, after: collections.Counter,
+                gpu_modules: tuple[str, ...], drop_aliases) -> tuple[str, list[str]]:
+    """Drop GPU imports (and their fallbacks) that became dead; see the module docstring.
+
+    Args:
+      text: the rewritten file's text; ``tree`` its ``ast``.
+      before, after: name read counts of the original and the rewritten file.
+      gpu_modules: module prefixes whose imports may go.
+      drop_aliases: ``f(statement_text, names) -> new text | None`` removing aliases from one import.
+
+    Returns:
+      The new text and the dotted names removed.
+    """
+    plan = _Plan(split_lines(text), before, after, gpu_modules)
+    _body(tree.body, plan, public=True, drop_aliases=drop_aliases)
+    lines = plan.lines
+    for start, end, new in sorted(plan.edits, reverse=True):
+        if new == "" and _blank(lines, start - 2) and _blank(lines, end):
+            while start > 1 and _blank(lines, start - 2):  # keep only the blank run below the block
+                start -= 1
+        lines[start - 1 : end] = [new] if new else []
+    return "".join(lines), plan.removed
+
+
+def _blank(lines: list[str], index: int) -> bool:
+    return 0 <= index < len(lines) and not lines[index].strip()
+
+
+def _gpu_aliases(node: ast.stmt, plan: _Plan) -> list[ast.alias] | None:
+    """The aliases of a GPU import (None when ``node`` is no import of a GPU module)."""
+    if isinstance(node, ast.ImportFrom):
+        if node.level or not _is_gpu(node.module or "", plan.gpu_modules):
+            return None
+        return [a for a in node.names if a.name != "*"] if all(a.name != "*" for a in node.names) else None
+    if isinstance(node, ast.Import):
+        if not any(_is_gpu(a.name, plan.gpu_modules) for a in node.names):
+            return None
+        return list(node.names)
+    return None
+
+
+def _is_gpu(module: str, gpu_modules: tuple[str, ...]) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in gpu_modules)
+
+
+def _bound(alias: ast.alias) -> str:
+    return alias.asname or alias.name.split(".")[0]
+
+
+def _dead_aliases(node: ast.stmt, plan: _Plan) -> list[ast.alias]:
+    aliases = _gpu_aliases(node, plan) or []
+    if isinstance(node, ast.Import):
+        aliases = [a for a in aliases if _is_gpu(a.name, plan.gpu_modules)]
+    return [a for a in aliases if plan.dead(_bound(a))]
+
+
+def _dotted(node: ast.stmt, alias: ast.alias) -> str:
+    return f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
+
+
+def _alone(node: ast.stmt, plan: _Plan) -> bool:
+    """``node`` fills its lines: only indentation before it and only a comment after it."""
+    lines = plan.lines
+    start, end = node.lineno, node.end_lineno or node.lineno
+    if start < 1 or end > len(lines) or lines[start - 1][: node.col_offset].strip():
+        return False
+    rest = lines[end - 1].encode("utf-8")[node.end_col_offset :].decode("utf-8", "replace").strip()
+    return not rest or rest.startswith("#")
+
+
+def _siblings_apart(body: list[ast.stmt], node: ast.stmt) -> bool:
+    """No other statement of ``body`` shares a line with ``node``."""
+    start, end = node.lineno, node.end_lineno or node.lineno
+    return all(o is node or (o.end_lineno or o.lineno) < start or o.lineno > end for o in body)
+
+
+# ------------------------------------------------------------------------------ statement lists
+
+
+def _body(body: list[ast.stmt], plan: _Plan, public: bool, drop_aliases, pad: bool = False,
+          guarded: bool = False, fallbacks: frozenset[str] = frozenset()) -> set[str]:
+    """Plan the removals in one statement list; returns the names whose imports it dropped.
+
+    ``pad``: the list must not become empty; ``guarded``: the body of a ``try`` that stays, whose
+    imports may raise on purpose (they lose dead names only); ``fallbacks``: names such a body
+    dropped, whose ``name = None`` style fallbacks in the handlers go too.
+    """
+    whole: list[ast.stmt] = []
+    dropped: set[str] = set()
+    for stmt in body:
+        if not _siblings_apart(body, stmt):
+            continue
+        if (fallbacks and isinstance(stmt, ast.Assign) and _alone(stmt, plan) and _pure(stmt.value)
+                and all(isinstance(t, ast.Name) and t.id in fallbacks for t in stmt.targets)):
+            whole.append(stmt)
+        elif _gpu_aliases(stmt, plan) is not None:
+            dead = _dead_aliases(stmt, plan)
+            if not dead or not _alone(stmt, plan) or guarded and len(dead) == len(stmt.names):
+                continue
+            if len(dead) == len(stmt.names):
+                whole.append(stmt)
+            else:
+                start, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+                new = drop_aliases("".join(plan.lines[start - 1 : end]), {_bound(a) for a in dead})
+                if new is None:
+                    continue
+                plan.edits.append((start, end, new))
+            plan.removed.extend(_dotted(stmt, a) for a in dead)
+            dropped.update(_bound(a) for a in dead)
+        elif isinstance(stmt, (*_TRY, ast.If)) and _alone(stmt, plan) and _guard_removable(stmt, plan, public):
+            whole.append(stmt)
+            plan.removed.extend(_guard_names(stmt, plan))
+        else:
+            _inner(stmt, plan, public, drop_aliases)
+    if not whole:
+        return dropped
+    if pad and len(whole) == len(body):
+        first = whole[0]
+        line = plan.lines[first.lineno - 1]
+        indent, newline = line[: first.col_offset], line[len(line.rstrip("\r\n")) :] or "\n"
+        plan.edits.append((first.lineno, first.end_lineno or first.lineno, f"{indent}pass{newline}"))
+        whole = whole[1:]
+    plan.edits.extend((s.lineno, s.end_lineno or s.lineno, "") for s in whole)
+    return dropped
+
+
+def _inner(stmt: ast.stmt, plan: _Plan, public: bool, drop_aliases) -> None:
+    """Recurse into the statement lists of a compound statement."""
+    scope_public = public and not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
+    dropped: set[str] = set()
+    for field in ("body", "orelse", "finalbody"):
+        inner = getattr(stmt, field, None)
+        if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+            guarded = field == "body" and isinstance(stmt, _TRY)
+            found = _body(inner, plan, scope_public, drop_aliases, pad=True, guarded=guarded)
+            dropped.update(found if guarded else ())
+    for handler in getattr(stmt, "handlers", []) or []:
+        _body(handler.body, plan, scope_public, drop_aliases, pad=True, fallbacks=frozenset(dropped))
+    for case in getattr(stmt, "cases", []) or []:
+        _body(case.body, plan, scope_public, drop_aliases, pad=True)
+
+
+# ----------------------------------------------------------------------- guarded import blocks
+
+
+def _guard_names(stmt: ast.stmt, plan: _Plan) -> list[str]:
+    """Dotted names of the GPU imports directly in a guard's branches and handlers."""
+    bodies = [stmt.body, stmt.orelse, *[h.body for h in getattr(stmt, "handlers", [])]]
+    return [_dotted(s, a) for body in bodies for s in body if _gpu_aliases(s, plan) is not None for a in s.names]
+
+
+def _guard_removable(stmt: ast.stmt, plan: _Plan, public: bool) -> bool:
+    """A ``try``/``if`` that only imports dead GPU names and handles their absence (module doc)."""
+    imports = [s for s in stmt.body if _gpu_aliases(s, plan) is not None]
+    if not imports:
+        return False
+    if any(len(_dead_aliases(s, plan)) != len(s.names) or isinstance(s, ast.ImportFrom) and s.level for s in imports):
+        return False
+    names = {_bound(a) for s in imports for a in s.names}
+    if isinstance(stmt, ast.If):
+        if not _probe(stmt.test):
+            return False
+        rest = [s for s in stmt.body if s not in imports]
+        return all(_removable(s, names, plan, public, handler=False) for s in rest) and _else_removable(stmt.orelse, names, plan, public)
+    if stmt.finalbody:
+        return False
+    rest = [s for s in stmt.body if s not in imports]
+    if not all(_removable(s, names, plan, public, handler=False) for s in rest + stmt.orelse):
+        return False
+    return all(_removable(s, names, plan, public, handler=True) for h in stmt.handlers for s in h.body)
+
+
+def _else_removable(orelse: list[ast.stmt], names: set[str], plan: _Plan, public: bool) -> bool:
+    return all(_removable(s, names, plan, public, handler=True) for s in orelse)
+
+
+def _removable(stmt: ast.stmt, names: set[str], plan: _Plan, public: bool, handler: bool) -> bool:
+    """A statement that only existed for the dead imports ``names``."""
+    if isinstance(stmt, ast.Pass):
+        return True
+    if _gpu_aliases(stmt, plan) is not None:  # a fallback import of the same kernels (another path)
+        return len(_dead_aliases(stmt, plan)) == len(stmt.names)
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+        return True
+    if isinstance(stmt, ast.Assign):
+        targets = stmt.targets
+        if not all(isinstance(t, ast.Name) for t in targets):
+            return False
+        if all(t.id in names for t in targets):  # fallback: flash_attn_func = None
+            return _pure(stmt.value)
+        # a flag: HAS_FLASH_ATTN = True/False, read by nobody now (and not a possible export)
+        return isinstance(stmt.value, ast.Constant) and all(
+            not plan.after[t.id] and (plan.before[t.id] or t.id.startswith("_") or not public) for t in targets)
+    if handler and isinstance(stmt, ast.Raise):
+        return True
+    if handler and isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        return bool(_LOG_CALL.search(_name(stmt.value.func) or "")) and all(_pure(a) for a in stmt.value.args)
+    return False
+
+
+def _pure(node: ast.expr) -> bool:
+    """An expression without side effects (constants, names, attributes, lambdas, f-strings)."""
+    if isinstance(node, (ast.Constant, ast.Name, ast.Lambda)):
+        return True
+    if isinstance(node, ast.Attribute):
+        return _pure(node.value)
+    if isinstance(node, ast.JoinedStr):
+        return all(_pure(v.value) if isinstance(v, ast.FormattedValue) else True for v in node.values)
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return all(_pure(e) for e in node.elts)
+    return False
+
+
+def _name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = _name(node.value)
+        return f"{inner}.{node.attr}" if inner else node.attr
+    return None
+
+
+def _probe(test: ast.expr) -> bool:
+    """A condition that only probes availability (no side effects to keep)."""
+    if isinstance(test, (ast.Name, ast.Attribute, ast.Constant)):
+        return _pure(test)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _probe(test.operand)
+    if isinstance(test, ast.BoolOp):
+        return all(_probe(v) for v in test.values)
+    if isinstance(test, ast.Compare):
+        return _probe(test.left) and all(_probe(c) for c in test.comparators)
+    if isinstance(test, ast.Call):
+        name = _name(test.func) or ""
+        return bool(_PROBE_CALL.search(name.rsplit(".", 1)[-1] or "")) and all(_pure(a) for a in test.args) \
+            and all(_pure(k.value) for k in test.keywords)
+    return False

@@ -1,0 +1,273 @@
+"""Import management after a rewrite (:mod:`flashport.rewriter.imports`): dead GPU imports go,
+everything still used stays, ``import flashport`` lands where isort would put it."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from flashport import rules as registry
+from flashport.rewriter import imports
+from flashport.rewriter.engine import transform_source
+from flashport.rules.base import RuleOptions
+
+
+def port(source: str) -> str:
+    """The rewritten text of ``source`` (dedented); fails when nothing changed."""
+    result = transform_source(textwrap.dedent(source).encode(), "m.py", registry.all_rules(), RuleOptions())
+    assert result.status == "changed", (result.status, result.error, result.sites)
+    return result.new.decode()
+
+
+# ------------------------------------------------------------------ parenthesized multi-line imports
+
+@pytest.mark.parametrize("stmt, drop, want", [
+    # the stray, indented ")" of issue 10: the closing parenthesis keeps its own line and column
+    ("from m import (\n    a,\n    b,\n    c,\n)\n", {"b", "c"}, "from m import (\n    a,\n)\n"),
+    ("from m import (a, b,\n    c)\n", {"c"}, "from m import (a, b)\n"),
+    ("from m import (a,\n    b, c\n)\n", {"c"}, "from m import (a,\n    b\n)\n"),
+    # a line comment stays with the alias it was written after
+    ("from m import (  # x\n    a,  # keep a\n    b,  # drop b\n)\n", {"b"}, "from m import (  # x\n    a,  # keep a\n)\n"),
+    ("    from m import (\n        a,\n        b,\n    )\n", {"b"}, "    from m import (\n        a,\n    )\n"),
+    ("from m import a, b, c\n", {"a", "c"}, "from m import b\n"),
+])
+def test_dropping_aliases_keeps_the_closing_parenthesis_in_place(stmt, drop, want):
+    assert imports._drop_aliases(stmt, drop) == want
+
+
+def test_multi_line_import_of_fa1_names_loses_only_the_ported_names():
+    text = port("""
+        from flash_attn.flash_attn_interface import (
+            flash_attn_unpadded_func,
+            flash_attn_unpadded_kvpacked_func,
+        )
+
+
+        def f(q, k, v, kv, cu, m):
+            a = flash_attn_unpadded_kvpacked_func(q, kv, cu, cu, m, m, 0.0, causal=True)
+            return a, flash_attn_unpadded_func(q, k, v, cu, cu, m, m, 0.0, None, True, True)
+    """)
+    assert "from flash_attn.flash_attn_interface import (\n    flash_attn_unpadded_func,\n)\n" in text
+    compile(text, "m.py", "exec")
+
+
+# ------------------------------------------------------------------------------ dead GPU imports
+
+def test_dead_guarded_imports_and_their_fallbacks_go_at_every_scope():
+    text = port("""
+        import torch
+
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            flash_attn_func = None
+            warnings.warn("flash-attn is not installed")
+
+        try:
+            import xformers.ops as xops
+            _HAS_XFORMERS = True
+        except (ImportError, OSError):
+            xops = None
+            _HAS_XFORMERS = False
+
+        if is_flash_attn_2_available():
+            from flash_attn import flash_attn_kvpacked_func
+        else:
+            flash_attn_kvpacked_func = None
+
+
+        def f(q, k, v, kv):
+            from flash_attn import flash_attn_qkvpacked_func
+            a = flash_attn_func(q, k, v, causal=True)
+            b = xops.memory_efficient_attention(q, k, v)
+            c = flash_attn_kvpacked_func(q, kv)
+            return a, b, c, flash_attn_qkvpacked_func(torch.stack([q, k, v], 2))
+    """)
+    for gone in ("flash_attn", "import xformers", "xops =", "_HAS_XFORMERS", "is_flash_attn_2_available", "try:", "warnings"):
+        assert gone not in text, gone
+    assert text.startswith("\nimport flashport\nimport flashport.integrations.xformers_compat\nimport torch\n\n\ndef f(")
+
+
+def test_a_guard_whose_flag_is_still_read_stays_exactly_as_it_was():
+    block = textwrap.dedent("""\
+        try:
+            from flash_attn import flash_attn_func
+            HAS_FLASH_ATTN = True
+        except ImportError:
+            flash_attn_func = None
+            HAS_FLASH_ATTN = False
+    """)
+    text = port(block + textwrap.dedent("""
+
+        def f(q, k, v):
+            if HAS_FLASH_ATTN:
+                return flash_attn_func(q, k, v)
+            return None
+    """))
+    # removing the import would make HAS_FLASH_ATTN always True: the branch taken would change
+    assert block in text and "flashport.torch.attention(" in text
+
+
+def test_an_unread_public_flag_may_be_imported_elsewhere_so_the_guard_stays():
+    text = port("""
+        try:
+            from flash_attn import flash_attn_func
+            HAS_FLASH_ATTN = True
+        except ImportError:
+            HAS_FLASH_ATTN = False
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v)
+    """)
+    assert "from flash_attn import flash_attn_func\n" in text and "HAS_FLASH_ATTN = False" in text
+
+
+def test_a_guarded_import_with_a_live_name_loses_only_the_dead_one_and_its_fallback():
+    text = port("""
+        try:
+            from flash_attn import flash_attn_func, flash_attn_with_kvcache
+        except ImportError:
+            flash_attn_func = None
+            flash_attn_with_kvcache = None
+
+        def f(q, k, v, run):
+            run(flash_attn_with_kvcache)
+            return flash_attn_func(q, k, v)
+    """)
+    assert "    from flash_attn import flash_attn_with_kvcache\nexcept ImportError:\n    flash_attn_with_kvcache = None\n" in text
+    assert "flash_attn_func" not in text
+
+
+def test_a_block_left_empty_gets_pass_and_a_condition_with_effects_stays():
+    text = port("""
+        def f(q, k, v):
+            if load_kernels(q):
+                from flash_attn import flash_attn_func
+            return flash_attn_func(q, k, v)
+    """)
+    assert "    if load_kernels(q):\n        pass\n    return flashport.torch.attention(" in text
+
+
+def test_names_read_before_the_port_only_by_other_code_keep_their_imports():
+    text = port("""
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+        from flash_attn.bert_padding import pad_input
+
+        __all__ = ["pad_input"]
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v)
+    """)
+    # flash_attn_varlen_func was never read here: a re-export for other modules, kept
+    assert "from flash_attn import flash_attn_varlen_func\n" in text
+    assert "from flash_attn.bert_padding import pad_input\n" in text
+
+
+# ------------------------------------------------------------------------- where flashport goes
+
+@pytest.mark.parametrize("before, after", [
+    # isort default: plain imports first, sorted; flashport joins the third-party group
+    ('"""d"""\nfrom __future__ import annotations\n\nimport os\n\nimport torch\nfrom einops import rearrange\n\nfrom .x import y\n',
+     '"""d"""\nfrom __future__ import annotations\n\nimport os\n\nimport flashport\nimport torch\nfrom einops import rearrange\n\nfrom .x import y\n'),
+    ("import numpy as np\nimport torch\n", "import flashport\nimport numpy as np\nimport torch\n"),
+    ("import apex\nimport einops\nfrom torch import nn\n", "import apex\nimport einops\nimport flashport\nfrom torch import nn\n"),
+    # force_sort_within_sections style: by module name among all
+    ("from einops import rearrange\nimport torch\n", "from einops import rearrange\nimport flashport\nimport torch\n"),
+    # no third-party group: its own, after the stdlib one / before the local one
+    ("import os\n\nfrom .x import y\n", "import os\n\nimport flashport\n\nfrom .x import y\n"),
+    ("from .x import y\n", "import flashport\n\nfrom .x import y\n"),
+    # comments above a statement stay with it
+    ("import apex\n# the fast path\nimport torch\n", "import apex\nimport flashport\n# the fast path\nimport torch\n"),
+])
+def test_flashport_import_goes_where_isort_puts_it(before, after):
+    assert imports.ensure_import(before, "flashport", "\n") == (after, True)
+
+
+def test_flashport_submodule_import_sorts_after_flashport():
+    text, added = imports.ensure_import("import flashport\nimport torch\n", "flashport.torch", "\n")
+    assert added and text == "import flashport\nimport flashport.torch\nimport torch\n"
+
+
+# --------------------------------------------------------------- a ported file runs without GPU libs
+
+_MODEL = '''\
+"""A model file that uses flash-attn and xformers when they are there."""
+import math
+
+import torch
+
+try:
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+try:
+    import xformers.ops as xops
+except ImportError:
+    xops = None
+
+
+def attend(q, k, v):
+    from flash_attn import flash_attn_kvpacked_func
+    a = flash_attn_func(q, k, v, causal=True, softmax_scale=1 / math.sqrt(q.shape[-1]))
+    b = xops.memory_efficient_attention(q, k, v)
+    c = flash_attn_kvpacked_func(q, torch.stack([k, v], 2))
+    return a, b, c
+'''
+
+_RUN = '''\
+import importlib.abc, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("flash_attn", "xformers"):
+            raise ImportError(f"{name} is blocked (no GPU libraries here)")
+        return None
+sys.meta_path.insert(0, Blocker())
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.nn.functional as F
+import model
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
+a, b, c = model.attend(q, k, v)
+t = lambda x: x.transpose(1, 2)
+causal = t(F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True))
+full = t(F.scaled_dot_product_attention(t(q), t(k), t(v)))
+errors = [(a - causal).abs().max().item(), (b - full).abs().max().item(), (c - full).abs().max().item()]
+assert max(errors) < 1e-5, errors
+assert not any(m.split(".")[0] in ("flash_attn", "xformers") for m in sys.modules)
+print("ok")
+'''
+
+
+def _run_model(tmp_path, source: str):
+    import subprocess
+    import sys
+
+    (tmp_path / "model.py").write_text(source)
+    (tmp_path / "run.py").write_text(_RUN)
+    return subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path)], capture_output=True, text=True, timeout=600)
+
+
+def test_a_ported_file_imports_and_runs_where_flash_attn_and_xformers_cannot_be_imported(tmp_path):
+    pytest.importorskip("torch")
+    original = _run_model(tmp_path, _MODEL)
+    assert original.returncode != 0  # the original needs the GPU libraries
+    ported = port(_MODEL)
+    assert "flash_attn" not in ported and "import xformers" not in ported
+    done = _run_model(tmp_path, ported)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_guard_that_only_logs_the_missing_library_goes_with_it():
+    text = port("""
+        try:
+            import xformers.ops
+        except ImportError:
+            LOG.error("xformers not found! Please install it before trying to use it.")
+
+        def f(q, k, v):
+            return xformers.ops.memory_efficient_attention(q, k, v)
+    """)
+    assert "try:" not in text and "LOG.error" not in text and "import xformers" not in text

@@ -1,0 +1,56 @@
+"""The checks of benchmarks/real_repos.py (fast, no download): a stray change is flagged, the
+changes a port makes (sites, imports, dead guards) are not, and test code is told apart."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+from flashport import rules as registry
+from flashport.rewriter.engine import transform_source
+from flashport.rules.base import RuleOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("flashport_real_repos", ROOT / "benchmarks" / "real_repos.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["flashport_real_repos"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+GPU = ("flash_attn", "xformers")
+OLD = textwrap.dedent("""\
+    import torch
+
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        flash_attn_func = None
+
+
+    def f(q, k, v):
+        x = 1
+        return flash_attn_func(q, k, v,
+                               causal=True)
+""").encode()
+
+
+def test_a_port_has_no_stray_changes_and_a_hand_edit_outside_sites_is_flagged():
+    bench = _bench()
+    result = transform_source(OLD, "m.py", registry.all_rules(), RuleOptions())
+    assert bench.check_changes("m.py", OLD, result.new, result.sites, GPU) == []
+    edited = result.new.replace(b"x = 1", b"x = 2")
+    assert bench.check_changes("m.py", OLD, edited, result.sites, GPU) == ["m.py:10"]
+    assert bench.gpu_imports(result.new, GPU) == [] and bench.gpu_imports(OLD, GPU) == ["flash_attn (guarded)"]
+
+
+def test_test_code_is_told_apart_by_path():
+    bench = _bench()
+    assert bench.is_test("pkg/tests/x.py") and bench.is_test("pkg/test_x.py") and bench.is_test("benchmarks/b.py")
+    assert not bench.is_test("pkg/models/attention.py") and not bench.is_test("pkg/testing_utils.py")
