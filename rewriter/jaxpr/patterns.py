@@ -375,16 +375,19 @@ def match_at(g: Graph, exp_eqn) -> Match:
 
     # ---- probabilities down to PV
     zero_preds = [(pred, keep, sm.p, list(t_dims)) for pred, keep in sm.zero_preds]
+    sum_path = {id(e) for e in sm.deferred.eqns} if sm.deferred is not None else set()
+    explained |= sum_path
     cur, pdims = sm.p, list(t_dims)
     while True:
         if cur in g.outvars:
             raise NoMatch("the attention probabilities have other users: they are returned (attention maps "
                           "are an output, so the scores must be materialized)")
-        if g.n_users(cur) != 1:
+        users = [u for u in g.users.get(cur, ()) if id(u) not in sum_path]
+        if len(users) > 1:
             raise NoMatch("the attention probabilities have other users (returned, reused or dropped out)")
-        if not g.users.get(cur):
+        if not users:
             raise NoMatch("the attention probabilities are not used (no PV product)")
-        u = g.users[cur][0]
+        u = users[0]
         name = u.primitive.name
         explained.add(id(u))
         if name == "dot_general":
@@ -432,6 +435,14 @@ def match_at(g: Graph, exp_eqn) -> Match:
     vfree = [d for d in range(len(shape(v))) if d not in vc and d not in vb]
     if len(vfree) != 1:
         raise NoMatch(f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)")
+    pv_roles = [("d", pdims[pi]) for pi in pb]
+    p_free_dims = [d for d in range(len(pdims)) if d not in pc and d not in pb]
+    free_roles = [("d", pdims[d]) for d in p_free_dims]
+    pv_roles += (free_roles + [("dv",)]) if p_is_lhs else ([("dv",)] + free_roles)
+    anchor = pv
+    if sm.deferred is not None:
+        anchor, norm_eqns, pv_roles = _deferred_division(g, pv, pv_roles, sm.deferred.z, t_dims, sm.axis)
+        explained.update(id(e) for e in (*norm_eqns, anchor))
 
     scale, softcap, biases, masks = _algebra(g, annotated, t_dtype)
 
@@ -443,7 +454,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
             raise NoMatch("a post-softmax mask differs from the pre-softmax mask (dropout, or no renormalisation)")
 
     # ---- escape rule: every equation between the two products is explained and private
-    _check_internal(g, dot, pv, cur, explained)
+    _check_internal(g, dot, anchor, [cur] if anchor is pv else anchor.invars, explained)
 
     # ---- canonical layout
     t_out = max(qfree_out, key=lambda d: (shape(dot.outvars[0])[d], -d))
@@ -466,10 +477,6 @@ def match_at(g: Graph, exp_eqn) -> Match:
     # PV output roles -> canonical unflattened output [rest..., T, H?, G..., Dv]
     canon_out = [("d", i) for i in rest] + [("d", t_out)] + ([("d", h_idx)] if nh else []) + \
                 [("d", d) for d in g_out] + [("dv",)]
-    pv_roles = [("d", pdims[pi]) for pi in pb]
-    p_free_dims = [d for d in range(len(pdims)) if d not in pc and d not in pb]
-    free_roles = [("d", pdims[d]) for d in p_free_dims]
-    pv_roles += (free_roles + [("dv",)]) if p_is_lhs else ([("dv",)] + free_roles)
     out_perm = tuple(canon_out.index(r) for r in pv_roles)
 
     # ---- scale factors folded into q or k
@@ -501,10 +508,12 @@ def match_at(g: Graph, exp_eqn) -> Match:
         "empty_rows": empty or "-",
         "_eqns": list(sm.eqns),
     }
-    return Match(anchor=pv, q=q_src, k=k_src, v=v, q_order=q_order, k_order=k_order, v_order=v_order,
+    if sm.deferred is not None:
+        info["normalized"] = "after PV"
+    return Match(anchor=anchor, q=q_src, k=k_src, v=v, q_order=q_order, k_order=k_order, v_order=v_order,
                  sizes=sizes, out_perm=out_perm, canon_dims=canon_dims, groups=groups, scale=float(scale),
                  softcap=softcap, biases=biases, masks=masks, causal=causal, window=window, align=align,
-                 empty=empty, dtype=dtype.name, out_dtype=np.dtype(pv.outvars[0].aval.dtype), info=info)
+                 empty=empty, dtype=dtype.name, out_dtype=np.dtype(anchor.outvars[0].aval.dtype), info=info)
 
 
 def _other(eqn, x):
@@ -557,8 +566,65 @@ def _peel_scale(g: Graph, v):
     return v, factor, eqns
 
 
-def _check_internal(g: Graph, dot, pv, p_operand, explained):
-    i0, i1 = g.index[id(dot)], g.index[id(pv)]
+def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
+    """``pv`` of an unnormalized exp must be divided by its row sum ``z``: ``(div eqn, eqns, roles)``.
+
+    Transposes and casts of the product may come first; ``roles`` are the division output's dim roles.
+
+    Accepted: ``pv / bcast(z)``, ``pv * bcast(1 / z)`` and ``pv * bcast(z ** -1)``, where each element
+    of the product is divided by the sum of the row (batch and query indices) it came from.
+    """
+    from flashport.rewriter.jaxpr.softmax import reciprocal_of
+
+    o, roles, eqns = pv.outvars[0], list(pv_roles), []
+    while True:
+        users = g.users.get(o, ())
+        if o in g.outvars or len(users) != 1:
+            raise NoMatch("softmax normalized after the PV product, but the unnormalized product has other "
+                          "users")
+        u = users[0]
+        name = u.primitive.name
+        if name == "transpose":
+            roles = [roles[p] for p in u.params["permutation"]]
+        elif name not in ("convert_element_type", "copy", "copy_p"):
+            break
+        eqns.append(u)
+        o = u.outvars[0]
+    if name not in ("div", "mul") or (name == "div" and u.invars[0] is not o) or u.invars[0] is u.invars[1]:
+        raise NoMatch(f"the PV product of the unnormalized exp is followed by `{name}`, not a division by "
+                      "the softmax sum")
+    if shape(u.outvars[0]) != shape(o):
+        raise NoMatch("the division after the PV product broadcasts the product")
+    other = _other(u, o)
+    src, dims, more = peel_broadcast(g, other, operand_dims(other, shape(o)))
+    eqns += more
+    if name == "mul":
+        r = reciprocal_of(g, src)
+        if r is None:
+            raise NoMatch("the PV product of the unnormalized exp is multiplied by something other than "
+                          "the reciprocal of the softmax sum")
+        src, dims2, more = peel_broadcast(g, r[0])
+        dims = [None if d is None else dims2[d] for d in dims]
+        eqns += [r[1], *more]
+    if src is not z:
+        raise NoMatch("the PV product of the unnormalized exp is divided by something other than the "
+                      "sum of that exp")
+    zdims = [d for i, d in enumerate(t_dims) if i != axis]
+    for i, role in enumerate(roles):
+        if role == ("dv",):
+            ok = dims[i] is None
+        elif dims[i] is None:
+            ok = shape(o)[i] == 1
+        else:
+            ok = zdims[dims[i]] == role[1]
+        if not ok:
+            raise NoMatch("the PV product is divided by the softmax sum of other rows (misaligned axes)")
+    return u, eqns, roles
+
+
+def _check_internal(g: Graph, dot, end, start, explained):
+    """Escape rule: everything between ``dot`` and ``end`` that ``start`` needs is explained and private."""
+    i0, i1 = g.index[id(dot)], g.index[id(end)]
     eqns = g.jaxpr.eqns
     reached = {dot.outvars[0]}
     fwd = set()
@@ -566,14 +632,14 @@ def _check_internal(g: Graph, dot, pv, p_operand, explained):
         if any(x in reached for x in e.invars if not hasattr(x, "val")):
             reached.update(e.outvars)
             fwd.add(id(e))
-    need = {p_operand}
+    need = {x for x in start if not hasattr(x, "val")}
     internal = []
     for e in reversed(eqns[i0 + 1:i1]):
         if any(o in need for o in e.outvars):
             need.update(x for x in e.invars if not hasattr(x, "val"))
             if id(e) in fwd:
                 internal.append(e)
-    inside = {id(e) for e in internal} | {id(pv)}
+    inside = {id(e) for e in internal} | {id(end)}
     known = {g.key(o) for e in eqns[i0:i1 + 1] if id(e) in explained for o in e.outvars}
     for e in [dot, *internal]:
         if id(e) not in explained and not all(g.key(o) in known for o in e.outvars):
