@@ -19,8 +19,9 @@ def emit(match, read, backend):
     g = math.prod(sz["G"])
     dtype = jnp.dtype(match.dtype)
     q = _canon(read(match.q), match.q_order, (b, sz["T"], h * g, sz["D"]), dtype)
-    k = _canon(read(match.k), match.k_order, (b, sz["S"], h, sz["D"]), dtype)
-    v = _canon(read(match.v), match.v_order, (b, sz["S"], h, sz["Dv"]), dtype)
+    hkv = sz.get("Hkv") or h  # fewer than h when a head repeat of K/V was folded (see .gqa)
+    k = _canon(read(match.k), match.k_order, (b, sz["S"], hkv, sz["D"]), dtype)
+    v = _canon(read(match.v), match.v_order, (b, sz["S"], hkv, sz["Dv"]), dtype)
     full = _full_sizes(match)
     bias = None
     for term in match.biases:
@@ -41,7 +42,7 @@ def emit(match, read, backend):
         empty = jnp.transpose(res[1] == -jnp.inf, (0, 2, 1))[..., None]  # [B, T, Hq, 1]
         if match.empty == "mean":
             fill = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)  # [B, 1, Hkv, Dv]
-            fill = jnp.repeat(fill, g, axis=2).astype(out.dtype)
+            fill = jnp.repeat(fill, h * g // hkv, axis=2).astype(out.dtype)
         else:
             fill = jnp.full((), jnp.nan, out.dtype)
         out = jnp.where(empty, fill, out)

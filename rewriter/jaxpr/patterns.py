@@ -17,6 +17,7 @@ import numpy as np
 
 from flashport.rewriter.jaxpr import positional
 from flashport.rewriter.jaxpr.axes import unit_reshape_map, operand_dims, peel_broadcast, shape
+from flashport.rewriter.jaxpr.gqa import fold_repeat
 from flashport.rewriter.jaxpr.graph import Graph, location
 from flashport.rewriter.jaxpr.softmax import NoMatch, match_softmax
 
@@ -484,6 +485,15 @@ def match_at(g: Graph, exp_eqn) -> Match:
     k_src, fk, k_eqns = _peel_scale(g, k)
     scale *= fq * fk
 
+    # ---- K/V repeated over heads (jnp.repeat, broadcast_to + reshape): pass the un-repeated K/V
+    sizes["Hkv"] = sizes["H"]
+    if nh:
+        fold_k = fold_repeat(g, k_src, k_order, nr + 1, scales=True)
+        fold_v = fold_repeat(g, v, v_order, nr + 1)
+        if fold_k and fold_v and fold_k[2] == fold_v[2]:
+            (k_src, k_order, sizes["Hkv"], factor), (v, v_order, _, _) = fold_k, fold_v
+            scale *= factor
+
     # ---- positional masks from constants (iota comparisons, tril, constant arrays)
     causal, window, align, pos_empty, masks = positional.extract(g, masks, canon_dims, out_sh, groups)
 
@@ -504,7 +514,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
         "mask": _mask_kind(causal, window, align, masks, biases, zero_preds, g),
         "dtypes": "/".join(sorted({str(x.aval.dtype) for x in (q, k, v)})),
         "softmax_dtype": str(t_dtype),
-        "gqa": int(np.prod(sizes["G"])) if sizes["G"] else 1,
+        "gqa": (sizes["H"] or 1) * math.prod(sizes["G"]) // (sizes["Hkv"] or 1),
         "empty_rows": empty or "-",
         "_eqns": list(sm.eqns),
     }
