@@ -17,6 +17,7 @@ import numpy as np
 
 from flashport.rewriter.jaxpr import positional
 from flashport.rewriter.jaxpr.axes import unit_reshape_map, operand_dims, peel_broadcast, shape
+from flashport.rewriter.jaxpr.canon import is_key_padding
 from flashport.rewriter.jaxpr.gqa import fold_repeat
 from flashport.rewriter.jaxpr.graph import Graph, location
 from flashport.rewriter.jaxpr.softmax import NoMatch, match_softmax
@@ -511,7 +512,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
         "layout": _layout(q_src, q_order, nr, nh, len(g_out), "T") + "," +
                   _layout(k_src, k_order, nr, nh, 0, "S") + "->" + _out_layout(pv_roles, canon_out, nr, nh),
         "scale": scale, "softcap": softcap,
-        "mask": _mask_kind(causal, window, align, masks, biases, zero_preds, g),
+        "mask": _mask_kind(causal, window, align, masks, biases, zero_preds, g, canon_dims, groups),
         "dtypes": "/".join(sorted({str(x.aval.dtype) for x in (q, k, v)})),
         "softmax_dtype": str(t_dtype),
         "gqa": (sizes["H"] or 1) * math.prod(sizes["G"]) // (sizes["Hkv"] or 1),
@@ -687,7 +688,7 @@ def _out_layout(pv_roles, canon_out, nr, nh):
     return "".join(letters[canon_out.index(r)] for r in pv_roles)
 
 
-def _mask_kind(causal, window, align, masks, biases, zero_preds, g):
+def _mask_kind(causal, window, align, masks, biases, zero_preds, g, canon_dims, groups):
     parts = []
     if causal:
         parts.append(f"causal({align})")
@@ -695,6 +696,8 @@ def _mask_kind(causal, window, align, masks, biases, zero_preds, g):
         parts.append(f"window{tuple(window)}({align})")
     for m in masks:
         kind = "segment-eq" if _is_segment(g, m.var) else "bool mask"
+        if is_key_padding(m.dmap, canon_dims, groups):
+            kind = "key-padding (kv segment ids)"
         parts.append(f"{kind}{list(shape(m.var))} fill={m.fill:g}")
     for b in biases:
         parts.append(f"bias{list(shape(b.var))}")
