@@ -697,7 +697,7 @@ def _mask_kind(causal, window, align, masks, biases, zero_preds, g, canon_dims, 
     for m in masks:
         kind = "segment-eq" if _is_segment(g, m.var) else "bool mask"
         if is_key_padding(m.dmap, canon_dims, groups):
-            kind = "key-padding (kv segment ids)"
+            kind = "key-padding mask (as kv segment ids)"
         parts.append(f"{kind}{list(shape(m.var))} fill={m.fill:g}")
     for b in biases:
         parts.append(f"bias{list(shape(b.var))}")
