@@ -91,7 +91,7 @@ def find_matches(g: Graph):
         except NoMatch as err:
             info = _candidate_info(g, eqn)
             if info is not None:
-                misses.append(Miss(eqn=eqn, reason=str(err), info=info))
+                misses.append(Miss(eqn=eqn, reason=_with_place(err), info=info))
             continue
         except Exception as err:  # noqa: BLE001 -- a matcher bug must never break the user's program
             misses.append(internal_miss(g, eqn, "matching", err))
@@ -104,6 +104,13 @@ def find_matches(g: Graph):
     covered = {id(e) for m in matches for e in m.info.pop("_eqns")}
     misses = [x for x in misses if id(x.eqn) not in covered]
     return matches, misses
+
+
+def _with_place(err: NoMatch) -> str:
+    """The near-miss reason, naming the equation where the first failed property was seen."""
+    if err.eqn is None:
+        return str(err)
+    return f"{err} [at `{err.eqn.primitive.name}`, {location(err.eqn)}]"
 
 
 def internal_miss(g: Graph, eqn, stage: str, err: Exception) -> Miss:
@@ -177,11 +184,11 @@ def _walk_up(g: Graph, c, depth=0):
         elif s0 is not None and shape(ins[1]) == shape(c):
             stage, up = ("scale", s0, None), ins[1]
         else:
-            raise NoMatch("the scores are multiplied by a non-constant or a tensor (not a scalar scale)")
+            raise NoMatch("the scores are multiplied by a non-constant or a tensor (not a scalar scale)", eqn=e)
     elif name == "div":
         s1 = g.scalar(ins[1])
         if s1 is None or s1 == 0 or shape(ins[0]) != shape(c):
-            raise NoMatch("the scores are divided by a non-constant or a tensor (not a scalar scale)")
+            raise NoMatch("the scores are divided by a non-constant or a tensor (not a scalar scale)", eqn=e)
         stage, up = ("scale", 1.0 / s1, None), ins[0]
     elif name == "add" and (mul_add := _mul_add_mask(g, e, c)) is not None:
         up, fill, pred, inner = mul_add
@@ -209,9 +216,9 @@ def _walk_up(g: Graph, c, depth=0):
         elif ss is not None and sf is None:
             stage, up = ("mask", (ss, False), pred), f
         else:
-            raise NoMatch("select between two tensors on the scores (not a mask with a constant fill)")
+            raise NoMatch("select between two tensors on the scores (not a mask with a constant fill)", eqn=e)
     else:
-        raise NoMatch(f"`{name}` on the scores path is not part of the attention contract")
+        raise NoMatch(f"`{name}` on the scores path is not part of the attention contract", eqn=e)
     dot, stages = _walk_up(g, up, depth + 1)
     return dot, [(stage[0], stage[1], (stage[2], e, c))] + stages
 
@@ -358,7 +365,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     lfree = [d for d in range(len(shape(lhs))) if d not in lc and d not in lb]
     rfree = [d for d in range(len(shape(rhs))) if d not in rc and d not in rb]
     if s_dot < nb:
-        raise NoMatch("the softmax runs over a batch dim of the QK product")
+        raise NoMatch("the softmax runs over a batch dim of the QK product", eqn=dot)
     k_is_lhs = s_dot < nb + len(lfree)
     q, k = (rhs, lhs) if k_is_lhs else (lhs, rhs)
     qc, kc = (rc, lc) if k_is_lhs else (lc, rc)
@@ -367,11 +374,11 @@ def match_at(g: Graph, exp_eqn) -> Match:
     q_out0 = nb + (len(lfree) if k_is_lhs else 0)
     k_out0 = nb + (0 if k_is_lhs else len(lfree))
     if len(kfree) != 1:
-        raise NoMatch(f"the softmax axis is not the key axis (the key side has {len(kfree)} free dims)")
+        raise NoMatch(f"the softmax axis is not the key axis (the key side has {len(kfree)} free dims)", eqn=dot)
     if len(qc) != 1:
-        raise NoMatch(f"the QK product contracts {len(qc)} dims (expected the head dim only)")
+        raise NoMatch(f"the QK product contracts {len(qc)} dims (expected the head dim only)", eqn=dot)
     if not qfree:
-        raise NoMatch("the query side of the QK product has no free (sequence) dim")
+        raise NoMatch("the query side of the QK product has no free (sequence) dim", eqn=dot)
     qfree_out = [q_out0 + j for j in range(len(qfree))]
     assert k_out0 == s_dot
 
@@ -381,14 +388,16 @@ def match_at(g: Graph, exp_eqn) -> Match:
     explained |= sum_path
     cur, pdims = sm.p, list(t_dims)
     while True:
+        cur_eqn = g.prod(cur)
         if cur in g.outvars:
             raise NoMatch("the attention probabilities have other users: they are returned (attention maps "
-                          "are an output, so the scores must be materialized)")
+                          "are an output, so the scores must be materialized)", eqn=cur_eqn)
         users = [u for u in g.users.get(cur, ()) if id(u) not in sum_path]
         if len(users) > 1:
-            raise NoMatch("the attention probabilities have other users (returned, reused or dropped out)")
+            raise NoMatch("the attention probabilities have other users (returned, reused or dropped out)",
+                          eqn=users[1])
         if not users:
-            raise NoMatch("the attention probabilities are not used (no PV product)")
+            raise NoMatch("the attention probabilities are not used (no PV product)", eqn=cur_eqn)
         u = users[0]
         name = u.primitive.name
         explained.add(id(u))
@@ -408,35 +417,35 @@ def match_at(g: Graph, exp_eqn) -> Match:
             zero_preds.append((u.invars[0], True, cur, list(pdims)))
         elif name in ("mul", "div"):
             raise NoMatch("the probabilities are multiplied by a tensor or rescaled (dropout, or a post-softmax "
-                          "mask without renormalisation)")
+                          "mask without renormalisation)", eqn=u)
         else:
-            raise NoMatch(f"`{name}` between the softmax and the PV product")
+            raise NoMatch(f"`{name}` between the softmax and the PV product", eqn=u)
         cur = u.outvars[0]
     pv = u
     if None in pdims:
-        raise NoMatch("size-1 dims of the probabilities reach the PV product")
+        raise NoMatch("size-1 dims of the probabilities reach the PV product", eqn=pv)
     (plc, prc), (plb, prb) = pv.params["dimension_numbers"]
     if pv.invars[0] is cur and pv.invars[1] is cur:
-        raise NoMatch("the probabilities are multiplied by themselves")
+        raise NoMatch("the probabilities are multiplied by themselves", eqn=pv)
     p_is_lhs = pv.invars[0] is cur
     v = pv.invars[1] if p_is_lhs else pv.invars[0]
     pc, vc = (plc, prc) if p_is_lhs else (prc, plc)
     pb, vb = (plb, prb) if p_is_lhs else (prb, plb)
     if len(pc) != 1 or pdims[pc[0]] != s_dot:
-        raise NoMatch("the PV product does not contract the softmax (key) axis")
+        raise NoMatch("the PV product does not contract the softmax (key) axis", eqn=pv)
     v_batch = {}
     for pi, vi in zip(pb, vb):
         if pdims[pi] >= nb:
-            raise NoMatch("the PV product batches over a non-batch dim of the scores")
+            raise NoMatch("the PV product batches over a non-batch dim of the scores", eqn=pv)
         v_batch[pdims[pi]] = vi
     if sorted(v_batch) != list(range(nb)):
-        raise NoMatch("the PV product does not keep every batch dim of the QK product")
+        raise NoMatch("the PV product does not keep every batch dim of the QK product", eqn=pv)
     p_free = [pdims[d] for d in range(len(pdims)) if d not in pc and d not in pb]
     if sorted(p_free) != sorted(qfree_out):
-        raise NoMatch("the PV product's free dims are not the query dims")
+        raise NoMatch("the PV product's free dims are not the query dims", eqn=pv)
     vfree = [d for d in range(len(shape(v))) if d not in vc and d not in vb]
     if len(vfree) != 1:
-        raise NoMatch(f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)")
+        raise NoMatch(f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)", eqn=pv)
     pv_roles = [("d", pdims[pi]) for pi in pb]
     p_free_dims = [d for d in range(len(pdims)) if d not in pc and d not in pb]
     free_roles = [("d", pdims[d]) for d in p_free_dims]
@@ -545,15 +554,15 @@ def _unit_product(g: Graph, u, p, pdims):
     """
     (_, _), (lb, rb) = u.params["dimension_numbers"]
     if u.invars[0] is u.invars[1]:
-        raise NoMatch("the probabilities are multiplied by themselves")
+        raise NoMatch("the probabilities are multiplied by themselves", eqn=u)
     p_is_lhs = u.invars[0] is p
     other = _other(u, p)
     pb, ob = (lb, rb) if p_is_lhs else (rb, lb)
     if len(ob) != len(shape(other)):
-        raise NoMatch("the probabilities are multiplied by a tensor in an outer product (no PV contraction)")
+        raise NoMatch("the probabilities are multiplied by a tensor in an outer product (no PV contraction)", eqn=u)
     if not _all_ones(g, other):
         raise NoMatch("the probabilities are multiplied by a per-head or per-row tensor (e.g. a head mask) "
-                      "that is not all ones")
+                      "that is not all ones", eqn=u)
     return [pdims[i] for i in pb] + [pdims[d] for d in range(len(pdims)) if d not in pb]
 
 
@@ -592,7 +601,7 @@ def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
         users = g.users.get(o, ())
         if o in g.outvars or len(users) != 1:
             raise NoMatch("softmax normalized after the PV product, but the unnormalized product has other "
-                          "users")
+                          "users", eqn=u)
         u = users[0]
         name = u.primitive.name
         if name == "transpose":
@@ -603,9 +612,9 @@ def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
         o = u.outvars[0]
     if name not in ("div", "mul") or (name == "div" and u.invars[0] is not o) or u.invars[0] is u.invars[1]:
         raise NoMatch(f"the PV product of the unnormalized exp is followed by `{name}`, not a division by "
-                      "the softmax sum")
+                      "the softmax sum", eqn=u)
     if shape(u.outvars[0]) != shape(o):
-        raise NoMatch("the division after the PV product broadcasts the product")
+        raise NoMatch("the division after the PV product broadcasts the product", eqn=u)
     other = _other(u, o)
     src, dims, more = peel_broadcast(g, other, operand_dims(other, shape(o)))
     eqns += more
@@ -613,13 +622,13 @@ def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
         r = reciprocal_of(g, src)
         if r is None:
             raise NoMatch("the PV product of the unnormalized exp is multiplied by something other than "
-                          "the reciprocal of the softmax sum")
+                          "the reciprocal of the softmax sum", eqn=u)
         src, dims2, more = peel_broadcast(g, r[0])
         dims = [None if d is None else dims2[d] for d in dims]
         eqns += [r[1], *more]
     if src is not z:
         raise NoMatch("the PV product of the unnormalized exp is divided by something other than the "
-                      "sum of that exp")
+                      "sum of that exp", eqn=u)
     zdims = [d for i, d in enumerate(t_dims) if i != axis]
     for i, role in enumerate(roles):
         if role == ("dv",):
@@ -629,7 +638,7 @@ def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
         else:
             ok = zdims[dims[i]] == role[1]
         if not ok:
-            raise NoMatch("the PV product is divided by the softmax sum of other rows (misaligned axes)")
+            raise NoMatch("the PV product is divided by the softmax sum of other rows (misaligned axes)", eqn=u)
     return u, eqns, roles
 
 
@@ -654,11 +663,11 @@ def _check_internal(g: Graph, dot, end, start, explained):
     known = {g.key(o) for e in eqns[i0:i1 + 1] if id(e) in explained for o in e.outvars}
     for e in [dot, *internal]:
         if id(e) not in explained and not all(g.key(o) in known for o in e.outvars):
-            raise NoMatch(f"`{e.primitive.name}` between the QK and PV products is not part of the pattern")
+            raise NoMatch(f"`{e.primitive.name}` between the QK and PV products is not part of the pattern", eqn=e)
         for o in e.outvars:
             if o in g.outvars or any(id(u) not in inside for u in g.users.get(o, ())):
                 what = "scores" if e is dot else f"`{e.primitive.name}` output"
-                raise NoMatch(f"the {what} inside the attention are also used elsewhere (escape)")
+                raise NoMatch(f"the {what} inside the attention are also used elsewhere (escape)", eqn=e)
 
 
 def _empty_semantics(masks, zero_preds, pos_empty):

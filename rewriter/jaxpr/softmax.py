@@ -24,7 +24,15 @@ from flashport.rewriter.jaxpr.graph import Graph
 
 
 class NoMatch(Exception):
-    """A candidate that is not (safely) attention; the message is the near-miss reason."""
+    """A candidate that is not (safely) attention; the message is the near-miss reason.
+
+    ``eqn``, when given, is the equation where the failed property was observed (reported with its
+    source location).
+    """
+
+    def __init__(self, reason: str, *, eqn=None):
+        super().__init__(reason)
+        self.eqn = eqn
 
 
 @dataclasses.dataclass
@@ -53,7 +61,7 @@ def match_softmax(g: Graph, exp_eqn) -> Softmax:
     ex = exp_eqn.outvars[0]
     sub = g.prod(x)
     if sub is None or sub.primitive.name != "sub":
-        raise NoMatch("the exp input is not `scores - row max` (no max subtraction)")
+        raise NoMatch("the exp input is not `scores - row max` (no max subtraction)", eqn=exp_eqn)
     a, b = sub.invars
     src, dims, peqns = peel_broadcast(g, b, operand_dims(b, shape(x)))
     reduced = [i for i, d in enumerate(dims) if d is None]
