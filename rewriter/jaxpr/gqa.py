@@ -14,7 +14,7 @@ from __future__ import annotations
 from flashport.rewriter.jaxpr.axes import shape
 from flashport.rewriter.jaxpr.graph import Graph
 
-_WALK = ("transpose", "convert_element_type", "copy", "copy_p")
+_WALK = ("transpose", "copy", "copy_p")  # no casts: the kernel dtype comes from the operands
 
 
 def fold_repeat(g: Graph, var, order, head_pos, *, scales=False):
