@@ -184,7 +184,8 @@ def _walk_up(g: Graph, c, depth=0):
         elif s0 is not None and shape(ins[1]) == shape(c):
             stage, up = ("scale", s0, None), ins[1]
         else:
-            raise NoMatch("the scores are multiplied by a non-constant or a tensor (not a scalar scale)", eqn=e)
+            raise NoMatch("the scores are multiplied by a non-constant or a tensor (not a scalar scale)",
+                          eqn=e)
     elif name == "div":
         s1 = g.scalar(ins[1])
         if s1 is None or s1 == 0 or shape(ins[0]) != shape(c):
@@ -374,7 +375,8 @@ def match_at(g: Graph, exp_eqn) -> Match:
     q_out0 = nb + (len(lfree) if k_is_lhs else 0)
     k_out0 = nb + (0 if k_is_lhs else len(lfree))
     if len(kfree) != 1:
-        raise NoMatch(f"the softmax axis is not the key axis (the key side has {len(kfree)} free dims)", eqn=dot)
+        raise NoMatch(f"the softmax axis is not the key axis (the key side has {len(kfree)} free dims)",
+                      eqn=dot)
     if len(qc) != 1:
         raise NoMatch(f"the QK product contracts {len(qc)} dims (expected the head dim only)", eqn=dot)
     if not qfree:
@@ -445,7 +447,8 @@ def match_at(g: Graph, exp_eqn) -> Match:
         raise NoMatch("the PV product's free dims are not the query dims", eqn=pv)
     vfree = [d for d in range(len(shape(v))) if d not in vc and d not in vb]
     if len(vfree) != 1:
-        raise NoMatch(f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)", eqn=pv)
+        raise NoMatch(f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)",
+                      eqn=pv)
     pv_roles = [("d", pdims[pi]) for pi in pb]
     p_free_dims = [d for d in range(len(pdims)) if d not in pc and d not in pb]
     free_roles = [("d", pdims[d]) for d in p_free_dims]
@@ -559,7 +562,8 @@ def _unit_product(g: Graph, u, p, pdims):
     other = _other(u, p)
     pb, ob = (lb, rb) if p_is_lhs else (rb, lb)
     if len(ob) != len(shape(other)):
-        raise NoMatch("the probabilities are multiplied by a tensor in an outer product (no PV contraction)", eqn=u)
+        raise NoMatch("the probabilities are multiplied by a tensor in an outer product (no PV contraction)",
+                      eqn=u)
     if not _all_ones(g, other):
         raise NoMatch("the probabilities are multiplied by a per-head or per-row tensor (e.g. a head mask) "
                       "that is not all ones", eqn=u)
@@ -638,7 +642,8 @@ def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
         else:
             ok = zdims[dims[i]] == role[1]
         if not ok:
-            raise NoMatch("the PV product is divided by the softmax sum of other rows (misaligned axes)", eqn=u)
+            raise NoMatch("the PV product is divided by the softmax sum of other rows (misaligned axes)",
+                          eqn=u)
     return u, eqns, roles
 
 
@@ -663,7 +668,8 @@ def _check_internal(g: Graph, dot, end, start, explained):
     known = {g.key(o) for e in eqns[i0:i1 + 1] if id(e) in explained for o in e.outvars}
     for e in [dot, *internal]:
         if id(e) not in explained and not all(g.key(o) in known for o in e.outvars):
-            raise NoMatch(f"`{e.primitive.name}` between the QK and PV products is not part of the pattern", eqn=e)
+            raise NoMatch(f"`{e.primitive.name}` between the QK and PV products is not part of the pattern",
+                          eqn=e)
         for o in e.outvars:
             if o in g.outvars or any(id(u) not in inside for u in g.users.get(o, ())):
                 what = "scores" if e is dot else f"`{e.primitive.name}` output"
