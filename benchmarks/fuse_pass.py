@@ -21,9 +21,14 @@
     RSS above the process's baseline after setup, and XLA's compiled temp+argument+output bytes).
     Targets: fused at least 2x faster and at most 25% of the memory.
 
+    With ``--model bert``, (b) runs a padded batch through a BERT-style Flax encoder instead
+    (bidirectional, B=2 with the second sequence 25% padding, the key-padding mask given as
+    ``mask[:, None, None, :]`` to flax attention; the fused call gets it as kv segment ids).
+
     python benchmarks/fuse_pass.py                       # both parts
     python benchmarks/fuse_pass.py --skip-model          # (a) only
     python benchmarks/fuse_pass.py --seq 2048 --repeats 3
+    python benchmarks/fuse_pass.py --skip-overhead --model bert --seq 1024
 """
 
 from __future__ import annotations
@@ -59,6 +64,30 @@ def _model(layers: int, width: int, heads: int, vocab: int):
             return nn.Dense(vocab)(nn.LayerNorm()(x)).astype(jnp.float32)
 
     return GPT()
+
+
+def _bert(layers: int, width: int, heads: int, vocab: int):
+    """A BERT-style encoder: post-LayerNorm blocks, bidirectional attention with a key-padding mask."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            x = nn.LayerNorm()(x + nn.MultiHeadDotProductAttention(num_heads=heads, qkv_features=width)(
+                x, x, mask=mask))
+            return nn.LayerNorm()(x + nn.Dense(width)(nn.gelu(nn.Dense(4 * width)(x))))
+
+    class Bert(nn.Module):
+        @nn.compact
+        def __call__(self, ids, attention_mask):
+            x = nn.Embed(vocab, width)(ids)
+            mask = attention_mask.astype(bool)[:, None, None, :]  # [B, 1, 1, S] key padding
+            for _ in range(layers):
+                x = Block()(x, mask)
+            return nn.Dense(vocab)(x).astype(jnp.float32)
+
+    return Bert()
 
 
 def overhead(repeats: int) -> dict:
@@ -146,34 +175,45 @@ def _count_sites(jaxpr) -> int:
     return n
 
 
-def _worker(variant: str, seq: int, repeats: int) -> dict:
+def _worker(variant: str, seq: int, repeats: int, model_name: str = "gpt") -> dict:
     import jax
     import jax.numpy as jnp
 
     import flashport
 
-    model = _model(layers=2, width=256, heads=4, vocab=256)
-    ids = jax.random.randint(jax.random.PRNGKey(1), (1, seq), 0, 256)
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), ids[:, :8])
+    if model_name == "bert":
+        model = _bert(layers=2, width=256, heads=4, vocab=256)
+        ids = jax.random.randint(jax.random.PRNGKey(1), (2, seq), 0, 256)
+        lengths = jnp.array([seq, seq - seq // 4])
+        attention_mask = (jnp.arange(seq)[None, :] < lengths[:, None]).astype(jnp.int32)
+        args = (ids, attention_mask)
+        params = jax.jit(model.init)(jax.random.PRNGKey(0), ids[:, :8], attention_mask[:, :8])
+    else:
+        model = _model(layers=2, width=256, heads=4, vocab=256)
+        ids = jax.random.randint(jax.random.PRNGKey(1), (1, seq), 0, 256)
+        args = (ids,)
+        params = jax.jit(model.init)(jax.random.PRNGKey(0), ids[:, :8])
     fn = model.apply if variant == "unmodified" else flashport.fuse_attention(model.apply)
     jitted = jax.jit(fn)
     jax.block_until_ready(params)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    mem = jitted.lower(params, ids).compile().memory_analysis()
+    compiled = jitted.lower(params, *args).compile()
+    mem = compiled.memory_analysis()
     xla_bytes = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-    out = jax.block_until_ready(jitted(params, ids))
+    sites = _count_sites(jax.make_jaxpr(fn)(params, *args).jaxpr)
+    out = jax.block_until_ready(jitted(params, *args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(jitted(params, ids))
+        jax.block_until_ready(jitted(params, *args))
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"median_s": statistics.median(times), "times": times, "peak_rss_delta": peak - base,
-            "xla_bytes": xla_bytes, "checksum": float(jnp.sum(out[0, -8:]))}
+            "xla_bytes": xla_bytes, "sites": sites, "checksum": float(jnp.sum(out[:, -8:]))}
 
 
-def _run(variant: str, seq: int, repeats: int) -> dict:
-    cmd = [sys.executable, __file__, "--worker", variant, str(seq), str(repeats)]
+def _run(variant: str, seq: int, repeats: int, model: str = "gpt") -> dict:
+    cmd = [sys.executable, __file__, "--worker", variant, str(seq), str(repeats), model]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{variant} worker failed:\n{proc.stderr[-3000:]}")
@@ -193,11 +233,13 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--worker", nargs=3, metavar=("VARIANT", "SEQ", "REPEATS"), help=argparse.SUPPRESS)
+    ap.add_argument("--model", choices=("gpt", "bert"), default="gpt",
+                    help="(b): causal GPT-style model (default) or padded-batch BERT-style encoder")
+    ap.add_argument("--worker", nargs=4, metavar=("VARIANT", "SEQ", "REPEATS", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        variant, seq, repeats = args.worker
-        print(json.dumps(_worker(variant, int(seq), int(repeats))))
+        variant, seq, repeats, model = args.worker
+        print(json.dumps(_worker(variant, int(seq), int(repeats), model)))
         return 0
     result = {}
     if not args.skip_overhead:
@@ -224,13 +266,16 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps(result))
         return 0
-    base = _run("unmodified", args.seq, args.repeats)
-    fused = _run("fused", args.seq, args.repeats)
+    base = _run("unmodified", args.seq, args.repeats, args.model)
+    fused = _run("fused", args.seq, args.repeats, args.model)
     result.update(unmodified=base, fused=fused)
     speed = base["median_s"] / fused["median_s"]
     rss = fused["peak_rss_delta"] / max(base["peak_rss_delta"], 1)
     xla = fused["xla_bytes"] / base["xla_bytes"]
-    print(f"(b) GPT-style Flax model, 2 layers, S={args.seq}, CPU, forward (median of {args.repeats}):")
+    what = ("BERT-style Flax encoder, padded batch B=2 (25% padding)" if args.model == "bert"
+            else "GPT-style Flax model")
+    print(f"(b) {what}, 2 layers, S={args.seq}, CPU, forward (median of {args.repeats}), "
+          f"{fused['sites']} fused sites:")
     print(f"    {'variant':<11} {'median s':>9} {'peak RSS MiB':>13} {'XLA MiB':>9}")
     for name, r in (("unmodified", base), ("fused", fused)):
         print(f"    {name:<11} {r['median_s']:>9.3f} {r['peak_rss_delta']/2**20:>13.0f} {r['xla_bytes']/2**20:>9.0f}")

@@ -34,3 +34,12 @@ def to_canonical(xp, val, dmap, canon_dims, full_sizes, groups):
     for grp in groups:
         out_shape.append(math.prod(target[i] for i in grp) if grp else 1)
     return xp.reshape(val, out_shape)
+
+
+def is_key_padding(dmap, canon_dims, groups) -> bool:
+    """Whether a mask with dims ``dmap`` varies only over batch and keys: a [B, 1, 1, S] key padding.
+
+    Such a mask means the same as ``kv_segment_ids = mask`` with ``q_segment_ids`` all ones.
+    """
+    allowed = {canon_dims[i] for i in (*groups[0], *groups[3])}
+    return all(d is None or d in allowed for d in dmap)

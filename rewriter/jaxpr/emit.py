@@ -6,7 +6,7 @@ import math
 
 import jax.numpy as jnp
 
-from flashport.rewriter.jaxpr.canon import to_canonical
+from flashport.rewriter.jaxpr.canon import is_key_padding, to_canonical
 
 
 def emit(match, read, backend):
@@ -19,29 +19,38 @@ def emit(match, read, backend):
     g = math.prod(sz["G"])
     dtype = jnp.dtype(match.dtype)
     q = _canon(read(match.q), match.q_order, (b, sz["T"], h * g, sz["D"]), dtype)
-    k = _canon(read(match.k), match.k_order, (b, sz["S"], h, sz["D"]), dtype)
-    v = _canon(read(match.v), match.v_order, (b, sz["S"], h, sz["Dv"]), dtype)
+    hkv = sz.get("Hkv") or h  # fewer than h when a head repeat of K/V was folded (see .gqa)
+    k = _canon(read(match.k), match.k_order, (b, sz["S"], hkv, sz["D"]), dtype)
+    v = _canon(read(match.v), match.v_order, (b, sz["S"], hkv, sz["Dv"]), dtype)
     full = _full_sizes(match)
     bias = None
     for term in match.biases:
         val = to_canonical(jnp, read(term.var), term.dmap, match.canon_dims, full, match.groups)
         val = val.astype(jnp.float32) * term.mult
         bias = val if bias is None else bias + val
-    mask = None
+    mask = pad = None
     for term in match.masks:
         val = to_canonical(jnp, read(term.var), term.dmap, match.canon_dims, full, match.groups)
         val = val.astype(bool) if term.keep_when_true else ~val.astype(bool)
-        mask = val if mask is None else mask & val
+        if is_key_padding(term.dmap, match.canon_dims, match.groups):  # [B|1, 1, 1, S|1]
+            val = jnp.broadcast_to(val[:, 0, 0, :], (b, sz["S"]))
+            pad = val if pad is None else pad & val
+        else:
+            mask = val if mask is None else mask & val
+    segments = {}
+    if pad is not None:  # key padding as segment ids: query id 1, key id 1 (kept) or 0 (padded)
+        segments = {"q_segment_ids": jnp.ones((b, sz["T"]), jnp.int32),
+                    "kv_segment_ids": pad.astype(jnp.int32)}
     need_lse = match.empty in ("mean", "nan")
     res = attention(q, k, v, scale=match.scale, causal=match.causal, window=match.window,
                     align=match.align, softcap=match.softcap, bias=bias, mask=mask, layout="BSHD",
-                    backend=backend, return_lse=need_lse)
+                    backend=backend, return_lse=need_lse, **segments)
     out = res[0] if need_lse else res
     if need_lse:
         empty = jnp.transpose(res[1] == -jnp.inf, (0, 2, 1))[..., None]  # [B, T, Hq, 1]
         if match.empty == "mean":
             fill = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)  # [B, 1, Hkv, Dv]
-            fill = jnp.repeat(fill, g, axis=2).astype(out.dtype)
+            fill = jnp.repeat(fill, h * g // hkv, axis=2).astype(out.dtype)
         else:
             fill = jnp.full((), jnp.nan, out.dtype)
         out = jnp.where(empty, fill, out)

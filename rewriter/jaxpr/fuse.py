@@ -27,6 +27,14 @@ Semantics that are preserved, not "fixed":
   ``fuse_attention(jax.grad(f))`` sees a program whose backward reuses the probabilities, so by
   the escape rule nothing is fused and every site is reported as a near-miss (the function still
   runs, unchanged).
+* **Spellings folded into the contract.** Softmax normalized after the P·V product
+  (``(exp(s - max) @ v) / sum(exp(s - max))``, or ``* (1 / sum)`` / ``* reciprocal(sum)``) is fused
+  like any softmax. K/V repeated over heads with ``jnp.repeat`` or ``broadcast_to`` + reshape (query
+  head ``h`` reads kv head ``h // G``) reach the kernel un-repeated, as the contract's GQA;
+  ``jnp.tile`` (head ``h`` reads ``h % Hkv``) is fused with the repeated K/V as written. A boolean
+  key-padding mask (``mask[:, None, None, :]``) is passed as kv segment ids; an additive padding bias
+  (``(1 - mask) * -1e9``) stays a bias, because on a fully padded row it means ``softmax(s - 1e9)``,
+  not the contract's "no visible key".
 * Nested calls whose bodies contain matches keep their params (names, shardings, ``checkpoint``
   policies, ``scan`` options) with the rewritten body; nested calls without matches are re-bound
   unchanged.

@@ -17,6 +17,8 @@ import numpy as np
 
 from flashport.rewriter.jaxpr import positional
 from flashport.rewriter.jaxpr.axes import unit_reshape_map, operand_dims, peel_broadcast, shape
+from flashport.rewriter.jaxpr.canon import is_key_padding
+from flashport.rewriter.jaxpr.gqa import fold_repeat
 from flashport.rewriter.jaxpr.graph import Graph, location
 from flashport.rewriter.jaxpr.softmax import NoMatch, match_softmax
 
@@ -89,7 +91,7 @@ def find_matches(g: Graph):
         except NoMatch as err:
             info = _candidate_info(g, eqn)
             if info is not None:
-                misses.append(Miss(eqn=eqn, reason=str(err), info=info))
+                misses.append(Miss(eqn=eqn, reason=_with_place(err), info=info))
             continue
         except Exception as err:  # noqa: BLE001 -- a matcher bug must never break the user's program
             misses.append(internal_miss(g, eqn, "matching", err))
@@ -102,6 +104,13 @@ def find_matches(g: Graph):
     covered = {id(e) for m in matches for e in m.info.pop("_eqns")}
     misses = [x for x in misses if id(x.eqn) not in covered]
     return matches, misses
+
+
+def _with_place(err: NoMatch) -> str:
+    """The near-miss reason, naming the equation where the first failed property was seen."""
+    if err.eqn is None:
+        return str(err)
+    return f"{err} [at `{err.eqn.primitive.name}`, {location(err.eqn)}]"
 
 
 def internal_miss(g: Graph, eqn, stage: str, err: Exception) -> Miss:
@@ -175,11 +184,12 @@ def _walk_up(g: Graph, c, depth=0):
         elif s0 is not None and shape(ins[1]) == shape(c):
             stage, up = ("scale", s0, None), ins[1]
         else:
-            raise NoMatch("the scores are multiplied by a non-constant or a tensor (not a scalar scale)")
+            raise NoMatch("the scores are multiplied by a non-constant or a tensor (not a scalar scale)",
+                          eqn=e)
     elif name == "div":
         s1 = g.scalar(ins[1])
         if s1 is None or s1 == 0 or shape(ins[0]) != shape(c):
-            raise NoMatch("the scores are divided by a non-constant or a tensor (not a scalar scale)")
+            raise NoMatch("the scores are divided by a non-constant or a tensor (not a scalar scale)", eqn=e)
         stage, up = ("scale", 1.0 / s1, None), ins[0]
     elif name == "add" and (mul_add := _mul_add_mask(g, e, c)) is not None:
         up, fill, pred, inner = mul_add
@@ -207,9 +217,9 @@ def _walk_up(g: Graph, c, depth=0):
         elif ss is not None and sf is None:
             stage, up = ("mask", (ss, False), pred), f
         else:
-            raise NoMatch("select between two tensors on the scores (not a mask with a constant fill)")
+            raise NoMatch("select between two tensors on the scores (not a mask with a constant fill)", eqn=e)
     else:
-        raise NoMatch(f"`{name}` on the scores path is not part of the attention contract")
+        raise NoMatch(f"`{name}` on the scores path is not part of the attention contract", eqn=e)
     dot, stages = _walk_up(g, up, depth + 1)
     return dot, [(stage[0], stage[1], (stage[2], e, c))] + stages
 
@@ -356,7 +366,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     lfree = [d for d in range(len(shape(lhs))) if d not in lc and d not in lb]
     rfree = [d for d in range(len(shape(rhs))) if d not in rc and d not in rb]
     if s_dot < nb:
-        raise NoMatch("the softmax runs over a batch dim of the QK product")
+        raise NoMatch("the softmax runs over a batch dim of the QK product", eqn=dot)
     k_is_lhs = s_dot < nb + len(lfree)
     q, k = (rhs, lhs) if k_is_lhs else (lhs, rhs)
     qc, kc = (rc, lc) if k_is_lhs else (lc, rc)
@@ -365,26 +375,32 @@ def match_at(g: Graph, exp_eqn) -> Match:
     q_out0 = nb + (len(lfree) if k_is_lhs else 0)
     k_out0 = nb + (0 if k_is_lhs else len(lfree))
     if len(kfree) != 1:
-        raise NoMatch(f"the softmax axis is not the key axis (the key side has {len(kfree)} free dims)")
+        raise NoMatch(f"the softmax axis is not the key axis (the key side has {len(kfree)} free dims)",
+                      eqn=dot)
     if len(qc) != 1:
-        raise NoMatch(f"the QK product contracts {len(qc)} dims (expected the head dim only)")
+        raise NoMatch(f"the QK product contracts {len(qc)} dims (expected the head dim only)", eqn=dot)
     if not qfree:
-        raise NoMatch("the query side of the QK product has no free (sequence) dim")
+        raise NoMatch("the query side of the QK product has no free (sequence) dim", eqn=dot)
     qfree_out = [q_out0 + j for j in range(len(qfree))]
     assert k_out0 == s_dot
 
     # ---- probabilities down to PV
     zero_preds = [(pred, keep, sm.p, list(t_dims)) for pred, keep in sm.zero_preds]
+    sum_path = {id(e) for e in sm.deferred.eqns} if sm.deferred is not None else set()
+    explained |= sum_path
     cur, pdims = sm.p, list(t_dims)
     while True:
+        cur_eqn = g.prod(cur)
         if cur in g.outvars:
             raise NoMatch("the attention probabilities have other users: they are returned (attention maps "
-                          "are an output, so the scores must be materialized)")
-        if g.n_users(cur) != 1:
-            raise NoMatch("the attention probabilities have other users (returned, reused or dropped out)")
-        if not g.users.get(cur):
-            raise NoMatch("the attention probabilities are not used (no PV product)")
-        u = g.users[cur][0]
+                          "are an output, so the scores must be materialized)", eqn=cur_eqn)
+        users = [u for u in g.users.get(cur, ()) if id(u) not in sum_path]
+        if len(users) > 1:
+            raise NoMatch("the attention probabilities have other users (returned, reused or dropped out)",
+                          eqn=users[1])
+        if not users:
+            raise NoMatch("the attention probabilities are not used (no PV product)", eqn=cur_eqn)
+        u = users[0]
         name = u.primitive.name
         explained.add(id(u))
         if name == "dot_general":
@@ -403,35 +419,44 @@ def match_at(g: Graph, exp_eqn) -> Match:
             zero_preds.append((u.invars[0], True, cur, list(pdims)))
         elif name in ("mul", "div"):
             raise NoMatch("the probabilities are multiplied by a tensor or rescaled (dropout, or a post-softmax "
-                          "mask without renormalisation)")
+                          "mask without renormalisation)", eqn=u)
         else:
-            raise NoMatch(f"`{name}` between the softmax and the PV product")
+            raise NoMatch(f"`{name}` between the softmax and the PV product", eqn=u)
         cur = u.outvars[0]
     pv = u
     if None in pdims:
-        raise NoMatch("size-1 dims of the probabilities reach the PV product")
+        raise NoMatch("size-1 dims of the probabilities reach the PV product", eqn=pv)
     (plc, prc), (plb, prb) = pv.params["dimension_numbers"]
     if pv.invars[0] is cur and pv.invars[1] is cur:
-        raise NoMatch("the probabilities are multiplied by themselves")
+        raise NoMatch("the probabilities are multiplied by themselves", eqn=pv)
     p_is_lhs = pv.invars[0] is cur
     v = pv.invars[1] if p_is_lhs else pv.invars[0]
     pc, vc = (plc, prc) if p_is_lhs else (prc, plc)
     pb, vb = (plb, prb) if p_is_lhs else (prb, plb)
     if len(pc) != 1 or pdims[pc[0]] != s_dot:
-        raise NoMatch("the PV product does not contract the softmax (key) axis")
+        raise NoMatch("the PV product does not contract the softmax (key) axis", eqn=pv)
     v_batch = {}
     for pi, vi in zip(pb, vb):
         if pdims[pi] >= nb:
-            raise NoMatch("the PV product batches over a non-batch dim of the scores")
+            raise NoMatch("the PV product batches over a non-batch dim of the scores", eqn=pv)
         v_batch[pdims[pi]] = vi
     if sorted(v_batch) != list(range(nb)):
-        raise NoMatch("the PV product does not keep every batch dim of the QK product")
+        raise NoMatch("the PV product does not keep every batch dim of the QK product", eqn=pv)
     p_free = [pdims[d] for d in range(len(pdims)) if d not in pc and d not in pb]
     if sorted(p_free) != sorted(qfree_out):
-        raise NoMatch("the PV product's free dims are not the query dims")
+        raise NoMatch("the PV product's free dims are not the query dims", eqn=pv)
     vfree = [d for d in range(len(shape(v))) if d not in vc and d not in vb]
     if len(vfree) != 1:
-        raise NoMatch(f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)")
+        raise NoMatch(f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)",
+                      eqn=pv)
+    pv_roles = [("d", pdims[pi]) for pi in pb]
+    p_free_dims = [d for d in range(len(pdims)) if d not in pc and d not in pb]
+    free_roles = [("d", pdims[d]) for d in p_free_dims]
+    pv_roles += (free_roles + [("dv",)]) if p_is_lhs else ([("dv",)] + free_roles)
+    anchor = pv
+    if sm.deferred is not None:
+        anchor, norm_eqns, pv_roles = _deferred_division(g, pv, pv_roles, sm.deferred.z, t_dims, sm.axis)
+        explained.update(id(e) for e in (*norm_eqns, anchor))
 
     scale, softcap, biases, masks = _algebra(g, annotated, t_dtype)
 
@@ -443,7 +468,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
             raise NoMatch("a post-softmax mask differs from the pre-softmax mask (dropout, or no renormalisation)")
 
     # ---- escape rule: every equation between the two products is explained and private
-    _check_internal(g, dot, pv, cur, explained)
+    _check_internal(g, dot, anchor, [cur] if anchor is pv else anchor.invars, explained)
 
     # ---- canonical layout
     t_out = max(qfree_out, key=lambda d: (shape(dot.outvars[0])[d], -d))
@@ -466,16 +491,21 @@ def match_at(g: Graph, exp_eqn) -> Match:
     # PV output roles -> canonical unflattened output [rest..., T, H?, G..., Dv]
     canon_out = [("d", i) for i in rest] + [("d", t_out)] + ([("d", h_idx)] if nh else []) + \
                 [("d", d) for d in g_out] + [("dv",)]
-    pv_roles = [("d", pdims[pi]) for pi in pb]
-    p_free_dims = [d for d in range(len(pdims)) if d not in pc and d not in pb]
-    free_roles = [("d", pdims[d]) for d in p_free_dims]
-    pv_roles += (free_roles + [("dv",)]) if p_is_lhs else ([("dv",)] + free_roles)
     out_perm = tuple(canon_out.index(r) for r in pv_roles)
 
     # ---- scale factors folded into q or k
     q_src, fq, q_eqns = _peel_scale(g, q)
     k_src, fk, k_eqns = _peel_scale(g, k)
     scale *= fq * fk
+
+    # ---- K/V repeated over heads (jnp.repeat, broadcast_to + reshape): pass the un-repeated K/V
+    sizes["Hkv"] = sizes["H"]
+    if nh:
+        fold_k = fold_repeat(g, k_src, k_order, nr + 1, scales=True)
+        fold_v = fold_repeat(g, v, v_order, nr + 1)
+        if fold_k and fold_v and fold_k[2] == fold_v[2]:
+            (k_src, k_order, sizes["Hkv"], factor), (v, v_order, _, _) = fold_k, fold_v
+            scale *= factor
 
     # ---- positional masks from constants (iota comparisons, tril, constant arrays)
     causal, window, align, pos_empty, masks = positional.extract(g, masks, canon_dims, out_sh, groups)
@@ -494,17 +524,19 @@ def match_at(g: Graph, exp_eqn) -> Match:
         "layout": _layout(q_src, q_order, nr, nh, len(g_out), "T") + "," +
                   _layout(k_src, k_order, nr, nh, 0, "S") + "->" + _out_layout(pv_roles, canon_out, nr, nh),
         "scale": scale, "softcap": softcap,
-        "mask": _mask_kind(causal, window, align, masks, biases, zero_preds, g),
+        "mask": _mask_kind(causal, window, align, masks, biases, zero_preds, g, canon_dims, groups),
         "dtypes": "/".join(sorted({str(x.aval.dtype) for x in (q, k, v)})),
         "softmax_dtype": str(t_dtype),
-        "gqa": int(np.prod(sizes["G"])) if sizes["G"] else 1,
+        "gqa": (sizes["H"] or 1) * math.prod(sizes["G"]) // (sizes["Hkv"] or 1),
         "empty_rows": empty or "-",
         "_eqns": list(sm.eqns),
     }
-    return Match(anchor=pv, q=q_src, k=k_src, v=v, q_order=q_order, k_order=k_order, v_order=v_order,
+    if sm.deferred is not None:
+        info["normalized"] = "after PV"
+    return Match(anchor=anchor, q=q_src, k=k_src, v=v, q_order=q_order, k_order=k_order, v_order=v_order,
                  sizes=sizes, out_perm=out_perm, canon_dims=canon_dims, groups=groups, scale=float(scale),
                  softcap=softcap, biases=biases, masks=masks, causal=causal, window=window, align=align,
-                 empty=empty, dtype=dtype.name, out_dtype=np.dtype(pv.outvars[0].aval.dtype), info=info)
+                 empty=empty, dtype=dtype.name, out_dtype=np.dtype(anchor.outvars[0].aval.dtype), info=info)
 
 
 def _other(eqn, x):
@@ -525,15 +557,16 @@ def _unit_product(g: Graph, u, p, pdims):
     """
     (_, _), (lb, rb) = u.params["dimension_numbers"]
     if u.invars[0] is u.invars[1]:
-        raise NoMatch("the probabilities are multiplied by themselves")
+        raise NoMatch("the probabilities are multiplied by themselves", eqn=u)
     p_is_lhs = u.invars[0] is p
     other = _other(u, p)
     pb, ob = (lb, rb) if p_is_lhs else (rb, lb)
     if len(ob) != len(shape(other)):
-        raise NoMatch("the probabilities are multiplied by a tensor in an outer product (no PV contraction)")
+        raise NoMatch("the probabilities are multiplied by a tensor in an outer product (no PV contraction)",
+                      eqn=u)
     if not _all_ones(g, other):
         raise NoMatch("the probabilities are multiplied by a per-head or per-row tensor (e.g. a head mask) "
-                      "that is not all ones")
+                      "that is not all ones", eqn=u)
     return [pdims[i] for i in pb] + [pdims[d] for d in range(len(pdims)) if d not in pb]
 
 
@@ -557,8 +590,66 @@ def _peel_scale(g: Graph, v):
     return v, factor, eqns
 
 
-def _check_internal(g: Graph, dot, pv, p_operand, explained):
-    i0, i1 = g.index[id(dot)], g.index[id(pv)]
+def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
+    """``pv`` of an unnormalized exp must be divided by its row sum ``z``: ``(div eqn, eqns, roles)``.
+
+    Transposes and casts of the product may come first; ``roles`` are the division output's dim roles.
+
+    Accepted: ``pv / bcast(z)``, ``pv * bcast(1 / z)`` and ``pv * bcast(z ** -1)``, where each element
+    of the product is divided by the sum of the row (batch and query indices) it came from.
+    """
+    from flashport.rewriter.jaxpr.softmax import reciprocal_of
+
+    o, roles, eqns = pv.outvars[0], list(pv_roles), []
+    while True:
+        users = g.users.get(o, ())
+        if o in g.outvars or len(users) != 1:
+            raise NoMatch("softmax normalized after the PV product, but the unnormalized product has other "
+                          "users", eqn=u)
+        u = users[0]
+        name = u.primitive.name
+        if name == "transpose":
+            roles = [roles[p] for p in u.params["permutation"]]
+        elif name not in ("convert_element_type", "copy", "copy_p"):
+            break
+        eqns.append(u)
+        o = u.outvars[0]
+    if name not in ("div", "mul") or (name == "div" and u.invars[0] is not o) or u.invars[0] is u.invars[1]:
+        raise NoMatch(f"the PV product of the unnormalized exp is followed by `{name}`, not a division by "
+                      "the softmax sum", eqn=u)
+    if shape(u.outvars[0]) != shape(o):
+        raise NoMatch("the division after the PV product broadcasts the product", eqn=u)
+    other = _other(u, o)
+    src, dims, more = peel_broadcast(g, other, operand_dims(other, shape(o)))
+    eqns += more
+    if name == "mul":
+        r = reciprocal_of(g, src)
+        if r is None:
+            raise NoMatch("the PV product of the unnormalized exp is multiplied by something other than "
+                          "the reciprocal of the softmax sum", eqn=u)
+        src, dims2, more = peel_broadcast(g, r[0])
+        dims = [None if d is None else dims2[d] for d in dims]
+        eqns += [r[1], *more]
+    if src is not z:
+        raise NoMatch("the PV product of the unnormalized exp is divided by something other than the "
+                      "sum of that exp", eqn=u)
+    zdims = [d for i, d in enumerate(t_dims) if i != axis]
+    for i, role in enumerate(roles):
+        if role == ("dv",):
+            ok = dims[i] is None
+        elif dims[i] is None:
+            ok = shape(o)[i] == 1
+        else:
+            ok = zdims[dims[i]] == role[1]
+        if not ok:
+            raise NoMatch("the PV product is divided by the softmax sum of other rows (misaligned axes)",
+                          eqn=u)
+    return u, eqns, roles
+
+
+def _check_internal(g: Graph, dot, end, start, explained):
+    """Escape rule: everything between ``dot`` and ``end`` that ``start`` needs is explained and private."""
+    i0, i1 = g.index[id(dot)], g.index[id(end)]
     eqns = g.jaxpr.eqns
     reached = {dot.outvars[0]}
     fwd = set()
@@ -566,22 +657,23 @@ def _check_internal(g: Graph, dot, pv, p_operand, explained):
         if any(x in reached for x in e.invars if not hasattr(x, "val")):
             reached.update(e.outvars)
             fwd.add(id(e))
-    need = {p_operand}
+    need = {x for x in start if not hasattr(x, "val")}
     internal = []
     for e in reversed(eqns[i0 + 1:i1]):
         if any(o in need for o in e.outvars):
             need.update(x for x in e.invars if not hasattr(x, "val"))
             if id(e) in fwd:
                 internal.append(e)
-    inside = {id(e) for e in internal} | {id(pv)}
+    inside = {id(e) for e in internal} | {id(end)}
     known = {g.key(o) for e in eqns[i0:i1 + 1] if id(e) in explained for o in e.outvars}
     for e in [dot, *internal]:
         if id(e) not in explained and not all(g.key(o) in known for o in e.outvars):
-            raise NoMatch(f"`{e.primitive.name}` between the QK and PV products is not part of the pattern")
+            raise NoMatch(f"`{e.primitive.name}` between the QK and PV products is not part of the pattern",
+                          eqn=e)
         for o in e.outvars:
             if o in g.outvars or any(id(u) not in inside for u in g.users.get(o, ())):
                 what = "scores" if e is dot else f"`{e.primitive.name}` output"
-                raise NoMatch(f"the {what} inside the attention are also used elsewhere (escape)")
+                raise NoMatch(f"the {what} inside the attention are also used elsewhere (escape)", eqn=e)
 
 
 def _empty_semantics(masks, zero_preds, pos_empty):
@@ -611,7 +703,7 @@ def _out_layout(pv_roles, canon_out, nr, nh):
     return "".join(letters[canon_out.index(r)] for r in pv_roles)
 
 
-def _mask_kind(causal, window, align, masks, biases, zero_preds, g):
+def _mask_kind(causal, window, align, masks, biases, zero_preds, g, canon_dims, groups):
     parts = []
     if causal:
         parts.append(f"causal({align})")
@@ -619,6 +711,8 @@ def _mask_kind(causal, window, align, masks, biases, zero_preds, g):
         parts.append(f"window{tuple(window)}({align})")
     for m in masks:
         kind = "segment-eq" if _is_segment(g, m.var) else "bool mask"
+        if is_key_padding(m.dmap, canon_dims, groups):
+            kind = "key-padding mask (as kv segment ids)"
         parts.append(f"{kind}{list(shape(m.var))} fill={m.fill:g}")
     for b in biases:
         parts.append(f"bias{list(shape(b.var))}")

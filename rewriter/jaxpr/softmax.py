@@ -4,7 +4,10 @@ Accepted forms (those ``jax.nn.softmax``, its custom_jvp body, hand-written code
 
 * ``exp(t - max(t))`` normalized by ``/ sum`` or ``* (1 / sum)`` of the same exp, with casts around the
   sum (bf16 softmax) and ``where(m, ·, 0)`` zero-masks (``softmax(where=)``);
-* ``exp(t - logsumexp(t))`` and ``exp(log_softmax(t))``.
+* ``exp(t - logsumexp(t))`` and ``exp(log_softmax(t))``;
+* normalization deferred past the P·V product, ``(exp(t - max) @ v) / sum(exp(t - max))``: the
+  softmax is then the unnormalized exp and :attr:`Softmax.deferred` holds the row sum; the caller
+  (:mod:`.patterns`) checks that the product is divided by exactly that sum.
 
 The max may be taken on a transposed copy of ``t`` (jax.nn.dot_product_attention); axes are compared
 on the common untransposed source.
@@ -21,7 +24,15 @@ from flashport.rewriter.jaxpr.graph import Graph
 
 
 class NoMatch(Exception):
-    """A candidate that is not (safely) attention; the message is the near-miss reason."""
+    """A candidate that is not (safely) attention; the message is the near-miss reason.
+
+    ``eqn``, when given, is the equation where the failed property was observed (reported with its
+    source location).
+    """
+
+    def __init__(self, reason: str, *, eqn=None):
+        super().__init__(reason)
+        self.eqn = eqn
 
 
 @dataclasses.dataclass
@@ -33,6 +44,15 @@ class Softmax:
     p: object
     eqns: list
     zero_preds: list  # (pred var, keep_when_true) of where(m, ·, 0) zero-masks inside the softmax
+    deferred: "Deferred | None" = None  # set when ``p`` is the unnormalized exp (divided after P·V)
+
+
+@dataclasses.dataclass
+class Deferred:
+    """The row sum ``z = sum(exp, axis)`` of a softmax normalized after the P·V product."""
+
+    z: object  # the reduce_sum output
+    eqns: list  # the sum and the casts from the exp to it
 
 
 def match_softmax(g: Graph, exp_eqn) -> Softmax:
@@ -41,7 +61,7 @@ def match_softmax(g: Graph, exp_eqn) -> Softmax:
     ex = exp_eqn.outvars[0]
     sub = g.prod(x)
     if sub is None or sub.primitive.name != "sub":
-        raise NoMatch("the exp input is not `scores - row max` (no max subtraction)")
+        raise NoMatch("the exp input is not `scores - row max` (no max subtraction)", eqn=exp_eqn)
     a, b = sub.invars
     src, dims, peqns = peel_broadcast(g, b, operand_dims(b, shape(x)))
     reduced = [i for i, d in enumerate(dims) if d is None]
@@ -66,9 +86,38 @@ def match_softmax(g: Graph, exp_eqn) -> Softmax:
     eqns += meqns
     if not _same_axis(g, red.invars[0], red.params["axes"], a, axis):
         raise NoMatch("the max is not taken over the same tensor and axis as the subtraction")
-    p, neqns, zero_preds = _normalizer(g, ex, axis)
+    try:
+        p, neqns, zero_preds = _normalizer(g, ex, axis)
+    except NoMatch:
+        deferred = _deferred_sum(g, ex, axis)
+        if deferred is None:
+            raise
+        return Softmax(t=a, axis=axis, p=ex, eqns=eqns, zero_preds=[], deferred=deferred)
     eqns += neqns
     return Softmax(t=a, axis=axis, p=p, eqns=eqns, zero_preds=zero_preds)
+
+
+def _deferred_sum(g: Graph, ex, axis):
+    """The row sum of ``ex`` over ``axis`` (through casts only) when nothing normalizes ``ex`` itself."""
+    for v, (eqns, preds) in _derived(g, ex).items():
+        if preds:
+            continue
+        for u in g.users.get(v, ()):
+            if u.primitive.name == "reduce_sum" and tuple(u.params["axes"]) == (axis,):
+                return Deferred(z=u.outvars[0], eqns=[*eqns, u])
+    return None
+
+
+def reciprocal_of(g: Graph, v):
+    """If ``v`` is ``1 / w`` (``div(1, w)`` or ``integer_pow(w, -1)``), return ``(w, eqn)``, else None."""
+    e = g.prod(v)
+    if e is None:
+        return None
+    if e.primitive.name == "div" and g.scalar(e.invars[0]) == 1.0:
+        return e.invars[1], e
+    if e.primitive.name == "integer_pow" and e.params.get("y") == -1:
+        return e.invars[0], e
+    return None
 
 
 def _same_axis(g: Graph, y, axes, a, axis) -> bool:
@@ -204,11 +253,11 @@ def _normalizer(g: Graph, ex, axis):
                 continue
             recip = []
             if name == "mul":  # e * (1 / z)
-                de = g.prod(src)
-                if de is None or de.primitive.name != "div" or g.scalar(de.invars[0]) != 1.0:
+                r = reciprocal_of(g, src)
+                if r is None:
                     continue
-                recip = [de]
-                src, _, more = peel_broadcast(g, de.invars[1])
+                recip = [r[1]]
+                src, _, more = peel_broadcast(g, r[0])
                 recip += more
             rs = g.prod(src)
             if rs is None or rs.primitive.name != "reduce_sum" or tuple(rs.params["axes"]) != (axis,):
