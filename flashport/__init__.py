@@ -3,6 +3,7 @@
 Public API (imported lazily, so ``import flashport`` and the CLI never pay for importing jax):
 
 * :func:`flashport.attention` -- the portable attention contract (``flashport.kernels.api``).
+* :func:`flashport.attention_backward` -- its gradients from the forward's ``out`` and ``lse``.
 * :func:`flashport.backends` -- which backends exist here and what each supports.
 * :func:`flashport.fuse_attention` / :func:`flashport.find_attention` -- the jaxpr pass.
 * ``flashport.torch.attention`` -- the PyTorch adapter (imports torch only when used).
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 # name -> "module:attribute"; resolved on first access (PEP 562).
 _LAZY = {
     "attention": "flashport.kernels.api:attention",
+    "attention_backward": "flashport.kernels.backward:attention_backward",
     "backends": "flashport.kernels.registry:backends",
     "BackendInfo": "flashport.kernels.registry:BackendInfo",
     "fuse_attention": "flashport.rewriter.jaxpr.fuse:fuse_attention",
