@@ -125,7 +125,12 @@ def torch_xla_runner() -> CallJaxRunner:
         ) from err
 
     def call(fn, args, kwargs):
-        return xla_builder.call_jax(fn, args, kwargs, name="flashport_attention")
+        # torch_xla 2.9 caches one traced computation per input signature but keeps a single output
+        # tree per function (the last traced), so a backward without bias (dbias None) after one with
+        # a bias would unflatten 3 outputs into 4 slots. Keying the cache on which arguments are None
+        # gives each output structure its own entry.
+        key = (fn.__module__, fn.__qualname__, tuple(a is None for a in args))
+        return xla_builder.call_jax(fn, args, kwargs, name="flashport_attention", override_hash=key)
 
     return CallJaxRunner("torch_xla", call)
 
