@@ -220,8 +220,8 @@ def test_xformers_memory_efficient_attention(route):
 
 
 def test_rewritten_sdpa_example_model(route, tmp_path):
-    """examples/torch_sdpa_model.py after `flashport rewrite --write`, run on the route: outputs and
-    parameter gradients against the float64 reference of the original SDPA semantics."""
+    """examples/torch_sdpa_model.py after `flashport rewrite --write`, run on the route: outputs (and,
+    on torch_xla, parameter gradients) against the float64 reference of the original SDPA semantics."""
     import importlib.util
     import shutil
 
@@ -246,6 +246,12 @@ def test_rewritten_sdpa_example_model(route, tmp_path):
     h = x.double() + sdpa_self(P, x.double(), m)
     want = h + sdpa_cross(P, h, memory.double(), keep, bias, m)
     _close(route.numpy(y), want.detach().numpy(), "model out", atol=2e-5)
+    if route.name == "torchax":
+        # torchax runs nn.functional.linear & co. in JAX below torch autograd (its models train
+        # through jax.grad), so parameter gradients need torch_xla; attention's own gradients on
+        # torchax are checked by the tests above.
+        assert not y.requires_grad
+        return
     y.square().mean().backward()
     want.square().mean().backward()
     for name, p in block.named_parameters():
