@@ -5,6 +5,7 @@ Public API (imported lazily, so ``import flashport`` and the CLI never pay for i
 * :func:`flashport.attention` -- the portable attention contract (``flashport.kernels.api``).
 * :func:`flashport.ring_attention` -- the contract with the sequence sharded over a mesh axis
   (``flashport.kernels.ring``); :mod:`flashport.seq_layout` lays sequences out for it (zigzag).
+* :func:`flashport.attention_backward` -- its gradients from the forward's ``out`` and ``lse``.
 * :func:`flashport.backends` -- which backends exist here and what each supports.
 * :func:`flashport.fuse_attention` / :func:`flashport.find_attention` -- the jaxpr pass.
 * :func:`flashport.varlen_attention` -- flash-attn's packed variable-length convention, for JAX
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 # name -> "module:attribute"; resolved on first access (PEP 562).
 _LAZY = {
     "attention": "flashport.kernels.api:attention",
+    "attention_backward": "flashport.kernels.backward:attention_backward",
     "backends": "flashport.kernels.registry:backends",
     "BackendInfo": "flashport.kernels.registry:BackendInfo",
     "fuse_attention": "flashport.rewriter.jaxpr.fuse:fuse_attention",

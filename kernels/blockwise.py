@@ -46,6 +46,19 @@ def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: Atten
     return _attention(tiling, q, k, v, bias, mask, q_seg, kv_seg, seed)
 
 
+def blockwise_attention_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *,
+                                 spec: AttentionSpec, options):
+    """The residual backward (the ``custom_vjp`` backward: dQ pass, dK/dV pass) from ``out`` and
+    ``lse``; returns ``(dq, dk, dv, dbias)`` without running the forward again."""
+    unknown = set(options) - {"block_q", "block_k"}
+    if unknown:
+        raise ValueError(f"backend 'blockwise' takes options block_q, block_k; got unknown {sorted(unknown)}")
+    block_q = _block(options.get("block_q", DEFAULT_BLOCK_Q), spec.seq_q, "block_q")
+    block_k = _block(options.get("block_k", DEFAULT_BLOCK_K), spec.seq_k, "block_k")
+    residuals = (q, k, v, bias, mask, q_seg, kv_seg, out.astype(q.dtype), lse)
+    return _backward(_Tiling(spec, block_q, block_k), residuals, (d_out.astype(q.dtype), d_lse))[:4]
+
+
 def _block(value, seq, name):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"blockwise option {name} must be a positive int, got {value!r}")
@@ -343,5 +356,6 @@ registry.register(
         features=frozenset(FEATURES),
         fn=blockwise_attention,
         prefer=_prefer,
+        backward=blockwise_attention_backward,
     )
 )

@@ -51,6 +51,11 @@ class BackendInfo:
       is_available: optional ``() -> bool``; whether it can run on this machine right now.
       prefer: optional ``prefer(call) -> str | None``; for ``auto`` only: a reason to pass this
         backend over for a call it could run (e.g. the blockwise path is slower for short sequences).
+      backward: optional residual backward ``backward(q, k, v, bias, mask, q_segment_ids,
+        kv_segment_ids, seed, out, lse, d_out, d_lse, *, spec, options) -> (dq, dk, dv, dbias)``
+        over canonical arrays: the gradients from the forward's ``out`` and ``lse`` without running
+        the forward again (:func:`flashport.kernels.backward.attention_backward`; without one, that
+        recomputes the forward under ``jax.vjp``).
     """
 
     name: str
@@ -61,6 +66,7 @@ class BackendInfo:
     check: Callable[[Any], str | None] | None = None
     is_available: Callable[[], bool] | None = None
     prefer: Callable[[Any], str | None] | None = None
+    backward: Callable[..., Any] | None = None
 
     @property
     def available(self) -> bool:

@@ -46,6 +46,45 @@ def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options):
     return out.reshape(b, hq, sq, v.shape[-1]).astype(q.dtype), lse.reshape(b, hq, sq)
 
 
+def xla_attention_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec, options):
+    """The residual backward of :func:`xla_attention`: ``(dq, dk, dv, dbias)`` from ``out`` and ``lse``.
+
+    Recomputes the scores Q·Kᵀ (every flash backward does) and P = exp(logits - lse); the softmax
+    normalizer and the output P·V are not recomputed. With D = dL/dlogits = P * (dP - delta) and
+    delta = rowsum(dO * O) - dlse, the four gradient products are dV = P_dropᵀ·dO, dP = dO·Vᵀ and the
+    pull-back of D through the score function (dQ = D·K, dK = Dᵀ·Q, plus softcap, scale and bias).
+    """
+    if options:
+        raise ValueError(f"backend 'xla' takes no options, got {sorted(options)}")
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+
+    def logits_of(q, k, bias):
+        logits, _, _ = tile_logits(spec, group_heads(q, hkv), k, jnp.arange(sq), jnp.arange(sk),
+                                   group_broadcastable(bias, hkv), group_broadcastable(mask, hkv), q_seg, kv_seg)
+        return logits
+
+    logits, pull_back = jax.vjp(logits_of, q, k, bias)
+    lse_g = group_heads(lse[..., None], hkv)
+    seen = lse_g > -jnp.inf  # rows that see at least one key
+    p = jnp.where(seen, jnp.exp(logits - jnp.where(seen, lse_g, 0.0)), 0.0)
+    d_out_g = group_heads(d_out, hkv).astype(jnp.float32)
+    delta = jnp.sum(d_out_g * group_heads(out, hkv).astype(jnp.float32), axis=-1, keepdims=True)
+    delta = delta - group_heads(d_lse[..., None], hkv)
+    keep = None
+    if spec.dropout_rate > 0:
+        t_bh = dropout.grouped_head_seeds(seed, b, hkv, hq // hkv)[..., None, None]
+        keep = dropout.keep_mask(spec.dropout_rate, t_bh, jnp.arange(sq)[:, None], jnp.arange(sk))
+    p_kept = p if keep is None else dropout.apply(p, keep, spec.dropout_rate)
+    prec = matmul_precision(q.dtype)
+    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p_kept, d_out_g, precision=prec)
+    dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out_g, v.astype(jnp.float32), precision=prec)
+    if keep is not None:
+        dp = dropout.apply(dp, keep, spec.dropout_rate)
+    dq, dk, dbias = pull_back(jnp.where(seen, p * (dp - delta), 0.0))
+    return dq, dk, dv.astype(v.dtype), dbias
+
+
 registry.register(
     registry.BackendInfo(
         name="xla",
@@ -53,5 +92,6 @@ registry.register(
         platforms=("cpu", "cuda", "rocm", "tpu"),
         features=frozenset(FEATURES),
         fn=xla_attention,
+        backward=xla_attention_backward,
     )
 )

@@ -50,8 +50,9 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align
 def reference_attention_vjp(q, k, v, d_out, *, scale=None, causal=False, window=None,
                             align="bottom_right", softcap=None, bias=None, mask=None,
                             q_segment_ids=None, kv_segment_ids=None, layout="BSHD", dropout_rate=0.0,
-                            dropout_seed=None):
-    """float64 gradients (dq, dk, dv, dbias_full) of ``sum(out * d_out)``, derived by hand.
+                            dropout_seed=None, d_lse=None):
+    """float64 gradients (dq, dk, dv, dbias_full) of ``sum(out * d_out)`` (plus ``sum(lse * d_lse)``
+    when ``d_lse`` [B, Hq, Sq] is given), derived by hand.
 
     The textbook attention backward (dP = dO·Vᵀ, dS = P∘(dP − rowsum(dO∘O)), chain through softcap
     and scale); rows with no visible key get zero gradients. ``dbias_full`` is [B, Hq, Sq, Sk]; sum
@@ -84,6 +85,8 @@ def reference_attention_vjp(q, k, v, d_out, *, scale=None, causal=False, window=
     dv = np.einsum("bhqk,bhqd->bhkd", p * drop, d_out)
     dp = np.einsum("bhqd,bhkd->bhqk", d_out, vr) * drop
     delta = np.sum(d_out * out, axis=-1, keepdims=True)
+    if d_lse is not None:  # d lse / d logits = P: the lse cotangent shifts delta
+        delta = delta - np.where(finite, np.asarray(d_lse, np.float64)[..., None], 0.0)
     ds = p * (dp - delta)  # gradient w.r.t. the post-softcap, post-bias logits
     dbias = ds.copy()
     if softcap is not None:

@@ -511,8 +511,9 @@ def fake_torch_xla(monkeypatch):
     call_jax = _fake_call_jax(log)
     builder = types.ModuleType("torch_xla.core.xla_builder")
 
-    def xla_call_jax(fn, args, kwargs=None, name=None):
+    def xla_call_jax(fn, args, kwargs=None, name=None, override_hash=None):
         assert name == "flashport_attention"
+        assert override_hash == (fn.__module__, fn.__qualname__, tuple(a is None for a in args))
         return call_jax(fn, args, kwargs or {})
 
     builder.call_jax = xla_call_jax
@@ -522,6 +523,11 @@ def fake_torch_xla(monkeypatch):
     root.core = core
     for name, module in (("torch_xla", root), ("torch_xla.core", core), ("torch_xla.core.xla_builder", builder)):
         monkeypatch.setitem(sys.modules, name, module)
+    # torch_xla's call_jax imports torchax (the runner checks that it is importable).
+    torchax, interop = types.ModuleType("torchax"), types.ModuleType("torchax.interop")
+    torchax.interop = interop
+    monkeypatch.setitem(sys.modules, "torchax", torchax)
+    monkeypatch.setitem(sys.modules, "torchax.interop", interop)
     monkeypatch.setattr(ft, "device_kind", lambda t: "xla")
     return log
 
@@ -556,7 +562,17 @@ def test_bridges_stage_forward_and_vjp(bridge, request):
     assert log[0][2] == static and log[1][2] == static
     assert log[0][1] == [x[n].shape for n in ("query", "key", "value", "bias", "mask", "q_segment_ids",
                                                "kv_segment_ids")]
-    assert log[1][1] == log[0][1] + [out.shape, lse.shape]  # cotangents of out and lse
+    # the residuals out and lse, then the cotangents of out and lse: the backward reuses the forward's.
+    assert log[1][1] == log[0][1] + [out.shape, lse.shape, out.shape, lse.shape]
+
+
+def test_torch_xla_without_torchax_names_the_missing_package(fake_torch_xla, monkeypatch):
+    """torch_xla's call_jax needs torchax; without it torch_xla's own error is a bare AssertionError."""
+    monkeypatch.setitem(sys.modules, "torchax", None)  # makes `import torchax` raise ImportError
+    monkeypatch.setitem(sys.modules, "torchax.interop", None)
+    q = torch.ones(1, 4, 2, 8)
+    with pytest.raises(ImportError, match=r"needs the torchax package \(pip install torchax"):
+        ft.attention(q, q, q)
 
 
 def test_device_kind():

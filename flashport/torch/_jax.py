@@ -6,7 +6,9 @@ A *runner* moves arrays between torch and JAX for one kind of device:
   ways for contiguous tensors; the forward keeps its ``jax.vjp`` closure for the backward.
 * :class:`CallJaxRunner` (torch_xla via ``torch_xla.core.xla_builder.call_jax``, torchax via
   ``torchax.interop.call_jax``): the bridge stages :func:`jax_forward` / :func:`jax_backward` into the
-  torch program, so the backward recomputes the forward inside one JAX VJP.
+  torch program. A bridge cannot carry a JAX VJP closure from the forward to the backward, so the
+  backward is :func:`flashport.attention_backward` on the forward's residuals (inputs, ``out``,
+  ``lse``): the backend's own flash backward, no recomputed forward.
 
 :class:`JaxAttention` is the ``torch.autograd.Function`` both share; both ``out`` and ``lse`` are
 differentiable (ring / context-parallel code merges partial results through lse). Nothing here imports jax at
@@ -38,17 +40,20 @@ def jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed=None, **static):
                      return_lse=True, **static)
 
 
-def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, d_out, d_lse, **static):
+def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, **static):
     """``(dq, dk, dv, dbias)`` for the cotangents ``(d_out, d_lse)`` of :func:`jax_forward`'s
-    ``(out, lse)`` (dbias is None without a bias); recomputes the forward under ``jax.vjp`` with the
-    forward's dropout ``seed`` (the same mask)."""
-    import jax
+    ``(out, lse)`` (dbias is None without a bias), from the forward's residuals ``out`` and ``lse``
+    through :func:`flashport.attention_backward` (the chosen backend's residual backward; the
+    forward is not run again). ``seed`` is the forward's dropout seed (the same mask) or None."""
+    from flashport.kernels.backward import attention_backward
 
-    def out_and_lse(q, k, v, bias):
-        return jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed, **static)
+    if seed is not None:
+        import jax
+        import jax.numpy as jnp
 
-    _, vjp = jax.vjp(out_and_lse, q, k, v, bias)
-    return vjp((d_out, d_lse))
+        static = dict(static, dropout_rng=jax.lax.bitcast_convert_type(seed, jnp.uint32))
+    return attention_backward(q, k, v, out, lse, d_out, d_lse, bias=bias, mask=mask, q_segment_ids=q_seg,
+                              kv_segment_ids=kv_seg, **static)
 
 
 def _out_and_lse(q, k, v, bias, mask, q_seg, kv_seg, seed, static):
@@ -90,7 +95,7 @@ class DLPackRunner:
         return to_torch(out), to_torch(lse), vjp
 
     def backward(self, state, saved, d_out, d_lse, static):
-        """``(dq, dk, dv, dbias)`` from the forward's VJP closure."""
+        """``(dq, dk, dv, dbias)`` from the forward's VJP closure (``saved`` is unused)."""
         return tuple(to_torch(g) for g in state((to_jax(d_out), to_jax(d_lse))))
 
 
@@ -108,17 +113,36 @@ class CallJaxRunner:
         return out, lse, None
 
     def backward(self, state, saved, d_out, d_lse, static):
-        """``(dq, dk, dv, dbias)`` by staging :func:`jax_backward` through the bridge."""
+        """``(dq, dk, dv, dbias)`` by staging :func:`jax_backward` through the bridge; ``saved`` is
+        the forward's inputs followed by its ``out`` and ``lse`` (the residuals)."""
         cotangents = (d_out.contiguous(), d_lse.contiguous())
         return tuple(self.call(jax_backward, (*saved, *cotangents), dict(static)))
 
 
 def torch_xla_runner() -> CallJaxRunner:
-    """The runner for torch_xla tensors (PyTorch on TPU): ``torch_xla.core.xla_builder.call_jax``."""
+    """The runner for torch_xla tensors (PyTorch on TPU): ``torch_xla.core.xla_builder.call_jax``.
+
+    Raises:
+      ImportError when torchax cannot be imported: torch_xla's ``call_jax`` needs it (without it,
+      torch_xla raises a bare ``AssertionError: Jax is required for this feature``).
+    """
     from torch_xla.core import xla_builder
 
+    try:
+        import torchax.interop  # noqa: F401  (call_jax converts dtypes and arrays through torchax)
+    except ImportError as err:
+        raise ImportError(
+            "flashport.torch.attention on torch_xla tensors runs through torch_xla's call_jax, which needs "
+            f"the torchax package (pip install torchax; tested: torch_xla 2.9.0 + torchax 0.0.13): {err}"
+        ) from err
+
     def call(fn, args, kwargs):
-        return xla_builder.call_jax(fn, args, kwargs, name="flashport_attention")
+        # torch_xla 2.9 caches one traced computation per input signature but keeps a single output
+        # tree per function (the last traced), so a backward without bias (dbias None) after one with
+        # a bias would unflatten 3 outputs into 4 slots. Keying the cache on which arguments are None
+        # gives each output structure its own entry.
+        key = (fn.__module__, fn.__qualname__, tuple(a is None for a in args))
+        return xla_builder.call_jax(fn, args, kwargs, name="flashport_attention", override_hash=key)
 
     return CallJaxRunner("torch_xla", call)
 
@@ -146,13 +170,13 @@ class JaxAttention(torch.autograd.Function):
         if need_grad:
             # Saving inputs and out (which JAX's residuals may alias) makes torch reject in-place
             # changes to them between forward and backward instead of silently using new values.
-            ctx.save_for_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out)
+            ctx.save_for_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         """Gradients for query, key, value and bias from the JAX VJP of ``out`` and ``lse``."""
         # torch materializes an unused output's cotangent as zeros, so both are tensors here.
-        *saved, _ = ctx.saved_tensors
-        dq, dk, dv, dbias = ctx.runner.backward(ctx.state, tuple(saved), d_out, d_lse, ctx.static)
+        # saved: the forward's inputs (seed included), then its residuals out and lse.
+        dq, dk, dv, dbias = ctx.runner.backward(ctx.state, tuple(ctx.saved_tensors), d_out, d_lse, ctx.static)
         return None, None, None, dq, dk, dv, dbias, None, None, None, None

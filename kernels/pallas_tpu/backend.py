@@ -219,11 +219,24 @@ def _make_backend_fn(name: str, interpret: bool):
         return _attention(Config(spec, blocks, interpret, generation), q, k, v, bias, mask, q_seg, kv_seg,
                           head_seeds)
 
+    def backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec,
+                 options):
+        generation, blocks = resolve_blocks(dict(options), name)
+        cfg = Config(spec, blocks, interpret, generation)
+        residuals = (q, k, v, bias, mask, q_seg, kv_seg, out.astype(q.dtype), lse)
+        return _attention_bwd(cfg, residuals, (d_out.astype(q.dtype), d_lse))[:4]
+
     fn.__name__ = f"{name}_attention"
     fn.__doc__ = (
         f"The ``{name}`` backend over the canonical arrays; returns ``(out, lse)``. Options are "
         "validated (with the fix named in the error) before anything is lowered."
     )
+    backward.__name__ = f"{name}_attention_backward"
+    backward.__doc__ = (
+        f"The ``{name}`` residual backward (the dK/dV and dQ kernels of its ``custom_vjp``) from the "
+        "forward's ``out`` and ``lse``; returns ``(dq, dk, dv, dbias)``."
+    )
+    fn.backward = backward
     return fn
 
 
@@ -251,6 +264,7 @@ registry.register(
         platforms=("tpu",),
         features=frozenset(FEATURES),
         fn=pallas_tpu_attention,
+        backward=pallas_tpu_attention.backward,
     )
 )
 registry.register(
@@ -261,5 +275,6 @@ registry.register(
         platforms=("cpu",),
         features=frozenset(FEATURES),
         fn=pallas_tpu_interpret_attention,
+        backward=pallas_tpu_interpret_attention.backward,
     )
 )
