@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashport.kernels import registry
+from flashport.kernels.pallas_gpu_bwd import dbias_layout, dkv_call, dq_call
 from flashport.kernels.pallas_gpu_fwd import forward_call
 from flashport.kernels.pallas_gpu_tile import MIN_BLOCK, Geometry, dropout_rows, next_power_of_two
 from flashport.kernels.spec import FEATURES, AttentionSpec
@@ -144,10 +145,44 @@ def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed):
     return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse)
 
 
-def _attention_bwd(cfg, residuals, cotangents):
-    from flashport.kernels.pallas_gpu_bwd import backward
+def _attention_bwd(cfg: Config, residuals, cotangents):
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse = residuals
+    d_out, d_lse = cotangents
+    g = cfg.geometry(backward=True)
+    group = q.shape[1] // k.shape[1]
+    # dlogits = P * (dP - delta) with delta = rowsum(dO * O) - dlse: the lse cotangent folds in.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    named = _operands(g, q, k, v, bias, mask, q_seg, kv_seg, seed)
+    named.update(
+        do=_pad_head(_pad(d_out.astype(q.dtype), 2, g.sqp)),
+        lse=_pad(jnp.where(jnp.isneginf(lse), 0.0, lse), 2, g.sqp),
+        delta=_pad(delta, 2, g.sqp),
+    )
+    tuning = dict(interpret=cfg.interpret, num_warps=cfg.warps(named["q"].shape[3]), num_stages=cfg.num_stages)
+    dk, dv = dkv_call(g, named, group=group, **tuning)
+    dq, dbias_tiles = dq_call(g, named, group=group, **tuning)
+    sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
+    dq, dk, dv = dq[:, :, :sq, :d], dk[:, :, :sk, :d], dv[:, :, :sk, : v.shape[3]]
+    dbias = None if bias is None else _reduce_dbias(dbias_tiles, bias.shape, sq, sk).astype(bias.dtype)
+    return dq, dk, dv, dbias, None, None, None, None
 
-    return backward(cfg, residuals, cotangents, operands=_operands)
+
+def _reduce_dbias(tiles, bias_shape, sq, sk):
+    """The dQ kernel's bias-gradient tiles (layout of :func:`dbias_layout`) -> the bias's own shape."""
+    layout = dbias_layout(bias_shape)
+    if layout == "full":
+        x = tiles[:, :, :sq, :sk]
+    elif layout == "keys":
+        x = jnp.sum(tiles, axis=2, keepdims=True)[..., :sk]
+    else:  # "rows": [B, Hq, sqp] row sums
+        x = tiles[:, :, :sq, None]
+        if bias_shape[2] == 1:
+            x = jnp.sum(x, axis=2, keepdims=True)
+    if bias_shape[0] == 1:
+        x = jnp.sum(x, axis=0, keepdims=True)
+    if bias_shape[1] == 1:
+        x = jnp.sum(x, axis=1, keepdims=True)
+    return x
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
