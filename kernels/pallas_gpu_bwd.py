@@ -61,16 +61,16 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
     lo, hi = key_block_bounds(g, i)
 
     if layout in ("full", "keys"):  # key blocks the loop never visits get a zero gradient
-        def zero(j, _):
+        def zero(j, carry):
             ks = pl.ds(j * g.bk, g.bk)
             if layout == "full":
                 r["dbias_out"][:, ks] = jnp.zeros((g.bq, g.bk), jnp.float32)
             else:
                 r["dbias_out"][ks] = jnp.zeros((g.bk,), jnp.float32)
-            return 0
+            return carry
 
-        jax.lax.fori_loop(0, lo, zero, 0)
-        jax.lax.fori_loop(hi, g.nk, zero, 0)
+        jax.lax.fori_loop(0, lo, zero, None)
+        jax.lax.fori_loop(hi, g.nk, zero, None)
 
     def body(j, carry):
         dq, db = carry
