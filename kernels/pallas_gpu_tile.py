@@ -17,7 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from flashport.kernels import dropout
 from flashport.kernels.spec import AttentionSpec, apply_softcap, positional_visible
@@ -109,7 +109,7 @@ def query_block_bounds(g: Geometry, j):
 def dot(a, b, *, trans_a=False, trans_b=False):
     """A float32-accumulating tile product; full float32 (no TF32) when the inputs are float32."""
     exact = a.dtype == jnp.float32 or b.dtype == jnp.float32
-    return pl.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
 
 
 def fmix(x):
