@@ -97,12 +97,22 @@ def resolve_options(options: dict, name: str) -> dict:
 
 
 def _pad(x, axis, size, value=0):
-    """Pad ``x`` along ``axis`` to ``size`` (a broadcast dim of size 1 stays 1)."""
-    if x is None or x.shape[axis] == 1 or x.shape[axis] == size:
+    """Pad ``x`` along ``axis`` to ``size``."""
+    if x is None or x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_broadcastable(x, sqp, skp):
+    """Pad a bias/mask [B|1, H|1, Sq|1, Sk|1] along its full sequence dims (broadcast dims stay 1)."""
+    if x is None:
+        return None
+    for axis, size in ((2, sqp), (3, skp)):
+        if x.shape[axis] > 1:
+            x = _pad(x, axis, size)
+    return x
 
 
 def _pad_head(x):
@@ -116,8 +126,8 @@ def _operands(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed):
         "q": _pad_head(_pad(q, 2, g.sqp)),
         "k": _pad_head(_pad(k, 2, g.skp)),
         "v": _pad_head(_pad(v, 2, g.skp)),
-        "bias": None if bias is None else _pad(_pad(bias, 2, g.sqp), 3, g.skp),
-        "mask": None if mask is None else _pad(_pad(mask.astype(jnp.int8), 2, g.sqp), 3, g.skp),
+        "bias": _pad_broadcastable(bias, g.sqp, g.skp),
+        "mask": None if mask is None else _pad_broadcastable(mask.astype(jnp.int8), g.sqp, g.skp),
         "q_seg": None if q_seg is None else _pad(q_seg, 1, g.sqp),
         "kv_seg": None if kv_seg is None else _pad(kv_seg, 1, g.skp),
         "rows": None if g.spec.dropout_rate == 0 else dropout_rows(seed, b, hq, g.sqp),
