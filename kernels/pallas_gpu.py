@@ -35,6 +35,7 @@ import numpy as np
 from flashport.kernels import registry
 from flashport.kernels.pallas_gpu_bwd import dbias_layout, dkv_call, dq_call
 from flashport.kernels.pallas_gpu_fwd import forward_call
+from flashport.kernels.pallas_gpu_platform import cuda_only
 from flashport.kernels.pallas_gpu_tile import MIN_BLOCK, Geometry, dropout_rows, next_power_of_two
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
@@ -134,11 +135,27 @@ def _operands(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed):
     }
 
 
+def _launch(cfg: Config, call, g: Geometry, named: dict, **kwargs):
+    """Run kernel builder ``call(g, named, interpret=..., **kwargs)``; for the real backend through
+    :func:`~flashport.kernels.pallas_gpu_platform.cuda_only` (Triton on CUDA, interpreter elsewhere)."""
+    names = [n for n, x in named.items() if x is not None]
+
+    def make(interpret):
+        def run(*arrays):
+            res = call(g, dict(zip(names, arrays)), interpret=interpret, **kwargs)
+            return tuple(x for x in res if x is not None)
+
+        return run
+
+    arrays = [named[n] for n in names]
+    return make(True)(*arrays) if cfg.interpret else cuda_only(make, *arrays)
+
+
 def _forward(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed):
     g = cfg.geometry(backward=False)
     named = _operands(g, q, k, v, bias, mask, q_seg, kv_seg, seed)
-    out, lse = forward_call(
-        g, named, group=q.shape[1] // k.shape[1], out_dtype=q.dtype, interpret=cfg.interpret,
+    out, lse = _launch(
+        cfg, forward_call, g, named, group=q.shape[1] // k.shape[1], out_dtype=q.dtype,
         num_warps=cfg.warps(named["q"].shape[3]), num_stages=cfg.num_stages,
     )
     sq, dv = q.shape[2], v.shape[3]
@@ -168,9 +185,10 @@ def _attention_bwd(cfg: Config, residuals, cotangents):
         lse=_pad(jnp.where(jnp.isneginf(lse), 0.0, lse), 2, g.sqp),
         delta=_pad(delta, 2, g.sqp),
     )
-    tuning = dict(interpret=cfg.interpret, num_warps=cfg.warps(named["q"].shape[3]), num_stages=cfg.num_stages)
-    dk, dv = dkv_call(g, named, group=group, **tuning)
-    dq, dbias_tiles = dq_call(g, named, group=group, **tuning)
+    tuning = dict(group=group, num_warps=cfg.warps(named["q"].shape[3]), num_stages=cfg.num_stages)
+    dk, dv = _launch(cfg, dkv_call, g, named, **tuning)
+    dq, *dbias_tiles = _launch(cfg, dq_call, g, named, **tuning)
+    dbias_tiles = dbias_tiles[0] if dbias_tiles else None
     sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
     dq, dk, dv = dq[:, :, :sq, :d], dk[:, :, :sk, :d], dv[:, :, :sk, : v.shape[3]]
     dbias = None if bias is None else _reduce_dbias(dbias_tiles, bias.shape, sq, sk).astype(bias.dtype)

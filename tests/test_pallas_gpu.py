@@ -302,3 +302,16 @@ def test_exports_for_cuda():
     )(q, q, q)
     assert exp.platforms == ("cuda",)
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+
+
+def test_auto_exports_for_cpu_and_cuda_and_runs_on_cpu():
+    """One module for ``["cpu", "cuda"]``: the CUDA branch holds the Triton kernel (lowered for cuda
+    only), the CPU branch still runs here and matches the reference."""
+    q, k, v, _, _ = make_case(causal=True, softcap=3.0)
+    f = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True, softcap=3.0))
+    exp = jax.export.export(
+        f, platforms=["cpu", "cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(q, k, v)
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
+    assert_close(exp.call(q, k, v), reference_attention(q, k, v, causal=True, softcap=3.0)[0], 2e-5, "out")
