@@ -24,7 +24,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from flashport.kernels.pallas_gpu_fwd import key_side, row_operands
 from flashport.kernels.pallas_gpu_tile import (
-    Geometry, apply_dropout, dot, key_block_bounds, query_block_bounds, softcap_grad, tile_logits,
+    Geometry, apply_dropout, dot, full_key_blocks, full_query_blocks, key_block_bounds, query_block_bounds,
+    softcap_grad, split_loop, tile_logits,
 )
 
 
@@ -72,13 +73,14 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
         jax.lax.fori_loop(0, lo, zero, None)
         jax.lax.fori_loop(hi, g.nk, zero, None)
 
-    def body(j, carry):
+    def body(j, carry, positional):
         dq, db = carry
         ks = pl.ds(j * g.bk, g.bk)
         k = r["k"][ks, :]
         _, dlogits, ds = _dlogits(
             g, q, k, r["v"][ks, :], do, lse, delta, rows, i, j, bias=key_side(r, "bias", ks),
             mask=key_side(r, "mask", ks), q_seg=q_seg, kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None,
+            positional=positional,
         )
         dq = dq + dot(ds.astype(k.dtype), k)
         if layout == "full":
@@ -90,7 +92,7 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
         return dq, db
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((g.bq,), jnp.float32))
-    dq, db = jax.lax.fori_loop(lo, hi, body, init)
+    dq, db = split_loop((lo, hi), full_key_blocks(g, i), body, init)
     r["dq_out"][...] = dq.astype(r["dq_out"].dtype)
     if layout == "rows":
         r["dbias_out"][...] = db
@@ -174,23 +176,23 @@ def _dkv_kernel(*refs, g: Geometry, names, group: int):
     j = pl.program_id(0)
     k, v = r["k"][...], r["v"][...]
     kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
-    lo, hi = query_block_bounds(g, j)
+    bounds, full = query_block_bounds(g, j), full_query_blocks(g, j)
 
     def head(h, carry):
-        def body(i, carry):
+        def body(i, carry, positional):
             dk, dv = carry
             qs = pl.ds(i * g.bq, g.bq)
             q, do = r["q"][h, qs, :], r["do"][h, qs, :]
             p, _, ds = _dlogits(
                 g, q, k, v, do, r["lse"][h, qs], r["delta"][h, qs], r["rows"][h, qs] if "rows" in r else None,
                 i, j, bias=_query_side(r, "bias", h, qs), mask=_query_side(r, "mask", h, qs),
-                q_seg=r["q_seg"][qs] if "q_seg" in r else None, kv_seg=kv_seg,
+                q_seg=r["q_seg"][qs] if "q_seg" in r else None, kv_seg=kv_seg, positional=positional,
             )
             dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
             dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
             return dk, dv
 
-        return jax.lax.fori_loop(lo, hi, body, carry)
+        return split_loop(bounds, full, body, carry)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = jax.lax.fori_loop(0, group, head, init)

@@ -2,7 +2,8 @@
 
 Each program keeps its query block in registers and loops over only the key blocks that
 causal/window structure leaves visible (:func:`~flashport.kernels.pallas_gpu_tile.key_block_bounds`),
-carrying the float32 online-softmax state. K/V are read through an index map that sends query head
+carrying the float32 online-softmax state; interior blocks every query sees whole
+(:func:`~flashport.kernels.pallas_gpu_tile.full_key_blocks`) skip the position masking. K/V are read through an index map that sends query head
 ``h`` to kv head ``h // G`` (GQA/MQA without repeating K/V). Outputs: ``out`` and the natural-log
 ``lse`` (``-inf`` for rows that see no key; their ``out`` is 0).
 
@@ -19,7 +20,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flashport.kernels.pallas_gpu_tile import Geometry, apply_dropout, dot, key_block_bounds, tile_logits
+from flashport.kernels.pallas_gpu_tile import (
+    Geometry, apply_dropout, dot, full_key_blocks, key_block_bounds, split_loop, tile_logits,
+)
 
 
 def row_operands(g: Geometry, group: int, named: dict):
@@ -77,12 +80,12 @@ def _forward_kernel(*refs, g: Geometry, names):
     rows = r["rows"][...] if "rows" in r else None
     v_dtype = r["v"].dtype
 
-    def body(j, carry):
+    def body(j, carry, positional):
         acc, m, l = carry
         ks = pl.ds(j * g.bk, g.bk)
         logits, _ = tile_logits(
             g, q, r["k"][ks, :], i, j, bias=key_side(r, "bias", ks), mask=key_side(r, "mask", ks),
-            q_seg=q_seg, kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None,
+            q_seg=q_seg, kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None, positional=positional,
         )
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -97,8 +100,7 @@ def _forward_kernel(*refs, g: Geometry, names):
         jnp.full((g.bq,), -jnp.inf, jnp.float32),
         jnp.zeros((g.bq,), jnp.float32),
     )
-    lo, hi = key_block_bounds(g, i)
-    acc, m, l = jax.lax.fori_loop(lo, hi, body, init)
+    acc, m, l = split_loop(key_block_bounds(g, i), full_key_blocks(g, i), body, init)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     r["out"][...] = (acc / l_safe[:, None]).astype(r["out"].dtype)

@@ -106,6 +106,59 @@ def query_block_bounds(g: Geometry, j):
     return lo_blk, jnp.maximum(hi_blk, lo_blk)
 
 
+def _reach(spec: AttentionSpec):
+    """(left, right) reach of the positional mask; None where unbounded (causal caps right at 0)."""
+    right = spec.window_right
+    if spec.causal:
+        right = 0 if right is None else min(right, 0)
+    return spec.window_left, right
+
+
+def full_key_blocks(g: Geometry, i):
+    """Half-open range of key blocks whose every key every query of block ``i`` sees (no positional
+    mask needed). Empty for the last query block when it holds padded rows and never includes the
+    ragged last key block, so unmasked tiles only ever hold real positions."""
+    spec = g.spec
+    left, right = _reach(spec)
+    first = i * g.bq
+    last = first + g.bq - 1
+    lo = jnp.int32(0) if left is None else jnp.maximum(last + (spec.offset - left), 0)
+    whole = spec.seq_k // g.bk  # key blocks without padding
+    hi = jnp.int32(whole) if right is None else jnp.clip(jax.lax.div(
+        jnp.maximum(first + (spec.offset + right + 1), 0), g.bk), 0, whole)
+    lo_blk = _cdiv(lo, g.bk)
+    hi_blk = jnp.where(last < spec.seq_q, jnp.maximum(hi, lo_blk), lo_blk)
+    return lo_blk, hi_blk
+
+
+def full_query_blocks(g: Geometry, j):
+    """Half-open range of query blocks whose every query sees every key of block ``j`` (no
+    positional mask needed); only unpadded blocks on both sides."""
+    spec = g.spec
+    left, right = _reach(spec)
+    k_lo = j * g.bk
+    k_last = k_lo + g.bk - 1
+    whole = spec.seq_q // g.bq
+    # i sees k_last  <=>  i >= k_last - offset - right;  i sees k_lo  <=>  i <= k_lo - offset + left
+    lo = jnp.int32(0) if right is None else jnp.maximum(k_last - (spec.offset + right), 0)
+    hi = jnp.int32(whole) if left is None else jnp.clip(jax.lax.div(
+        jnp.maximum(k_lo + (left - spec.offset + 1), 0), g.bq), 0, whole)
+    lo_blk = _cdiv(lo, g.bq)
+    hi_blk = jnp.where(k_last < spec.seq_k, jnp.maximum(hi, lo_blk), lo_blk)
+    return lo_blk, hi_blk
+
+
+def split_loop(bounds, full, body, carry):
+    """``fori_loop`` over ``bounds`` = (lo, hi) calling ``body(n, carry, positional)``: tiles in the
+    ``full`` range run with ``positional=False`` (no position masking), the rest with True."""
+    lo, hi = bounds
+    f_lo = jnp.clip(full[0], lo, hi)
+    f_hi = jnp.clip(full[1], f_lo, hi)
+    carry = jax.lax.fori_loop(lo, f_lo, lambda n, c: body(n, c, True), carry)
+    carry = jax.lax.fori_loop(f_lo, f_hi, lambda n, c: body(n, c, False), carry)
+    return jax.lax.fori_loop(f_hi, hi, lambda n, c: body(n, c, True), carry)
+
+
 def dot(a, b, *, trans_a=False, trans_b=False):
     """A float32-accumulating tile product; full float32 (no TF32) when the inputs are float32."""
     exact = a.dtype == jnp.float32 or b.dtype == jnp.float32
@@ -129,13 +182,14 @@ def dropout_rows(seed, batch: int, heads: int, sqp: int):
     return fmix(t_bh[..., None] + jnp.uint32(dropout.ROW_MUL) * (i + jnp.uint32(1)))
 
 
-def tile_logits(g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv_seg=None):
+def tile_logits(g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv_seg=None, positional=True):
     """Scores of tile (query block ``i``, key block ``j``) with every contract feature applied.
 
     Args:
       q: [bq, D] and k: [bk, D] in the input dtype.
       bias / mask: the tile's [bq|1, bk|1] slices (mask as int8) or None.
       q_seg: int32 [bq] and kv_seg: int32 [bk], or None.
+      positional: apply causal/window/length masking; False for tiles in :func:`full_key_blocks`.
 
     Returns:
       ``(logits, raw)``: float32 [bq, bk] logits with hidden entries at -inf (positions past the
@@ -146,13 +200,16 @@ def tile_logits(g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv
     logits = apply_softcap(spec, raw)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    q_pos = i * g.bq + jnp.arange(g.bq, dtype=jnp.int32)
-    visible = positional_visible(spec, q_pos[:, None], key_positions(g, j)[None, :])
+    visible = None
+    if positional:
+        q_pos = i * g.bq + jnp.arange(g.bq, dtype=jnp.int32)
+        visible = positional_visible(spec, q_pos[:, None], key_positions(g, j)[None, :])
     if mask is not None:
-        visible = visible & (mask != 0)
+        visible = (mask != 0) if visible is None else visible & (mask != 0)
     if q_seg is not None:
-        visible = visible & (q_seg[:, None] == kv_seg[None, :])
-    return jnp.where(visible, logits, -jnp.inf), raw
+        same = q_seg[:, None] == kv_seg[None, :]
+        visible = same if visible is None else visible & same
+    return (logits if visible is None else jnp.where(visible, logits, -jnp.inf)), raw
 
 
 def key_positions(g: Geometry, j):

@@ -22,7 +22,9 @@ import pytest
 
 import flashport
 from flashport.kernels import api, registry
-from flashport.kernels.pallas_gpu_tile import Geometry, key_block_bounds, query_block_bounds
+from flashport.kernels.pallas_gpu_tile import (
+    Geometry, full_key_blocks, full_query_blocks, key_block_bounds, query_block_bounds,
+)
 from flashport.kernels.spec import AttentionSpec
 from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
@@ -66,10 +68,9 @@ def check(q, k, v, d_out, kwargs, backend=SMALL, dtype="float32", grads=True):
     kwargs = dict(kwargs)
     bias = kwargs.pop("bias", None)
     ref_kwargs = dict(kwargs, bias=bias)
-    seed = kwargs.pop("dropout_seed", None)
+    seed = kwargs.pop("dropout_seed", None)  # the two uint32 seed words, passed as a raw key
     if seed is not None:
-        kwargs["dropout_rng"] = jax.random.key(seed)
-        ref_kwargs["dropout_seed"] = (seed >> 32, seed & 0xFFFFFFFF)
+        kwargs["dropout_rng"] = jnp.asarray(seed, jnp.uint32)
 
     def run(q, k, v, bias):
         return flashport.attention(q, k, v, bias=bias, backend=backend, return_lse=True, **kwargs)
@@ -114,9 +115,9 @@ CASES = {
     "bias_rows_softcap": dict(hq=4, hkv=2, bias=(1, 4, 40, 1), softcap=3.0),
     "bias_scalar_window": dict(bias=(1, 1, 1, 1), window=(8, 8)),
     "mask_empty_rows": dict(mask=(1, 2, 40, 72), empty_rows=True),
-    "dropout_gqa_causal_bias": dict(hq=4, hkv=2, causal=True, dropout_rate=0.25, dropout_seed=7,
+    "dropout_gqa_causal_bias": dict(hq=4, hkv=2, causal=True, dropout_rate=0.25, dropout_seed=(0, 7),
                                     bias=(1, 4, 40, 72)),
-    "dropout_segments_window_tl": dict(b=2, dropout_rate=0.5, dropout_seed=(3 << 32) + 11, segments=True,
+    "dropout_segments_window_tl": dict(b=2, dropout_rate=0.5, dropout_seed=(3, 11), segments=True,
                                        window=(16, 0), align="top_left"),
     "decode_sq1": dict(sq=1, hq=4, causal=True, bias=(1, 4, 1, 72)),
 }
@@ -187,8 +188,9 @@ def _spec(sq, sk, causal=False, left=None, right=None, align="bottom_right"):
                          offset=sk - sq if align == "bottom_right" else 0, softcap=None, seq_q=sq, seq_k=sk)
 
 
-def _visible_blocks(spec, bq, bk):
-    """Brute force: the (query block, key block) pairs holding at least one visible pair."""
+def _visible_blocks(spec, bq, bk, every=False):
+    """Brute force: the (query block, key block) pairs holding at least one visible pair, or with
+    ``every`` the unpadded pairs whose every entry is visible (they need no position mask)."""
     i = np.arange(spec.seq_q)[:, None] + spec.offset
     j = np.arange(spec.seq_k)[None, :]
     keep = np.ones((spec.seq_q, spec.seq_k), bool)
@@ -199,6 +201,9 @@ def _visible_blocks(spec, bq, bk):
     if spec.window_right is not None:
         keep &= j <= i + spec.window_right
     nq, nk = -(-spec.seq_q // bq), -(-spec.seq_k // bk)
+    if every:
+        return {(a, c) for a in range(spec.seq_q // bq) for c in range(spec.seq_k // bk)
+                if keep[a * bq:(a + 1) * bq, c * bk:(c + 1) * bk].all()}
     return {(a, c) for a in range(nq) for c in range(nk) if keep[a * bq:(a + 1) * bq, c * bk:(c + 1) * bk].any()}
 
 
@@ -209,20 +214,23 @@ def _visible_blocks(spec, bq, bk):
 ], ids=lambda s: f"{s.seq_q}x{s.seq_k}_c{int(s.causal)}_w{s.window_left},{s.window_right}_o{s.offset}")
 def test_loop_bounds_visit_exactly_the_visible_blocks(spec):
     """The kernels' traced loop bounds (forward/dQ over key blocks, dK/dV over query blocks) cover
-    every tile with a visible pair and nothing else: block skipping is both safe and tight."""
+    every tile with a visible pair and nothing else: block skipping is both safe and tight. The
+    unmasked ranges hold exactly the unpadded tiles whose every entry is visible."""
     for bq, bk in ((16, 16), (32, 64), (64, 16)):
         g = Geometry.make(spec, bq, bk)
-        want = _visible_blocks(spec, g.bq, g.bk)
-        by_rows = set()
-        for i in range(g.nq):
-            lo, hi = (int(x) for x in key_block_bounds(g, jnp.int32(i)))
-            by_rows |= {(i, j) for j in range(lo, hi)}
-        by_cols = set()
-        for j in range(g.nk):
-            lo, hi = (int(x) for x in query_block_bounds(g, jnp.int32(j)))
-            by_cols |= {(i, j) for i in range(lo, hi)}
-        assert by_rows == want, (bq, bk)
-        assert by_cols == want, (bq, bk)
+        for every, rows_fn, cols_fn in ((False, key_block_bounds, query_block_bounds),
+                                        (True, full_key_blocks, full_query_blocks)):
+            want = _visible_blocks(spec, g.bq, g.bk, every=every)
+            by_rows = set()
+            for i in range(g.nq):
+                lo, hi = (int(x) for x in rows_fn(g, jnp.int32(i)))
+                by_rows |= {(i, j) for j in range(lo, hi)}
+            by_cols = set()
+            for j in range(g.nk):
+                lo, hi = (int(x) for x in cols_fn(g, jnp.int32(j)))
+                by_cols |= {(i, j) for i in range(lo, hi)}
+            assert by_rows == want, (bq, bk, every)
+            assert by_cols == want, (bq, bk, every)
 
 
 # ------------------------------------------------------------------------------ options, registry, lowering
