@@ -323,3 +323,17 @@ def test_auto_exports_for_cpu_and_cuda_and_runs_on_cpu():
     )(q, k, v)
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
     assert_close(exp.call(q, k, v), reference_attention(q, k, v, causal=True, softcap=3.0)[0], 2e-5, "out")
+
+
+def test_gpu_check_script_gradient_check_runs_here():
+    """benchmarks/gpu_check.py imports on CPU and its gradient check (the one the device run uses on
+    the compiled kernels) passes with the interpreter twin on a small shape."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    case = [c for c in gpu_check.GRAD_CASES if c[0] == "key-padding bias + segments"]
+    assert gpu_check.check_grads("pallas_gpu_interpret", jnp.float32, sq=40, sk=72, d=16, tol=1e-4, cases=case)
