@@ -219,6 +219,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def _make_backend_fn(name: str, interpret: bool):
     def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
         opts = resolve_options(dict(options), name)
+        if q.shape[2] == 0:  # no queries: nothing to launch (a grid of size 0 is not a kernel)
+            b, hq = q.shape[:2]
+            return jnp.zeros((b, hq, 0, v.shape[3]), q.dtype), jnp.zeros((b, hq, 0), jnp.float32)
         cfg = Config(spec=spec, interpret=interpret, **opts)
         return _attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed)
 
