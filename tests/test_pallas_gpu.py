@@ -337,3 +337,13 @@ def test_gpu_check_script_gradient_check_runs_here():
     spec.loader.exec_module(gpu_check)
     case = [c for c in gpu_check.GRAD_CASES if c[0] == "key-padding bias + segments"]
     assert gpu_check.check_grads("pallas_gpu_interpret", jnp.float32, sq=40, sk=72, d=16, tol=1e-4, cases=case)
+
+
+def test_no_queries():
+    """Sq == 0: empty out and lse, zero key/value gradients, no kernel launched."""
+    q = jnp.zeros((1, 0, 2, 16), jnp.float32)
+    k = jnp.ones((1, 8, 2, 16), jnp.float32)
+    out, lse = flashport.attention(q, k, k, causal=True, backend=SMALL, return_lse=True)
+    assert out.shape == (1, 0, 2, 16) and lse.shape == (1, 2, 0)
+    dk = jax.grad(lambda k: flashport.attention(q, k, k, backend=SMALL).sum())(k)
+    assert dk.shape == k.shape and not np.any(np.asarray(dk))
