@@ -26,12 +26,13 @@ _BACKEND_MODULES = (
     "flashport.kernels.blockwise",
     "flashport.kernels.cudnn",
     "flashport.kernels.pallas_tpu",
+    "flashport.kernels.pallas_gpu",
 )
 
 # For backend="auto": the order of preference per platform (first available and capable wins).
 AUTO_PREFERENCE = {
     "tpu": ("pallas_tpu", "blockwise", "xla"),
-    "cuda": ("cudnn", "blockwise", "xla"),
+    "cuda": ("cudnn", "pallas_gpu", "blockwise", "xla"),
     "rocm": ("blockwise", "xla"),
     "cpu": ("blockwise", "xla"),
 }

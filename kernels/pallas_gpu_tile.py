@@ -1,0 +1,238 @@
+"""Shared pieces of the Pallas GPU (Triton) attention kernels: geometry, loop bounds and one score tile.
+
+Everything here runs inside a kernel body (or computes the static geometry the kernels close over).
+Triton constraints respected: every array a kernel builds is a power of two along each dimension
+(blocks >= 16, head dims padded to powers of two by :mod:`flashport.kernels.pallas_gpu`), dots
+accumulate in float32, and scalar loop bounds are computed from ``pl.program_id`` with integer
+arithmetic instead of table loads.
+
+Precision: bfloat16/float16 inputs multiply in their own dtype with float32 accumulation (P and dS
+are rounded to the input dtype before their dots, as in FlashAttention-2); float32 inputs multiply
+in full float32 (TF32 off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from flashport.kernels import dropout
+from flashport.kernels.spec import AttentionSpec, apply_softcap, positional_visible
+
+MIN_BLOCK = 16  # Triton's smallest dot operand dimension
+
+
+def next_power_of_two(n: int) -> int:
+    """Smallest power of two >= max(n, 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static tiling of one kernel: block sizes, padded lengths and block counts.
+
+    ``bq`` / ``bk`` are the option's block sizes clipped to the (power-of-two rounded) sequence, so
+    short sequences use one small block instead of a mostly padded large one.
+    """
+
+    spec: AttentionSpec
+    bq: int
+    bk: int
+
+    @classmethod
+    def make(cls, spec: AttentionSpec, block_q: int, block_k: int) -> "Geometry":
+        """Clip the requested blocks to the sequences (never below :data:`MIN_BLOCK`)."""
+        bq = min(block_q, max(MIN_BLOCK, next_power_of_two(spec.seq_q)))
+        bk = min(block_k, max(MIN_BLOCK, next_power_of_two(spec.seq_k)))
+        return cls(spec, bq, bk)
+
+    @property
+    def nq(self) -> int:
+        return -(-self.spec.seq_q // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.spec.seq_k // self.bk)
+
+    @property
+    def sqp(self) -> int:
+        return self.nq * self.bq
+
+    @property
+    def skp(self) -> int:
+        return self.nk * self.bk
+
+
+def _cdiv(x, n: int):
+    return jax.lax.div(x + (n - 1), n)
+
+
+def key_block_bounds(g: Geometry, i):
+    """Half-open range of key blocks query block ``i`` (traced) must visit: the spec's key_range."""
+    spec = g.spec
+    first = i * g.bq
+    last = jnp.minimum(first + g.bq, spec.seq_q) - 1
+    lo, hi = jnp.int32(0), jnp.int32(spec.seq_k)
+    right = spec.window_right
+    if spec.causal:
+        right = 0 if right is None else min(right, 0)
+    if right is not None:
+        hi = jnp.minimum(hi, last + (spec.offset + right + 1))
+    if spec.window_left is not None:
+        lo = jnp.maximum(lo, first + (spec.offset - spec.window_left))
+    lo_blk = jnp.minimum(jax.lax.div(jnp.maximum(lo, 0), g.bk), g.nk)
+    hi_blk = jnp.where(hi > lo, jnp.minimum(_cdiv(jnp.maximum(hi, 0), g.bk), g.nk), lo_blk)
+    return lo_blk, jnp.maximum(hi_blk, lo_blk)
+
+
+def query_block_bounds(g: Geometry, j):
+    """Half-open range of query blocks that may see key block ``j`` (traced): the spec's query_range."""
+    spec = g.spec
+    k_lo = j * g.bk
+    k_hi = jnp.minimum(k_lo + g.bk, spec.seq_k)
+    lo, hi = jnp.int32(0), jnp.int32(spec.seq_q)
+    right = spec.window_right
+    if spec.causal:
+        right = 0 if right is None else min(right, 0)
+    if right is not None:  # j <= i + offset + right  <=>  i >= j - offset - right
+        lo = jnp.maximum(lo, k_lo - (spec.offset + right))
+    if spec.window_left is not None:  # j >= i + offset - left  <=>  i <= j - offset + left
+        hi = jnp.minimum(hi, k_hi + (spec.window_left - spec.offset))
+    lo_blk = jnp.minimum(jax.lax.div(jnp.maximum(lo, 0), g.bq), g.nq)
+    hi_blk = jnp.where(hi > lo, jnp.minimum(_cdiv(jnp.maximum(hi, 0), g.bq), g.nq), lo_blk)
+    return lo_blk, jnp.maximum(hi_blk, lo_blk)
+
+
+def _reach(spec: AttentionSpec):
+    """(left, right) reach of the positional mask; None where unbounded (causal caps right at 0)."""
+    right = spec.window_right
+    if spec.causal:
+        right = 0 if right is None else min(right, 0)
+    return spec.window_left, right
+
+
+def full_key_blocks(g: Geometry, i):
+    """Half-open range of key blocks whose every key every query of block ``i`` sees (no positional
+    mask needed). Empty for the last query block when it holds padded rows and never includes the
+    ragged last key block, so unmasked tiles only ever hold real positions."""
+    spec = g.spec
+    left, right = _reach(spec)
+    first = i * g.bq
+    last = first + g.bq - 1
+    lo = jnp.int32(0) if left is None else jnp.maximum(last + (spec.offset - left), 0)
+    whole = spec.seq_k // g.bk  # key blocks without padding
+    hi = jnp.int32(whole) if right is None else jnp.clip(jax.lax.div(
+        jnp.maximum(first + (spec.offset + right + 1), 0), g.bk), 0, whole)
+    lo_blk = _cdiv(lo, g.bk)
+    hi_blk = jnp.where(last < spec.seq_q, jnp.maximum(hi, lo_blk), lo_blk)
+    return lo_blk, hi_blk
+
+
+def full_query_blocks(g: Geometry, j):
+    """Half-open range of query blocks whose every query sees every key of block ``j`` (no
+    positional mask needed); only unpadded blocks on both sides."""
+    spec = g.spec
+    left, right = _reach(spec)
+    k_lo = j * g.bk
+    k_last = k_lo + g.bk - 1
+    whole = spec.seq_q // g.bq
+    # i sees k_last  <=>  i >= k_last - offset - right;  i sees k_lo  <=>  i <= k_lo - offset + left
+    lo = jnp.int32(0) if right is None else jnp.maximum(k_last - (spec.offset + right), 0)
+    hi = jnp.int32(whole) if left is None else jnp.clip(jax.lax.div(
+        jnp.maximum(k_lo + (left - spec.offset + 1), 0), g.bq), 0, whole)
+    lo_blk = _cdiv(lo, g.bq)
+    hi_blk = jnp.where(k_last < spec.seq_k, jnp.maximum(hi, lo_blk), lo_blk)
+    return lo_blk, hi_blk
+
+
+def split_loop(bounds, full, body, carry):
+    """``fori_loop`` over ``bounds`` = (lo, hi) calling ``body(n, carry, positional)``: tiles in the
+    ``full`` range run with ``positional=False`` (no position masking), the rest with True."""
+    lo, hi = bounds
+    f_lo = jnp.clip(full[0], lo, hi)
+    f_hi = jnp.clip(full[1], f_lo, hi)
+    carry = jax.lax.fori_loop(lo, f_lo, lambda n, c: body(n, c, True), carry)
+    carry = jax.lax.fori_loop(f_lo, f_hi, lambda n, c: body(n, c, False), carry)
+    return jax.lax.fori_loop(f_hi, hi, lambda n, c: body(n, c, True), carry)
+
+
+def dot(a, b, *, trans_a=False, trans_b=False):
+    """A float32-accumulating tile product; full float32 (no TF32) when the inputs are float32."""
+    exact = a.dtype == jnp.float32 or b.dtype == jnp.float32
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
+
+
+def fmix(x):
+    """murmur3's 32-bit finalizer on uint32 arrays (the mixing step of the dropout hash)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(dropout.FMIX_M1)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(dropout.FMIX_M2)
+    return x ^ (x >> 16)
+
+
+def dropout_rows(seed, batch: int, heads: int, sqp: int):
+    """``row_i`` of the dropout definition for every (batch, query head, query position): uint32
+    [B, Hq, sqp], computed once in XLA (O(S)); the kernels finish the hash per key position."""
+    t_bh = dropout.head_seed(seed, jnp.arange(batch)[:, None], jnp.arange(heads)[None, :])
+    i = jnp.arange(sqp, dtype=jnp.uint32)
+    return fmix(t_bh[..., None] + jnp.uint32(dropout.ROW_MUL) * (i + jnp.uint32(1)))
+
+
+def tile_logits(g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv_seg=None, positional=True):
+    """Scores of tile (query block ``i``, key block ``j``) with every contract feature applied.
+
+    Args:
+      q: [bq, D] and k: [bk, D] in the input dtype.
+      bias / mask: the tile's [bq|1, bk|1] slices (mask as int8) or None.
+      q_seg: int32 [bq] and kv_seg: int32 [bk], or None.
+      positional: apply causal/window/length masking; False for tiles in :func:`full_key_blocks`.
+
+    Returns:
+      ``(logits, raw)``: float32 [bq, bk] logits with hidden entries at -inf (positions past the
+      true lengths included), and the scaled pre-softcap scores (the softcap gradient needs them).
+    """
+    spec = g.spec
+    raw = dot(q, k, trans_b=True) * spec.scale
+    logits = apply_softcap(spec, raw)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    visible = None
+    if positional:
+        q_pos = i * g.bq + jnp.arange(g.bq, dtype=jnp.int32)
+        visible = positional_visible(spec, q_pos[:, None], key_positions(g, j)[None, :])
+    if mask is not None:
+        visible = (mask != 0) if visible is None else visible & (mask != 0)
+    if q_seg is not None:
+        same = q_seg[:, None] == kv_seg[None, :]
+        visible = same if visible is None else visible & same
+    return (logits if visible is None else jnp.where(visible, logits, -jnp.inf)), raw
+
+
+def key_positions(g: Geometry, j):
+    """int32 [bk]: the absolute positions of key block ``j``."""
+    return j * g.bk + jnp.arange(g.bk, dtype=jnp.int32)
+
+
+def apply_dropout(g: Geometry, x, rows, j):
+    """``x`` [bq, bk] with the contract's dropout (kept entries scaled by 1/(1-rate)).
+
+    ``rows`` are the uint32 [bq] row hashes of :func:`dropout_rows`; None means no dropout.
+    """
+    if rows is None:
+        return x
+    rate = g.spec.dropout_rate
+    cols = jnp.uint32(dropout.KEY_MUL) * (key_positions(g, j).astype(jnp.uint32) + jnp.uint32(1))
+    keep = fmix(rows[:, None] ^ cols[None, :]) >= jnp.uint32(dropout.threshold(rate))
+    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
+
+
+def softcap_grad(spec: AttentionSpec, raw):
+    """d softcap(raw) / d raw (None without softcap)."""
+    if spec.softcap is None:
+        return None
+    t = jnp.tanh(raw / spec.softcap)
+    return 1.0 - t * t
