@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import sys
 
+from flashport.kernels.visibility import band_visible
+
 
 def is_torch_tensor(x) -> bool:
     """Whether ``x`` is a ``torch.Tensor`` (subclasses too: torchax tensors), without importing torch.
@@ -69,14 +71,8 @@ def varlen_layout(cu_seqlens_q, cu_seqlens_k, total_q, total_k, *, causal=False,
         row = pos_q + (len_k - len_q)[seq_q]
     i, j = row[:, None], pos_k[None, :]
     mask = (seq_q[:, None] == seq_k[None, :]) & valid_q[:, None] & valid_k[None, :]
-    if causal:
-        mask = mask & (j <= i)
-    if window is not None:
-        left, right = window
-        if left is not None:
-            mask = mask & (j >= i - left)
-        if right is not None:
-            mask = mask & (j <= i + right)
+    left, right = window if window is not None else (None, None)
+    mask = band_visible(i, j, causal=causal, left=left, right=right, visible=mask)
     q_ids = where(valid_q, seq_q, -1)
     kv_ids = where(valid_k, seq_k, -2)
     return q_ids, kv_ids, mask

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from flashport.integrations._fa_kvcache import flash_attn_with_kvcache
 from flashport.integrations.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from flashport.kernels.visibility import band_visible
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
@@ -70,15 +71,8 @@ def kvcache_mask(lengths, s_q, s_k, *, causal=False, window=None):
     i = torch.arange(s_q, device=lengths.device)[None, :, None]
     j = torch.arange(s_k, device=lengths.device)[None, None, :]
     row = i + (lengths - s_q)[:, None, None]
-    mask = j < lengths[:, None, None]
-    if causal:
-        mask = mask & (j <= row)
-    if window is not None:
-        left, right = window
-        if left is not None:
-            mask = mask & (j >= row - left)
-        if right is not None:
-            mask = mask & (j <= row + right)
+    left, right = window if window is not None else (None, None)
+    mask = band_visible(row, j, causal=causal, left=left, right=right, visible=j < lengths[:, None, None])
     return mask[:, None]
 
 

@@ -14,6 +14,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from flashport.kernels.visibility import band_visible
 from flashport.torch import _dropout
 from flashport.torch._checks import Call
 
@@ -48,14 +49,10 @@ def visible(call: Call) -> torch.Tensor | None:
     device = call.q.device
     keep = None
     if p.positional:
-        i = torch.arange(p.seq_q, device=device)[:, None] + p.offset
+        diag = torch.arange(p.seq_q, device=device)[:, None] + p.offset
         j = torch.arange(p.seq_k, device=device)[None, :]
-        keep = torch.ones(p.seq_q, p.seq_k, dtype=torch.bool, device=device)
-        if p.right_reach is not None:
-            keep &= j <= i + p.right_reach
-        if p.left is not None:
-            keep &= j >= i - p.left
-        keep = keep[None, None]
+        keep = band_visible(diag, j, causal=p.causal, left=p.left, right=p.right)
+        keep = keep.expand(p.seq_q, p.seq_k)[None, None]
     if call.mask is not None:
         keep = call.mask if keep is None else keep & call.mask
     if call.q_seg is not None:

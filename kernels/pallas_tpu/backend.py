@@ -223,7 +223,8 @@ def _make_backend_fn(name: str, interpret: bool):
                  options):
         generation, blocks = resolve_blocks(dict(options), name)
         cfg = Config(spec, blocks, interpret, generation)
-        residuals = (q, k, v, bias, mask, q_seg, kv_seg, out.astype(q.dtype), lse)
+        head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
+        residuals = (q, k, v, bias, mask, q_seg, kv_seg, out.astype(q.dtype), lse, head_seeds)
         return _attention_bwd(cfg, residuals, (d_out.astype(q.dtype), d_lse))[:4]
 
     fn.__name__ = f"{name}_attention"

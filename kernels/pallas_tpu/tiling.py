@@ -24,6 +24,7 @@ import numpy as np
 from flashport.kernels import dropout
 from flashport.kernels.pallas_tpu.blocks import K_ALIGN, LANES, Q_ALIGN
 from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.visibility import band_visible
 
 _BIG = np.iinfo(np.int32).max
 
@@ -270,12 +271,8 @@ def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_ti
         vis = k_pos < spec.seq_k
         if spec.has_positional_mask:
             diag = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 0) + spec.offset
-            if spec.causal:
-                vis = both(vis, k_pos <= diag)
-            if spec.window_left is not None:
-                vis = both(vis, k_pos >= diag - spec.window_left)
-            if spec.window_right is not None:
-                vis = both(vis, k_pos <= diag + spec.window_right)
+            vis = band_visible(diag, k_pos, causal=spec.causal, left=spec.window_left,
+                               right=spec.window_right, visible=vis)
     if mask_tile is not None:
         vis = both(vis, jnp.broadcast_to(mask_tile != 0, (g.bq, g.bk)))
     if q_seg_tile is not None:
