@@ -102,12 +102,13 @@ def test_lse_cotangent_matches_vjp(backend):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-def test_dropout_matches_float64_reference():
-    """xla's residual backward regenerates the dropout mask from the seed (same mask as the forward)."""
+@pytest.mark.parametrize("backend", ["xla", "blockwise", "pallas_tpu_interpret"])
+def test_dropout_matches_float64_reference(backend):
+    """Each residual backward regenerates the dropout mask from the seed (same mask as the forward)."""
     q, k, v, rng = _inputs(2)
     key = jax.random.key(42)
     jq, jk, jv = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
-    kw = dict(causal=True, dropout_rate=0.25, dropout_rng=key, backend="xla")
+    kw = dict(causal=True, dropout_rate=0.25, dropout_rng=key, backend=backend)
     out, lse = flashport.attention(jq, jk, jv, return_lse=True, **kw)
     d_out = rng.standard_normal(out.shape)
     grads = flashport.attention_backward(jq, jk, jv, out, lse, jnp.asarray(d_out, jnp.float32), **kw)
