@@ -45,7 +45,8 @@ def varlen_layout(cu_seqlens_q, cu_seqlens_k, total_q, total_k, *, causal=False,
 
         cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
         arange = lambda n: torch.arange(n, device=cu_q.device)  # noqa: E731
-        search = lambda cu, pos: torch.searchsorted(cu[1:].contiguous(), pos, right=True)  # noqa: E731
+        # bucketize(right=True) == searchsorted(right=True); torchax implements only the former.
+        search = lambda cu, pos: torch.bucketize(pos, cu[1:].contiguous(), right=True)  # noqa: E731
         where, clip = torch.where, lambda x, hi: x.clamp(max=hi)
     else:
         import jax.numpy as jnp
@@ -87,13 +88,15 @@ def run_varlen(attention, query, key, value, *, cu_seqlens_q, cu_seqlens_k, scal
     q_ids, kv_ids, mask = varlen_layout(
         cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0], causal=causal, window=window, align=align
     )
+    # unsqueeze/squeeze rather than [None]/[0] on torch tensors: torchax's indexing drops autograd.
+    lift = (lambda x: x.unsqueeze(0)) if is_torch_tensor(query) else (lambda x: x[None])
     out = attention(
-        query[None], key[None], value[None],
-        scale=scale, softcap=softcap, mask=mask[None, None],
-        q_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None],
+        lift(query), lift(key), lift(value),
+        scale=scale, softcap=softcap, mask=lift(lift(mask)),
+        q_segment_ids=lift(q_ids), kv_segment_ids=lift(kv_ids),
         layout="BSHD", backend=backend, **extra,
     )
-    return out[0]
+    return out.squeeze(0) if is_torch_tensor(out) else out[0]
 
 
 def varlen_attention(

@@ -216,7 +216,7 @@ def _paged(cache, block_table, cu_seqlens_k):
 
     cu = cu_seqlens_k.to(device=cache.device, dtype=torch.long)
     pos = torch.arange(int(cu[-1]), device=cache.device)
-    seq = torch.searchsorted(cu[1:].contiguous(), pos, right=True)
+    seq = torch.bucketize(pos, cu[1:].contiguous(), right=True)  # torchax lacks searchsorted(right=)
     row = pos - cu[seq]
     page = cache.shape[1]
     blocks = block_table.to(device=cache.device, dtype=torch.long)[seq, row // page]
