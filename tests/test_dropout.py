@@ -59,8 +59,16 @@ def _kwargs(cfg, b, hq, sq, sk):
     return kw
 
 
-@pytest.mark.parametrize("backend", _dropout_backends())
-@pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
+def _backend_config_pairs():
+    """Every (backend, config); the interpreters (10-20 s a case) run two configs by default and
+    the rest under ``pytest -m slow`` (their kernels have their own dropout tests)."""
+    for backend in _dropout_backends():
+        for cfg in CONFIGS:
+            slow = backend.endswith("_interpret") and cfg not in ("causal_bottom_right", "segments")
+            yield pytest.param(backend, cfg, id=f"{cfg}-{backend}", marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize(("backend", "cfg"), list(_backend_config_pairs()))
 def test_dropout_forward_and_grad_match_float64_reference(backend, cfg):
     """For a fixed key, out, lse and the gradients equal the float64 reference with the same mask."""
     q, k, v, do = _inputs()
