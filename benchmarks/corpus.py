@@ -202,16 +202,19 @@ def _verify_changes(doc: dict, originals: dict, out: Outcome) -> None:
         old = originals[path]
         old_lines = old.decode("utf-8", "replace").splitlines()
         new_lines = new.decode("utf-8", "replace").splitlines()
-        imports = _import_lines(old)
+        imports, guards = _import_lines(old)
         allowed = {line for start, end in sites[path] for line in range(start, end + 1)} | imports
         for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes():
             if tag == "equal":
                 continue
-            stray = [i + 1 for i in range(i1, i2) if i + 1 not in allowed]
+            # a guarded import block may go as a whole once its imports are dead (rewriter/dead_imports.py)
+            only_imports = all(not t.strip() or t.strip().startswith(("import ", "from ")) for t in new_lines[j1:j2])
+            removable = allowed | guards if only_imports else allowed
+            stray = [i + 1 for i in range(i1, i2) if i + 1 not in removable and old_lines[i].strip()]
             if tag == "insert" or (i2 - i1) < (j2 - j1):
                 added = new_lines[j1 + (i2 - i1) : j2] if tag != "insert" else new_lines[j1:j2]
-                stray += [f"+{text.strip()}" for text in added if not text.strip().startswith(("import ", "from "))
-                          and not _inside_site(i1, sites[path])]
+                stray += [f"+{text.strip()}" for text in added if text.strip()  # blank lines around an import group
+                          and not text.strip().startswith(("import ", "from ")) and not _inside_site(i1, sites[path])]
             if stray:
                 out.stray_lines.append(f"{os.path.basename(path)}: {stray[:5]}")
 
@@ -220,13 +223,19 @@ def _inside_site(index: int, spans) -> bool:
     return any(start - 1 <= index <= end for start, end in spans)
 
 
-def _import_lines(data: bytes) -> set[int]:
-    """1-based line numbers covered by import statements (any nesting level)."""
+def _import_lines(data: bytes) -> tuple[set[int], set[int]]:
+    """1-based line numbers covered by import statements (any nesting level), and those of the
+    ``try``/``if`` blocks that directly hold an import (guarded imports and their fallbacks)."""
     lines: set[int] = set()
+    guards: set[int] = set()
     for node in ast.walk(ast.parse(data)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
-    return lines
+        elif isinstance(node, (ast.Try, ast.If)):
+            blocks = [node.body, node.orelse, *(h.body for h in getattr(node, "handlers", []))]
+            if any(isinstance(s, (ast.Import, ast.ImportFrom)) for block in blocks for s in block):
+                guards.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return lines, guards
 
 
 def print_report(outcomes) -> None:

@@ -138,7 +138,8 @@ def ensure_import(text: str, module: str, newline: str) -> tuple[str, bool]:
     if std and (not local or std[-1][-1].lineno < local[0][0].lineno):
         end = std[-1][-1].end_lineno or std[-1][-1].lineno
         _terminate(lines, end, newline)
-        lines.insert(end, newline + statement)
+        below = newline if end < len(lines) and lines[end].strip() else ""  # keep the group apart from what follows
+        lines.insert(end, newline + statement + below)
         return "".join(lines), True
     if local:
         lines.insert(_above_comments(lines, local[0][0].lineno) - 1, statement + newline)
@@ -188,20 +189,27 @@ def _section(node: ast.stmt) -> str:
 
 
 def _import_groups(tree: ast.Module, lines: list[str]) -> list[list[ast.stmt]]:
-    """Top-level, one-per-line import statements of the leading import region, split at blank lines."""
+    """Top-level, one-per-line import statements of the leading import region, split at blank lines.
+
+    A guarded import block (``try: from typing import Literal`` / ``except ImportError: ...``,
+    ``if TYPE_CHECKING: ...``) belongs to the region but to no group: it ends the group above it.
+    """
     groups: list[list[ast.stmt]] = []
     previous = None
     for node in tree.body:
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
             if previous is None and isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant):
                 continue  # the docstring
+            if groups and _guarded_imports(node):
+                groups.append([])  # the next import starts a new group
+                continue
             if groups:
                 break
             continue
         end = node.end_lineno or node.lineno
         if previous is not None and (node.lineno == (previous.end_lineno or previous.lineno)
                                      or lines[node.lineno - 1][: node.col_offset].strip()):
-            return groups  # statements sharing a line: leave the layout alone
+            return [g for g in groups if g]  # statements sharing a line: leave the layout alone
         gap = previous is None or any(not lines[i].strip() for i in range((previous.end_lineno or previous.lineno), node.lineno - 1))
         if gap or not groups:
             groups.append([node])
@@ -210,7 +218,17 @@ def _import_groups(tree: ast.Module, lines: list[str]) -> list[list[ast.stmt]]:
         previous = node
         if end > len(lines):
             break
-    return groups
+    return [g for g in groups if g]
+
+
+def _guarded_imports(node: ast.stmt) -> bool:
+    """A top-level ``try``/``if`` holding imports and nothing but imports, fallbacks and ``pass``."""
+    if not isinstance(node, (ast.Try, ast.If)):
+        return False
+    handlers = [h.body for h in getattr(node, "handlers", [])]
+    body = [s for block in [node.body, node.orelse, *handlers, getattr(node, "finalbody", [])] for s in block]
+    allowed = (ast.Import, ast.ImportFrom, ast.Pass, ast.Assign, ast.AnnAssign)
+    return any(isinstance(s, (ast.Import, ast.ImportFrom)) for s in node.body) and all(isinstance(s, allowed) for s in body)
 
 
 def _key(node: ast.stmt) -> str:

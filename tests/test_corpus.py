@@ -36,6 +36,22 @@ def test_verifier_flags_stray_changes(tmp_path):
     assert out.ok
 
 
+def test_verifier_allows_a_removed_import_guard_but_not_an_edit_inside_one(tmp_path):
+    corpus = _corpus()
+    path = tmp_path / "m.py"
+    old = b"import torch\n\nif ok():\n    import xformers\nelse:\n    xformers = None\n\n\ndef f(q):\n    return g(q)\n"
+    doc = {"sites": [{"path": str(path), "line": 10, "end_line": 10, "status": "rewrite"}],
+           "files": [{"path": str(path), "written": True}]}
+    path.write_bytes(b"import torch\n\nimport flashport\n\n\ndef f(q):\n    return h(q)\n")
+    out = corpus.Outcome("x", "0", "torch")
+    corpus._verify_changes(doc, {str(path): old}, out)
+    assert out.ok, out.stray_lines
+    path.write_bytes(old.replace(b"xformers = None", b"xformers = 1").replace(b"g(q)", b"h(q)"))
+    out = corpus.Outcome("x", "0", "torch")
+    corpus._verify_changes(doc, {str(path): old}, out)
+    assert out.stray_lines == ["m.py: [6]"]
+
+
 @pytest.mark.slow
 def test_corpus_run_keeps_every_guarantee(tmp_path):
     corpus = _corpus()

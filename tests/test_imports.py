@@ -179,6 +179,11 @@ def test_names_read_before_the_port_only_by_other_code_keep_their_imports():
     ("from .x import y\n", "import flashport\n\nfrom .x import y\n"),
     # comments above a statement stay with it
     ("import apex\n# the fast path\nimport torch\n", "import apex\nimport flashport\n# the fast path\nimport torch\n"),
+    # a guarded import block between the groups (timm) is part of the import region, not its end
+    ("import math\ntry:\n    from typing import Literal\nexcept ImportError:\n    from typing_extensions import Literal\n\nimport torch\n",
+     "import math\ntry:\n    from typing import Literal\nexcept ImportError:\n    from typing_extensions import Literal\n\nimport flashport\nimport torch\n"),
+    # a new group after the stdlib one is kept apart from the code below it by a blank line
+    ("import os\ndef f():\n    pass\n", "import os\n\nimport flashport\n\ndef f():\n    pass\n"),
 ])
 def test_flashport_import_goes_where_isort_puts_it(before, after):
     assert imports.ensure_import(before, "flashport", "\n") == (after, True)
