@@ -50,12 +50,19 @@ def _worker(impl: str, seq: int, repeats: int, train: bool) -> dict:
         jax.block_until_ready(fn(q, k, v))
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"median_s": statistics.median(times), "times": times, "peak_rss": peak,
-            "base_rss": base_rss, "temp_bytes": temp}
+    return {
+        "median_s": statistics.median(times),
+        "times": times,
+        "peak_rss": peak,
+        "base_rss": base_rss,
+        "temp_bytes": temp,
+    }
 
 
 def _run(impl: str, seq: int, repeats: int, train: bool = False) -> dict:
-    cmd = [sys.executable, __file__, "--worker", impl, str(seq), str(repeats)] + (["--train"] if train else [])
+    cmd = [sys.executable, __file__, "--worker", impl, str(seq), str(repeats)] + (
+        ["--train"] if train else []
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{impl} S={seq} failed:\n{proc.stderr[-2000:]}")
@@ -102,7 +109,9 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--train-sizes", type=int, nargs="*", default=[4096, 8192, 16384])
     parser.add_argument("--repeats", type=int, default=3)
@@ -110,24 +119,43 @@ def main() -> None:
     console = Console(width=150)
     # In a child process: Linux carries a parent's peak RSS into its children, so the parent stays
     # small (it never imports jax) and every measurement runs in a process of its own.
-    proc = subprocess.run([sys.executable, __file__, "--worker-matmul"], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker-matmul"], capture_output=True, text=True, check=True
+    )
     peak, shaped = json.loads(proc.stdout.strip().splitlines()[-1])
-    console.print(f"f32 4096² matmul on this machine: {peak:.1f} GFLOP/s ({os.cpu_count()} cores); "
-                  f"attention-shaped matmuls (QKᵀ·V, D={D}, no softmax): {shaped:.1f} GFLOP/s")
+    console.print(
+        f"f32 4096² matmul on this machine: {peak:.1f} GFLOP/s ({os.cpu_count()} cores); "
+        f"attention-shaped matmuls (QKᵀ·V, D={D}, no softmax): {shaped:.1f} GFLOP/s"
+    )
 
     table = Table(title=f"forward, causal, B={B} H={H} D={D} f32: flashport (auto) vs jax.nn (xla)")
-    for col in ("S", "jax.nn s", "flashport s", "speedup", "jax.nn peak MB", "flashport peak MB",
-                "memory ratio", "flashport GFLOP/s", "of matmul peak", "of attn-shaped"):
+    for col in (
+        "S",
+        "jax.nn s",
+        "flashport s",
+        "speedup",
+        "jax.nn peak MB",
+        "flashport peak MB",
+        "memory ratio",
+        "flashport GFLOP/s",
+        "of matmul peak",
+        "of attn-shaped",
+    ):
         table.add_column(col, justify="right")
     for seq in args.sizes:
         ref = _run("jax.nn", seq, args.repeats)
         ours = _run("flashport", seq, args.repeats)
         gflops = 2 * B * H * seq * seq * D / ours["median_s"] / 1e9
         table.add_row(
-            str(seq), f"{ref['median_s']:.3f}", f"{ours['median_s']:.3f}",
+            str(seq),
+            f"{ref['median_s']:.3f}",
+            f"{ours['median_s']:.3f}",
             f"{ref['median_s'] / ours['median_s']:.1f}x",
-            f"{ref['peak_rss'] / 1e6:.0f}", f"{ours['peak_rss'] / 1e6:.0f}",
-            f"{ours['peak_rss'] / ref['peak_rss']:.0%}", f"{gflops:.1f}", f"{gflops / peak:.0%}",
+            f"{ref['peak_rss'] / 1e6:.0f}",
+            f"{ours['peak_rss'] / 1e6:.0f}",
+            f"{ours['peak_rss'] / ref['peak_rss']:.0%}",
+            f"{gflops:.1f}",
+            f"{gflops / peak:.0%}",
             f"{gflops / shaped:.0%}",
         )
     console.print(table)
@@ -138,8 +166,13 @@ def main() -> None:
             train.add_column(col, justify="right")
         for seq in args.train_sizes:
             r = _run("flashport", seq, 1, train=True)
-            train.add_row(str(seq), f"{r['median_s']:.2f}", f"{r['temp_bytes'] / 1e6:.1f}",
-                          f"{r['temp_bytes'] / seq / 1e3:.1f}", f"{r['peak_rss'] / 1e6:.0f}")
+            train.add_row(
+                str(seq),
+                f"{r['median_s']:.2f}",
+                f"{r['temp_bytes'] / 1e6:.1f}",
+                f"{r['temp_bytes'] / seq / 1e3:.1f}",
+                f"{r['peak_rss'] / 1e6:.0f}",
+            )
         console.print(train)
 
 

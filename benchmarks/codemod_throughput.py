@@ -41,8 +41,23 @@ def fetch(cache: str) -> str:
         return os.path.join(tree, PACKAGE)
     wheels = [f for f in os.listdir(cache) if f.startswith(f"{PACKAGE}-{VERSION}-") and f.endswith(".whl")]
     if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"{PACKAGE}=={VERSION}", "-d", cache], check=True)
-        wheels = [f for f in os.listdir(cache) if f.startswith(f"{PACKAGE}-{VERSION}-") and f.endswith(".whl")]
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                f"{PACKAGE}=={VERSION}",
+                "-d",
+                cache,
+            ],
+            check=True,
+        )
+        wheels = [
+            f for f in os.listdir(cache) if f.startswith(f"{PACKAGE}-{VERSION}-") and f.endswith(".whl")
+        ]
     with zipfile.ZipFile(os.path.join(cache, wheels[0])) as archive:
         archive.extractall(tree)
     return os.path.join(tree, PACKAGE)
@@ -60,7 +75,9 @@ def python_files(root: str) -> list[str]:
 CPU: dict[str, float] = {}
 
 
-def timed(cmd: list[str], label: str = "", cache: str | None = None) -> tuple[float, subprocess.CompletedProcess]:
+def timed(
+    cmd: list[str], label: str = "", cache: str | None = None
+) -> tuple[float, subprocess.CompletedProcess]:
     """Wall seconds and the completed process; CPU seconds (user+sys of the child and its
     workers) go to ``CPU[label]`` -- on a shared host they are the steadier figure. ``cache``: a
     result-cache directory (``FLASHPORT_CACHE``); without it the run is cold (no cache at all)."""
@@ -117,7 +134,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--naive-budget", type=float, default=60.0, help="CPU seconds for the naive sample")
-    parser.add_argument("--cache", default=os.environ.get("FLASHPORT_BENCH_CACHE", os.path.expanduser("~/.cache/flashport-bench")))
+    parser.add_argument(
+        "--cache",
+        default=os.environ.get("FLASHPORT_BENCH_CACHE", os.path.expanduser("~/.cache/flashport-bench")),
+    )
     args = parser.parse_args(argv)
 
     root = fetch(args.cache)
@@ -141,7 +161,12 @@ def main(argv=None) -> int:
         timed(cli + ["scan", root] + flags, "fill", cache)
         warm_scan_s, warm_scan = timed(cli + ["scan", root] + flags, "warm scan", cache)
         warm_rewrite_s, warm_rewrite = timed(cli + ["rewrite", root] + flags, "warm rewrite", cache)
-    for name, proc in (("scan", scan), ("rewrite", rewrite), ("warm scan", warm_scan), ("warm rewrite", warm_rewrite)):
+    for name, proc in (
+        ("scan", scan),
+        ("rewrite", rewrite),
+        ("warm scan", warm_scan),
+        ("warm rewrite", warm_rewrite),
+    ):
         if proc.returncode not in (0, 3):
             print(f"{name} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
             return 1
@@ -160,19 +185,33 @@ def main(argv=None) -> int:
         ("flashport rewrite (dry run)", rewrite_s, CPU["rewrite"]),
         ("flashport scan, WARM result cache (FLASHPORT_CACHE)", warm_scan_s, CPU["warm scan"]),
         ("flashport rewrite (dry run), WARM result cache", warm_rewrite_s, CPU["warm rewrite"]),
-        (f"naive libcst+QualifiedName, ESTIMATE from {naive_files} files/{naive_bytes / 1e6:.1f} MB", naive_est, naive_cpu_est),
+        (
+            f"naive libcst+QualifiedName, ESTIMATE from {naive_files} files/{naive_bytes / 1e6:.1f} MB",
+            naive_est,
+            naive_cpu_est,
+        ),
     ]
-    print(f"\nload average before the runs: {os.getloadavg()[0]:.1f} (wall times inflate when it exceeds the core count)")
+    print(
+        f"\nload average before the runs: {os.getloadavg()[0]:.1f} (wall times inflate when it exceeds the core count)"
+    )
     print(f"{'what':<70} {'wall s':>8} {'CPU s':>8} {'files/s':>8} {'MB/s':>7} {'x grep':>7}")
     for name, seconds, cpu in rows:
-        print(f"{name:<70} {seconds:>8.2f} {cpu:>8.2f} {len(files) / seconds:>8.0f} {mb / seconds:>7.2f} {seconds / grep_s:>7.1f}")
+        print(
+            f"{name:<70} {seconds:>8.2f} {cpu:>8.2f} {len(files) / seconds:>8.0f} {mb / seconds:>7.2f} {seconds / grep_s:>7.1f}"
+        )
     summary = scan_doc["summary"]
-    print(f"\ngrep matched {grep_hits} files; flashport parsed {summary['files_parsed']}, "
-          f"sites {summary['sites']}, failed files {summary['files_failed']}")
-    print(f"rewrite: {rewrite_doc['summary']['files_changed']} files would change, sites {rewrite_doc['summary']['sites']}")
-    print(f"cold: scan / grep = {scan_s / grep_s:.1f}x (target <= 10x); rewrite = {rewrite_s:.1f} s (target < 30 s on 2 cores); "
-          f"warm cache: scan / grep = {warm_scan_s / grep_s:.1f}x, rewrite = {warm_rewrite_s:.1f} s; "
-          f"naive / rewrite = {naive_est / rewrite_s:.0f}x")
+    print(
+        f"\ngrep matched {grep_hits} files; flashport parsed {summary['files_parsed']}, "
+        f"sites {summary['sites']}, failed files {summary['files_failed']}"
+    )
+    print(
+        f"rewrite: {rewrite_doc['summary']['files_changed']} files would change, sites {rewrite_doc['summary']['sites']}"
+    )
+    print(
+        f"cold: scan / grep = {scan_s / grep_s:.1f}x (target <= 10x); rewrite = {rewrite_s:.1f} s (target < 30 s on 2 cores); "
+        f"warm cache: scan / grep = {warm_scan_s / grep_s:.1f}x, rewrite = {warm_rewrite_s:.1f} s; "
+        f"naive / rewrite = {naive_est / rewrite_s:.0f}x"
+    )
     return 0
 
 

@@ -74,7 +74,9 @@ class Outcome:
 
 def cache_dir() -> str:
     """The corpus cache folder (outside the repository)."""
-    base = os.environ.get("FLASHPORT_BENCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "flashport-bench")
+    base = os.environ.get("FLASHPORT_BENCH_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "flashport-bench"
+    )
     return os.path.join(base, "corpus")
 
 
@@ -89,11 +91,19 @@ def fetch(name: str, version: str, cache: str) -> str:
     unpacked = os.path.join(cache, f"{name}-{version}")
     if os.path.isfile(os.path.join(unpacked, ".complete")):
         return unpacked
-    archives = [f for f in os.listdir(cache) if f.lower().startswith(stem.lower()) and f.endswith((".whl", ".tar.gz", ".zip"))]
+    archives = [
+        f
+        for f in os.listdir(cache)
+        if f.lower().startswith(stem.lower()) and f.endswith((".whl", ".tar.gz", ".zip"))
+    ]
     if not archives:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{name}=={version}", "-d", cache]
         done = subprocess.run(cmd, capture_output=True, text=True)
-        archives = [f for f in os.listdir(cache) if f.lower().startswith(stem.lower()) and f.endswith((".whl", ".tar.gz", ".zip"))]
+        archives = [
+            f
+            for f in os.listdir(cache)
+            if f.lower().startswith(stem.lower()) and f.endswith((".whl", ".tar.gz", ".zip"))
+        ]
         if done.returncode != 0 or not archives:
             raise RuntimeError(f"pip download {name}=={version} failed: {done.stderr.strip()[-500:]}")
     archive = os.path.join(cache, sorted(archives)[0])
@@ -140,7 +150,9 @@ def run_package(name: str, version: str, framework: str, folders, jobs: int | No
             return out
         apis = collections.Counter(s["api"] for s in scan["sites"])
         out.sites_by_api = dict(sorted(apis.items(), key=lambda kv: (-kv[1], kv[0])))
-        out.unparseable = sorted(f["path"] for f in scan["files"] if f["status"] == "error" and not _internal(f["error"]))
+        out.unparseable = sorted(
+            f["path"] for f in scan["files"] if f["status"] == "error" and not _internal(f["error"])
+        )
 
         code, write, err, out.seconds["write"] = cli(["rewrite", "--write", *roots], jobs)
         if not _sane(code, write, out, "rewrite --write", err):
@@ -204,17 +216,26 @@ def _verify_changes(doc: dict, originals: dict, out: Outcome) -> None:
         new_lines = new.decode("utf-8", "replace").splitlines()
         imports, guards = _import_lines(old)
         allowed = {line for start, end in sites[path] for line in range(start, end + 1)} | imports
-        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes():
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+            None, old_lines, new_lines, autojunk=False
+        ).get_opcodes():
             if tag == "equal":
                 continue
             # a guarded import block may go as a whole once its imports are dead (rewriter/dead_imports.py)
-            only_imports = all(not t.strip() or t.strip().startswith(("import ", "from ")) for t in new_lines[j1:j2])
+            only_imports = all(
+                not t.strip() or t.strip().startswith(("import ", "from ")) for t in new_lines[j1:j2]
+            )
             removable = allowed | guards if only_imports else allowed
             stray = [i + 1 for i in range(i1, i2) if i + 1 not in removable and old_lines[i].strip()]
             if tag == "insert" or (i2 - i1) < (j2 - j1):
                 added = new_lines[j1 + (i2 - i1) : j2] if tag != "insert" else new_lines[j1:j2]
-                stray += [f"+{text.strip()}" for text in added if text.strip()  # blank lines around an import group
-                          and not text.strip().startswith(("import ", "from ")) and not _inside_site(i1, sites[path])]
+                stray += [
+                    f"+{text.strip()}"
+                    for text in added
+                    if text.strip()  # blank lines around an import group
+                    and not text.strip().startswith(("import ", "from "))
+                    and not _inside_site(i1, sites[path])
+                ]
             if stray:
                 out.stray_lines.append(f"{os.path.basename(path)}: {stray[:5]}")
 
@@ -245,14 +266,37 @@ def print_report(outcomes) -> None:
 
     console = Console(width=max(140, Console().width), highlight=False)
     table = Table(title="flashport corpus run")
-    for column in ("package", "framework", ".py files", "sites", "rewritten", "refused", "files changed",
-                   "unparseable", "scan s", "write s", "check s", "crashes", "checks"):
+    for column in (
+        "package",
+        "framework",
+        ".py files",
+        "sites",
+        "rewritten",
+        "refused",
+        "files changed",
+        "unparseable",
+        "scan s",
+        "write s",
+        "check s",
+        "crashes",
+        "checks",
+    ):
         table.add_column(column, justify="left" if column in ("package", "framework", "checks") else "right")
     for o in outcomes:
         checks = "ok" if o.ok else "FAILED"
-        table.add_row(f"{o.name}=={o.version}", o.framework, str(o.files), str(sum(o.sites_by_api.values())), str(o.rewritten),
-                      str(sum(o.refused_by_reason.values())), str(o.files_changed), str(len(o.unparseable)),
-                      *(f"{o.seconds.get(k, 0):.1f}" for k in ("scan", "write", "check")), str(len(o.crashes)), checks)
+        table.add_row(
+            f"{o.name}=={o.version}",
+            o.framework,
+            str(o.files),
+            str(sum(o.sites_by_api.values())),
+            str(o.rewritten),
+            str(sum(o.refused_by_reason.values())),
+            str(o.files_changed),
+            str(len(o.unparseable)),
+            *(f"{o.seconds.get(k, 0):.1f}" for k in ("scan", "write", "check")),
+            str(len(o.crashes)),
+            checks,
+        )
     console.print(table)
     for o in outcomes:
         detail = Table(title=f"{o.name}=={o.version}: sites per API", show_header=True)
@@ -268,8 +312,11 @@ def print_report(outcomes) -> None:
             for reason, count in o.refused_by_reason.items():
                 refused.add_row(str(count), reason)
             console.print(refused)
-        for label, items in (("CRASH", o.crashes), ("does not compile", o.not_compiling),
-                             ("changed lines outside sites/imports", o.stray_lines)):
+        for label, items in (
+            ("CRASH", o.crashes),
+            ("does not compile", o.not_compiling),
+            ("changed lines outside sites/imports", o.stray_lines),
+        ):
             for item in items:
                 console.print(f"[red]{label}[/] {item}")
         if o.second_run_changes:

@@ -31,13 +31,15 @@ def _functions(seq: int):
     key = jax.random.key(0)
 
     def attn(rate):
-        return lambda q, k, v: flashport.attention(q, k, v, causal=True, backend="blockwise",
-                                                   dropout_rate=rate, dropout_rng=key if rate else None)
+        return lambda q, k, v: flashport.attention(
+            q, k, v, causal=True, backend="blockwise", dropout_rate=rate, dropout_rng=key if rate else None
+        )
 
     fns = {}
     for rate in (0.0, RATE):
         fwd = jax.jit(attn(rate))
-        train = jax.jit(jax.grad(lambda q, k, v, f=attn(rate): jnp.sum(f(q, k, v)), argnums=(0, 1, 2)))
+        loss = attn(rate)
+        train = jax.jit(jax.grad(lambda q, k, v, f=loss: jnp.sum(f(q, k, v)), argnums=(0, 1, 2)))
         fns[("forward", rate)] = fwd
         fns[("fwd+bwd", rate)] = train
     return fns, (q, k, v)
@@ -57,26 +59,37 @@ def _time(fn, args, repeats):
 
 def main() -> None:
     """Print the side-by-side table."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    print(f"blockwise backend, B={B} H={H} D={D} float32 causal; dropout_rate={RATE} vs 0; "
-          f"medians of {args.repeats} alternating runs")
-    print(f"{'S':>6} {'pass':>8} {'no dropout s':>13} {'dropout s':>10} {'ratio':>6} {'scratch MiB (0 / p)':>20}")
+    print(
+        f"blockwise backend, B={B} H={H} D={D} float32 causal; dropout_rate={RATE} vs 0; "
+        f"medians of {args.repeats} alternating runs"
+    )
+    print(
+        f"{'S':>6} {'pass':>8} {'no dropout s':>13} {'dropout s':>10} {'ratio':>6} {'scratch MiB (0 / p)':>20}"
+    )
     for seq in args.sizes:
         fns, xs = _functions(seq)
         for kind in ("forward", "fwd+bwd"):
             base, drop = fns[(kind, 0.0)], fns[(kind, RATE)]
-            scratch = [f.lower(*xs).compile().memory_analysis().temp_size_in_bytes / 2**20 for f in (base, drop)]
+            scratch = [
+                f.lower(*xs).compile().memory_analysis().temp_size_in_bytes / 2**20 for f in (base, drop)
+            ]
             t_base, t_drop = [], []
             for _ in range(args.repeats):  # alternate so drift hits both
                 t_base += _time(base, xs, 1)
                 t_drop += _time(drop, xs, 1)
             mb, md = statistics.median(t_base), statistics.median(t_drop)
-            print(f"{seq:>6} {kind:>8} {mb:>13.3f} {md:>10.3f} {md / mb:>6.2f} "
-                  f"{scratch[0]:>9.1f} / {scratch[1]:<8.1f}", flush=True)
+            print(
+                f"{seq:>6} {kind:>8} {mb:>13.3f} {md:>10.3f} {md / mb:>6.2f} "
+                f"{scratch[0]:>9.1f} / {scratch[1]:<8.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,9 @@ def _bert(layers: int, width: int, heads: int, vocab: int):
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x, mask):
-            x = nn.LayerNorm()(x + nn.MultiHeadDotProductAttention(num_heads=heads, qkv_features=width)(
-                x, x, mask=mask))
+            x = nn.LayerNorm()(
+                x + nn.MultiHeadDotProductAttention(num_heads=heads, qkv_features=width)(x, x, mask=mask)
+            )
             return nn.LayerNorm()(x + nn.Dense(width)(nn.gelu(nn.Dense(4 * width)(x))))
 
     class Bert(nn.Module):
@@ -145,7 +146,7 @@ def overhead(repeats: int) -> dict:
     samples: dict = {}
     for r in range(repeats + 1):  # the first round warms caches shared by both sides; dropped
         got = {}
-        for step in ((the_pass, plain, fused) if r % 2 else (fused, plain, the_pass)):
+        for step in (the_pass, plain, fused) if r % 2 else (fused, plain, the_pass):
             got.update(step())
         if r:
             for k, v in got.items():
@@ -155,12 +156,21 @@ def overhead(repeats: int) -> dict:
     pass_s = wall["trace"] + wall["match"] + wall["rewrite"]
 
     def paired(i):  # median over rounds of (fused - plain) / plain: cancels drift between rounds
-        return statistics.median((f[i] - p[i]) / p[i] for f, p in zip(samples["fused"], samples["plain"]))
+        return statistics.median(
+            (f[i] - p[i]) / p[i] for f, p in zip(samples["fused"], samples["plain"], strict=True)
+        )
 
-    return {"repeats": repeats, "sites": 12, "wall_s": wall, "cpu_s": cpu, "pass_s": pass_s,
-            "pass_ratio": pass_s / wall["plain"],
-            "own_ratio": (wall["match"] + wall["rewrite"]) / wall["plain"],
-            "e2e_ratio": paired(0), "e2e_ratio_cpu": paired(1)}
+    return {
+        "repeats": repeats,
+        "sites": 12,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "pass_s": pass_s,
+        "pass_ratio": pass_s / wall["plain"],
+        "own_ratio": (wall["match"] + wall["rewrite"]) / wall["plain"],
+        "e2e_ratio": paired(0),
+        "e2e_ratio_cpu": paired(1),
+    }
 
 
 def _count_sites(jaxpr) -> int:
@@ -208,8 +218,14 @@ def _worker(variant: str, seq: int, repeats: int, model_name: str = "gpt") -> di
         jax.block_until_ready(jitted(params, *args))
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"median_s": statistics.median(times), "times": times, "peak_rss_delta": peak - base,
-            "xla_bytes": xla_bytes, "sites": sites, "checksum": float(jnp.sum(out[:, -8:]))}
+    return {
+        "median_s": statistics.median(times),
+        "times": times,
+        "peak_rss_delta": peak - base,
+        "xla_bytes": xla_bytes,
+        "sites": sites,
+        "checksum": float(jnp.sum(out[:, -8:])),
+    }
 
 
 def _run(variant: str, seq: int, repeats: int, model: str = "gpt") -> dict:
@@ -233,9 +249,15 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--model", choices=("gpt", "bert"), default="gpt",
-                    help="(b): causal GPT-style model (default) or padded-batch BERT-style encoder")
-    ap.add_argument("--worker", nargs=4, metavar=("VARIANT", "SEQ", "REPEATS", "MODEL"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--model",
+        choices=("gpt", "bert"),
+        default="gpt",
+        help="(b): causal GPT-style model (default) or padded-batch BERT-style encoder",
+    )
+    ap.add_argument(
+        "--worker", nargs=4, metavar=("VARIANT", "SEQ", "REPEATS", "MODEL"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args(argv)
     if args.worker:
         variant, seq, repeats, model = args.worker
@@ -249,19 +271,21 @@ def main(argv=None) -> int:
         def ms(key):
             return f"{w[key] * 1e3:.0f} ms [{c[key] * 1e3:.0f}]"
 
-        print(f"(a) 12-layer Flax transformer, S=256, {o['sites']} sites; medians of {o['repeats']} "
-              f"(wall, CPU ms in brackets)\n"
-              f"    jit(f).lower().compile()                  {ms('plain')} = trace {ms('plain_trace')} "
-              f"+ lower/compile {ms('plain_lower_compile')}\n"
-              f"    jit(fuse_attention(f)).lower().compile()  {ms('fused')} = trace {ms('fused_trace')} "
-              f"+ lower/compile {ms('fused_lower_compile')}\n"
-              f"    pass alone: trace {ms('trace')} + normalize/match {ms('match')} + rewrite {ms('rewrite')}\n"
-              f"    (1) issue metric, (trace+match+rewrite) / jit(f) lower+compile: {o['pass_ratio']:.1%} "
-              f"-> {_verdict(o['pass_ratio'])} the <= 10% target\n"
-              f"        (the pass's own work, match+rewrite without the trace jit also pays: {o['own_ratio']:.1%})\n"
-              f"    (2) end-to-end extra, (jit(fuse_attention(f)) - jit(f)) / jit(f), lower+compile, median of "
-              f"paired rounds: {o['e2e_ratio']:.1%} [CPU {o['e2e_ratio_cpu']:.1%}] -> {_verdict(o['e2e_ratio'])} "
-              f"the <= 10% target")
+        print(
+            f"(a) 12-layer Flax transformer, S=256, {o['sites']} sites; medians of {o['repeats']} "
+            f"(wall, CPU ms in brackets)\n"
+            f"    jit(f).lower().compile()                  {ms('plain')} = trace {ms('plain_trace')} "
+            f"+ lower/compile {ms('plain_lower_compile')}\n"
+            f"    jit(fuse_attention(f)).lower().compile()  {ms('fused')} = trace {ms('fused_trace')} "
+            f"+ lower/compile {ms('fused_lower_compile')}\n"
+            f"    pass alone: trace {ms('trace')} + normalize/match {ms('match')} + rewrite {ms('rewrite')}\n"
+            f"    (1) issue metric, (trace+match+rewrite) / jit(f) lower+compile: {o['pass_ratio']:.1%} "
+            f"-> {_verdict(o['pass_ratio'])} the <= 10% target\n"
+            f"        (the pass's own work, match+rewrite without the trace jit also pays: {o['own_ratio']:.1%})\n"
+            f"    (2) end-to-end extra, (jit(fuse_attention(f)) - jit(f)) / jit(f), lower+compile, median of "
+            f"paired rounds: {o['e2e_ratio']:.1%} [CPU {o['e2e_ratio_cpu']:.1%}] -> {_verdict(o['e2e_ratio'])} "
+            f"the <= 10% target"
+        )
     if args.skip_model:
         if args.json:
             print(json.dumps(result))
@@ -272,15 +296,24 @@ def main(argv=None) -> int:
     speed = base["median_s"] / fused["median_s"]
     rss = fused["peak_rss_delta"] / max(base["peak_rss_delta"], 1)
     xla = fused["xla_bytes"] / base["xla_bytes"]
-    what = ("BERT-style Flax encoder, padded batch B=2 (25% padding)" if args.model == "bert"
-            else "GPT-style Flax model")
-    print(f"(b) {what}, 2 layers, S={args.seq}, CPU, forward (median of {args.repeats}), "
-          f"{fused['sites']} fused sites:")
+    what = (
+        "BERT-style Flax encoder, padded batch B=2 (25% padding)"
+        if args.model == "bert"
+        else "GPT-style Flax model"
+    )
+    print(
+        f"(b) {what}, 2 layers, S={args.seq}, CPU, forward (median of {args.repeats}), "
+        f"{fused['sites']} fused sites:"
+    )
     print(f"    {'variant':<11} {'median s':>9} {'peak RSS MiB':>13} {'XLA MiB':>9}")
     for name, r in (("unmodified", base), ("fused", fused)):
-        print(f"    {name:<11} {r['median_s']:>9.3f} {r['peak_rss_delta']/2**20:>13.0f} {r['xla_bytes']/2**20:>9.0f}")
-    print(f"    speedup {speed:.2f}x (target >= 2x); peak RSS {rss:.1%}, XLA bytes {xla:.1%} of unmodified "
-          f"(target <= 25%); checksum diff {abs(base['checksum'] - fused['checksum']):.2e}")
+        print(
+            f"    {name:<11} {r['median_s']:>9.3f} {r['peak_rss_delta'] / 2**20:>13.0f} {r['xla_bytes'] / 2**20:>9.0f}"
+        )
+    print(
+        f"    speedup {speed:.2f}x (target >= 2x); peak RSS {rss:.1%}, XLA bytes {xla:.1%} of unmodified "
+        f"(target <= 25%); checksum diff {abs(base['checksum'] - fused['checksum']):.2e}"
+    )
     result["summary"] = {"speedup": speed, "rss_ratio": rss, "xla_ratio": xla}
     if args.json:
         print(json.dumps(result))

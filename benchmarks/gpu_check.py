@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import flashport  # noqa: E402
-from reference import reduce_to_shape, reference_attention, reference_attention_vjp  # noqa: E402
+from reference import reduce_to_shape, reference_attention, reference_attention_vjp
+
+import flashport
 
 CASES = [
     ("plain", dict()),
@@ -79,7 +80,11 @@ def check() -> bool:
         for backend in ("cudnn", "pallas_gpu", "blockwise", "xla", "auto"):
             picks.lines.clear()
             try:
-                out = jax.jit(lambda q, k, v: flashport.attention(q, k, v, backend=backend, **case))(q, k, v)
+                out = jax.jit(
+                    lambda q, k, v, backend=backend, case=case: flashport.attention(
+                        q, k, v, backend=backend, **case
+                    )
+                )(q, k, v)
             except ValueError as err:
                 print(f"{name:28s} {backend:9s} refused: {str(err)[:110]}")
                 continue
@@ -87,7 +92,9 @@ def check() -> bool:
             picked = next((l.split("cuda->")[1].split(" ")[0] for l in picks.lines if "cuda->" in l), "")
             good = err < 5e-2
             ok &= good
-            print(f"{name:28s} {backend:9s} max err {err:.2e} {'ok' if good else 'FAIL'} {('auto picked ' + picked) if picked else ''}")
+            print(
+                f"{name:28s} {backend:9s} max err {err:.2e} {'ok' if good else 'FAIL'} {('auto picked ' + picked) if picked else ''}"
+            )
     return ok
 
 
@@ -124,7 +131,7 @@ def check_grads(backend="pallas_gpu", dtype=jnp.bfloat16, sq=128, sk=256, d=64, 
             case["dropout_rng"] = jax.random.key(5)
             ref_case["dropout_seed"] = (0, 5)
 
-        def run(q, k, v, bias):
+        def run(q, k, v, bias, case=case):
             return flashport.attention(q, k, v, bias=bias, backend=backend, **case)
 
         out, vjp = jax.vjp(jax.jit(run), q, k, v, bias)
@@ -135,13 +142,18 @@ def check_grads(backend="pallas_gpu", dtype=jnp.bfloat16, sq=128, sk=256, d=64, 
         if bias is not None:
             want = (*want[:3], reduce_to_shape(want[3], bias.shape))
         errs = [float(np.max(np.abs(np.asarray(out, np.float64) - want_out)))]
-        for g, w in zip(got[: 3 + (bias is not None)], want):
-            errs.append(float(np.max(np.abs(np.asarray(g, np.float64) - w))) / max(1.0, float(np.max(np.abs(w)))))
+        for g, w in zip(got[: 3 + (bias is not None)], want, strict=True):
+            errs.append(
+                float(np.max(np.abs(np.asarray(g, np.float64) - w))) / max(1.0, float(np.max(np.abs(w))))
+            )
         good = max(errs) < tol
         ok &= good
         labels = "out dq dk dv dbias".split()
-        print(f"{name:28s} {backend:9s} grads " + " ".join(f"{l} {e:.1e}" for l, e in zip(labels, errs))
-              + f" {'ok' if good else 'FAIL'}")
+        print(
+            f"{name:28s} {backend:9s} grads "
+            + " ".join(f"{l} {e:.1e}" for l, e in zip(labels, errs, strict=True))
+            + f" {'ok' if good else 'FAIL'}"
+        )
     return ok
 
 
@@ -157,13 +169,19 @@ def _time(fn, *args, repeats=20):
 
 def bench() -> None:
     """Median forward time: flashport auto and pallas_gpu vs jax.nn cuDNN and XLA, causal, bf16."""
-    print(f"{'S':>6} {'flashport auto ms':>18} {'pallas_gpu ms':>14} {'jax.nn cudnn ms':>16} {'jax.nn xla ms':>14}")
+    print(
+        f"{'S':>6} {'flashport auto ms':>18} {'pallas_gpu ms':>14} {'jax.nn cudnn ms':>16} {'jax.nn xla ms':>14}"
+    )
     for seq in (1024, 4096, 8192):
         q, k, v = _inputs(0, sq=seq, sk=seq, hq=16, hkv=16, d=128)
         ours = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True))
         pallas = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True, backend="pallas_gpu"))
-        cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
-        xla = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"))
+        cudnn = jax.jit(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        )
+        xla = jax.jit(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        )
         row = [_time(f, q, k, v) * 1e3 for f in (ours, pallas, cudnn, xla)]
         print(f"{seq:>6} {row[0]:>18.3f} {row[1]:>14.3f} {row[2]:>16.3f} {row[3]:>14.3f}")
 

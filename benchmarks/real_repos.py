@@ -43,11 +43,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import corpus  # noqa: E402 - the shared fetcher
+import corpus
 
-from flashport import rules as registry  # noqa: E402
-from flashport.rewriter.engine import transform_source  # noqa: E402
-from flashport.rules.base import RuleOptions  # noqa: E402
+from flashport import rules as registry
+from flashport.rewriter.engine import transform_source
+from flashport.rules.base import RuleOptions
 
 # name, version: sources or wheels that carry model code calling flash-attn / xformers / SDPA
 PACKAGES = (
@@ -137,7 +137,11 @@ def _allowed_lines(old: bytes, sites, gpu_modules) -> set[int]:
     alias_lines = {s.line for s in sites if s.kind == "reference" and s.status == "rewrite"}
     tree = ast.parse(old)
     for node in ast.walk(tree):
-        span = range(node.lineno, (getattr(node, "end_lineno", None) or node.lineno) + 1) if hasattr(node, "lineno") else ()
+        span = (
+            range(node.lineno, (getattr(node, "end_lineno", None) or node.lineno) + 1)
+            if hasattr(node, "lineno")
+            else ()
+        )
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             allowed.update(span)
         elif isinstance(node, (ast.Try, ast.If)) and gpu_imports(ast.unparse(node).encode(), gpu_modules):
@@ -153,14 +157,27 @@ def check_changes(path: str, old: bytes, new: bytes, sites, gpu_modules) -> list
     old_lines = old.decode("utf-8", "replace").splitlines()
     new_lines = new.decode("utf-8", "replace").splitlines()
     stray = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+        None, old_lines, new_lines, autojunk=False
+    ).get_opcodes():
         if tag == "equal":
             continue
         stray += [f"{path}:{i + 1}" for i in range(i1, i2) if i + 1 not in allowed and old_lines[i].strip()]
-        extra = new_lines[j1 + (i2 - i1) : j2] if tag == "replace" else new_lines[j1:j2] if tag == "insert" else []
-        inside = any(line in allowed for line in (i1, i1 + 1, i2))  # more lines for a rewritten call or import
-        stray += [f"{path}:+{t.strip()}" for t in extra
-                  if t.strip() and not inside and not t.strip().startswith(("import ", "from ", "pass", "#"))]
+        extra = (
+            new_lines[j1 + (i2 - i1) : j2]
+            if tag == "replace"
+            else new_lines[j1:j2]
+            if tag == "insert"
+            else []
+        )
+        inside = any(
+            line in allowed for line in (i1, i1 + 1, i2)
+        )  # more lines for a rewritten call or import
+        stray += [
+            f"{path}:+{t.strip()}"
+            for t in extra
+            if t.strip() and not inside and not t.strip().startswith(("import ", "from ", "pass", "#"))
+        ]
     return stray
 
 
@@ -196,7 +213,9 @@ def run_package(name: str, version: str, cache: str) -> Result:
             else:
                 out.model_sites += len(counted)
                 out.model_ported += len(ported)
-                out.refusals.update(f"{s.rule} {s.kind}: {normalize(s.reason)}" for s in counted if s.status != "rewrite")
+                out.refusals.update(
+                    f"{s.rule} {s.kind}: {normalize(s.reason)}" for s in counted if s.status != "rewrite"
+                )
             if result.new is None:
                 continue
             out.changed += 1
@@ -217,7 +236,7 @@ def run_package(name: str, version: str, cache: str) -> Result:
     return out
 
 
-_IMPORT_CHECK = r'''
+_IMPORT_CHECK = r"""
 import importlib, importlib.abc, json, sys, traceback
 GPU = set(sys.argv[2].split(","))  # top-level module names
 class Blocker(importlib.abc.MetaPathFinder):
@@ -236,7 +255,7 @@ for module in sys.argv[3:]:
         text = "".join(traceback.format_exception_only(type(err), err))
         out[module] = "gpu" if "is blocked" in text else "dep"
 print(json.dumps(out))
-'''
+"""
 
 
 def import_check(result: Result, gpu_modules: tuple[str, ...]) -> None:
@@ -255,13 +274,24 @@ def import_check(result: Result, gpu_modules: tuple[str, ...]) -> None:
             parts = relative[:-3].replace(os.sep, "/").split("/")
             modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
         top = {m.split(".")[0] for m in modules}
-        base = tree if all(os.path.isdir(os.path.join(tree, t)) or os.path.isfile(os.path.join(tree, t + ".py")) for t in top) else None
+        base = (
+            tree
+            if all(
+                os.path.isdir(os.path.join(tree, t)) or os.path.isfile(os.path.join(tree, t + ".py"))
+                for t in top
+            )
+            else None
+        )
         if base is None:  # an sdist: the package sits one folder down
             inner = [d for d in os.listdir(tree) if os.path.isdir(os.path.join(tree, d))]
             base = os.path.join(tree, inner[0]) if len(inner) == 1 else tree
             modules = [m.split(".", 1)[1] if "." in m else m for m in modules]
-        done = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, base, ",".join(BLOCKED), *modules],
-                              capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(
+            [sys.executable, "-c", _IMPORT_CHECK, base, ",".join(BLOCKED), *modules],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         try:
             outcomes = json.loads(done.stdout.strip().splitlines()[-1])
             result.imports.update(outcomes.values())
@@ -275,38 +305,94 @@ def speed(sites: int) -> tuple[float, float, int]:
     lines = ["from flash_attn import flash_attn_func\n\n"]
     for f in range(max(1, sites // 20)):
         lines.append(f"\ndef f{f}(q, k, v):\n")
-        lines += [f"    o{i} = flash_attn_func(q, k, v, causal=True, softmax_scale=0.{i % 9 + 1})\n" for i in range(min(20, sites))]
+        lines += [
+            f"    o{i} = flash_attn_func(q, k, v, causal=True, softmax_scale=0.{i % 9 + 1})\n"
+            for i in range(min(20, sites))
+        ]
         lines.append("    return q\n")
     data = "".join(lines).encode()
     rules = registry.all_rules()
     wall, cpu = time.perf_counter(), time.process_time()
     result = transform_source(data, "generated.py", rules, RuleOptions())
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    assert result.status == "changed" and len(result.sites) == max(1, sites // 20) * min(20, sites), result.error
+    assert result.status == "changed" and len(result.sites) == max(1, sites // 20) * min(20, sites), (
+        result.error
+    )
     return wall, cpu, len(data)
 
 
 def report(results: list[Result]) -> None:
     """Print the per-package table and the top refusal reasons."""
-    head = ("package", "files", "model sites", "ported", "share", "test sites", "test ported", "changed",
-            "compile/idem", "stray", "crashes", "fully ported", "still GPU import", "import ok/gpu/dep", "s")
+    head = (
+        "package",
+        "files",
+        "model sites",
+        "ported",
+        "share",
+        "test sites",
+        "test ported",
+        "changed",
+        "compile/idem",
+        "stray",
+        "crashes",
+        "fully ported",
+        "still GPU import",
+        "import ok/gpu/dep",
+        "s",
+    )
     rows = []
     for r in results:
         share = f"{100 * r.model_ported / r.model_sites:.0f}%" if r.model_sites else "-"
-        rows.append((f"{r.name}=={r.version}", r.files, r.model_sites, r.model_ported, share, r.test_sites, r.test_ported,
-                     r.changed, "ok" if not (r.not_compiling or r.not_idempotent) else f"{len(r.not_compiling)}/{len(r.not_idempotent)}",
-                     len(r.stray), len(r.crashes), len(r.fully_ported), len(r.still_gpu),
-                     f"{r.imports['ok']}/{r.imports['gpu']}/{r.imports['dep']}" if r.imports else "-", f"{r.seconds:.0f}"))
+        rows.append(
+            (
+                f"{r.name}=={r.version}",
+                r.files,
+                r.model_sites,
+                r.model_ported,
+                share,
+                r.test_sites,
+                r.test_ported,
+                r.changed,
+                "ok"
+                if not (r.not_compiling or r.not_idempotent)
+                else f"{len(r.not_compiling)}/{len(r.not_idempotent)}",
+                len(r.stray),
+                len(r.crashes),
+                len(r.fully_ported),
+                len(r.still_gpu),
+                f"{r.imports['ok']}/{r.imports['gpu']}/{r.imports['dep']}" if r.imports else "-",
+                f"{r.seconds:.0f}",
+            )
+        )
     total_sites = sum(r.model_sites for r in results)
     total_ported = sum(r.model_ported for r in results)
-    rows.append(("TOTAL", sum(r.files for r in results), total_sites, total_ported,
-                 f"{100 * total_ported / total_sites:.0f}%" if total_sites else "-",
-                 sum(r.test_sites for r in results), sum(r.test_ported for r in results), sum(r.changed for r in results),
-                 "", sum(len(r.stray) for r in results), sum(len(r.crashes) for r in results),
-                 sum(len(r.fully_ported) for r in results), sum(len(r.still_gpu) for r in results), "", ""))
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    rows.append(
+        (
+            "TOTAL",
+            sum(r.files for r in results),
+            total_sites,
+            total_ported,
+            f"{100 * total_ported / total_sites:.0f}%" if total_sites else "-",
+            sum(r.test_sites for r in results),
+            sum(r.test_ported for r in results),
+            sum(r.changed for r in results),
+            "",
+            sum(len(r.stray) for r in results),
+            sum(len(r.crashes) for r in results),
+            sum(len(r.fully_ported) for r in results),
+            sum(len(r.still_gpu) for r in results),
+            "",
+            "",
+        )
+    )
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
     for row in (head, *rows):
-        print("  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths))))
+        print(
+            "  ".join(
+                str(x).rjust(w) if i else str(x).ljust(w)
+                for i, (x, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
     reasons = collections.Counter()
     for r in results:
         reasons.update(r.refusals)
@@ -314,9 +400,14 @@ def report(results: list[Result]) -> None:
     for reason, count in reasons.most_common(15):
         print(f"  {count:4d}  {reason}")
     for r in results:
-        for label, items in (("crashes", r.crashes), ("stray changes", r.stray), ("not compiling", r.not_compiling),
-                             ("not idempotent", r.not_idempotent), ("fully ported, still importing GPU modules", r.still_gpu),
-                             ("fully ported modules whose import reached a GPU module", r.gpu_on_import)):
+        for label, items in (
+            ("crashes", r.crashes),
+            ("stray changes", r.stray),
+            ("not compiling", r.not_compiling),
+            ("not idempotent", r.not_idempotent),
+            ("fully ported, still importing GPU modules", r.still_gpu),
+            ("fully ported modules whose import reached a GPU module", r.gpu_on_import),
+        ):
             if items:
                 print(f"\n{r.name} {label} ({len(items)}):")
                 for item in items[:8]:
@@ -327,10 +418,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run the packages and the speed measurement; print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--packages", help="comma-separated names from the pinned list (default: all)")
-    parser.add_argument("--speed-sites", type=int, default=20000, help="sites in the generated file (0: skip)")
-    parser.add_argument("--no-import-check", action="store_true", help="skip importing the fully ported modules")
+    parser.add_argument(
+        "--speed-sites", type=int, default=20000, help="sites in the generated file (0: skip)"
+    )
+    parser.add_argument(
+        "--no-import-check", action="store_true", help="skip importing the fully ported modules"
+    )
     args = parser.parse_args(argv)
-    base = os.environ.get("FLASHPORT_BENCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "flashport-bench")
+    base = os.environ.get("FLASHPORT_BENCH_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "flashport-bench"
+    )
     cache = os.path.join(base, "real_repos")
     wanted = set(args.packages.split(",")) if args.packages else None
     gpu_modules = tuple(sorted({m for r in registry.all_rules() for m in r.GPU_MODULES}))
@@ -346,12 +443,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_import_check:
             import_check(result, gpu_modules)
         results.append(result)
-        print(f"... {name}: {result.model_ported}/{result.model_sites} model sites ported", file=sys.stderr, flush=True)
+        print(
+            f"... {name}: {result.model_ported}/{result.model_sites} model sites ported",
+            file=sys.stderr,
+            flush=True,
+        )
     report(results)
     if args.speed_sites:
         wall, cpu, size = speed(args.speed_sites)
-        print(f"\nSpeed: {args.speed_sites} sites ({size / 1e6:.2f} MB) in {wall:.1f} s wall, {cpu:.1f} s CPU: "
-              f"{1000 * cpu / args.speed_sites:.2f} ms CPU a site (goal <= 1 ms; 20,000 sites < 20 s)")
+        print(
+            f"\nSpeed: {args.speed_sites} sites ({size / 1e6:.2f} MB) in {wall:.1f} s wall, {cpu:.1f} s CPU: "
+            f"{1000 * cpu / args.speed_sites:.2f} ms CPU a site (goal <= 1 ms; 20,000 sites < 20 s)"
+        )
     return 0 if all(r.ok for r in results) else 1
 
 

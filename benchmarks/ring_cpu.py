@@ -54,38 +54,50 @@ def main() -> None:
     kv_shape = (1, args.seq, args.kv_heads or args.heads, args.dim)
     plain = (jax.ShapeDtypeStruct(q_shape, dtype),) + (jax.ShapeDtypeStruct(kv_shape, dtype),) * 2
     sharded = (jax.ShapeDtypeStruct(q_shape, dtype, sharding=seq_sharded),) + (
-        jax.ShapeDtypeStruct(kv_shape, dtype, sharding=seq_sharded),) * 2
+        jax.ShapeDtypeStruct(kv_shape, dtype, sharding=seq_sharded),
+    ) * 2
 
     def contract(q, k, v):
         return flashport.attention(q, k, v, causal=True, backend=args.backend)
 
     def ring(layout):
         def fn(q, k, v):
-            return flashport.ring_attention(q, k, v, mesh=mesh, axis_name="seq", causal=True,
-                                            backend=args.backend, seq_layout=layout)
+            return flashport.ring_attention(
+                q, k, v, mesh=mesh, axis_name="seq", causal=True, backend=args.backend, seq_layout=layout
+            )
+
         return fn
 
     def train(fn):
         return jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2))
 
     rows = []
-    programs = [("unsharded, 1 device", contract, plain), ("seq-sharded, gathered", contract, sharded),
-                (f"ring contiguous, {n} shards", ring("contiguous"), sharded),
-                (f"ring zigzag, {n} shards", ring("zigzag"), sharded)]
+    programs = [
+        ("unsharded, 1 device", contract, plain),
+        ("seq-sharded, gathered", contract, sharded),
+        (f"ring contiguous, {n} shards", ring("contiguous"), sharded),
+        (f"ring zigzag, {n} shards", ring("zigzag"), sharded),
+    ]
     for kind in ("forward",) if args.forward_only else ("forward", "fwd+bwd"):
         base = None
         for name, fn, x in programs:
             temp, arg, out, gathers = measure(fn if kind == "forward" else train(fn), *x)
             base = temp if base is None else base
             rows.append((kind, name, temp, arg, out, gathers, temp / base))
-    print(f"causal attention, B=1, S={args.seq}, Hq={args.heads}, Hkv={kv_shape[2]}, D={args.dim}, {args.dtype}, "
-          f"backend={args.backend}; "
-          f"per-device bytes from compiled.memory_analysis()")
-    print("| pass | program | temp (scratch) MiB | arguments MiB | outputs MiB | all-gather in HLO | temp / unsharded |")
+    print(
+        f"causal attention, B=1, S={args.seq}, Hq={args.heads}, Hkv={kv_shape[2]}, D={args.dim}, {args.dtype}, "
+        f"backend={args.backend}; "
+        f"per-device bytes from compiled.memory_analysis()"
+    )
+    print(
+        "| pass | program | temp (scratch) MiB | arguments MiB | outputs MiB | all-gather in HLO | temp / unsharded |"
+    )
     print("|---|---|---|---|---|---|---|")
     for kind, name, temp, arg, out, gathers, ratio in rows:
-        print(f"| {kind} | {name} | {temp / 2**20:.1f} | {arg / 2**20:.1f} | {out / 2**20:.1f} | "
-              f"{'yes' if gathers else 'no'} | {ratio:.3f} |")
+        print(
+            f"| {kind} | {name} | {temp / 2**20:.1f} | {arg / 2**20:.1f} | {out / 2**20:.1f} | "
+            f"{'yes' if gathers else 'no'} | {ratio:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ DEFAULT_PACKAGES = (
     "praxis==1.4.0",  # Pallas GPU mha through the old module path, TE wrappers
     "flax==0.12.8",  # jax.nn / flax attention (decoys for the JAX rules)
 )
-CACHE = pathlib.Path(os.environ.get("FLASHPORT_BENCH_CACHE", pathlib.Path.home() / ".cache" / "flashport-bench"))
+CACHE = pathlib.Path(
+    os.environ.get("FLASHPORT_BENCH_CACHE", pathlib.Path.home() / ".cache" / "flashport-bench")
+)
 
 
 def fetch(requirement: str) -> pathlib.Path:
@@ -42,7 +44,10 @@ def fetch(requirement: str) -> pathlib.Path:
     downloads.mkdir(parents=True, exist_ok=True)
     archives = sorted(p for p in downloads.iterdir() if p.suffix in (".whl", ".zip", ".gz"))
     if not archives:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(downloads), requirement], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(downloads), requirement],
+            check=True,
+        )
         archives = sorted(p for p in downloads.iterdir() if p.suffix in (".whl", ".zip", ".gz"))
     archive = archives[0]
     target = CACHE / "src" / archive.name
@@ -61,8 +66,19 @@ def fetch(requirement: str) -> pathlib.Path:
 def scan(directory: pathlib.Path) -> dict:
     """The CLI's JSON report for ``directory`` (raises when the CLI crashed without a report)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flashport", "scan", "--format", "json", "--isolated", "--no-gitignore", str(directory)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "flashport",
+            "scan",
+            "--format",
+            "json",
+            "--isolated",
+            "--no-gitignore",
+            str(directory),
+        ],
+        capture_output=True,
+        text=True,
     )
     try:
         return json.loads(proc.stdout)
@@ -75,7 +91,9 @@ def digest(requirement: str, report: dict) -> dict:
     summary = report["summary"]
     per_api = collections.defaultdict(collections.Counter)
     for site in report["sites"]:
-        per_api[f"{site['rule']} {site['api'] if site['kind'] != 'string' else repr(site['api'])}"][site["status"]] += 1
+        per_api[f"{site['rule']} {site['api'] if site['kind'] != 'string' else repr(site['api'])}"][
+            site["status"]
+        ] += 1
     failed = [f for f in report["files"] if f["status"] == "error"]
     crashes = [f for f in failed if (f["error"] or "").startswith("internal error")]
     return {
@@ -99,7 +117,9 @@ def render(numbers: dict, top: int) -> str:
         f"crashes: {len(numbers['crashes'])}; unparsable files: {len(numbers['parse_failures'])}",
     ]
     for api, counts in numbers["per_api"].items():
-        lines.append(f"   {api}: " + ", ".join(f"{status} {count}" for status, count in sorted(counts.items())))
+        lines.append(
+            f"   {api}: " + ", ".join(f"{status} {count}" for status, count in sorted(counts.items()))
+        )
     if numbers["refused_reasons"]:
         lines.append("   refused by reason:")
         for item in numbers["refused_reasons"][:top]:
@@ -115,7 +135,9 @@ def render(numbers: dict, top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Fetch, scan and report each package; exit 1 if any file crashed the engine."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("packages", nargs="*", default=list(DEFAULT_PACKAGES), help="pip requirement specifiers")
+    parser.add_argument(
+        "packages", nargs="*", default=list(DEFAULT_PACKAGES), help="pip requirement specifiers"
+    )
     parser.add_argument("--top", type=int, default=12, help="refusal reasons shown per package")
     parser.add_argument("--json", metavar="PATH", help="write all per-package numbers here")
     args = parser.parse_args(argv)

@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import flashport.torch as ft  # noqa: E402
-from reference import reference_attention  # noqa: E402
+from reference import reference_attention
+
+import flashport.torch as ft
 
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}  # fp32 allows TF32 matmuls
 
@@ -38,11 +39,23 @@ def cases():
         ("Sq>Sk causal bottom-right (empty rows)", (b, 300, hq, d), (b, 200, hkv, d), dict(causal=True), {}),
         ("Sq<Sk causal top-left", (b, 64, hq, d), (b, 300, hkv, d), dict(causal=True, align="top_left"), {}),
         ("sliding window", (b, 256, hq, d), (b, 256, hkv, d), dict(causal=True, window=(63, 0)), {}),
-        ("window top-left Sq>Sk", (b, 200, hq, d), (b, 120, hkv, d), dict(window=(16, 8), align="top_left"), {}),
+        (
+            "window top-left Sq>Sk",
+            (b, 200, hq, d),
+            (b, 120, hkv, d),
+            dict(window=(16, 8), align="top_left"),
+            {},
+        ),
         ("softcap", (b, 256, hq, d), (b, 256, hkv, d), dict(causal=True, softcap=20.0, scale=0.3), {}),
         ("bias", (b, 128, hq, d), (b, 160, hkv, d), dict(causal=True), dict(bias=(1, hq, 128, 160))),
         ("mask", (b, 128, hq, d), (b, 160, hkv, d), {}, dict(mask=(b, 1, 128, 160))),
-        ("packed segments (varlen)", (b, 256, hq, d), (b, 256, hkv, d), dict(causal=True), dict(segments=ids)),
+        (
+            "packed segments (varlen)",
+            (b, 256, hq, d),
+            (b, 256, hkv, d),
+            dict(causal=True),
+            dict(segments=ids),
+        ),
         ("BHSD layout", (b, 128, hq, d), (b, 128, hkv, d), dict(causal=True, layout="BHSD"), {}),
     ]
 
@@ -90,9 +103,13 @@ def check(name, q_shape, kv_shape, options, extras, dtype, device, log, rng):
     g = torch.from_numpy(rng.standard_normal(tuple(out.shape)).astype(np.float32))
     out.backward(g.to(device=device, dtype=out.dtype))
 
-    ref_in = {n: (x.double().numpy() if n in grads else x.numpy()) if isinstance(x, torch.Tensor) else x
-              for n, x in cpu.items()}
-    ref_out, ref_lse = reference_attention(ref_in.pop("query"), ref_in.pop("key"), ref_in.pop("value"), **ref_in)
+    ref_in = {
+        n: (x.double().numpy() if n in grads else x.numpy()) if isinstance(x, torch.Tensor) else x
+        for n, x in cpu.items()
+    }
+    ref_out, ref_lse = reference_attention(
+        ref_in.pop("query"), ref_in.pop("key"), ref_in.pop("value"), **ref_in
+    )
     math_in = {n: (x.float().requires_grad_(True) if n in grads else x) for n, x in cpu.items()}
     ft.attention(**math_in, backend="torch").backward(g)
 
@@ -101,14 +118,18 @@ def check(name, q_shape, kv_shape, options, extras, dtype, device, log, rng):
         both_inf = np.isinf(got) & np.isinf(want) & (np.sign(got) == np.sign(want))
         with np.errstate(invalid="ignore"):
             diff = np.where(both_inf, 0.0, np.abs(got - want))
-        return float(np.nan_to_num(diff, nan=np.inf).max()) / max(1.0, float(np.abs(want[np.isfinite(want)]).max()))
+        return float(np.nan_to_num(diff, nan=np.inf).max()) / max(
+            1.0, float(np.abs(want[np.isfinite(want)]).max())
+        )
 
     errors = {"out": err(out.detach().float().cpu(), ref_out), "lse": err(lse.cpu(), ref_lse)}
     for n in grads:
         errors["d" + ("bias" if n == "bias" else n[0])] = err(dev[n].grad.float().cpu(), math_in[n].grad)
     ok = all(e <= TOLERANCE[dtype] for e in errors.values())
     shown = "  ".join(f"{n}={e:.1e}" for n, e in errors.items())
-    print(f"{'ok  ' if ok else 'FAIL'} {name:40s} {str(dtype)[6:]:9s} {path:11s} (lse: {path_lse:5s}) {shown}")
+    print(
+        f"{'ok  ' if ok else 'FAIL'} {name:40s} {str(dtype)[6:]:9s} {path:11s} (lse: {path_lse:5s}) {shown}"
+    )
     return ok
 
 
@@ -123,11 +144,16 @@ def main():
     logging.getLogger("flashport").addHandler(log)
     logging.getLogger("flashport").setLevel(logging.DEBUG)
     flash = ft._native.import_flash_attn()
-    print(f"torch {torch.__version__}, device {args.device}, flash-attn "
-          f"{getattr(flash, '__version__', 'installed') if flash else 'not installed'}")
+    print(
+        f"torch {torch.__version__}, device {args.device}, flash-attn "
+        f"{getattr(flash, '__version__', 'installed') if flash else 'not installed'}"
+    )
     rng = np.random.default_rng(0)
-    results = [check(*case, dtype, args.device, log, rng)
-               for dtype in (torch.bfloat16, torch.float16, torch.float32) for case in cases()]
+    results = [
+        check(*case, dtype, args.device, log, rng)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32)
+        for case in cases()
+    ]
     print(f"{sum(results)}/{len(results)} passed")
     sys.exit(0 if all(results) else 1)
 

@@ -63,13 +63,23 @@ def build(batch: int = 2, seq: int = 64, seed: int = 0):
 
 def compact_table(report) -> Table:
     """The report's key columns (the full table, ``report.table()``, has every field)."""
-    table = Table(title=f"flashport.find_attention: {len(report.matches)} fused, {len(report.near_misses)} near-miss")
+    table = Table(
+        title=f"flashport.find_attention: {len(report.matches)} fused, {len(report.near_misses)} near-miss"
+    )
     for column in ("status", "location", "q shape", "layout", "scale", "mask", "gqa", "reason"):
         table.add_column(column, overflow="fold")
     for site in report.to_dicts():
         location = site["location"].split("/")[-1]
-        table.add_row(site["status"], location, str(site["q"]), site["layout"], str(site["scale"]), site["mask"],
-                      str(site["gqa"]), site["reason"])
+        table.add_row(
+            site["status"],
+            location,
+            str(site["q"]),
+            site["layout"],
+            str(site["scale"]),
+            site["mask"],
+            str(site["gqa"]),
+            site["reason"],
+        )
     return table
 
 
@@ -82,7 +92,9 @@ def main() -> dict:
     expected = jax.jit(apply)(params, tokens)
     got = fused(params, tokens)
     diff = float(jnp.max(jnp.abs(np.asarray(got) - np.asarray(expected))))
-    print(f"{len(report.matches)} fused, {len(report.near_misses)} near-miss; max |fused - original| = {diff:.2e}")
+    print(
+        f"{len(report.matches)} fused, {len(report.near_misses)} near-miss; max |fused - original| = {diff:.2e}"
+    )
     return {"matches": len(report.matches), "near_misses": len(report.near_misses), "max_abs_diff": diff}
 
 

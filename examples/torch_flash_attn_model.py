@@ -61,7 +61,7 @@ class Attention(torch.nn.Module):
         """The last ``x_new.shape[1]`` tokens attend to prefix + themselves (Sq < Sk, bottom-right)."""
         _, k, v = self.project(torch.cat([x_prefix, x_new], dim=1))
         q, _, _ = self.project(x_new)
-        out = flash_attn_func(q, k, v, causal=True, softmax_scale=HEAD_DIM ** -0.5)
+        out = flash_attn_func(q, k, v, causal=True, softmax_scale=HEAD_DIM**-0.5)
         return self.o(out.flatten(-2))
 
 
@@ -109,8 +109,10 @@ def main():
     with torch.no_grad():
         for p in model.parameters():
             p -= 0.1 * p.grad
-    print(f"logits {tuple(logits.shape)}  packed {tuple(packed.shape)}  decode {tuple(step.shape)}  "
-          f"loss {loss.item():.4f} -> {torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).item():.4f}")
+    print(
+        f"logits {tuple(logits.shape)}  packed {tuple(packed.shape)}  decode {tuple(step.shape)}  "
+        f"loss {loss.item():.4f} -> {torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).item():.4f}"
+    )
 
 
 if __name__ == "__main__":

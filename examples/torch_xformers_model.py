@@ -47,7 +47,9 @@ class MaskedAttention(torch.nn.Module):
         """Every mask variant on the same inputs (Mq != Mk), summed."""
         top_left = self.attend(x_q, x_kv, xops.LowerTriangularMask())
         bottom_right = self.attend(x_q, x_kv, fmha.attn_bias.LowerTriangularFromBottomRightMask())
-        local = self.attend(x_q, x_kv, fmha.attn_bias.LocalAttentionFromBottomRightMask(window_left=1, window_right=1))
+        local = self.attend(
+            x_q, x_kv, fmha.attn_bias.LocalAttentionFromBottomRightMask(window_left=1, window_right=1)
+        )
         biased = self.attend(x_q, x_kv, tensor_bias)
         return top_left, bottom_right, local, biased
 
@@ -65,7 +67,9 @@ def main():
     outs = module(x_q, x_kv, torch.randn(2, HEADS, 3, 5))
     packed = module.packed(torch.randn(1, 9, DIM), [4, 2, 3])
     (sum(o.square().mean() for o in outs) + packed.square().mean()).backward()
-    print(f"variants {[tuple(o.shape) for o in outs]}  packed {tuple(packed.shape)}  |grad q| {module.q.weight.grad.norm():.4f}")
+    print(
+        f"variants {[tuple(o.shape) for o in outs]}  packed {tuple(packed.shape)}  |grad q| {module.q.weight.grad.norm():.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,11 @@ from flashport.kernels.spec import AttentionSpec
 
 log = logging.getLogger("flashport")
 
-DTYPES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16", jnp.dtype(jnp.float16): "float16"}
+DTYPES = {
+    jnp.dtype(jnp.float32): "float32",
+    jnp.dtype(jnp.bfloat16): "bfloat16",
+    jnp.dtype(jnp.float16): "float16",
+}
 # Platforms `auto` dispatches between at lowering time.
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -113,14 +117,38 @@ def attention(
         route = ring.detect(query, key, layout)
         if route is not None:
             return ring.ring_attention(
-                query, key, value, scale=scale, causal=causal, window=window, align=align, softcap=softcap,
-                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, layout=layout, backend=backend,
-                return_lse=return_lse, **route,
+                query,
+                key,
+                value,
+                scale=scale,
+                causal=causal,
+                window=window,
+                align=align,
+                softcap=softcap,
+                q_segment_ids=q_segment_ids,
+                kv_segment_ids=kv_segment_ids,
+                layout=layout,
+                backend=backend,
+                return_lse=return_lse,
+                **route,
             )
     (q, k, v, bias, mask, q_seg, kv_seg, seed), call = prepare(
-        query, key, value, scale=scale, causal=causal, window=window, align=align, softcap=softcap,
-        bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        layout=layout, return_lse=return_lse, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        query,
+        key,
+        value,
+        scale=scale,
+        causal=causal,
+        window=window,
+        align=align,
+        softcap=softcap,
+        bias=bias,
+        mask=mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        layout=layout,
+        return_lse=return_lse,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
     )
     choice = _resolve_backend(backend, call)
     out, lse = flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, call=call, choice=choice)
@@ -129,9 +157,25 @@ def attention(
     return (out, lse) if "return_lse" in call.features else out
 
 
-def prepare(query, key, value, *, scale=None, causal=False, window=None, align="bottom_right",
-            softcap=None, bias=None, mask=None, q_segment_ids=None, kv_segment_ids=None,
-            layout="BSHD", return_lse=False, dropout_rate=0.0, dropout_rng=None):
+def prepare(
+    query,
+    key,
+    value,
+    *,
+    scale=None,
+    causal=False,
+    window=None,
+    align="bottom_right",
+    softcap=None,
+    bias=None,
+    mask=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    layout="BSHD",
+    return_lse=False,
+    dropout_rate=0.0,
+    dropout_rng=None,
+):
     """Validate ``attention``'s arguments and return ``(canonical_arrays, call)``.
 
     ``canonical_arrays`` is ``(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed)`` in the
@@ -173,10 +217,15 @@ def prepare(query, key, value, *, scale=None, causal=False, window=None, align="
         features.add("window")
     if spec.has_positional_mask and spec.offset != 0:
         features.add("align_bottom_right")
-    for name, present in (("softcap", spec.softcap is not None), ("bias", bias is not None),
-                          ("mask", mask is not None), ("segment_ids", q_seg is not None),
-                          ("gqa", hq != hkv), ("return_lse", return_lse),
-                          ("dropout", spec.dropout_rate > 0)):
+    for name, present in (
+        ("softcap", spec.softcap is not None),
+        ("bias", bias is not None),
+        ("mask", mask is not None),
+        ("segment_ids", q_seg is not None),
+        ("gqa", hq != hkv),
+        ("return_lse", return_lse),
+        ("dropout", spec.dropout_rate > 0),
+    ):
         if present:
             features.add(name)
     call = Call(
@@ -221,7 +270,9 @@ def _no_keys(call: Call):
     """The contract for Sk == 0, on every backend: every query row sees no key, so out is 0 and lse
     is -inf (their gradients are 0). Kernels need not handle empty key blocks."""
     b, hq, sq, _ = call.q_shape
-    return jnp.zeros((b, hq, sq, call.v_head_dim), jnp.dtype(call.dtype)), jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
+    return jnp.zeros((b, hq, sq, call.v_head_dim), jnp.dtype(call.dtype)), jnp.full(
+        (b, hq, sq), -jnp.inf, jnp.float32
+    )
 
 
 def _run(choice, call, args):
@@ -272,7 +323,9 @@ def _as_array(x, name):
         except TypeError as err:
             raise TypeError(f"{name} must be an array, got {type(x).__name__}") from err
     if x.ndim != 4:
-        raise ValueError(f"{name} must have rank 4 ([batch, seq, heads, head_dim] for BSHD), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must have rank 4 ([batch, seq, heads, head_dim] for BSHD), got shape {tuple(x.shape)}"
+        )
     if jnp.dtype(x.dtype) not in DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
     return x

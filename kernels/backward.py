@@ -75,10 +75,23 @@ def attention_backward(
       The errors of :func:`flashport.attention` for arguments that do not fit the contract, and
       ValueError when ``out`` / ``lse`` / the cotangents do not have the forward's shapes.
     """
-    options = dict(scale=scale, causal=causal, window=window, align=align, softcap=softcap,
-                   mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, layout=layout,
-                   return_lse=True, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-    (q, k, v, bias_c, mask_c, q_seg, kv_seg, seed), call = api.prepare(query, key, value, bias=bias, **options)
+    options = dict(
+        scale=scale,
+        causal=causal,
+        window=window,
+        align=align,
+        softcap=softcap,
+        mask=mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        layout=layout,
+        return_lse=True,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+    )
+    (q, k, v, bias_c, mask_c, q_seg, kv_seg, seed), call = api.prepare(
+        query, key, value, bias=bias, **options
+    )
 
     def canonical(query, key, value, bias):
         arrays, _ = api.prepare(query, key, value, bias=bias, **options)
@@ -89,8 +102,12 @@ def attention_backward(
 
     b, hq, sq, _ = call.q_shape
     out_shape = (b, hq, sq, call.v_head_dim) if layout == "BHSD" else (b, sq, hq, call.v_head_dim)
-    for name, x, shape in (("out", out, out_shape), ("d_out", d_out, out_shape), ("lse", lse, (b, hq, sq)),
-                           ("d_lse", d_lse, (b, hq, sq))):
+    for name, x, shape in (
+        ("out", out, out_shape),
+        ("d_out", d_out, out_shape),
+        ("lse", lse, (b, hq, sq)),
+        ("d_lse", d_lse, (b, hq, sq)),
+    ):
         if x is not None and tuple(jnp.shape(x)) != shape:
             raise ValueError(f"{name} must have the forward's shape {shape}, got {tuple(jnp.shape(x))}")
     out, d_out = jnp.asarray(out), jnp.asarray(d_out)
@@ -99,14 +116,16 @@ def attention_backward(
     lse = jnp.asarray(lse, jnp.float32)
     d_lse = jnp.zeros((b, hq, sq), jnp.float32) if d_lse is None else jnp.asarray(d_lse, jnp.float32)
     choice = api._resolve_backend(backend, call)
-    dq, dk, dv, dbias = flashport_attention_backward(q, k, v, bias_c, mask_c, q_seg, kv_seg, seed, out, lse,
-                                                     d_out, d_lse, call=call, choice=choice)
+    dq, dk, dv, dbias = flashport_attention_backward(
+        q, k, v, bias_c, mask_c, q_seg, kv_seg, seed, out, lse, d_out, d_lse, call=call, choice=choice
+    )
     return to_user((dq, dk, dv, dbias))
 
 
 @functools.partial(jax.jit, static_argnames=("call", "choice"))
-def flashport_attention_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *,
-                                 call: api.Call, choice):
+def flashport_attention_backward(
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, call: api.Call, choice
+):
     """The jitted backward on canonical arrays; returns canonical ``(dq, dk, dv, dbias)``."""
     args = (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse)
     with jax.named_scope("flashport_attention_backward"):
@@ -119,8 +138,10 @@ def flashport_attention_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, 
         names = set(picks.values())
         if len(names) == 1:
             return _run(registry.BackendChoice(names.pop()), call, args)
-        branches = {p: functools.partial(_run_positional, registry.BackendChoice(name), call)
-                    for p, name in picks.items()}
+        branches = {
+            p: functools.partial(_run_positional, registry.BackendChoice(name), call)
+            for p, name in picks.items()
+        }
         return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
 
 
@@ -129,8 +150,11 @@ def _run(choice, call, args):
     options = choice.options_dict
     if info.backward is not None:
         return tuple(info.backward(*args, spec=call.spec, options=options))
-    log.debug("flashport_attention_backward: backend %s has no residual backward; recomputing its "
-              "forward under jax.vjp", info.name)
+    log.debug(
+        "flashport_attention_backward: backend %s has no residual backward; recomputing its "
+        "forward under jax.vjp",
+        info.name,
+    )
     return recompute_backward(info.fn, *args, spec=call.spec, options=options)
 
 
@@ -138,7 +162,9 @@ def _run_positional(choice, call, *args):
     return _run(choice, call, args)
 
 
-def recompute_backward(fn, q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec, options):
+def recompute_backward(
+    fn, q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec, options
+):
     """The fallback for backends without a residual backward: ``jax.vjp`` of the backend's forward
     ``fn`` (``out`` and ``lse`` are ignored; the forward runs again)."""
 

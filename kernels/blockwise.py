@@ -24,7 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashport.kernels import dropout, registry
-from flashport.kernels.scores import group_broadcastable, group_heads, matmul_precision, softcap_grad, tile_logits
+from flashport.kernels.scores import (
+    group_broadcastable,
+    group_heads,
+    matmul_precision,
+    softcap_grad,
+    tile_logits,
+)
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
 # Measured on a 2-core XLA:CPU host at S=4096, D=64 (causal): 256x512 tiles beat 512x512 by ~1.5x
@@ -46,8 +52,9 @@ def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: Atten
     return _attention(tiling, q, k, v, bias, mask, q_seg, kv_seg, seed)
 
 
-def blockwise_attention_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *,
-                                 spec: AttentionSpec, options):
+def blockwise_attention_backward(
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options
+):
     """The residual backward (the ``custom_vjp`` backward: dQ pass, dK/dV pass) from ``out`` and
     ``lse``; returns ``(dq, dk, dv, dbias)`` without running the forward again."""
     unknown = set(options) - {"block_q", "block_k"}
@@ -100,7 +107,11 @@ class _Tiling:
         return hash((self.spec, self.bq, self.bk))
 
     def __eq__(self, other):
-        return isinstance(other, _Tiling) and (self.spec, self.bq, self.bk) == (other.spec, other.bq, other.bk)
+        return isinstance(other, _Tiling) and (self.spec, self.bq, self.bk) == (
+            other.spec,
+            other.bq,
+            other.bk,
+        )
 
     @property
     def visited_blocks(self) -> int:
@@ -142,7 +153,9 @@ class _Inputs:
         # Dropout: per (batch, query head) seeds [B, Hkv, G, 1, 1]; tiles hash their own positions.
         self.head_seeds = None
         if t.spec.dropout_rate > 0:
-            self.head_seeds = dropout.grouped_head_seeds(seed, q.shape[0], hkv, q.shape[1] // hkv)[..., None, None]
+            self.head_seeds = dropout.grouped_head_seeds(seed, q.shape[0], hkv, q.shape[1] // hkv)[
+                ..., None, None
+            ]
 
     def dropped(self, i, j, p):
         """``p`` of tile (i, j) with the contract's dropout applied (``p`` itself without dropout)."""
@@ -211,8 +224,13 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
             alpha = jnp.exp(m - m_safe)
             p = jnp.exp(logits - m_safe[..., None])
             l = alpha * l + jnp.sum(p, axis=-1)  # the normalizer counts dropped entries too
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", x.dropped(i, j, p).astype(v.dtype), _slice(x.v, 2, j, t.bk),
-                            preferred_element_type=jnp.float32, precision=matmul_precision(v.dtype))
+            pv = jnp.einsum(
+                "bhgqk,bhkd->bhgqd",
+                x.dropped(i, j, p).astype(v.dtype),
+                _slice(x.v, 2, j, t.bk),
+                preferred_element_type=jnp.float32,
+                precision=matmul_precision(v.dtype),
+            )
             return m_new, l, alpha[..., None] * acc + pv
 
         init = (
@@ -256,10 +274,17 @@ def _backward(t: _Tiling, residuals, cotangents):
         With dropout, out = (P∘Z/(1-r))·V: dP picks up Z/(1-r) and delta = rowsum(dO∘O) still holds.
         """
         lse_i = _slice(lse_g, 3, i, t.bq)[..., None]
-        p = jnp.where(visible & (lse_i > -jnp.inf), jnp.exp(logits - jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), 0.0)
+        p = jnp.where(
+            visible & (lse_i > -jnp.inf), jnp.exp(logits - jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), 0.0
+        )
         d_out_i = _slice(d_out_g, 3, i, t.bq)
-        dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out_i, _slice(x.v, 2, j, t.bk), preferred_element_type=jnp.float32,
-                        precision=matmul_precision(d_out_i.dtype))
+        dp = jnp.einsum(
+            "bhgqd,bhkd->bhgqk",
+            d_out_i,
+            _slice(x.v, 2, j, t.bk),
+            preferred_element_type=jnp.float32,
+            precision=matmul_precision(d_out_i.dtype),
+        )
         dlogits = p * (x.dropped(i, j, dp) - _slice(delta_g, 3, i, t.bq)[..., None])
         return x.dropped(i, j, p), dlogits, raw, d_out_i
 
@@ -272,6 +297,7 @@ def _backward(t: _Tiling, residuals, cotangents):
         return (dlogits if grad is None else dlogits * grad) * t.spec.scale
 
     bias_g = x.bias
+
     # ---- dQ (and dbias) pass: map over query blocks, loop over their key blocks.
     def dq_block(i):
         def kv_step(j, carry):
@@ -281,7 +307,9 @@ def _backward(t: _Tiling, residuals, cotangents):
             dq, dbias = carry
             _, dlogits, raw, _ = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dq = dq + jnp.einsum("bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32), precision=prec)
+            dq = dq + jnp.einsum(
+                "bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32), precision=prec
+            )
             if dbias is not None:
                 dbias = _accumulate_bias(dbias, dlogits, j, t.bk)
             return dq, dbias
@@ -315,7 +343,9 @@ def _backward(t: _Tiling, residuals, cotangents):
             p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
-            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32), precision=prec)
+            dk = dk + jnp.einsum(
+                "bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32), precision=prec
+            )
             return dk, dv
 
         k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)

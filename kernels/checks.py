@@ -33,7 +33,9 @@ def check_scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a static Python float (or None for 1/sqrt(head_dim)), got {type(scale).__name__}")
+        raise TypeError(
+            f"scale must be a static Python float (or None for 1/sqrt(head_dim)), got {type(scale).__name__}"
+        )
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
@@ -55,16 +57,20 @@ def check_window(window) -> tuple[int | None, int | None]:
     if window is None:
         return None, None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(f"window must be a (left, right) pair of ints or None, e.g. window=(128, 0); got {window!r}")
+        raise ValueError(
+            f"window must be a (left, right) pair of ints or None, e.g. window=(128, 0); got {window!r}"
+        )
     sides = []
-    for side, value in zip(("left", "right"), window):
+    for side, value in zip(("left", "right"), window, strict=True):
         if value is None:
             sides.append(None)
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"window {side} must be an int or None, got {value!r}")
         if value < 0:
-            raise ValueError(f"window {side} must be >= 0 (None for unbounded), got {value}; flash-attn's -1 means None")
+            raise ValueError(
+                f"window {side} must be >= 0 (None for unbounded), got {value}; flash-attn's -1 means None"
+            )
         sides.append(int(value))
     return sides[0], sides[1]
 
@@ -83,7 +89,9 @@ def check_head_shapes(q_shape, k_shape, v_shape, layout: str) -> None:
             f"got query {show(q_shape)}, key {show(k_shape)}, value {show(v_shape)}"
         )
     if q_shape[3] != k_shape[3]:
-        raise ValueError(f"key head_dim must equal query head_dim: query {show(q_shape)} vs key {show(k_shape)}")
+        raise ValueError(
+            f"key head_dim must equal query head_dim: query {show(q_shape)} vs key {show(k_shape)}"
+        )
     hq, hkv = q_shape[1], k_shape[1]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"key/value heads ({hkv}) must divide query heads ({hq}) for GQA/MQA")
@@ -93,9 +101,11 @@ def broadcast_shape(name: str, shape, full) -> tuple[int, ...]:
     """Left-pad a bias/mask ``shape`` to rank 4; each dim must be 1 or the full [B, Hq, Sq, Sk] size."""
     shape = tuple(shape)
     if len(shape) > 4:
-        raise ValueError(f"{name} must broadcast to [B, Hq, Sq, Sk] = {list(full)}, got rank {len(shape)} shape {shape}")
+        raise ValueError(
+            f"{name} must broadcast to [B, Hq, Sq, Sk] = {list(full)}, got rank {len(shape)} shape {shape}"
+        )
     shape = (1,) * (4 - len(shape)) + shape
-    for size, want in zip(shape, full):
+    for size, want in zip(shape, full, strict=True):
         if size not in (1, want):
             raise ValueError(f"{name} of shape {shape} does not broadcast to [B, Hq, Sq, Sk] = {list(full)}")
     return shape

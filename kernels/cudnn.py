@@ -50,8 +50,10 @@ def check_call(call) -> str | None:
     if call.v_head_dim != dim:
         return "value head_dim differs from query head_dim"
     if call.bias_shape is not None and tuple(call.bias_shape[2:]) != (call.q_shape[2], call.kv_shape[2]):
-        return (f"bias of shape {list(call.bias_shape)} broadcast over the query or key axis (cuDNN "
-                f"needs the full [.., .., Sq={call.q_shape[2]}, Sk={call.kv_shape[2]}]; batch and head may be 1)")
+        return (
+            f"bias of shape {list(call.bias_shape)} broadcast over the query or key axis (cuDNN "
+            f"needs the full [.., .., Sq={call.q_shape[2]}, Sk={call.kv_shape[2]}]; batch and head may be 1)"
+        )
     if spec.has_positional_mask and spec.offset != 0:
         return "causal/window with bottom-right alignment when Sq != Sk"
     has_window = spec.window_left is not None or spec.window_right is not None

@@ -75,7 +75,9 @@ def seed_words(rng):
     dtype = getattr(rng, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         if getattr(rng, "shape", ()) != ():
-            raise ValueError(f"dropout_rng must be a single key (shape ()), got a key array of shape {rng.shape}")
+            raise ValueError(
+                f"dropout_rng must be a single key (shape ()), got a key array of shape {rng.shape}"
+            )
         words = jax.random.key_data(rng)
     else:
         words = jnp.asarray(rng)
@@ -136,5 +138,7 @@ def apply(p, keep, rate: float):
 def grouped_head_seeds(seed, batch: int, hkv: int, group: int):
     """``t_bh`` for grouped queries [B, Hkv, G]: query head ``h = kv_head * G + g`` (uint32 [B, Hkv, G])."""
     b = jnp.arange(batch, dtype=jnp.uint32)[:, None, None]
-    h = (jnp.arange(hkv, dtype=jnp.uint32)[:, None] * jnp.uint32(group) + jnp.arange(group, dtype=jnp.uint32))[None]
+    h = (
+        jnp.arange(hkv, dtype=jnp.uint32)[:, None] * jnp.uint32(group) + jnp.arange(group, dtype=jnp.uint32)
+    )[None]
     return head_seed(seed, b, h)

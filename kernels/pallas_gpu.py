@@ -40,8 +40,14 @@ from flashport.kernels.pallas_gpu_tile import MIN_BLOCK, Geometry, dropout_rows,
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
 MAX_HEAD_DIM = 256  # beyond this a tile pair no longer fits shared memory with useful blocks
-DEFAULTS = {"block_q": 128, "block_k": 64, "block_q_bwd": 64, "block_k_bwd": 64, "num_warps": None,
-            "num_stages": 2}
+DEFAULTS = {
+    "block_q": 128,
+    "block_k": 64,
+    "block_q_bwd": 64,
+    "block_k_bwd": 64,
+    "num_warps": None,
+    "num_stages": 2,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,22 +81,30 @@ def resolve_options(options: dict, name: str) -> dict:
     """
     unknown = set(options) - set(DEFAULTS)
     if unknown:
-        raise ValueError(f"backend {name!r} takes options {', '.join(DEFAULTS)}; got unknown {sorted(unknown)}")
+        raise ValueError(
+            f"backend {name!r} takes options {', '.join(DEFAULTS)}; got unknown {sorted(unknown)}"
+        )
     out = dict(DEFAULTS, **options)
     for key in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
         value = out[key]
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < MIN_BLOCK or (
-                value & (value - 1)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, np.integer))
+            or value < MIN_BLOCK
+            or (value & (value - 1))
+        ):
             raise ValueError(
                 f"{name} option {key} must be a power of two >= {MIN_BLOCK} (Triton tile sizes), got {value!r}; "
                 f"e.g. registry.use({name!r}, {key}=64)"
             )
         out[key] = int(value)
     warps = out["num_warps"]
-    if warps is not None and (isinstance(warps, bool) or not isinstance(warps, (int, np.integer))
-                              or warps not in (1, 2, 4, 8, 16)):
-        raise ValueError(f"{name} option num_warps must be one of 1, 2, 4, 8, 16 (or None for the default), "
-                         f"got {warps!r}")
+    if warps is not None and (
+        isinstance(warps, bool) or not isinstance(warps, (int, np.integer)) or warps not in (1, 2, 4, 8, 16)
+    ):
+        raise ValueError(
+            f"{name} option num_warps must be one of 1, 2, 4, 8, 16 (or None for the default), got {warps!r}"
+        )
     stages = out["num_stages"]
     if isinstance(stages, bool) or not isinstance(stages, (int, np.integer)) or stages < 1:
         raise ValueError(f"{name} option num_stages must be a positive int (e.g. 2 or 3), got {stages!r}")
@@ -142,7 +156,7 @@ def _launch(cfg: Config, call, g: Geometry, named: dict, **kwargs):
 
     def make(interpret):
         def run(*arrays):
-            res = call(g, dict(zip(names, arrays)), interpret=interpret, **kwargs)
+            res = call(g, dict(zip(names, arrays, strict=True)), interpret=interpret, **kwargs)
             return tuple(x for x in res if x is not None)
 
         return run
@@ -155,8 +169,14 @@ def _forward(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed):
     g = cfg.geometry(backward=False)
     named = _operands(g, q, k, v, bias, mask, q_seg, kv_seg, seed)
     out, lse = _launch(
-        cfg, forward_call, g, named, group=q.shape[1] // k.shape[1], out_dtype=q.dtype,
-        num_warps=cfg.warps(named["q"].shape[3]), num_stages=cfg.num_stages,
+        cfg,
+        forward_call,
+        g,
+        named,
+        group=q.shape[1] // k.shape[1],
+        out_dtype=q.dtype,
+        num_warps=cfg.warps(named["q"].shape[3]),
+        num_stages=cfg.num_stages,
     )
     sq, dv = q.shape[2], v.shape[3]
     return out[:, :, :sq, :dv], lse[:, :, :sq]

@@ -24,8 +24,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from flashport.kernels.pallas_gpu_fwd import key_side, row_operands
 from flashport.kernels.pallas_gpu_tile import (
-    Geometry, apply_dropout, dot, full_key_blocks, full_query_blocks, key_block_bounds, query_block_bounds,
-    softcap_grad, split_loop, tile_logits,
+    Geometry,
+    apply_dropout,
+    dot,
+    full_key_blocks,
+    full_query_blocks,
+    key_block_bounds,
+    query_block_bounds,
+    softcap_grad,
+    split_loop,
+    tile_logits,
 )
 
 
@@ -54,7 +62,7 @@ def _dlogits(g: Geometry, q, k, v, do, lse, delta, rows, i, j, **sides):
 
 
 def _dq_kernel(*refs, g: Geometry, names, layout):
-    r = dict(zip(names + ("dq_out", "dbias_out")[: 1 + (layout is not None)], refs))
+    r = dict(zip(names + ("dq_out", "dbias_out")[: 1 + (layout is not None)], refs, strict=True))
     i = pl.program_id(0)
     q, do, lse, delta = r["q"][...], r["do"][...], r["lse"][...], r["delta"][...]
     q_seg = r["q_seg"][...] if "q_seg" in r else None
@@ -62,6 +70,7 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
     lo, hi = key_block_bounds(g, i)
 
     if layout in ("full", "keys"):  # key blocks the loop never visits get a zero gradient
+
         def zero(j, carry):
             ks = pl.ds(j * g.bk, g.bk)
             if layout == "full":
@@ -78,8 +87,20 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
         ks = pl.ds(j * g.bk, g.bk)
         k = r["k"][ks, :]
         _, dlogits, ds = _dlogits(
-            g, q, k, r["v"][ks, :], do, lse, delta, rows, i, j, bias=key_side(r, "bias", ks),
-            mask=key_side(r, "mask", ks), q_seg=q_seg, kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None,
+            g,
+            q,
+            k,
+            r["v"][ks, :],
+            do,
+            lse,
+            delta,
+            rows,
+            i,
+            j,
+            bias=key_side(r, "bias", ks),
+            mask=key_side(r, "mask", ks),
+            q_seg=q_seg,
+            kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None,
             positional=positional,
         )
         dq = dq + dot(ds.astype(k.dtype), k)
@@ -172,7 +193,7 @@ def _query_side(refs: dict, name: str, head, qs):
 
 
 def _dkv_kernel(*refs, g: Geometry, names, group: int):
-    r = dict(zip(names + ("dk_out", "dv_out"), refs))
+    r = dict(zip(names + ("dk_out", "dv_out"), refs, strict=True))
     j = pl.program_id(0)
     k, v = r["k"][...], r["v"][...]
     kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
@@ -184,9 +205,21 @@ def _dkv_kernel(*refs, g: Geometry, names, group: int):
             qs = pl.ds(i * g.bq, g.bq)
             q, do = r["q"][h, qs, :], r["do"][h, qs, :]
             p, _, ds = _dlogits(
-                g, q, k, v, do, r["lse"][h, qs], r["delta"][h, qs], r["rows"][h, qs] if "rows" in r else None,
-                i, j, bias=_query_side(r, "bias", h, qs), mask=_query_side(r, "mask", h, qs),
-                q_seg=r["q_seg"][qs] if "q_seg" in r else None, kv_seg=kv_seg, positional=positional,
+                g,
+                q,
+                k,
+                v,
+                do,
+                r["lse"][h, qs],
+                r["delta"][h, qs],
+                r["rows"][h, qs] if "rows" in r else None,
+                i,
+                j,
+                bias=_query_side(r, "bias", h, qs),
+                mask=_query_side(r, "mask", h, qs),
+                q_seg=r["q_seg"][qs] if "q_seg" in r else None,
+                kv_seg=kv_seg,
+                positional=positional,
             )
             dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
             dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)

@@ -21,7 +21,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashport.kernels.pallas_gpu_tile import (
-    Geometry, apply_dropout, dot, full_key_blocks, key_block_bounds, split_loop, tile_logits,
+    Geometry,
+    apply_dropout,
+    dot,
+    full_key_blocks,
+    key_block_bounds,
+    split_loop,
+    tile_logits,
 )
 
 
@@ -73,7 +79,7 @@ def key_side(refs: dict, name: str, ks):
 
 
 def _forward_kernel(*refs, g: Geometry, names):
-    r = dict(zip(names + ("out", "lse_out"), refs))
+    r = dict(zip(names + ("out", "lse_out"), refs, strict=True))
     i = pl.program_id(0)
     q = r["q"][...]
     q_seg = r["q_seg"][...] if "q_seg" in r else None
@@ -84,8 +90,16 @@ def _forward_kernel(*refs, g: Geometry, names):
         acc, m, l = carry
         ks = pl.ds(j * g.bk, g.bk)
         logits, _ = tile_logits(
-            g, q, r["k"][ks, :], i, j, bias=key_side(r, "bias", ks), mask=key_side(r, "mask", ks),
-            q_seg=q_seg, kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None, positional=positional,
+            g,
+            q,
+            r["k"][ks, :],
+            i,
+            j,
+            bias=key_side(r, "bias", ks),
+            mask=key_side(r, "mask", ks),
+            q_seg=q_seg,
+            kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None,
+            positional=positional,
         )
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -107,8 +121,9 @@ def _forward_kernel(*refs, g: Geometry, names):
     r["lse_out"][...] = jnp.where(seen, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
 
 
-def forward_call(g: Geometry, named: dict, *, group: int, out_dtype, interpret: bool, num_warps: int,
-                 num_stages: int):
+def forward_call(
+    g: Geometry, named: dict, *, group: int, out_dtype, interpret: bool, num_warps: int, num_stages: int
+):
     """Run the forward kernel on padded operands (see :func:`row_operands`); returns padded
     ``(out [B, Hq, sqp, Dv], lse float32 [B, Hq, sqp])``."""
     q, v = named["q"], named["v"]

@@ -43,7 +43,7 @@ class Geometry:
     bk: int
 
     @classmethod
-    def make(cls, spec: AttentionSpec, block_q: int, block_k: int) -> "Geometry":
+    def make(cls, spec: AttentionSpec, block_q: int, block_k: int) -> Geometry:
         """Clip the requested blocks to the sequences (never below :data:`MIN_BLOCK`)."""
         bq = min(block_q, max(MIN_BLOCK, next_power_of_two(spec.seq_q)))
         bk = min(block_k, max(MIN_BLOCK, next_power_of_two(spec.seq_k)))
@@ -124,8 +124,11 @@ def full_key_blocks(g: Geometry, i):
     last = first + g.bq - 1
     lo = jnp.int32(0) if left is None else jnp.maximum(last + (spec.offset - left), 0)
     whole = spec.seq_k // g.bk  # key blocks without padding
-    hi = jnp.int32(whole) if right is None else jnp.clip(jax.lax.div(
-        jnp.maximum(first + (spec.offset + right + 1), 0), g.bk), 0, whole)
+    hi = (
+        jnp.int32(whole)
+        if right is None
+        else jnp.clip(jax.lax.div(jnp.maximum(first + (spec.offset + right + 1), 0), g.bk), 0, whole)
+    )
     lo_blk = _cdiv(lo, g.bk)
     hi_blk = jnp.where(last < spec.seq_q, jnp.maximum(hi, lo_blk), lo_blk)
     return lo_blk, hi_blk
@@ -141,8 +144,11 @@ def full_query_blocks(g: Geometry, j):
     whole = spec.seq_q // g.bq
     # i sees k_last  <=>  i >= k_last - offset - right;  i sees k_lo  <=>  i <= k_lo - offset + left
     lo = jnp.int32(0) if right is None else jnp.maximum(k_last - (spec.offset + right), 0)
-    hi = jnp.int32(whole) if left is None else jnp.clip(jax.lax.div(
-        jnp.maximum(k_lo + (left - spec.offset + 1), 0), g.bq), 0, whole)
+    hi = (
+        jnp.int32(whole)
+        if left is None
+        else jnp.clip(jax.lax.div(jnp.maximum(k_lo + (left - spec.offset + 1), 0), g.bq), 0, whole)
+    )
     lo_blk = _cdiv(lo, g.bq)
     hi_blk = jnp.where(k_last < spec.seq_k, jnp.maximum(hi, lo_blk), lo_blk)
     return lo_blk, hi_blk

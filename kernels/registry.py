@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flashport.kernels.spec import FEATURES
 

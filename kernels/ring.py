@@ -114,8 +114,18 @@ def ring_attention(
             "flashport.attention on gathered arrays"
         )
     (q, k, v, _, _, q_seg, kv_seg, _), call = api.prepare(
-        query, key, value, scale=scale, causal=causal, window=window, align=align, softcap=softcap,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, layout=layout, return_lse=return_lse,
+        query,
+        key,
+        value,
+        scale=scale,
+        causal=causal,
+        window=window,
+        align=align,
+        softcap=softcap,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        layout=layout,
+        return_lse=return_lse,
     )
     seq_layout_ = seq_layout_check(seq_layout)
     n = _axis_size(mesh, axis_name, "axis_name")
@@ -135,8 +145,9 @@ def ring_attention(
             f"heads ({call.q_shape[1]}) and the kv heads ({call.kv_shape[1]}); use head_axis=None"
         )
     plan = Plan.make(call.spec, n, seq_layout_)
-    run = functools.partial(_ring_shard, plan=plan, axis_name=axis_name, backend=backend,
-                            features=call.features)
+    run = functools.partial(
+        _ring_shard, plan=plan, axis_name=axis_name, backend=backend, features=call.features
+    )
     x_spec = P(batch_axis, head_axis, axis_name, None)
     seg_spec = P(batch_axis, axis_name)
     fn = jax.shard_map(
@@ -177,7 +188,9 @@ def _axis_size(mesh, axes, arg):
     size = 1
     for name in names:
         if name not in mesh.shape:
-            raise ValueError(f"ring_attention: {arg}={name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})")
+            raise ValueError(
+                f"ring_attention: {arg}={name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})"
+            )
         size *= mesh.shape[name]
     return size
 
@@ -267,8 +280,16 @@ def _local_call(spec: AttentionSpec, features, q, k, v) -> api.Call:
         feats.add("window")
     if spec.has_positional_mask and spec.offset != 0:
         feats.add("align_bottom_right")
-    return api.Call(spec=spec, features=frozenset(feats), q_shape=tuple(q.shape), kv_shape=tuple(k.shape),
-                    v_head_dim=v.shape[-1], dtype=api.DTYPES[q.dtype], bias_shape=None, mask_shape=None)
+    return api.Call(
+        spec=spec,
+        features=frozenset(feats),
+        q_shape=tuple(q.shape),
+        kv_shape=tuple(k.shape),
+        v_head_dim=v.shape[-1],
+        dtype=api.DTYPES[q.dtype],
+        bias_shape=None,
+        mask_shape=None,
+    )
 
 
 def _piece(x, axis, i, size):
@@ -358,8 +379,14 @@ class _Ring:
     def _setup(self, q, k, v, q_seg):
         plan = self.plan
         q_pieces = [(_piece(q, 2, a, plan.pq), _piece(q_seg, 1, a, plan.pq)) for a in range(plan.m)]
-        step = _Step(plan, self.backend, self.features, q_pieces[0][0], _piece(k, 2, 0, plan.pk),
-                     _piece(v, 2, 0, plan.pk))
+        step = _Step(
+            plan,
+            self.backend,
+            self.features,
+            q_pieces[0][0],
+            _piece(k, 2, 0, plan.pk),
+            _piece(v, 2, 0, plan.pk),
+        )
         return q_pieces, step
 
     def _pairs(self, step):
@@ -376,8 +403,13 @@ class _Ring:
         r = jax.lax.axis_index(self.axis_name)
         q_pieces, step = self._setup(q, k, v, q_seg)
         b_, h_ = q.shape[:2]
-        init = tuple((jnp.zeros((b_, h_, plan.pq, v.shape[-1]), jnp.float32),
-                      jnp.full((b_, h_, plan.pq), -jnp.inf, jnp.float32)) for _ in range(plan.m))
+        init = tuple(
+            (
+                jnp.zeros((b_, h_, plan.pq, v.shape[-1]), jnp.float32),
+                jnp.full((b_, h_, plan.pq), -jnp.inf, jnp.float32),
+            )
+            for _ in range(plan.m)
+        )
 
         def body(carry, t):
             acc, kv = carry
@@ -407,8 +439,15 @@ class _Ring:
         pq = plan.pq
         d_out = d_out.astype(jnp.float32)
         d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
-        rows = [(_piece(d_out, 2, a, pq), _piece(out, 2, a, pq).astype(jnp.float32), _piece(lse, 2, a, pq),
-                 _piece(d_lse, 2, a, pq)) for a in range(plan.m)]
+        rows = [
+            (
+                _piece(d_out, 2, a, pq),
+                _piece(out, 2, a, pq).astype(jnp.float32),
+                _piece(lse, 2, a, pq),
+                _piece(d_lse, 2, a, pq),
+            )
+            for a in range(plan.m)
+        ]
 
         def body(carry, t):
             dq, kv = carry
@@ -422,8 +461,9 @@ class _Ring:
                 qa, qsa = q_pieces[a]
                 do_a, o_a, lse_a, dlse_a = rows[a]
                 fn = functools.partial(step, a, b, r, s)
-                (o_t, l_t), vjp = jax.vjp(lambda q_, k_, v_, fn=fn, qsa=qsa, ksb=ksb: fn(q_, k_, v_, qsa, ksb),
-                                          qa, kb, vb)
+                (o_t, l_t), vjp = jax.vjp(
+                    lambda q_, k_, v_, fn=fn, qsa=qsa, ksb=ksb: fn(q_, k_, v_, qsa, ksb), qa, kb, vb
+                )
                 finite = jnp.isfinite(lse_a)
                 w = jnp.where(finite, jnp.exp(l_t - jnp.where(finite, lse_a, 0.0)), 0.0)
                 d_o = (w[..., None] * do_a).astype(o_t.dtype)

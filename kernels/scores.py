@@ -42,8 +42,20 @@ def group_broadcastable(x, hkv):
     return x.reshape(b, hkv, h // hkv, sq, sk)
 
 
-def tile_logits(spec: AttentionSpec, q, k, q_pos, k_pos, bias=None, mask=None, q_seg=None, kv_seg=None,
-                *, positional=True, q_prescaled=False):
+def tile_logits(
+    spec: AttentionSpec,
+    q,
+    k,
+    q_pos,
+    k_pos,
+    bias=None,
+    mask=None,
+    q_seg=None,
+    kv_seg=None,
+    *,
+    positional=True,
+    q_prescaled=False,
+):
     """Scores of one tile with everything of the contract applied.
 
     Args:
@@ -59,14 +71,17 @@ def tile_logits(spec: AttentionSpec, q, k, q_pos, k_pos, bias=None, mask=None, q
       ``(logits, visible, raw)``: float32 logits with hidden entries at -inf, the boolean visibility,
       and the pre-softcap scaled scores (backward passes need them for the tanh derivative).
     """
-    raw = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32,
-                     precision=matmul_precision(q.dtype))
+    raw = jnp.einsum(
+        "bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32, precision=matmul_precision(q.dtype)
+    )
     if not q_prescaled:
         raw = raw * spec.scale
     logits = apply_softcap(spec, raw)
     if bias is not None:
         logits = logits + bias
-    visible = positional_visible(spec, q_pos[:, None], k_pos[None, :])[None, None, None] if positional else None
+    visible = (
+        positional_visible(spec, q_pos[:, None], k_pos[None, :])[None, None, None] if positional else None
+    )
     if mask is not None:
         visible = mask if visible is None else visible & mask
     if q_seg is not None:

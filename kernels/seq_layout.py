@@ -86,6 +86,6 @@ def _reorder(x, n, axis, order, name):
             f"{name}: axis {axis} has length {length}, not a multiple of 2·n = {2 * n}; pad the "
             f"sequence to a multiple of {2 * n} (e.g. with a padding segment id) first"
         )
-    chunks = x.reshape(*x.shape[:axis], 2 * n, length // (2 * n), *x.shape[axis + 1:])
+    chunks = x.reshape(*x.shape[:axis], 2 * n, length // (2 * n), *x.shape[axis + 1 :])
     chunks = xp.take(chunks, xp.asarray(order), axis=axis)
     return chunks.reshape(x.shape)

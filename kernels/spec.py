@@ -110,8 +110,14 @@ def positional_visible(spec: AttentionSpec, q_pos, k_pos):
     [1, bk]). Positions beyond the true lengths are hidden too, so padded blocks are safe.
     """
     in_range = (q_pos < spec.seq_q) & (k_pos < spec.seq_k)
-    return band_visible(q_pos + spec.offset, k_pos, causal=spec.causal, left=spec.window_left,
-                        right=spec.window_right, visible=in_range)
+    return band_visible(
+        q_pos + spec.offset,
+        k_pos,
+        causal=spec.causal,
+        left=spec.window_left,
+        right=spec.window_right,
+        visible=in_range,
+    )
 
 
 def apply_softcap(spec: AttentionSpec, s):

@@ -33,7 +33,9 @@ def is_torch_tensor(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def varlen_layout(cu_seqlens_q, cu_seqlens_k, total_q, total_k, *, causal=False, window=None, align="bottom_right"):
+def varlen_layout(
+    cu_seqlens_q, cu_seqlens_k, total_q, total_k, *, causal=False, window=None, align="bottom_right"
+):
     """Return ``(q_segment_ids [total_q], kv_segment_ids [total_k], mask [total_q, total_k])``.
 
     Works on torch tensors or JAX/numpy arrays (the type of ``cu_seqlens_q`` decides).
@@ -79,22 +81,46 @@ def varlen_layout(cu_seqlens_q, cu_seqlens_k, total_q, total_k, *, causal=False,
     return q_ids, kv_ids, mask
 
 
-def run_varlen(attention, query, key, value, *, cu_seqlens_q, cu_seqlens_k, scale, causal, window, align,
-               softcap, layout, backend, **extra):
+def run_varlen(
+    attention,
+    query,
+    key,
+    value,
+    *,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    scale,
+    causal,
+    window,
+    align,
+    softcap,
+    layout,
+    backend,
+    **extra,
+):
     """Call ``attention`` (a contract implementation) on packed sequences; shared by the JAX and the
     torch ``varlen_attention``. ``extra`` (dropout keywords) is passed through unchanged."""
     if layout != "THD":
-        raise ValueError(f"layout={layout!r}: varlen_attention takes packed [total, heads, head_dim] tensors (layout='THD')")
+        raise ValueError(
+            f"layout={layout!r}: varlen_attention takes packed [total, heads, head_dim] tensors (layout='THD')"
+        )
     q_ids, kv_ids, mask = varlen_layout(
         cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0], causal=causal, window=window, align=align
     )
     # unsqueeze/squeeze rather than [None]/[0] on torch tensors: torchax's indexing drops autograd.
     lift = (lambda x: x.unsqueeze(0)) if is_torch_tensor(query) else (lambda x: x[None])
     out = attention(
-        lift(query), lift(key), lift(value),
-        scale=scale, softcap=softcap, mask=lift(lift(mask)),
-        q_segment_ids=lift(q_ids), kv_segment_ids=lift(kv_ids),
-        layout="BSHD", backend=backend, **extra,
+        lift(query),
+        lift(key),
+        lift(value),
+        scale=scale,
+        softcap=softcap,
+        mask=lift(lift(mask)),
+        q_segment_ids=lift(q_ids),
+        kv_segment_ids=lift(kv_ids),
+        layout="BSHD",
+        backend=backend,
+        **extra,
     )
     return out.squeeze(0) if is_torch_tensor(out) else out[0]
 
@@ -147,6 +173,19 @@ def varlen_attention(
             )
         from flashport.kernels.api import attention
     extra = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng) if dropout_rate else {}
-    return run_varlen(attention, query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      scale=scale, causal=causal, window=window, align=align, softcap=softcap, layout=layout,
-                      backend=backend, **extra)
+    return run_varlen(
+        attention,
+        query,
+        key,
+        value,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        scale=scale,
+        causal=causal,
+        window=window,
+        align=align,
+        softcap=softcap,
+        layout=layout,
+        backend=backend,
+        **extra,
+    )

@@ -41,12 +41,17 @@ def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options):
         t_bh = dropout.grouped_head_seeds(seed, b, hkv, hq // hkv)[..., None, None]
         keep = dropout.keep_mask(spec.dropout_rate, t_bh, jnp.arange(sq)[:, None], jnp.arange(k.shape[2]))
         p = dropout.apply(p, keep, spec.dropout_rate)
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32), precision=matmul_precision(v.dtype)) / l_safe
+    out = (
+        jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32), precision=matmul_precision(v.dtype))
+        / l_safe
+    )
     lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)[..., 0]
     return out.reshape(b, hq, sq, v.shape[-1]).astype(q.dtype), lse.reshape(b, hq, sq)
 
 
-def xla_attention_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec, options):
+def xla_attention_backward(
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec, options
+):
     """The residual backward of :func:`xla_attention`: ``(dq, dk, dv, dbias)`` from ``out`` and ``lse``.
 
     Recomputes the scores Q·Kᵀ (every flash backward does) and P = exp(logits - lse); the softmax
@@ -56,12 +61,21 @@ def xla_attention_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d
     """
     if options:
         raise ValueError(f"backend 'xla' takes no options, got {sorted(options)}")
-    b, hq, sq, d = q.shape
+    b, hq, sq, _d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
 
     def logits_of(q, k, bias):
-        logits, _, _ = tile_logits(spec, group_heads(q, hkv), k, jnp.arange(sq), jnp.arange(sk),
-                                   group_broadcastable(bias, hkv), group_broadcastable(mask, hkv), q_seg, kv_seg)
+        logits, _, _ = tile_logits(
+            spec,
+            group_heads(q, hkv),
+            k,
+            jnp.arange(sq),
+            jnp.arange(sk),
+            group_broadcastable(bias, hkv),
+            group_broadcastable(mask, hkv),
+            q_seg,
+            kv_seg,
+        )
         return logits
 
     logits, pull_back = jax.vjp(logits_of, q, k, bias)

@@ -64,22 +64,32 @@ class Alias:
     def reason(self) -> str:
         """Why the alias statement stays (for its site)."""
         if not self.local:
-            return (f"module-level alias {self.name} = {self.api.rsplit('.', 1)[-1]} kept: another module may import it "
-                    f"({self.rewritten} of {self.calls} calls through it in this file were ported)")
+            return (
+                f"module-level alias {self.name} = {self.api.rsplit('.', 1)[-1]} kept: another module may import it "
+                f"({self.rewritten} of {self.calls} calls through it in this file were ported)"
+            )
         if self.calls < self.uses:
-            return (f"alias {self.name} is also used as a value ({self.uses - self.calls} of {self.uses} uses are not "
-                    "calls): kept, not rewritten")
+            return (
+                f"alias {self.name} is also used as a value ({self.uses - self.calls} of {self.uses} uses are not "
+                "calls): kept, not rewritten"
+            )
         return f"alias {self.name} kept: {self.calls - self.rewritten} of {self.calls} calls through it were not ported"
 
 
-def candidate(assign: cst.Assign, ancestors: tuple[cst.CSTNode, ...]) -> tuple[cst.Name, cst.SimpleStatementLine, cst.CSTNode] | None:
+def candidate(
+    assign: cst.Assign, ancestors: tuple[cst.CSTNode, ...]
+) -> tuple[cst.Name, cst.SimpleStatementLine, cst.CSTNode] | None:
     """(target, statement, owner) when ``assign`` has the shape of an alias statement.
 
     ``ancestors`` are the original parents of ``assign``, nearest first.
     """
     if len(assign.targets) != 1 or not isinstance(assign.targets[0].target, cst.Name):
         return None
-    if len(ancestors) < 2 or not isinstance(ancestors[0], cst.SimpleStatementLine) or len(ancestors[0].body) != 1:
+    if (
+        len(ancestors) < 2
+        or not isinstance(ancestors[0], cst.SimpleStatementLine)
+        or len(ancestors[0].body) != 1
+    ):
         return None
     statement, up = ancestors[0], ancestors[1]
     if isinstance(up, cst.Module):
@@ -110,7 +120,9 @@ def referent(scope, name: cst.Name):
     return None
 
 
-def drop_statement(body: tuple[cst.BaseStatement, ...], original_body, statement) -> tuple[cst.BaseStatement, ...] | None:
+def drop_statement(
+    body: tuple[cst.BaseStatement, ...], original_body, statement
+) -> tuple[cst.BaseStatement, ...] | None:
     """``body`` without the statement at ``statement``'s position in ``original_body`` (its leading
     comments move to the next statement); None when it cannot be located safely."""
     index = next((i for i, s in enumerate(original_body) if s is statement), None)

@@ -24,10 +24,20 @@ import os
 import pickle
 import sys
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 _FORMAT = 1
-_ENGINE_MODULES = ("engine", "transform", "source", "newsyntax", "prune", "imports", "suppress", "results", "cache")
+_ENGINE_MODULES = (
+    "engine",
+    "transform",
+    "source",
+    "newsyntax",
+    "prune",
+    "imports",
+    "suppress",
+    "results",
+    "cache",
+)
 
 
 def default_dir() -> str:
@@ -39,7 +49,7 @@ def default_dir() -> str:
     return os.path.join(base, "flashport")
 
 
-def from_environment(rules, options) -> "ResultCache | None":
+def from_environment(rules, options) -> ResultCache | None:
     """The cache ``FLASHPORT_CACHE`` asks for (``1``: default directory; a path: that one), or None."""
     value = os.environ.get("FLASHPORT_CACHE", "")
     if value in ("", "0"):
@@ -56,12 +66,23 @@ def fingerprint(rules: Sequence[type], options) -> str:
 
     digest = hashlib.sha256()
     libcst_version = getattr(libcst, "__version__", None) or _dist_version("libcst")
-    for part in (str(_FORMAT), flashport.__version__, sys.version, libcst_version, repr(options),
-                 ",".join(rule.CODE for rule in rules)):
+    for part in (
+        str(_FORMAT),
+        flashport.__version__,
+        sys.version,
+        libcst_version,
+        repr(options),
+        ",".join(rule.CODE for rule in rules),
+    ):
         digest.update(part.encode() + b"\0")
     modules = [f"flashport.rewriter.{name}" for name in _ENGINE_MODULES]
-    modules += sorted({"flashport.rules.base", *(rule.__module__ for rule in rules),
-                       *(f"flashport.rules.{name}" for name in _rule_package_modules(registry))})
+    modules += sorted(
+        {
+            "flashport.rules.base",
+            *(rule.__module__ for rule in rules),
+            *(f"flashport.rules.{name}" for name in _rule_package_modules(registry)),
+        }
+    )
     for name in modules:
         module = sys.modules.get(name)
         path = getattr(module, "__file__", None)
@@ -116,9 +137,11 @@ class ResultCache:
             self.entries = {}
 
     @classmethod
-    def for_run(cls, rules, options, directory: str | None = None) -> "ResultCache":
+    def for_run(cls, rules, options, directory: str | None = None) -> ResultCache:
         """The cache file for this rule selection and options under ``directory`` (default :func:`default_dir`)."""
-        return cls(os.path.join(directory or default_dir(), f"results-{fingerprint(rules, options)[:32]}.pickle"))
+        return cls(
+            os.path.join(directory or default_dir(), f"results-{fingerprint(rules, options)[:32]}.pickle")
+        )
 
     def get(self, path: str, data: bytes):
         """A copy of the cached result for ``path`` with content ``data``, or None."""

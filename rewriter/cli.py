@@ -43,28 +43,87 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("paths", nargs="*", default=["."], help="files or directories (default: .)")
-    common.add_argument("--select", type=_codes, action="extend", metavar="RULES", help="comma-separated rule codes/prefixes to run (default: all)")
-    common.add_argument("--ignore", type=_codes, action="extend", metavar="RULES", help="comma-separated rule codes/prefixes to skip")
-    common.add_argument("--exclude", action="append", metavar="GLOB", help="skip paths matching GLOB (repeatable)")
+    common.add_argument(
+        "--select",
+        type=_codes,
+        action="extend",
+        metavar="RULES",
+        help="comma-separated rule codes/prefixes to run (default: all)",
+    )
+    common.add_argument(
+        "--ignore",
+        type=_codes,
+        action="extend",
+        metavar="RULES",
+        help="comma-separated rule codes/prefixes to skip",
+    )
+    common.add_argument(
+        "--exclude", action="append", metavar="GLOB", help="skip paths matching GLOB (repeatable)"
+    )
     common.add_argument("--no-gitignore", action="store_true", help="do not skip files ignored by .gitignore")
     common.add_argument("-j", "--jobs", type=int, metavar="N", help="worker processes (default: CPU count)")
-    common.add_argument("--format", choices=("text", "json"), default="text", help="output format (json: schema flashport.report/1)")
-    common.add_argument("--cache", action=argparse.BooleanOptionalAction, default=None, help="reuse per-file results from ~/.cache/flashport (keyed by file bytes, rules, options and versions); default: off unless FLASHPORT_CACHE is set")
-    common.add_argument("--no-color", action="store_true", help="plain output (also when NO_COLOR is set or stdout is not a terminal)")
-    common.add_argument("--config", metavar="PYPROJECT", help="read [tool.flashport] from this file instead of the nearest pyproject.toml")
+    common.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="output format (json: schema flashport.report/1)",
+    )
+    common.add_argument(
+        "--cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse per-file results from ~/.cache/flashport (keyed by file bytes, rules, options and versions); default: off unless FLASHPORT_CACHE is set",
+    )
+    common.add_argument(
+        "--no-color",
+        action="store_true",
+        help="plain output (also when NO_COLOR is set or stdout is not a terminal)",
+    )
+    common.add_argument(
+        "--config",
+        metavar="PYPROJECT",
+        help="read [tool.flashport] from this file instead of the nearest pyproject.toml",
+    )
     common.add_argument("--isolated", action="store_true", help="ignore any [tool.flashport] configuration")
-    common.add_argument("--inference", action="store_true", default=None, help="treat training-gated dropout (`p if self.training else 0.0`) as 0 and drop it; the diff notes say so")
-    common.add_argument("--flash-attn-version", metavar="X.Y.Z", help="flash-attn version the code targets (positional binding, causal alignment; default 2.8.3)")
-    common.add_argument("--torch-version", metavar="X.Y", help="torch version for SDPA's signature (default 2.5)")
-    common.add_argument("--jax-version", metavar="X.Y.Z", help="jax version for jax.nn.dot_product_attention's signature (default 0.10.2)")
+    common.add_argument(
+        "--inference",
+        action="store_true",
+        default=None,
+        help="treat training-gated dropout (`p if self.training else 0.0`) as 0 and drop it; the diff notes say so",
+    )
+    common.add_argument(
+        "--flash-attn-version",
+        metavar="X.Y.Z",
+        help="flash-attn version the code targets (positional binding, causal alignment; default 2.8.3)",
+    )
+    common.add_argument(
+        "--torch-version", metavar="X.Y", help="torch version for SDPA's signature (default 2.5)"
+    )
+    common.add_argument(
+        "--jax-version",
+        metavar="X.Y.Z",
+        help="jax version for jax.nn.dot_product_attention's signature (default 0.10.2)",
+    )
 
-    sub.add_parser("scan", parents=[common], help="list every GPU attention use and whether it can be rewritten")
-    rewrite = sub.add_parser("rewrite", parents=[common], help="show (default) or apply the rewrites as a diff")
+    sub.add_parser(
+        "scan", parents=[common], help="list every GPU attention use and whether it can be rewritten"
+    )
+    rewrite = sub.add_parser(
+        "rewrite", parents=[common], help="show (default) or apply the rewrites as a diff"
+    )
     mode = rewrite.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="apply the rewrites (atomic per file)")
     mode.add_argument("--check", action="store_true", help="exit 1 when any file would change (CI)")
-    mode.add_argument("--interactive", action="store_true", help="review the rewrites one site at a time (y/n/a/d/q), then write only the accepted ones")
-    rewrite.add_argument("--report", metavar="PATH", help="also write a self-contained HTML report (summary, diffs, refused sites) to PATH")
+    mode.add_argument(
+        "--interactive",
+        action="store_true",
+        help="review the rewrites one site at a time (y/n/a/d/q), then write only the accepted ones",
+    )
+    rewrite.add_argument(
+        "--report",
+        metavar="PATH",
+        help="also write a self-contained HTML report (summary, diffs, refused sites) to PATH",
+    )
 
     rules = sub.add_parser("rules", help="list the rules, or print one rule's documentation")
     rules.add_argument("rule", nargs="?", help="rule code or name, e.g. FPA001")
@@ -116,9 +175,17 @@ def _settings(args):
     defaults = RuleOptions()
     options = RuleOptions(
         inference=bool(args.inference if args.inference is not None else table.get("inference", False)),
-        flash_attn_version=_version(args.flash_attn_version or table.get("flash-attn-version"), defaults.flash_attn_version, "--flash-attn-version"),
-        torch_version=_version(args.torch_version or table.get("torch-version"), defaults.torch_version, "--torch-version"),
-        jax_version=_version(args.jax_version or table.get("jax-version"), defaults.jax_version, "--jax-version"),
+        flash_attn_version=_version(
+            args.flash_attn_version or table.get("flash-attn-version"),
+            defaults.flash_attn_version,
+            "--flash-attn-version",
+        ),
+        torch_version=_version(
+            args.torch_version or table.get("torch-version"), defaults.torch_version, "--torch-version"
+        ),
+        jax_version=_version(
+            args.jax_version or table.get("jax-version"), defaults.jax_version, "--jax-version"
+        ),
     )
     jobs = args.jobs if args.jobs is not None else table.get("jobs")
     if jobs is not None and jobs < 1:
@@ -161,8 +228,22 @@ def _run(args, files, chosen, options, jobs) -> int:
         written.update(_interactive(args, results, chosen, options))
     failed = any(r.status == ERROR for r in results)
     changed = any(r.status == CHANGED for r in results)
-    code = EXIT_ERRORS if failed else EXIT_CHANGES if (args.command == "rewrite" and args.check and changed) else EXIT_OK
-    mode = "scan" if args.command == "scan" else "write" if args.write or interactive else "check" if args.check else "dry-run"
+    code = (
+        EXIT_ERRORS
+        if failed
+        else EXIT_CHANGES
+        if (args.command == "rewrite" and args.check and changed)
+        else EXIT_OK
+    )
+    mode = (
+        "scan"
+        if args.command == "scan"
+        else "write"
+        if args.write or interactive
+        else "check"
+        if args.check
+        else "dry-run"
+    )
     if getattr(args, "report", None):
         code = _html_report(args.report, results, written, "interactive" if interactive else mode) or code
     if args.format == "json":
@@ -223,11 +304,29 @@ def _rules(args) -> int:
     table = Table(title="flashport rules")
     from flashport.rules.coverage import coverage
 
-    for column in ("code", "name", "source API", "framework", "fix", "rewrites to", "rewritten", "refused (why)"):
+    for column in (
+        "code",
+        "name",
+        "source API",
+        "framework",
+        "fix",
+        "rewrites to",
+        "rewritten",
+        "refused (why)",
+    ):
         table.add_column(column, overflow="fold")
     for rule in all_rules:
         row = coverage(rule)
-        table.add_row(rule.CODE, rule.NAME, rule.API, rule.FRAMEWORK, "rewrite" if rule.REWRITES else "report", rule.TARGET or "-", row.rewrites, row.refuses)
+        table.add_row(
+            rule.CODE,
+            rule.NAME,
+            rule.API,
+            rule.FRAMEWORK,
+            "rewrite" if rule.REWRITES else "report",
+            rule.TARGET or "-",
+            row.rewrites,
+            row.refuses,
+        )
     Console(no_color=not _color(args), highlight=False).print(table)
     return EXIT_OK
 
@@ -236,9 +335,18 @@ def _rule_json(rule) -> dict:
     from flashport.rules.coverage import coverage
 
     row = coverage(rule)
-    return {"code": rule.CODE, "name": rule.NAME, "api": rule.API, "framework": rule.FRAMEWORK,
-            "sources": list(rule.SOURCES), "rewrites": rule.REWRITES, "target": rule.TARGET, "summary": rule.summary(),
-            "rewritten": row.rewrites, "refused": row.refuses}
+    return {
+        "code": rule.CODE,
+        "name": rule.NAME,
+        "api": rule.API,
+        "framework": rule.FRAMEWORK,
+        "sources": list(rule.SOURCES),
+        "rewrites": rule.REWRITES,
+        "target": rule.TARGET,
+        "summary": rule.summary(),
+        "rewritten": row.rewrites,
+        "refused": row.refuses,
+    }
 
 
 def _interactive(args, results, chosen, options) -> set[str]:

@@ -19,7 +19,17 @@ from __future__ import annotations
 import os
 import tomllib
 
-KEYS = ("select", "ignore", "exclude", "respect-gitignore", "jobs", "inference", "flash-attn-version", "torch-version", "jax-version")
+KEYS = (
+    "select",
+    "ignore",
+    "exclude",
+    "respect-gitignore",
+    "jobs",
+    "inference",
+    "flash-attn-version",
+    "torch-version",
+    "jax-version",
+)
 
 
 class ConfigError(ValueError):
@@ -57,9 +67,13 @@ def load(path: str) -> dict:
         raise ConfigError(f"{path}: cannot read [tool.flashport]: {err}") from err
     unknown = sorted(set(table) - set(KEYS))
     if unknown:
-        raise ConfigError(f"{path}: unknown [tool.flashport] key(s) {', '.join(unknown)}; known: {', '.join(KEYS)}")
+        raise ConfigError(
+            f"{path}: unknown [tool.flashport] key(s) {', '.join(unknown)}; known: {', '.join(KEYS)}"
+        )
     for key in ("select", "ignore", "exclude"):
-        if key in table and not (isinstance(table[key], list) and all(isinstance(x, str) for x in table[key])):
+        if key in table and not (
+            isinstance(table[key], list) and all(isinstance(x, str) for x in table[key])
+        ):
             raise ConfigError(f"{path}: [tool.flashport] {key} must be a list of strings, got {table[key]!r}")
     for key in ("respect-gitignore", "inference"):
         if key in table and not isinstance(table[key], bool):

@@ -34,7 +34,9 @@ import re
 from flashport.rewriter.source import split_lines
 
 _PROBE_CALL = re.compile(r"(available|find_spec|^is_|^has_)", re.I)
-_LOG_CALL = re.compile(r"(^|\.)(warn|warning|info|debug|error|exception|critical|print|print_once|warning_once|info_once)$")
+_LOG_CALL = re.compile(
+    r"(^|\.)(warn|warning|info|debug|error|exception|critical|print|print_once|warning_once|info_once)$"
+)
 _TRY = (ast.Try, getattr(ast, "TryStar", ast.Try))
 
 
@@ -51,8 +53,14 @@ class _Plan:
         return bool(self.before[name]) and not self.after[name]
 
 
-def remove_dead(text: str, tree: ast.Module, before: collections.Counter, after: collections.Counter,
-                gpu_modules: tuple[str, ...], drop_aliases) -> tuple[str, list[str]]:
+def remove_dead(
+    text: str,
+    tree: ast.Module,
+    before: collections.Counter,
+    after: collections.Counter,
+    gpu_modules: tuple[str, ...],
+    drop_aliases,
+) -> tuple[str, list[str]]:
     """Drop GPU imports (and their fallbacks) that became dead; see the module docstring.
 
     Args:
@@ -130,8 +138,15 @@ def _siblings_apart(body: list[ast.stmt], node: ast.stmt) -> bool:
 # ------------------------------------------------------------------------------ statement lists
 
 
-def _body(body: list[ast.stmt], plan: _Plan, public: bool, drop_aliases, pad: bool = False,
-          guarded: bool = False, fallbacks: frozenset[str] = frozenset()) -> set[str]:
+def _body(
+    body: list[ast.stmt],
+    plan: _Plan,
+    public: bool,
+    drop_aliases,
+    pad: bool = False,
+    guarded: bool = False,
+    fallbacks: frozenset[str] = frozenset(),
+) -> set[str]:
     """Plan the removals in one statement list; returns the names whose imports it dropped.
 
     ``pad``: the list must not become empty; ``guarded``: the body of a ``try`` that stays, whose
@@ -143,12 +158,17 @@ def _body(body: list[ast.stmt], plan: _Plan, public: bool, drop_aliases, pad: bo
     for stmt in body:
         if not _siblings_apart(body, stmt):
             continue
-        if (fallbacks and isinstance(stmt, ast.Assign) and _alone(stmt, plan) and _pure(stmt.value)
-                and all(isinstance(t, ast.Name) and t.id in fallbacks for t in stmt.targets)):
+        if (
+            fallbacks
+            and isinstance(stmt, ast.Assign)
+            and _alone(stmt, plan)
+            and _pure(stmt.value)
+            and all(isinstance(t, ast.Name) and t.id in fallbacks for t in stmt.targets)
+        ):
             whole.append(stmt)
         elif _gpu_aliases(stmt, plan) is not None:
             dead = _dead_aliases(stmt, plan)
-            if not dead or not _alone(stmt, plan) or guarded and len(dead) == len(stmt.names):
+            if not dead or not _alone(stmt, plan) or (guarded and len(dead) == len(stmt.names)):
                 continue
             if len(dead) == len(stmt.names):
                 whole.append(stmt)
@@ -160,7 +180,9 @@ def _body(body: list[ast.stmt], plan: _Plan, public: bool, drop_aliases, pad: bo
                 plan.edits.append((start, end, new))
             plan.removed.extend(_dotted(stmt, a) for a in dead)
             dropped.update(_bound(a) for a in dead)
-        elif isinstance(stmt, (*_TRY, ast.If)) and _alone(stmt, plan) and _guard_removable(stmt, plan, public):
+        elif (
+            isinstance(stmt, (*_TRY, ast.If)) and _alone(stmt, plan) and _guard_removable(stmt, plan, public)
+        ):
             whole.append(stmt)
             plan.removed.extend(_guard_names(stmt, plan))
         else:
@@ -199,7 +221,9 @@ def _inner(stmt: ast.stmt, plan: _Plan, public: bool, drop_aliases) -> None:
 def _guard_names(stmt: ast.stmt, plan: _Plan) -> list[str]:
     """Dotted names of the GPU imports directly in a guard's branches and handlers."""
     bodies = [stmt.body, stmt.orelse, *[h.body for h in getattr(stmt, "handlers", [])]]
-    return [_dotted(s, a) for body in bodies for s in body if _gpu_aliases(s, plan) is not None for a in s.names]
+    return [
+        _dotted(s, a) for body in bodies for s in body if _gpu_aliases(s, plan) is not None for a in s.names
+    ]
 
 
 def _guard_removable(stmt: ast.stmt, plan: _Plan, public: bool) -> bool:
@@ -207,14 +231,19 @@ def _guard_removable(stmt: ast.stmt, plan: _Plan, public: bool) -> bool:
     imports = [s for s in stmt.body if _gpu_aliases(s, plan) is not None]
     if not imports:
         return False
-    if any(len(_dead_aliases(s, plan)) != len(s.names) or isinstance(s, ast.ImportFrom) and s.level for s in imports):
+    if any(
+        len(_dead_aliases(s, plan)) != len(s.names) or (isinstance(s, ast.ImportFrom) and s.level)
+        for s in imports
+    ):
         return False
     names = {_bound(a) for s in imports for a in s.names}
     if isinstance(stmt, ast.If):
         if not _probe(stmt.test):
             return False
         rest = [s for s in stmt.body if s not in imports]
-        return all(_removable(s, names, plan, public, handler=False) for s in rest) and _else_removable(stmt.orelse, names, plan, public)
+        return all(_removable(s, names, plan, public, handler=False) for s in rest) and _else_removable(
+            stmt.orelse, names, plan, public
+        )
     if stmt.finalbody:
         return False
     rest = [s for s in stmt.body if s not in imports]
@@ -243,7 +272,9 @@ def _removable(stmt: ast.stmt, names: set[str], plan: _Plan, public: bool, handl
             return _pure(stmt.value)
         # a flag: HAS_FLASH_ATTN = True/False, read by nobody now (and not a possible export)
         return isinstance(stmt.value, ast.Constant) and all(
-            not plan.after[t.id] and (plan.before[t.id] or t.id.startswith("_") or not public) for t in targets)
+            not plan.after[t.id] and (plan.before[t.id] or t.id.startswith("_") or not public)
+            for t in targets
+        )
     if handler and isinstance(stmt, ast.Raise):
         return True
     if handler and isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
@@ -285,6 +316,9 @@ def _probe(test: ast.expr) -> bool:
         return _probe(test.left) and all(_probe(c) for c in test.comparators)
     if isinstance(test, ast.Call):
         name = _name(test.func) or ""
-        return bool(_PROBE_CALL.search(name.rsplit(".", 1)[-1] or "")) and all(_pure(a) for a in test.args) \
+        return (
+            bool(_PROBE_CALL.search(name.rsplit(".", 1)[-1] or ""))
+            and all(_pure(a) for a in test.args)
             and all(_pure(k.value) for k in test.keywords)
+        )
     return False

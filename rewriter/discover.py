@@ -16,8 +16,23 @@ import os
 import re
 
 DEFAULT_EXCLUDES = (
-    ".git", ".hg", ".svn", ".bzr", ".venv", "venv", ".tox", ".nox", ".eggs", "__pycache__",
-    "node_modules", "site-packages", ".mypy_cache", ".pytest_cache", ".ruff_cache", "build", "dist",
+    ".git",
+    ".hg",
+    ".svn",
+    ".bzr",
+    ".venv",
+    "venv",
+    ".tox",
+    ".nox",
+    ".eggs",
+    "__pycache__",
+    "node_modules",
+    "site-packages",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+    "build",
+    "dist",
 )
 
 
@@ -109,7 +124,11 @@ def _excluded(rel: str, name: str, globs: tuple[str, ...]) -> bool:
         return False
     parts = rel.split("/")
     tails = ["/".join(parts[i:]) for i in range(len(parts))]
-    return any(fnmatch.fnmatchcase(tail, g) or fnmatch.fnmatchcase(tail, g.rstrip("/") + "/*") for g in globs for tail in tails)
+    return any(
+        fnmatch.fnmatchcase(tail, g) or fnmatch.fnmatchcase(tail, g.rstrip("/") + "/*")
+        for g in globs
+        for tail in tails
+    )
 
 
 def _git_root(start: str) -> str | None:
@@ -167,7 +186,9 @@ def discover(paths: list[str], exclude: tuple[str, ...] = (), respect_gitignore:
                 rel = os.path.relpath(full, root).replace(os.sep, "/")
                 if name in DEFAULT_EXCLUDES or name.endswith(".egg-info") or os.path.islink(full):
                     continue
-                if _excluded(rel, name, exclude) or (respect_gitignore and ignore.ignored(_abs(full, root, root_real), True)):
+                if _excluded(rel, name, exclude) or (
+                    respect_gitignore and ignore.ignored(_abs(full, root, root_real), True)
+                ):
                     continue
                 kept.append(name)
             dirnames[:] = kept
@@ -182,7 +203,9 @@ def discover(paths: list[str], exclude: tuple[str, ...] = (), respect_gitignore:
                     continue
                 if os.path.islink(full):
                     target = os.path.realpath(full)
-                    if not (target == root_real or target.startswith(root_real + os.sep)) or not os.path.isfile(target):
+                    if not (
+                        target == root_real or target.startswith(root_real + os.sep)
+                    ) or not os.path.isfile(target):
                         continue
                 add(full)
     return found

@@ -28,16 +28,14 @@ import dataclasses
 import re
 import sys
 import traceback
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
 from flashport.rewriter import imports as import_edits
-from flashport.rewriter import newsyntax
-from flashport.rewriter import prune
+from flashport.rewriter import newsyntax, prune, suppress
 from flashport.rewriter import source as src
-from flashport.rewriter import suppress
 from flashport.rewriter.results import CHANGED, ERROR, FileResult
 from flashport.rewriter.transform import SiteTransformer
 from flashport.rules.base import Rule, RuleOptions
@@ -95,12 +93,17 @@ def transform_source(
             tree = ast.parse(text, filename=path)
         except SyntaxError as newer:
             host = ".".join(map(str, sys.version_info[:2]))
-            return _error(result, f"line {newer.lineno} uses Python syntax newer than this host's Python {host} "
-                          f"can analyse ({newer.msg}); run flashport under a newer Python for this file")
+            return _error(
+                result,
+                f"line {newer.lineno} uses Python syntax newer than this host's Python {host} "
+                f"can analyse ({newer.msg}); run flashport under a newer Python for this file",
+            )
     except (ValueError, RecursionError, MemoryError) as err:
         return _error(result, f"cannot parse: {err}")
     try:
-        return _transform(result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks)
+        return _transform(
+            result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks
+        )
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
         return _error(result, f"internal error, file left unchanged: {detail}")
@@ -114,7 +117,9 @@ def _error(result: FileResult, message: str) -> FileResult:
 
 def _transform(result, data, text, encoding, tree, rules, options, skip=None, masks=None) -> FileResult:
     lines = src.split_lines(text)
-    text_pattern = re.compile("|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x")
+    text_pattern = re.compile(
+        "|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x"
+    )
     units = src.top_level_units(tree)
     header_units = [u for u in units if u.importish]
     table = suppress.parse(lines)
@@ -125,16 +130,20 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
     newline = src.newline_of(lines)
     aliases = _aliases(header_units, text_pattern) | _value_aliases(units, text_pattern)
-    attributes = _attribute_aliases(tree, text_pattern)  # self.fn = flash_attn_func: calls self.fn(...) are reported
+    attributes = _attribute_aliases(
+        tree, text_pattern
+    )  # self.fn = flash_attn_func: calls self.fn(...) are reported
     aliases |= attributes
     if aliases:  # `from flash_attn import flash_attn_func as fa`: a later `fa(...)` has no trigger text
-        text_pattern = re.compile(text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b")
+        text_pattern = re.compile(
+            text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b"
+        )
     chunks = list(_chunks(units, lines, text_pattern))
     chunk_ids = {id(c.parent or c) for c in chunks}  # before pruning: the header stays as it was
     watch = prune.watch_of(rules)
     watch = dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
     flags = prune.keep([c.nodes for c in chunks], tree, watch)
-    chunks = [c for c, kept in zip(chunks, flags) if kept]
+    chunks = [c for c, kept in zip(chunks, flags, strict=True) if kept]
     if not chunks:
         return result
     header = "".join(_terminated(src.unit_text(lines, h)) for h in header_units if id(h) not in chunk_ids)
@@ -160,7 +169,9 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
     new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
     if vetoes:  # per-file phase: redo the pass with those rules' rewrites refused
-        transformer = SiteTransformer(rules, options, result.path, line_map, table, module, vetoes, source=mini_source)
+        transformer = SiteTransformer(
+            rules, options, result.path, line_map, table, module, vetoes, source=mini_source
+        )
         new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
     result.sites.extend(transformer.sites)
     if transformer.rewrites:
@@ -168,7 +179,7 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
         if not new_code.startswith(header):
             raise RuntimeError("rewrite touched the import header")
         pieces = _split_chunks(new_code[len(header) :], len(ordered))
-        for unit, new_chunk in zip(ordered, pieces):
+        for unit, new_chunk in zip(ordered, pieces, strict=True):
             chunk = src.unit_text(lines, unit)
             if not chunk.endswith(("\n", "\r")) and new_chunk.endswith("\n"):
                 new_chunk = new_chunk[:-1]  # _terminated() added it
@@ -227,8 +238,13 @@ def _value_aliases(units, pattern) -> set[str]:
     names: set[str] = set()
     for unit in units:
         for stmt in unit.nodes:
-            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                    and isinstance(stmt.value, (ast.Name, ast.Attribute)) and pattern.search(_dotted(stmt.value))):
+            if (
+                isinstance(stmt, ast.Assign)
+                and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)
+                and isinstance(stmt.value, (ast.Name, ast.Attribute))
+                and pattern.search(_dotted(stmt.value))
+            ):
                 names.add(stmt.targets[0].id)
     return names
 
@@ -237,8 +253,11 @@ def _attribute_aliases(tree: ast.Module, pattern) -> frozenset[str]:
     """Attribute names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
     names = set()
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute))
-                and pattern.search(_dotted(node.value))):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, (ast.Name, ast.Attribute))
+            and pattern.search(_dotted(node.value))
+        ):
             names.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
     return frozenset(names)
 
@@ -282,7 +301,11 @@ def _chunks(units, lines, pattern):
         if inner:
             head = src.Unit(unit.start, inner[0].start - 1, unit.nodes, False)
             if inner[0].start > unit.start and not pattern.search(src.unit_text(lines, head)):
-                yield from (dataclasses.replace(u, parent=unit) for u in inner if pattern.search(src.unit_text(lines, u)))
+                yield from (
+                    dataclasses.replace(u, parent=unit)
+                    for u in inner
+                    if pattern.search(src.unit_text(lines, u))
+                )
                 continue
         yield unit
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import html
 import os
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from flashport.rewriter import report as rep
 from flashport.rewriter import source as src
@@ -45,8 +45,13 @@ a{color:#0969da;text-decoration:none} a:hover{text-decoration:underline}
 """
 
 
-def render(results: Sequence[FileResult], *, title: str = "flashport rewrite report", mode: str = "dry-run",
-           written: set[str] | frozenset[str] = frozenset()) -> str:
+def render(
+    results: Sequence[FileResult],
+    *,
+    title: str = "flashport rewrite report",
+    mode: str = "dry-run",
+    written: set[str] | frozenset[str] = frozenset(),
+) -> str:
     """Return the report page for ``results`` as one HTML string.
 
     Args:
@@ -71,8 +76,10 @@ def render(results: Sequence[FileResult], *, title: str = "flashport rewrite rep
         f"<title>{_e(title)}</title><style>{css}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
         f'<div class="meta">mode: <b>{_e(mode)}</b> · {info["files_scanned"]} files scanned, '
-        f'{info["files_parsed"]} parsed, {info["files_changed"]} changed, {info["files_failed"]} failed · '
-        "sites: " + ", ".join(f'{count} {_LABEL.get(status, status)}' for status, count in info["sites"].items()) + "</div>",
+        f"{info['files_parsed']} parsed, {info['files_changed']} changed, {info['files_failed']} failed · "
+        "sites: "
+        + ", ".join(f"{count} {_LABEL.get(status, status)}" for status, count in info["sites"].items())
+        + "</div>",
     ]
     parts += _summary(info, shown, anchors, written)
     parts += _refused(results, anchors)
@@ -103,14 +110,26 @@ def _summary(info: dict, shown: Sequence[FileResult], anchors: dict, written) ->
     out += [f"<th>{_LABEL.get(s, s)}</th>" for s in SITE_STATUSES]
     out.append("</tr>")
     for code, counts in info["rules"].items():
-        out.append(f"<tr><td>{_e(code)}</td>" + "".join(f'<td class="n">{counts[s]}</td>' for s in SITE_STATUSES) + "</tr>")
+        out.append(
+            f"<tr><td>{_e(code)}</td>"
+            + "".join(f'<td class="n">{counts[s]}</td>' for s in SITE_STATUSES)
+            + "</tr>"
+        )
     total = info["sites"]
-    out.append("<tr><th>total</th>" + "".join(f'<th class="n">{total[s]}</th>' for s in SITE_STATUSES) + "</tr></table>")
-    out.append('<table class="t" id="files"><tr><th>file</th><th>status</th><th>rewritten</th><th>refused</th><th>imports</th></tr>')
+    out.append(
+        "<tr><th>total</th>"
+        + "".join(f'<th class="n">{total[s]}</th>' for s in SITE_STATUSES)
+        + "</tr></table>"
+    )
+    out.append(
+        '<table class="t" id="files"><tr><th>file</th><th>status</th><th>rewritten</th><th>refused</th><th>imports</th></tr>'
+    )
     for result in shown:
         counts = {s: sum(site.status == s for site in result.sites) for s in SITE_STATUSES}
         status = result.status + (" (written)" if result.path in written else "")
-        imports = ", ".join([f"+{m}" for m in result.imports_added] + [f"-{m}" for m in result.imports_removed])
+        imports = ", ".join(
+            [f"+{m}" for m in result.imports_added] + [f"-{m}" for m in result.imports_removed]
+        )
         out.append(
             f'<tr><td><a href="#{anchors[result.path]}">{_e(result.path)}</a></td>'
             f'<td><span class="badge b-{result.status}">{_e(status)}</span></td>'
@@ -118,9 +137,13 @@ def _summary(info: dict, shown: Sequence[FileResult], anchors: dict, written) ->
         )
     out.append("</table>")
     if info["refused_reasons"]:
-        out.append('<table class="t" id="reasons"><tr><th>count</th><th>rule</th><th>not rewritten because</th></tr>')
+        out.append(
+            '<table class="t" id="reasons"><tr><th>count</th><th>rule</th><th>not rewritten because</th></tr>'
+        )
         for row in info["refused_reasons"]:
-            out.append(f'<tr><td class="n">{row["count"]}</td><td>{_e(row["rule"])}</td><td>{_e(row["reason"])}</td></tr>')
+            out.append(
+                f'<tr><td class="n">{row["count"]}</td><td>{_e(row["rule"])}</td><td>{_e(row["reason"])}</td></tr>'
+            )
         out.append("</table>")
     return out
 
@@ -129,7 +152,10 @@ def _refused(results: Sequence[FileResult], anchors: dict) -> list[str]:
     rows = [(r, s) for r in results for s in r.sites if s.status == REFUSED]
     if not rows:
         return []
-    out = ["<h2>Refused sites</h2>", '<table class="t" id="refused"><tr><th>location</th><th>rule</th><th>api</th><th>reason</th></tr>']
+    out = [
+        "<h2>Refused sites</h2>",
+        '<table class="t" id="refused"><tr><th>location</th><th>rule</th><th>api</th><th>reason</th></tr>',
+    ]
     for result, site in rows:
         out.append(
             f'<tr><td><a href="#{anchors[result.path]}">{_e(site.path)}:{site.line}</a></td><td>{_e(site.rule)}</td>'
@@ -144,22 +170,29 @@ def _failed(results: Sequence[FileResult], anchors: dict) -> list[str]:
     if not failed:
         return []
     out = ["<h2>Files that could not be processed</h2>", '<ul id="failed">']
-    out += [f'<li><a href="#{anchors[r.path]}">{_e(r.path)}</a>: <span class="bad">{_e(r.error or "")}</span></li>' for r in failed]
+    out += [
+        f'<li><a href="#{anchors[r.path]}">{_e(r.path)}</a>: <span class="bad">{_e(r.error or "")}</span></li>'
+        for r in failed
+    ]
     out.append("</ul>")
     return out
 
 
 def _file_section(result: FileResult, anchor: str, written: bool) -> list[str]:
-    out = [f'<section id="{anchor}"><h3>{_e(result.path)} <span class="badge b-{result.status}">{_e(result.status)}'
-           f'{" (written)" if written else ""}</span></h3>']
+    out = [
+        f'<section id="{anchor}"><h3>{_e(result.path)} <span class="badge b-{result.status}">{_e(result.status)}'
+        f"{' (written)' if written else ''}</span></h3>"
+    ]
     if result.error:
         out.append(f'<p class="bad">{_e(result.error)}</p>')
     if result.sites:
         out.append('<ul class="notes">')
         for site in result.sites:
             why = site.reason or "; ".join(site.notes)
-            out.append(f'<li><span class="s-{site.status}">{site.status}</span> line {site.line} {_e(site.rule)} '
-                       f'<code>{_e(site.api)}</code>{": " + _e(why) if why else ""}</li>')
+            out.append(
+                f'<li><span class="s-{site.status}">{site.status}</span> line {site.line} {_e(site.rule)} '
+                f"<code>{_e(site.api)}</code>{': ' + _e(why) if why else ''}</li>"
+            )
         out.append("</ul>")
     if result.status == CHANGED and result.old is not None and result.new is not None:
         out.append(_diff_table(result.old, result.new))
@@ -179,11 +212,13 @@ def _diff_table(old: bytes, new: bytes) -> str:
     matcher = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False)
     for group in matcher.get_grouped_opcodes(_CONTEXT):
         first, last = group[0], group[-1]
-        rows.append(f'<tr class="hunk"><td class="ln"></td><td class="ln"></td><td class="sg"></td>'
-                    f"<td>@@ -{first[1] + 1},{last[2] - first[1]} +{first[3] + 1},{last[4] - first[3]} @@</td></tr>")
+        rows.append(
+            f'<tr class="hunk"><td class="ln"></td><td class="ln"></td><td class="sg"></td>'
+            f"<td>@@ -{first[1] + 1},{last[2] - first[1]} +{first[3] + 1},{last[4] - first[3]} @@</td></tr>"
+        )
         for tag, i1, i2, j1, j2 in group:
             if tag == "equal":
-                for i, j in zip(range(i1, i2), range(j1, j2)):
+                for i, j in zip(range(i1, i2), range(j1, j2), strict=True):
                     rows.append(_row("ctx", i + 1, j + 1, " ", new_html[j]))
                 continue
             for i in range(i1, i2):
@@ -195,8 +230,10 @@ def _diff_table(old: bytes, new: bytes) -> str:
 
 
 def _row(kind: str, old_no, new_no, sign: str, code: str) -> str:
-    return (f'<tr class="{kind}"><td class="ln">{old_no}</td><td class="ln">{new_no}</td>'
-            f'<td class="sg">{sign}</td><td class="hl">{code}</td></tr>')
+    return (
+        f'<tr class="{kind}"><td class="ln">{old_no}</td><td class="ln">{new_no}</td>'
+        f'<td class="sg">{sign}</td><td class="hl">{code}</td></tr>'
+    )
 
 
 def highlight_lines(text: str) -> list[str]:

@@ -27,14 +27,18 @@ def name_uses(tree: ast.AST) -> collections.Counter:
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
             uses[node.id] += 1
-        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
             for elt in getattr(node.value, "elts", []):
                 if isinstance(elt, ast.Constant) and isinstance(elt.value, str):
                     uses[elt.value] += 1
     return uses
 
 
-def remove_unused(text: str, before: collections.Counter, gpu_modules: tuple[str, ...]) -> tuple[str, list[str]]:
+def remove_unused(
+    text: str, before: collections.Counter, gpu_modules: tuple[str, ...]
+) -> tuple[str, list[str]]:
     """Drop GPU imports whose bound names were read in ``before`` and are unread now, at every
     scope, with the ``try``/``if`` guards and fallbacks that only existed for them
     (:mod:`flashport.rewriter.dead_imports`).
@@ -65,13 +69,17 @@ def _drop_aliases(stmt_text: str, names: set[str]) -> str | None:
             if not kept:
                 return updated
             if updated.rpar is not None:
-                kept[-1] = kept[-1].with_changes(comma=_closing_comma(kept[-1].comma, updated.names[-1].comma))
+                kept[-1] = kept[-1].with_changes(
+                    comma=_closing_comma(kept[-1].comma, updated.names[-1].comma)
+                )
             else:
                 kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
             return updated.with_changes(names=kept)
 
         def leave_Import(self, original, updated):
-            kept = [a for a in updated.names if (a.evaluated_alias or a.evaluated_name.split(".")[0]) not in names]
+            kept = [
+                a for a in updated.names if (a.evaluated_alias or a.evaluated_name.split(".")[0]) not in names
+            ]
             if not kept:
                 return updated
             kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
@@ -96,7 +104,9 @@ def _closing_comma(own, last):
         return last
     mine, theirs = own.whitespace_after, last.whitespace_after
     if isinstance(mine, cst.ParenthesizedWhitespace) and isinstance(theirs, cst.ParenthesizedWhitespace):
-        return own.with_changes(whitespace_after=mine.with_changes(indent=theirs.indent, last_line=theirs.last_line))
+        return own.with_changes(
+            whitespace_after=mine.with_changes(indent=theirs.indent, last_line=theirs.last_line)
+        )
     return last
 
 
@@ -132,13 +142,18 @@ def ensure_import(text: str, module: str, newline: str) -> tuple[str, bool]:
         line = _sorted_position(third, module, lines)
         lines.insert(line - 1, statement)
         return "".join(lines), True
-    std = [g for g in groups if all(_section(n) in ("stdlib", "future") for n in g)
-           and any(_section(n) == "stdlib" for n in g)]
+    std = [
+        g
+        for g in groups
+        if all(_section(n) in ("stdlib", "future") for n in g) and any(_section(n) == "stdlib" for n in g)
+    ]
     local = [g for g in groups if any(_section(n) == "local" for n in g)]
     if std and (not local or std[-1][-1].lineno < local[0][0].lineno):
         end = std[-1][-1].end_lineno or std[-1][-1].lineno
         _terminate(lines, end, newline)
-        below = newline if end < len(lines) and lines[end].strip() else ""  # keep the group apart from what follows
+        below = (
+            newline if end < len(lines) and lines[end].strip() else ""
+        )  # keep the group apart from what follows
         lines.insert(end, newline + statement + below)
         return "".join(lines), True
     if local:
@@ -156,9 +171,16 @@ def _after_header(tree: ast.Module, lines: list[str], statement: str, newline: s
     """``statement`` after the docstring and ``__future__`` imports (a file without other imports)."""
     index = 0
     body = tree.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(getattr(body[0], "value", None), ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         index = 1
-    while index < len(body) and isinstance(body[index], ast.ImportFrom) and body[index].module == "__future__":
+    while (
+        index < len(body) and isinstance(body[index], ast.ImportFrom) and body[index].module == "__future__"
+    ):
         index += 1
     if index > 0:  # right after the docstring / __future__ imports
         last_line = body[index - 1].end_lineno or len(lines)
@@ -166,7 +188,9 @@ def _after_header(tree: ast.Module, lines: list[str], statement: str, newline: s
         lines.insert(last_line, statement)
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
-        lines.insert(min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1, statement)
+        lines.insert(
+            min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1, statement
+        )
     else:
         if lines and not lines[-1].endswith(("\n", "\r")):
             lines[-1] += newline
@@ -198,7 +222,11 @@ def _import_groups(tree: ast.Module, lines: list[str]) -> list[list[ast.stmt]]:
     previous = None
     for node in tree.body:
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
-            if previous is None and isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant):
+            if (
+                previous is None
+                and isinstance(node, ast.Expr)
+                and isinstance(getattr(node, "value", None), ast.Constant)
+            ):
                 continue  # the docstring
             if groups and _guarded_imports(node):
                 groups.append([])  # the next import starts a new group
@@ -207,10 +235,14 @@ def _import_groups(tree: ast.Module, lines: list[str]) -> list[list[ast.stmt]]:
                 break
             continue
         end = node.end_lineno or node.lineno
-        if previous is not None and (node.lineno == (previous.end_lineno or previous.lineno)
-                                     or lines[node.lineno - 1][: node.col_offset].strip()):
+        if previous is not None and (
+            node.lineno == (previous.end_lineno or previous.lineno)
+            or lines[node.lineno - 1][: node.col_offset].strip()
+        ):
             return [g for g in groups if g]  # statements sharing a line: leave the layout alone
-        gap = previous is None or any(not lines[i].strip() for i in range((previous.end_lineno or previous.lineno), node.lineno - 1))
+        gap = previous is None or any(
+            not lines[i].strip() for i in range((previous.end_lineno or previous.lineno), node.lineno - 1)
+        )
         if gap or not groups:
             groups.append([node])
         else:
@@ -228,7 +260,9 @@ def _guarded_imports(node: ast.stmt) -> bool:
     handlers = [h.body for h in getattr(node, "handlers", [])]
     body = [s for block in [node.body, node.orelse, *handlers, getattr(node, "finalbody", [])] for s in block]
     allowed = (ast.Import, ast.ImportFrom, ast.Pass, ast.Assign, ast.AnnAssign)
-    return any(isinstance(s, (ast.Import, ast.ImportFrom)) for s in node.body) and all(isinstance(s, allowed) for s in body)
+    return any(isinstance(s, (ast.Import, ast.ImportFrom)) for s in node.body) and all(
+        isinstance(s, allowed) for s in body
+    )
 
 
 def _key(node: ast.stmt) -> str:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Callable, Sequence, TextIO
+from collections.abc import Callable, Sequence
+from typing import TextIO
 
 from flashport.rewriter import source as src
 from flashport.rewriter.engine import transform_source
@@ -105,8 +106,11 @@ def review(
         outcome.accepted.extend(accepted)
         if accepted:
             _apply(result, sites, accepted, rules, options, outcome, console)
-    console.print(f"{len(outcome.accepted)} of {total} rewrites accepted; "
-                  f"{len(outcome.written)} file(s) written" + (f", {len(outcome.failed)} not written" if outcome.failed else ""))
+    console.print(
+        f"{len(outcome.accepted)} of {total} rewrites accepted; "
+        f"{len(outcome.written)} file(s) written"
+        + (f", {len(outcome.failed)} not written" if outcome.failed else "")
+    )
     return outcome
 
 
@@ -158,14 +162,21 @@ def _apply(result, sites, accepted, rules, options, outcome: Outcome, console) -
         for site in sites:
             if site not in accepted:
                 skip.setdefault(site.line, set()).add(site.rule)
-        partial = transform_source(result.old, result.path, rules, options,
-                                   skip={line: frozenset(codes) for line, codes in skip.items()})
+        partial = transform_source(
+            result.old,
+            result.path,
+            rules,
+            options,
+            skip={line: frozenset(codes) for line, codes in skip.items()},
+        )
         done = {_key(s) for s in partial.sites if s.status == REWRITE}
         # An accepted site may now be refused by the per-file phase (Rule.settle): e.g. a bias
         # constructor whose consuming call was declined. That is sound; say so and write the rest.
         vetoed = [s for s in partial.sites if s.status == REFUSED and _key(s) in {_key(a) for a in accepted}]
         if partial.status == ERROR or done | {_key(s) for s in vetoed} != {_key(s) for s in accepted}:
-            reason = partial.error or "an accepted site shares a line and rule with a declined one; not written"
+            reason = (
+                partial.error or "an accepted site shares a line and rule with a declined one; not written"
+            )
             outcome.failed.append((result.path, reason))
             console.print(f"[red]not written[/] {result.path}: {reason}")
             return

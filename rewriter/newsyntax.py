@@ -51,7 +51,7 @@ def mask(text: str) -> tuple[str, dict[str, str]] | None:
     if not spans:
         return text, {}
     pieces, table, last = [], {}, 0
-    for start, end, key, placeholder, original in spans:
+    for start, end, _key, placeholder, original in spans:
         pieces.append(text[last:start])
         pieces.append(placeholder)
         table[placeholder] = original

@@ -70,8 +70,10 @@ def rewritten_keywords(rule) -> dict[str, str]:
 
 def quick_reference(rules) -> list[str]:
     """One table row per rule: code, source API, framework, outcome, target, layout, alignment."""
-    out = ["| code | source API | framework | outcome | rewritten to | layout | causal alignment |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        "| code | source API | framework | outcome | rewritten to | layout | causal alignment |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for rule in rules:
         keywords = rewritten_keywords(rule)
         out.append(
@@ -85,8 +87,13 @@ def quick_reference(rules) -> list[str]:
 def rule_section(rule) -> list[str]:
     """The guide's section for one rule."""
     found = rule_sections(rule)
-    out = [f"### {rule.CODE}", "", f"**`{_md(rule.API)}`** ({rule.FRAMEWORK}) -- rule `{rule.NAME}`"
-           + (f", rewritten to `{rule.TARGET}`." if rule.REWRITES and rule.TARGET else ", reported only."), ""]
+    out = [
+        f"### {rule.CODE}",
+        "",
+        f"**`{_md(rule.API)}`** ({rule.FRAMEWORK}) -- rule `{rule.NAME}`"
+        + (f", rewritten to `{rule.TARGET}`." if rule.REWRITES and rule.TARGET else ", reported only."),
+        "",
+    ]
     for key, title in _SECTIONS:
         if found.get(key):
             out += [f"- **{title}.** {_md(found[key])}"]
@@ -124,21 +131,37 @@ def render(rules=None, backends: dict | None = None) -> str:
         import flashport
 
         backends = flashport.backends()
-    out = [HEADER, "# Porting guide: GPU attention APIs to `flashport.attention`", "",
-           "For every GPU attention API the codemod knows: what `flashport rewrite` turns it into, how its",
-           "semantics map onto the contract (layout, causal alignment, scale default, window convention, mask",
-           "polarity, GQA), and what it refuses to rewrite (those sites stay byte-identical and are reported",
-           "with the reason). The contract itself is described in the README (\"The contract\").", "",
-           "## Quick reference", "", *quick_reference(rules), "",
-           "`layout`/`causal alignment` are the values the rewrite writes into the call (from each rule's",
-           "example): `bottom-right` = flash-attn >= 2.1 (query i sees keys <= i + Sk - Sq), `top-left` =",
-           "torch SDPA and jax.nn (query i sees keys <= i).", "",
-           "## Per source API", ""]
+    out = [
+        HEADER,
+        "# Porting guide: GPU attention APIs to `flashport.attention`",
+        "",
+        "For every GPU attention API the codemod knows: what `flashport rewrite` turns it into, how its",
+        "semantics map onto the contract (layout, causal alignment, scale default, window convention, mask",
+        "polarity, GQA), and what it refuses to rewrite (those sites stay byte-identical and are reported",
+        'with the reason). The contract itself is described in the README ("The contract").',
+        "",
+        "## Quick reference",
+        "",
+        *quick_reference(rules),
+        "",
+        "`layout`/`causal alignment` are the values the rewrite writes into the call (from each rule's",
+        "example): `bottom-right` = flash-attn >= 2.1 (query i sees keys <= i + Sk - Sq), `top-left` =",
+        "torch SDPA and jax.nn (query i sees keys <= i).",
+        "",
+        "## Per source API",
+        "",
+    ]
     for rule in rules:
         out += rule_section(rule)
-    out += ["## Backend feature matrix", "",
-            "From `flashport.backends()`; `auto` picks per platform when lowering and falls back when a",
-            "backend lacks a feature the call needs.", "", *backend_matrix(backends), ""]
+    out += [
+        "## Backend feature matrix",
+        "",
+        "From `flashport.backends()`; `auto` picks per platform when lowering and falls back when a",
+        "backend lacks a feature the call needs.",
+        "",
+        *backend_matrix(backends),
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -152,7 +175,9 @@ def _md(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the guide, ``--write PATH`` it, or ``--check PATH`` (exit 1 when PATH is stale)."""
-    parser = argparse.ArgumentParser(prog="python -m flashport.rewriter.porting_guide", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m flashport.rewriter.porting_guide", description=__doc__.splitlines()[0]
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write", metavar="PATH", help="write the guide to PATH")
     group.add_argument("--check", metavar="PATH", help="exit 1 when PATH differs from the generated guide")
@@ -166,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.check, encoding="utf-8") as handle:
             stale = handle.read() != text
         if stale:
-            print(f"{args.check} is stale; run python -m flashport.rewriter.porting_guide --write {args.check}", file=sys.stderr)
+            print(
+                f"{args.check} is stale; run python -m flashport.rewriter.porting_guide --write {args.check}",
+                file=sys.stderr,
+            )
         return int(stale)
     sys.stdout.write(text)
     return 0

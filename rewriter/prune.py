@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 

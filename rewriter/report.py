@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import difflib
-from typing import Sequence
+from collections.abc import Sequence
 
 from flashport.rewriter import source as src
 from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, SITE_STATUSES, SUPPRESSED, FileResult
@@ -82,7 +82,10 @@ def summarize(results: Sequence[FileResult]) -> dict:
         "files_changed": sum(r.status == CHANGED for r in results),
         "files_failed": sum(r.status == ERROR for r in results),
         "sites": {status: sites[status] for status in SITE_STATUSES},
-        "rules": {code: {status: counts[status] for status in SITE_STATUSES} for code, counts in sorted(rules.items())},
+        "rules": {
+            code: {status: counts[status] for status in SITE_STATUSES}
+            for code, counts in sorted(rules.items())
+        },
         "refused_reasons": [
             {"rule": rule, "reason": reason, "count": count}
             for (rule, reason), count in sorted(reasons.items(), key=lambda item: (-item[1], item[0]))
@@ -90,29 +93,44 @@ def summarize(results: Sequence[FileResult]) -> dict:
     }
 
 
-def to_json(command: str, mode: str, results: Sequence[FileResult], written: set[str], exit_code: int) -> dict:
+def to_json(
+    command: str, mode: str, results: Sequence[FileResult], written: set[str], exit_code: int
+) -> dict:
     """The ``flashport.report/1`` document."""
     files = []
     for result in results:
         if not (result.parsed or result.status != "unchanged"):
             continue
-        files.append({
-            "path": result.path,
-            "status": result.status,
-            "error": result.error,
-            "written": result.path in written,
-            "imports_added": list(result.imports_added),
-            "imports_removed": list(result.imports_removed),
-            "diff": (unified_diff(result) or None) if command == "rewrite" else None,
-        })
+        files.append(
+            {
+                "path": result.path,
+                "status": result.status,
+                "error": result.error,
+                "written": result.path in written,
+                "imports_added": list(result.imports_added),
+                "imports_removed": list(result.imports_removed),
+                "diff": (unified_diff(result) or None) if command == "rewrite" else None,
+            }
+        )
     return {
         "schema": SCHEMA,
         "command": command,
         "mode": mode,
         "sites": [
-            {"path": s.path, "line": s.line, "column": s.column, "end_line": s.end_line, "rule": s.rule,
-             "api": s.api, "kind": s.kind, "status": s.status, "reason": s.reason, "notes": list(s.notes)}
-            for r in results for s in r.sites
+            {
+                "path": s.path,
+                "line": s.line,
+                "column": s.column,
+                "end_line": s.end_line,
+                "rule": s.rule,
+                "api": s.api,
+                "kind": s.kind,
+                "status": s.status,
+                "reason": s.reason,
+                "notes": list(s.notes),
+            }
+            for r in results
+            for s in r.sites
         ],
         "files": files,
         "summary": summarize(results),
@@ -127,8 +145,13 @@ class TextReport:
         from rich.console import Console
 
         self.color = color
-        self.console = Console(no_color=not color, highlight=False, force_terminal=None if color else False,
-                               emoji=False, width=None if color else 160)
+        self.console = Console(
+            no_color=not color,
+            highlight=False,
+            force_terminal=None if color else False,
+            emoji=False,
+            width=None if color else 160,
+        )
 
     def scan(self, results: Sequence[FileResult]) -> None:
         """One row per site: location, API, rule, status, reason."""
@@ -138,8 +161,16 @@ class TextReport:
             for result in results:
                 for site in result.sites:
                     why = site.reason or "; ".join(site.notes)
-                    status = "rewritable" if site.status == REWRITE else "not-rewritable" if site.status == REFUSED else SUPPRESSED
-                    self.console.file.write(f"{site.path}:{site.line}:{site.column} {site.rule} {status} {site.api}{': ' + why if why else ''}\n")
+                    status = (
+                        "rewritable"
+                        if site.status == REWRITE
+                        else "not-rewritable"
+                        if site.status == REFUSED
+                        else SUPPRESSED
+                    )
+                    self.console.file.write(
+                        f"{site.path}:{site.line}:{site.column} {site.rule} {status} {site.api}{': ' + why if why else ''}\n"
+                    )
             self.errors(results)
             self.summary(results, scan=True)
             return
@@ -148,7 +179,11 @@ class TextReport:
             table.add_column(column, overflow="fold")
         for result in results:
             for site in result.sites:
-                status = {"rewrite": "[green]rewritable[/]", "refused": "[red]not rewritable[/]", "suppressed": "[dim]suppressed[/]"}[site.status]
+                status = {
+                    "rewrite": "[green]rewritable[/]",
+                    "refused": "[red]not rewritable[/]",
+                    "suppressed": "[dim]suppressed[/]",
+                }[site.status]
                 why = site.reason or "; ".join(site.notes)
                 table.add_row(f"{site.path}:{site.line}", site.api, site.rule, status, why)
         if table.row_count:
@@ -178,7 +213,9 @@ class TextReport:
         """Files that could not be processed, one line each."""
         for result in results:
             if result.status == ERROR:
-                self._line(f"[red]error[/] {result.path}: {result.error}", f"error {result.path}: {result.error}")
+                self._line(
+                    f"[red]error[/] {result.path}: {result.error}", f"error {result.path}: {result.error}"
+                )
 
     def refusals(self, results: Sequence[FileResult]) -> None:
         """Sites left unchanged, ``path:line rule reason``."""
@@ -186,7 +223,7 @@ class TextReport:
             for site in result.sites:
                 if site.status == REFUSED:
                     plain = f"not rewritten {site.path}:{site.line} {site.rule} {site.api}: {site.reason}"
-                    self._line(f"[yellow]not rewritten[/] {plain[len('not rewritten '):]}", plain)
+                    self._line(f"[yellow]not rewritten[/] {plain[len('not rewritten ') :]}", plain)
 
     def _line(self, markup: str, plain: str) -> None:
         """One finding per line: never wrapped when piped (grep-able), styled on a terminal."""
@@ -200,16 +237,20 @@ class TextReport:
         from rich.table import Table
 
         info = summarize(results)
-        files = (f"{info['files_scanned']} files scanned, {info['files_parsed']} parsed, "
-                 f"{info['files_changed']} {'would change' if written is None and not scan else 'changed'}, "
-                 f"{info['files_failed']} failed")
+        files = (
+            f"{info['files_scanned']} files scanned, {info['files_parsed']} parsed, "
+            f"{info['files_changed']} {'would change' if written is None and not scan else 'changed'}, "
+            f"{info['files_failed']} failed"
+        )
         if written is not None:
             files += f", {written} written"
         if not scan or info["rules"]:
             table = Table(title="summary")
             table.add_column("rule")
             for status in ("rewrite", "refused", "suppressed"):
-                table.add_column({"rewrite": "rewritable" if scan else "rewritten"}.get(status, status), justify="right")
+                table.add_column(
+                    {"rewrite": "rewritable" if scan else "rewritten"}.get(status, status), justify="right"
+                )
             for code, counts in info["rules"].items():
                 table.add_row(code, *(str(counts[s]) for s in ("rewrite", "refused", "suppressed")))
             self.console.print(table)

@@ -8,8 +8,8 @@ import multiprocessing
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Callable, Iterator, Sequence
 
 from flashport.rewriter.cache import ResultCache, from_environment
 from flashport.rewriter.engine import transform_source, trigger_pattern
@@ -30,7 +30,9 @@ def _init_worker(codes: tuple[str, ...], options: RuleOptions) -> None:
 
 def _work(item: tuple[str, bytes]) -> FileResult:
     path, data = item
-    return transform_source(data, path, _WORKER_STATE["rules"], _WORKER_STATE["options"], _WORKER_STATE["pattern"])
+    return transform_source(
+        data, path, _WORKER_STATE["rules"], _WORKER_STATE["options"], _WORKER_STATE["pattern"]
+    )
 
 
 def run(
@@ -39,7 +41,7 @@ def run(
     options: RuleOptions,
     jobs: int | None = None,
     progress: Callable[[FileResult], None] | None = None,
-    cache: ResultCache | None | bool = None,
+    cache: ResultCache | bool | None = None,
 ) -> Iterator[FileResult]:
     """Yield one :class:`FileResult` per path, in the order of ``paths``.
 
@@ -80,7 +82,7 @@ def run(
 
 def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Iterator[FileResult]:
     def remember(computed):
-        for (_, path, data), result in zip(todo, computed):
+        for (_, path, data), result in zip(todo, computed, strict=True):
             if cache:
                 cache.put(path, data, result)
             yield result
@@ -94,8 +96,12 @@ def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Ite
     # process (e.g. when the engine is called from a library or a test session): spawn then.
     threaded = any(name in sys.modules for name in ("jax", "torch"))
     context = multiprocessing.get_context("spawn" if threaded else "fork")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context,
-                             initializer=_init_worker, initargs=(codes, options)) as pool:
+    with ProcessPoolExecutor(
+        max_workers=min(jobs, len(todo)),
+        mp_context=context,
+        initializer=_init_worker,
+        initargs=(codes, options),
+    ) as pool:
         futures: dict[int, object] = {}
         for position in sorted(range(len(todo)), key=lambda i: -len(todo[i][2])):
             _, path, data = todo[position]

@@ -63,7 +63,7 @@ class Unit:
     nodes: tuple[ast.stmt, ...]
     importish: bool
     in_class: bool = False
-    parent: "Unit | None" = None
+    parent: Unit | None = None
 
 
 def _contains_import(node: ast.AST) -> bool:
@@ -101,7 +101,9 @@ def _group(body: list[ast.stmt]) -> list[Unit]:
         )
         if units and start <= units[-1].end:
             last = units.pop()
-            units.append(Unit(last.start, max(end, last.end), last.nodes + (stmt,), last.importish and importish))
+            units.append(
+                Unit(last.start, max(end, last.end), last.nodes + (stmt,), last.importish and importish)
+            )
         else:
             units.append(Unit(start, end, (stmt,), importish))
     return units

@@ -24,7 +24,16 @@ from libcst.metadata import PositionProvider, ScopeProvider
 
 from flashport.rewriter import aliases, suppress
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
-from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, RuleContext, RuleOptions, keep_comments
+from flashport.rules.base import (
+    Refusal,
+    Refuse,
+    Report,
+    Rewrite,
+    Rule,
+    RuleContext,
+    RuleOptions,
+    keep_comments,
+)
 
 
 class SiteTransformer(cst.CSTTransformer):
@@ -67,7 +76,9 @@ class SiteTransformer(cst.CSTTransformer):
         self._path: list[cst.CSTNode] = []  # original nodes from the module down to the current one
         self._aliases: dict[int, aliases.Alias] = {}  # id(libcst Assignment) -> alias (rewriter/aliases.py)
         self._values: dict[int, tuple[Rule, str, int]] = {}  # id(Name target) of other `name = <source>`
-        self._attributes: dict[tuple[str, str], tuple[Rule, str, int]] = {}  # (receiver, attr) of `self.fn = <source>`
+        self._attributes: dict[
+            tuple[str, str], tuple[Rule, str, int]
+        ] = {}  # (receiver, attr) of `self.fn = <source>`
 
     # -- traversal path (what rules get as ``ctx.node`` / ``ctx.ancestors``) ------------------
 
@@ -116,8 +127,11 @@ class SiteTransformer(cst.CSTTransformer):
         # A node may have several qualified names (conditional imports): answer deterministically
         # (a set's order varies with PYTHONHASHSEED): lowest rule code, then the rule's first-listed
         # source (its canonical path).
-        found = [(rule.CODE, rule.SOURCES.index(q.name), q.name, rule)
-                 for q in self._qualified_names(node) if (rule := self.by_source.get(q.name)) is not None]
+        found = [
+            (rule.CODE, rule.SOURCES.index(q.name), q.name, rule)
+            for q in self._qualified_names(node)
+            if (rule := self.by_source.get(q.name)) is not None
+        ]
         if not found:
             return None
         *_, name, rule = min(found, key=lambda item: item[:2])
@@ -144,8 +158,16 @@ class SiteTransformer(cst.CSTTransformer):
             ancestors = tuple(reversed(self._path[:-1]))
         else:  # a child of the node being visited (a value under an Arg/Assign/...)
             ancestors = tuple(reversed(self._path))
-        return RuleContext(self.path, line, api, self.options, self.module.code_for_node,
-                           node=node, ancestors=ancestors, module=self.module)
+        return RuleContext(
+            self.path,
+            line,
+            api,
+            self.options,
+            self.module.code_for_node,
+            node=node,
+            ancestors=ancestors,
+            module=self.module,
+        )
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -176,15 +198,21 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = Refusal(refusal.reason)
         if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:
             outcome = Refusal(self.vetoes[rule.CODE])
-        if isinstance(outcome, Rewrite) and self._has_comment(original_node):  # comments are kept, never a reason to refuse
+        if isinstance(outcome, Rewrite) and self._has_comment(
+            original_node
+        ):  # comments are kept, never a reason to refuse
             node = keep_comments(original_node, outcome.node)
             if node is None:  # no current rule replaces a call by a non-call; stay safe if one does
-                outcome = Refusal("the replacement has no place for the comments inside the call; move them out first")
+                outcome = Refusal(
+                    "the replacement has no place for the comments inside the call; move them out first"
+                )
             else:
                 outcome = dataclasses.replace(outcome, node=node)
         if alias is not None and isinstance(outcome, Rewrite):
             alias.rewritten += 1
-            outcome = dataclasses.replace(outcome, notes=(f"called through alias {alias.name} (line {alias.where[0]})", *outcome.notes))
+            outcome = dataclasses.replace(
+                outcome, notes=(f"called through alias {alias.name} (line {alias.where[0]})", *outcome.notes)
+            )
         self._record(rule, api, "call", where, outcome)
         if isinstance(outcome, Rewrite):
             self.imports.update(outcome.imports)
@@ -200,23 +228,41 @@ class SiteTransformer(cst.CSTTransformer):
             where = self._file_lines(call) if held else None
             if where is not None:
                 rule, api, line = held
-                self._record(rule, api, "call", where, Report(
-                    f"called through {call.func.value.value}.{call.func.attr.value}, which holds {api.rsplit('.', 1)[-1]} "
-                    f"(line {line}): an attribute can be rebound from anywhere, so the call does not resolve to one "
-                    "function; not rewritten"))
+                self._record(
+                    rule,
+                    api,
+                    "call",
+                    where,
+                    Report(
+                        f"called through {call.func.value.value}.{call.func.attr.value}, which holds {api.rsplit('.', 1)[-1]} "
+                        f"(line {line}): an attribute can be rebound from anywhere, so the call does not resolve to one "
+                        "function; not rewritten"
+                    ),
+                )
             return
         if not self._values or not isinstance(call.func, cst.Name):
             return
         scope = self.get_metadata(ScopeProvider, call.func, None)
-        for access in (scope.accesses[call.func.value] if scope else ()):
+        for access in scope.accesses[call.func.value] if scope else ():
             if access.node is call.func:
-                hits = [self._values[id(r.node)] for r in access.referents if id(getattr(r, "node", None)) in self._values]
+                hits = [
+                    self._values[id(r.node)]
+                    for r in access.referents
+                    if id(getattr(r, "node", None)) in self._values
+                ]
                 where = self._file_lines(call)
                 if hits and where is not None:
                     rule, api, line = hits[0]
-                    self._record(rule, api, "call", where, Report(
-                        f"called through {call.func.value}, which holds {api.rsplit('.', 1)[-1]} (line {line}) but may "
-                        "also hold something else: it does not resolve to one function; not rewritten"))
+                    self._record(
+                        rule,
+                        api,
+                        "call",
+                        where,
+                        Report(
+                            f"called through {call.func.value}, which holds {api.rsplit('.', 1)[-1]} (line {line}) but may "
+                            "also hold something else: it does not resolve to one function; not rewritten"
+                        ),
+                    )
                 return
 
     # -- local aliases (``attn = flash_attn_func``; rewriter/aliases.py) ------------------------
@@ -245,8 +291,17 @@ class SiteTransformer(cst.CSTTransformer):
             except Refuse as refusal:
                 answer = Refusal(refusal.reason)
             own_reason = answer.reason if isinstance(answer, (Refusal, Report)) else ""
-        self._aliases[id(assignment)] = aliases.Alias(target.value, api, rule, statement, owner, target, where,
-                                                      uses=len(assignment.references), own_reason=own_reason)
+        self._aliases[id(assignment)] = aliases.Alias(
+            target.value,
+            api,
+            rule,
+            statement,
+            owner,
+            target,
+            where,
+            uses=len(assignment.references),
+            own_reason=own_reason,
+        )
         return True
 
     def _settle_aliases(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
@@ -255,17 +310,28 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = Report(alias.own_reason or alias.reason())
             if alias.removable():
                 block = updated.body if isinstance(updated, cst.FunctionDef) else None
-                body = aliases.drop_statement(block.body if block else updated.body,
-                                              original.body.body if block else original.body, alias.statement)
+                body = aliases.drop_statement(
+                    block.body if block else updated.body,
+                    original.body.body if block else original.body,
+                    alias.statement,
+                )
                 if body is not None:
-                    updated = (updated.with_changes(body=block.with_changes(body=body)) if block
-                               else updated.with_changes(body=body))
-                    outcome = Rewrite(cst.Name(alias.name), notes=(f"alias removed: all {alias.uses} calls through it were ported",))
+                    updated = (
+                        updated.with_changes(body=block.with_changes(body=body))
+                        if block
+                        else updated.with_changes(body=body)
+                    )
+                    outcome = Rewrite(
+                        cst.Name(alias.name),
+                        notes=(f"alias removed: all {alias.uses} calls through it were ported",),
+                    )
                     self.rewrites += 1
             self._record(alias.rule, alias.api, "reference", alias.where, outcome)
         return updated
 
-    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
         """Settle the aliases bound in this function."""
         return self._settle_aliases(original_node, updated_node)
 
@@ -309,7 +375,10 @@ class SiteTransformer(cst.CSTTransformer):
                 if isinstance(target.target, cst.Name):
                     self._values[id(target.target)] = (*matched, where[0])
                 elif isinstance(target.target, cst.Attribute) and isinstance(target.target.value, cst.Name):
-                    self._attributes[(target.target.value.value, target.target.attr.value)] = (*matched, where[0])
+                    self._attributes[(target.target.value.value, target.target.attr.value)] = (
+                        *matched,
+                        where[0],
+                    )
 
     def visit_DictElement(self, node: cst.DictElement) -> None:
         """``{"flash_attention_2": flash_attn_func}``."""
@@ -325,7 +394,9 @@ class SiteTransformer(cst.CSTTransformer):
 
     # -- configuration strings ---------------------------------------------------------------
 
-    def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> cst.BaseExpression:
+    def leave_SimpleString(
+        self, original_node: cst.SimpleString, updated_node: cst.SimpleString
+    ) -> cst.BaseExpression:
         """String literals some rule watches (``attn_implementation="flash_attention_2"``); a rule
         may rewrite them (e.g. to a value that routes through flashport)."""
         if not self.by_string:

@@ -85,6 +85,8 @@ def select(select: list[str] | None = None, ignore: list[str] | None = None) -> 
 
     for selector in (select or []) + (ignore or []):
         if not any(matches(rule, selector) for rule in rules):
-            raise ValueError(f"rule selector {selector!r} matches no rule; known: {', '.join(r.CODE for r in rules)}")
+            raise ValueError(
+                f"rule selector {selector!r} matches no rule; known: {', '.join(r.CODE for r in rules)}"
+            )
     chosen = [r for r in rules if not select or any(matches(r, s) for s in select)]
     return [r for r in chosen if not any(matches(r, s) for s in (ignore or []))]

@@ -15,7 +15,16 @@ import libcst as cst
 
 from flashport.rules import _flash_attn as fa
 from flashport.rules import _sites
-from flashport.rules.base import Refuse, is_none, is_zero, literal_bool, literal_number, number, string, tuple_of
+from flashport.rules.base import (
+    Refuse,
+    is_none,
+    is_zero,
+    literal_bool,
+    literal_number,
+    number,
+    string,
+    tuple_of,
+)
 
 
 def positional_limit(call: cst.Call, limit: int, reason: str) -> None:
@@ -52,7 +61,9 @@ def fa4_window(node: cst.BaseExpression) -> cst.BaseExpression | None:
       Refuse: for non-literal windows and one-sided negative values (their meaning differs by FA4 build).
     """
     if not (isinstance(node, (cst.Tuple, cst.List)) and len(node.elements) == 2):
-        raise Refuse("window_size is not a literal (l, r) pair: FA4's None/negative conventions cannot be mapped statically")
+        raise Refuse(
+            "window_size is not a literal (l, r) pair: FA4's None/negative conventions cannot be mapped statically"
+        )
     sides = []
     for element in node.elements:
         if is_none(element.value):
@@ -66,7 +77,9 @@ def fa4_window(node: cst.BaseExpression) -> cst.BaseExpression | None:
     if left is not None and right is not None and left + right < 0:
         return None
     if any(s is not None and s < 0 for s in sides):
-        raise Refuse(f"window_size={tuple(sides)} mixes a negative bound with a finite one; FA4 builds disagree on it")
+        raise Refuse(
+            f"window_size={tuple(sides)} mixes a negative bound with a finite one; FA4 builds disagree on it"
+        )
     if left is None and right is None:
         return None
     return tuple_of(*[cst.Name("None") if s is None else number(s) for s in sides])
@@ -85,8 +98,10 @@ def returns_tuple(call: cst.Call, ctx, flag: cst.BaseExpression | None, flag_nam
         return value
     usage = _sites.result_usage(call, ctx)
     if usage == "unknown":
-        raise Refuse(f"{history}; how this result is used does not show which one the code expects "
-                     f"(index it, unpack it, or pass {flag_name}= explicitly)")
+        raise Refuse(
+            f"{history}; how this result is used does not show which one the code expects "
+            f"(index it, unpack it, or pass {flag_name}= explicitly)"
+        )
     return usage == "tuple"
 
 

@@ -46,8 +46,25 @@ def tail(version: tuple[int, ...]) -> tuple[str, ...]:
     if version < (2, 4):
         return ("dropout_p", "softmax_scale", "causal", "window_size", "return_attn_probs")
     if version < (2, 6):
-        return ("dropout_p", "softmax_scale", "causal", "window_size", "alibi_slopes", "deterministic", "return_attn_probs")
-    return ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic", "return_attn_probs")
+        return (
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size",
+            "alibi_slopes",
+            "deterministic",
+            "return_attn_probs",
+        )
+    return (
+        "dropout_p",
+        "softmax_scale",
+        "causal",
+        "window_size",
+        "softcap",
+        "alibi_slopes",
+        "deterministic",
+        "return_attn_probs",
+    )
 
 
 def signature(leading: tuple[str, ...], version: tuple[int, ...], varlen: bool = False) -> Signature:
@@ -72,12 +89,16 @@ def is_fa1(qualified_name: str) -> bool:
     return qualified_name.rsplit(".", 1)[-1].startswith("flash_attn_unpadded")
 
 
-def varlen_signature(leading: tuple[str, ...], qualified_name: str, version: tuple[int, ...]) -> tuple[Signature, tuple[int, ...]]:
+def varlen_signature(
+    leading: tuple[str, ...], qualified_name: str, version: tuple[int, ...]
+) -> tuple[Signature, tuple[int, ...]]:
     """(signature, version) for a varlen call: flash-attn 1.x order for the ``flash_attn_unpadded_*``
     names (``dropout_p`` required, ``return_attn_probs`` before ``deterministic``; tag v1.0.9),
     else :func:`signature` at ``version``. Only 1.x has those names, so their version is fixed."""
     if is_fa1(qualified_name):
-        return Signature(leading + ("dropout_p", "softmax_scale", "causal", "return_attn_probs", "deterministic")), FA1_VERSION
+        return Signature(
+            leading + ("dropout_p", "softmax_scale", "causal", "return_attn_probs", "deterministic")
+        ), FA1_VERSION
     return signature(leading, version, varlen=True), version
 
 
@@ -88,7 +109,11 @@ def align(version: tuple[int, ...]) -> str:
 
 def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
     """flash-attn ``window_size=(left, right)`` (-1 = unbounded) as the contract's ``window``."""
-    if isinstance(node, (cst.Tuple, cst.List)) and len(node.elements) == 2 and all(type(e) is cst.Element for e in node.elements):
+    if (
+        isinstance(node, (cst.Tuple, cst.List))
+        and len(node.elements) == 2
+        and all(type(e) is cst.Element for e in node.elements)
+    ):
         values = [literal_number(e.value) for e in node.elements]
         if all(isinstance(v, int) for v in values):
             if all(v < 0 for v in values):
@@ -108,12 +133,18 @@ class _Substitute(cst.CSTTransformer):
         return self.node if updated_node.value == self.name else updated_node
 
 
-VARLEN_NO_DROPOUT = "flashport.varlen_attention has no dropout (port by hand with flashport.torch.attention and segment ids)"
+VARLEN_NO_DROPOUT = (
+    "flashport.varlen_attention has no dropout (port by hand with flashport.torch.attention and segment ids)"
+)
 
 
-def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str,
-                  version: tuple[int, ...] | None = None,
-                  dropout: bool = True) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
+def map_arguments(
+    bound: dict[str, cst.Arg],
+    ctx: RuleContext,
+    api: str,
+    version: tuple[int, ...] | None = None,
+    dropout: bool = True,
+) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
     """Map flash-attn keyword arguments to the contract's; returns (keywords, notes). ``version``
     (default: the configured ``flash_attn_version``) decides the causal alignment.
 
@@ -159,13 +190,25 @@ def map_arguments(bound: dict[str, cst.Arg], ctx: RuleContext, api: str,
         if literal is not None:
             keywords.append(("softcap", softcap))
         else:  # flash-attn's 0.0 means "off"; the contract's off is None
-            keywords.append(("softcap", cst.BooleanOperation(left=softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]) if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda)) else softcap, operator=cst.Or(), right=cst.Name("None"))))
+            keywords.append(
+                (
+                    "softcap",
+                    cst.BooleanOperation(
+                        left=softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+                        if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda))
+                        else softcap,
+                        operator=cst.Or(),
+                        right=cst.Name("None"),
+                    ),
+                )
+            )
     keywords.append(("align", string(align(version or ctx.options.flash_attn_version))))
     return keywords, notes
 
 
-def add_dropout(call: cst.Call, positional: list, keywords: list, bound: dict[str, cst.Arg],
-                ctx: RuleContext) -> tuple[list, list[str]]:
+def add_dropout(
+    call: cst.Call, positional: list, keywords: list, bound: dict[str, cst.Arg], ctx: RuleContext
+) -> tuple[list, list[str]]:
     """``keywords`` with flash-attn's ``dropout_p`` carried over verbatim as the contract's
     ``dropout_p`` (same meaning: dropout on the normalized probabilities, kept ones scaled by
     1/(1-p), applied whenever p > 0), placed in its source evaluation order; returns
@@ -184,7 +227,9 @@ def add_dropout(call: cst.Call, positional: list, keywords: list, bound: dict[st
 COMPAT = "flashport.integrations.flash_attn_compat"
 
 
-def varlen_drop_in(call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int) -> Rewrite | None:
+def varlen_drop_in(
+    call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int
+) -> Rewrite | None:
     """A varlen call whose dropout may be non-zero, on flashport's drop-in of the same name
     (``flash_attn_compat.flash_attn_varlen_func``..., flash-attn's signature, dropout passed to the
     contract): ``flashport.varlen_attention`` has no dropout. The call keeps its arguments, so
@@ -209,8 +254,10 @@ def varlen_drop_in(call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, 
         return None
     positional = sum(1 for arg in call.args if arg.keyword is None)
     if not is_fa1(ctx.qualified_name) and positional > leading + 1:
-        raise Refuse(f"dropout_p={ctx.code(node)}: flashport.varlen_attention has no dropout, and the drop-in "
-                     "takes flash-attn 2.8's argument order; pass the arguments after dropout_p by keyword")
+        raise Refuse(
+            f"dropout_p={ctx.code(node)}: flashport.varlen_attention has no dropout, and the drop-in "
+            "takes flash-attn 2.8's argument order; pass the arguments after dropout_p by keyword"
+        )
     function = ctx.qualified_name.rsplit(".", 1)[-1]
     note = f"drop-in {function} (flash-attn's signature; dropout_p passed to the contract): flashport.varlen_attention has no dropout"
     return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
@@ -231,14 +278,18 @@ def dense_drop_in(call: cst.Call, ctx: RuleContext, leading: int, why: str) -> R
     if version < (2, 1):
         return None
     if version < (2, 6) and sum(1 for arg in call.args if arg.keyword is None) > leading + 4:
-        raise Refuse(f"{why}, and the drop-in follows flash-attn 2.8's argument order: pass the arguments "
-                     "after window_size by keyword")
+        raise Refuse(
+            f"{why}, and the drop-in follows flash-attn 2.8's argument order: pass the arguments "
+            "after window_size by keyword"
+        )
     function = ctx.qualified_name.rsplit(".", 1)[-1]
     note = f"drop-in {function} (flash-attn's signature and semantics): {why}"
     return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
 
 
-def alibi_drop_in(call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int) -> Rewrite | None:
+def alibi_drop_in(
+    call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int
+) -> Rewrite | None:
     """A dense call with ``alibi_slopes`` on the drop-in (:func:`dense_drop_in`), which adds
     flash-attn's ALiBi bias as its kernel does. None without ALiBi, or when the usual refusal should
     stand (``return_attn_probs``, flash-attn 2.0)."""
@@ -250,8 +301,14 @@ def alibi_drop_in(call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, l
     return dense_drop_in(call, ctx, leading, "alibi_slopes (ALiBi bias added as flash-attn's kernel adds it)")
 
 
-def dropout_or_drop_in(call: cst.Call, positional: list, keywords: list, bound: dict[str, cst.Arg],
-                       ctx: RuleContext, leading: int) -> tuple[list, list[str]] | Rewrite:
+def dropout_or_drop_in(
+    call: cst.Call,
+    positional: list,
+    keywords: list,
+    bound: dict[str, cst.Arg],
+    ctx: RuleContext,
+    leading: int,
+) -> tuple[list, list[str]] | Rewrite:
     """:func:`add_dropout`, or, when the dropout expression cannot keep its evaluation order in the
     explicit rewrite, the drop-in call (:func:`dense_drop_in`), which keeps every argument in place.
 
@@ -261,7 +318,9 @@ def dropout_or_drop_in(call: cst.Call, positional: list, keywords: list, bound: 
     try:
         return add_dropout(call, positional, keywords, bound, ctx)
     except Refuse:
-        drop_in = dense_drop_in(call, ctx, leading, "dropout_p keeps its place among arguments with side effects")
+        drop_in = dense_drop_in(
+            call, ctx, leading, "dropout_p keeps its place among arguments with side effects"
+        )
         if drop_in is None:
             raise
         return drop_in
@@ -271,7 +330,9 @@ def unbind(node: cst.BaseExpression, dim: int) -> cst.Arg:
     """``*node.unbind(dim)``: split a packed qkv/kv tensor, evaluating ``node`` once."""
     if not isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) and not node.lpar:
         node = node.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-    call = cst.Call(func=cst.Attribute(value=node, attr=cst.Name("unbind")), args=[cst.Arg(value=cst.Integer(str(dim)))])
+    call = cst.Call(
+        func=cst.Attribute(value=node, attr=cst.Name("unbind")), args=[cst.Arg(value=cst.Integer(str(dim)))]
+    )
     return cst.Arg(value=call, star="*")
 
 

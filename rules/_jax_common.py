@@ -75,7 +75,9 @@ def fa_window(node: cst.BaseExpression, api: str) -> cst.BaseExpression | None:
     raise Refuse(f"window_size of {api} is not a literal (left, right) pair of ints")
 
 
-def static_scale(node: cst.BaseExpression | None, default: cst.BaseExpression, ctx: RuleContext, name: str) -> cst.BaseExpression:
+def static_scale(
+    node: cst.BaseExpression | None, default: cst.BaseExpression, ctx: RuleContext, name: str
+) -> cst.BaseExpression:
     """The ``scale=`` value for the contract: ``default`` when absent/None, else the expression.
 
     Raises:
@@ -85,7 +87,9 @@ def static_scale(node: cst.BaseExpression | None, default: cst.BaseExpression, c
     if is_none(node):
         return default
     if _calls_array_namespace(node):
-        raise Refuse(f"{name}={ctx.code(node)} is computed with array ops (a traced value under jit); flashport.attention needs a static Python float")
+        raise Refuse(
+            f"{name}={ctx.code(node)} is computed with array ops (a traced value under jit); flashport.attention needs a static Python float"
+        )
     return node
 
 
@@ -103,7 +107,9 @@ def _calls_array_namespace(node: cst.CSTNode) -> bool:
     return bool(found)
 
 
-def require(value: dict[str, cst.BaseExpression], names: tuple[str, ...], api: str) -> list[cst.BaseExpression]:
+def require(
+    value: dict[str, cst.BaseExpression], names: tuple[str, ...], api: str
+) -> list[cst.BaseExpression]:
     """The values of required arguments, or Refuse naming the missing one."""
     missing = [name for name in names if name not in value]
     if missing:
@@ -128,7 +134,9 @@ def _paren(node: cst.BaseExpression) -> cst.BaseExpression:
     return node.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
 
 
-def fa_keywords(value: dict[str, cst.BaseExpression], ctx: RuleContext, api: str) -> list[tuple[str, cst.BaseExpression]]:
+def fa_keywords(
+    value: dict[str, cst.BaseExpression], ctx: RuleContext, api: str
+) -> list[tuple[str, cst.BaseExpression]]:
     """flash-attn style ``softmax_scale``/``is_causal``/``window_size`` as contract keywords.
 
     flash-attn forks (flash-attn-jax) keep FA2's conventions: ``softmax_scale=None`` = 1/sqrt(D),

@@ -15,10 +15,30 @@ from flashport.rules import _sites
 from flashport.rules.base import Refuse, Rewrite
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
-TENSOR_METHODS = frozenset({
-    "transpose", "permute", "contiguous", "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze",
-    "expand", "to", "float", "half", "bfloat16", "type_as", "chunk", "split", "unbind", "size", "dim",
-})
+TENSOR_METHODS = frozenset(
+    {
+        "transpose",
+        "permute",
+        "contiguous",
+        "view",
+        "reshape",
+        "flatten",
+        "unflatten",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "to",
+        "float",
+        "half",
+        "bfloat16",
+        "type_as",
+        "chunk",
+        "split",
+        "unbind",
+        "size",
+        "dim",
+    }
+)
 
 
 def _bindings(module: cst.Module) -> dict[str, str]:
@@ -105,5 +125,8 @@ def neutral_selector(call: cst.Call, ctx, sdpa_rule) -> Rewrite | str:
             return f"its body calls {ctx.code(inner.func)}(...), which may run SDPA under this selector"
     if not sdpa_calls:
         return "its body has no SDPA call"
-    return Rewrite(cst.parse_expression("contextlib.nullcontext()"), imports=("contextlib",),
-                   notes=("every SDPA call in the body is rewritten: selector made neutral (contextlib.nullcontext())",))
+    return Rewrite(
+        cst.parse_expression("contextlib.nullcontext()"),
+        imports=("contextlib",),
+        notes=("every SDPA call in the body is rewritten: selector made neutral (contextlib.nullcontext())",),
+    )

@@ -93,7 +93,8 @@ def simple(node: cst.BaseExpression) -> bool:
         return simple(node.value)
     if isinstance(node, cst.Subscript):
         return simple(node.value) and all(
-            isinstance(e.slice, cst.Index) and isinstance(e.slice.value, (cst.Name, cst.Integer, cst.SimpleString))
+            isinstance(e.slice, cst.Index)
+            and isinstance(e.slice.value, (cst.Name, cst.Integer, cst.SimpleString))
             for e in node.slice
         )
     return False

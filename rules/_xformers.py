@@ -2,8 +2,14 @@
 
 ATTENTION_PREFIX = "memory_efficient_attention"
 
-UNSUPPORTED = ("BlockDiagonalPaddedKeysMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask",
-               "BlockDiagonalGappyKeysMask", "BlockDiagonalCausalWithOffsetGappyKeysMask",
-               "PagedBlockDiagonalPaddedKeysMask", "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask",
-               "PagedBlockDiagonalGappyKeysMask", "PagedBlockDiagonalCausalWithOffsetGappyKeysMask")
+UNSUPPORTED = (
+    "BlockDiagonalPaddedKeysMask",
+    "BlockDiagonalCausalWithOffsetPaddedKeysMask",
+    "BlockDiagonalGappyKeysMask",
+    "BlockDiagonalCausalWithOffsetGappyKeysMask",
+    "PagedBlockDiagonalPaddedKeysMask",
+    "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask",
+    "PagedBlockDiagonalGappyKeysMask",
+    "PagedBlockDiagonalCausalWithOffsetGappyKeysMask",
+)
 """Padded, paged and gappy block masks: layouts flashport cannot represent."""

@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 import libcst as cst
 
@@ -306,7 +307,12 @@ def training_gated_zero(node: cst.BaseExpression) -> bool:
     return isinstance(node, cst.IfExp) and (is_zero(node.orelse) or is_zero(node.body))
 
 
-def no_dropout(node: cst.BaseExpression | None, name: str, ctx: "RuleContext", why: str = "flashport.attention has no dropout") -> list[str]:
+def no_dropout(
+    node: cst.BaseExpression | None,
+    name: str,
+    ctx: RuleContext,
+    why: str = "flashport.attention has no dropout",
+) -> list[str]:
     """Check a dropout argument is zero, for targets that cannot take dropout; returns notes
     (``--inference`` drops a training-gated one).
 
@@ -322,8 +328,9 @@ def no_dropout(node: cst.BaseExpression | None, name: str, ctx: "RuleContext", w
     raise Refuse(f"{name}={ctx.code(node)} may be non-zero; {why}")
 
 
-def carry_dropout(node: cst.BaseExpression | None, name: str, target: str,
-                  ctx: "RuleContext") -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
+def carry_dropout(
+    node: cst.BaseExpression | None, name: str, target: str, ctx: RuleContext
+) -> tuple[list[tuple[str, cst.BaseExpression]], list[str]]:
     """Carry a dropout argument over verbatim as the target's ``target`` keyword.
 
     Returns ``(keywords, notes)``: no keyword for an absent or literal-zero dropout (the contract's
@@ -359,7 +366,8 @@ def is_pure(node: cst.BaseExpression) -> bool:
         return is_pure(node.test) and is_pure(node.body) and is_pure(node.orelse)
     if isinstance(node, cst.Subscript):
         return is_pure(node.value) and all(
-            isinstance(e.slice, cst.Index) and is_pure(e.slice.value) for e in node.slice)
+            isinstance(e.slice, cst.Index) and is_pure(e.slice.value) for e in node.slice
+        )
     if isinstance(node, cst.Tuple):
         return all(type(e) is cst.Element and is_pure(e.value) for e in node.elements)
     return False
@@ -395,7 +403,7 @@ def insert_in_source_order(
     keywords: list,
     entry: tuple[str, cst.BaseExpression],
     name: str,
-    ctx: "RuleContext",
+    ctx: RuleContext,
 ) -> list:
     """``keywords`` with ``entry`` (whose value is an argument of ``call``) inserted so that it is
     evaluated in the same order, relative to the other carried-over arguments, as in ``call``.
@@ -410,8 +418,11 @@ def insert_in_source_order(
     """
     value = entry[1]
     # A literal argument cannot observe a side effect, so its place does not constrain the entry.
-    positions = {id(arg.value): i for i, arg in enumerate(call.args)
-                 if arg.value is value or not _is_literal(arg.value)}
+    positions = {
+        id(arg.value): i
+        for i, arg in enumerate(call.args)
+        if arg.value is value or not _is_literal(arg.value)
+    }
     here = positions[id(value)]
 
     def spots(item) -> list[int]:
@@ -425,8 +436,10 @@ def insert_in_source_order(
     before = [p for item in [*positional, *keywords[:index]] for p in spots(item)]
     after = [p for item in keywords[index:] for p in spots(item)]
     if not is_pure(value) and (any(p > here for p in before) or any(p < here for p in after)):
-        raise Refuse(f"{name}={ctx.code(value)} may have side effects and would be evaluated out of its "
-                     f"original order here; bind it to a name first")
+        raise Refuse(
+            f"{name}={ctx.code(value)} may have side effects and would be evaluated out of its "
+            f"original order here; bind it to a name first"
+        )
     return [*keywords[:index], entry, *keywords[index:]]
 
 
@@ -519,7 +532,11 @@ def build_call(
     opening = like.whitespace_before_args
     between_ws = _without_comment(opening) if isinstance(opening, cst.ParenthesizedWhitespace) else None
     for original in like.args[:-1]:
-        if between_ws is None and isinstance(original.comma, cst.Comma) and isinstance(original.comma.whitespace_after, cst.ParenthesizedWhitespace):
+        if (
+            between_ws is None
+            and isinstance(original.comma, cst.Comma)
+            and isinstance(original.comma.whitespace_after, cst.ParenthesizedWhitespace)
+        ):
             between_ws = _without_comment(original.comma.whitespace_after)
     multiline = between_ws is not None
     closing: cst.BaseParenthesizableWhitespace = cst.SimpleWhitespace("")
@@ -558,8 +575,15 @@ def keep_comments(original: cst.Call, new: cst.BaseExpression) -> cst.BaseExpres
     if not isinstance(new, cst.Call):
         return None
     # Indent the comments like the arguments (a multi-line call's continuation lines), else like the block.
-    template = next((a.comma.whitespace_after for a in new.args[:-1] if isinstance(a.comma, cst.Comma)
-                     and isinstance(a.comma.whitespace_after, cst.ParenthesizedWhitespace)), None)
+    template = next(
+        (
+            a.comma.whitespace_after
+            for a in new.args[:-1]
+            if isinstance(a.comma, cst.Comma)
+            and isinstance(a.comma.whitespace_after, cst.ParenthesizedWhitespace)
+        ),
+        None,
+    )
     indent = template.indent if template is not None else True
     space = template.last_line if template is not None else cst.SimpleWhitespace("")
     lines = [cst.EmptyLine(indent=indent, whitespace=space, comment=cst.Comment(text)) for text in missing]
@@ -568,7 +592,9 @@ def keep_comments(original: cst.Call, new: cst.BaseExpression) -> cst.BaseExpres
         return new.with_changes(whitespace_before_args=_append_lines(ws, lines))
     last = new.args[-1]
     if isinstance(last.comma, cst.Comma):
-        last = last.with_changes(comma=last.comma.with_changes(whitespace_after=_append_lines(last.comma.whitespace_after, lines)))
+        last = last.with_changes(
+            comma=last.comma.with_changes(whitespace_after=_append_lines(last.comma.whitespace_after, lines))
+        )
     else:
         last = last.with_changes(whitespace_after_arg=_append_lines(last.whitespace_after_arg, lines))
     return new.with_changes(args=[*new.args[:-1], last])
@@ -578,8 +604,12 @@ def _append_lines(ws, lines: list[cst.EmptyLine]) -> cst.ParenthesizedWhitespace
     """``ws`` followed by the comment ``lines``; the closing paren then starts its own line."""
     if isinstance(ws, cst.ParenthesizedWhitespace):
         return ws.with_changes(empty_lines=[*ws.empty_lines, *lines])
-    return cst.ParenthesizedWhitespace(first_line=cst.TrailingWhitespace(), empty_lines=lines, indent=True,
-                                       last_line=cst.SimpleWhitespace(""))
+    return cst.ParenthesizedWhitespace(
+        first_line=cst.TrailingWhitespace(),
+        empty_lines=lines,
+        indent=True,
+        last_line=cst.SimpleWhitespace(""),
+    )
 
 
 def string(value: str) -> cst.SimpleString:
@@ -591,14 +621,20 @@ def tuple_of(*items: cst.BaseExpression) -> cst.Tuple:
     """``(a, b)`` as a parenthesized tuple."""
     elements = []
     for i, item in enumerate(items):
-        comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")) if i < len(items) - 1 else cst.MaybeSentinel.DEFAULT
+        comma = (
+            cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+            if i < len(items) - 1
+            else cst.MaybeSentinel.DEFAULT
+        )
         elements.append(cst.Element(value=item, comma=comma))
     return cst.Tuple(elements=elements)
 
 
 def number(value: int | float) -> cst.BaseExpression:
     """An int or float literal (negative values get a unary minus)."""
-    node: cst.BaseExpression = cst.Integer(str(abs(value))) if isinstance(value, int) else cst.Float(repr(abs(value)))
+    node: cst.BaseExpression = (
+        cst.Integer(str(abs(value))) if isinstance(value, int) else cst.Float(repr(abs(value)))
+    )
     return cst.UnaryOperation(operator=cst.Minus(), expression=node) if value < 0 else node
 
 

@@ -67,9 +67,19 @@ def coverage(rule: type[Rule]) -> Coverage:
     rewrites = doc.get("What it rewrites") or doc.get("What it reports")
     refuses = doc.get("What it refuses")
     if not rewrites or not refuses:
-        raise ValueError(f"{rule.CODE}: its module docstring needs 'What it rewrites:' (or 'What it reports:') and 'What it refuses:' sections")
-    return Coverage(rule.CODE, rule.NAME, rule.API, rule.FRAMEWORK, "rewrite" if rule.REWRITES else "report",
-                    rule.TARGET or "-", rewrites, refuses)
+        raise ValueError(
+            f"{rule.CODE}: its module docstring needs 'What it rewrites:' (or 'What it reports:') and 'What it refuses:' sections"
+        )
+    return Coverage(
+        rule.CODE,
+        rule.NAME,
+        rule.API,
+        rule.FRAMEWORK,
+        "rewrite" if rule.REWRITES else "report",
+        rule.TARGET or "-",
+        rewrites,
+        refuses,
+    )
 
 
 def rows() -> list[Coverage]:
@@ -89,7 +99,9 @@ def markdown() -> str:
     ]
     for row in rows():
         done = _md(row.rewrites) + ("" if row.fix == "report" else f" → `{row.target}`")
-        lines.append(f"| {row.code} | `{_md(row.api)}` | {row.framework} | {row.fix} | {done} | {_md(row.refuses)} |")
+        lines.append(
+            f"| {row.code} | `{_md(row.api)}` | {row.framework} | {row.fix} | {done} | {_md(row.refuses)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -107,8 +119,12 @@ def update(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the table, or rewrite a README's section with ``--update PATH``."""
-    parser = argparse.ArgumentParser(prog="python -m flashport.rules.coverage", description=__doc__.splitlines()[0])
-    parser.add_argument("--update", metavar="README", help="rewrite the section between the markers in this file")
+    parser = argparse.ArgumentParser(
+        prog="python -m flashport.rules.coverage", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--update", metavar="README", help="rewrite the section between the markers in this file"
+    )
     args = parser.parse_args(argv)
     if args.update:
         with open(args.update, encoding="utf-8") as handle:

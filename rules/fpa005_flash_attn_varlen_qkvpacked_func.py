@@ -44,7 +44,9 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
     NAME = "flash-attn-varlen-qkvpacked-func"
     API = "flash_attn.flash_attn_varlen_qkvpacked_func"
     FRAMEWORK = "torch"
-    SOURCES = fa.sources("flash_attn_varlen_qkvpacked_func") + fa.fa1_sources("flash_attn_unpadded_qkvpacked_func")
+    SOURCES = fa.sources("flash_attn_varlen_qkvpacked_func") + fa.fa1_sources(
+        "flash_attn_unpadded_qkvpacked_func"
+    )
     TRIGGERS = (b"flash_attn",)
     GPU_MODULES = ("flash_attn",)
     TARGET = "flashport.varlen_attention"
@@ -58,7 +60,9 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
         if drop_in is not None:
             return drop_in
         if not _sites.simple(cu):
-            raise Refuse(f"cu_seqlens={ctx.code(cu)} would be evaluated twice (queries and keys); bind it to a name first")
+            raise Refuse(
+                f"cu_seqlens={ctx.code(cu)} would be evaluated twice (queries and keys); bind it to a name first"
+            )
         keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
         keywords = [("cu_seqlens_q", cu), ("cu_seqlens_k", cu)] + keywords
         notes.append("dropped max_seqlen (kernel launch size only)")

@@ -43,7 +43,9 @@ class FlashAttnVarlenKVPackedFunc(Rule):
     NAME = "flash-attn-varlen-kvpacked-func"
     API = "flash_attn.flash_attn_varlen_kvpacked_func"
     FRAMEWORK = "torch"
-    SOURCES = fa.sources("flash_attn_varlen_kvpacked_func") + fa.fa1_sources("flash_attn_unpadded_kvpacked_func")
+    SOURCES = fa.sources("flash_attn_varlen_kvpacked_func") + fa.fa1_sources(
+        "flash_attn_unpadded_kvpacked_func"
+    )
     TRIGGERS = (b"flash_attn",)
     GPU_MODULES = ("flash_attn",)
     TARGET = "flashport.varlen_attention"

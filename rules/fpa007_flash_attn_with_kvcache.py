@@ -49,13 +49,36 @@ import libcst as cst
 
 from flashport.rules import _flash_attn as fa
 from flashport.rules import _sites
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, dotted, is_none, literal_bool, register
+from flashport.rules.base import (
+    Refuse,
+    Rewrite,
+    Rule,
+    Signature,
+    build_call,
+    dotted,
+    is_none,
+    literal_bool,
+    register,
+)
 
 MODULE = "flashport.integrations.flash_attn_compat"
 POSITIONAL = ("q", "k_cache", "v_cache", "k", "v")
-KEYWORDS = ("rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
-            "softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved", "alibi_slopes",
-            "num_splits", "return_softmax_lse")
+KEYWORDS = (
+    "rotary_cos",
+    "rotary_sin",
+    "cache_seqlens",
+    "cache_batch_idx",
+    "cache_leftpad",
+    "block_table",
+    "softmax_scale",
+    "causal",
+    "window_size",
+    "softcap",
+    "rotary_interleaved",
+    "alibi_slopes",
+    "num_splits",
+    "return_softmax_lse",
+)
 UNSUPPORTED = {
     "rotary_cos": "fused rotary embedding (rotary_cos/rotary_sin) is not part of the attention contract; apply rotary first",
     "rotary_sin": "fused rotary embedding (rotary_cos/rotary_sin) is not part of the attention contract; apply rotary first",
@@ -69,8 +92,26 @@ UNSUPPORTED = {
 DROP_IN_ONLY = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad", "block_table")
 
 
-ALLOCATORS = frozenset({"zeros", "zeros_like", "empty", "empty_like", "ones", "ones_like", "full", "full_like",
-                        "rand", "randn", "rand_like", "randn_like", "clone", "cat", "stack", "tensor"})
+ALLOCATORS = frozenset(
+    {
+        "zeros",
+        "zeros_like",
+        "empty",
+        "empty_like",
+        "ones",
+        "ones_like",
+        "full",
+        "full_like",
+        "rand",
+        "randn",
+        "rand_like",
+        "randn_like",
+        "clone",
+        "cat",
+        "stack",
+        "tensor",
+    }
+)
 
 
 def _allocates(node: cst.BaseExpression) -> bool:
@@ -78,7 +119,13 @@ def _allocates(node: cst.BaseExpression) -> bool:
     if not isinstance(node, cst.Call):
         return False
     func = node.func
-    name = func.attr.value if isinstance(func, cst.Attribute) else func.value if isinstance(func, cst.Name) else ""
+    name = (
+        func.attr.value
+        if isinstance(func, cst.Attribute)
+        else func.value
+        if isinstance(func, cst.Name)
+        else ""
+    )
     return name in ALLOCATORS
 
 
@@ -95,7 +142,10 @@ def cache_is_dead(call: cst.Call, names: list[str], ctx) -> str | None:
             break
         if isinstance(up, (cst.For, cst.While, cst.CompFor)):
             return "the call is inside a loop (the next iteration reads the updated cache)"
-    params = {p.name.value for p in (*function.params.params, *function.params.posonly_params, *function.params.kwonly_params)}
+    params = {
+        p.name.value
+        for p in (*function.params.params, *function.params.posonly_params, *function.params.kwonly_params)
+    }
     for star in (function.params.star_arg, function.params.star_kwarg):
         if isinstance(star, cst.Param):
             params.add(star.name.value)
@@ -156,7 +206,9 @@ class FlashAttnWithKVCache(Rule):
         """Refuse what the contract cannot hold; rewrite reads, and updates nobody relies on, to the
         functional form; the rest (live in-place updates, rotary, paged...) to the drop-in."""
         if sum(1 for a in call.args if a.keyword is None and not a.star) > len(POSITIONAL):
-            raise Refuse("arguments after v must be passed by keyword: their positions changed between releases")
+            raise Refuse(
+                "arguments after v must be passed by keyword: their positions changed between releases"
+            )
         bound = Signature(POSITIONAL, self.KEYWORDS).bind(call, self.API)
         q, k_cache, v_cache = fa.required(bound, POSITIONAL[:3], self.API)
         value = {name: arg.value for name, arg in bound.items()}
@@ -178,7 +230,9 @@ class FlashAttnWithKVCache(Rule):
             if is_none(new_k) or is_none(new_v):
                 raise Refuse("only one of k/v is given")
             if is_none(value.get("cache_seqlens")):
-                raise Refuse("new k/v without cache_seqlens: where flash-attn writes them is not expressible here")
+                raise Refuse(
+                    "new k/v without cache_seqlens: where flash-attn writes them is not expressible here"
+                )
             if not all(isinstance(c, cst.Name) for c in (k_cache, v_cache)):
                 why = f"k_cache/v_cache are not local names ({ctx.code(k_cache)}, {ctx.code(v_cache)})"
             else:
@@ -186,17 +240,25 @@ class FlashAttnWithKVCache(Rule):
             if why and self.DROP_IN:
                 return self.drop_in(call, value, f"the in-place cache update may be relied on ({why})")
             if why:
-                raise Refuse(f"flash_attn_with_kvcache updates k_cache/v_cache in place and the update may be relied on: {why}")
+                raise Refuse(
+                    f"flash_attn_with_kvcache updates k_cache/v_cache in place and the update may be relied on: {why}"
+                )
             positional += [new_k, new_v]
-            notes.append("functional: the in-place cache update is not relied on (caches are local and not read again)")
+            notes.append(
+                "functional: the in-place cache update is not relied on (caches are local and not read again)"
+            )
         lse = value.get("return_softmax_lse")
         if lse is not None and literal_bool(lse) is None and self.DROP_IN:
-            return self.drop_in(call, value, f"return_softmax_lse={ctx.code(lse)} decides the return type at run time")
+            return self.drop_in(
+                call, value, f"return_softmax_lse={ctx.code(lse)} decides the return type at run time"
+            )
         if lse is not None and literal_bool(lse) is None:
             raise Refuse(f"return_softmax_lse={ctx.code(lse)} is not a literal: the return type is unknown")
         fa_bound = {n: bound[n] for n in ("softmax_scale", "causal", "window_size", "softcap") if n in bound}
         keywords, more = fa.map_arguments(fa_bound, ctx, self.API)
-        keywords = [kw for kw in keywords if kw[0] != "align"]  # kvcache alignment is per sequence, bottom-right
+        keywords = [
+            kw for kw in keywords if kw[0] != "align"
+        ]  # kvcache alignment is per sequence, bottom-right
         if not is_none(value.get("cache_seqlens")):
             keywords.insert(0, ("cache_seqlens", value["cache_seqlens"]))
         if literal_bool(lse):
@@ -214,7 +276,9 @@ class FlashAttnWithKVCache(Rule):
         if is_none(value.get("k")) != is_none(value.get("v")):
             raise Refuse("only one of k/v is given")
         if not is_none(value.get("k")) and is_none(value.get("cache_seqlens")):
-            raise Refuse("new k/v without cache_seqlens: where flash-attn writes them is not expressible here")
+            raise Refuse(
+                "new k/v without cache_seqlens: where flash-attn writes them is not expressible here"
+            )
         note = f"drop-in flash_attn_with_kvcache (updates the caches in place like flash-attn): {why}"
         return Rewrite(call.with_changes(func=dotted(self.DROP_IN)), imports=(MODULE,), notes=(note,))
 

@@ -31,10 +31,16 @@ from __future__ import annotations
 
 from flashport.rules.base import Refusal, Rule, register
 
-TRITON = tuple(f"flash_attn.flash_attn_triton.{name}"
-               for name in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"))
-PRIVATE = tuple(f"flash_attn.flash_attn_interface.{prefix}flash_attn{kind}_{step}"
-                for prefix in ("_", "_wrapped_") for kind in ("", "_varlen") for step in ("forward", "backward"))
+TRITON = tuple(
+    f"flash_attn.flash_attn_triton.{name}"
+    for name in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func")
+)
+PRIVATE = tuple(
+    f"flash_attn.flash_attn_interface.{prefix}flash_attn{kind}_{step}"
+    for prefix in ("_", "_wrapped_")
+    for kind in ("", "_varlen")
+    for step in ("forward", "backward")
+)
 
 
 @register
@@ -62,9 +68,13 @@ class FlashAttnTritonAndInternals(Rule):
 def _reason(name: str) -> str:
     short = name.rsplit(".", 1)[-1]
     if name in TRITON:
-        return (f"flash_attn_triton.{short} is the Triton implementation: its 4th positional argument is an "
-                "additive bias (not dropout_p), so it is not the CUDA function; port it by hand to "
-                "flashport.torch.attention(q, k, v, bias=..., causal=..., scale=...)")
-    return (f"{short} is a private flash-attn kernel entry point (returns out, softmax_lse, S_dmask, rng_state "
-            "or writes gradients into given buffers); port the surrounding autograd code by hand to "
-            "flashport.torch.attention(..., return_lse=True)")
+        return (
+            f"flash_attn_triton.{short} is the Triton implementation: its 4th positional argument is an "
+            "additive bias (not dropout_p), so it is not the CUDA function; port it by hand to "
+            "flashport.torch.attention(q, k, v, bias=..., causal=..., scale=...)"
+        )
+    return (
+        f"{short} is a private flash-attn kernel entry point (returns out, softmax_lse, S_dmask, rng_state "
+        "or writes gradients into given buffers); port the surrounding autograd code by hand to "
+        "flashport.torch.attention(..., return_lse=True)"
+    )

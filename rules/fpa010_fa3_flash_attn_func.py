@@ -39,13 +39,31 @@ from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, i
 
 MODULES = ("flash_attn_interface.", "flash_attn_3.flash_attn_interface.", "hopper.flash_attn_interface.")
 POSITIONAL = ("q", "k", "v", "softmax_scale", "causal")
-KEYWORDS = ("qv", "q_descale", "k_descale", "v_descale", "descale_q", "descale_k", "descale_v", "window_size",
-            "attention_chunk", "softcap", "num_splits", "pack_gqa", "deterministic", "sm_margin",
-            "return_attn_probs", "sink_token_length", "gqa_parallel")
+KEYWORDS = (
+    "qv",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+    "descale_q",
+    "descale_k",
+    "descale_v",
+    "window_size",
+    "attention_chunk",
+    "softcap",
+    "num_splits",
+    "pack_gqa",
+    "deterministic",
+    "sm_margin",
+    "return_attn_probs",
+    "sink_token_length",
+    "gqa_parallel",
+)
 UNSUPPORTED = {
     "qv": "qv (extra query projection for MLA) has no portable equivalent",
-    **{name: "FP8 descale factors: flashport.attention has no FP8 path" for name in
-       ("q_descale", "k_descale", "v_descale", "descale_q", "descale_k", "descale_v")},
+    **{
+        name: "FP8 descale factors: flashport.attention has no FP8 path"
+        for name in ("q_descale", "k_descale", "v_descale", "descale_q", "descale_k", "descale_v")
+    },
 }
 TUNING = ("num_splits", "pack_gqa", "sm_margin", "deterministic", "gqa_parallel")
 HISTORY = "FA3 flash_attn_func returned (out, lse) before 2025-07-11 and out after"
@@ -80,7 +98,11 @@ class FA3FlashAttnFunc(Rule):
 
     def check_call(self, call, ctx):
         """Bind the stable prefix, refuse FA3-only features, pick the return type from the use."""
-        _fa34.positional_limit(call, len(POSITIONAL), "arguments after causal must be passed by keyword: FA3 inserted and renamed parameters between releases")
+        _fa34.positional_limit(
+            call,
+            len(POSITIONAL),
+            "arguments after causal must be passed by keyword: FA3 inserted and renamed parameters between releases",
+        )
         bound = Signature(POSITIONAL, KEYWORDS).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}

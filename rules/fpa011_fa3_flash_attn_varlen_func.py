@@ -50,13 +50,19 @@ class FA3FlashAttnVarlenFunc(Rule):
     def check_call(self, call, ctx):
         """Bind the stable prefix, refuse seqused/lse uses, map like FPA004."""
         signature = Signature(POSITIONAL, ("seqused_q", "seqused_k", "softmax_scale", "causal") + KEYWORDS)
-        _fa34.positional_limit(call, len(POSITIONAL), "arguments after max_seqlen_k must be passed by keyword: FA3 inserted seqused_q/seqused_k there")
+        _fa34.positional_limit(
+            call,
+            len(POSITIONAL),
+            "arguments after max_seqlen_k must be passed by keyword: FA3 inserted seqused_q/seqused_k there",
+        )
         bound = signature.bind(call, self.API)
         q, k, v, cu_q, cu_k = fa.required(bound, POSITIONAL[:5], self.API)
         value = {name: arg.value for name, arg in bound.items()}
         for name in ("seqused_q", "seqused_k"):
             if not is_none(value.get(name)):
-                raise Refuse(f"{name} (used lengths inside padded per-sequence buffers) has no portable equivalent")
+                raise Refuse(
+                    f"{name} (used lengths inside padded per-sequence buffers) has no portable equivalent"
+                )
         notes = check_extras(value, ctx)
         if _fa34.returns_tuple(call, ctx, value.get("return_attn_probs"), "return_attn_probs", HISTORY):
             raise Refuse("the caller expects (out, lse); flashport.varlen_attention returns no lse")

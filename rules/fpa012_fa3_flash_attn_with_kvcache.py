@@ -40,7 +40,10 @@ FA3_UNSUPPORTED = {
     "cu_seqlens_k_new": "varlen decode (cu_seqlens_k_new) is not supported by the functional cache rewrite",
     "max_seqlen_q": "varlen decode (max_seqlen_q) is not supported by the functional cache rewrite",
     "rotary_seqlens": "fused rotary embedding (rotary_seqlens) is not part of the attention contract",
-    **{name: "FP8 descale factors: flashport.attention has no FP8 path" for name in ("q_descale", "k_descale", "v_descale")},
+    **{
+        name: "FP8 descale factors: flashport.attention has no FP8 path"
+        for name in ("q_descale", "k_descale", "v_descale")
+    },
 }
 
 
@@ -54,11 +57,33 @@ class FA3FlashAttnWithKVCache(FlashAttnWithKVCache):
     SOURCES = fa3_sources("flash_attn_with_kvcache")
     TRIGGERS = (b"flash_attn_interface",)
     GPU_MODULES = ("flash_attn_interface", "flash_attn_3", "hopper")
-    KEYWORDS = ("qv", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table",
-                "cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "rotary_seqlens", "q_descale", "k_descale",
-                "v_descale", "softmax_scale", "causal", "window_size", "attention_chunk", "softcap",
-                "rotary_interleaved", "scheduler_metadata", "num_splits", "pack_gqa", "sm_margin",
-                "return_softmax_lse")
+    KEYWORDS = (
+        "qv",
+        "rotary_cos",
+        "rotary_sin",
+        "cache_seqlens",
+        "cache_batch_idx",
+        "cache_leftpad",
+        "page_table",
+        "cu_seqlens_q",
+        "cu_seqlens_k_new",
+        "max_seqlen_q",
+        "rotary_seqlens",
+        "q_descale",
+        "k_descale",
+        "v_descale",
+        "softmax_scale",
+        "causal",
+        "window_size",
+        "attention_chunk",
+        "softcap",
+        "rotary_interleaved",
+        "scheduler_metadata",
+        "num_splits",
+        "pack_gqa",
+        "sm_margin",
+        "return_softmax_lse",
+    )
     UNSUPPORTED = FA3_UNSUPPORTED
     DROPPED = ("scheduler_metadata", "num_splits", "pack_gqa", "sm_margin", "rotary_interleaved")
     DROP_IN = None  # FA3's signature differs from the FA2 drop-in's
@@ -66,4 +91,6 @@ class FA3FlashAttnWithKVCache(FlashAttnWithKVCache):
     def check_extra(self, value, ctx):
         """Refuse a non-zero ``attention_chunk``."""
         if "attention_chunk" in value and not is_zero(value["attention_chunk"]):
-            raise Refuse(f"attention_chunk={ctx.code(value['attention_chunk'])}: no portable equivalent (only 0 is accepted)")
+            raise Refuse(
+                f"attention_chunk={ctx.code(value['attention_chunk'])}: no portable equivalent (only 0 is accepted)"
+            )

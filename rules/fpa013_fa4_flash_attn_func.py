@@ -36,9 +36,26 @@ from flashport.rules import _flash_attn as fa
 from flashport.rules.base import Rewrite, Rule, Signature, build_call, is_none, register, string
 
 MODULES = ("flash_attn.cute.", "flash_attn.cute.interface.")
-KEYWORDS = ("qv", "gather_kv_indices", "softmax_scale", "causal", "window_size", "learnable_sink", "softcap",
-            "num_splits", "pack_gqa", "deterministic", "score_mod", "score_mod_bwd", "mask_mod", "aux_tensors",
-            "aux_scalars", "block_sparse_tensors", "block_sparse_tensors_bwd", "return_lse")
+KEYWORDS = (
+    "qv",
+    "gather_kv_indices",
+    "softmax_scale",
+    "causal",
+    "window_size",
+    "learnable_sink",
+    "softcap",
+    "num_splits",
+    "pack_gqa",
+    "deterministic",
+    "score_mod",
+    "score_mod_bwd",
+    "mask_mod",
+    "aux_tensors",
+    "aux_scalars",
+    "block_sparse_tensors",
+    "block_sparse_tensors_bwd",
+    "return_lse",
+)
 UNSUPPORTED = {
     "qv": "qv (extra query projection for MLA) has no portable equivalent",
     "gather_kv_indices": "gather_kv_indices (sparse KV gather) has no portable equivalent",
@@ -89,7 +106,11 @@ class FA4FlashAttnFunc(Rule):
 
     def check_call(self, call, ctx):
         """Keywords only after q, k, v; FA4 window conventions; always ``(out, lse)`` like FA4."""
-        _fa34.positional_limit(call, 3, "arguments after v must be passed by keyword: FA4's 4th parameter is qv and its tail changed across betas")
+        _fa34.positional_limit(
+            call,
+            3,
+            "arguments after v must be passed by keyword: FA4's 4th parameter is qv and its tail changed across betas",
+        )
         bound = Signature(("q", "k", "v"), KEYWORDS).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}

@@ -29,7 +29,15 @@ from flashport.rules import _flash_attn as fa
 from flashport.rules.base import Refuse, Rule, Signature, is_none, register
 from flashport.rules.fpa013_fa4_flash_attn_func import KEYWORDS, fa4_keywords, fa4_sources
 
-VARLEN = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q", "seqused_k", "page_table")
+VARLEN = (
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "seqused_q",
+    "seqused_k",
+    "page_table",
+)
 
 
 @register
@@ -48,7 +56,11 @@ class FA4FlashAttnVarlenFunc(Rule):
 
     def check_call(self, call, ctx):
         """Check the arguments like FPA013, then refuse: FA4 returns (out, lse), varlen_attention no lse."""
-        _fa34.positional_limit(call, 3, "arguments after v must be passed by keyword: FA4's varlen signature changed across betas")
+        _fa34.positional_limit(
+            call,
+            3,
+            "arguments after v must be passed by keyword: FA4's varlen signature changed across betas",
+        )
         bound = Signature(("q", "k", "v"), VARLEN + KEYWORDS).bind(call, self.API)
         fa.required(bound, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
@@ -56,4 +68,6 @@ class FA4FlashAttnVarlenFunc(Rule):
             if not is_none(value.get(name)):
                 raise Refuse(f"{name} (padded or paged per-sequence buffers) has no portable equivalent")
         fa4_keywords(bound, value, ctx, self.API)  # refuses unsupported features first
-        raise Refuse("FA4 flash_attn_varlen_func always returns (out, lse) and flashport.varlen_attention returns no lse")
+        raise Refuse(
+            "FA4 flash_attn_varlen_func always returns (out, lse) and flashport.varlen_attention returns no lse"
+        )

@@ -84,7 +84,9 @@ class TorchSDPA(Rule):
         dropout, notes = carry_dropout(value.get("dropout_p"), "dropout_p", "dropout_p", ctx)
         gqa = value.get("enable_gqa")
         if gqa is not None and literal_bool(gqa) is not False:
-            notes.append("dropped enable_gqa= (flashport always groups KV heads contiguously, like repeat_interleave)")
+            notes.append(
+                "dropped enable_gqa= (flashport always groups KV heads contiguously, like repeat_interleave)"
+            )
         scale = value.get("scale")
         keywords: list[tuple[str, cst.BaseExpression]] = [
             ("scale", cst.Name("None") if is_none(scale) else scale),

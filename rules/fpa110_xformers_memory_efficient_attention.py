@@ -52,8 +52,11 @@ from flashport.rules.base import (
 MODULE = "flashport.integrations.xformers_compat"
 PREFIXES = ("xformers.ops.", "xformers.ops.fmha.")
 REWRITTEN = ("memory_efficient_attention", "memory_efficient_attention_forward")
-REPORTED = ("memory_efficient_attention_partial", "memory_efficient_attention_backward",
-            "memory_efficient_attention_forward_requires_grad")
+REPORTED = (
+    "memory_efficient_attention_partial",
+    "memory_efficient_attention_backward",
+    "memory_efficient_attention_forward_requires_grad",
+)
 SIGNATURE = Signature(("query", "key", "value", "attn_bias", "p", "scale"), ("op", "output_dtype"))
 
 
@@ -73,7 +76,9 @@ class XformersMemoryEfficientAttention(Rule):
     def check_call(self, call, ctx):
         """Keep q/k/v/attn_bias/p/scale/output_dtype (dropout ``p`` verbatim); drop op."""
         if ctx.qualified_name.rsplit(".", 1)[-1] in REPORTED:
-            return Refusal(f"{ctx.qualified_name.rsplit('.', 1)[-1]} (partial results or a raw backward) has no flashport equivalent")
+            return Refusal(
+                f"{ctx.qualified_name.rsplit('.', 1)[-1]} (partial results or a raw backward) has no flashport equivalent"
+            )
         bound = SIGNATURE.bind(call, self.API)
         q, k, v = fa.required(bound, ("query", "key", "value"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
@@ -85,11 +90,15 @@ class XformersMemoryEfficientAttention(Rule):
             text = ctx.code(bias)
             bad = next((name for name in UNSUPPORTED if name in text), None)
             if bad:
-                raise Refuse(f"attn_bias {bad}: padded, paged or gappy block layouts have no flashport equivalent")
+                raise Refuse(
+                    f"attn_bias {bad}: padded, paged or gappy block layouts have no flashport equivalent"
+                )
         keywords: list[tuple[str, cst.BaseExpression]] = []
         for name in ("attn_bias", "scale", "output_dtype"):
             if name in value and not is_none(value[name]):
                 keywords.append((name, value[name]))
         for entry in dropout:
             keywords = insert_in_source_order(call, [q, k, v], keywords, entry, "p", ctx)
-        return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), imports=(MODULE,), notes=tuple(notes))
+        return Rewrite(
+            build_call(self.TARGET, [q, k, v], keywords, call), imports=(MODULE,), notes=tuple(notes)
+        )

@@ -45,14 +45,22 @@ from flashport.rules.base import Refusal, Rewrite, Rule, dotted, register
 
 MODULE = "flashport.integrations.xformers_compat"
 PREFIXES = ("xformers.ops.", "xformers.ops.fmha.", "xformers.ops.fmha.attn_bias.")
-PLAIN = ("LowerTriangularMask", "LowerTriangularMaskWithTensorBias", "LowerTriangularFromBottomRightMask",
-         "LowerTriangularFromBottomRightLocalAttentionMask", "LocalAttentionFromBottomRightMask")
+PLAIN = (
+    "LowerTriangularMask",
+    "LowerTriangularMaskWithTensorBias",
+    "LowerTriangularFromBottomRightMask",
+    "LowerTriangularFromBottomRightLocalAttentionMask",
+    "LocalAttentionFromBottomRightMask",
+)
 BLOCKS = ("BlockDiagonalMask", "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask")
 CONSTRUCTORS = ("from_seqlens", "from_tensor_list")
 
 _SUPPORTED = PLAIN + tuple(f"{b}.{c}" for b in BLOCKS for c in CONSTRUCTORS)
-_REFUSED = tuple(f"{u}.{c}" for u in UNSUPPORTED for c in CONSTRUCTORS) + UNSUPPORTED + tuple(
-    f"{b}.from_tensor_lists_qkv" for b in BLOCKS)
+_REFUSED = (
+    tuple(f"{u}.{c}" for u in UNSUPPORTED for c in CONSTRUCTORS)
+    + UNSUPPORTED
+    + tuple(f"{b}.from_tensor_lists_qkv" for b in BLOCKS)
+)
 
 
 @register
@@ -70,8 +78,11 @@ class XformersAttnBias(Rule):
 
     def check_call(self, call, ctx):
         """Swap the callee for the mirror class; refuse padded/paged/gappy layouts."""
-        name = next(ctx.qualified_name[len(p):] for p in sorted(PREFIXES, key=len, reverse=True)
-                    if ctx.qualified_name.startswith(p))
+        name = next(
+            ctx.qualified_name[len(p) :]
+            for p in sorted(PREFIXES, key=len, reverse=True)
+            if ctx.qualified_name.startswith(p)
+        )
         if name not in _SUPPORTED:
             return Refusal(f"{name}: padded, paged or gappy block layouts have no flashport equivalent")
         return Rewrite(call.with_changes(func=dotted(f"{MODULE}.{name}")), imports=(MODULE,))
@@ -80,29 +91,42 @@ class XformersAttnBias(Rule):
         """Keep every constructor when some consumer of a bias in the file stays xformers."""
         if not any(s.rule == self.CODE and s.status == "rewrite" for s in sites):
             return None  # nothing to veto: skip the walk over the file
-        rewritten = Counter(s.line for s in sites if s.rule == "FPA110" and s.status == "rewrite" and s.kind == "call")
+        rewritten = Counter(
+            s.line for s in sites if s.rule == "FPA110" and s.status == "rewrite" and s.kind == "call"
+        )
         for line, count in sorted(_attention_uses(tree).items()):
             if count > rewritten[line]:
-                return (f"memory_efficient_attention on line {line} stays xformers "
-                        f"({_why(sites, line)}); its biases must stay xformers' classes")
+                return (
+                    f"memory_efficient_attention on line {line} stays xformers "
+                    f"({_why(sites, line)}); its biases must stay xformers' classes"
+                )
         for site in sites:
             if site.rule == self.CODE and site.kind == "reference":
-                return (f"{site.api.rsplit('.', 1)[-1]} on line {site.line} is used as a value and stays xformers' "
-                        "class; the biases of this file must stay xformers' classes too")
+                return (
+                    f"{site.api.rsplit('.', 1)[-1]} on line {site.line} is used as a value and stays xformers' "
+                    "class; the biases of this file must stay xformers' classes too"
+                )
         return None
 
 
 def _why(sites, line: int) -> str:
     reasons = [s.reason for s in sites if s.rule == "FPA110" and s.line == line and s.status != "rewrite"]
-    return reasons[0] if reasons else "not rewritten: FPA110 is not selected, or the function is used as a value"
+    return (
+        reasons[0] if reasons else "not rewritten: FPA110 is not selected, or the function is used as a value"
+    )
 
 
 def _attention_uses(tree: ast.Module) -> Counter:
     """Lines of every mention of ``memory_efficient_attention*`` (or an alias imported for it)
     outside import statements: calls, values, ``getattr`` strings. Over-counting only keeps
     constructors, which is the safe direction."""
-    names = {a.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-             for a in node.names if a.asname and a.name.startswith(ATTENTION_PREFIX)}
+    names = {
+        a.asname
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+        if a.asname and a.name.startswith(ATTENTION_PREFIX)
+    }
     uses: Counter = Counter()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):

@@ -91,7 +91,9 @@ class JaxNNDotProductAttentionCudnn(Rule):
             return None
         literal = literal_string(implementation)
         if literal is None:
-            raise Refuse("implementation= is not a string literal; only implementation='cudnn' calls are rewritten")
+            raise Refuse(
+                "implementation= is not a string literal; only implementation='cudnn' calls are rewritten"
+            )
         if literal != "cudnn":
             return None
         for name in ("query", "key", "value"):
@@ -104,8 +106,10 @@ class JaxNNDotProductAttentionCudnn(Rule):
         if residual is not None and literal_bool(residual) is not False:
             raise Refuse("return_residual: jax.nn's lse is [B, T, N], flashport's is [B, N, T]")
         scale = value.get("scale")
-        keywords: list = [("scale", cst.Name("None") if is_none(scale) else scale),
-                          ("causal", value.get("is_causal", cst.Name("False")))]
+        keywords: list = [
+            ("scale", cst.Name("None") if is_none(scale) else scale),
+            ("causal", value.get("is_causal", cst.Name("False"))),
+        ]
         window = value.get("local_window_size")
         if not is_none(window):
             keywords.append(("window", _window(window)))

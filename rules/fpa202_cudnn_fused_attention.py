@@ -85,8 +85,10 @@ def cudnn_signature(version: tuple[int, ...]) -> Signature:
     return Signature(positional, keyword_only)
 
 
-SEED_ONLY = ("cuDNN draws its dropout from the integer seed= (default 42) and flashport.attention needs a "
-             "PRNG key (dropout_rng=) that this call does not have; port by hand with dropout_rate=/dropout_rng=")
+SEED_ONLY = (
+    "cuDNN draws its dropout from the integer seed= (default 42) and flashport.attention needs a "
+    "PRNG key (dropout_rng=) that this call does not have; port by hand with dropout_rate=/dropout_rng="
+)
 
 
 @register
@@ -146,7 +148,9 @@ class CudnnFusedAttention(Rule):
             return member == "CAUSAL"
         if member == "ALIBI":
             raise Refuse("mask_type=MaskType.ALIBI has no portable equivalent")
-        raise Refuse(f"mask_type=MaskType.{member}: padding masks (q_seqlen/kv_seqlen) are not mapped to the contract")
+        raise Refuse(
+            f"mask_type=MaskType.{member}: padding masks (q_seqlen/kv_seqlen) are not mapped to the contract"
+        )
 
     @staticmethod
     def _layout(node) -> str:

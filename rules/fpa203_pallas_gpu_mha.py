@@ -37,14 +37,27 @@ from flashport.rules import _jax_common as common
 from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, register, string
 
 MODULES = ("jax.experimental.pallas.ops.gpu.attention", "jax.experimental.pallas.ops.attention")
-TUNING = ("block_sizes", "block_q", "block_k", "backward_pass_impl", "num_warps", "num_stages", "grid", "interpret", "debug")
+TUNING = (
+    "block_sizes",
+    "block_q",
+    "block_k",
+    "backward_pass_impl",
+    "num_warps",
+    "num_stages",
+    "grid",
+    "interpret",
+    "debug",
+)
 
 
 def mha_signature(version: tuple[int, ...]) -> Signature:
     """Pallas GPU ``mha``'s signature at jax ``version`` (every parameter positional-or-keyword)."""
     blocks = ("block_q", "block_k") if version < (0, 5, 3) else ("block_sizes",)
-    names = ("q", "k", "v", "segment_ids", "sm_scale", "causal") + blocks + (
-        "backward_pass_impl", "num_warps", "num_stages", "grid", "interpret", "debug")
+    names = (
+        ("q", "k", "v", "segment_ids", "sm_scale", "causal")
+        + blocks
+        + ("backward_pass_impl", "num_warps", "num_stages", "grid", "interpret", "debug")
+    )
     if version >= (0, 6, 2):
         names += ("return_residuals",)
     return Signature(names)
@@ -69,14 +82,18 @@ class PallasGpuMha(Rule):
         value = {name: arg.value for name, arg in bound.items()}
         q, k, v, segment_ids = common.require(value, ("q", "k", "v", "segment_ids"), "pallas mha")
         if not common.literal_false(value.get("return_residuals")):
-            raise Refuse("return_residuals: Pallas mha's residual is a base-2 log-sum-exp; the contract's lse is natural-log")
+            raise Refuse(
+                "return_residuals: Pallas mha's residual is a base-2 log-sum-exp; the contract's lse is natural-log"
+            )
         keywords: list = [
             ("scale", common.static_scale(value.get("sm_scale"), cst.Float("1.0"), ctx, "sm_scale")),
             ("causal", value.get("causal", cst.Name("False"))),
         ]
         if not is_none(segment_ids):
             if not common.simple(segment_ids):
-                raise Refuse("segment_ids is an expression that would be evaluated twice (q and kv ids); bind it to a name first")
+                raise Refuse(
+                    "segment_ids is an expression that would be evaluated twice (q and kv ids); bind it to a name first"
+                )
             keywords += [("q_segment_ids", segment_ids), ("kv_segment_ids", segment_ids)]
         keywords += [("align", string("top_left")), ("layout", string("BSHD"))]
         dropped = [name for name in TUNING if name in value]

@@ -64,12 +64,16 @@ class PallasGpuDecode(Rule):
         q, k, v = common.require(value, ("q", "k", "v"), f"decode_attention.{function}")
         for name in ("start_idx", "kv_seq_len"):
             if not is_none(value.get(name)):
-                raise Refuse(f"{name}: per-sequence valid key ranges of the decode kernel are not mapped to the contract")
+                raise Refuse(
+                    f"{name}: per-sequence valid key ranges of the decode kernel are not mapped to the contract"
+                )
         if not common.literal_false(value.get("return_residuals")):
             raise Refuse("return_residuals: the decode kernel's (l, m) residuals have no contract equivalent")
         normalize = value.get("normalize_output")
         if normalize is not None and not (isinstance(normalize, cst.Name) and normalize.value == "True"):
-            raise Refuse("normalize_output may be False (unnormalized output); the contract always normalizes")
+            raise Refuse(
+                "normalize_output may be False (unnormalized output); the contract always normalizes"
+            )
         if function == "mqa":
             k, v = common.subscript(k, ":", ":", "None"), common.subscript(v, ":", ":", "None")
         keywords = [

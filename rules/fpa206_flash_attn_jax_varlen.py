@@ -31,11 +31,30 @@ Example::
 from __future__ import annotations
 
 from flashport.rules import _jax_common as common
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, literal_bool, register, string
+from flashport.rules.base import (
+    Refuse,
+    Rewrite,
+    Rule,
+    Signature,
+    build_call,
+    is_none,
+    literal_bool,
+    register,
+    string,
+)
 
 SIGNATURE = Signature(
     ("q", "k", "v", "seqlens_q", "seqlens_k"),
-    ("seqused_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "is_causal", "window_size", "zero_tensors", "deterministic"),
+    (
+        "seqused_k",
+        "max_seqlen_q",
+        "max_seqlen_k",
+        "softmax_scale",
+        "is_causal",
+        "window_size",
+        "zero_tensors",
+        "deterministic",
+    ),
 )
 DROPPED = ("max_seqlen_q", "max_seqlen_k", "zero_tensors", "deterministic")
 
@@ -65,7 +84,9 @@ class FlashAttnJaxVarlen(Rule):
         cu_k = value.get("seqlens_k")
         if is_none(cu_k):
             if not common.simple(cu_q):
-                raise Refuse("seqlens_k=None with an expression for seqlens_q: it would be evaluated twice; bind it to a name first")
+                raise Refuse(
+                    "seqlens_k=None with an expression for seqlens_q: it would be evaluated twice; bind it to a name first"
+                )
             cu_k = cu_q
         keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + common.fa_keywords(value, ctx, self.API)
         keywords += [("align", string("bottom_right")), ("layout", string("THD"))]

@@ -37,9 +37,21 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import _jax_common as common
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, literal_bool, register, string
+from flashport.rules.base import (
+    Refuse,
+    Rewrite,
+    Rule,
+    Signature,
+    build_call,
+    is_none,
+    literal_bool,
+    register,
+    string,
+)
 
-SIGNATURE = Signature(("query", "key", "value", "bias", "mask", "scale", "is_causal", "flash_attention", "attn_logits_soft_cap"))
+SIGNATURE = Signature(
+    ("query", "key", "value", "bias", "mask", "scale", "is_causal", "flash_attention", "attn_logits_soft_cap")
+)
 
 
 @register
@@ -50,7 +62,11 @@ class KerasDotProductAttentionFlash(Rule):
     NAME = "keras-dpa-flash"
     API = "keras.ops.dot_product_attention"
     FRAMEWORK = "jax"
-    SOURCES = ("keras.ops.dot_product_attention", "keras.ops.nn.dot_product_attention", "keras.src.ops.nn.dot_product_attention")
+    SOURCES = (
+        "keras.ops.dot_product_attention",
+        "keras.ops.nn.dot_product_attention",
+        "keras.src.ops.nn.dot_product_attention",
+    )
     TRIGGERS = (b"dot_product_attention",)
     TARGET = "flashport.attention"
 
@@ -62,7 +78,9 @@ class KerasDotProductAttentionFlash(Rule):
             return None
         query, key, val = common.require(value, ("query", "key", "value"), self.API)
         if not is_none(value.get("attn_logits_soft_cap")):
-            raise Refuse("attn_logits_soft_cap: keras' documented formula (x / (1 + |x| / cap)) and its TPU kernel's (cap * tanh(x / cap)) differ")
+            raise Refuse(
+                "attn_logits_soft_cap: keras' documented formula (x / (1 + |x| / cap)) and its TPU kernel's (cap * tanh(x / cap)) differ"
+            )
         keywords: list = [
             ("scale", common.static_scale(value.get("scale"), cst.Name("None"), ctx, "scale")),
             ("causal", value.get("is_causal", cst.Name("False"))),
@@ -71,4 +89,7 @@ class KerasDotProductAttentionFlash(Rule):
             if not is_none(value.get(name)):
                 keywords.append((name, value[name]))
         keywords += [("align", string("top_left")), ("layout", string("BSHD"))]
-        return Rewrite(build_call(self.TARGET, [query, key, val], keywords, call), notes=("dropped flash_attention= (kernel choice only)",))
+        return Rewrite(
+            build_call(self.TARGET, [query, key, val], keywords, call),
+            notes=("dropped flash_attention= (kernel choice only)",),
+        )

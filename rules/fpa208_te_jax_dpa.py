@@ -77,13 +77,17 @@ class TransformerEngineDotProductAttention(Rule):
     def check_call(self, call, ctx):
         """Report the construction; name the mask type mapping and what blocks a port."""
         if any(arg.star for arg in call.args):
-            return Report("TransformerEngine DotProductAttention (Flax module) built from a splat: configuration unknown; port by hand to flashport.attention (mask True = masked out)")
+            return Report(
+                "TransformerEngine DotProductAttention (Flax module) built from a splat: configuration unknown; port by hand to flashport.attention (mask True = masked out)"
+            )
         value = {arg.keyword.value: arg.value for arg in call.args if arg.keyword is not None}
         blockers = []
         dropout = value.get("attention_dropout")
         if dropout is not None and not is_zero(dropout):
-            blockers.append(f"attention_dropout={ctx.code(dropout)} (drawn from the module's 'dropout' rng at call time: "
-                            "port with dropout_rate=, dropout_rng=self.make_rng('dropout'))")
+            blockers.append(
+                f"attention_dropout={ctx.code(dropout)} (drawn from the module's 'dropout' rng at call time: "
+                "port with dropout_rate=, dropout_rng=self.make_rng('dropout'))"
+            )
         layout = literal_string(value.get("qkv_layout"))
         if layout is not None and layout.lower() != "bshd_bshd_bshd":
             blockers.append(f"qkv_layout={layout!r} (packed: unpack q/k/v first)")

@@ -62,11 +62,20 @@ class TransformerEngineFusedAttn(Rule):
         positional = [arg.value for arg in call.args if arg.keyword is None and not arg.star]
         dropout = value.get("dropout_probability", positional[8] if len(positional) > 8 else None)
         if dropout is not None and not is_zero(dropout):
-            head = (f"dropout_probability={ctx.code(dropout)} may be non-zero and TE's seed= (per-device rng state, "
-                    "gated by is_training) is not a PRNG key to carry: port with dropout_rate=/dropout_rng=")
+            head = (
+                f"dropout_probability={ctx.code(dropout)} may be non-zero and TE's seed= (per-device rng state, "
+                "gated by is_training) is not a PRNG key to carry: port with dropout_rate=/dropout_rng="
+            )
         else:
             head = "TE fused_attn's parameter list differs between TransformerEngine releases and its mask is True = masked out: not rewritten"
-        found = [common.enum_member(node, "AttnMaskType", tuple(MASKS)) for node in list(value.values()) + positional]
+        found = [
+            common.enum_member(node, "AttnMaskType", tuple(MASKS))
+            for node in list(value.values()) + positional
+        ]
         mask = next((m for m in found if m), None)
-        tail = f"AttnMaskType.{mask} -> {MASKS[mask]}" if mask else "mask type not a literal AttnMaskType member"
-        return Report(f"{head}; {tail}; port by hand: flashport.attention(q, k, v, scale=scaling_factor, ...)")
+        tail = (
+            f"AttnMaskType.{mask} -> {MASKS[mask]}" if mask else "mask type not a literal AttnMaskType member"
+        )
+        return Report(
+            f"{head}; {tail}; port by hand: flashport.attention(q, k, v, scale=scaling_factor, ...)"
+        )

@@ -30,11 +30,24 @@ import libcst as cst
 from flashport.rules.base import Refusal, Rewrite, Rule, dotted, literal_bool, register
 
 MODULE = "flashport.integrations.transformers"
-AUTO = ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-        "AutoModelForTokenClassification", "AutoModelForQuestionAnswering", "AutoModelForMaskedLM",
-        "AutoModelForPreTraining", "AutoModelForMultipleChoice", "AutoModelForVision2Seq",
-        "AutoModelForImageTextToText", "AutoModelForSpeechSeq2Seq", "AutoModelForImageClassification",
-        "AutoModelForCTC", "AutoModelForAudioClassification", "PreTrainedModel")
+AUTO = (
+    "AutoModel",
+    "AutoModelForCausalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification",
+    "AutoModelForQuestionAnswering",
+    "AutoModelForMaskedLM",
+    "AutoModelForPreTraining",
+    "AutoModelForMultipleChoice",
+    "AutoModelForVision2Seq",
+    "AutoModelForImageTextToText",
+    "AutoModelForSpeechSeq2Seq",
+    "AutoModelForImageClassification",
+    "AutoModelForCTC",
+    "AutoModelForAudioClassification",
+    "PreTrainedModel",
+)
 METHODS = ("from_pretrained", "from_config", "_from_config")
 
 
@@ -52,23 +65,39 @@ class UseFlashAttention2(Rule):
 
     def check_call(self, call, ctx):
         """Swap the keyword when it is literally True and nothing conflicts."""
-        index = next((i for i, a in enumerate(call.args) if a.keyword is not None and a.keyword.value == "use_flash_attention_2"), None)
+        index = next(
+            (
+                i
+                for i, a in enumerate(call.args)
+                if a.keyword is not None and a.keyword.value == "use_flash_attention_2"
+            ),
+            None,
+        )
         if index is None:
             return None
         arg = call.args[index]
         if literal_bool(arg.value) is False:
             return None
         if literal_bool(arg.value) is None:
-            return Refusal(f"use_flash_attention_2={ctx.code(arg.value)} is not a literal: whether flash-attn is selected is unknown")
+            return Refusal(
+                f"use_flash_attention_2={ctx.code(arg.value)} is not a literal: whether flash-attn is selected is unknown"
+            )
         if any(a.keyword is not None and a.keyword.value == "attn_implementation" for a in call.args):
-            return Refusal("use_flash_attention_2=True together with attn_implementation=: resolve the conflict first")
+            return Refusal(
+                "use_flash_attention_2=True together with attn_implementation=: resolve the conflict first"
+            )
         if any(a.star for a in call.args):
-            return Refusal("**kwargs splat next to use_flash_attention_2: attn_implementation may be set twice")
+            return Refusal(
+                "**kwargs splat next to use_flash_attention_2: attn_implementation may be set twice"
+            )
         new = arg.with_changes(keyword=cst.Name("attn_implementation"), value=dotted(self.TARGET))
         args = list(call.args)
         args[index] = new
-        return Rewrite(call.with_changes(args=args), imports=(MODULE,),
-                       notes=("use_flash_attention_2=True -> attn_implementation='flashport'",))
+        return Rewrite(
+            call.with_changes(args=args),
+            imports=(MODULE,),
+            notes=("use_flash_attention_2=True -> attn_implementation='flashport'",),
+        )
 
     def check_reference(self, node, ctx):
         """``from_pretrained`` used as a value is not a finding."""

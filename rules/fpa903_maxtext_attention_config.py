@@ -44,5 +44,7 @@ class MaxTextAttentionConfig(Rule):
 
     def check_string(self, node, value, ctx):
         """Always a report (configuration, not a call)."""
-        return Report(f"MaxText attention={value!r} selects {VALUES[value]} (CUDA only); on TPU use "
-                      "attention='flash' (Pallas splash attention) or 'dot_product'")
+        return Report(
+            f"MaxText attention={value!r} selects {VALUES[value]} (CUDA only); on TPU use "
+            "attention='flash' (Pallas splash attention) or 'dot_product'"
+        )

@@ -39,5 +39,7 @@ class NVTEFusedAttnEnv(Rule):
 
     def check_string(self, node, value, ctx):
         """Always a report (environment switch)."""
-        return Report(f"environment switch {value!r} selects TransformerEngine's CUDA attention backend; "
-                      "no effect on flashport/TPU (not rewritten)")
+        return Report(
+            f"environment switch {value!r} selects TransformerEngine's CUDA attention backend; "
+            "no effect on flashport/TPU (not rewritten)"
+        )

@@ -65,12 +65,19 @@ def setting_context(node: cst.SimpleString, ctx) -> bool:
         if up.keyword is not None:
             return up.keyword.value in NAMES
         call = _sites.parent(up, ctx)
-        return (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
-                and call.func.attr.value == "set_attn_implementation" and call.args and call.args[0] is up)
+        return (
+            isinstance(call, cst.Call)
+            and isinstance(call.func, cst.Attribute)
+            and call.func.attr.value == "set_attn_implementation"
+            and call.args
+            and call.args[0] is up
+        )
     if isinstance(up, cst.Assign) and up.value is node:
         for target in up.targets:
             t = target.target
-            name = t.value if isinstance(t, cst.Name) else t.attr.value if isinstance(t, cst.Attribute) else None
+            name = (
+                t.value if isinstance(t, cst.Name) else t.attr.value if isinstance(t, cst.Attribute) else None
+            )
             if name not in NAMES:
                 return False
         return True
@@ -95,13 +102,20 @@ class TransformersAttnImplementation(Rule):
         """Rewrite setting positions; report every other occurrence."""
         if setting_context(node, ctx):
             if _remote_code(node, ctx):
-                return Report(f"{value!r} is passed with trust_remote_code: the model's own remote code may dispatch "
-                              "on the string (ATTENTION_CLASSES[config._attn_implementation]) and would raise "
-                              "KeyError: 'flashport'; not rewritten")
-            return Rewrite(dotted(self.TARGET), imports=(MODULE,),
-                           notes=(f"{value!r} -> 'flashport' (registered by importing {MODULE})",))
-        return Report(f"configuration string {value!r} selects a CUDA flash-attention kernel; it is not "
-                      "setting attn_implementation here (comparison or table), so it is not rewritten")
+                return Report(
+                    f"{value!r} is passed with trust_remote_code: the model's own remote code may dispatch "
+                    "on the string (ATTENTION_CLASSES[config._attn_implementation]) and would raise "
+                    "KeyError: 'flashport'; not rewritten"
+                )
+            return Rewrite(
+                dotted(self.TARGET),
+                imports=(MODULE,),
+                notes=(f"{value!r} -> 'flashport' (registered by importing {MODULE})",),
+            )
+        return Report(
+            f"configuration string {value!r} selects a CUDA flash-attention kernel; it is not "
+            "setting attn_implementation here (comparison or table), so it is not rewritten"
+        )
 
     def settle(self, sites, tree) -> str | None:
         """Refuse every setting in a file that also dispatches on the watched strings itself."""
@@ -110,10 +124,14 @@ class TransformersAttnImplementation(Rule):
             return None
         first = min(reads, key=lambda s: (s.line, s.column))
         if "trust_remote_code" in first.reason:
-            return (f"line {first.line} loads remote model code with this setting, whose dispatch on the string "
-                    "may not know 'flashport' (KeyError); no setting in this file is rewritten")
-        return (f"this file dispatches on {first.api!r} itself (line {first.line}): 'flashport' would not "
-                "match there (KeyError or a different branch); not rewritten")
+            return (
+                f"line {first.line} loads remote model code with this setting, whose dispatch on the string "
+                "may not know 'flashport' (KeyError); no setting in this file is rewritten"
+            )
+        return (
+            f"this file dispatches on {first.api!r} itself (line {first.line}): 'flashport' would not "
+            "match there (KeyError or a different branch); not rewritten"
+        )
 
 
 def _remote_code(node: cst.SimpleString, ctx) -> bool:
@@ -126,7 +144,10 @@ def _remote_code(node: cst.SimpleString, ctx) -> bool:
         if arg.keyword is not None and arg.keyword.value == "trust_remote_code":
             return not (isinstance(arg.value, cst.Name) and arg.value.value in ("False", "None"))
         if arg.star == "**":  # unknown keywords could hold it: only a literal dict is read
-            if isinstance(arg.value, cst.Dict) and any(literal_string(e.key) == "trust_remote_code"
-                                                       for e in arg.value.elements if isinstance(e, cst.DictElement)):
+            if isinstance(arg.value, cst.Dict) and any(
+                literal_string(e.key) == "trust_remote_code"
+                for e in arg.value.elements
+                if isinstance(e, cst.DictElement)
+            ):
                 return True
     return False

@@ -36,13 +36,36 @@ def _positions(t, s):
 class MaskType:
     """Stand-in names for ``fused_attention_stablehlo.MaskType`` members (compared by name)."""
 
-    NO_MASK, PADDING, CAUSAL, PADDING_CAUSAL, ALIBI = "NO_MASK", "PADDING", "CAUSAL", "PADDING_CAUSAL", "ALIBI"
+    NO_MASK, PADDING, CAUSAL, PADDING_CAUSAL, ALIBI = (
+        "NO_MASK",
+        "PADDING",
+        "CAUSAL",
+        "PADDING_CAUSAL",
+        "ALIBI",
+    )
 
 
-def cudnn_dot_product_attention(query, key, value, bias=None, mask=None, q_seqlen=None, kv_seqlen=None,
-                                q_offsets=None, kv_offsets=None, fp8_params=None, *, scale=1.0,
-                                mask_type=MaskType.NO_MASK, seed=42, dropout_rate=0.0, qkv_layout="BTNH",
-                                sliding_window_length=None, use_fp8=False, return_residual=False):
+def cudnn_dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    q_seqlen=None,
+    kv_seqlen=None,
+    q_offsets=None,
+    kv_offsets=None,
+    fp8_params=None,
+    *,
+    scale=1.0,
+    mask_type=MaskType.NO_MASK,
+    seed=42,
+    dropout_rate=0.0,
+    qkv_layout="BTNH",
+    sliding_window_length=None,
+    use_fp8=False,
+    return_residual=False,
+):
     """``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``: scale defaults to **1.0**;
     layouts BTNH/BNTH (output in the query's layout); bool mask True = attend; CAUSAL top-left;
     sliding window keeps keys in ``(pos - L, pos]``."""
@@ -85,8 +108,19 @@ def flash_mha(q, k, v, softmax_scale=None, is_causal=False, window_size=(-1, -1)
     return _softmax_attend(q, k, v, scale, _fa_keep(q.shape[1], k.shape[1], is_causal, window_size))
 
 
-def flash_mha_varlen(q, k, v, seqlens_q, seqlens_k=None, *, max_seqlen_q=-1, max_seqlen_k=-1,
-                     softmax_scale=None, is_causal=False, window_size=(-1, -1)):
+def flash_mha_varlen(
+    q,
+    k,
+    v,
+    seqlens_q,
+    seqlens_k=None,
+    *,
+    max_seqlen_q=-1,
+    max_seqlen_k=-1,
+    softmax_scale=None,
+    is_causal=False,
+    window_size=(-1, -1),
+):
     """``flash_attn_jax.flash_mha_varlen``: packed [total, h, d]; ``seqlens_*`` are **cumulative**
     fence-posts (b+1,); each sequence is attended on its own with FA2 semantics."""
     cu_q = np.asarray(seqlens_q)
@@ -94,7 +128,13 @@ def flash_mha_varlen(q, k, v, seqlens_q, seqlens_k=None, *, max_seqlen_q=-1, max
     out = np.zeros(q.shape, np.float64)
     for b in range(len(cu_q) - 1):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        piece = flash_mha(np.asarray(q)[None, qs], np.asarray(k)[None, ks], np.asarray(v)[None, ks],
-                          softmax_scale, is_causal, window_size)
+        piece = flash_mha(
+            np.asarray(q)[None, qs],
+            np.asarray(k)[None, ks],
+            np.asarray(v)[None, ks],
+            softmax_scale,
+            is_causal,
+            window_size,
+        )
         out[qs] = piece[0]
     return out

@@ -34,6 +34,7 @@ def assert_fused(fn, args, sites, *, grad=True, atol=2e-5, rtol=2e-5, argnums=No
         def inner(*a):
             out = jax.tree_util.tree_leaves(f(*a))
             return sum((o.astype(np.float32) * np.cos(np.arange(o.size).reshape(o.shape))).sum() for o in out)
+
         return inner
 
     def both(*a):  # one compilation for outputs and gradients of both programs
@@ -43,10 +44,11 @@ def assert_fused(fn, args, sites, *, grad=True, atol=2e-5, rtol=2e-5, argnums=No
         return res
 
     res = jax.jit(both)(*args)
-    for w, g in zip(jax.tree_util.tree_leaves(res[0]), jax.tree_util.tree_leaves(res[1])):
+    for w, g in zip(jax.tree_util.tree_leaves(res[0]), jax.tree_util.tree_leaves(res[1]), strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=atol, rtol=rtol)
     if grad:
-        for w, g in zip(jax.tree_util.tree_leaves(res[2]), jax.tree_util.tree_leaves(res[3])):
-            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
-                                       atol=atol * 10, rtol=rtol * 10)
+        for w, g in zip(jax.tree_util.tree_leaves(res[2]), jax.tree_util.tree_leaves(res[3]), strict=True):
+            np.testing.assert_allclose(
+                np.asarray(g, np.float32), np.asarray(w, np.float32), atol=atol * 10, rtol=rtol * 10
+            )
     return fused

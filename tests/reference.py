@@ -9,9 +9,24 @@ from __future__ import annotations
 import numpy as np
 
 
-def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align="bottom_right",
-                        softcap=None, bias=None, mask=None, q_segment_ids=None, kv_segment_ids=None,
-                        layout="BSHD", dropout_rate=0.0, dropout_seed=None):
+def reference_attention(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    causal=False,
+    window=None,
+    align="bottom_right",
+    softcap=None,
+    bias=None,
+    mask=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    layout="BSHD",
+    dropout_rate=0.0,
+    dropout_seed=None,
+):
     """float64 attention following the contract; inputs in ``layout``, outputs (out BHSD/BSHD, lse).
 
     ``dropout_seed`` is the pair of uint32 seed words (``jax.random.key(s)`` has ``(s >> 32, s &
@@ -20,7 +35,7 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     if layout == "BSHD":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    b, hq, sq, d = q.shape
+    _b, hq, _sq, d = q.shape
     group = hq // k.shape[1]
     k = np.repeat(k, group, axis=1)  # head h uses kv head h // group
     v = np.repeat(v, group, axis=1)
@@ -47,10 +62,26 @@ def reference_attention(q, k, v, *, scale=None, causal=False, window=None, align
     return out, lse
 
 
-def reference_attention_vjp(q, k, v, d_out, *, scale=None, causal=False, window=None,
-                            align="bottom_right", softcap=None, bias=None, mask=None,
-                            q_segment_ids=None, kv_segment_ids=None, layout="BSHD", dropout_rate=0.0,
-                            dropout_seed=None, d_lse=None):
+def reference_attention_vjp(
+    q,
+    k,
+    v,
+    d_out,
+    *,
+    scale=None,
+    causal=False,
+    window=None,
+    align="bottom_right",
+    softcap=None,
+    bias=None,
+    mask=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    layout="BSHD",
+    dropout_rate=0.0,
+    dropout_seed=None,
+    d_lse=None,
+):
     """float64 gradients (dq, dk, dv, dbias_full) of ``sum(out * d_out)`` (plus ``sum(lse * d_lse)``
     when ``d_lse`` [B, Hq, Sq] is given), derived by hand.
 
@@ -58,14 +89,25 @@ def reference_attention_vjp(q, k, v, d_out, *, scale=None, causal=False, window=
     and scale); rows with no visible key get zero gradients. ``dbias_full`` is [B, Hq, Sq, Sk]; sum
     it over broadcast dims to get a broadcast bias's gradient.
     """
-    kwargs = dict(scale=scale, causal=causal, window=window, align=align, softcap=softcap,
-                  bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  layout="BHSD", dropout_rate=dropout_rate, dropout_seed=dropout_seed)
+    kwargs = dict(
+        scale=scale,
+        causal=causal,
+        window=window,
+        align=align,
+        softcap=softcap,
+        bias=bias,
+        mask=mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        layout="BHSD",
+        dropout_rate=dropout_rate,
+        dropout_seed=dropout_seed,
+    )
     q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
     if layout == "BSHD":
         q, k, v, d_out = (x.transpose(0, 2, 1, 3) for x in (q, k, v, d_out))
     out, lse = reference_attention(q, k, v, **kwargs)
-    b, hq, sq, d = q.shape
+    b, hq, _sq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
@@ -160,5 +202,5 @@ def _visible(q_shape, k_shape, causal, window, align, mask, q_segment_ids, kv_se
 def reduce_to_shape(full, shape):
     """Sum a [B, H, Sq, Sk] gradient over the dims a broadcast bias of ``shape`` was expanded along."""
     shape = (1,) * (full.ndim - len(shape)) + tuple(shape)
-    axes = tuple(i for i, (f, s) in enumerate(zip(full.shape, shape)) if s == 1 and f != 1)
+    axes = tuple(i for i, (f, s) in enumerate(zip(full.shape, shape, strict=True)) if s == 1 and f != 1)
     return np.sum(full, axis=axes, keepdims=True).reshape(shape)

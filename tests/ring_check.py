@@ -35,26 +35,51 @@ CASES = {
     "segments": ({}, dict(causal=True, segments=3), {}, BLOCKWISE, None),
     "non_causal_segments": (dict(sk=128), dict(segments=2), {}, BLOCKWISE, None),
     "zigzag_causal_gqa": (dict(hkv=1), dict(causal=True), dict(seq_layout="zigzag"), BLOCKWISE, None),
-    "zigzag_bottom_right_segments": (dict(sq=32, sk=64), dict(causal=True, segments=3, softcap=4.0),
-                                     dict(seq_layout="zigzag"), BLOCKWISE, None),
+    "zigzag_bottom_right_segments": (
+        dict(sq=32, sk=64),
+        dict(causal=True, segments=3, softcap=4.0),
+        dict(seq_layout="zigzag"),
+        BLOCKWISE,
+        None,
+    ),
     "zigzag_window": ({}, dict(window=(12, 2), align="top_left"), dict(seq_layout="zigzag"), BLOCKWISE, None),
-    "batch_sharded_zigzag": (dict(b=4), dict(causal=True, segments=2), dict(seq_layout="zigzag", batch_axis="data"),
-                             BLOCKWISE, ((2, 4), ("data", "seq"))),
-    "head_sharded": (dict(hq=4, hkv=2), dict(causal=True), dict(head_axis="model"), BLOCKWISE,
-                     ((2, 4), ("model", "seq"))),
-    "interpret_causal": (dict(sq=256, sk=256, d=32), dict(causal=True, softcap=5.0), {}, INTERPRET,
-                         ((2, 4), ("data", "seq"))),
-    "interpret_zigzag_br_segments": (dict(sq=256, sk=512, hkv=1, d=32), dict(causal=True, segments=2),
-                                     dict(seq_layout="zigzag", batch_axis="data"), INTERPRET,
-                                     ((2, 4), ("data", "seq"))),
+    "batch_sharded_zigzag": (
+        dict(b=4),
+        dict(causal=True, segments=2),
+        dict(seq_layout="zigzag", batch_axis="data"),
+        BLOCKWISE,
+        ((2, 4), ("data", "seq")),
+    ),
+    "head_sharded": (
+        dict(hq=4, hkv=2),
+        dict(causal=True),
+        dict(head_axis="model"),
+        BLOCKWISE,
+        ((2, 4), ("model", "seq")),
+    ),
+    "interpret_causal": (
+        dict(sq=256, sk=256, d=32),
+        dict(causal=True, softcap=5.0),
+        {},
+        INTERPRET,
+        ((2, 4), ("data", "seq")),
+    ),
+    "interpret_zigzag_br_segments": (
+        dict(sq=256, sk=512, hkv=1, d=32),
+        dict(causal=True, segments=2),
+        dict(seq_layout="zigzag", batch_axis="data"),
+        INTERPRET,
+        ((2, 4), ("data", "seq")),
+    ),
 }
 
 
 def run_case(name):
     shape, contract, ring_kw, backend, mesh_def = CASES[name]
     contract = dict(contract)
-    b, sq, sk, hq, hkv, d = (shape.get(x, dflt) for x, dflt in
-                             (("b", 2), ("sq", 64), ("sk", 64), ("hq", 4), ("hkv", 4), ("d", 16)))
+    b, sq, sk, hq, hkv, d = (
+        shape.get(x, dflt) for x, dflt in (("b", 2), ("sq", 64), ("sk", 64), ("hq", 4), ("hkv", 4), ("d", 16))
+    )
     (mshape, axes) = mesh_def or ((8,), ("seq",))
     mesh = Mesh(np.array(jax.devices()).reshape(mshape), axes)
     n = mesh.shape["seq"]
@@ -72,8 +97,11 @@ def run_case(name):
 
     zig = ring_kw.get("seq_layout") == "zigzag"
     to = (lambda x: flashport.seq_layout.to_zigzag(x, n, axis=1)) if zig else (lambda x: x)
-    back = (lambda x, axis=1: flashport.seq_layout.from_zigzag(np.asarray(x), n, axis=axis)) if zig else (
-        lambda x, axis=1: np.asarray(x))
+    back = (
+        (lambda x, axis=1: flashport.seq_layout.from_zigzag(np.asarray(x), n, axis=axis))
+        if zig
+        else (lambda x, axis=1: np.asarray(x))
+    )
     batch = ring_kw.get("batch_axis")
     heads = ring_kw.get("head_axis")
     put = lambda x: jax.device_put(to(x), NamedSharding(mesh, P(batch, "seq", heads, None)))  # noqa: E731
@@ -84,8 +112,9 @@ def run_case(name):
             arrays[key] = put_seg(arrays[key])
 
     def loss(q, k, v, d_out):
-        out, lse = flashport.ring_attention(q, k, v, mesh=mesh, axis_name="seq", backend=backend,
-                                            return_lse=True, **ring_kw, **arrays)
+        out, lse = flashport.ring_attention(
+            q, k, v, mesh=mesh, axis_name="seq", backend=backend, return_lse=True, **ring_kw, **arrays
+        )
         return jnp.sum(out * d_out), (out, lse)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -94,10 +123,15 @@ def run_case(name):
 
     def err(got, want):
         got = np.asarray(got, np.float64)
-        if not np.array_equal(np.isfinite(got), np.isfinite(want)):  # -inf lse exactly where the reference has it
+        if not np.array_equal(
+            np.isfinite(got), np.isfinite(want)
+        ):  # -inf lse exactly where the reference has it
             return float("inf")
         fin = np.isfinite(want)
-        return float(np.max(np.abs(got[fin] - want[fin]), initial=0.0) / max(1.0, np.max(np.abs(want[fin]), initial=0.0)))
+        return float(
+            np.max(np.abs(got[fin] - want[fin]), initial=0.0)
+            / max(1.0, np.max(np.abs(want[fin]), initial=0.0))
+        )
 
     errors = {"out": err(back(out), want_out), "lse": err(back(lse, axis=2), want_lse)}
     errors.update({f"d{x}": err(back(g), w) for x, g, w in zip("qkv", grads, want_g, strict=True)})

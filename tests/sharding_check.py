@@ -8,17 +8,20 @@ import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import flashport  # noqa: E402
-from flashport.kernels import registry  # noqa: E402
+import flashport
+from flashport.kernels import registry
 
 
 def main(backend_name: str) -> None:
-    backend = registry.use("blockwise", block_q=16, block_k=16) if backend_name == "blockwise" else backend_name
+    backend = (
+        registry.use("blockwise", block_q=16, block_k=16) if backend_name == "blockwise" else backend_name
+    )
     assert len(jax.devices()) == 8, jax.devices()
     rng = np.random.default_rng(0)
     b, s, h, hkv, d = 4, 40, 8, 4, 16
@@ -28,8 +31,9 @@ def main(backend_name: str) -> None:
     seg = jnp.asarray(np.sort(rng.integers(0, 2, (b, s)), axis=1), jnp.int32)
 
     def loss(q, k, v):
-        out = flashport.attention(q, k, v, causal=True, softcap=5.0, q_segment_ids=seg,
-                                  kv_segment_ids=seg, backend=backend)
+        out = flashport.attention(
+            q, k, v, causal=True, softcap=5.0, q_segment_ids=seg, kv_segment_ids=seg, backend=backend
+        )
         return jnp.sum(out * out), out
 
     grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -40,7 +44,7 @@ def main(backend_name: str) -> None:
         qs, ks, vs = (jax.device_put(x, shard) for x in (q, k, v))
         (_, out), grads = grad_fn(qs, ks, vs)
         np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
-        for got, want in zip(grads, want_grads):
+        for got, want in zip(grads, want_grads, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     print("ok")
 

@@ -80,11 +80,14 @@ def test_an_alias_with_a_call_that_is_not_ported_stays_and_says_why():
     assert alias.status == "refused" and "also used as a value" in alias.reason
 
 
-@pytest.mark.parametrize("binding", [
-    "attn = flash_attn_func\n    if p:\n        attn = other",  # rebound
-    "attn = flash_attn_func if p else other",  # not a plain alias
-    "for attn in (flash_attn_func, other):\n        pass",  # loop target
-])
+@pytest.mark.parametrize(
+    "binding",
+    [
+        "attn = flash_attn_func\n    if p:\n        attn = other",  # rebound
+        "attn = flash_attn_func if p else other",  # not a plain alias
+        "for attn in (flash_attn_func, other):\n        pass",  # loop target
+    ],
+)
 def test_a_name_that_may_hold_something_else_is_not_rewritten_and_is_reported_at_the_call(binding):
     source = f"from flash_attn import flash_attn_func\n\ndef f(q, k, v, p):\n    {binding}\n    return attn(q, k, v)\n"
     result = transform_source(source.encode(), "m.py", registry.all_rules(), RuleOptions())
@@ -148,13 +151,16 @@ def test_a_suppressed_alias_line_is_not_followed():
     assert result.new is None
 
 
-@pytest.mark.parametrize("use, words", [
-    ('ATTN = {"flash": flash_attn_func}', "dispatch table"),
-    ("fn = functools.partial(flash_attn_func, causal=True)", "functools.partial"),
-    ("self.fn = flash_attn_func", "stored in self.fn"),
-    ("register(flash_attn_func)", "passed to register"),
-    ("ok = inspect.signature(flash_attn_func)", "feature probe"),
-])
+@pytest.mark.parametrize(
+    "use, words",
+    [
+        ('ATTN = {"flash": flash_attn_func}', "dispatch table"),
+        ("fn = functools.partial(flash_attn_func, causal=True)", "functools.partial"),
+        ("self.fn = flash_attn_func", "stored in self.fn"),
+        ("register(flash_attn_func)", "passed to register"),
+        ("ok = inspect.signature(flash_attn_func)", "feature probe"),
+    ],
+)
 def test_value_uses_are_reported_with_their_context(use, words):
     source = f"import functools, inspect\nfrom flash_attn import flash_attn_func\n\ndef f(self):\n    {use}\n"
     result = transform_source(source.encode(), "m.py", registry.all_rules(), RuleOptions())

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
 from flashport.kernels import registry
-from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 # Small blocks so every case spans several query and key blocks, ragged tails included.
 BLOCKWISE = registry.use("blockwise", block_q=8, block_k=16)
@@ -52,8 +52,13 @@ CASES = {
     "segments": dict(segments=True),
     "segments_causal_window": dict(segments=True, opts=dict(causal=True, window=(6, None))),
     "decode": dict(sq=1, sk=37, opts=dict(causal=True)),
-    "everything": dict(hkv=1, bias=(2, 1, 13, 29), mask=(1, 4, 13, 29), segments=True,
-                       opts=dict(causal=True, window=(9, None), softcap=4.0, scale=0.2)),
+    "everything": dict(
+        hkv=1,
+        bias=(2, 1, 13, 29),
+        mask=(1, 4, 13, 29),
+        segments=True,
+        opts=dict(causal=True, window=(9, None), softcap=4.0, scale=0.2),
+    ),
 }
 
 
@@ -62,7 +67,9 @@ def build(case, seed=0, dtype="float32"):
     shape = {k: case[k] for k in ("b", "sq", "sk", "hq", "hkv", "d", "layout") if k in case}
     q, k, v, d_out = make_inputs(seed, dtype=dtype, **shape)
     layout = case.get("layout", "BSHD")
-    b, sq, hq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "BSHD" else (q.shape[0], q.shape[2], q.shape[1])
+    b, sq, hq = (
+        (q.shape[0], q.shape[1], q.shape[2]) if layout == "BSHD" else (q.shape[0], q.shape[2], q.shape[1])
+    )
     sk = k.shape[1] if layout == "BSHD" else k.shape[2]
     kwargs = dict(case.get("opts", {}), layout=layout)
     rng = np.random.default_rng(seed + 1)
@@ -107,7 +114,7 @@ def check_against_reference(q, k, v, d_out, kwargs, backend, dtype="float32"):
 
     grads = vjp((jnp.asarray(d_out, q.dtype), jnp.zeros_like(lse)))
     want = reference_attention_vjp(q, k, v, d_out, **ref_kwargs)
-    for name, got, ref in zip("qkv", grads[:3], want[:3]):
+    for name, got, ref in zip("qkv", grads[:3], want[:3], strict=True):
         assert np.all(np.isfinite(np.asarray(got, np.float32))), f"d{name} has non-finite values"
         assert_close(got, ref, grad_tol, f"d{name}")
     if bias is not None:
@@ -144,7 +151,9 @@ def test_lse_is_differentiable(backend):
     q, k, v, _, kwargs = build(CASES["causal_br_sq>sk"])
 
     def lse_sum(q, k, v):
-        _, lse = flashport.attention(q, k, v, backend=BACKENDS.get(backend, backend), return_lse=True, **kwargs)
+        _, lse = flashport.attention(
+            q, k, v, backend=BACKENDS.get(backend, backend), return_lse=True, **kwargs
+        )
         return jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     grads = jax.grad(lse_sum, argnums=(0, 1, 2))(q, k, v)
@@ -184,7 +193,7 @@ def test_jit_vmap_grad_compose():
     batched = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(qs, ks, vs)
     for idx in range(2):
         single = jax.grad(loss, argnums=(0, 1, 2))(qs[idx], ks[idx], vs[idx])
-        for got, want in zip(batched, single):
+        for got, want in zip(batched, single, strict=True):
             np.testing.assert_allclose(got[idx], want, rtol=1e-5, atol=1e-5)
     out = jax.vmap(lambda q, k, v: flashport.attention(q, k, v, **kwargs))(qs, ks, vs)
     want, _ = reference_attention(qs[1], ks[1], vs[1], **kwargs)
@@ -250,7 +259,8 @@ def test_export_for_several_platforms():
     # auto's CUDA branch is the pallas_gpu Triton kernel, whose custom call has no cross-version
     # compatibility guarantee: exporting it must be allowed explicitly.
     exported = jax.export.export(
-        jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True)), platforms=["cpu", "cuda"],
+        jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True)),
+        platforms=["cpu", "cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(q, k, v)
     out = exported.call(q, k, v)
@@ -271,8 +281,11 @@ BAD_INPUTS = [
     (dict(kw=dict(mask=np.ones((13, 29), np.float32))), TypeError, "mask must be boolean"),
     (dict(kw=dict(bias=np.ones((3, 4, 13, 29), np.float32))), ValueError, "bias of shape"),
     (dict(kw=dict(q_segment_ids=np.zeros((2, 13), np.int32))), ValueError, "must be given together"),
-    (dict(kw=dict(q_segment_ids=np.zeros((2, 12), np.int32), kv_segment_ids=np.zeros((2, 29), np.int32))),
-     ValueError, r"q_segment_ids must have shape \[batch, seq\]"),
+    (
+        dict(kw=dict(q_segment_ids=np.zeros((2, 12), np.int32), kv_segment_ids=np.zeros((2, 29), np.int32))),
+        ValueError,
+        r"q_segment_ids must have shape \[batch, seq\]",
+    ),
     (dict(kw=dict(softcap=-1.0)), ValueError, "softcap must be > 0"),
     (dict(kw=dict(scale=jnp.float32(2.0) * jnp.ones(()))), TypeError, "scale must be a static Python float"),
     (dict(dtype=np.int32), TypeError, "query must be float32, bfloat16 or float16"),

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_dots import dot_shapes, output_products
+from reference import reduce_to_shape, reference_attention_vjp
 
 import flashport
 from flashport.kernels import registry
-from hlo_dots import dot_shapes, output_products
-from reference import reduce_to_shape, reference_attention_vjp
 
 # Sq, Sk, D, Dv all distinct (and distinct from B, H): a dot's shape tells which product it is.
 B, SQ, SK, HQ, HKV, D, DV = 2, 40, 56, 4, 2, 16, 24
@@ -42,9 +42,17 @@ def _cases(rng):
     kv_seg = np.sort(rng.integers(0, 3, (B, SK)), axis=-1)
     return {
         "causal_gqa": {"causal": True},
-        "softcap_window_bias": {"softcap": 4.0, "window": (9, 3), "bias": rng.standard_normal((1, HQ, SQ, SK))},
-        "segments_causal_top_left": {"q_segment_ids": q_seg, "kv_segment_ids": kv_seg, "causal": True,
-                                     "align": "top_left"},
+        "softcap_window_bias": {
+            "softcap": 4.0,
+            "window": (9, 3),
+            "bias": rng.standard_normal((1, HQ, SQ, SK)),
+        },
+        "segments_causal_top_left": {
+            "q_segment_ids": q_seg,
+            "kv_segment_ids": kv_seg,
+            "causal": True,
+            "align": "top_left",
+        },
         "broadcast_bias": {"bias": rng.standard_normal((B, 1, 1, SK))},
     }
 
@@ -53,13 +61,19 @@ CASE_NAMES = ("causal_gqa", "softcap_window_bias", "segments_causal_top_left", "
 
 
 def _jax_kwargs(kw):
-    return {n: (jnp.asarray(x, jnp.float32) if n == "bias" else jnp.asarray(x)) if isinstance(x, np.ndarray) else x
-            for n, x in kw.items()}
+    return {
+        n: (jnp.asarray(x, jnp.float32) if n == "bias" else jnp.asarray(x))
+        if isinstance(x, np.ndarray)
+        else x
+        for n, x in kw.items()
+    }
 
 
 # The Pallas interpreter is slow on CPU: two cases cover its masks, segments, bias and softcap.
 PAIRS = [(b, c) for b in ("xla", "blockwise") for c in CASE_NAMES] + [
-    ("pallas_tpu_interpret", "softcap_window_bias"), ("pallas_tpu_interpret", "segments_causal_top_left")]
+    ("pallas_tpu_interpret", "softcap_window_bias"),
+    ("pallas_tpu_interpret", "segments_causal_top_left"),
+]
 
 
 @pytest.mark.parametrize(("backend", "case"), PAIRS)
@@ -69,10 +83,11 @@ def test_matches_float64_reference(backend, case):
     jq, jk, jv = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
     out, lse = flashport.attention(jq, jk, jv, backend=BACKENDS[backend], return_lse=True, **_jax_kwargs(kw))
     d_out = rng.standard_normal(out.shape)
-    grads = flashport.attention_backward(jq, jk, jv, out, lse, jnp.asarray(d_out, jnp.float32),
-                                         backend=BACKENDS[backend], **_jax_kwargs(kw))
+    grads = flashport.attention_backward(
+        jq, jk, jv, out, lse, jnp.asarray(d_out, jnp.float32), backend=BACKENDS[backend], **_jax_kwargs(kw)
+    )
     ref = reference_attention_vjp(q, k, v, d_out, **kw)
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5, err_msg=name)
     if "bias" in kw:
         want = reduce_to_shape(ref[3], kw["bias"].shape)
@@ -96,8 +111,10 @@ def test_lse_cotangent_matches_vjp(backend):
     d_out = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
     d_lse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
     want = vjp((d_out, d_lse))
-    got = flashport.attention_backward(*args[:3], out, lse, d_out, d_lse, bias=bias, backend=BACKENDS[backend], **kw)
-    for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+    got = flashport.attention_backward(
+        *args[:3], out, lse, d_out, d_lse, bias=bias, backend=BACKENDS[backend], **kw
+    )
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want, strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5, err_msg=name)
 
@@ -113,18 +130,18 @@ def test_dropout_matches_float64_reference(backend):
     d_out = rng.standard_normal(out.shape)
     grads = flashport.attention_backward(jq, jk, jv, out, lse, jnp.asarray(d_out, jnp.float32), **kw)
     ref = reference_attention_vjp(q, k, v, d_out, causal=True, dropout_rate=0.25, dropout_seed=(0, 42))
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5, err_msg=name)
 
 
 def test_bhsd_bfloat16_shapes_and_dtypes():
-    q, k, v, rng = _inputs(3)
+    q, k, v, _rng = _inputs(3)
     jq, jk, jv = (jnp.asarray(x.transpose(0, 2, 1, 3), jnp.bfloat16) for x in (q, k, v))
     out, lse = flashport.attention(jq, jk, jv, layout="BHSD", causal=True, return_lse=True)
     d_out = jnp.ones_like(out)
     got = flashport.attention_backward(jq, jk, jv, out, lse, d_out, layout="BHSD", causal=True)
     _, vjp = jax.vjp(lambda q, k, v: flashport.attention(q, k, v, layout="BHSD", causal=True), jq, jk, jv)
-    for g, w in zip(got, vjp(d_out)):
+    for g, w in zip(got, vjp(d_out), strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=2e-2, rtol=2e-2)
     assert got[3] is None
@@ -134,7 +151,9 @@ def test_no_keys_gives_zero_gradients():
     q = jnp.ones((1, 3, 2, 8))
     k = jnp.ones((1, 0, 2, 8))
     out, lse = flashport.attention(q, k, k, return_lse=True)
-    dq, dk, dv, dbias = flashport.attention_backward(q, k, k, out, lse, jnp.ones_like(out), jnp.ones_like(lse))
+    dq, dk, dv, dbias = flashport.attention_backward(
+        q, k, k, out, lse, jnp.ones_like(out), jnp.ones_like(lse)
+    )
     assert not np.any(np.asarray(dq)) and dk.shape == k.shape and dv.shape == k.shape and dbias is None
 
 
@@ -149,12 +168,18 @@ def _backward_hlo(backward_fn, backend):
     q, k, v, _ = _inputs()
     args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
     out, lse = flashport.attention(*args, causal=True, backend=BACKENDS[backend], return_lse=True)
-    return jax.jit(backward_fn).lower(*args, out, lse, jnp.ones_like(out), jnp.ones_like(lse)).as_text(dialect="hlo")
+    return (
+        jax.jit(backward_fn)
+        .lower(*args, out, lse, jnp.ones_like(out), jnp.ones_like(lse))
+        .as_text(dialect="hlo")
+    )
 
 
 def _residual_backward(backend):
     def fn(q, k, v, out, lse, d_out, d_lse):
-        return flashport.attention_backward(q, k, v, out, lse, d_out, d_lse, causal=True, backend=BACKENDS[backend])
+        return flashport.attention_backward(
+            q, k, v, out, lse, d_out, d_lse, causal=True, backend=BACKENDS[backend]
+        )
 
     return fn
 
@@ -164,7 +189,8 @@ def _recomputing_backward(backend):
 
     def fn(q, k, v, out, lse, d_out, d_lse):
         forward = lambda q, k, v: flashport.attention(  # noqa: E731
-            q, k, v, causal=True, backend=BACKENDS[backend], return_lse=True)
+            q, k, v, causal=True, backend=BACKENDS[backend], return_lse=True
+        )
         return jax.vjp(forward, q, k, v)[1]((d_out, d_lse))
 
     return fn
@@ -197,10 +223,13 @@ def test_backend_without_residual_backward_recomputes():
         args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
         out, lse = flashport.attention(*args, causal=True, backend="xla_no_bwd", return_lse=True)
         d_out = rng.standard_normal(out.shape)
-        grads = flashport.attention_backward(*args, out, lse, jnp.asarray(d_out, jnp.float32), causal=True,
-                                             backend="xla_no_bwd")
+        grads = flashport.attention_backward(
+            *args, out, lse, jnp.asarray(d_out, jnp.float32), causal=True, backend="xla_no_bwd"
+        )
         assert grads[3] is None
-        for got, want in zip(grads[:3], reference_attention_vjp(q, k, v, d_out, causal=True)[:3]):
+        for got, want in zip(
+            grads[:3], reference_attention_vjp(q, k, v, d_out, causal=True)[:3], strict=True
+        ):
             np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
         hlo = _backward_hlo(_residual_backward("xla_no_bwd"), "xla_no_bwd")
         assert output_products(hlo, SQ, DV) != []

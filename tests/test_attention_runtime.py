@@ -10,21 +10,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import reference_attention
 
 import flashport
 from flashport.kernels import registry
 from flashport.kernels.blockwise import _Tiling
 from flashport.kernels.spec import AttentionSpec
-from reference import reference_attention
 
 HERE = os.path.dirname(__file__)
 
 
 @pytest.mark.parametrize("backend", ["xla", "blockwise"])
 def test_sharded_inputs_match_unsharded(backend):
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sharding_check.py"), backend],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "sharding_check.py"), backend],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
@@ -68,15 +73,31 @@ def test_blockwise_training_memory_is_linear_in_sequence():
 
 @pytest.mark.parametrize("n", [1, 4, 16])
 def test_causal_square_visits_only_lower_triangle(n):
-    spec = AttentionSpec(scale=1.0, causal=True, window_left=None, window_right=None, offset=0,
-                         softcap=None, seq_q=n * 64, seq_k=n * 64)
+    spec = AttentionSpec(
+        scale=1.0,
+        causal=True,
+        window_left=None,
+        window_right=None,
+        offset=0,
+        softcap=None,
+        seq_q=n * 64,
+        seq_k=n * 64,
+    )
     tiling = _Tiling(spec, 64, 64)
     assert tiling.visited_blocks == n * (n + 1) // 2  # (n+1)/2n of the n*n blocks
 
 
 def test_window_visits_band_only():
-    spec = AttentionSpec(scale=1.0, causal=True, window_left=128, window_right=None, offset=0,
-                         softcap=None, seq_q=4096, seq_k=4096)
+    spec = AttentionSpec(
+        scale=1.0,
+        causal=True,
+        window_left=128,
+        window_right=None,
+        offset=0,
+        softcap=None,
+        seq_q=4096,
+        seq_k=4096,
+    )
     tiling = _Tiling(spec, 128, 128)
     assert tiling.visited_blocks == 32 + 31  # the diagonal blocks plus one block left of each
     # every visited block really holds a visible pair, every skipped one none
@@ -90,14 +111,21 @@ def test_window_visits_band_only():
 
 @settings(max_examples=10, deadline=None)
 @given(
-    sq=st.integers(1, 40), sk=st.integers(1, 40), group=st.sampled_from([1, 2, 4]),
-    causal=st.booleans(), left=st.one_of(st.none(), st.integers(0, 12)),
-    right=st.one_of(st.none(), st.integers(0, 12)), align=st.sampled_from(["bottom_right", "top_left"]),
-    softcap=st.one_of(st.none(), st.floats(0.5, 10)), block_q=st.sampled_from([4, 8, 32]),
-    block_k=st.sampled_from([4, 16, 64]), layout=st.sampled_from(["BSHD", "BHSD"]),
+    sq=st.integers(1, 40),
+    sk=st.integers(1, 40),
+    group=st.sampled_from([1, 2, 4]),
+    causal=st.booleans(),
+    left=st.one_of(st.none(), st.integers(0, 12)),
+    right=st.one_of(st.none(), st.integers(0, 12)),
+    align=st.sampled_from(["bottom_right", "top_left"]),
+    softcap=st.one_of(st.none(), st.floats(0.5, 10)),
+    block_q=st.sampled_from([4, 8, 32]),
+    block_k=st.sampled_from([4, 16, 64]),
+    layout=st.sampled_from(["BSHD", "BHSD"]),
 )
-def test_blockwise_random_shapes_and_options(sq, sk, group, causal, left, right, align, softcap,
-                                             block_q, block_k, layout):
+def test_blockwise_random_shapes_and_options(
+    sq, sk, group, causal, left, right, align, softcap, block_q, block_k, layout
+):
     rng = np.random.default_rng(sq * 100 + sk)
     hkv, d = 2, 8
     shape_q = (1, sq, hkv * group, d) if layout == "BSHD" else (1, hkv * group, sq, d)
@@ -105,9 +133,14 @@ def test_blockwise_random_shapes_and_options(sq, sk, group, causal, left, right,
     q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (shape_q, shape_k, shape_k))
     window = None if left is None and right is None else (left, right)
     kwargs = dict(causal=causal, window=window, align=align, softcap=softcap, layout=layout)
-    out, lse = flashport.attention(q, k, v, return_lse=True,
-                                   backend=registry.use("blockwise", block_q=block_q, block_k=block_k),
-                                   **kwargs)
+    out, lse = flashport.attention(
+        q,
+        k,
+        v,
+        return_lse=True,
+        backend=registry.use("blockwise", block_q=block_q, block_k=block_k),
+        **kwargs,
+    )
     want, want_lse = reference_attention(q, k, v, **kwargs)
     np.testing.assert_allclose(out, want, atol=3e-5)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))

@@ -54,8 +54,11 @@ def test_help_states_the_real_version_defaults(capsys):
     assert cli.main(["rewrite", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     defaults = RuleOptions()
-    for flag, field in (("--flash-attn-version", "flash_attn_version"), ("--torch-version", "torch_version"),
-                        ("--jax-version", "jax_version")):
+    for flag, field in (
+        ("--flash-attn-version", "flash_attn_version"),
+        ("--torch-version", "torch_version"),
+        ("--jax-version", "jax_version"),
+    ):
         match = re.search(re.escape(flag) + r" X\.Y(?:\.Z)? [^()]*\([^)]*default ([0-9.]+)\)", text)
         assert match, f"{flag} help names no default"
         assert parse_version(match.group(1)) == getattr(defaults, field), flag
@@ -63,11 +66,29 @@ def test_help_states_the_real_version_defaults(capsys):
 
 def test_scan_json_schema(tree, capsys):
     code, doc = run_json(capsys, "scan", str(tree))
-    assert code == 0 and doc["schema"] == "flashport.report/1" and doc["command"] == "scan" and doc["mode"] == "scan"
+    assert (
+        code == 0
+        and doc["schema"] == "flashport.report/1"
+        and doc["command"] == "scan"
+        and doc["mode"] == "scan"
+    )
     assert [(os.path.basename(s["path"]), s["line"], s["rule"], s["status"]) for s in doc["sites"]] == [
-        ("a.py", 5, "FPA001", "rewrite"), ("b.py", 5, "FPA101", "rewrite")]
+        ("a.py", 5, "FPA001", "rewrite"),
+        ("b.py", 5, "FPA101", "rewrite"),
+    ]
     site = doc["sites"][0]
-    assert set(site) == {"path", "line", "column", "end_line", "rule", "api", "kind", "status", "reason", "notes"}
+    assert set(site) == {
+        "path",
+        "line",
+        "column",
+        "end_line",
+        "rule",
+        "api",
+        "kind",
+        "status",
+        "reason",
+        "notes",
+    }
     assert site["api"] == "flash_attn.flash_attn_func" and site["column"] == 11
     assert doc["summary"]["files_scanned"] == 3 and doc["summary"]["files_parsed"] == 2
     assert all(f["diff"] is None for f in doc["files"])
@@ -79,11 +100,17 @@ def test_rewrite_dry_run_check_and_write(tree, capsys):
     code, doc = run_json(capsys, "rewrite", str(tree))
     assert code == 0 and doc["mode"] == "dry-run" and a.read_text() == FA
     diff = next(f["diff"] for f in doc["files"] if f["path"].endswith("a.py"))
-    assert diff.startswith(f"--- a/{a}") and "+import flashport" in diff and '+    return flashport.torch.attention(' in diff
+    assert (
+        diff.startswith(f"--- a/{a}")
+        and "+import flashport" in diff
+        and "+    return flashport.torch.attention(" in diff
+    )
     assert run_json(capsys, "rewrite", str(tree), "--check")[0] == cli.EXIT_CHANGES
     code, doc = run_json(capsys, "rewrite", str(tree), "--write")
-    assert code == 0 and sorted(os.path.basename(p) for f in doc["files"] if f["written"] for p in [f["path"]]) == ["a.py", "b.py"]
-    assert "flashport.torch.attention(q, k, v, scale=None, causal=True, align=\"bottom_right\"" in a.read_text()
+    assert code == 0 and sorted(
+        os.path.basename(p) for f in doc["files"] if f["written"] for p in [f["path"]]
+    ) == ["a.py", "b.py"]
+    assert 'flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right"' in a.read_text()
     assert stat.S_IMODE(os.stat(a).st_mode) == 0o640
     assert run_json(capsys, "rewrite", str(tree), "--check")[0] == 0  # idempotent
     assert not list(tree.rglob("*.flashport-tmp"))
@@ -109,26 +136,36 @@ def test_broken_file_is_reported_others_processed(tree, capsys):
     assert "flashport" in (tree / "pkg" / "a.py").read_text()
 
 
-@pytest.mark.parametrize("argv", [
-    ["scan", "--select", "FPX999"],
-    ["scan", "does/not/exist"],
-    ["rewrite", "--write", "--check"],
-    ["scan", "--jobs", "0"],
-    ["rules", "FPA999"],
-    ["scan", "--flash-attn-version", "two"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["scan", "--select", "FPX999"],
+        ["scan", "does/not/exist"],
+        ["rewrite", "--write", "--check"],
+        ["scan", "--jobs", "0"],
+        ["rules", "FPA999"],
+        ["scan", "--flash-attn-version", "two"],
+    ],
+)
 def test_usage_errors_exit_2(tree, argv, capsys):
     argv = [a if a != "does/not/exist" else str(tree / "missing") for a in argv]
-    assert cli.main(argv + ([str(tree)] if argv[0] != "rules" and "missing" not in argv[-1] else [])) == cli.EXIT_USAGE
+    assert (
+        cli.main(argv + ([str(tree)] if argv[0] != "rules" and "missing" not in argv[-1] else []))
+        == cli.EXIT_USAGE
+    )
 
 
 def test_select_ignore_and_config(tree, capsys):
-    assert [s["rule"] for s in run_json(capsys, "scan", str(tree), "--select", "FPA1")[1]["sites"]] == ["FPA101"]
-    assert [s["rule"] for s in run_json(capsys, "scan", str(tree), "--ignore", "FPA101,FPA102")[1]["sites"]] == ["FPA001"]
+    assert [s["rule"] for s in run_json(capsys, "scan", str(tree), "--select", "FPA1")[1]["sites"]] == [
+        "FPA101"
+    ]
+    assert [
+        s["rule"] for s in run_json(capsys, "scan", str(tree), "--ignore", "FPA101,FPA102")[1]["sites"]
+    ] == ["FPA001"]
     (tree / "pyproject.toml").write_text('[tool.flashport]\nignore = ["FPA001"]\nexclude = ["sub/*"]\n')
     assert cli.main(["scan", str(tree), "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["sites"] == []
-    (tree / "pyproject.toml").write_text('[tool.flashport]\nbogus = 1\n')
+    (tree / "pyproject.toml").write_text("[tool.flashport]\nbogus = 1\n")
     assert cli.main(["scan", str(tree)]) == cli.EXIT_USAGE
     assert "unknown [tool.flashport] key" in capsys.readouterr().err
 
@@ -145,10 +182,10 @@ def test_discovery_gitignore_exclude_symlinks_each_file_once(tree, tmp_path, cap
     os.symlink(outside, tree / "pkg" / "link_dir")
     os.symlink(outside / "o.py", tree / "pkg" / "link_file.py")
     os.symlink(tree / "pkg" / "a.py", tree / "pkg" / "alias.py")
-    code, doc = run_json(capsys, "scan", str(tree), str(tree / "pkg" / "a.py"), "--exclude", "sub")
+    _code, doc = run_json(capsys, "scan", str(tree), str(tree / "pkg" / "a.py"), "--exclude", "sub")
     paths = sorted(os.path.relpath(s["path"], tree) for s in doc["sites"])
     assert paths == ["pkg/a.py", "pkg/keep_pb2.py"]
-    code, doc = run_json(capsys, "scan", str(tree), "--no-gitignore")
+    _code, doc = run_json(capsys, "scan", str(tree), "--no-gitignore")
     assert "generated/x.py" in {os.path.relpath(s["path"], tree) for s in doc["sites"]}
 
 
@@ -170,9 +207,11 @@ def test_rules_verb(capsys):
 
 
 def test_cli_does_not_import_jax_or_torch(tree):
-    code = ("import sys; from flashport.rewriter.cli import main; "
-            f"rc = main(['rewrite', {str(tree)!r}, '--format', 'json', '--jobs', '1', '--isolated']); "
-            "bad = [m for m in ('jax', 'torch') if m in sys.modules]; assert not bad, bad; sys.exit(rc)")
+    code = (
+        "import sys; from flashport.rewriter.cli import main; "
+        f"rc = main(['rewrite', {str(tree)!r}, '--format', 'json', '--jobs', '1', '--isolated']); "
+        "bad = [m for m in ('jax', 'torch') if m in sys.modules]; assert not bad, bad; sys.exit(rc)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -189,7 +228,9 @@ def test_dry_run_and_check_never_write_on_a_read_only_tree(tree, capsys, monkeyp
     for path in [tree, *tree.rglob("*")]:
         os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~0o222)
     try:
-        assert cli.main(["rewrite", str(tree), "--isolated", "--no-color"]) == 0  # default --jobs: workers too
+        assert (
+            cli.main(["rewrite", str(tree), "--isolated", "--no-color"]) == 0
+        )  # default --jobs: workers too
         assert cli.main(["rewrite", str(tree), "--isolated", "--check", "--jobs", "1"]) == cli.EXIT_CHANGES
         assert cli.main(["scan", str(tree), "--isolated", "--jobs", "1"]) == 0
     finally:
@@ -207,8 +248,23 @@ def test_sigkill_mid_write_leaves_each_file_old_or_new(tmp_path):
         (root / f"m{i:03d}.py").write_text(body.replace("def f(", f"def f{i}("))
     old = {p: p.read_bytes() for p in root.glob("*.py")}
     new = {p: transform_source(data, str(p), registry.all_rules()).new for p, data in old.items()}
-    proc = subprocess.Popen([sys.executable, "-m", "flashport", "rewrite", str(root), "--write", "--jobs", "1", "--isolated", "--format", "json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flashport",
+            "rewrite",
+            str(root),
+            "--write",
+            "--jobs",
+            "1",
+            "--isolated",
+            "--format",
+            "json",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     killed_mid_run = False
     while time.time() < deadline and proc.poll() is None:

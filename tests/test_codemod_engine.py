@@ -51,18 +51,25 @@ def test_statements_without_triggers_are_not_given_to_libcst(monkeypatch):
             def forward(self, q, k, v):
                 return flash_attn_func(q, k, v)
     """)
-    assert len(seen) == 1 and "untouched" not in seen[0] and "def other" not in seen[0] and "def forward" in seen[0]
+    assert (
+        len(seen) == 1
+        and "untouched" not in seen[0]
+        and "def other" not in seen[0]
+        and "def forward" in seen[0]
+    )
 
 
 def test_resolution_through_module_alias_and_class_methods():
-    text = new_text(run("""
+    text = new_text(
+        run("""
         import flash_attn.flash_attn_interface as fai
         import torch.nn.functional as F
 
         class A:
             def f(self, q, k, v):
                 return fai.flash_attn_func(q, k, v), F.scaled_dot_product_attention(q, k, v)
-    """))
+    """)
+    )
     assert "fai.flash_attn_func" not in text and text.count("flashport.torch.attention(") == 2
     assert "import flash_attn.flash_attn_interface as fai" not in text  # became unused
 
@@ -90,50 +97,77 @@ def test_shadowing_local_definition_is_not_rewritten():
 
 
 def test_top_level_and_nested_calls():
-    text = new_text(run("""
+    text = new_text(
+        run("""
         from flash_attn import flash_attn_func
         out = flash_attn_func(flash_attn_func(q, k, v), k, v, causal=True)
-    """))
+    """)
+    )
     assert text.count("flashport.torch.attention(") == 2 and "flash_attn_func" not in text
 
 
-@pytest.mark.parametrize("version,expect", [
-    ((2, 8, 3), 'window=(4, 0), align="bottom_right"'),  # 7th positional = window_size (>= 2.3)
-    ((2, 3), 'window=(4, 0), align="bottom_right"'),
-])
+@pytest.mark.parametrize(
+    "version,expect",
+    [
+        ((2, 8, 3), 'window=(4, 0), align="bottom_right"'),  # 7th positional = window_size (>= 2.3)
+        ((2, 3), 'window=(4, 0), align="bottom_right"'),
+    ],
+)
 def test_positional_binding_follows_the_flash_attn_version(version, expect):
-    text = new_text(run("""
+    text = new_text(
+        run(
+            """
         from flash_attn import flash_attn_func
         y = flash_attn_func(q, k, v, 0.0, None, True, (4, 0))
-    """, flash_attn_version=version))
+    """,
+            flash_attn_version=version,
+        )
+    )
     assert expect in text
 
 
 def test_flash_attn_2_0_signature_and_top_left_causal():
-    result = run("""
+    result = run(
+        """
         from flash_attn import flash_attn_func
         y = flash_attn_func(q, k, v, 0.0, None, True, (4, 0))
-    """, flash_attn_version=(2, 0))
-    assert result.status == "unchanged" and "return_attn_probs" in result.sites[0].reason  # 7th positional in 2.0-2.2
-    text = new_text(run("""
+    """,
+        flash_attn_version=(2, 0),
+    )
+    assert (
+        result.status == "unchanged" and "return_attn_probs" in result.sites[0].reason
+    )  # 7th positional in 2.0-2.2
+    text = new_text(
+        run(
+            """
         from flash_attn import flash_attn_func
         y = flash_attn_func(q, k, v, 0.0, None, True)
-    """, flash_attn_version=(2, 0)))
+    """,
+            flash_attn_version=(2, 0),
+        )
+    )
     assert 'causal=True, align="top_left"' in text
 
 
 def test_sdpa_scale_keyword_unknown_before_torch_2_1():
-    result = run("import torch.nn.functional as F\ny = F.scaled_dot_product_attention(q, k, v, scale=0.5)\n", torch_version=(2, 0))
+    result = run(
+        "import torch.nn.functional as F\ny = F.scaled_dot_product_attention(q, k, v, scale=0.5)\n",
+        torch_version=(2, 0),
+    )
     assert result.status == "unchanged" and "unknown argument 'scale'" in result.sites[0].reason
 
 
 def test_jax_bias_mask_keyword_only_in_0_4_31():
-    result = run("import jax\ny = jax.nn.dot_product_attention(q, k, v, b, implementation='cudnn')\n", jax_version=(0, 4, 31))
+    result = run(
+        "import jax\ny = jax.nn.dot_product_attention(q, k, v, b, implementation='cudnn')\n",
+        jax_version=(0, 4, 31),
+    )
     assert result.status == "unchanged" and "positional" in result.sites[0].reason
 
 
 def test_imports_partial_removal_dead_guard_removed_and_flashport_added_once():
-    text = new_text(run("""
+    text = new_text(
+        run("""
         import flashport
         from flash_attn import flash_attn_func, flash_attn_varlen_func  # GPU kernels
         if available():
@@ -144,32 +178,42 @@ def test_imports_partial_removal_dead_guard_removed_and_flashport_added_once():
             b = flash_attn_varlen_func(**kw)
             c = flash_attn_kvpacked_func(q, kv)
             return a, b, c
-    """))
+    """)
+    )
     assert text.count("import flashport") == 1
     assert "from flash_attn import flash_attn_varlen_func  # GPU kernels\n" in text
-    assert "available()" not in text and "flash_attn_kvpacked_func" not in text  # a dead probe guard goes whole
+    assert (
+        "available()" not in text and "flash_attn_kvpacked_func" not in text
+    )  # a dead probe guard goes whole
 
 
 def test_feature_probe_keeps_its_import():
-    text = new_text(run("""
+    text = new_text(
+        run("""
         import inspect
         from flash_attn import flash_attn_func
         HAS_WINDOW = "window_size" in inspect.signature(flash_attn_func).parameters
 
         def f(q, k, v):
             return flash_attn_func(q, k, v)
-    """))
+    """)
+    )
     assert "from flash_attn import flash_attn_func\n" in text
 
 
 def test_coding_declaration_and_latin1_bytes_preserved():
-    source = (b"# -*- coding: latin-1 -*-\n# caf\xe9 \xb5s\r\nfrom flash_attn import flash_attn_func\n"
-              b"s = '\xe9'\t# tab\n\n\ndef f(q, k, v):\n\treturn flash_attn_func(q, k, v)  # trailing \xe9\n")
+    source = (
+        b"# -*- coding: latin-1 -*-\n# caf\xe9 \xb5s\r\nfrom flash_attn import flash_attn_func\n"
+        b"s = '\xe9'\t# tab\n\n\ndef f(q, k, v):\n\treturn flash_attn_func(q, k, v)  # trailing \xe9\n"
+    )
     result = run(source)
     new = result.new
     assert new.startswith(b"# -*- coding: latin-1 -*-\n# caf\xe9 \xb5s\r\n")
     assert b"s = '\xe9'\t# tab\n\n\n" in new
-    assert b'\treturn flashport.torch.attention(q, k, v, scale=None, causal=False, align="bottom_right", layout="BSHD")  # trailing \xe9\n' in new
+    assert (
+        b'\treturn flashport.torch.attention(q, k, v, scale=None, causal=False, align="bottom_right", layout="BSHD")  # trailing \xe9\n'
+        in new
+    )
     compile(new, "m.py", "exec")
 
 
@@ -202,11 +246,14 @@ def test_suppression_bare_and_other_code():
     assert [s.status for s in result.sites] == ["suppressed", "rewrite"]
 
 
-@pytest.mark.parametrize("data,needle", [
-    (b"from flash_attn import flash_attn_func\ndef f(:\n", "syntax error at line 2"),
-    (b"from flash_attn import flash_attn_func\nx = '\xff\xfe'\n", "cannot decode"),
-    (b"# -*- coding: nonsense -*-\nimport flash_attn\n", "cannot decode"),
-])
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        (b"from flash_attn import flash_attn_func\ndef f(:\n", "syntax error at line 2"),
+        (b"from flash_attn import flash_attn_func\nx = '\xff\xfe'\n", "cannot decode"),
+        (b"# -*- coding: nonsense -*-\nimport flash_attn\n", "cannot decode"),
+    ],
+)
 def test_broken_files_are_errors_and_untouched(data, needle):
     result = transform_source(data, "bad.py", registry.all_rules())
     assert result.status == "error" and needle in result.error and result.new is None
@@ -234,12 +281,25 @@ def test_a_new_rule_plugs_into_the_engine_without_registration():
             if "causal" not in bound:
                 return Refusal("needs an explicit causal")
             args = [bound[n].value for n in ("q", "k", "v")]
-            return Rewrite(build_call("flashport.attention", args, [("causal", bound["causal"].value), ("layout", string("BSHD"))], call))
+            return Rewrite(
+                build_call(
+                    "flashport.attention",
+                    args,
+                    [("causal", bound["causal"].value), ("layout", string("BSHD"))],
+                    call,
+                )
+            )
 
     source = b"from mypkg import attn as a\n\nx = a(q, k, v, True)\ny = a(q, k, v)\n"
     result = transform_source(source, "demo.py", [Demo])
-    assert result.new == b'import flashport\nfrom mypkg import attn as a\n\nx = flashport.attention(q, k, v, causal=True, layout="BSHD")\ny = a(q, k, v)\n'
-    assert [(s.line, s.status, s.reason) for s in result.sites] == [(3, "rewrite", ""), (4, "refused", "needs an explicit causal")]
+    assert (
+        result.new
+        == b'import flashport\nfrom mypkg import attn as a\n\nx = flashport.attention(q, k, v, causal=True, layout="BSHD")\ny = a(q, k, v)\n'
+    )
+    assert [(s.line, s.status, s.reason) for s in result.sites] == [
+        (3, "rewrite", ""),
+        (4, "refused", "needs an explicit causal"),
+    ]
 
 
 def test_rule_selection_by_prefix_and_name():
@@ -277,7 +337,10 @@ def test_identical_fa3_call_after_a_skipped_one_keeps_its_tuple(how):
 def test_identical_fa3_calls_with_different_uses_each_get_their_own_return_type():
     result = run(IDENTICAL_FA3_CALLS.format(comment=""))
     text = new_text(result)
-    assert _line(text, "a =") == 'a = flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")'
+    assert (
+        _line(text, "a =")
+        == 'a = flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")'
+    )
     assert _line(text, "out, lse =").endswith(", return_lse=True)")
 
 
@@ -286,7 +349,7 @@ def _line(text: str, start: str) -> str:
     return next(line.strip() for line in text.splitlines() if line.strip().startswith(start))
 
 
-PY312_FILE = '''from flash_attn import flash_attn_func
+PY312_FILE = """from flash_attn import flash_attn_func
 
 type Pair = tuple[int, int]
 
@@ -295,7 +358,7 @@ def f(q, k, v, name):
     out = flash_attn_func(q, k, v, causal=True)
     print(f"{"done: " + name}")
     return out
-'''
+"""
 
 
 def test_python_312_syntax_is_read_and_the_call_rewritten():
@@ -304,7 +367,8 @@ def test_python_312_syntax_is_read_and_the_call_rewritten():
     text = new_text(result)
     expected = PY312_FILE.replace(
         "flash_attn_func(q, k, v, causal=True)",
-        'flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")')
+        'flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")',
+    )
     assert text.splitlines()[2:] == expected.splitlines()[2:]  # type/f-string lines byte-identical
     assert "import flashport" in text and "from flash_attn" not in text
     libcst.parse_module(text)

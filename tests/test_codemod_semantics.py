@@ -20,13 +20,13 @@ import types
 
 import numpy as np
 import pytest
+from reference import reference_attention
 
 from flashport import rules as registry
 from flashport.kernels.sdpa_compat import sdpa_mask
 from flashport.kernels.varlen import varlen_attention
 from flashport.rewriter.engine import transform_source
 from flashport.rules.base import RuleOptions
-from reference import reference_attention
 
 torch = pytest.importorskip("torch")
 
@@ -39,7 +39,7 @@ def fa2_reference(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
     left, right = window_size
     out = np.zeros((b, sq, hq, v.shape[-1]))
     for bi in range(b):
@@ -65,7 +65,7 @@ def fa2_reference(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
                     s = softcap * np.tanh(s / softcap)
                 p = np.exp(s - s.max())
                 p /= p.sum()
-                out[bi, i, h] = sum(pj * v[bi, j, kh] for pj, j in zip(p, allowed))
+                out[bi, i, h] = sum(pj * v[bi, j, kh] for pj, j in zip(p, allowed, strict=True))
     return out
 
 
@@ -119,7 +119,9 @@ FAKE_FLASHPORT = types.SimpleNamespace(
 
 
 def rewrite(source: str, **options) -> str:
-    result = transform_source(textwrap.dedent(source).encode(), "case.py", registry.all_rules(), RuleOptions(**options))
+    result = transform_source(
+        textwrap.dedent(source).encode(), "case.py", registry.all_rules(), RuleOptions(**options)
+    )
     assert result.new is not None, [s.reason for s in result.sites]
     assert all(s.status == "rewrite" for s in result.sites if s.kind == "call"), result.sites
     return result.new.decode()
@@ -128,7 +130,9 @@ def rewrite(source: str, **options) -> str:
 def load(code: str, flashport_module=FAKE_FLASHPORT) -> dict:
     """Exec rewritten code; imports of GPU packages are stubbed, ``flashport`` is the stand-in."""
     namespace: dict = {}
-    code = "\n".join(line for line in code.splitlines() if not line.startswith(("import flashport", "from flash_attn")))
+    code = "\n".join(
+        line for line in code.splitlines() if not line.startswith(("import flashport", "from flash_attn"))
+    )
     exec(compile(code, "rewritten.py", "exec"), namespace)
     namespace["flashport"] = flashport_module
     return namespace
@@ -149,7 +153,10 @@ FA_CASES = [  # (argument source, flash-attn keyword meaning)
     ("q, k, v, 0.0, None, True", {"causal": True}),
     ("q, k, v, 0.0, 0.3, True, (2, 0)", {"softmax_scale": 0.3, "causal": True, "window_size": (2, 0)}),
     ("q, k, v, causal=False, window_size=(1, 2)", {"window_size": (1, 2)}),
-    ("q, k, v, causal=True, softcap=0.5, softmax_scale=2.0", {"causal": True, "softcap": 0.5, "softmax_scale": 2.0}),
+    (
+        "q, k, v, causal=True, softcap=0.5, softmax_scale=2.0",
+        {"causal": True, "softcap": 0.5, "softmax_scale": 2.0},
+    ),
     ("q, k, v, causal=True, window_size=(w, -1)", {"causal": True, "window_size": (1, -1)}),
     ("q, k, v, causal=True, window_size=(-1, -1), deterministic=True", {"causal": True}),
 ]
@@ -180,7 +187,7 @@ def fa4_lse_reference(q, k, causal):
             for i in range(sq):
                 keys = [j for j in range(sk) if not causal or j <= i + sk - sq]
                 if keys:
-                    s = np.array([d ** -0.5 * q[bi, i, h] @ k[bi, j, h // (hq // hk)] for j in keys])
+                    s = np.array([d**-0.5 * q[bi, i, h] @ k[bi, j, h // (hq // hk)] for j in keys])
                     lse[bi, h, i] = s.max() + np.log(np.exp(s - s.max()).sum())
     return lse
 
@@ -214,9 +221,15 @@ def test_qkvpacked_and_kvpacked_rewrites(args, meaning):
     """)
     ns = load(code)
     qkv = rand(2, 5, 3, 4, 8)
-    np.testing.assert_allclose(ns["packed"](qkv).numpy(), fa2_reference(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], **meaning), atol=1e-10)
+    np.testing.assert_allclose(
+        ns["packed"](qkv).numpy(),
+        fa2_reference(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], **meaning),
+        atol=1e-10,
+    )
     q, kv = rand(2, 3, 4, 8), rand(2, 6, 2, 2, 8)  # Sq != Sk and GQA
-    np.testing.assert_allclose(ns["kvpacked"](q, kv).numpy(), fa2_reference(q, kv[:, :, 0], kv[:, :, 1], **meaning), atol=1e-10)
+    np.testing.assert_allclose(
+        ns["kvpacked"](q, kv).numpy(), fa2_reference(q, kv[:, :, 0], kv[:, :, 1], **meaning), atol=1e-10
+    )
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, **meaning):
@@ -230,7 +243,10 @@ def varlen_reference(q, k, v, cu_q, cu_k, **meaning):
 
 VARLEN_CASES = [
     ("0.0, None, True", {"causal": True}),
-    ("dropout_p=0.0, softmax_scale=0.5, causal=True, window_size=(1, 0)", {"softmax_scale": 0.5, "causal": True, "window_size": (1, 0)}),
+    (
+        "dropout_p=0.0, softmax_scale=0.5, causal=True, window_size=(1, 0)",
+        {"softmax_scale": 0.5, "causal": True, "window_size": (1, 0)},
+    ),
     ("causal=False, window_size=(2, 1)", {"window_size": (2, 1)}),
     ("causal=False", {}),
 ]
@@ -245,8 +261,12 @@ def test_varlen_rewrite_keeps_per_sequence_bottom_right(args, meaning):
     """)
     cu_q, cu_k = [0, 2, 5, 6], [0, 4, 7, 12]  # per-sequence Sq=2,3,1 vs Sk=4,3,5; one padding query
     q, k, v = rand(7, 4, 8), rand(12, 2, 8, seed=1), rand(12, 2, 8, seed=2)
-    got = load(code)["f"](q, k, v, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), 3, 5).numpy()
-    np.testing.assert_allclose(got, varlen_reference(q.numpy(), k.numpy(), v.numpy(), cu_q, cu_k, **meaning), atol=1e-10)
+    got = load(code)["f"](
+        q, k, v, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), 3, 5
+    ).numpy()
+    np.testing.assert_allclose(
+        got, varlen_reference(q.numpy(), k.numpy(), v.numpy(), cu_q, cu_k, **meaning), atol=1e-10
+    )
     assert np.all(got[6] == 0)  # past cu_seqlens_q[-1]
 
 
@@ -255,8 +275,17 @@ def test_varlen_helper_on_jax_matches_per_sequence_reference():
     cu_q, cu_k = np.array([0, 2, 5, 6], np.int32), np.array([0, 4, 7, 12], np.int32)
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((7, 4, 8), (12, 2, 8), (12, 2, 8)))
-    got = varlen_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                           causal=True, window=(2, None), align="bottom_right", layout="THD")
+    got = varlen_attention(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        causal=True,
+        window=(2, None),
+        align="bottom_right",
+        layout="THD",
+    )
     want = varlen_reference(q, k, v, cu_q, cu_k, causal=True, window_size=(2, -1))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
@@ -293,8 +322,13 @@ def test_sdpa_rewrite_matches_sdpa_semantics(shape, args, mask_kind, meaning):
     want = sdpa_reference(q, k, v, None if m is None else m.numpy(), **meaning)
     np.testing.assert_allclose(got, want, atol=1e-10)
     if meaning.get("is_causal") and sq != sk:  # the alignment really differs from flash-attn's
-        bottom_right = fa2_reference(q.transpose(1, 2), torch.repeat_interleave(k, hq // hk, 1).transpose(1, 2),
-                                     torch.repeat_interleave(v, hq // hk, 1).transpose(1, 2), meaning.get("scale"), True)
+        bottom_right = fa2_reference(
+            q.transpose(1, 2),
+            torch.repeat_interleave(k, hq // hk, 1).transpose(1, 2),
+            torch.repeat_interleave(v, hq // hk, 1).transpose(1, 2),
+            meaning.get("scale"),
+            True,
+        )
         assert not np.allclose(got, bottom_right.transpose(0, 2, 1, 3), atol=1e-6)
 
 
@@ -343,7 +377,7 @@ def test_training_gated_dropout_is_carried_and_eval_mode_matches_the_original():
     np.testing.assert_allclose(c.numpy(), fa2_reference(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]), atol=1e-10)
     np.testing.assert_allclose(e.numpy(), sdpa_reference(x, x, x, is_causal=True), atol=1e-10)
     DROPOUT_SEEN.clear()
-    with pytest.raises(AssertionError, match="dropout_p=0.25"):
+    with pytest.raises(AssertionError, match=r"dropout_p=0\.25"):
         module.train()(q, k, v, qkv, kv, x)
     assert DROPOUT_SEEN == [0.25]
 
@@ -369,11 +403,14 @@ def test_dropout_with_side_effects_is_evaluated_once_in_source_order():
 
 
 def test_inference_flag_drops_training_gated_dropout():
-    code = rewrite("""
+    code = rewrite(
+        """
         from flash_attn import flash_attn_func
         def f(self, q, k, v):
             return flash_attn_func(q, k, v, self.p if self.training else 0.0, causal=True)
-    """, inference=True)
+    """,
+        inference=True,
+    )
     q, k, v = rand(1, 3, 2, 4), rand(1, 5, 2, 4, seed=1), rand(1, 5, 2, 4, seed=2)
     got = load(code)["f"](types.SimpleNamespace(p=0.5, training=False), q, k, v).numpy()
     np.testing.assert_allclose(got, fa2_reference(q, k, v, causal=True), atol=1e-10)
@@ -392,14 +429,18 @@ JAX_CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape", [
-    (2, 5, 7, 4, 2, 8),  # T < S with GQA: top-left alignment matters
-    pytest.param((1, 6, 6, 2, 2, 16), marks=pytest.mark.slow),
-    pytest.param((1, 4, 3, 2, 1, 8), marks=pytest.mark.slow),  # T > S, MQA
-], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 5, 7, 4, 2, 8),  # T < S with GQA: top-left alignment matters
+        pytest.param((1, 6, 6, 2, 2, 16), marks=pytest.mark.slow),
+        pytest.param((1, 4, 3, 2, 1, 8), marks=pytest.mark.slow),  # T > S, MQA
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("args", JAX_CASES)
 def test_jax_cudnn_rewrite_matches_jax_nn_on_cpu(shape, args):
-    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax")
     import flashport
 
     b, t, s, n, kh, d = shape
@@ -435,7 +476,9 @@ def fa1_varlen_reference(q, k, v, cu_q, cu_k, softmax_scale=None, causal=False):
                 keys = [j for j in range(cu_k[b + 1] - cu_k[b]) if not causal or j <= i]
                 s = np.array([scale * q[cu_q[b] + i, h] @ k[cu_k[b] + j, h] for j in keys])
                 p = np.exp(s - s.max())
-                out[cu_q[b] + i, h] = sum(pj * v[cu_k[b] + j, h] for pj, j in zip(p / p.sum(), keys))
+                out[cu_q[b] + i, h] = sum(
+                    pj * v[cu_k[b] + j, h] for pj, j in zip(p / p.sum(), keys, strict=True)
+                )
     return out
 
 
@@ -457,8 +500,14 @@ def test_fa1_unpadded_rewrites_keep_top_left_causal_and_1x_argument_order():
     want = fa1_varlen_reference(q.numpy(), k.numpy(), v.numpy(), cu_q, cu_k, softmax_scale=0.5, causal=True)
     np.testing.assert_allclose(ns["f"](q, k, v, tq, tk, 3, 4).numpy(), want, atol=1e-10)
     kv = torch.stack([k, v], dim=1)
-    np.testing.assert_allclose(ns["kvpacked"](q, kv, tq, tk, 3, 4).numpy(),
-                               fa1_varlen_reference(q.numpy(), k.numpy(), v.numpy(), cu_q, cu_k, causal=True), atol=1e-10)
+    np.testing.assert_allclose(
+        ns["kvpacked"](q, kv, tq, tk, 3, 4).numpy(),
+        fa1_varlen_reference(q.numpy(), k.numpy(), v.numpy(), cu_q, cu_k, causal=True),
+        atol=1e-10,
+    )
     qkv = torch.stack([rand(5, 2, 8, seed=3), rand(5, 2, 8, seed=4), rand(5, 2, 8, seed=5)], dim=1)
-    np.testing.assert_allclose(ns["qkvpacked"](qkv, tq, 3).numpy(),
-                               fa1_varlen_reference(*(qkv[:, i].numpy() for i in range(3)), cu_q, cu_q), atol=1e-10)
+    np.testing.assert_allclose(
+        ns["qkvpacked"](qkv, tq, 3).numpy(),
+        fa1_varlen_reference(*(qkv[:, i].numpy() for i in range(3)), cu_q, cu_q),
+        atol=1e-10,
+    )

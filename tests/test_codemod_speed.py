@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import libcst
 import pytest
 
 from flashport import rules as registry
@@ -122,7 +121,9 @@ def flash_attn_func_like(x):
 """
 
 
-@pytest.mark.parametrize("source", [SOURCE, SOURCE.replace('CLASSES = {"eager": 1, "flash_attention_2": 2}', "")])
+@pytest.mark.parametrize(
+    "source", [SOURCE, SOURCE.replace('CLASSES = {"eager": 1, "flash_attention_2": 2}', "")]
+)
 def test_pruned_results_equal_unpruned_results(monkeypatch, source):
     data = source.encode()
     pruned = transform_source(data, "m.py", RULES, RuleOptions())
@@ -135,10 +136,15 @@ def test_pruning_skips_libcst_when_no_chunk_can_hold_a_site(monkeypatch):
         raise AssertionError("libcst parse")
 
     monkeypatch.setattr(engine.cst, "parse_module", boom)
-    result = transform_source(_data("""
+    result = transform_source(
+        _data("""
         def probe(self):
             return self._flash_attn_uses_top_left_mask and is_flash_attn_2_available()
-    """), "m.py", RULES, RuleOptions())
+    """),
+        "m.py",
+        RULES,
+        RuleOptions(),
+    )
     assert result.parsed and result.status == "unchanged" and not result.sites
 
 
@@ -162,7 +168,11 @@ def test_several_matching_qualified_names_answer_the_canonical_source_whatever_t
     outputs = set()
     for seed in ("1", "2", "3", "4"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outputs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+        outputs.add(
+            subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
     assert outputs == {"['jax.experimental.pallas.ops.gpu.attention.mha']\n"}
 
 
@@ -179,7 +189,11 @@ def test_cache_reuses_results_and_invalidates_on_content_change(tmp_path, monkey
     path = _write(tmp_path, "m.py", SOURCE)
     store = str(tmp_path / "cache")
     options = RuleOptions()
-    first = list(runner.run([path], RULES, options, jobs=1, cache=result_cache.ResultCache.for_run(RULES, options, store)))
+    first = list(
+        runner.run(
+            [path], RULES, options, jobs=1, cache=result_cache.ResultCache.for_run(RULES, options, store)
+        )
+    )
 
     def boom(*args, **kwargs):
         raise AssertionError("recomputed")
@@ -192,7 +206,11 @@ def test_cache_reuses_results_and_invalidates_on_content_change(tmp_path, monkey
 
     _write(tmp_path, "m.py", SOURCE.replace("causal=True", "causal=False"))
     with pytest.raises(AssertionError, match="recomputed"):
-        list(runner.run([path], RULES, options, jobs=1, cache=result_cache.ResultCache.for_run(RULES, options, store)))
+        list(
+            runner.run(
+                [path], RULES, options, jobs=1, cache=result_cache.ResultCache.for_run(RULES, options, store)
+            )
+        )
 
 
 def test_cache_key_covers_rule_set_options_and_rule_sources(tmp_path, monkeypatch):
@@ -225,7 +243,15 @@ def test_corrupt_cache_file_is_ignored_and_rewritten(tmp_path):
     os.makedirs(os.path.dirname(store.path))
     with open(store.path, "wb") as handle:
         handle.write(b"not a pickle")
-    results = list(runner.run([path], RULES, options, jobs=1, cache=result_cache.ResultCache.for_run(RULES, options, str(tmp_path / "cache"))))
+    results = list(
+        runner.run(
+            [path],
+            RULES,
+            options,
+            jobs=1,
+            cache=result_cache.ResultCache.for_run(RULES, options, str(tmp_path / "cache")),
+        )
+    )
     assert results[0].sites
     assert result_cache.ResultCache(store.path).entries
 

@@ -25,8 +25,10 @@ def test_verifier_flags_stray_changes(tmp_path):
     path = tmp_path / "m.py"
     old = b"import torch\n\n\ndef f(q):\n    x = 1\n    return g(q)\n"
     path.write_bytes(b"import torch\nimport flashport\n\n\ndef f(q):\n    x = 2\n    return h(q)\n")
-    doc = {"sites": [{"path": str(path), "line": 6, "end_line": 6, "status": "rewrite"}],
-           "files": [{"path": str(path), "written": True}]}
+    doc = {
+        "sites": [{"path": str(path), "line": 6, "end_line": 6, "status": "rewrite"}],
+        "files": [{"path": str(path), "written": True}],
+    }
     out = corpus.Outcome("x", "0", "torch")
     corpus._verify_changes(doc, {str(path): old}, out)
     assert out.stray_lines == ["m.py: [5]"]  # line 5 changed outside the site; the import is fine
@@ -40,8 +42,10 @@ def test_verifier_allows_a_removed_import_guard_but_not_an_edit_inside_one(tmp_p
     corpus = _corpus()
     path = tmp_path / "m.py"
     old = b"import torch\n\nif ok():\n    import xformers\nelse:\n    xformers = None\n\n\ndef f(q):\n    return g(q)\n"
-    doc = {"sites": [{"path": str(path), "line": 10, "end_line": 10, "status": "rewrite"}],
-           "files": [{"path": str(path), "written": True}]}
+    doc = {
+        "sites": [{"path": str(path), "line": 10, "end_line": 10, "status": "rewrite"}],
+        "files": [{"path": str(path), "written": True}],
+    }
     path.write_bytes(b"import torch\n\nimport flashport\n\n\ndef f(q):\n    return h(q)\n")
     out = corpus.Outcome("x", "0", "torch")
     corpus._verify_changes(doc, {str(path): old}, out)

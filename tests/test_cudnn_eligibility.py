@@ -22,8 +22,7 @@ FULL = (B, H, SQ, SK)
 def broadcast_shapes():
     """Every shape broadcastable to FULL: each dim 1 or full, at ranks 2-4 (left-padded)."""
     for rank in (2, 3, 4):
-        for dims in itertools.product(*[(1, n) for n in FULL[-rank:]]):
-            yield dims
+        yield from itertools.product(*[(1, n) for n in FULL[-rank:]])
 
 
 def call_with(bias_shape=None, mask_shape=None, causal=False):
@@ -65,5 +64,7 @@ def test_auto_on_cuda_never_picks_a_backend_that_refuses(with_gpu, kind, shape):
 def test_explicit_cudnn_refuses_a_key_padding_bias_before_lowering(with_gpu):
     q = jnp.zeros((B, SQ, H, D), jnp.bfloat16)
     k = jnp.zeros((B, SK, H, D), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"backend='cudnn' does not support this call: bias of shape \[2, 1, 1, 16\]"):
+    with pytest.raises(
+        ValueError, match=r"backend='cudnn' does not support this call: bias of shape \[2, 1, 1, 16\]"
+    ):
         api.attention(q, k, k, bias=jnp.zeros((B, 1, 1, SK)), backend="cudnn")

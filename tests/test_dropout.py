@@ -35,7 +35,8 @@ def _inputs(b=2, sq=48, sk=64, hq=4, hkv=2, d=16, seed=0):
 def _dropout_backends():
     """Backends that claim dropout and run on this (CPU) machine."""
     return [
-        name for name, info in registry.all_backends().items()
+        name
+        for name, info in registry.all_backends().items()
         if "dropout" in info.features and "cpu" in info.platforms and info.available
     ]
 
@@ -78,13 +79,23 @@ def test_dropout_forward_and_grad_match_float64_reference(backend, cfg):
     rate, seed = 0.25, 7
 
     def f(q, k, v):
-        return flashport.attention(q, k, v, dropout_rate=rate, dropout_rng=jax.random.key(seed),
-                                   backend=backend, return_lse=True, **kw)
+        return flashport.attention(
+            q,
+            k,
+            v,
+            dropout_rate=rate,
+            dropout_rng=jax.random.key(seed),
+            backend=backend,
+            return_lse=True,
+            **kw,
+        )
 
     (out, lse), vjp = jax.vjp(f, q, k, v)
     dq, dk, dv = vjp((do, jnp.zeros_like(lse)))
     ref_out, ref_lse = reference_attention(q, k, v, dropout_rate=rate, dropout_seed=_words(seed), **kw)
-    rdq, rdk, rdv, _ = reference_attention_vjp(q, k, v, do, dropout_rate=rate, dropout_seed=_words(seed), **kw)
+    rdq, rdk, rdv, _ = reference_attention_vjp(
+        q, k, v, do, dropout_rate=rate, dropout_seed=_words(seed), **kw
+    )
     np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=2e-5)
     for got, want in ((dq, rdq), (dk, rdk), (dv, rdv)):
@@ -122,8 +133,9 @@ def test_mean_over_keys_is_the_no_dropout_output():
     q, k, v, _ = _inputs(b=1, sq=16, sk=32, hq=2, hkv=2)
     rate, n = 0.3, 400
     plain = flashport.attention(q, k, v, backend="xla")
-    run = jax.jit(jax.vmap(lambda key: flashport.attention(q, k, v, dropout_rate=rate, dropout_rng=key,
-                                                           backend="xla")))
+    run = jax.jit(
+        jax.vmap(lambda key: flashport.attention(q, k, v, dropout_rate=rate, dropout_rng=key, backend="xla"))
+    )
     outs = np.asarray(run(jax.random.split(jax.random.key(0), n)))
     mean, sem = outs.mean(axis=0), outs.std(axis=0) / np.sqrt(n)
     assert np.all(np.abs(mean - np.asarray(plain)) < 5 * sem + 1e-6)
@@ -149,8 +161,10 @@ def test_raw_and_typed_keys_give_the_same_mask():
 
 def test_rate_zero_is_no_dropout_and_needs_no_key():
     q, k, v, _ = _inputs()
-    np.testing.assert_array_equal(flashport.attention(q, k, v, dropout_rate=0.0, backend="xla"),
-                                  flashport.attention(q, k, v, backend="xla"))
+    np.testing.assert_array_equal(
+        flashport.attention(q, k, v, dropout_rate=0.0, backend="xla"),
+        flashport.attention(q, k, v, backend="xla"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -158,10 +172,22 @@ def test_rate_zero_is_no_dropout_and_needs_no_key():
     [
         (dict(dropout_rate=0.1), TypeError, "dropout_rng is required"),
         (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, "dropout_rate must be in [0, 1)"),
-        (dict(dropout_rate=-0.1, dropout_rng=jax.random.key(0)), ValueError, "dropout_rate must be in [0, 1)"),
-        (dict(dropout_rate=jnp.float32(0.1), dropout_rng=jax.random.key(0)), TypeError, "dropout_rate must be a Python float"),
+        (
+            dict(dropout_rate=-0.1, dropout_rng=jax.random.key(0)),
+            ValueError,
+            "dropout_rate must be in [0, 1)",
+        ),
+        (
+            dict(dropout_rate=jnp.float32(0.1), dropout_rng=jax.random.key(0)),
+            TypeError,
+            "dropout_rate must be a Python float",
+        ),
         (dict(dropout_rate=0.1, dropout_rng=3), TypeError, "dropout_rng must be a JAX PRNG key"),
-        (dict(dropout_rate=0.1, dropout_rng=jax.random.split(jax.random.key(0), 2)), ValueError, "single key"),
+        (
+            dict(dropout_rate=0.1, dropout_rng=jax.random.split(jax.random.key(0), 2)),
+            ValueError,
+            "single key",
+        ),
     ],
 )
 def test_bad_dropout_arguments_name_the_argument_and_the_fix(kwargs, error, words):
@@ -172,11 +198,18 @@ def test_bad_dropout_arguments_name_the_argument_and_the_fix(kwargs, error, word
 
 def test_cudnn_refuses_dropout_with_the_reason_and_auto_falls_back():
     q, k, v, _ = _inputs()
-    with pytest.raises(ValueError, match="backend='cudnn' does not support this call: .*dropout"):
-        flashport.attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
-                            dropout_rate=0.1, dropout_rng=jax.random.key(0), backend="cudnn")
+    with pytest.raises(ValueError, match=r"backend='cudnn' does not support this call: .*dropout"):
+        flashport.attention(
+            q.astype(jnp.bfloat16),
+            k.astype(jnp.bfloat16),
+            v.astype(jnp.bfloat16),
+            dropout_rate=0.1,
+            dropout_rng=jax.random.key(0),
+            backend="cudnn",
+        )
     (_, _, _, _, _, _, _, seed), call = flashport.kernels.api.prepare(
-        q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+        q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)
+    )
     assert "dropout" in call.features and seed.dtype == jnp.uint32
     assert registry.choose("cuda", call)[0] != "cudnn"
 
@@ -184,11 +217,16 @@ def test_cudnn_refuses_dropout_with_the_reason_and_auto_falls_back():
 def test_dropout_under_jit_and_vmap_over_keys_matches_eager():
     q, k, v, _ = _inputs()
     keys = jax.random.split(jax.random.key(9), 3)
-    batched = jax.jit(jax.vmap(lambda key: flashport.attention(q, k, v, dropout_rate=0.2, dropout_rng=key)))(keys)
+    batched = jax.jit(jax.vmap(lambda key: flashport.attention(q, k, v, dropout_rate=0.2, dropout_rng=key)))(
+        keys
+    )
     for n in range(3):
         np.testing.assert_allclose(
-            batched[n], flashport.attention(q, k, v, dropout_rate=0.2, dropout_rng=keys[n], backend="xla"),
-            atol=2e-6, rtol=2e-6)
+            batched[n],
+            flashport.attention(q, k, v, dropout_rate=0.2, dropout_rng=keys[n], backend="xla"),
+            atol=2e-6,
+            rtol=2e-6,
+        )
 
 
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16), (48, 64), (7, 9)])
@@ -198,12 +236,13 @@ def test_blockwise_dropout_is_independent_of_block_sizes(blocks):
     choice = registry.use("blockwise", block_q=blocks[0], block_k=blocks[1])
 
     def f(q, k, v):
-        return flashport.attention(q, k, v, causal=True, dropout_rate=0.3, dropout_rng=jax.random.key(4),
-                                   backend=choice)
+        return flashport.attention(
+            q, k, v, causal=True, dropout_rate=0.3, dropout_rng=jax.random.key(4), backend=choice
+        )
 
     out, vjp = jax.vjp(f, q, k, v)
     grads = vjp(do)
     kw = dict(causal=True, dropout_rate=0.3, dropout_seed=_words(4))
     np.testing.assert_allclose(out, reference_attention(q, k, v, **kw)[0], atol=2e-5, rtol=2e-5)
-    for got, want in zip(grads, reference_attention_vjp(q, k, v, do, **kw)[:3]):
+    for got, want in zip(grads, reference_attention_vjp(q, k, v, do, **kw)[:3], strict=True):
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)

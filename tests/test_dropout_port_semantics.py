@@ -33,10 +33,15 @@ P = 0.25
 
 def rewrite_and_load(source: str) -> dict:
     """Rewrite ``source`` (every call must port) and exec it without its GPU imports."""
-    result = transform_source(textwrap.dedent(source).encode(), "case.py", registry.all_rules(), RuleOptions())
+    result = transform_source(
+        textwrap.dedent(source).encode(), "case.py", registry.all_rules(), RuleOptions()
+    )
     assert result.new is not None and all(s.status == "rewrite" for s in result.sites), result.sites
-    code = "\n".join(line for line in result.new.decode().splitlines()
-                     if not line.startswith(("from flash_attn", "import xformers")))
+    code = "\n".join(
+        line
+        for line in result.new.decode().splitlines()
+        if not line.startswith(("from flash_attn", "import xformers"))
+    )
     namespace: dict = {}
     exec(compile(code, "rewritten.py", "exec"), namespace)
     return namespace
@@ -73,7 +78,9 @@ def test_rewritten_calls_draw_like_the_contract_with_a_seeded_generator():
     got = ns["fa"](q, k, v, P)
     want = flashport.torch.attention(q, k, v, causal=True, layout="BSHD", dropout_p=P, generator=seeded(3))
     torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert not torch.allclose(got, flashport.torch.attention(q, k, v, causal=True, layout="BSHD"))  # dropout ran
+    assert not torch.allclose(
+        got, flashport.torch.attention(q, k, v, causal=True, layout="BSHD")
+    )  # dropout ran
 
     qkv = rand(2, 6, 3, 2, 8, seed=4)
     torch.manual_seed(5)
@@ -84,7 +91,9 @@ def test_rewritten_calls_draw_like_the_contract_with_a_seeded_generator():
     x = rand(1, 2, 6, 8, seed=6)
     torch.manual_seed(7)
     got = ns["sdpa"](x, x, x, P)
-    want = flashport.torch.attention(x, x, x, align="top_left", layout="BHSD", dropout_p=P, generator=seeded(7))
+    want = flashport.torch.attention(
+        x, x, x, align="top_left", layout="BHSD", dropout_p=P, generator=seeded(7)
+    )
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
     torch.manual_seed(8)
@@ -150,7 +159,9 @@ def test_transformers_attention_function_passes_dropout_on():
     q, k = rand(1, 4, 5, 8), rand(1, 2, 5, 8, seed=1)
     torch.manual_seed(31)
     got, _ = flashport_attention_forward(None, q, k, k, None, dropout=P, is_causal=False)
-    want = flashport.torch.attention(q, k, k, align="top_left", layout="BHSD", dropout_p=P, generator=seeded(31))
+    want = flashport.torch.attention(
+        q, k, k, align="top_left", layout="BHSD", dropout_p=P, generator=seeded(31)
+    )
     torch.testing.assert_close(got, want.transpose(1, 2), atol=0, rtol=0)
 
 
@@ -168,4 +179,6 @@ def test_rewritten_varlen_call_with_dropout_runs_the_drop_in():
     torch.manual_seed(41)
     want = flash_attn_compat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, dropout_p=P, causal=True)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert not torch.allclose(got, flash_attn_compat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, causal=True))
+    assert not torch.allclose(
+        got, flash_attn_compat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, causal=True)
+    )

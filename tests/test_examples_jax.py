@@ -41,7 +41,9 @@ def test_every_example_rewrites_cleanly(rewritten):
     assert code == cli.EXIT_OK
     for path in sorted(root.glob("*.py")):
         compile(path.read_text(), str(path), "exec")
-    assert cli.main(["rewrite", str(root), "--check", "--isolated", "--jobs", "1"]) == cli.EXIT_OK  # idempotent
+    assert (
+        cli.main(["rewrite", str(root), "--check", "--isolated", "--jobs", "1"]) == cli.EXIT_OK
+    )  # idempotent
 
 
 def test_jax_example_is_rewritten(rewritten):
@@ -50,12 +52,15 @@ def test_jax_example_is_rewritten(rewritten):
     text = (root / "jax_flax_model.py").read_text()
     original = (EXAMPLES / "jax_flax_model.py").read_text()
     assert 'is_causal=True, implementation="cudnn")' in original and "= mha(q, k, v" in original
-    assert "implementation=\"cudnn\")\n" not in text and "= mha(" not in text
+    assert 'implementation="cudnn")\n' not in text and "= mha(" not in text
     assert text.count("flashport.attention(") == 2 and "import flashport\n" in text
     assert "from jax.experimental.pallas.ops.gpu.attention import mha" not in text
     assert 'align="top_left"' in text and "scale=self.head_dim**-0.5" in text
     compile(text, "jax_flax_model.py", "exec")
-    assert cli.main(["rewrite", str(root / "jax_flax_model.py"), "--check", "--isolated", "--jobs", "1"]) == cli.EXIT_OK
+    assert (
+        cli.main(["rewrite", str(root / "jax_flax_model.py"), "--check", "--isolated", "--jobs", "1"])
+        == cli.EXIT_OK
+    )
 
 
 def test_rewritten_jax_model_matches_original_on_cpu(rewritten, tmp_path):
@@ -63,8 +68,12 @@ def test_rewritten_jax_model_matches_original_on_cpu(rewritten, tmp_path):
     original = (EXAMPLES / "jax_flax_model.py").read_text()
     # The original, run on CPU through the same APIs: jax.nn's XLA implementation instead of cuDNN,
     # and the Pallas-GPU kernel itself in the Pallas interpreter.
-    reference_src = original.replace('is_causal=True, implementation="cudnn")', 'is_causal=True, implementation="xla")')
-    reference_src = reference_src.replace("causal=True)\n        return", "causal=True, interpret=True)\n        return")
+    reference_src = original.replace(
+        'is_causal=True, implementation="cudnn")', 'is_causal=True, implementation="xla")'
+    )
+    reference_src = reference_src.replace(
+        "causal=True)\n        return", "causal=True, interpret=True)\n        return"
+    )
     assert reference_src.count('implementation="xla"') == 1 and reference_src.count("interpret=True") == 1
     (tmp_path / "reference_model.py").write_text(reference_src)
     reference = load(tmp_path / "reference_model.py", "flashport_example_reference")

@@ -33,7 +33,7 @@ def reference(q, k, v, *, allowed, scale=None, softcap=0.0, bias=None):
     q, k, v = (x.double() for x in (q, k, v))
     b_, sq, h_, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     out = torch.zeros(b_, sq, h_, v.shape[-1], dtype=torch.float64)
     lse = torch.full((b_, h_, sq), math.inf, dtype=torch.float64)
     for b in range(b_):
@@ -87,8 +87,9 @@ DENSE = [  # (Sq, Sk, H, Hk, kwargs)
 def test_flash_attn_func_and_packed_variants(sq, sk, h, hk, kwargs):
     q, k, v = rand(2, sq, h, 8), rand(2, sk, hk, 8, seed=1), rand(2, sk, hk, 8, seed=2)
     allowed = band(sq, sk, kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)))
-    want, want_lse = reference(q, k, v, allowed=allowed, scale=kwargs.get("softmax_scale"),
-                               softcap=kwargs.get("softcap", 0.0))
+    want, want_lse = reference(
+        q, k, v, allowed=allowed, scale=kwargs.get("softmax_scale"), softcap=kwargs.get("softcap", 0.0)
+    )
     close(fa.flash_attn_func(q, k, v, **kwargs), want)
     out, lse, probs = fa.flash_attn_func(q, k, v, 0.0, return_attn_probs=True, **kwargs)
     close(out, want)
@@ -105,15 +106,19 @@ def test_alibi_slopes_follow_flash_attn(causal):
     """flash-attn docs: ``-slope * |i + Sk - Sq - j|`` is added to score (i, j); per-batch slopes too."""
     q, k, v = rand(2, 3, 2, 8), rand(2, 5, 2, 8, seed=1), rand(2, 5, 2, 8, seed=2)
     slopes = torch.tensor([[0.5, 0.25], [1.0, 0.125]])
-    want, want_lse = reference(q, k, v, allowed=band(3, 5, causal),
-                               bias=lambda b, h, i, j: -float(slopes[b, h]) * abs(i + 5 - 3 - j))
+    want, want_lse = reference(
+        q, k, v, allowed=band(3, 5, causal), bias=lambda b, h, i, j: -float(slopes[b, h]) * abs(i + 5 - 3 - j)
+    )
     out, lse, _ = fa.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes, return_attn_probs=True)
     close(out, want)
     if not causal:  # causal: the kernel adds slope * j, the same softmax with a per-row shifted lse
         close(lse, want_lse)
-    close(fa.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes[0]),
-          reference(q, k, v, allowed=band(3, 5, causal),
-                    bias=lambda b, h, i, j: -float(slopes[0, h]) * abs(i + 2 - j))[0])
+    close(
+        fa.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes[0]),
+        reference(
+            q, k, v, allowed=band(3, 5, causal), bias=lambda b, h, i, j: -float(slopes[0, h]) * abs(i + 2 - j)
+        )[0],
+    )
 
 
 # ----------------------------------------------------------------------------------- varlen
@@ -127,7 +132,9 @@ def varlen_reference(q, k, v, cu_q, cu_k, top_left=False, **kwargs):
         qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         sq, sk = qs.stop - qs.start, ks.stop - ks.start
         allowed = band(sq, sk, kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)), top_left)
-        o, s = reference(q[None, qs], k[None, ks], v[None, ks], allowed=allowed, scale=kwargs.get("softmax_scale"))
+        o, s = reference(
+            q[None, qs], k[None, ks], v[None, ks], allowed=allowed, scale=kwargs.get("softmax_scale")
+        )
         out[qs], lse[:, qs] = o[0], s[0]
     return out, lse
 
@@ -135,7 +142,9 @@ def varlen_reference(q, k, v, cu_q, cu_k, top_left=False, **kwargs):
 CU_Q, CU_K = torch.tensor([0, 2, 5, 6], dtype=torch.int32), torch.tensor([0, 4, 7, 11], dtype=torch.int32)
 
 
-@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window_size=(1, 0), softmax_scale=0.5), dict()], ids=str)
+@pytest.mark.parametrize(
+    "kwargs", [dict(causal=True), dict(window_size=(1, 0), softmax_scale=0.5), dict()], ids=str
+)
 def test_varlen_functions(kwargs):
     q, k, v = rand(7, 2, 8), rand(11, 1, 8, seed=1), rand(11, 1, 8, seed=2)  # one padding query row
     want, want_lse = varlen_reference(q, k, v, CU_Q, CU_K, **kwargs)
@@ -147,8 +156,10 @@ def test_varlen_functions(kwargs):
     close(fa.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), CU_Q, CU_K, 3, 4, **kwargs), want)
     x = rand(6, 3, 2, 8, seed=3)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    close(fa.flash_attn_varlen_qkvpacked_func(x, cu, 4, **kwargs),
-          varlen_reference(x[:, 0], x[:, 1], x[:, 2], cu, cu, **kwargs)[0])
+    close(
+        fa.flash_attn_varlen_qkvpacked_func(x, cu, 4, **kwargs),
+        varlen_reference(x[:, 0], x[:, 1], x[:, 2], cu, cu, **kwargs)[0],
+    )
 
 
 def test_varlen_paged_keys_through_block_table():
@@ -170,12 +181,17 @@ def test_flash_attn_1_names_are_top_left_causal():
     q, k, v = rand(7, 2, 8), rand(11, 2, 8, seed=1), rand(11, 2, 8, seed=2)
     want = varlen_reference(q, k, v, CU_Q, CU_K, top_left=True, causal=True)[0]
     close(fa.flash_attn_unpadded_func(q, k, v, CU_Q, CU_K, 3, 4, 0.0, causal=True), want)
-    close(fa.flash_attn_unpadded_kvpacked_func(q, torch.stack([k, v], 1), CU_Q, CU_K, 3, 4, 0.0, None, True), want)
+    close(
+        fa.flash_attn_unpadded_kvpacked_func(q, torch.stack([k, v], 1), CU_Q, CU_K, 3, 4, 0.0, None, True),
+        want,
+    )
     bottom_right = varlen_reference(q, k, v, CU_Q, CU_K, causal=True)[0]
     assert not torch.allclose(want, bottom_right, atol=1e-3)  # the alignment is really tested
     x, cu = rand(6, 3, 2, 8, seed=3), torch.tensor([0, 2, 6], dtype=torch.int32)
-    close(fa.flash_attn_unpadded_qkvpacked_func(x, cu, 4, 0.0, causal=True),
-          varlen_reference(x[:, 0], x[:, 1], x[:, 2], cu, cu, top_left=True, causal=True)[0])
+    close(
+        fa.flash_attn_unpadded_qkvpacked_func(x, cu, 4, 0.0, causal=True),
+        varlen_reference(x[:, 0], x[:, 1], x[:, 2], cu, cu, top_left=True, causal=True)[0],
+    )
 
 
 # ----------------------------------------------------------------------------------- KV cache
@@ -191,16 +207,29 @@ def rotate(x, cos, sin, positions, interleaved):
             turn = torch.complex(cos[positions[b][s]].double(), sin[positions[b][s]].double())
             for h in range(x.shape[2]):
                 if interleaved:
-                    z = torch.complex(x[b, s, h, 0:2 * half:2], x[b, s, h, 1:2 * half:2]) * turn
-                    out[b, s, h, 0:2 * half:2], out[b, s, h, 1:2 * half:2] = z.real, z.imag
+                    z = torch.complex(x[b, s, h, 0 : 2 * half : 2], x[b, s, h, 1 : 2 * half : 2]) * turn
+                    out[b, s, h, 0 : 2 * half : 2], out[b, s, h, 1 : 2 * half : 2] = z.real, z.imag
                 else:
-                    z = torch.complex(x[b, s, h, :half], x[b, s, h, half:2 * half]) * turn
-                    out[b, s, h, :half], out[b, s, h, half:2 * half] = z.real, z.imag
+                    z = torch.complex(x[b, s, h, :half], x[b, s, h, half : 2 * half]) * turn
+                    out[b, s, h, :half], out[b, s, h, half : 2 * half] = z.real, z.imag
     return out
 
 
-def kvcache_reference(q, k_cache, v_cache, k, v, lengths, *, causal=False, window=(-1, -1), rotary=None,
-                      interleaved=True, batch_idx=None, leftpad=None):
+def kvcache_reference(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    lengths,
+    *,
+    causal=False,
+    window=(-1, -1),
+    rotary=None,
+    interleaved=True,
+    batch_idx=None,
+    leftpad=None,
+):
     """flash_attn_with_kvcache by hand: returns (out, lse, k_cache', v_cache')."""
     k_cache, v_cache = k_cache.double().clone(), v_cache.double().clone()
     batch, sq = q.shape[:2]
@@ -222,26 +251,51 @@ def kvcache_reference(q, k_cache, v_cache, k, v, lengths, *, causal=False, windo
 
     def allowed(b, i, j):
         centre = i + ends[b] - sq
-        return (start[b] <= j < ends[b] and (left < 0 or j >= centre - left)
-                and (right < 0 or j <= centre + right))
+        return (
+            start[b] <= j < ends[b]
+            and (left < 0 or j >= centre - left)
+            and (right < 0 or j <= centre + right)
+        )
 
     out, lse = reference(q, keys, values, allowed=allowed)
     return out, lse, k_cache, v_cache
 
 
-@pytest.mark.parametrize("causal, window, interleaved", [(True, (-1, -1), True), (False, (-1, -1), False),
-                                                         (False, (2, 1), True)])
+@pytest.mark.parametrize(
+    "causal, window, interleaved", [(True, (-1, -1), True), (False, (-1, -1), False), (False, (2, 1), True)]
+)
 def test_with_kvcache_updates_in_place_with_rotary(causal, window, interleaved):
     q, k, v = rand(2, 2, 4, 16), rand(2, 2, 2, 16, seed=1), rand(2, 2, 2, 16, seed=2)
     k_cache, v_cache = rand(2, 8, 2, 16, seed=3), rand(2, 8, 2, 16, seed=4)
     angles = torch.arange(10)[:, None] * torch.tensor([1.0, 0.3, 0.1, 0.05])[None]
     cos, sin = angles.cos(), angles.sin()  # rotary_dim 8 of head dim 16
     lengths = torch.tensor([3, 5], dtype=torch.int32)
-    want, want_lse, want_k, want_v = kvcache_reference(q, k_cache, v_cache, k, v, [3, 5], causal=causal,
-                                                       window=window, rotary=(cos, sin), interleaved=interleaved)
-    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
-                                          cache_seqlens=lengths, causal=causal, window_size=window,
-                                          rotary_interleaved=interleaved, return_softmax_lse=True)
+    want, want_lse, want_k, want_v = kvcache_reference(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        [3, 5],
+        causal=causal,
+        window=window,
+        rotary=(cos, sin),
+        interleaved=interleaved,
+    )
+    out, lse = fa.flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=lengths,
+        causal=causal,
+        window_size=window,
+        rotary_interleaved=interleaved,
+        return_softmax_lse=True,
+    )
     close(k_cache, want_k)  # the caches were updated in place, with the rotated keys
     close(v_cache, want_v)
     close(out, want)
@@ -252,10 +306,12 @@ def test_with_kvcache_batch_idx_leftpad_and_int_seqlens():
     q, k, v = rand(2, 1, 2, 8), rand(2, 1, 2, 8, seed=1), rand(2, 1, 2, 8, seed=2)
     k_cache, v_cache = rand(3, 6, 2, 8, seed=3), rand(3, 6, 2, 8, seed=4)
     idx, leftpad = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)
-    want, _, want_k, want_v = kvcache_reference(q, k_cache, v_cache, k, v, [4, 4], causal=True,
-                                                batch_idx=idx, leftpad=leftpad)
-    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=4, cache_batch_idx=idx,
-                                     cache_leftpad=leftpad, causal=True)
+    want, _, want_k, want_v = kvcache_reference(
+        q, k_cache, v_cache, k, v, [4, 4], causal=True, batch_idx=idx, leftpad=leftpad
+    )
+    out = fa.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=4, cache_batch_idx=idx, cache_leftpad=leftpad, causal=True
+    )
     close(out, want)
     close(k_cache, want_k)
     close(v_cache, want_v)
@@ -276,8 +332,9 @@ def test_with_kvcache_paged_cache():
             k_pages[table[b, r // page], r % page] = logical_k[b, r]
             v_pages[table[b, r // page], r % page] = logical_v[b, r]
     want, _, want_k, _ = kvcache_reference(q, logical_k, logical_v, k, v, [3, 5], causal=True)
-    out = fa.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, cache_seqlens=torch.tensor([3, 5]),
-                                     block_table=table, causal=True)
+    out = fa.flash_attn_with_kvcache(
+        q, k_pages, v_pages, k, v, cache_seqlens=torch.tensor([3, 5]), block_table=table, causal=True
+    )
     close(out, want)
     for b in range(batch):  # the new rows landed in the right pages
         for r in range(8):
@@ -397,7 +454,11 @@ def test_fpa007_drop_in_rewrite_keeps_the_in_place_decode_loop():
     decoder = namespace["Decoder"]()
     want_k, want_v = torch.zeros(2, 6, 1, 8), torch.zeros(2, 6, 1, 8)
     for step in range(3):
-        q, k, v = rand(2, 1, 2, 8, seed=step), rand(2, 1, 1, 8, seed=10 + step), rand(2, 1, 1, 8, seed=20 + step)
+        q, k, v = (
+            rand(2, 1, 2, 8, seed=step),
+            rand(2, 1, 1, 8, seed=10 + step),
+            rand(2, 1, 1, 8, seed=20 + step),
+        )
         lengths = torch.tensor([step, step + 1], dtype=torch.int32)
         out = decoder.step(q, k, v, lengths)
         want, _, want_k, want_v = kvcache_reference(q, want_k, want_v, k, v, lengths.tolist(), causal=True)
@@ -464,8 +525,12 @@ def test_alibi_and_out_of_order_dropout_calls_are_ported_to_the_drop_in():
     exec(compile(result.new.decode(), "m.py", "exec"), namespace)
     q, k, v = rand(2, 3, 2, 8), rand(2, 5, 2, 8, seed=1), rand(2, 5, 2, 8, seed=2)
     slopes = torch.tensor([0.5, 0.25])
-    close(namespace["alibi"](q, k, v, slopes),
-          reference(q, k, v, allowed=band(3, 5, True), bias=lambda b, h, i, j: -float(slopes[h]) * abs(i + 2 - j))[0])
+    close(
+        namespace["alibi"](q, k, v, slopes),
+        reference(
+            q, k, v, allowed=band(3, 5, True), bias=lambda b, h, i, j: -float(slopes[h]) * abs(i + 2 - j)
+        )[0],
+    )
     log: list = []
     close(namespace["ordered"](q, k, v, log), reference(q, k, v, allowed=band(3, 5, True), scale=0.5)[0])
     assert log == ["causal", "dropout", "scale"]

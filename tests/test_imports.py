@@ -22,16 +22,28 @@ def port(source: str) -> str:
 
 # ------------------------------------------------------------------ parenthesized multi-line imports
 
-@pytest.mark.parametrize("stmt, drop, want", [
-    # the stray, indented ")" of issue 10: the closing parenthesis keeps its own line and column
-    ("from m import (\n    a,\n    b,\n    c,\n)\n", {"b", "c"}, "from m import (\n    a,\n)\n"),
-    ("from m import (a, b,\n    c)\n", {"c"}, "from m import (a, b)\n"),
-    ("from m import (a,\n    b, c\n)\n", {"c"}, "from m import (a,\n    b\n)\n"),
-    # a line comment stays with the alias it was written after
-    ("from m import (  # x\n    a,  # keep a\n    b,  # drop b\n)\n", {"b"}, "from m import (  # x\n    a,  # keep a\n)\n"),
-    ("    from m import (\n        a,\n        b,\n    )\n", {"b"}, "    from m import (\n        a,\n    )\n"),
-    ("from m import a, b, c\n", {"a", "c"}, "from m import b\n"),
-])
+
+@pytest.mark.parametrize(
+    "stmt, drop, want",
+    [
+        # the stray, indented ")" of issue 10: the closing parenthesis keeps its own line and column
+        ("from m import (\n    a,\n    b,\n    c,\n)\n", {"b", "c"}, "from m import (\n    a,\n)\n"),
+        ("from m import (a, b,\n    c)\n", {"c"}, "from m import (a, b)\n"),
+        ("from m import (a,\n    b, c\n)\n", {"c"}, "from m import (a,\n    b\n)\n"),
+        # a line comment stays with the alias it was written after
+        (
+            "from m import (  # x\n    a,  # keep a\n    b,  # drop b\n)\n",
+            {"b"},
+            "from m import (  # x\n    a,  # keep a\n)\n",
+        ),
+        (
+            "    from m import (\n        a,\n        b,\n    )\n",
+            {"b"},
+            "    from m import (\n        a,\n    )\n",
+        ),
+        ("from m import a, b, c\n", {"a", "c"}, "from m import b\n"),
+    ],
+)
 def test_dropping_aliases_keeps_the_closing_parenthesis_in_place(stmt, drop, want):
     assert imports._drop_aliases(stmt, drop) == want
 
@@ -53,6 +65,7 @@ def test_multi_line_import_of_fa1_names_loses_only_the_ported_names():
 
 
 # ------------------------------------------------------------------------------ dead GPU imports
+
 
 def test_dead_guarded_imports_and_their_fallbacks_go_at_every_scope():
     text = port("""
@@ -84,9 +97,19 @@ def test_dead_guarded_imports_and_their_fallbacks_go_at_every_scope():
             c = flash_attn_kvpacked_func(q, kv)
             return a, b, c, flash_attn_qkvpacked_func(torch.stack([q, k, v], 2))
     """)
-    for gone in ("flash_attn", "import xformers", "xops =", "_HAS_XFORMERS", "is_flash_attn_2_available", "try:", "warnings"):
+    for gone in (
+        "flash_attn",
+        "import xformers",
+        "xops =",
+        "_HAS_XFORMERS",
+        "is_flash_attn_2_available",
+        "try:",
+        "warnings",
+    ):
         assert gone not in text, gone
-    assert text.startswith("\nimport flashport\nimport flashport.integrations.xformers_compat\nimport torch\n\n\ndef f(")
+    assert text.startswith(
+        "\nimport flashport\nimport flashport.integrations.xformers_compat\nimport torch\n\n\ndef f("
+    )
 
 
 def test_a_guard_whose_flag_is_still_read_stays_exactly_as_it_was():
@@ -98,13 +121,16 @@ def test_a_guard_whose_flag_is_still_read_stays_exactly_as_it_was():
             flash_attn_func = None
             HAS_FLASH_ATTN = False
     """)
-    text = port(block + textwrap.dedent("""
+    text = port(
+        block
+        + textwrap.dedent("""
 
         def f(q, k, v):
             if HAS_FLASH_ATTN:
                 return flash_attn_func(q, k, v)
             return None
-    """))
+    """)
+    )
     # removing the import would make HAS_FLASH_ATTN always True: the branch taken would change
     assert block in text and "flashport.torch.attention(" in text
 
@@ -135,7 +161,10 @@ def test_a_guarded_import_with_a_live_name_loses_only_the_dead_one_and_its_fallb
             run(flash_attn_with_kvcache)
             return flash_attn_func(q, k, v)
     """)
-    assert "    from flash_attn import flash_attn_with_kvcache\nexcept ImportError:\n    flash_attn_with_kvcache = None\n" in text
+    assert (
+        "    from flash_attn import flash_attn_with_kvcache\nexcept ImportError:\n    flash_attn_with_kvcache = None\n"
+        in text
+    )
     assert "flash_attn_func" not in text
 
 
@@ -166,25 +195,42 @@ def test_names_read_before_the_port_only_by_other_code_keep_their_imports():
 
 # ------------------------------------------------------------------------- where flashport goes
 
-@pytest.mark.parametrize("before, after", [
-    # isort default: plain imports first, sorted; flashport joins the third-party group
-    ('"""d"""\nfrom __future__ import annotations\n\nimport os\n\nimport torch\nfrom einops import rearrange\n\nfrom .x import y\n',
-     '"""d"""\nfrom __future__ import annotations\n\nimport os\n\nimport flashport\nimport torch\nfrom einops import rearrange\n\nfrom .x import y\n'),
-    ("import numpy as np\nimport torch\n", "import flashport\nimport numpy as np\nimport torch\n"),
-    ("import apex\nimport einops\nfrom torch import nn\n", "import apex\nimport einops\nimport flashport\nfrom torch import nn\n"),
-    # force_sort_within_sections style: by module name among all
-    ("from einops import rearrange\nimport torch\n", "from einops import rearrange\nimport flashport\nimport torch\n"),
-    # no third-party group: its own, after the stdlib one / before the local one
-    ("import os\n\nfrom .x import y\n", "import os\n\nimport flashport\n\nfrom .x import y\n"),
-    ("from .x import y\n", "import flashport\n\nfrom .x import y\n"),
-    # comments above a statement stay with it
-    ("import apex\n# the fast path\nimport torch\n", "import apex\nimport flashport\n# the fast path\nimport torch\n"),
-    # a guarded import block between the groups (timm) is part of the import region, not its end
-    ("import math\ntry:\n    from typing import Literal\nexcept ImportError:\n    from typing_extensions import Literal\n\nimport torch\n",
-     "import math\ntry:\n    from typing import Literal\nexcept ImportError:\n    from typing_extensions import Literal\n\nimport flashport\nimport torch\n"),
-    # a new group after the stdlib one is kept apart from the code below it by a blank line
-    ("import os\ndef f():\n    pass\n", "import os\n\nimport flashport\n\ndef f():\n    pass\n"),
-])
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        # isort default: plain imports first, sorted; flashport joins the third-party group
+        (
+            '"""d"""\nfrom __future__ import annotations\n\nimport os\n\nimport torch\nfrom einops import rearrange\n\nfrom .x import y\n',
+            '"""d"""\nfrom __future__ import annotations\n\nimport os\n\nimport flashport\nimport torch\nfrom einops import rearrange\n\nfrom .x import y\n',
+        ),
+        ("import numpy as np\nimport torch\n", "import flashport\nimport numpy as np\nimport torch\n"),
+        (
+            "import apex\nimport einops\nfrom torch import nn\n",
+            "import apex\nimport einops\nimport flashport\nfrom torch import nn\n",
+        ),
+        # force_sort_within_sections style: by module name among all
+        (
+            "from einops import rearrange\nimport torch\n",
+            "from einops import rearrange\nimport flashport\nimport torch\n",
+        ),
+        # no third-party group: its own, after the stdlib one / before the local one
+        ("import os\n\nfrom .x import y\n", "import os\n\nimport flashport\n\nfrom .x import y\n"),
+        ("from .x import y\n", "import flashport\n\nfrom .x import y\n"),
+        # comments above a statement stay with it
+        (
+            "import apex\n# the fast path\nimport torch\n",
+            "import apex\nimport flashport\n# the fast path\nimport torch\n",
+        ),
+        # a guarded import block between the groups (timm) is part of the import region, not its end
+        (
+            "import math\ntry:\n    from typing import Literal\nexcept ImportError:\n    from typing_extensions import Literal\n\nimport torch\n",
+            "import math\ntry:\n    from typing import Literal\nexcept ImportError:\n    from typing_extensions import Literal\n\nimport flashport\nimport torch\n",
+        ),
+        # a new group after the stdlib one is kept apart from the code below it by a blank line
+        ("import os\ndef f():\n    pass\n", "import os\n\nimport flashport\n\ndef f():\n    pass\n"),
+    ],
+)
 def test_flashport_import_goes_where_isort_puts_it(before, after):
     assert imports.ensure_import(before, "flashport", "\n") == (after, True)
 
@@ -221,7 +267,7 @@ def attend(q, k, v):
     return a, b, c
 '''
 
-_RUN = '''\
+_RUN = """\
 import importlib.abc, sys
 class Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
@@ -243,7 +289,7 @@ errors = [(a - causal).abs().max().item(), (b - full).abs().max().item(), (c - f
 assert max(errors) < 1e-5, errors
 assert not any(m.split(".")[0] in ("flash_attn", "xformers") for m in sys.modules)
 print("ok")
-'''
+"""
 
 
 def _run_model(tmp_path, source: str):
@@ -252,7 +298,9 @@ def _run_model(tmp_path, source: str):
 
     (tmp_path / "model.py").write_text(source)
     (tmp_path / "run.py").write_text(_RUN)
-    return subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(tmp_path / "run.py"), str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_a_ported_file_imports_and_runs_where_flash_attn_and_xformers_cannot_be_imported(tmp_path):

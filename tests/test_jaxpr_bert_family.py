@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from jaxpr_util import assert_fused
 
 import flashport
-from jaxpr_util import assert_fused
 
 B, S, N, D = 2, 6, 3, 8
 PAD = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])  # [B, S]: batch 0 has two padding tokens
@@ -62,15 +62,21 @@ def test_non_unit_head_mask_is_a_near_miss_with_the_reason():
 
 
 # P·V written with every operand order and output order; p is [B, N, T, S], v is [B, S, N, D].
-PV_EINSUMS = ["bhqk,bkhd->bqhd", "bhqk,bkhd->bhqd", "bhqk,bkhd->bdhq", "bhqk,bkhd->qbdh",
-              "bkhd,bhqk->bqhd", "bkhd,bhqk->hdbq"]
+PV_EINSUMS = [
+    "bhqk,bkhd->bqhd",
+    "bhqk,bkhd->bhqd",
+    "bhqk,bkhd->bdhq",
+    "bhqk,bkhd->qbdh",
+    "bkhd,bhqk->bqhd",
+    "bkhd,bhqk->hdbq",
+]
 
 
 @pytest.mark.parametrize("spec", PV_EINSUMS)
 def test_pv_einsum_in_any_dimension_order_is_fused(spec):
     def f(q, k, v):
         w = _weights(q, k)
-        a, b = spec.split("->")[0].split(",")
+        a, _b = spec.split("->")[0].split(",")
         return jnp.einsum(spec, *((w, v) if a.startswith("bh") else (v, w)))
 
     assert_fused(f, _qkv(), 1)

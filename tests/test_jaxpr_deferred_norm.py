@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import flashport
 from jaxpr_util import assert_fused, count_sites
 from reference import reference_attention
+
+import flashport
 
 B, N, T, D = 2, 3, 5, 8
 PAD = jnp.array([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], bool)  # batch 1 fully padded: mean(V) rows
@@ -82,7 +82,9 @@ def test_einsum_layout_with_padding_mask_and_empty_rows():
 def test_bf16_exp_summed_in_float32():
     def f(q, k, v):
         e = _exp(q @ k.swapaxes(-1, -2) * 0.3)
-        return ((e @ v).astype(jnp.float32) / jnp.sum(e.astype(jnp.float32), -1, keepdims=True)).astype(q.dtype)
+        return ((e @ v).astype(jnp.float32) / jnp.sum(e.astype(jnp.float32), -1, keepdims=True)).astype(
+            q.dtype
+        )
 
     args = tuple(x.astype(jnp.bfloat16) for x in _qkv(2))
     assert_fused(f, args, 1, atol=2e-2, rtol=2e-2)
@@ -133,7 +135,7 @@ def test_unnormalized_product_also_returned_is_not_fused():
     fused = flashport.fuse_attention(f)
     args = _qkv(6)
     assert count_sites(fused, *args) == 0
-    for w, g in zip(f(*args), fused(*args)):
+    for w, g in zip(f(*args), fused(*args), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 

@@ -43,11 +43,37 @@ BACKEND = "xla"  # the pass is under test, not the kernel: the plain backend tra
 # Specs that once failed (or exercise a past defect); always run first.
 REGRESSIONS = [
     # the unnormalized exp's P·V product divided after an einsum transpose (output layout != dot's)
-    {"q": "btnd", "k": "bsnd", "v": "bsnd", "scores": "bnts", "out": "btnd", "axis": "s", "form": "deferred",
-     "mask": "padding", "scale": "scores_div", "gqa": "none", "p_transpose": False, "nest": "none", "seed": 1},
+    {
+        "q": "btnd",
+        "k": "bsnd",
+        "v": "bsnd",
+        "scores": "bnts",
+        "out": "btnd",
+        "axis": "s",
+        "form": "deferred",
+        "mask": "padding",
+        "scale": "scores_div",
+        "gqa": "none",
+        "p_transpose": False,
+        "nest": "none",
+        "seed": 1,
+    },
     # K scaled after a head repeat in BHSD, matmul-like spelling
-    {"q": "bntd", "k": "bnsd", "v": "bnsd", "scores": "bnts", "out": "bntd", "axis": "s", "form": "nn",
-     "mask": "none", "scale": "q", "gqa": "repeat", "p_transpose": False, "nest": "remat", "seed": 2},
+    {
+        "q": "bntd",
+        "k": "bnsd",
+        "v": "bnsd",
+        "scores": "bnts",
+        "out": "bntd",
+        "axis": "s",
+        "form": "nn",
+        "mask": "none",
+        "scale": "q",
+        "gqa": "repeat",
+        "p_transpose": False,
+        "nest": "remat",
+        "seed": 2,
+    },
 ]
 
 
@@ -60,8 +86,11 @@ def random_spec(seed: int) -> dict:
     rng = np.random.default_rng(seed)
     choice = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
     spec = {
-        "q": _perm(rng, "btnd"), "k": _perm(rng, "bsnd"), "v": _perm(rng, "bsnd"),
-        "scores": _perm(rng, "bnts"), "out": _perm(rng, "btnd"),
+        "q": _perm(rng, "btnd"),
+        "k": _perm(rng, "bsnd"),
+        "v": _perm(rng, "bsnd"),
+        "scores": _perm(rng, "bnts"),
+        "out": _perm(rng, "btnd"),
         "axis": "s" if rng.random() < 0.75 else choice("bnt"),
         "form": choice(["nn", "expsum", "logsoftmax", "deferred"]),
         "mask": choice(["none", "causal", "padding", "bias", "muladd"]),
@@ -87,8 +116,11 @@ def _site(spec):
     def site(q, k, v, pad):
         if spec["gqa"] != "none":  # k, v arrive with HKV heads in "bsnd"; repeat to n heads
             g = SIZES["n"] // HKV
-            rep = (lambda x: jnp.repeat(x, g, axis=2)) if spec["gqa"] == "repeat" else (
-                lambda x: jnp.tile(x, (1, 1, g, 1)))
+            rep = (
+                (lambda x: jnp.repeat(x, g, axis=2))
+                if spec["gqa"] == "repeat"
+                else (lambda x: jnp.tile(x, (1, 1, g, 1)))
+            )
             k, v = _to(rep(k), "bsnd", spec["k"]), _to(rep(v), "bsnd", spec["v"])
         if spec["scale"] == "q":
             q = q * 0.5
@@ -163,8 +195,12 @@ def build(spec):
     def arr(layout, sizes):
         return jnp.asarray(rng.normal(size=[sizes[c] for c in layout]), jnp.float32)
 
-    args = [arr(spec["q"], SIZES), arr(kv_spec or spec["k"], sizes_kv), arr(kv_spec or spec["v"], sizes_kv),
-            jnp.asarray(rng.random((SIZES["b"], SIZES["s"])) < 0.6).at[:, 0].set(True)]
+    args = [
+        arr(spec["q"], SIZES),
+        arr(kv_spec or spec["k"], sizes_kv),
+        arr(kv_spec or spec["v"], sizes_kv),
+        jnp.asarray(rng.random((SIZES["b"], SIZES["s"])) < 0.6).at[:, 0].set(True),
+    ]
     return f, args
 
 
@@ -198,7 +234,8 @@ def test_pass_never_raises_and_keeps_signatures():
     for spec in _specs(PASS_PROGRAMS, 0):
         f, args = build(spec)
         fused = flashport.fuse_attention(f, backend=BACKEND)
-        def fwd_bwd(q, k, v, pad):  # one trace of the fused program, forward and backward
+
+        def fwd_bwd(q, k, v, pad, fused=fused):  # one trace of the fused program, forward and backward
             out, vjp = jax.vjp(lambda a, b, c: fused(a, b, c, pad), q, k, v)
             return out, vjp(out)
 
@@ -206,7 +243,7 @@ def test_pass_never_raises_and_keeps_signatures():
             want = jax.eval_shape(f, *args)
             got = jax.eval_shape(fwd_bwd, *args)[0]
             flashport.find_attention(f)(*args)
-        except Exception as err:  # noqa: BLE001 -- name the program
+        except Exception as err:
             raise AssertionError(f"pass failed on {spec}") from err
         assert (got.shape, got.dtype) == (want.shape, want.dtype), spec
 
@@ -214,26 +251,37 @@ def test_pass_never_raises_and_keeps_signatures():
 @pytest.mark.parametrize("batch", range(VALUE_PROGRAMS // BATCH))
 def test_fused_values_and_gradients_equal_original(batch):
     """Outputs and q/k/v gradients of ``fuse_attention(f)`` equal ``f``'s, BATCH programs per jit."""
-    specs = _specs(BATCH, 10_000 + batch * BATCH) if batch == 0 else [
-        random_spec(SEED + 10_000 + batch * BATCH + i) for i in range(BATCH)]
+    specs = (
+        _specs(BATCH, 10_000 + batch * BATCH)
+        if batch == 0
+        else [random_spec(SEED + 10_000 + batch * BATCH + i) for i in range(BATCH)]
+    )
     built = [build(spec) for spec in specs]
 
     def all_programs(*flat):
         res = []
         for i, (f, _) in enumerate(built):
-            args = flat[4 * i: 4 * i + 4]
+            args = flat[4 * i : 4 * i + 4]
             fused = flashport.fuse_attention(f, backend=BACKEND)
-            w = jnp.cos(jnp.arange(np.prod(jax.eval_shape(f, *args).shape))).reshape(jax.eval_shape(f, *args).shape)
-            res.append((f(*args), fused(*args), jax.grad(_loss(f, w), argnums=(0, 1, 2))(*args),
-                        jax.grad(_loss(fused, w), argnums=(0, 1, 2))(*args)))
+            w = jnp.cos(jnp.arange(np.prod(jax.eval_shape(f, *args).shape))).reshape(
+                jax.eval_shape(f, *args).shape
+            )
+            res.append(
+                (
+                    f(*args),
+                    fused(*args),
+                    jax.grad(_loss(f, w), argnums=(0, 1, 2))(*args),
+                    jax.grad(_loss(fused, w), argnums=(0, 1, 2))(*args),
+                )
+            )
         return res
 
     flat = [a for _, args in built for a in args]
     results = jax.jit(all_programs)(*flat)
-    for spec, (want, got, gwant, ggot) in zip(specs, results):
+    for spec, (want, got, gwant, ggot) in zip(specs, results, strict=True):
         try:
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-            for a, b in zip(ggot, gwant):
+            for a, b in zip(ggot, gwant, strict=True):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=2e-4)
         except AssertionError as err:
             raise AssertionError(f"mismatch on {spec}") from err

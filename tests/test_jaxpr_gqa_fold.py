@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import flashport
 from jaxpr_util import assert_fused
 from reference import reference_attention
+
+import flashport
 
 B, T, S, HKV, G, D = 2, 5, 7, 2, 3, 8
 HQ = HKV * G
@@ -25,8 +25,11 @@ HQ = HKV * G
 
 def _args(seed=0):
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
-    return (jax.random.normal(kq, (B, T, HQ, D)), jax.random.normal(kk, (B, S, HKV, D)),
-            jax.random.normal(kv, (B, S, HKV, D)))
+    return (
+        jax.random.normal(kq, (B, T, HQ, D)),
+        jax.random.normal(kk, (B, S, HKV, D)),
+        jax.random.normal(kv, (B, S, HKV, D)),
+    )
 
 
 def _attend(q, k, v):  # BTND with Hq heads on every operand
@@ -80,7 +83,7 @@ def _kv_heads_of_call(fn, args):
     q, k, v = (x.aval.shape for x in call.invars[:3])
     heads = [dim for dim in q if dim == HQ]
     assert heads, q
-    return [sh[[i for i, dim in enumerate(q) if dim == HQ][0]] for sh in (k, v)]
+    return [sh[next(i for i, dim in enumerate(q) if dim == HQ)] for sh in (k, v)]
 
 
 @pytest.mark.parametrize("fn", [with_repeat, with_broadcast_reshape, with_repeat_bhsd_matmul])

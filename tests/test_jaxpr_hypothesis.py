@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import flashport
 from jaxpr_util import count_sites
 from reference import reference_attention
+
+import flashport
 
 
 @st.composite
@@ -34,7 +34,9 @@ def programs(draw):
     return {
         "shape": (b, t, s, n, kn, h),
         "scale_at": draw(st.sampled_from(["scores_mul", "scores_div", "q_div", "k_mul", "none"])),
-        "mask": draw(st.sampled_from(["none", "causal", "window", "bool_finfo", "bool_inf", "bias", "where"])),
+        "mask": draw(
+            st.sampled_from(["none", "causal", "window", "bool_finfo", "bool_inf", "bias", "where"])
+        ),
         "softcap": draw(st.sampled_from([None, 4.0])),
         "layout": draw(st.sampled_from(["einsum", "matmul"])),
         "seed": draw(st.integers(0, 2**16)),
@@ -90,7 +92,7 @@ def _build(cfg):
 
 
 def _reference(cfg, args):
-    b, t, s, n, kn, h = cfg["shape"]
+    _b, t, s, _n, _kn, h = cfg["shape"]
     q, k, v, m, bias = (np.asarray(x) for x in args)
     kw = {"scale": 1.0 / math.sqrt(h) if cfg["scale_at"] != "none" else 1.0, "softcap": cfg["softcap"]}
     kind = cfg["mask"]

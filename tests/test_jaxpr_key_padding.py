@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import flashport
 from jaxpr_util import assert_fused
 from reference import reference_attention
+
+import flashport
 
 B, N, T, D = 2, 3, 5, 8
 PAD = jnp.array([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0]], bool)
@@ -78,14 +78,20 @@ def test_where_padding_becomes_segment_ids(pad):
     (site,) = flashport.find_attention(where_padding)(*args).matches
     assert "key-padding" in site.mask
     if pad is PAD:  # no empty row: the float64 contract reference with segment ids agrees
-        want, _ = reference_attention(*args[:3], scale=0.3, layout="BHSD", q_segment_ids=np.ones((B, T)),
-                                      kv_segment_ids=np.asarray(pad, np.int64))
+        want, _ = reference_attention(
+            *args[:3],
+            scale=0.3,
+            layout="BHSD",
+            q_segment_ids=np.ones((B, T)),
+            kv_segment_ids=np.asarray(pad, np.int64),
+        )
         got = flashport.fuse_attention(where_padding)(*args)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5)
     else:  # the original's finite fill: mean(V) on the fully padded batch
         got = flashport.fuse_attention(where_padding)(*args)
-        np.testing.assert_allclose(np.asarray(got[1]), np.broadcast_to(args[2][1].mean(1, keepdims=True),
-                                                                          (N, T, D)), atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(got[1]), np.broadcast_to(args[2][1].mean(1, keepdims=True), (N, T, D)), atol=1e-6
+        )
 
 
 def test_inverted_padding_with_causal_and_inf_fill():
@@ -96,8 +102,9 @@ def test_inverted_padding_with_causal_and_inf_fill():
     # a fully padded row: outputs only (its gradients are NaN in the original, 0 fused: see fuse.py)
     args = (*_qkv(1), EMPTY)
     got = flashport.fuse_attention(where_padding_inverted_and_causal)(*args)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(where_padding_inverted_and_causal(*args)[0]),
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(got[0]), np.asarray(where_padding_inverted_and_causal(*args)[0]), atol=2e-5
+    )
     assert np.isnan(np.asarray(got[1])).all()  # -inf fill, no visible key: NaN as in the original
 
 

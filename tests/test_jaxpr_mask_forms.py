@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxpr_util import assert_fused, count_sites
 
 import flashport
-from jaxpr_util import assert_fused, count_sites
 
 B, N, T, D = 2, 3, 5, 8
 PAD = jnp.array([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], bool)  # batch 1 is fully padded: mean(V) rows

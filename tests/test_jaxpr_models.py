@@ -10,12 +10,12 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import pytest
+from jaxpr_util import assert_fused
 
-import flashport  # noqa: E402
-from jaxpr_util import assert_fused  # noqa: E402
+import flashport
 
 B, T, E, HEADS = 2, 16, 32, 4
 
@@ -55,7 +55,9 @@ def test_flax_linen_mha_with_padding_mask_keeps_mean_rows():
 
 def test_flax_nnx_mha():
     nnx = pytest.importorskip("flax.nnx")
-    module = nnx.MultiHeadAttention(num_heads=HEADS, in_features=E, qkv_features=E, decode=False, rngs=nnx.Rngs(0))
+    module = nnx.MultiHeadAttention(
+        num_heads=HEADS, in_features=E, qkv_features=E, decode=False, rngs=nnx.Rngs(0)
+    )
     graphdef, state = nnx.split(module)
 
     def f(state, x):
@@ -81,7 +83,9 @@ def test_haiku_mha():
     hk = pytest.importorskip("haiku")
 
     def fwd(x):
-        attn = hk.MultiHeadAttention(num_heads=HEADS, key_size=E // HEADS, w_init=hk.initializers.VarianceScaling(1.0))
+        attn = hk.MultiHeadAttention(
+            num_heads=HEADS, key_size=E // HEADS, w_init=hk.initializers.VarianceScaling(1.0)
+        )
         return attn(x, x, x, mask=jnp.tril(jnp.ones((1, 1, T, T))))
 
     model = hk.without_apply_rng(hk.transform(fwd))

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_util import assert_fused, count_sites
 
 import flashport
-from jaxpr_util import assert_fused, count_sites
 
 B, T, S, N, H = 2, 8, 8, 4, 8
 SCALE = 1.0 / math.sqrt(H)
@@ -45,38 +45,137 @@ def _manual_sm(s):
 
 # name -> (fn(q, k, v), kwargs for _qkv)
 POSITIVE = {
-    "einsum_mul_scale": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE), v),
-    "einsum_div_sqrt_traced": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(H)), v),
-    "scale_on_q_before_dot": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q / math.sqrt(H), k)), v),
-    "scale_on_k": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k * SCALE)), v),
+    "einsum_mul_scale": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE), v
+    ),
+    "einsum_div_sqrt_traced": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(H)), v
+    ),
+    "scale_on_q_before_dot": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q / math.sqrt(H), k)), v
+    ),
+    "scale_on_k": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k * SCALE)), v
+    ),
     "no_scale": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k)), v),
-    "matmul_bnth": lambda q, k, v: (_sm((q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)) * SCALE) @ v.transpose(0, 2, 1, 3)),
-    "seq_first": lambda q, k, v: jnp.einsum("bnts,sbnh->tbnh", _sm(jnp.einsum("tbnh,sbnh->bnts", q.transpose(1, 0, 2, 3), k.transpose(1, 0, 2, 3)) * SCALE), v.transpose(1, 0, 2, 3)),
-    "scores_btsn_softmax_axis2": lambda q, k, v: jnp.einsum("btsn,bsnh->btnh", jax.nn.softmax(jnp.einsum("btnh,bsnh->btsn", q, k) * SCALE, axis=2), v),
-    "manual_softmax_recip": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _manual_sm(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE), v),
-    "exp_minus_logsumexp": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jnp.exp((s := jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE) - jax.nn.logsumexp(s, axis=-1, keepdims=True)), v),
-    "exp_log_softmax": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jnp.exp(jax.nn.log_softmax(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, axis=-1)), v),
-    "causal_tril_where_neg_inf": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, -jnp.inf)), v),
-    "causal_finfo_min": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, jnp.finfo(jnp.float32).min)), v),
-    "causal_arange_ge": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.where(jnp.arange(T)[:, None] >= jnp.arange(S)[None, :], jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, -1e9)), v),
-    "causal_broadcasted_iota": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (B, N, T, S), 2) >= jax.lax.broadcasted_iota(jnp.int32, (B, N, T, S), 3), jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, -1e30)), v),
-    "mask_before_scale": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k), -1e9) * SCALE), v),
-    "window_and_causal": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.where(_causal() & (jnp.arange(T)[:, None] - jnp.arange(S)[None, :] < 3), jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, -1e9)), v),
-    "triu_additive_bias": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE + jnp.triu(jnp.full((T, S), -1e9), k=1)), v),
-    "softcap_tanh": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(5.0 * jnp.tanh(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE / 5.0)), v),
-    "softmax_where": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, axis=-1, where=_causal()), v),
-    "keras_style_post_mask": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jnp.where(_causal(), _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, -1e9)), 0.0), v),
-    "f32_upcast_bf16": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)).astype(jnp.float32) * SCALE).astype(jnp.bfloat16), v.astype(jnp.bfloat16)).astype(jnp.float32),
-    "only_softmax_jitted": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jax.jit(_sm)(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE), v),
-    "single_head_2d_vmapped": lambda q, k, v: jax.vmap(jax.vmap(lambda a, b, c: _sm(a @ b.T * SCALE) @ c, in_axes=(1, 1, 1), out_axes=1))(q, k, v),
+    "matmul_bnth": lambda q, k, v: (
+        _sm((q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)) * SCALE) @ v.transpose(0, 2, 1, 3)
+    ),
+    "seq_first": lambda q, k, v: jnp.einsum(
+        "bnts,sbnh->tbnh",
+        _sm(jnp.einsum("tbnh,sbnh->bnts", q.transpose(1, 0, 2, 3), k.transpose(1, 0, 2, 3)) * SCALE),
+        v.transpose(1, 0, 2, 3),
+    ),
+    "scores_btsn_softmax_axis2": lambda q, k, v: jnp.einsum(
+        "btsn,bsnh->btnh", jax.nn.softmax(jnp.einsum("btnh,bsnh->btsn", q, k) * SCALE, axis=2), v
+    ),
+    "manual_softmax_recip": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _manual_sm(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE), v
+    ),
+    "exp_minus_logsumexp": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        jnp.exp(
+            (s := jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE) - jax.nn.logsumexp(s, axis=-1, keepdims=True)
+        ),
+        v,
+    ),
+    "exp_log_softmax": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        jnp.exp(jax.nn.log_softmax(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, axis=-1)),
+        v,
+    ),
+    "causal_tril_where_neg_inf": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, -jnp.inf)), v
+    ),
+    "causal_finfo_min": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, jnp.finfo(jnp.float32).min)),
+        v,
+    ),
+    "causal_arange_ge": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        _sm(
+            jnp.where(
+                jnp.arange(T)[:, None] >= jnp.arange(S)[None, :],
+                jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE,
+                -1e9,
+            )
+        ),
+        v,
+    ),
+    "causal_broadcasted_iota": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        _sm(
+            jnp.where(
+                jax.lax.broadcasted_iota(jnp.int32, (B, N, T, S), 2)
+                >= jax.lax.broadcasted_iota(jnp.int32, (B, N, T, S), 3),
+                jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE,
+                -1e30,
+            )
+        ),
+        v,
+    ),
+    "mask_before_scale": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k), -1e9) * SCALE), v
+    ),
+    "window_and_causal": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        _sm(
+            jnp.where(
+                _causal() & (jnp.arange(T)[:, None] - jnp.arange(S)[None, :] < 3),
+                jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE,
+                -1e9,
+            )
+        ),
+        v,
+    ),
+    "triu_additive_bias": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        _sm(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE + jnp.triu(jnp.full((T, S), -1e9), k=1)),
+        v,
+    ),
+    "softcap_tanh": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(5.0 * jnp.tanh(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE / 5.0)), v
+    ),
+    "softmax_where": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, axis=-1, where=_causal()),
+        v,
+    ),
+    "keras_style_post_mask": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        jnp.where(
+            _causal(), _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, -1e9)), 0.0
+        ),
+        v,
+    ),
+    "f32_upcast_bf16": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        _sm(
+            jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)).astype(jnp.float32)
+            * SCALE
+        ).astype(jnp.bfloat16),
+        v.astype(jnp.bfloat16),
+    ).astype(jnp.float32),
+    "only_softmax_jitted": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", jax.jit(_sm)(jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE), v
+    ),
+    "single_head_2d_vmapped": lambda q, k, v: jax.vmap(
+        jax.vmap(lambda a, b, c: _sm(a @ b.T * SCALE) @ c, in_axes=(1, 1, 1), out_axes=1)
+    )(q, k, v),
 }
 
 
 @pytest.mark.parametrize("name", sorted(POSITIVE))
 def test_positive_variant_fuses_with_parity(name):
     q, k, v = _qkv()
-    assert_fused(POSITIVE[name], (q, k, v), 1, atol=3e-2 if "bf16" in name else 2e-5,
-                 rtol=3e-2 if "bf16" in name else 2e-5)
+    assert_fused(
+        POSITIVE[name],
+        (q, k, v),
+        1,
+        atol=3e-2 if "bf16" in name else 2e-5,
+        rtol=3e-2 if "bf16" in name else 2e-5,
+    )
 
 
 def test_causal_is_recognized_not_materialized():
@@ -91,8 +190,12 @@ def test_decode_alignment_bottom_right_and_top_left():
     br = jnp.arange(4)[:, None] + 4 >= jnp.arange(8)[None, :]
     tl = jnp.arange(4)[:, None] >= jnp.arange(8)[None, :]
     for m, align in ((br, "bottom_right"), (tl, "top_left")):
+
         def f(q, k, v, m=m):
-            return jnp.einsum("bnts,bsnh->btnh", _sm(jnp.where(m, jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, -1e9)), v)
+            return jnp.einsum(
+                "bnts,bsnh->btnh", _sm(jnp.where(m, jnp.einsum("btnh,bsnh->bnts", q, k) * SCALE, -1e9)), v
+            )
+
         rep = flashport.find_attention(f)(q, k, v)
         assert rep.matches[0].mask == f"causal({align})"
         assert_fused(f, (q, k, v), 1)
@@ -128,7 +231,9 @@ def test_fully_masked_rows_neg_inf_stay_nan_and_softmax_where_gives_zero():
     m = jnp.arange(8)[:, None] - 4 >= jnp.arange(4)[None, :]  # rows 0..3 see nothing
 
     def f_inf(q, k, v):
-        return jnp.einsum("bnts,bsnh->btnh", _sm(jnp.where(m, jnp.einsum("btnh,bsnh->bnts", q, k), -jnp.inf)), v)
+        return jnp.einsum(
+            "bnts,bsnh->btnh", _sm(jnp.where(m, jnp.einsum("btnh,bsnh->bnts", q, k), -jnp.inf)), v
+        )
 
     def f_where(q, k, v):
         return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), where=m), v)
@@ -168,9 +273,15 @@ def test_jax_nn_dot_product_attention_variants():
     q, k, v = _qkv(kn=2)
     assert_fused(lambda q, k, v: jax.nn.dot_product_attention(q, k, v), (q, k, v), 1)
     assert_fused(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), (q, k, v), 1)
-    assert_fused(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, local_window_size=(2, 0)), (q, k, v), 1)
-    rep = flashport.find_attention(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, local_window_size=(2, 1)))(q, k, v)
-    assert rep.matches[0].mask == "window(2, 1)(top_left)" or rep.matches[0].mask == "window(2, 1)(bottom_right)"
+    assert_fused(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, local_window_size=(2, 0)), (q, k, v), 1
+    )
+    rep = flashport.find_attention(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, local_window_size=(2, 1))
+    )(q, k, v)
+    assert (
+        rep.matches[0].mask == "window(2, 1)(top_left)" or rep.matches[0].mask == "window(2, 1)(bottom_right)"
+    )
 
 
 def _p_returned(q, k, v):
@@ -185,24 +296,69 @@ def _dropout(q, k, v):
 
 
 NEGATIVE = {
-    "softmax_over_query_axis": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), axis=2), v),
-    "softmax_over_both_axes": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), axis=(2, 3)), v),
-    "pv_contracts_query_axis": lambda q, k, v: jnp.einsum("bnts,btnh->bsnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k)), v),
-    "exp_minus_sum": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", (e := jnp.exp((s := jnp.einsum("btnh,bsnh->bnts", q, k)) - s.sum(-1, keepdims=True))) / e.sum(-1, keepdims=True), v),
-    "max_wrong_axis": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", (e := jnp.exp((s := jnp.einsum("btnh,bsnh->bnts", q, k)) - s.max(2, keepdims=True))) / e.sum(-1, keepdims=True), v),
-    "sum_wrong_axis": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", (e := jnp.exp((s := jnp.einsum("btnh,bsnh->bnts", q, k)) - s.max(-1, keepdims=True))) / e.sum(2, keepdims=True), v),
-    "normalize_without_exp": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", (s := jnp.abs(jnp.einsum("btnh,bsnh->bnts", q, k))) / s.sum(-1, keepdims=True), v),
-    "sigmoid_attention": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jax.nn.sigmoid(jnp.einsum("btnh,bsnh->bnts", q, k)), v),
+    "softmax_over_query_axis": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), axis=2), v
+    ),
+    "softmax_over_both_axes": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), axis=(2, 3)), v
+    ),
+    "pv_contracts_query_axis": lambda q, k, v: jnp.einsum(
+        "bnts,btnh->bsnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k)), v
+    ),
+    "exp_minus_sum": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        (e := jnp.exp((s := jnp.einsum("btnh,bsnh->bnts", q, k)) - s.sum(-1, keepdims=True)))
+        / e.sum(-1, keepdims=True),
+        v,
+    ),
+    "max_wrong_axis": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        (e := jnp.exp((s := jnp.einsum("btnh,bsnh->bnts", q, k)) - s.max(2, keepdims=True)))
+        / e.sum(-1, keepdims=True),
+        v,
+    ),
+    "sum_wrong_axis": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        (e := jnp.exp((s := jnp.einsum("btnh,bsnh->bnts", q, k)) - s.max(-1, keepdims=True)))
+        / e.sum(2, keepdims=True),
+        v,
+    ),
+    "normalize_without_exp": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", (s := jnp.abs(jnp.einsum("btnh,bsnh->bnts", q, k))) / s.sum(-1, keepdims=True), v
+    ),
+    "sigmoid_attention": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", jax.nn.sigmoid(jnp.einsum("btnh,bsnh->bnts", q, k)), v
+    ),
     "p_returned": _p_returned,
-    "entropy_reuse": lambda q, k, v: (lambda p: (jnp.einsum("bnts,bsnh->btnh", p, v), -(p * jnp.log(p + 1e-9)).sum()))(_sm(jnp.einsum("btnh,bsnh->bnts", q, k))),
-    "post_mask_without_renormalisation": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k)) * _causal(), v),
+    "entropy_reuse": lambda q, k, v: (
+        lambda p: (jnp.einsum("bnts,bsnh->btnh", p, v), -(p * jnp.log(p + 1e-9)).sum())
+    )(_sm(jnp.einsum("btnh,bsnh->bnts", q, k))),
+    "post_mask_without_renormalisation": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k)) * _causal(), v
+    ),
     "dropout": _dropout,
     "no_pv_dot": lambda q, k, v: _sm(jnp.einsum("btnh,bsnh->bnts", q, k)).sum(-1),
-    "p_squared": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k)) ** 2, v),
-    "l2_distance_scores": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(-((q.transpose(0, 2, 1, 3)[:, :, :, None] - k.transpose(0, 2, 1, 3)[:, :, None]) ** 2).sum(-1)), v),
-    "fill_not_negative_enough": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k), -10.0)), v),
-    "softcap_after_mask": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", _sm(5.0 * jnp.tanh(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k), -1e9) / 5.0)), v),
-    "post_mask_differs": lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jnp.where(_causal().T, _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k), -1e9)), 0.0), v),
+    "p_squared": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(jnp.einsum("btnh,bsnh->bnts", q, k)) ** 2, v
+    ),
+    "l2_distance_scores": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        _sm(-((q.transpose(0, 2, 1, 3)[:, :, :, None] - k.transpose(0, 2, 1, 3)[:, :, None]) ** 2).sum(-1)),
+        v,
+    ),
+    "fill_not_negative_enough": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh", _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k), -10.0)), v
+    ),
+    "softcap_after_mask": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        _sm(5.0 * jnp.tanh(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k), -1e9) / 5.0)),
+        v,
+    ),
+    "post_mask_differs": lambda q, k, v: jnp.einsum(
+        "bnts,bsnh->btnh",
+        jnp.where(_causal().T, _sm(jnp.where(_causal(), jnp.einsum("btnh,bsnh->bnts", q, k), -1e9)), 0.0),
+        v,
+    ),
 }
 
 
@@ -212,25 +368,30 @@ def test_negative_twin_is_not_fused(name):
     f = NEGATIVE[name]
     fused = flashport.fuse_attention(f)
     assert count_sites(fused, q, k, v) == 0
-    for w, g in zip(jax.tree_util.tree_leaves(f(q, k, v)), jax.tree_util.tree_leaves(fused(q, k, v))):
+    for w, g in zip(
+        jax.tree_util.tree_leaves(f(q, k, v)), jax.tree_util.tree_leaves(fused(q, k, v)), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     rep = flashport.find_attention(f)(q, k, v)
     assert not rep.matches
     assert all(s.reason for s in rep.near_misses)
 
 
-@pytest.mark.parametrize("name,reason", [
-    ("softmax_over_query_axis", "PV product does not contract"),
-    ("max_wrong_axis", "different axes"),
-    ("sum_wrong_axis", "different axes"),
-    ("p_returned", "other users"),
-    ("entropy_reuse", "other users"),
-    ("dropout", "multiplied by a tensor"),
-    ("fill_not_negative_enough", "not negative enough"),
-    ("softcap_after_mask", "softcap must come before"),
-    ("post_mask_differs", "post-softmax mask differs"),
-    ("exp_minus_sum", "not the row max"),
-])
+@pytest.mark.parametrize(
+    "name,reason",
+    [
+        ("softmax_over_query_axis", "PV product does not contract"),
+        ("max_wrong_axis", "different axes"),
+        ("sum_wrong_axis", "different axes"),
+        ("p_returned", "other users"),
+        ("entropy_reuse", "other users"),
+        ("dropout", "multiplied by a tensor"),
+        ("fill_not_negative_enough", "not negative enough"),
+        ("softcap_after_mask", "softcap must come before"),
+        ("post_mask_differs", "post-softmax mask differs"),
+        ("exp_minus_sum", "not the row max"),
+    ],
+)
 def test_near_miss_reasons(name, reason):
     rep = flashport.find_attention(NEGATIVE[name])(*_qkv())
     assert any(reason in s.reason for s in rep.near_misses), rep.to_dicts()

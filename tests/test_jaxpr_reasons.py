@@ -54,7 +54,9 @@ def test_pv_over_the_wrong_axis_names_the_pv_product():
         return jnp.einsum("bnts,bnsd->bntd", p.swapaxes(-1, -2), v)  # MARK-pv
 
     reason = _reason(f)
-    assert "does not contract the softmax (key) axis" in reason or "free dims are not the query dims" in reason
+    assert (
+        "does not contract the softmax (key) axis" in reason or "free dims are not the query dims" in reason
+    )
     assert f"{__file__}:{_line_of(f, 'MARK-pv')}" in reason
 
 

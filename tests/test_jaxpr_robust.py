@@ -10,11 +10,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import pytest
+from jaxpr_util import assert_fused
 
 import flashport
 from flashport.rewriter.jaxpr import interpreter, patterns
-from jaxpr_util import assert_fused
 
 B, N, T, D = 2, 3, 5, 8
 SCALE = 1.0 / math.sqrt(D)

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_util import assert_fused, count_sites
 
 import flashport
-from jaxpr_util import assert_fused, count_sites
 
 B, T, N, H = 2, 8, 4, 8
 
@@ -28,7 +28,7 @@ def attn(q, k, v):
 
 
 def _close(a, b, tol=2e-5):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol)
 
 
@@ -48,7 +48,10 @@ def test_jit_grad_vmap_in_either_order():
     inner = flashport.fuse_attention(jax.vmap(attn))
     assert count_sites(inner, qs, ks, vs) == 1
     _close(jax.jit(inner)(qs, ks, vs), want)
-    _close(jax.jit(jax.vmap(jax.grad(loss(fused))))(qs, ks, vs), jax.jit(jax.vmap(jax.grad(loss(attn))))(qs, ks, vs))
+    _close(
+        jax.jit(jax.vmap(jax.grad(loss(fused))))(qs, ks, vs),
+        jax.jit(jax.vmap(jax.grad(loss(attn))))(qs, ks, vs),
+    )
 
 
 def test_checkpoint_both_orders():
@@ -67,8 +70,7 @@ def test_nested_jit_custom_jvp_and_custom_vjp_bodies():
     def cv(q, k, v):
         return attn(q, k, v)
 
-    cv.defvjp(lambda q, k, v: (attn(q, k, v), (q, k, v)),
-              lambda res, g: jax.vjp(attn, *res)[1](g))
+    cv.defvjp(lambda q, k, v: (attn(q, k, v), (q, k, v)), lambda res, g: jax.vjp(attn, *res)[1](g))
     assert_fused(cv, (q, k, v), 1)
 
     @jax.custom_jvp
@@ -86,6 +88,7 @@ def test_scan_over_layers_cond_and_while():
     def layers(x, ws):
         def body(h, w):
             return h + attn(h @ w, h, h), None
+
         return jax.lax.scan(body, x, ws)[0]
 
     assert_fused(layers, (q, ws), 1)
@@ -176,6 +179,7 @@ def test_report_as_data_and_table():
     assert "near-miss" in text and "other" in text
     assert "other users" in rep.near_misses[0].reason
     from rich.table import Table
+
     assert isinstance(rep.__rich__(), Table)
     assert rep.to_dicts()[1]["status"] == "near-miss"
 
@@ -206,6 +210,7 @@ def test_rewrite_edits_the_jaxpr_without_retracing(monkeypatch):
     def program(q, k, v, ws):
         def body(h, w):
             return h + jax.checkpoint(attn)(h @ w, h, h), None
+
         x = jax.lax.scan(body, q, ws)[0]
         x = jax.lax.cond(x.sum() > 0, attn, lambda q, k, v: v, x, k, v)
         return x + inner(q, k, v) + inner(v, k, q) + attn(q, k, v)
@@ -217,6 +222,7 @@ def test_rewrite_edits_the_jaxpr_without_retracing(monkeypatch):
     jax.extend.core.check_jaxpr(new.jaxpr)
     assert len(traced) == 1  # five sites, one signature
     from jaxpr_util import _count
+
     assert _count(new.jaxpr) == 5
     calls = [e for e in new.jaxpr.eqns if e.primitive.name in ("jit", "pjit") and e.params["name"] == "attn"]
     assert len(calls) == 2 and calls[0].params["jaxpr"] is calls[1].params["jaxpr"]  # shared body, once
@@ -236,14 +242,19 @@ def test_bodies_that_need_constants_fall_back_to_retracing_that_call(monkeypatch
         closed = site_jaxpr(match, inputs, backend)
         ones = np.ones(closed.out_avals[0].shape, closed.out_avals[0].dtype)
         return jax.make_jaxpr(lambda *a: [jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a)[0] * ones])(
-            *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs])
+            *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs]
+        )
 
     retraced = []
     splice_retraced = interpreter._splice_retraced
     monkeypatch.setattr(interpreter, "_site_jaxpr", with_const)
-    monkeypatch.setattr(interpreter, "_splice_retraced",
-                        lambda b, plan, eqn, backend: retraced.append(eqn.primitive.name)
-                        or splice_retraced(b, plan, eqn, backend))
+    monkeypatch.setattr(
+        interpreter,
+        "_splice_retraced",
+        lambda b, plan, eqn, backend: (
+            retraced.append(eqn.primitive.name) or splice_retraced(b, plan, eqn, backend)
+        ),
+    )
     q, k, v = _qkv()
     ws = jax.random.normal(jax.random.PRNGKey(9), (3, H, H)) * 0.3
 

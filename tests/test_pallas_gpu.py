@@ -19,21 +19,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
 from flashport.kernels import api, registry
 from flashport.kernels.pallas_gpu_tile import (
-    Geometry, full_key_blocks, full_query_blocks, key_block_bounds, query_block_bounds,
+    Geometry,
+    full_key_blocks,
+    full_query_blocks,
+    key_block_bounds,
+    query_block_bounds,
 )
 from flashport.kernels.spec import AttentionSpec
-from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 SMALL = registry.use("pallas_gpu_interpret", block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=32)
 TOL = {"float32": (2e-5, 1e-4), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 1e-2)}
 
 
-def make_case(seed=0, b=1, sq=40, sk=72, hq=2, hkv=1, d=16, dv=None, dtype="float32", bias=None, mask=None,
-              segments=False, empty_rows=False, **opts):
+def make_case(
+    seed=0,
+    b=1,
+    sq=40,
+    sk=72,
+    hq=2,
+    hkv=1,
+    d=16,
+    dv=None,
+    dtype="float32",
+    bias=None,
+    mask=None,
+    segments=False,
+    empty_rows=False,
+    **opts,
+):
     """Random inputs in BSHD plus the keyword arguments of the call."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
@@ -90,7 +108,7 @@ def check(q, k, v, d_out, kwargs, backend=SMALL, dtype="float32", grads=True):
         return
     got = vjp((jnp.asarray(d_out, q.dtype), jnp.zeros_like(lse)))
     want = reference_attention_vjp(q, k, v, jnp.asarray(d_out, q.dtype), **ref_kwargs)
-    for name, g, w in zip("qkv", got[:3], want[:3]):
+    for name, g, w in zip("qkv", got[:3], want[:3], strict=True):
         assert g.dtype == q.dtype, f"d{name} dtype {g.dtype}"
         assert np.all(np.isfinite(np.asarray(g, np.float32))), f"d{name} has non-finite values"
         assert_close(g, w, grad_tol, f"d{name}")
@@ -110,15 +128,18 @@ CASES = {
     "causal_br_sq>sk_empty_rows": dict(sq=72, sk=40, hq=1, causal=True),
     "window_softcap_scale_d24": dict(window=(20, 5), softcap=2.5, scale=0.3, d=24),
     "window_left_tl_bias_full": dict(window=(30, None), align="top_left", bias=(1, 2, 40, 72)),
-    "bias_keys_mask_segments_causal": dict(b=2, hq=1, bias=(2, 1, 1, 72), mask=(1, 1, 40, 72), segments=True,
-                                           causal=True),
+    "bias_keys_mask_segments_causal": dict(
+        b=2, hq=1, bias=(2, 1, 1, 72), mask=(1, 1, 40, 72), segments=True, causal=True
+    ),
     "bias_rows_softcap": dict(hq=4, hkv=2, bias=(1, 4, 40, 1), softcap=3.0),
     "bias_scalar_window": dict(bias=(1, 1, 1, 1), window=(8, 8)),
     "mask_empty_rows": dict(mask=(1, 2, 40, 72), empty_rows=True),
-    "dropout_gqa_causal_bias": dict(hq=4, hkv=2, causal=True, dropout_rate=0.25, dropout_seed=(0, 7),
-                                    bias=(1, 4, 40, 72)),
-    "dropout_segments_window_tl": dict(b=2, dropout_rate=0.5, dropout_seed=(3, 11), segments=True,
-                                       window=(16, 0), align="top_left"),
+    "dropout_gqa_causal_bias": dict(
+        hq=4, hkv=2, causal=True, dropout_rate=0.25, dropout_seed=(0, 7), bias=(1, 4, 40, 72)
+    ),
+    "dropout_segments_window_tl": dict(
+        b=2, dropout_rate=0.5, dropout_seed=(3, 11), segments=True, window=(16, 0), align="top_left"
+    ),
     "decode_sq1": dict(sq=1, hq=4, causal=True, bias=(1, 4, 1, 72)),
 }
 
@@ -184,8 +205,16 @@ def test_vmap_and_jit():
 
 
 def _spec(sq, sk, causal=False, left=None, right=None, align="bottom_right"):
-    return AttentionSpec(scale=1.0, causal=causal, window_left=left, window_right=right,
-                         offset=sk - sq if align == "bottom_right" else 0, softcap=None, seq_q=sq, seq_k=sk)
+    return AttentionSpec(
+        scale=1.0,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        offset=sk - sq if align == "bottom_right" else 0,
+        softcap=None,
+        seq_q=sq,
+        seq_k=sk,
+    )
 
 
 def _visible_blocks(spec, bq, bk, every=False):
@@ -202,24 +231,45 @@ def _visible_blocks(spec, bq, bk, every=False):
         keep &= j <= i + spec.window_right
     nq, nk = -(-spec.seq_q // bq), -(-spec.seq_k // bk)
     if every:
-        return {(a, c) for a in range(spec.seq_q // bq) for c in range(spec.seq_k // bk)
-                if keep[a * bq:(a + 1) * bq, c * bk:(c + 1) * bk].all()}
-    return {(a, c) for a in range(nq) for c in range(nk) if keep[a * bq:(a + 1) * bq, c * bk:(c + 1) * bk].any()}
+        return {
+            (a, c)
+            for a in range(spec.seq_q // bq)
+            for c in range(spec.seq_k // bk)
+            if keep[a * bq : (a + 1) * bq, c * bk : (c + 1) * bk].all()
+        }
+    return {
+        (a, c)
+        for a in range(nq)
+        for c in range(nk)
+        if keep[a * bq : (a + 1) * bq, c * bk : (c + 1) * bk].any()
+    }
 
 
-@pytest.mark.parametrize("spec", [
-    _spec(40, 72), _spec(40, 72, causal=True), _spec(72, 40, causal=True), _spec(72, 40, causal=True, align="top_left"),
-    _spec(300, 300, causal=True, left=50), _spec(100, 260, left=30, right=10), _spec(260, 100, left=0, right=0),
-    _spec(1, 72, causal=True), _spec(64, 64, left=5, right=None, align="top_left"),
-], ids=lambda s: f"{s.seq_q}x{s.seq_k}_c{int(s.causal)}_w{s.window_left},{s.window_right}_o{s.offset}")
+@pytest.mark.parametrize(
+    "spec",
+    [
+        _spec(40, 72),
+        _spec(40, 72, causal=True),
+        _spec(72, 40, causal=True),
+        _spec(72, 40, causal=True, align="top_left"),
+        _spec(300, 300, causal=True, left=50),
+        _spec(100, 260, left=30, right=10),
+        _spec(260, 100, left=0, right=0),
+        _spec(1, 72, causal=True),
+        _spec(64, 64, left=5, right=None, align="top_left"),
+    ],
+    ids=lambda s: f"{s.seq_q}x{s.seq_k}_c{int(s.causal)}_w{s.window_left},{s.window_right}_o{s.offset}",
+)
 def test_loop_bounds_visit_exactly_the_visible_blocks(spec):
     """The kernels' traced loop bounds (forward/dQ over key blocks, dK/dV over query blocks) cover
     every tile with a visible pair and nothing else: block skipping is both safe and tight. The
     unmasked ranges hold exactly the unpadded tiles whose every entry is visible."""
     for bq, bk in ((16, 16), (32, 64), (64, 16)):
         g = Geometry.make(spec, bq, bk)
-        for every, rows_fn, cols_fn in ((False, key_block_bounds, query_block_bounds),
-                                        (True, full_key_blocks, full_query_blocks)):
+        for every, rows_fn, cols_fn in (
+            (False, key_block_bounds, query_block_bounds),
+            (True, full_key_blocks, full_query_blocks),
+        ):
             want = _visible_blocks(spec, g.bq, g.bk, every=every)
             by_rows = set()
             for i in range(g.nq):
@@ -279,9 +329,21 @@ def _lower_for_cuda(dtype, bias_shape):
 
     def loss(q, k, v, bias, mask, seg_q, seg_k):
         out, lse = flashport.attention(
-            q, k, v, bias=bias, mask=mask, q_segment_ids=seg_q, kv_segment_ids=seg_k, causal=True,
-            window=(20, None), softcap=3.0, dropout_rate=0.1, dropout_rng=jax.random.key(1),
-            backend="pallas_gpu", return_lse=True)
+            q,
+            k,
+            v,
+            bias=bias,
+            mask=mask,
+            q_segment_ids=seg_q,
+            kv_segment_ids=seg_k,
+            causal=True,
+            window=(20, None),
+            softcap=3.0,
+            dropout_rate=0.1,
+            dropout_rng=jax.random.key(1),
+            backend="pallas_gpu",
+            return_lse=True,
+        )
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
@@ -289,7 +351,9 @@ def _lower_for_cuda(dtype, bias_shape):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: d.__name__)
-@pytest.mark.parametrize("bias_shape", [(2, 4, 40, 72), (1, 1, 1, 72), (1, 4, 40, 1)], ids=["full", "keys", "rows"])
+@pytest.mark.parametrize(
+    "bias_shape", [(2, 4, 40, 72), (1, 1, 1, 72), (1, 4, 40, 1)], ids=["full", "keys", "rows"]
+)
 def test_lowers_for_cuda(dtype, bias_shape):
     """Forward, dK/dV and dQ kernels with every feature lower to Triton for CUDA on a CPU-only host."""
     text = _lower_for_cuda(dtype, bias_shape)
@@ -306,7 +370,9 @@ def test_exports_for_cuda():
     with pytest.raises(ValueError, match="custom calls whose targets have no compatibility guarantees"):
         jax.export.export(f, platforms=["cuda"])(q, q, q)
     exp = jax.export.export(
-        f, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        f,
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(q, q, q)
     assert exp.platforms == ("cuda",)
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
@@ -318,7 +384,8 @@ def test_auto_exports_for_cpu_and_cuda_and_runs_on_cpu():
     q, k, v, _, _ = make_case(causal=True, softcap=3.0)
     f = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True, softcap=3.0))
     exp = jax.export.export(
-        f, platforms=["cpu", "cuda"],
+        f,
+        platforms=["cpu", "cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(q, k, v)
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
@@ -336,7 +403,9 @@ def test_gpu_check_script_gradient_check_runs_here():
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     case = [c for c in gpu_check.GRAD_CASES if c[0] == "key-padding bias + segments"]
-    assert gpu_check.check_grads("pallas_gpu_interpret", jnp.float32, sq=40, sk=72, d=16, tol=1e-4, cases=case)
+    assert gpu_check.check_grads(
+        "pallas_gpu_interpret", jnp.float32, sq=40, sk=72, d=16, tol=1e-4, cases=case
+    )
 
 
 def test_no_queries():

@@ -18,20 +18,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
 from flashport.kernels import pallas_tpu, registry
 from flashport.kernels.pallas_tpu.blocks import GENERATION_DEFAULTS, BlockSizes, resolve_blocks
 from flashport.kernels.pallas_tpu.tiling import Geometry, analytic_causal_fraction, visited_count
 from flashport.kernels.spec import AttentionSpec
-from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 SMALL = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)
 TOL = {"float32": (2e-5, 1e-4), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 1e-2)}
 
 
-def make_case(seed=0, b=1, sq=40, sk=200, hq=2, hkv=1, d=64, dv=None, dtype="float32", bias=None, mask=None,
-              segments=False, empty_rows=False, **opts):
+def make_case(
+    seed=0,
+    b=1,
+    sq=40,
+    sk=200,
+    hq=2,
+    hkv=1,
+    d=64,
+    dv=None,
+    dtype="float32",
+    bias=None,
+    mask=None,
+    segments=False,
+    empty_rows=False,
+    **opts,
+):
     """Random inputs in BSHD plus the keyword arguments of the call."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
@@ -85,7 +99,7 @@ def check(q, k, v, d_out, kwargs, backend=SMALL, dtype="float32", grads=True):
         return
     got = vjp((jnp.asarray(d_out, q.dtype), jnp.zeros_like(lse)))
     want = reference_attention_vjp(q, k, v, jnp.asarray(d_out, q.dtype), **ref_kwargs)
-    for name, g, w in zip("qkv", got[:3], want[:3]):
+    for name, g, w in zip("qkv", got[:3], want[:3], strict=True):
         assert np.all(np.isfinite(np.asarray(g, np.float32))), f"d{name} has non-finite values"
         assert_close(g, w, grad_tol, f"d{name}")
     if bias is not None:
@@ -102,8 +116,9 @@ CASES = {
     "causal_br_sq>sk_empty_rows": dict(sq=100, sk=70, hq=1, causal=True),
     "window_softcap_scale_d96": dict(window=(40, 10), softcap=2.5, scale=0.3, d=96),
     "window_left_tl_bias_full": dict(window=(50, None), align="top_left", bias=(1, 2, 40, 200)),
-    "bias_bcast_mask_segments": dict(b=2, hq=1, sk=130, bias=(2, 1, 1, 130), mask=(1, 1, 40, 130),
-                                      segments=True, causal=True),
+    "bias_bcast_mask_segments": dict(
+        b=2, hq=1, sk=130, bias=(2, 1, 1, 130), mask=(1, 1, 40, 130), segments=True, causal=True
+    ),
     "mask_empty_rows_d256": dict(sq=40, sk=130, mask=(1, 1, 40, 130), empty_rows=True, d=256),
     "decode_sq1": dict(sq=1, sk=200, hq=4, causal=True, bias=(1, 4, 1, 200)),
 }
@@ -125,7 +140,7 @@ def test_default_blocks_single_tile():
 
 
 def test_empty_rows_are_zero_with_zero_grads():
-    q, k, v, d_out, _ = make_case(sq=40, sk=130, hq=1)
+    q, k, v, _d_out, _ = make_case(sq=40, sk=130, hq=1)
     seg_q = jnp.asarray(np.r_[np.zeros(20), np.full(20, 7)][None].astype(np.int32))
     seg_k = jnp.zeros((1, 130), jnp.int32)  # queries with id 7 see nothing
     kw = dict(q_segment_ids=seg_q, kv_segment_ids=seg_k, backend=SMALL)
@@ -148,8 +163,16 @@ def test_vmap_and_jit():
 
 
 def _spec(sq, sk, **kw):
-    return AttentionSpec(scale=1.0, causal=kw.get("causal", False), window_left=kw.get("left"),
-                         window_right=kw.get("right"), offset=sk - sq, softcap=None, seq_q=sq, seq_k=sk)
+    return AttentionSpec(
+        scale=1.0,
+        causal=kw.get("causal", False),
+        window_left=kw.get("left"),
+        window_right=kw.get("right"),
+        offset=sk - sq,
+        softcap=None,
+        seq_q=sq,
+        seq_k=sk,
+    )
 
 
 def _tiles_with_visible_keys(spec, bq, bk, q_seg=None, kv_seg=None):
@@ -166,8 +189,12 @@ def _tiles_with_visible_keys(spec, bq, bk, q_seg=None, kv_seg=None):
     if q_seg is not None:
         keep = keep & (np.asarray(q_seg)[:, :, None] == np.asarray(kv_seg)[:, None, :])
     nq, nk = -(-sq // bq), -(-sk // bk)
-    return sum(bool(keep[b, a * bq:(a + 1) * bq, c * bk:(c + 1) * bk].any())
-               for b in range(keep.shape[0]) for a in range(nq) for c in range(nk))
+    return sum(
+        bool(keep[b, a * bq : (a + 1) * bq, c * bk : (c + 1) * bk].any())
+        for b in range(keep.shape[0])
+        for a in range(nq)
+        for c in range(nk)
+    )
 
 
 def test_causal_square_visits_n_plus_1_over_2n_blocks():
@@ -177,8 +204,12 @@ def test_causal_square_visits_n_plus_1_over_2n_blocks():
     q, k, v, _, _ = make_case(sq=s, sk=s, hq=1, d=128)
     spec = _spec(s, s, causal=True)
     out, _, visits = pallas_tpu.count_visited_tiles(
-        jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), spec=spec,
-        options=dict(block_q=block, block_k=block))
+        jnp.swapaxes(q, 1, 2),
+        jnp.swapaxes(k, 1, 2),
+        jnp.swapaxes(v, 1, 2),
+        spec=spec,
+        options=dict(block_q=block, block_k=block),
+    )
     visited = int(np.sum(visits))
     assert visited == n * (n + 1) // 2 == 36
     assert visited / (n * n) == pytest.approx(analytic_causal_fraction(n))  # 0.5625 for n = 8
@@ -203,8 +234,13 @@ def test_window_and_segments_visit_only_overlapping_blocks():
     assert counted == _tiles_with_visible_keys(spec2, 128, 128, q_seg, q_seg) < 2 * 4 * 4
     q, k, v, _, _ = make_case(b=2, sq=sq, sk=sk, hq=1, d=128)
     canon = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
-    _, _, visits = pallas_tpu.count_visited_tiles(*canon, spec=spec2, options=dict(block_q=128, block_k=128),
-                                                  q_seg=jnp.asarray(q_seg), kv_seg=jnp.asarray(q_seg))
+    _, _, visits = pallas_tpu.count_visited_tiles(
+        *canon,
+        spec=spec2,
+        options=dict(block_q=128, block_k=128),
+        q_seg=jnp.asarray(q_seg),
+        kv_seg=jnp.asarray(q_seg),
+    )
     assert int(np.sum(visits)) == counted
 
 
@@ -247,8 +283,9 @@ def test_cost_estimate_is_analytic():
     q = jnp.zeros((1, 2, s, d), jnp.bfloat16)
     spec = _spec(s, s, causal=True)
     fn = registry.get("pallas_tpu").fn
-    jaxpr = jax.make_jaxpr(lambda q: fn(q, q, q, None, None, None, None, None, spec=spec,
-                                        options=dict(block_q=128, block_k=128)))(q)
+    jaxpr = jax.make_jaxpr(
+        lambda q: fn(q, q, q, None, None, None, None, None, spec=spec, options=dict(block_q=128, block_k=128))
+    )(q)
     # The TPU lowering and its interpreter fallback (pallas_tpu.platform) carry the same kernel.
     costs = {e.params["cost_estimate"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"}
     assert len(costs) == 1

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import dropout_keep, reference_attention, reference_attention_vjp
 
 import flashport
 from flashport.kernels import registry
-from reference import dropout_keep, reference_attention, reference_attention_vjp
 
 SEED = 5
 WORDS = (SEED >> 32, SEED & 0xFFFFFFFF)  # the seed words of jax.random.key(SEED)
@@ -66,10 +66,14 @@ def _inputs(b=2, sq=50, sk=200, hq=4, hkv=2, d=64, seed=0):
     "options, kwargs",
     [
         # Backward kernels tiled differently from the forward and from each other.
-        (dict(block_q=32, block_k=128, block_q_dkv=64, block_k_dkv=256, block_q_dq=96, block_k_dq=128),
-         dict(causal=True)),
-        (dict(block_q=64, block_k=256, block_q_dkv=32, block_k_dkv=128, block_q_dq=32, block_k_dq=256),
-         dict(window=(30, 10), softcap=4.0)),
+        (
+            dict(block_q=32, block_k=128, block_q_dkv=64, block_k_dkv=256, block_q_dq=96, block_k_dq=128),
+            dict(causal=True),
+        ),
+        (
+            dict(block_q=64, block_k=256, block_q_dkv=32, block_k_dkv=128, block_q_dq=32, block_k_dq=256),
+            dict(window=(30, 10), softcap=4.0),
+        ),
     ],
     ids=["causal", "window_softcap"],
 )
@@ -79,8 +83,16 @@ def test_forward_and_grads_match_reference_when_backward_blocks_differ(options, 
     backend = registry.use("pallas_tpu_interpret", **options)
 
     def f(q, k, v):
-        return flashport.attention(q, k, v, dropout_rate=rate, dropout_rng=jax.random.key(SEED), backend=backend,
-                                   return_lse=True, **kwargs)
+        return flashport.attention(
+            q,
+            k,
+            v,
+            dropout_rate=rate,
+            dropout_rng=jax.random.key(SEED),
+            backend=backend,
+            return_lse=True,
+            **kwargs,
+        )
 
     (out, lse), vjp = jax.vjp(f, q, k, v)
     grads = vjp((do, jnp.zeros_like(lse)))
@@ -88,7 +100,7 @@ def test_forward_and_grads_match_reference_when_backward_blocks_differ(options, 
     ref_grads = reference_attention_vjp(q, k, v, do, dropout_rate=rate, dropout_seed=WORDS, **kwargs)[:3]
     np.testing.assert_allclose(out, ref_out, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5, rtol=2e-5)  # lse ignores dropout
-    for name, got, want in zip("qkv", grads, ref_grads):
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
 
 
@@ -98,14 +110,18 @@ def test_bfloat16_dropout_matches_reference():
     backend = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)
 
     def f(q, k, v):
-        return flashport.attention(q, k, v, causal=True, dropout_rate=rate, dropout_rng=jax.random.key(SEED),
-                                   backend=backend)
+        return flashport.attention(
+            q, k, v, causal=True, dropout_rate=rate, dropout_rng=jax.random.key(SEED), backend=backend
+        )
 
     out, vjp = jax.vjp(f, q, k, v)
     grads = vjp(do)
     ref_out, _ = reference_attention(q, k, v, causal=True, dropout_rate=rate, dropout_seed=WORDS)
     ref_grads = reference_attention_vjp(q, k, v, do, causal=True, dropout_rate=rate, dropout_seed=WORDS)[:3]
-    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-2 * max(1, np.abs(ref_out).max()))
-    for name, got, want in zip("qkv", grads, ref_grads):
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=6e-2 * max(1, np.abs(want).max()),
-                                   err_msg=f"d{name}")
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), ref_out, atol=3e-2 * max(1, np.abs(ref_out).max())
+    )
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), want, atol=6e-2 * max(1, np.abs(want).max()), err_msg=f"d{name}"
+        )

@@ -40,27 +40,45 @@ FEATURES = {
     "bias_full": ({}, dict(bias=lambda b, h, q, k: S((b, h, q, k), jnp.float32)), {}),
     "bias_bcast": ({}, dict(bias=lambda b, h, q, k: S((b, 1, 1, k), jnp.float32)), {}),
     "mask": ({}, dict(mask=lambda b, h, q, k: S((b, 1, q, k), jnp.bool_)), {}),
-    "segments": ({}, dict(q_segment_ids=lambda b, h, q, k: S((b, q), jnp.int32),
-                          kv_segment_ids=lambda b, h, q, k: S((b, k), jnp.int32)), {}),
+    "segments": (
+        {},
+        dict(
+            q_segment_ids=lambda b, h, q, k: S((b, q), jnp.int32),
+            kv_segment_ids=lambda b, h, q, k: S((b, k), jnp.int32),
+        ),
+        {},
+    ),
     "mqa": ({}, {}, dict(hkv=1)),
     "decode_sq1": (dict(causal=True), {}, dict(sq=1)),
     "d64": ({}, {}, dict(d=64)),
     "d96": ({}, {}, dict(d=96)),
     "d256": ({}, {}, dict(d=256)),
-    "dropout": (dict(causal=True, dropout_rate=0.1), dict(dropout_rng=lambda b, h, q, k: S((2,), jnp.uint32)),
-                dict(hkv=1)),
-    "everything": (dict(causal=True, window=(512, None), softcap=20.0),
-                   dict(bias=lambda b, h, q, k: S((1, h, q, k), jnp.float32),
-                        mask=lambda b, h, q, k: S((b, 1, 1, k), jnp.bool_),
-                        q_segment_ids=lambda b, h, q, k: S((b, q), jnp.int32),
-                        kv_segment_ids=lambda b, h, q, k: S((b, k), jnp.int32)), {}),
+    "dropout": (
+        dict(causal=True, dropout_rate=0.1),
+        dict(dropout_rng=lambda b, h, q, k: S((2,), jnp.uint32)),
+        dict(hkv=1),
+    ),
+    "everything": (
+        dict(causal=True, window=(512, None), softcap=20.0),
+        dict(
+            bias=lambda b, h, q, k: S((1, h, q, k), jnp.float32),
+            mask=lambda b, h, q, k: S((b, 1, 1, k), jnp.bool_),
+            q_segment_ids=lambda b, h, q, k: S((b, q), jnp.int32),
+            kv_segment_ids=lambda b, h, q, k: S((b, k), jnp.int32),
+        ),
+        {},
+    ),
 }
 
 
 def abstract_tpu(kind):
     """An abstract one-chip mesh of the given TPU kind (no TPU needed)."""
-    return AbstractMesh((1,), ("x",), (AxisType.Auto,),
-                        abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform="tpu"))
+    return AbstractMesh(
+        (1,),
+        ("x",),
+        (AxisType.Auto,),
+        abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform="tpu"),
+    )
 
 
 def export_train_step(kind, dtype, feature, backend="pallas_tpu", platforms=("tpu",)):
@@ -131,7 +149,9 @@ def test_explicit_user_blocks_lower():
 
 def test_vmap_of_grad_lowers():
     q = S((3, 1, 512, 2, 128), jnp.bfloat16)
-    f = jax.jit(jax.vmap(jax.grad(lambda q: flashport.attention(q, q, q, causal=True, backend="pallas_tpu").sum())))
+    f = jax.jit(
+        jax.vmap(jax.grad(lambda q: flashport.attention(q, q, q, causal=True, backend="pallas_tpu").sum()))
+    )
     with jax.sharding.use_abstract_mesh(abstract_tpu(KINDS["v6e"])):
         text = jax.export.export(f, platforms=["tpu"])(q).mlir_module()
     assert_three_kernels(text)
@@ -155,8 +175,15 @@ def export_without_mesh(backend, platforms, grad, dtype="bfloat16", dropout=Fals
     return jax.export.export(jax.jit(fn), platforms=list(platforms))(q, kv, kv, key).mlir_module()
 
 
-@pytest.mark.parametrize("backend", ["pallas_tpu", "auto", registry.use("pallas_tpu", generation="v5e"),
-                                     registry.use("pallas_tpu", generation="v4")])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "pallas_tpu",
+        "auto",
+        registry.use("pallas_tpu", generation="v5e"),
+        registry.use("pallas_tpu", generation="v4"),
+    ],
+)
 @pytest.mark.parametrize("platforms", [("tpu",), ("cpu", "tpu")])
 @pytest.mark.parametrize("grad", [False, True], ids=["fwd", "grad"])
 def test_export_for_tpu_without_abstract_mesh(backend, platforms, grad):
@@ -173,8 +200,9 @@ def test_export_for_tpu_without_abstract_mesh(backend, platforms, grad):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gen", ["v4", "v5e", "v5p", "v6e"])
 def test_dropout_exports_without_abstract_mesh(gen, dtype):
-    text = export_without_mesh(registry.use("pallas_tpu", generation=gen), ("tpu",), grad=True, dtype=dtype,
-                               dropout=True)
+    text = export_without_mesh(
+        registry.use("pallas_tpu", generation=gen), ("tpu",), grad=True, dtype=dtype, dropout=True
+    )
     assert_three_kernels(text)
 
 
@@ -215,7 +243,9 @@ def test_float16_never_reaches_the_kernels(bias):
     b = jnp.zeros((1, 2, 300, 300), jnp.float16) if bias else None
 
     def loss(q, k, v, b):
-        return jnp.sum(flashport.attention(q, k, v, bias=b, causal=True, backend="pallas_tpu").astype(jnp.float32))
+        return jnp.sum(
+            flashport.attention(q, k, v, bias=b, causal=True, backend="pallas_tpu").astype(jnp.float32)
+        )
 
     argnums = (0, 1, 2, 3) if bias else (0, 1, 2)
     closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=argnums))(q, q, q, b)

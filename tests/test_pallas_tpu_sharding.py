@@ -80,6 +80,7 @@ def test_batch_and_head_sharded_inputs_match_reference(dropout):
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     script = SCRIPT.format(tests=tests, dropout=dropout)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 0 and "SHARDED-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _bench():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("flashport_real_repos", ROOT / "benchmarks" / "real_repos.py")
+    spec = importlib.util.spec_from_file_location(
+        "flashport_real_repos", ROOT / "benchmarks" / "real_repos.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["flashport_real_repos"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -47,10 +49,16 @@ def test_a_port_has_no_stray_changes_and_a_hand_edit_outside_sites_is_flagged():
     assert bench.check_changes("m.py", OLD, result.new, result.sites, GPU) == []
     edited = result.new.replace(b"x = 1", b"x = 2")
     assert bench.check_changes("m.py", OLD, edited, result.sites, GPU) == ["m.py:10"]
-    assert bench.gpu_imports(result.new, GPU) == [] and bench.gpu_imports(OLD, GPU) == ["flash_attn (guarded)"]
+    assert bench.gpu_imports(result.new, GPU) == [] and bench.gpu_imports(OLD, GPU) == [
+        "flash_attn (guarded)"
+    ]
 
 
 def test_test_code_is_told_apart_by_path():
     bench = _bench()
-    assert bench.is_test("pkg/tests/x.py") and bench.is_test("pkg/test_x.py") and bench.is_test("benchmarks/b.py")
+    assert (
+        bench.is_test("pkg/tests/x.py")
+        and bench.is_test("pkg/test_x.py")
+        and bench.is_test("benchmarks/b.py")
+    )
     assert not bench.is_test("pkg/models/attention.py") and not bench.is_test("pkg/testing_utils.py")

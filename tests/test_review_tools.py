@@ -28,7 +28,7 @@ from flashport.rules.base import RuleOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TWO_SITES = '''import torch
+TWO_SITES = """import torch
 from flash_attn import flash_attn_func
 
 
@@ -38,19 +38,19 @@ def first(q, k, v):
 
 def second(q, k, v):
     return flash_attn_func(q, k, v, softmax_scale=0.5)
-'''
-REFUSED = '''from flash_attn import flash_attn_func
+"""
+REFUSED = """from flash_attn import flash_attn_func
 
 
 def f(q, k, v):
     return flash_attn_func(q, k, v, return_attn_probs=True)
-'''
-SDPA = '''import torch.nn.functional as F
+"""
+SDPA = """import torch.nn.functional as F
 
 
 def g(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-'''
+"""
 
 
 @pytest.fixture
@@ -85,7 +85,9 @@ def test_html_report_content_links_and_no_network(tree):
     assert '<span class="k">return</span>' in page  # pygments colour classes inside the diff
     plain = re.sub(r"<[^>]+>", "", page)
     assert "flashport.torch.attention(q, k, v, scale=0.5" in plain and "&quot;bottom_right&quot;" in plain
-    assert not re.search(r"<script|<link|<img|<iframe|@import|url\(|src=", page), "the page must be self-contained"
+    assert not re.search(r"<script|<link|<img|<iframe|@import|url\(|src=", page), (
+        "the page must be self-contained"
+    )
 
 
 def test_cli_report_flag_writes_page_and_keeps_dry_run(tree, tmp_path, capsys):
@@ -97,7 +99,9 @@ def test_cli_report_flag_writes_page_and_keeps_dry_run(tree, tmp_path, capsys):
     assert (tree / "pkg" / "two.py").read_bytes() == before
     page = out.read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>") and "mode: <b>dry-run</b>" in page and "broken.py" in page
-    bad = cli.main(["rewrite", str(tree), "--report", str(tmp_path / "missing" / "r.html"), "--isolated", "-j", "1"])
+    bad = cli.main(
+        ["rewrite", str(tree), "--report", str(tmp_path / "missing" / "r.html"), "--isolated", "-j", "1"]
+    )
     capsys.readouterr()
     assert bad == cli.EXIT_ERRORS
 
@@ -141,7 +145,9 @@ def _png_pixels(data: bytes):
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)"
+)
 def test_html_report_renders_in_headless_chromium(tree, tmp_path):
     page = tmp_path / "report.html"
     html_report.write(str(page), results_for(tree))
@@ -149,10 +155,24 @@ def test_html_report_renders_in_headless_chromium(tree, tmp_path):
     profile = tempfile.mkdtemp(prefix="flashport-chromium-")
     try:
         subprocess.run(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-             f"--screenshot={shot}", "--window-size=1280,1600", page.as_uri()],
-            check=True, capture_output=True, timeout=120)
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                f"--screenshot={shot}",
+                "--window-size=1280,1600",
+                page.as_uri(),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     finally:
         shutil.rmtree(profile, ignore_errors=True)
     width, height, bpp, rows = _png_pixels(shot.read_bytes())
@@ -180,7 +200,9 @@ def test_review_accepts_subset_and_keeps_needed_imports(tree):
     from rich.console import Console
 
     console = Console(file=open(os.devnull, "w"), no_color=True)
-    outcome = interactive.review(results, registry.all_rules(), RuleOptions(), ask=_answers("n", "y"), console=console)
+    outcome = interactive.review(
+        results, registry.all_rules(), RuleOptions(), ask=_answers("n", "y"), console=console
+    )
     text = (tree / "pkg" / "two.py").read_text()
     assert [s.line for s in outcome.accepted] == [10] and [s.line for s in outcome.declined] == [6]
     assert "return flash_attn_func(q, k, v, causal=True)" in text  # declined: byte-identical
@@ -194,8 +216,13 @@ def test_review_accept_all_in_file_quit_and_help(tree):
 
     sink = open(os.devnull, "w")
     results = results_for(tree)
-    outcome = interactive.review(results, registry.all_rules(), RuleOptions(), ask=_answers("?", "a", "q"),
-                                 console=Console(file=sink, no_color=True))
+    outcome = interactive.review(
+        results,
+        registry.all_rules(),
+        RuleOptions(),
+        ask=_answers("?", "a", "q"),
+        console=Console(file=sink, no_color=True),
+    )
     # files come in path order: sdpa.py ("?" shows help, "a" accepts its site), then two.py ("q")
     assert {os.path.basename(p) for p in outcome.written} == {"sdpa.py"}
     assert "scaled_dot_product_attention" not in (tree / "pkg" / "sdpa.py").read_text()
@@ -233,9 +260,24 @@ def test_interactive_cli_through_a_pseudo_terminal(tree):
     env = dict(os.environ, COLUMNS="120", TERM="xterm")
     env.pop("NO_COLOR", None)
     fd, child_tty = pty.openpty()  # the real CLI with a terminal on stdin/stdout (no fork of this process)
-    proc = subprocess.Popen([sys.executable, "-m", "flashport", "rewrite", str(target), "--interactive",
-                             "--isolated", "--jobs", "1"], stdin=child_tty, stdout=child_tty, stderr=child_tty,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flashport",
+            "rewrite",
+            str(target),
+            "--interactive",
+            "--isolated",
+            "--jobs",
+            "1",
+        ],
+        stdin=child_tty,
+        stdout=child_tty,
+        stderr=child_tty,
+        env=env,
+        start_new_session=True,
+    )
     os.close(child_tty)
     buffer = bytearray()
     try:
@@ -263,7 +305,8 @@ def test_interactive_cli_through_a_pseudo_terminal(tree):
 def test_porting_guide_is_generated_and_current():
     committed = (ROOT / "docs" / "porting_guide.md").read_text(encoding="utf-8")
     assert committed == porting_guide.render(), (
-        "docs/porting_guide.md is stale: run python -m flashport.rewriter.porting_guide --write docs/porting_guide.md")
+        "docs/porting_guide.md is stale: run python -m flashport.rewriter.porting_guide --write docs/porting_guide.md"
+    )
 
 
 def test_porting_guide_covers_every_rule_and_backend(tmp_path):
@@ -302,8 +345,12 @@ def test_pre_commit_hook_runs_rewrite_check(tree):
 
 def test_walkthrough_svg_script(tmp_path):
     out = tmp_path / "w.svg"
-    done = subprocess.run([sys.executable, str(ROOT / "docs" / "make_walkthrough_svg.py"), str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "make_walkthrough_svg.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     svg = out.read_text(encoding="utf-8")
     assert svg.startswith("<svg") and "flashport&#160;scan&#160;examples/" in svg

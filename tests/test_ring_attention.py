@@ -38,13 +38,21 @@ def _run(args, timeout=900):
 # Each case compiles a ring for 8 devices (30-60 s on 2 cores): the default run takes a
 # representative few (offsets + GQA + softcap, zigzag with bottom-right and segments, a second mesh
 # axis, auto-dispatch); `pytest -m slow` runs the rest.
-DEFAULT_CASES = ("causal_gqa_softcap", "zigzag_bottom_right_segments", "batch_sharded_zigzag", "auto_dispatch")
+DEFAULT_CASES = (
+    "causal_gqa_softcap",
+    "zigzag_bottom_right_segments",
+    "batch_sharded_zigzag",
+    "auto_dispatch",
+)
 
 
-@pytest.mark.parametrize("case", [
-    case if case in DEFAULT_CASES else pytest.param(case, marks=pytest.mark.slow)
-    for case in [*sorted(ring_check.CASES), "auto_dispatch"]
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        case if case in DEFAULT_CASES else pytest.param(case, marks=pytest.mark.slow)
+        for case in [*sorted(ring_check.CASES), "auto_dispatch"]
+    ],
+)
 def test_ring_matches_reference_on_8_devices(case):
     proc = _run([os.path.join(TESTS, "ring_check.py"), case])
     assert proc.returncode == 0 and f"{case} ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -92,8 +100,12 @@ def test_compiled_ring_holds_no_all_gather():
 
 
 def _abstract_tpu_mesh(n=8):
-    return AbstractMesh((n,), ("seq",), (AxisType.Explicit,),
-                        abstract_device=AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu"))
+    return AbstractMesh(
+        (n,),
+        ("seq",),
+        (AxisType.Explicit,),
+        abstract_device=AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu"),
+    )
 
 
 @pytest.mark.parametrize("seq_layout", ["contiguous", "zigzag"])
@@ -103,8 +115,9 @@ def test_ring_exports_for_tpu_over_8_devices(seq_layout):
     kv = jax.ShapeDtypeStruct((2, 8192, 2, 128), jnp.bfloat16)
 
     def fwd(q, k, v):
-        return flashport.ring_attention(q, k, v, mesh=mesh, axis_name="seq", causal=True, backend="pallas_tpu",
-                                        seq_layout=seq_layout)
+        return flashport.ring_attention(
+            q, k, v, mesh=mesh, axis_name="seq", causal=True, backend="pallas_tpu", seq_layout=seq_layout
+        )
 
     def loss(q, k, v):
         return jnp.sum(fwd(q, k, v).astype(jnp.float32))
@@ -133,8 +146,16 @@ def test_zigzag_round_trip_and_order():
 
 
 def test_plan_skips_invisible_pairs_and_balances_zigzag():
-    spec = AttentionSpec(scale=1.0, causal=True, window_left=None, window_right=None, offset=0,
-                         softcap=None, seq_q=64, seq_k=64)
+    spec = AttentionSpec(
+        scale=1.0,
+        causal=True,
+        window_left=None,
+        window_right=None,
+        offset=0,
+        softcap=None,
+        seq_q=64,
+        seq_k=64,
+    )
     n = 8
     contiguous = ring.Plan.make(spec, n, "contiguous")
     assert contiguous.computed_pairs == n * (n + 1) // 2  # the lower triangle of chunk pairs
@@ -144,13 +165,16 @@ def test_plan_skips_invisible_pairs_and_balances_zigzag():
     table = np.asarray(zig.table).reshape(n, 2, n, 2)
     work = [sum(zig.specs[i] is not None for i in table[r].ravel()) for r in range(n)]
     assert len(set(work)) == 1, work  # every shard computes the same number of piece pairs
-    unbalanced = [sum(contiguous.specs[i] is not None for i in np.asarray(contiguous.table)[r]) for r in range(n)]
+    unbalanced = [
+        sum(contiguous.specs[i] is not None for i in np.asarray(contiguous.table)[r]) for r in range(n)
+    ]
     assert unbalanced == list(range(1, n + 1))
 
 
 def test_local_spec_carries_offsets_and_windows():
-    spec = AttentionSpec(scale=1.0, causal=False, window_left=5, window_right=2, offset=8, softcap=None,
-                         seq_q=32, seq_k=40)
+    spec = AttentionSpec(
+        scale=1.0, causal=False, window_left=5, window_right=2, offset=8, softcap=None, seq_q=32, seq_k=40
+    )
     # query piece at 0, key piece at 10: local offset -2, query 0 sees local keys [-7, 0] -> partial
     local = ring.local_spec(spec, 4, 5, delta=0 - 10)
     assert local.offset == 8 + 0 - 10 and local.window_left == 5 and local.seq_q == 4 and local.seq_k == 5
@@ -163,17 +187,25 @@ def _mesh1():
     return Mesh(np.array(jax.devices()[:1]), ("seq",))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(bias=np.zeros((1, 1, 8, 8), np.float32)), "does not take bias="),
-    (dict(mask=np.ones((1, 1, 8, 8), bool)), "does not take mask="),
-    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "does not support dropout_rate"),
-    (dict(axis_name="sequence"), "axis_name='sequence' is not an axis of the mesh"),
-    (dict(seq_layout="striped"), "seq_layout must be one of"),
-    (dict(seq_layout="zigzag", query=np.zeros((1, 7, 2, 8), np.float32)), "query's sequence length 7"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(bias=np.zeros((1, 1, 8, 8), np.float32)), "does not take bias="),
+        (dict(mask=np.ones((1, 1, 8, 8), bool)), "does not take mask="),
+        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "does not support dropout_rate"),
+        (dict(axis_name="sequence"), "axis_name='sequence' is not an axis of the mesh"),
+        (dict(seq_layout="striped"), "seq_layout must be one of"),
+        (dict(seq_layout="zigzag", query=np.zeros((1, 7, 2, 8), np.float32)), "query's sequence length 7"),
+    ],
+)
 def test_errors_name_the_argument(kwargs, match):
-    args = dict(query=np.zeros((1, 8, 2, 8), np.float32), key=np.zeros((1, 8, 2, 8), np.float32),
-                value=np.zeros((1, 8, 2, 8), np.float32), mesh=_mesh1(), axis_name="seq")
+    args = dict(
+        query=np.zeros((1, 8, 2, 8), np.float32),
+        key=np.zeros((1, 8, 2, 8), np.float32),
+        value=np.zeros((1, 8, 2, 8), np.float32),
+        mesh=_mesh1(),
+        axis_name="seq",
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         flashport.ring_attention(**args)

@@ -38,13 +38,19 @@ def test_missing_sections_are_an_error(monkeypatch):
 def test_readme_section_matches_the_generator():
     text = README.read_text(encoding="utf-8")
     assert cov.START in text, "README lacks the rule coverage section"
-    assert cov.update(text) == text, "README's rule coverage is stale: python -m flashport.rules.coverage --update README.md"
+    assert cov.update(text) == text, (
+        "README's rule coverage is stale: python -m flashport.rules.coverage --update README.md"
+    )
     assert text.count("\n| FPA") == len(all_rules())
 
 
 def test_cli_rules_json_has_rewritten_and_refused():
-    out = subprocess.run([sys.executable, "-m", "flashport", "rules", "--format", "json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "flashport", "rules", "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     listed = {row["code"]: row for row in json.loads(out)}
     assert set(listed) == {rule.CODE for rule in all_rules()}
     assert "base-2" in listed["FPA203"]["refused"] and listed["FPA208"]["rewrites"] is False
@@ -55,7 +61,9 @@ def test_rule_docs_name_only_existing_files_and_rules(rule):
     """Paths and rule codes a rule's documentation points readers to must exist (no stale promises)."""
     root = README.parent
     doc = rule.doc()
-    for path in re.findall(r"\b((?:tests|rules|rewriter|kernels|docs|benchmarks|examples)/[\w/.-]+\.(?:py|md))", doc):
+    for path in re.findall(
+        r"\b((?:tests|rules|rewriter|kernels|docs|benchmarks|examples)/[\w/.-]+\.(?:py|md))", doc
+    ):
         assert (root / path).is_file(), f"{rule.CODE} names {path}, which does not exist"
     codes = {r.CODE for r in all_rules()}
     for code in re.findall(r"\bFPA\d{3}\b", doc):

@@ -52,7 +52,9 @@ def test_fixture(case: pathlib.Path):
     expected = out_path.read_bytes() if out_path.exists() else data
     assert got_out == expected
     assert findings(result) == txt_path.read_text()
-    assert any(s.rule == case.parent.name for s in result.sites) or case.stem.startswith("no_change"), "fixture exercises its rule"
+    assert any(s.rule == case.parent.name for s in result.sites) or case.stem.startswith("no_change"), (
+        "fixture exercises its rule"
+    )
     if case.stem.startswith("no_change"):
         assert result.new is None and not result.sites
 

@@ -16,13 +16,13 @@ import types
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax_api_reference as ref
+import numpy as np
+import pytest
 
-import flashport  # noqa: E402
-import jax_api_reference as ref  # noqa: E402
-from flashport.rewriter.engine import transform_source  # noqa: E402
-from flashport.rules import all_rules  # noqa: E402
+import flashport
+from flashport.rewriter.engine import transform_source
+from flashport.rules import all_rules
 
 SIGNATURE = "def run(q, k, v, m=None, b=None, seg=None, cu=None):\n    return {call}\n"
 TOL = dict(atol=3e-5, rtol=3e-5)
@@ -41,7 +41,7 @@ def load(text: str, namespace: dict):
     """Execute a snippet without its import lines (names come from ``namespace``); return ``run``."""
     body = "\n".join(line for line in text.splitlines() if not line.startswith(("import ", "from ")))
     namespace = dict(namespace)
-    exec(compile(body, "<snippet>", "exec"), namespace)  # noqa: S102 - test snippets
+    exec(compile(body, "<snippet>", "exec"), namespace)
     return namespace["run"]
 
 
@@ -80,8 +80,14 @@ CUDNN_HEADER = "from jax._src.cudnn.fused_attention_stablehlo import dot_product
         ("dot_product_attention(q, k, v)", "BTNH"),  # scale defaults to 1.0
         ("dot_product_attention(q, k, v, scale=0.25, mask_type=MaskType.CAUSAL)", "BTNH"),
         ("dot_product_attention(q, k, v, b, m, scale=0.3, seed=7)", "BTNH"),
-        ("dot_product_attention(q, k, v, mask_type=MaskType.CAUSAL, sliding_window_length=3, dropout_rate=0.0)", "BTNH"),
-        ("dot_product_attention(q, k, v, mask=m, mask_type=MaskType.NO_MASK, qkv_layout='BNTH', scale=0.2)", "BNTH"),
+        (
+            "dot_product_attention(q, k, v, mask_type=MaskType.CAUSAL, sliding_window_length=3, dropout_rate=0.0)",
+            "BTNH",
+        ),
+        (
+            "dot_product_attention(q, k, v, mask=m, mask_type=MaskType.NO_MASK, qkv_layout='BNTH', scale=0.2)",
+            "BNTH",
+        ),
     ],
 )
 def test_cudnn_rewrite_matches_cudnn_semantics(call, layout):
@@ -119,8 +125,14 @@ def _pallas_mha_cpu(module):
 @pytest.mark.parametrize(
     "header, call",
     [
-        ("from jax.experimental.pallas.ops.gpu import attention", "attention.mha(q, k, v, None, causal=True)"),
-        ("from jax.experimental.pallas.ops.gpu.attention import mha", "mha(q, k, v, seg, 0.2, True, num_warps=4)"),
+        (
+            "from jax.experimental.pallas.ops.gpu import attention",
+            "attention.mha(q, k, v, None, causal=True)",
+        ),
+        (
+            "from jax.experimental.pallas.ops.gpu.attention import mha",
+            "mha(q, k, v, seg, 0.2, True, num_warps=4)",
+        ),
     ],
 )
 def test_pallas_mha_rewrite_matches_kernel(header, call):
@@ -140,8 +152,10 @@ def test_pallas_mha_old_module_path_and_residuals_refusal():
     """The jax <= 0.4.28 path is matched; return_residuals (base-2 lse) is refused byte-identical."""
     _, new, sites = rewrite("from jax.experimental.pallas.ops.attention import mha", "mha(q, k, v, None)")
     assert sites[0].status == "rewrite" and "scale=1.0" in new
-    source, new, sites = rewrite("from jax.experimental.pallas.ops.gpu import attention",
-                                 "attention.mha(q, k, v, None, return_residuals=True)")
+    source, new, sites = rewrite(
+        "from jax.experimental.pallas.ops.gpu import attention",
+        "attention.mha(q, k, v, None, return_residuals=True)",
+    )
     assert new == source and sites[0].status == "refused" and "base-2" in sites[0].reason
 
 
@@ -172,8 +186,10 @@ def test_pallas_decode_rewrite_matches_kernel(call, hkv):
 
 
 def test_pallas_decode_refuses_kv_ranges():
-    source, new, sites = rewrite("from jax.experimental.pallas.ops.gpu import decode_attention",
-                                 "decode_attention.gqa(q, k, v, kv_seq_len=cu)")
+    source, new, sites = rewrite(
+        "from jax.experimental.pallas.ops.gpu import decode_attention",
+        "decode_attention.gqa(q, k, v, kv_seq_len=cu)",
+    )
     assert new == source and "kv_seq_len" in sites[0].reason
 
 
@@ -217,8 +233,9 @@ def test_flash_attn_jax_varlen_rewrite_uses_cumulative_seqlens(call):
 
 def test_flash_attn_jax_varlen_distinct_k_lengths():
     """seqlens_k given separately: per-sequence offsets len_k - len_q (Sq != Sk per sequence)."""
-    source, run = rewritten_run("from flash_attn_jax import flash_mha_varlen",
-                                "flash_mha_varlen(q, k, v, cu, m, is_causal=True)")
+    source, run = rewritten_run(
+        "from flash_attn_jax import flash_mha_varlen", "flash_mha_varlen(q, k, v, cu, m, is_causal=True)"
+    )
     original = load(source, {"flash_mha_varlen": ref.flash_mha_varlen})
     rng = np.random.default_rng(4)
     q = rng.standard_normal((7, 2, 8), dtype=np.float32)
@@ -263,7 +280,10 @@ def test_keras_rewrite_matches_keras(call):
 def test_keras_without_flash_is_not_reported_and_softcap_refused():
     source, new, sites = rewrite("from keras import ops", "ops.dot_product_attention(q, k, v, mask=m)")
     assert new == source and sites == []
-    source, new, sites = rewrite("import keras", "keras.ops.dot_product_attention(q, k, v, flash_attention=True, attn_logits_soft_cap=30.0)")
+    source, new, sites = rewrite(
+        "import keras",
+        "keras.ops.dot_product_attention(q, k, v, flash_attention=True, attn_logits_soft_cap=30.0)",
+    )
     assert new == source and "attn_logits_soft_cap" in sites[0].reason
 
 
@@ -271,22 +291,49 @@ def test_keras_without_flash_is_not_reported_and_softcap_refused():
 
 REFUSALS = [
     (CUDNN_HEADER, "dot_product_attention(q, k, v, dropout_rate=0.1)", "dropout_rate"),
-    (CUDNN_HEADER, "dot_product_attention(q, k, v, mask_type=MaskType.PADDING_CAUSAL, q_seqlen=cu, kv_seqlen=cu)", "q_seqlen"),
+    (
+        CUDNN_HEADER,
+        "dot_product_attention(q, k, v, mask_type=MaskType.PADDING_CAUSAL, q_seqlen=cu, kv_seqlen=cu)",
+        "q_seqlen",
+    ),
     (CUDNN_HEADER, "dot_product_attention(q, k, v, mask_type=MaskType.ALIBI)", "ALIBI"),
     (CUDNN_HEADER, "dot_product_attention(q, k, v, mask_type=mt)", "not a literal MaskType"),
     (CUDNN_HEADER, "dot_product_attention(q, k, v, scale=jnp.sqrt(q.shape[-1]))", "static Python float"),
     (CUDNN_HEADER, "dot_product_attention(q, k, v, **kw)", "**kwargs"),
     (CUDNN_HEADER, "dot_product_attention(q, k, v, return_residual=True)", "return_residual"),
     (CUDNN_HEADER, "dot_product_attention(q, k, v, qkv_layout=layout)", "qkv_layout"),
-    ("from jax.experimental.pallas.ops.gpu import attention", "attention.mha(q, k, v, seg[0])", "evaluated twice"),
+    (
+        "from jax.experimental.pallas.ops.gpu import attention",
+        "attention.mha(q, k, v, seg[0])",
+        "evaluated twice",
+    ),
     ("from flash_attn_jax import flash_mha", "flash_mha(q, k, v, window_size=w)", "window_size"),
     ("from flash_attn_jax import flash_mha", "flash_mha(q, k, v, filter_nan=True)", "unknown argument"),
-    ("from flash_attn_jax import flash_mha_varlen", "flash_mha_varlen(q, k, v, cu, cu, None, 8)", "positional"),
-    ("from transformer_engine.jax.flax import DotProductAttention", "DotProductAttention(head_dim=64, num_attention_heads=8)", "attn_mask_type='causal' (default)"),
-    ("from transformer_engine.jax.flax import DotProductAttention", "DotProductAttention(head_dim=64, num_attention_heads=8, attn_mask_type='no_mask', attention_dropout=0.1)", "attention_dropout"),
-    ("from transformer_engine.jax.attention import fused_attn, AttnMaskType",
-     "fused_attn((q, k, v), None, seg, None, None, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, None, 0.1, 0.0, False)", "align='bottom_right'"),
-    ("from transformer_engine.jax.attention import fused_attn", "fused_attn((q, k, v), None, seg, None, None, None, None, 0.1, p, True)", "dropout_probability"),
+    (
+        "from flash_attn_jax import flash_mha_varlen",
+        "flash_mha_varlen(q, k, v, cu, cu, None, 8)",
+        "positional",
+    ),
+    (
+        "from transformer_engine.jax.flax import DotProductAttention",
+        "DotProductAttention(head_dim=64, num_attention_heads=8)",
+        "attn_mask_type='causal' (default)",
+    ),
+    (
+        "from transformer_engine.jax.flax import DotProductAttention",
+        "DotProductAttention(head_dim=64, num_attention_heads=8, attn_mask_type='no_mask', attention_dropout=0.1)",
+        "attention_dropout",
+    ),
+    (
+        "from transformer_engine.jax.attention import fused_attn, AttnMaskType",
+        "fused_attn((q, k, v), None, seg, None, None, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, None, 0.1, 0.0, False)",
+        "align='bottom_right'",
+    ),
+    (
+        "from transformer_engine.jax.attention import fused_attn",
+        "fused_attn((q, k, v), None, seg, None, None, None, None, 0.1, p, True)",
+        "dropout_probability",
+    ),
 ]
 
 
@@ -301,6 +348,10 @@ def test_refusals_are_byte_identical_with_reason(header, call, reason):
 def test_inference_flag_drops_training_gated_dropout():
     from flashport.rules.base import RuleOptions
 
-    source = CUDNN_HEADER + "\n\n" + SIGNATURE.format(call="dot_product_attention(q, k, v, dropout_rate=0.1 if seg else 0.0)")
+    source = (
+        CUDNN_HEADER
+        + "\n\n"
+        + SIGNATURE.format(call="dot_product_attention(q, k, v, dropout_rate=0.1 if seg else 0.0)")
+    )
     result = transform_source(source.encode(), "s.py", all_rules(), RuleOptions(inference=True))
     assert result.sites[0].status == "rewrite" and "dropout_rate" in result.sites[0].notes[0]

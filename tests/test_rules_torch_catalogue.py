@@ -45,7 +45,9 @@ def test_opt_in_fixture(case):
     if UPDATE:
         out_path.write_bytes(result.new) if result.new is not None else None
         txt_path.write_text(findings(result))
-    assert (result.new if result.new is not None else data) == (out_path.read_bytes() if out_path.exists() else data)
+    assert (result.new if result.new is not None else data) == (
+        out_path.read_bytes() if out_path.exists() else data
+    )
     assert findings(result) == txt_path.read_text()
     assert any(s.rule == case.parent.name for s in result.sites)
     if result.new is not None:
@@ -62,6 +64,7 @@ def test_fpa905_is_shadowed_by_fpa901_by_default():
 
 # ------------------------------------------------------------------------------------- run time
 
+
 @pytest.fixture(scope="module")
 def torch():
     """torch, or skip."""
@@ -76,8 +79,9 @@ def _close(got, want, atol=2e-5):
 @pytest.mark.parametrize("new_rows", [0, 2])
 @pytest.mark.parametrize("window", [None, (2, 0)])
 def test_kvcache_attention_matches_flash_attn_semantics(torch, new_rows, window):
-    from flashport.integrations.flash_attn_compat import kvcache_attention
     from torch_semantics_reference import flash_attn_kvcache_ref
+
+    from flashport.integrations.flash_attn_compat import kvcache_attention
 
     g = torch.Generator().manual_seed(new_rows)
     q = torch.randn(3, 2, 4, 8, generator=g)
@@ -87,10 +91,23 @@ def test_kvcache_attention_matches_flash_attn_semantics(torch, new_rows, window)
         k, v = torch.randn(3, new_rows, 2, 8, generator=g), torch.randn(3, new_rows, 2, 8, generator=g)
     lengths = torch.tensor([0, 3, 7 - new_rows], dtype=torch.int32)
     fa_window = (-1, -1) if window is None else window
-    want, want_k, want_v = flash_attn_kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True, window_size=fa_window)
+    want, want_k, want_v = flash_attn_kvcache_ref(
+        q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True, window_size=fa_window
+    )
     before = k_cache.clone()
-    out, lse, new_k, new_v = kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
-                                               window=window, return_lse=True, return_cache=True, backend="torch")
+    out, lse, new_k, new_v = kvcache_attention(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=lengths,
+        causal=True,
+        window=window,
+        return_lse=True,
+        return_cache=True,
+        backend="torch",
+    )
     _close(out, want)
     _close(new_k, want_k)
     _close(new_v, want_v)
@@ -109,18 +126,24 @@ def test_kvcache_attention_rejects_inconsistent_arguments(torch):
 
 
 def test_xformers_compat_ranks_and_biases(torch):
-    from flashport.integrations import xformers_compat as xf
     from torch_semantics_reference import xformers_ref
+
+    from flashport.integrations import xformers_compat as xf
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, n, 3, 8, generator=g) for n in (4, 6, 6))
     bias = torch.randn(2, 3, 4, 6, generator=g)
     run = lambda *a, **kw: xf.memory_efficient_attention(*a, backend="torch", **kw)  # noqa: E731
     _close(run(q, k, v, xf.LowerTriangularMask().add_bias(bias)), _masked_bias_ref(q, k, v, bias))
-    _close(run(q, k, v, xf.LowerTriangularFromBottomRightMask().make_local_attention(2)),
-           xformers_ref(q, k, v, {"kind": "local_bottom_right", "left": 1, "right": 0}))
+    _close(
+        run(q, k, v, xf.LowerTriangularFromBottomRightMask().make_local_attention(2)),
+        xformers_ref(q, k, v, {"kind": "local_bottom_right", "left": 1, "right": 0}),
+    )
     # 3-D = one head; 5-D = [B, M, G, H, K] with expanded K/V
-    _close(run(q[:, :, 0], k[:, :, 0], v[:, :, 0], scale=0.3), xformers_ref(q[:, :, :1], k[:, :, :1], v[:, :, :1], scale=0.3)[:, :, 0])
+    _close(
+        run(q[:, :, 0], k[:, :, 0], v[:, :, 0], scale=0.3),
+        xformers_ref(q[:, :, :1], k[:, :, :1], v[:, :, :1], scale=0.3)[:, :, 0],
+    )
     q5 = q.reshape(2, 4, 3, 1, 8).expand(2, 4, 3, 2, 8)
     k5, v5 = (t.reshape(2, 6, 3, 1, 8).expand(2, 6, 3, 2, 8) for t in (k, v))
     got5 = run(q5, k5, v5, xf.LowerTriangularMask(), output_dtype=torch.float64)
@@ -139,31 +162,54 @@ def _masked_bias_ref(q, k, v, bias):
 
 
 def test_xformers_block_diagonal_variants(torch):
-    from flashport.integrations import xformers_compat as xf
     from torch_semantics_reference import flash_attn_varlen_ref, xformers_ref
+
+    from flashport.integrations import xformers_compat as xf
 
     g = torch.Generator().manual_seed(2)
     q_lens, kv_lens = [2, 3, 1], [4, 3, 2]
-    q, k, v = torch.randn(1, 6, 2, 8, generator=g), torch.randn(1, 9, 2, 8, generator=g), torch.randn(1, 9, 2, 8, generator=g)
+    q, k, v = (
+        torch.randn(1, 6, 2, 8, generator=g),
+        torch.randn(1, 9, 2, 8, generator=g),
+        torch.randn(1, 9, 2, 8, generator=g),
+    )
     run = lambda bias: xf.memory_efficient_attention(q, k, v, bias, backend="torch")  # noqa: E731
-    _close(run(xf.BlockDiagonalCausalFromBottomRightMask.from_seqlens(q_lens, kv_lens)),
-           xformers_ref(q, k, v, {"kind": "block_causal", "q": q_lens, "kv": kv_lens, "from_bottom_right": True}))
-    _close(run(xf.BlockDiagonalMask.from_seqlens(q_lens, kv_lens).make_causal()),
-           xformers_ref(q, k, v, {"kind": "block_causal", "q": q_lens, "kv": kv_lens}))
+    _close(
+        run(xf.BlockDiagonalCausalFromBottomRightMask.from_seqlens(q_lens, kv_lens)),
+        xformers_ref(
+            q, k, v, {"kind": "block_causal", "q": q_lens, "kv": kv_lens, "from_bottom_right": True}
+        ),
+    )
+    _close(
+        run(xf.BlockDiagonalMask.from_seqlens(q_lens, kv_lens).make_causal()),
+        xformers_ref(q, k, v, {"kind": "block_causal", "q": q_lens, "kv": kv_lens}),
+    )
     cu_q, cu_k = torch.tensor([0, 2, 5, 6]), torch.tensor([0, 4, 7, 9])
-    _close(run(xf.BlockDiagonalMask.from_seqlens(q_lens, kv_lens)), flash_attn_varlen_ref(q[0], k[0], v[0], cu_q, cu_k)[None])
+    _close(
+        run(xf.BlockDiagonalMask.from_seqlens(q_lens, kv_lens)),
+        flash_attn_varlen_ref(q[0], k[0], v[0], cu_q, cu_k)[None],
+    )
     # window_size=w keeps keys in (i - w, i] per block: flash-attn's left = w - 1 (top-left per block)
     same = xf.BlockDiagonalMask.from_seqlens([4, 5]).make_causal().make_local_attention(2)
     x = torch.randn(1, 9, 2, 8, generator=g)
     cu = torch.tensor([0, 4, 9])
-    _close(xf.memory_efficient_attention(x, x, x, same, backend="torch"),
-           flash_attn_varlen_ref(x[0], x[0], x[0], cu, cu, causal=True, window_size=(1, 0))[None])
+    _close(
+        xf.memory_efficient_attention(x, x, x, same, backend="torch"),
+        flash_attn_varlen_ref(x[0], x[0], x[0], cu, cu, causal=True, window_size=(1, 0))[None],
+    )
     bias, cat = xf.BlockDiagonalMask.from_tensor_list([torch.randn(2, 3, 2, 8), torch.randn(1, 4, 2, 8)])
     assert cat.shape == (1, 10, 2, 8) and [t.shape[:2] for t in bias.split(cat)] == [(2, 3), (1, 4)]
     with pytest.raises(ValueError, match="batch 1"):
-        xf.memory_efficient_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
-                                      xf.BlockDiagonalMask.from_seqlens(q_lens, kv_lens), backend="torch")
-    with pytest.raises(ValueError, match="dropout_p must be in"):  # p > 0 is dropout (tests/test_torch_dropout.py)
+        xf.memory_efficient_attention(
+            q.expand(2, -1, -1, -1),
+            k.expand(2, -1, -1, -1),
+            v.expand(2, -1, -1, -1),
+            xf.BlockDiagonalMask.from_seqlens(q_lens, kv_lens),
+            backend="torch",
+        )
+    with pytest.raises(
+        ValueError, match="dropout_p must be in"
+    ):  # p > 0 is dropout (tests/test_torch_dropout.py)
         xf.memory_efficient_attention(q, k, v, p=1.0)
 
 
@@ -191,9 +237,17 @@ def test_transformers_attn_implementation_flashport(torch):
 
     assert fpt.ATTN_IMPLEMENTATION in transformers.AttentionInterface._global_mapping
     torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32)).eval()
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    ).eval()
     ids = torch.randint(0, 64, (2, 9))
     pad = torch.ones(2, 9, dtype=torch.long)
     pad[1, :3] = 0  # left padding: padded query rows differ between eager (uniform) and SDPA/flashport (0)
@@ -207,11 +261,22 @@ def test_transformers_attn_implementation_flashport(torch):
     assert llama.config._attn_implementation == "flashport"
     _close(got, logits(llama, "sdpa", attention_mask=pad), atol=1e-5)
     _close(got[pad.bool()], logits(llama, "eager", attention_mask=pad)[pad.bool()], atol=1e-5)
-    _close(logits(llama, fpt.ATTN_IMPLEMENTATION), logits(llama, "eager"), atol=1e-5)  # no mask: is_causal path
+    _close(
+        logits(llama, fpt.ATTN_IMPLEMENTATION), logits(llama, "eager"), atol=1e-5
+    )  # no mask: is_causal path
 
-    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=1, sliding_window=4, max_position_embeddings=32)).eval()
+    mistral = transformers.MistralForCausalLM(
+        transformers.MistralConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=4,
+            max_position_embeddings=32,
+        )
+    ).eval()
     windowed = logits(mistral, fpt.ATTN_IMPLEMENTATION)
     _close(windowed, logits(mistral, "eager"), atol=1e-5)
     mistral.config.sliding_window = None  # the window must matter for this test to mean anything
@@ -238,10 +303,12 @@ def test_transformers_attention_function_carries_dropout_in_training(torch):
 def test_fpa905_leaves_a_file_that_dispatches_on_the_string_working():
     """Issue 10: FPA905 switched a config to "flashport" in code that looks the string up itself
     (``KeyError: 'flashport'``). The ported file must still pick the same entry as the original."""
-    source = (b"ATTENTION_CLASSES = {'eager': 'eager-class', 'flash_attention_2': 'flash-class'}\n\n\n"
-              b"def build(config):\n"
-              b"    config._attn_implementation = 'flash_attention_2'\n"
-              b"    return ATTENTION_CLASSES[config._attn_implementation]\n")
+    source = (
+        b"ATTENTION_CLASSES = {'eager': 'eager-class', 'flash_attention_2': 'flash-class'}\n\n\n"
+        b"def build(config):\n"
+        b"    config._attn_implementation = 'flash_attention_2'\n"
+        b"    return ATTENTION_CLASSES[config._attn_implementation]\n"
+    )
     result = transform_source(source, "modeling_x.py", registry.select(ignore=["FPA901"]), RuleOptions())
     assert result.status != "error", result.error
     assert any(s.rule == "FPA905" and "dispatches" in s.reason for s in result.sites)

@@ -23,9 +23,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from reference import reference_attention  # noqa: E402
+
 import flashport.torch as ft  # noqa: E402
 from flashport.torch import _checks, _jax, _native  # noqa: E402
-from reference import reference_attention  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +59,19 @@ CASES = [
     Case("bias_broadcast_mask_2d", "BHSD", 5, 5, 4, 2, bias=(1, 4, 1, 5), mask=(5, 5)),
     Case("mask_per_batch", "BSHD", 4, 6, 2, 2, mask=(2, 1, 4, 6)),
     Case("segments_empty_rows", "BSHD", 6, 7, 4, 2, segments=True),
-    Case("everything", "BHSD", 6, 8, 4, 2,
-         (("causal", True), ("window", (3, None)), ("align", "top_left"), ("softcap", 3.0)),
-         bias=(2, 1, 6, 8), mask=(2, 4, 6, 8), segments=True, gain=2.0),
+    Case(
+        "everything",
+        "BHSD",
+        6,
+        8,
+        4,
+        2,
+        (("causal", True), ("window", (3, None)), ("align", "top_left"), ("softcap", 3.0)),
+        bias=(2, 1, 6, 8),
+        mask=(2, 4, 6, 8),
+        segments=True,
+        gain=2.0,
+    ),
 ]
 IDS = [c.name for c in CASES]
 GRAD_NAMES = ("query", "key", "value", "bias")
@@ -175,12 +186,19 @@ def check_empty_rows(case, x, out):
 def test_float32_forward_lse_and_grads(path, case, monkeypatch):
     sdpa_calls = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **k: sdpa_calls.append(k) or real_sdpa(*a, **k))
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: sdpa_calls.append(k) or real_sdpa(*a, **k),
+    )
     x = torch_inputs(case)
     want_out, want_lse = reference(case, numpy_inputs(case))
     # The CUDA path's SDPA branch has no lse; its lse (math branch) is checked without gradients.
-    out, lse = run(path, {n: v.detach() for n, v in x.items()}, case, True) if path == "cuda" else run(path, x, case, True)
+    out, lse = (
+        run(path, {n: v.detach() for n, v in x.items()}, case, True)
+        if path == "cuda"
+        else run(path, x, case, True)
+    )
     np.testing.assert_allclose(lse.detach().numpy(), want_lse, atol=2e-5, rtol=2e-5)
     assert lse.dtype == torch.float32 and lse.requires_grad == (path != "cuda")  # see test_torch_lse_grad
     sdpa_calls.clear()
@@ -221,7 +239,9 @@ def test_jax_path_blockwise_backend_grads():
 
     case = CASES[1]
     x = torch_inputs(case)
-    out = ft.attention(**x, **dict(case.options), layout=case.layout, backend=use("blockwise", block_q=2, block_k=3))
+    out = ft.attention(
+        **x, **dict(case.options), layout=case.layout, backend=use("blockwise", block_q=2, block_k=3)
+    )
     np.testing.assert_allclose(out.detach().numpy(), reference(case, numpy_inputs(case))[0], atol=2e-5)
     check_grads(case, x, out, atol=2e-4)
 
@@ -301,7 +321,9 @@ def test_in_place_change_before_backward_is_refused():
 def test_no_grad_call_skips_the_vjp(monkeypatch):
     flags = []
     real = _jax.DLPackRunner.forward
-    monkeypatch.setattr(_jax.DLPackRunner, "forward", lambda self, a, s, need: flags.append(need) or real(self, a, s, need))
+    monkeypatch.setattr(
+        _jax.DLPackRunner, "forward", lambda self, a, s, need: flags.append(need) or real(self, a, s, need)
+    )
     x = torch_inputs(CASES[0])
     with torch.no_grad():
         out = ft.attention(**x)
@@ -327,8 +349,14 @@ BAD = [
     (dict(mask=torch.ones(4, 5, dtype=torch.bool)), ValueError, "mask of shape .* does not broadcast"),
     (dict(bias=torch.ones(5, 5, dtype=torch.int32)), TypeError, "bias must be a float array"),
     (dict(q_segment_ids=torch.zeros(1, 5, dtype=torch.int32)), ValueError, "must be given together"),
-    (dict(q_segment_ids=torch.zeros(1, 4, dtype=torch.int32), kv_segment_ids=torch.zeros(1, 5, dtype=torch.int32)),
-     ValueError, "q_segment_ids must have shape"),
+    (
+        dict(
+            q_segment_ids=torch.zeros(1, 4, dtype=torch.int32),
+            kv_segment_ids=torch.zeros(1, 5, dtype=torch.int32),
+        ),
+        ValueError,
+        "q_segment_ids must have shape",
+    ),
     (dict(causal=1), TypeError, "causal must be a Python bool"),
 ]
 
@@ -351,7 +379,7 @@ def test_explicit_native_backends_refuse_what_they_lack():
     if _native.import_flash_attn() is None:
         with pytest.raises(ValueError, match="needs the flash-attn package"):
             ft.attention(q, q, q, backend="flash_attn")
-    with pytest.raises(TypeError, match="query must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"query must be a torch\.Tensor"):
         ft.attention(np.zeros((1, 5, 2, 8), np.float32), q, q)
 
 
@@ -372,30 +400,83 @@ class FakeFlashAttn(types.ModuleType):
         left, right = window_size
         right = 0 if causal else right
         window = (None if left < 0 else left, None if right < 0 else right)
-        out, lse = reference_attention(*(t.detach().float().numpy() for t in (q, k, v)), scale=softmax_scale,
-                                       window=window, softcap=softcap or None)
-        return torch.from_numpy(out).to(q.dtype), torch.from_numpy(np.where(np.isneginf(lse), np.inf, lse)).float()
+        out, lse = reference_attention(
+            *(t.detach().float().numpy() for t in (q, k, v)),
+            scale=softmax_scale,
+            window=window,
+            softcap=softcap or None,
+        )
+        return torch.from_numpy(out).to(q.dtype), torch.from_numpy(
+            np.where(np.isneginf(lse), np.inf, lse)
+        ).float()
 
-    def flash_attn_func(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-        self.calls.append(("func", dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                                        window_size=window_size, softcap=softcap,
-                                        return_attn_probs=return_attn_probs)))
+    def flash_attn_func(
+        self,
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+    ):
+        self.calls.append(
+            (
+                "func",
+                dict(
+                    dropout_p=dropout_p,
+                    softmax_scale=softmax_scale,
+                    causal=causal,
+                    window_size=window_size,
+                    softcap=softcap,
+                    return_attn_probs=return_attn_probs,
+                ),
+            )
+        )
         assert q.shape[-1] == k.shape[-1] and q.dtype in (torch.float16, torch.bfloat16)
         out, lse = self._run(q, k, v, softmax_scale, causal, window_size, softcap)
         return (out, lse, None) if return_attn_probs else out
 
-    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                               block_table=None):
+    def flash_attn_varlen_func(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+        block_table=None,
+    ):
         assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int)
-        self.calls.append(("varlen", dict(cu_seqlens_q=cu_seqlens_q.tolist(), max_seqlen_q=max_seqlen_q,
-                                          causal=causal, window_size=window_size)))
+        self.calls.append(
+            (
+                "varlen",
+                dict(
+                    cu_seqlens_q=cu_seqlens_q.tolist(),
+                    max_seqlen_q=max_seqlen_q,
+                    causal=causal,
+                    window_size=window_size,
+                ),
+            )
+        )
         outs, lses = [], []
-        for lo, hi in zip(cu_seqlens_q.tolist()[:-1], cu_seqlens_q.tolist()[1:]):
-            out, lse = self._run(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], softmax_scale, causal,
-                                 window_size, softcap)
+        for lo, hi in zip(cu_seqlens_q.tolist()[:-1], cu_seqlens_q.tolist()[1:], strict=True):
+            out, lse = self._run(
+                q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], softmax_scale, causal, window_size, softcap
+            )
             outs.append(out[0])
             lses.append(lse[0])
         out, lse = torch.cat(outs), torch.cat(lses, dim=-1)
@@ -417,13 +498,25 @@ def test_flash_attn_mapping_matches_the_contract(case):
 
 
 def test_flash_attn_takes_exactly_the_calls_it_can_express():
-    expressible = {c.name for c in CASES
-                   if _native.flash_unsupported(_checks.check(**torch_inputs(c, torch.bfloat16, False),
-                                                              **dict(c.options), layout=c.layout,
-                                                              return_lse=False)) is None}
-    assert expressible == {"plain", "gqa_causal_bottom_right_sq<sk", "mqa_causal_bottom_right_sq>sk_empty_rows",
-                           "causal_top_left_sq>sk", "mqa_window_bottom_right", "window_left_only_top_left",
-                           "softcap_scale"}
+    expressible = {
+        c.name
+        for c in CASES
+        if _native.flash_unsupported(
+            _checks.check(
+                **torch_inputs(c, torch.bfloat16, False), **dict(c.options), layout=c.layout, return_lse=False
+            )
+        )
+        is None
+    }
+    assert expressible == {
+        "plain",
+        "gqa_causal_bottom_right_sq<sk",
+        "mqa_causal_bottom_right_sq>sk_empty_rows",
+        "causal_top_left_sq>sk",
+        "mqa_window_bottom_right",
+        "window_left_only_top_left",
+        "softcap_scale",
+    }
 
 
 def _flash_kwargs(q, k, **options):
@@ -439,14 +532,21 @@ def test_flash_attn_argument_mapping():
     assert _flash_kwargs(q, k) == dict(base, causal=False, window_size=(-1, -1))
     assert _flash_kwargs(q, k, causal=True) == dict(base, causal=True, window_size=(-1, -1))
     assert _flash_kwargs(q, k, window=(5, 0), scale=0.5, softcap=30.0) == dict(
-        base, causal=False, window_size=(5, 0), softmax_scale=0.5, softcap=30.0)
+        base, causal=False, window_size=(5, 0), softmax_scale=0.5, softcap=30.0
+    )
     # top-left: the window shifts by Sk - Sq = 4 when that stays expressible ...
-    assert _flash_kwargs(q, k, window=(1, 6), align="top_left") == dict(base, causal=False, window_size=(5, 2))
+    assert _flash_kwargs(q, k, window=(1, 6), align="top_left") == dict(
+        base, causal=False, window_size=(5, 2)
+    )
     # ... and causal top-left with Sq < Sk is not (SDPA's is_causal runs it instead).
     assert _flash_kwargs(q, k, causal=True, align="top_left") is None
-    long_q, short_k = torch.zeros(1, 7, 4, 64, dtype=torch.bfloat16), torch.zeros(1, 3, 2, 64, dtype=torch.bfloat16)
-    assert _flash_kwargs(long_q, short_k, causal=True, align="top_left") == dict(base, causal=False,
-                                                                                 window_size=(-1, 4))
+    long_q, short_k = (
+        torch.zeros(1, 7, 4, 64, dtype=torch.bfloat16),
+        torch.zeros(1, 3, 2, 64, dtype=torch.bfloat16),
+    )
+    assert _flash_kwargs(long_q, short_k, causal=True, align="top_left") == dict(
+        base, causal=False, window_size=(-1, 4)
+    )
     assert _flash_kwargs(q.float(), k.float()) is None  # float32: not flash-attn's
     assert _flash_kwargs(q, k, mask=torch.ones(3, 7, dtype=torch.bool)) is None
 
@@ -455,15 +555,18 @@ def test_flash_attn_varlen_for_packed_segments():
     fake = FakeFlashAttn()
     rng = np.random.default_rng(0)
     q = torch.from_numpy(rng.standard_normal((2, 8, 4, 16)).astype(np.float32)).bfloat16()
-    k, v = (torch.from_numpy(rng.standard_normal((2, 8, 2, 16)).astype(np.float32)).bfloat16() for _ in range(2))
+    k, v = (
+        torch.from_numpy(rng.standard_normal((2, 8, 2, 16)).astype(np.float32)).bfloat16() for _ in range(2)
+    )
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 3, 3, 9]])
     kw = dict(causal=True, window=(2, None), q_segment_ids=ids, kv_segment_ids=ids)
     out, lse = ft.attention(q, k, v, **kw, return_lse=True, backend="torch")  # the math path, for the shape
     call = _checks.check(q, k, v, **kw)
     out, lse = _native.cuda_attention(call, True, flash=fake)
     assert fake.calls[-1][0] == "varlen"
-    assert fake.calls[-1][1] == dict(cu_seqlens_q=[0, 3, 5, 8, 13, 15, 16], max_seqlen_q=5, causal=True,
-                                     window_size=(2, -1))
+    assert fake.calls[-1][1] == dict(
+        cu_seqlens_q=[0, 3, 5, 8, 13, 15, 16], max_seqlen_q=5, causal=True, window_size=(2, -1)
+    )
     want_out, want_lse = reference_attention(*(t.detach().float().numpy() for t in (q, k, v)), **kw)
     np.testing.assert_allclose(out.float().numpy(), want_out, atol=3e-2)
     np.testing.assert_allclose(lse.detach().numpy(), want_lse, atol=2e-5)
@@ -494,7 +597,7 @@ def _fake_call_jax(log):
 
         def traced(*tensors):
             new = list(leaves)
-            for i, t in zip(tensor_at, tensors):
+            for i, t in zip(tensor_at, tensors, strict=True):
                 new[i] = t
             a, kw = jax.tree.unflatten(tree, new)
             return fn(*a, **kw)
@@ -521,7 +624,11 @@ def fake_torch_xla(monkeypatch):
     core.xla_builder = builder
     root = types.ModuleType("torch_xla")
     root.core = core
-    for name, module in (("torch_xla", root), ("torch_xla.core", core), ("torch_xla.core.xla_builder", builder)):
+    for name, module in (
+        ("torch_xla", root),
+        ("torch_xla.core", core),
+        ("torch_xla.core.xla_builder", builder),
+    ):
         monkeypatch.setitem(sys.modules, name, module)
     # torch_xla's call_jax imports torchax (the runner checks that it is importable).
     torchax, interop = types.ModuleType("torchax"), types.ModuleType("torchax.interop")
@@ -560,8 +667,9 @@ def test_bridges_stage_forward_and_vjp(bridge, request):
     assert [name for name, _, _ in log] == ["jax_forward", "jax_backward"]
     static = dict(case.options, layout=case.layout, backend="auto", scale=None)
     assert log[0][2] == static and log[1][2] == static
-    assert log[0][1] == [x[n].shape for n in ("query", "key", "value", "bias", "mask", "q_segment_ids",
-                                               "kv_segment_ids")]
+    assert log[0][1] == [
+        x[n].shape for n in ("query", "key", "value", "bias", "mask", "q_segment_ids", "kv_segment_ids")
+    ]
     # the residuals out and lse, then the cotangents of out and lse: the backward reuses the forward's.
     assert log[1][1] == log[0][1] + [out.shape, lse.shape, out.shape, lse.shape]
 

@@ -14,9 +14,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from reference import reference_attention  # noqa: E402
+
 import flashport.torch as ft  # noqa: E402
 from flashport.torch import _checks, _native  # noqa: E402
-from reference import reference_attention  # noqa: E402
 
 GRAD_NAMES = ("query", "key", "value", "bias")
 # (name, Sq, Sk, options, bias shape): the last has query rows that see no key (lse = -inf).
@@ -32,8 +33,11 @@ CASES = {
 def inputs(name):
     sq, sk, _, bias_shape = CASES[name]
     rng = np.random.default_rng(7)
-    x = {"query": rng.standard_normal((2, sq, 4, 8)), "key": rng.standard_normal((2, sk, 2, 8)),
-         "value": rng.standard_normal((2, sk, 2, 8))}
+    x = {
+        "query": rng.standard_normal((2, sq, 4, 8)),
+        "key": rng.standard_normal((2, sk, 2, 8)),
+        "value": rng.standard_normal((2, sk, 2, 8)),
+    }
     if bias_shape:
         x["bias"] = rng.standard_normal(bias_shape)
     return x
@@ -124,6 +128,8 @@ def test_explicit_flash_attn_refuses_a_backward_through_lse(monkeypatch):
 
     monkeypatch.setattr(_native, "import_flash_attn", FakeFlashAttn)
     q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16, requires_grad=True)
-    _, lse = ft.attention(q, q.detach(), q.detach(), backend="flash_attn", return_lse=True)  # fake: detached math
-    with pytest.raises(RuntimeError, match="lse without gradient.*backend='auto'"):
+    _, lse = ft.attention(
+        q, q.detach(), q.detach(), backend="flash_attn", return_lse=True
+    )  # fake: detached math
+    with pytest.raises(RuntimeError, match=r"lse without gradient.*backend='auto'"):
         lse.sum().backward()

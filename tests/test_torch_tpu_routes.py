@@ -27,11 +27,12 @@ torch = pytest.importorskip("torch")
 torch_xla = pytest.importorskip("torch_xla")
 torchax = pytest.importorskip("torchax")
 
+from hlo_dots import dot_shapes, output_products  # noqa: E402
+from reference import reduce_to_shape, reference_attention, reference_attention_vjp  # noqa: E402
+
 import flashport  # noqa: E402
 import flashport.torch as ft  # noqa: E402
 from flashport.integrations import xformers_compat  # noqa: E402
-from hlo_dots import dot_shapes, output_products  # noqa: E402
-from reference import reduce_to_shape, reference_attention, reference_attention_vjp  # noqa: E402
 
 ATOL = 1e-5  # float32 against float64 on O(1) values; measured errors are ~1e-6
 ROUTES = ("torch_xla", "torchax")
@@ -86,8 +87,11 @@ def _close(got, want, what, atol=ATOL):
 
 def _inputs(seed):
     rng = np.random.default_rng(seed)
-    return rng, {"query": rng.standard_normal((B, SQ, HQ, D)), "key": rng.standard_normal((B, SK, HKV, D)),
-                 "value": rng.standard_normal((B, SK, HKV, DV))}
+    return rng, {
+        "query": rng.standard_normal((B, SQ, HQ, D)),
+        "key": rng.standard_normal((B, SK, HKV, D)),
+        "value": rng.standard_normal((B, SK, HKV, DV)),
+    }
 
 
 def _case(name, rng):
@@ -97,9 +101,15 @@ def _case(name, rng):
     ids_q = np.sort(rng.integers(0, 3, (B, SQ)), axis=-1)
     ids_k = np.sort(rng.integers(0, 3, (B, SK)), axis=-1)
     mask = rng.random((B, 1, SQ, SK)) > 0.2
-    return ({"softcap": 3.0, "window": (6, 2), "align": "top_left"},
-            {"bias": rng.standard_normal((1, HQ, SQ, SK)), "mask": mask,
-             "q_segment_ids": ids_q.astype(np.int64), "kv_segment_ids": ids_k.astype(np.int64)})
+    return (
+        {"softcap": 3.0, "window": (6, 2), "align": "top_left"},
+        {
+            "bias": rng.standard_normal((1, HQ, SQ, SK)),
+            "mask": mask,
+            "q_segment_ids": ids_q.astype(np.int64),
+            "kv_segment_ids": ids_k.astype(np.int64),
+        },
+    )
 
 
 @pytest.mark.parametrize("case", ["causal_gqa", "softcap_window_segments_bias_mask"])
@@ -110,7 +120,9 @@ def test_attention_forward_backward_lse(route, case):
     t = {n: route.put(a, grad=True) for n, a in x.items()}
     bias = route.put(extra.get("bias"), grad=True)
     tensors = {n: route.put(extra.get(n)) for n in ("mask", "q_segment_ids", "kv_segment_ids")}
-    out, lse = ft.attention(t["query"], t["key"], t["value"], bias=bias, **tensors, **options, return_lse=True)
+    out, lse = ft.attention(
+        t["query"], t["key"], t["value"], bias=bias, **tensors, **options, return_lse=True
+    )
     assert ft.device_kind(out) == ft.device_kind(t["query"]) and ft.device_kind(lse) == ft.device_kind(out)
 
     ref_kw = dict(options, **{n: v for n, v in extra.items()})
@@ -124,7 +136,7 @@ def test_attention_forward_backward_lse(route, case):
     loss = (out * route.put(d_out)).sum() + (torch.where(torch.isinf(lse), 0, lse) * route.put(d_lse)).sum()
     loss.backward()
     want = reference_attention_vjp(x["query"], x["key"], x["value"], d_out, d_lse=d_lse, **ref_kw)
-    for name, w in zip(("query", "key", "value"), want):
+    for name, w in zip(("query", "key", "value"), want, strict=True):
         _close(route.numpy(t[name].grad), w, f"d{name}")
     if bias is not None:
         _close(route.numpy(bias.grad), reduce_to_shape(want[3], bias.shape), "dbias")
@@ -152,11 +164,13 @@ def test_torch_xla_backward_hlo_reuses_the_forward_residuals():
         def recomputing(q, k, v, d_out, d_lse):
             import jax
 
-            return jax.vjp(lambda q, k, v: flashport.attention(q, k, v, causal=True, return_lse=True),
-                           q, k, v)[1]((d_out, d_lse))
+            return jax.vjp(
+                lambda q, k, v: flashport.attention(q, k, v, causal=True, return_lse=True), q, k, v
+            )[1]((d_out, d_lse))
 
-        grads = xla_builder.call_jax(recomputing, (q.detach(), k.detach(), v.detach(), torch.ones_like(out),
-                                                   torch.ones_like(lse)))
+        grads = xla_builder.call_jax(
+            recomputing, (q.detach(), k.detach(), v.detach(), torch.ones_like(out), torch.ones_like(lse))
+        )
         old = torch_xla._XLAC._get_xla_tensors_hlo(list(grads))
         assert output_products(old, SQ, DV) != [] and len(dot_shapes(old)) == 6
 
@@ -173,7 +187,7 @@ def test_backward_with_then_without_bias(route):
         d_out = rng.standard_normal(out.shape)
         (out * route.put(d_out)).sum().backward()
         want = reference_attention_vjp(x["query"], x["key"], x["value"], d_out, causal=True, bias=b)
-        for name, w in zip(("query", "key", "value"), want):
+        for name, w in zip(("query", "key", "value"), want, strict=True):
             _close(route.numpy(t[name].grad), w, f"d{name} (bias {'given' if b is not None else 'absent'})")
 
 
@@ -184,8 +198,14 @@ def test_varlen_attention(route):
     cu_q, cu_k = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
     q, k, v = (rng.standard_normal((n, h, D)) for n, h in ((cu_q[-1], HQ), (cu_k[-1], HKV), (cu_k[-1], HKV)))
     tq, tk, tv = (route.put(a, grad=True) for a in (q, k, v))
-    out = flashport.varlen_attention(tq, tk, tv, cu_seqlens_q=route.put(cu_q.astype(np.int32)),
-                                     cu_seqlens_k=route.put(cu_k.astype(np.int32)), causal=True)
+    out = flashport.varlen_attention(
+        tq,
+        tk,
+        tv,
+        cu_seqlens_q=route.put(cu_q.astype(np.int32)),
+        cu_seqlens_k=route.put(cu_k.astype(np.int32)),
+        causal=True,
+    )
     d_out = rng.standard_normal(out.shape)
     (out * route.put(d_out)).sum().backward()
     want_out, want_grads = np.zeros(out.shape), [np.zeros(a.shape) for a in (q, k, v)]
@@ -193,10 +213,15 @@ def test_varlen_attention(route):
         sq_, sk_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         one = [a[None] for a in (q[sq_], k[sk_], v[sk_])]
         want_out[sq_] = reference_attention(*one, causal=True)[0][0]
-        for g, gb, s in zip(want_grads, reference_attention_vjp(*one, d_out[sq_][None], causal=True), (sq_, sk_, sk_)):
+        for g, gb, s in zip(
+            want_grads,
+            reference_attention_vjp(*one, d_out[sq_][None], causal=True),
+            (sq_, sk_, sk_),
+            strict=False,
+        ):
             g[s] = gb[0]
     _close(route.numpy(out), want_out, "varlen out")
-    for name, t, w in zip(("dq", "dk", "dv"), (tq, tk, tv), want_grads):
+    for name, t, w in zip(("dq", "dk", "dv"), (tq, tk, tv), want_grads, strict=True):
         _close(route.numpy(t.grad), w, f"varlen {name}")
 
 
@@ -212,7 +237,7 @@ def test_xformers_memory_efficient_attention(route):
     d_out = rng.standard_normal(out.shape)
     (out * route.put(d_out)).sum().backward()
     want = reference_attention_vjp(q, k, v, d_out, causal=True, align="top_left")
-    for name, t, w in zip(("dq", "dk", "dv"), (tq, tk, tv), want):
+    for name, t, w in zip(("dq", "dk", "dv"), (tq, tk, tv), want, strict=True):
         _close(route.numpy(t.grad), w, f"xformers {name}")
     bias = rng.standard_normal((B, HQ, SQ, SK))
     out = xformers_compat.memory_efficient_attention(tq, tk, tv, attn_bias=route.put(bias), scale=0.3)
@@ -225,8 +250,9 @@ def test_rewritten_sdpa_example_model(route, tmp_path):
     import importlib.util
     import shutil
 
-    from flashport.rewriter import cli
     from test_examples_torch_e2e import EXAMPLES, params64, sdpa_cross, sdpa_self
+
+    from flashport.rewriter import cli
 
     shutil.copy(EXAMPLES / "torch_sdpa_model.py", tmp_path / "torch_sdpa_model.py")
     assert cli.main(["rewrite", "--write", "--isolated", "--no-color", str(tmp_path)]) == 0

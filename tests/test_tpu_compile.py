@@ -24,7 +24,7 @@ import flashport
 from flashport.kernels import registry
 
 pytestmark = pytest.mark.tpu_compile
-pytest.importorskip("libtpu", reason="needs libtpu: pip install \"jax[tpu]==<installed jax version>\"")
+pytest.importorskip("libtpu", reason='needs libtpu: pip install "jax[tpu]==<installed jax version>"')
 from jax.experimental import topologies  # noqa: E402
 
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
@@ -36,15 +36,29 @@ FEATURES = {
     "causal": (dict(causal=True), {}, {}),
     "gqa": (dict(causal=True), {}, dict(hkv=1)),
     "softcap_window": (dict(softcap=30.0, window=(64, 0)), {}, {}),
-    "segments_bias": ({}, dict(bias=((2, 4, SEQ, SEQ), jnp.float32), q_segment_ids=((2, SEQ), jnp.int32),
-                               kv_segment_ids=((2, SEQ), jnp.int32)), {}),
+    "segments_bias": (
+        {},
+        dict(
+            bias=((2, 4, SEQ, SEQ), jnp.float32),
+            q_segment_ids=((2, SEQ), jnp.int32),
+            kv_segment_ids=((2, SEQ), jnp.int32),
+        ),
+        {},
+    ),
     "bottom_right_sq_ne_sk": (dict(causal=True), {}, dict(sq=SEQ // 2 + 7)),
     "decode_sq1": (dict(causal=True), {}, dict(sq=1)),
     # Dropout (the key is a traced raw uint32[2] key): with GQA and causal, and with every masking feature.
     "dropout_gqa": (dict(causal=True, dropout_rate=0.1), dict(dropout_rng=((2,), jnp.uint32)), dict(hkv=1)),
-    "dropout_everything": (dict(causal=True, softcap=30.0, window=(64, None), dropout_rate=0.3),
-                           dict(bias=((2, 4, SEQ, SEQ), jnp.float32), q_segment_ids=((2, SEQ), jnp.int32),
-                                kv_segment_ids=((2, SEQ), jnp.int32), dropout_rng=((2,), jnp.uint32)), {}),
+    "dropout_everything": (
+        dict(causal=True, softcap=30.0, window=(64, None), dropout_rate=0.3),
+        dict(
+            bias=((2, 4, SEQ, SEQ), jnp.float32),
+            q_segment_ids=((2, SEQ), jnp.int32),
+            kv_segment_ids=((2, SEQ), jnp.int32),
+            dropout_rng=((2,), jnp.uint32),
+        ),
+        {},
+    ),
 }
 
 
@@ -83,8 +97,13 @@ def compile_fwd_and_grad(sharding, dtype, feature, backend="pallas_tpu"):
 
 # Every generation x dtype, each with one feature (cycled so every feature meets several chips and
 # dtypes), then every feature in the two 16-bit dtypes: 20 configurations, forward and gradient each.
-GEN_DTYPE = [(g, dt, f) for (g, dt), f in zip(itertools.product(sorted(TOPOLOGIES), ("float32", "bfloat16", "float16")),
-                                               itertools.cycle(sorted(FEATURES)))]
+GEN_DTYPE = [
+    (g, dt, f)
+    for (g, dt), f in zip(
+        itertools.product(sorted(TOPOLOGIES), ("float32", "bfloat16", "float16")),
+        itertools.cycle(sorted(FEATURES)),
+    )
+]
 
 
 @pytest.mark.parametrize("gen,dtype,feature", GEN_DTYPE)

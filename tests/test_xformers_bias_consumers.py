@@ -46,24 +46,37 @@ def test_interactive_declined_call_keeps_bias_constructor(tmp_path):
     assert [(s.line, s.rule) for s in result.sites] == [(5, "FPA111"), (6, "FPA110"), (7, "FPA110")]
     # accept the constructor and the first call, decline the second call
     replies = ["y", "y", "n"]
-    outcome = interactive.review([result], registry.all_rules(), RuleOptions(), ask=lambda _: replies.pop(0),
-                                 console=Console(file=open(os.devnull, "w"), no_color=True))
+    outcome = interactive.review(
+        [result],
+        registry.all_rules(),
+        RuleOptions(),
+        ask=lambda _: replies.pop(0),
+        console=Console(file=open(os.devnull, "w"), no_color=True),
+    )
     text = path.read_text()
     assert outcome.written == [str(path)] and not outcome.failed
     assert "bias = xops.LowerTriangularMask()" in text  # kept: line 7 still runs xformers
-    assert "y = flashport.integrations.xformers_compat.memory_efficient_attention(q, k, v, attn_bias=bias)" in text
+    assert (
+        "y = flashport.integrations.xformers_compat.memory_efficient_attention(q, k, v, attn_bias=bias)"
+        in text
+    )
     assert "z = xops.memory_efficient_attention(q, k, v)" in text
     assert sorted(s.line for s in outcome.declined) == [5, 7] and [s.line for s in outcome.accepted] == [6]
     compile(text, "case.py", "exec")
 
 
 def test_all_consumers_rewritten_ports_constructors():
-    result = transform_source(SOURCE.replace(b"    z = xops.memory_efficient_attention(q, k, v)\n", b"    z = y\n"),
-                              "case.py", registry.all_rules(), RuleOptions())
+    result = transform_source(
+        SOURCE.replace(b"    z = xops.memory_efficient_attention(q, k, v)\n", b"    z = y\n"),
+        "case.py",
+        registry.all_rules(),
+        RuleOptions(),
+    )
     assert b"bias = flashport.integrations.xformers_compat.LowerTriangularMask()" in result.new
 
 
 # ------------------------------------------------------------------------------------- materialize
+
 
 def _expected(mq, mk, allowed):
     """Dense additive reference: 0 where ``allowed(i, j)``, -inf elsewhere (xformers' convention)."""
@@ -80,7 +93,10 @@ def test_materialize_matches_xformers_semantics():
     cases = [
         (xf.LowerTriangularMask(), lambda i, j: j <= i),
         (xf.LowerTriangularFromBottomRightMask(), lambda i, j: j <= i + mk - mq),
-        (xf.LowerTriangularFromBottomRightMask().make_local_attention(2), lambda i, j: i + mk - mq - 2 < j <= i + mk - mq),
+        (
+            xf.LowerTriangularFromBottomRightMask().make_local_attention(2),
+            lambda i, j: i + mk - mq - 2 < j <= i + mk - mq,
+        ),
         (xf.LocalAttentionFromBottomRightMask(1, 1), lambda i, j: i - 1 <= j + mq - mk <= i + 1),
     ]
     for bias, allowed in cases:
@@ -104,10 +120,14 @@ def test_materialize_block_diagonal():
     ki = [0, 1, 2, 0]
     plain = xf.BlockDiagonalMask.from_seqlens(q_lens, kv_lens)
     assert torch.equal(plain.materialize((5, 4)), _expected(5, 4, lambda i, j: qb[i] == kb[j]))
-    assert torch.equal(plain.make_causal().materialize((5, 4)),
-                       _expected(5, 4, lambda i, j: qb[i] == kb[j] and ki[j] <= qi[i]))
-    assert torch.equal(plain.make_causal_from_bottomright().materialize((5, 4)),
-                       _expected(5, 4, lambda i, j: qb[i] == kb[j] and ki[j] <= qi[i] + kv_lens[qb[i]] - q_lens[qb[i]]))
+    assert torch.equal(
+        plain.make_causal().materialize((5, 4)),
+        _expected(5, 4, lambda i, j: qb[i] == kb[j] and ki[j] <= qi[i]),
+    )
+    assert torch.equal(
+        plain.make_causal_from_bottomright().materialize((5, 4)),
+        _expected(5, 4, lambda i, j: qb[i] == kb[j] and ki[j] <= qi[i] + kv_lens[qb[i]] - q_lens[qb[i]]),
+    )
     with pytest.raises(ValueError, match=r"shape must end with \(5, 4\)"):
         plain.materialize((4, 4))
 
@@ -121,7 +141,7 @@ def test_materialized_bias_gives_the_same_attention():
     q, k, v = (torch.randn(1, n, 2, 8, generator=g) for n in (5, 7, 7))
     bias = xf.BlockDiagonalCausalFromBottomRightMask.from_seqlens([2, 3], [3, 4])  # no fully masked row
     dense = bias.materialize((1, 2, 5, 7), dtype=torch.float64)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * 8 ** -0.5 + dense
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * 8**-0.5 + dense
     want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v.double())
     got = xf.memory_efficient_attention(q, k, v, attn_bias=bias, backend="torch")
     assert (got.double() - want).abs().max().item() < 1e-5

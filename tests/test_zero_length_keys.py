@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import reference_attention
 
 import flashport
-from reference import reference_attention
 
 BACKENDS = ["auto", "xla", "blockwise", "pallas_tpu_interpret"]
 B, SQ, HQ, HKV, D, DV = 2, 3, 4, 2, 8, 16
@@ -33,8 +33,11 @@ def inputs(dtype=jnp.float32):
     return q, jnp.zeros((B, 0, HKV, D), dtype), jnp.zeros((B, 0, HKV, DV), dtype)
 
 
-@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (1, 1), "softcap": 5.0}],
-                         ids=["plain", "causal", "window_softcap"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True}, {"window": (1, 1), "softcap": 5.0}],
+    ids=["plain", "causal", "window_softcap"],
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_jax_backends_return_zeros_and_neg_inf_lse(backend, options):
     want_out, want_lse = expected()
@@ -55,9 +58,16 @@ def test_jax_backends_return_zeros_and_neg_inf_lse(backend, options):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bias_mask_and_segments_with_no_keys(backend):
     q, k, v = inputs(jnp.bfloat16)
-    out = flashport.attention(q, k, v, bias=jnp.zeros((B, 1, SQ, 0)), mask=jnp.zeros((SQ, 0), bool),
-                              q_segment_ids=jnp.zeros((B, SQ), jnp.int32),
-                              kv_segment_ids=jnp.zeros((B, 0), jnp.int32), backend=backend)
+    out = flashport.attention(
+        q,
+        k,
+        v,
+        bias=jnp.zeros((B, 1, SQ, 0)),
+        mask=jnp.zeros((SQ, 0), bool),
+        q_segment_ids=jnp.zeros((B, SQ), jnp.int32),
+        kv_segment_ids=jnp.zeros((B, 0), jnp.int32),
+        backend=backend,
+    )
     np.testing.assert_array_equal(np.asarray(out, np.float64), expected()[0])
 
 

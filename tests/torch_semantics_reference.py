@@ -33,13 +33,15 @@ def _row(scores_row, allowed, values):
     return p @ values[idx]
 
 
-def flash_attn_ref(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0, key_limit=None):
+def flash_attn_ref(
+    q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0, key_limit=None
+):
     """flash-attn 2.x ``flash_attn_func`` on float64 [B, Sq, H, D] tensors (``key_limit[b]``: keys ``j <
     key_limit[b]`` exist and Sk is taken as ``key_limit[b]`` for the bottom-right offset)."""
     q, k, v = (x.double() for x in (q, k, v))
     b, sq, hq, d = q.shape
     hk = k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    scale = softmax_scale if softmax_scale is not None else d**-0.5
     left, right = window_size
     if causal:
         right = 0
@@ -56,7 +58,9 @@ def flash_attn_ref(q, k, v, *, causal=False, window_size=(-1, -1), softmax_scale
             head_rows = []
             for i in range(sq):
                 centre = i + sk - sq
-                allowed = [(left < 0 or j >= centre - left) and (right < 0 or j <= centre + right) for j in range(sk)]
+                allowed = [
+                    (left < 0 or j >= centre - left) and (right < 0 or j <= centre + right) for j in range(sk)
+                ]
                 head_rows.append(_row(s[i], allowed, v[bi, :sk, kh]))
             per_head.append(torch.stack(head_rows))
         rows.append(torch.stack(per_head, dim=1))
@@ -79,8 +83,8 @@ def flash_attn_kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     lengths = [int(x) for x in cache_seqlens]
     if k is not None:
         for b, start in enumerate(lengths):
-            k_cache[b, start:start + k.shape[1]] = k[b].double()
-            v_cache[b, start:start + v.shape[1]] = v[b].double()
+            k_cache[b, start : start + k.shape[1]] = k[b].double()
+            v_cache[b, start : start + v.shape[1]] = v[b].double()
         lengths = [n + k.shape[1] for n in lengths]
     out = flash_attn_ref(q, k_cache, v_cache, key_limit=lengths, **kwargs)
     return out, k_cache, v_cache
@@ -93,7 +97,7 @@ def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fa
     hk, sk = k.shape[1], k.shape[2]
     if hk != hq and not enable_gqa:
         raise ValueError("SDPA needs enable_gqa=True for Hk != Hq")
-    scale = scale if scale is not None else d ** -0.5
+    scale = scale if scale is not None else d**-0.5
     mask = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
     out = torch.zeros(b, hq, sq, v.shape[-1], dtype=torch.float64)
     batches = []
@@ -128,7 +132,7 @@ def xformers_ref(q, k, v, bias=None, scale=None):
     q, k, v = (x.double() for x in (q, k, v))
     b, mq, h, d = q.shape
     mk = k.shape[1]
-    scale = scale if scale is not None else d ** -0.5
+    scale = scale if scale is not None else d**-0.5
     kind = (bias or {}).get("kind")
 
     def allowed(i, j):
@@ -156,7 +160,9 @@ def xformers_ref(q, k, v, bias=None, scale=None):
             s = (q[bi, :, hi] @ k[bi, :, hi].T) * scale
             if kind == "tensor":
                 s = s + bias["bias"][bi, hi].double()
-            heads.append(torch.stack([_row(s[i], [allowed(i, j) for j in range(mk)], v[bi, :, hi]) for i in range(mq)]))
+            heads.append(
+                torch.stack([_row(s[i], [allowed(i, j) for j in range(mk)], v[bi, :, hi]) for i in range(mq)])
+            )
         batches.append(torch.stack(heads, dim=1))
     return torch.stack(batches)
 
@@ -168,4 +174,11 @@ def _starts(lengths):
     return out
 
 
-__all__ = ["flash_attn_ref", "flash_attn_varlen_ref", "flash_attn_kvcache_ref", "sdpa_ref", "xformers_ref", "math"]
+__all__ = [
+    "flash_attn_kvcache_ref",
+    "flash_attn_ref",
+    "flash_attn_varlen_ref",
+    "math",
+    "sdpa_ref",
+    "xformers_ref",
+]

@@ -32,7 +32,7 @@ def apply_rotary(x, cos, sin, positions, interleaved):
     wide = torch.promote_types(x.dtype, torch.float32)
     c = cos[positions].to(wide)[:, :, None, :]
     s = sin[positions].to(wide)[:, :, None, :]
-    rot, rest = x[..., : 2 * half].to(wide), x[..., 2 * half:]
+    rot, rest = x[..., : 2 * half].to(wide), x[..., 2 * half :]
     if interleaved:
         a, b = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
@@ -62,7 +62,9 @@ class _Cache:
         self.direct = False
         if block_table is not None:
             if cache_batch_idx is not None:
-                raise ValueError("flash_attn_with_kvcache: cache_batch_idx is not supported with a paged cache (block_table)")
+                raise ValueError(
+                    "flash_attn_with_kvcache: cache_batch_idx is not supported with a paged cache (block_table)"
+                )
             self.page = k_cache.shape[1]
             self.length = block_table.shape[1] * self.page
             self.table = block_table.to(device=device, dtype=torch.long)
@@ -70,8 +72,11 @@ class _Cache:
             self.page = None
             self.length = k_cache.shape[1]
             self.direct = cache_batch_idx is None  # sequence b is cache row b: read a view, no copy
-            self.rows = (torch.arange(batch, device=device) if cache_batch_idx is None
-                         else cache_batch_idx.to(device=device, dtype=torch.long))
+            self.rows = (
+                torch.arange(batch, device=device)
+                if cache_batch_idx is None
+                else cache_batch_idx.to(device=device, dtype=torch.long)
+            )
 
     def index(self, rows):
         """(first-axis index, second-axis index) of logical ``rows`` [B, L] in the cache tensor."""
@@ -91,13 +96,32 @@ class _Cache:
     def write(self, cache, rows, new):
         """Write ``new`` [B, S_new, Hk, D] at logical ``rows`` [B, S_new], in place."""
         first, second = self.index(rows)
-        cache.index_put_((first.reshape(-1), second.reshape(-1)), new.reshape(-1, *new.shape[2:]).to(cache.dtype))
+        cache.index_put_(
+            (first.reshape(-1), second.reshape(-1)), new.reshape(-1, *new.shape[2:]).to(cache.dtype)
+        )
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
     """flash-attn 2.x ``flash_attn_with_kvcache`` (module docstring), updating the caches in place.
 
     Args:
@@ -125,7 +149,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     from flashport.integrations.flash_attn_compat import _lse_like_flash_attn, _window, kvcache_mask
 
     if alibi_slopes is not None:
-        raise NotImplementedError("flash_attn_with_kvcache: alibi_slopes is not supported by flashport's drop-in")
+        raise NotImplementedError(
+            "flash_attn_with_kvcache: alibi_slopes is not supported by flashport's drop-in"
+        )
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: pass both k and v, or neither")
     if (rotary_cos is None) != (rotary_sin is None) or (rotary_cos is not None and k is None):
@@ -137,8 +163,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if k is not None:
         s_new = k.shape[1]
         if s_new and int(lengths.max()) + s_new > cache.length:
-            raise ValueError(f"flash_attn_with_kvcache: cache_seqlens + S_new = {int(lengths.max()) + s_new} "
-                             f"exceeds the cache length {cache.length}")
+            raise ValueError(
+                f"flash_attn_with_kvcache: cache_seqlens + S_new = {int(lengths.max()) + s_new} "
+                f"exceeds the cache length {cache.length}"
+            )
         rows = lengths[:, None] + torch.arange(s_new, device=q.device)[None, :]
         if rotary_cos is not None:
             k = apply_rotary(k, rotary_cos, rotary_sin, rows, rotary_interleaved)
@@ -152,9 +180,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     mask = kvcache_mask(lengths, s_q, cache.length, causal=causal, window=window)
     if cache_leftpad is not None:
         start = cache_leftpad.to(device=q.device, dtype=torch.long)
-        mask = mask & (torch.arange(cache.length, device=q.device)[None, None, None, :] >= start[:, None, None, None])
-    result = flashport.torch.attention(q, keys, values, scale=softmax_scale, softcap=softcap or None, mask=mask,
-                                       layout="BSHD", return_lse=return_softmax_lse)
+        mask = mask & (
+            torch.arange(cache.length, device=q.device)[None, None, None, :] >= start[:, None, None, None]
+        )
+    result = flashport.torch.attention(
+        q,
+        keys,
+        values,
+        scale=softmax_scale,
+        softcap=softcap or None,
+        mask=mask,
+        layout="BSHD",
+        return_lse=return_softmax_lse,
+    )
     if return_softmax_lse:
         return result[0], _lse_like_flash_attn(result[1])
     return result

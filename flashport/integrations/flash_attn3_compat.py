@@ -27,26 +27,91 @@ def _unsupported(**given):
             raise NotImplementedError(f"FlashAttention-3 {name}= is not supported by flashport's drop-in")
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
-                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
-                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
     """FA3 ``flash_attn_func``: q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> out, or ``(out, lse)``."""
     import flashport.torch
 
-    _unsupported(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
-    result = flashport.torch.attention(q, k, v, scale=softmax_scale, causal=causal, window=_window(window_size),
-                                       softcap=softcap or None, align="bottom_right", layout="BSHD",
-                                       return_lse=bool(return_attn_probs))
+    _unsupported(
+        qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk
+    )
+    result = flashport.torch.attention(
+        q,
+        k,
+        v,
+        scale=softmax_scale,
+        causal=causal,
+        window=_window(window_size),
+        softcap=softcap or None,
+        align="bottom_right",
+        layout="BSHD",
+        return_lse=bool(return_attn_probs),
+    )
     return (result[0], _lse_like_flash_attn(result[1])) if return_attn_probs else result
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
-                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
-                           v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
-                           pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
     """FA3 ``flash_attn_varlen_func``: q [total_q, H, D], k/v [total_k, Hk, D] -> out, or ``(out, lse [H, total_q])``."""
-    _unsupported(seqused_q=seqused_q, seqused_k=seqused_k, qv=qv, q_descale=q_descale, k_descale=k_descale,
-                 v_descale=v_descale, attention_chunk=attention_chunk)
-    result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale, causal=causal,
-                         window=_window(window_size), softcap=softcap or None, return_lse=bool(return_attn_probs))
+    _unsupported(
+        seqused_q=seqused_q,
+        seqused_k=seqused_k,
+        qv=qv,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+        attention_chunk=attention_chunk,
+    )
+    result = varlen_core(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale=softmax_scale,
+        causal=causal,
+        window=_window(window_size),
+        softcap=softcap or None,
+        return_lse=bool(return_attn_probs),
+    )
     return (result[0], _lse_like_flash_attn(result[1])) if return_attn_probs else result

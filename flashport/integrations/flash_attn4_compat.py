@@ -44,21 +44,65 @@ def _check(extra):
             raise NotImplementedError(f"FlashAttention-4 {name}= is not supported by flashport's drop-in")
 
 
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
-                    return_lse=False, **extra):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(None, None),
+    softcap=0.0,
+    return_lse=False,
+    **extra,
+):
     """FA4 ``flash_attn_func``: q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> ``(out, lse [B, H, Sq])``."""
     import flashport.torch
 
     _check(extra)
-    return flashport.torch.attention(q, k, v, scale=softmax_scale, causal=causal, window=fa4_window(window_size),
-                                     softcap=softcap or None, align="bottom_right", layout="BSHD", return_lse=True)
+    return flashport.torch.attention(
+        q,
+        k,
+        v,
+        scale=softmax_scale,
+        causal=causal,
+        window=fa4_window(window_size),
+        softcap=softcap or None,
+        align="bottom_right",
+        layout="BSHD",
+        return_lse=True,
+    )
 
 
-def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, softmax_scale=None, causal=False,
-                           window_size=(None, None), softcap=0.0, return_lse=False, **extra):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    *,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(None, None),
+    softcap=0.0,
+    return_lse=False,
+    **extra,
+):
     """FA4 ``flash_attn_varlen_func``: q [total_q, H, D], k/v [total_k, Hk, D] -> ``(out, lse [H, total_q])``."""
     _check(extra)
     if cu_seqlens_q is None or cu_seqlens_k is None:
-        raise NotImplementedError("FlashAttention-4 varlen without cu_seqlens_q/cu_seqlens_k is not supported")
-    return varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale, causal=causal,
-                       window=fa4_window(window_size), softcap=softcap or None, return_lse=True)
+        raise NotImplementedError(
+            "FlashAttention-4 varlen without cu_seqlens_q/cu_seqlens_k is not supported"
+        )
+    return varlen_core(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale=softmax_scale,
+        causal=causal,
+        window=fa4_window(window_size),
+        softcap=softcap or None,
+        return_lse=True,
+    )

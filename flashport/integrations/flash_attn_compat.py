@@ -41,11 +41,22 @@ from flashport.integrations.bert_padding import index_first_axis, index_put_firs
 from flashport.kernels.visibility import band_visible
 
 __all__ = [
-    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-    "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
-    "flash_attn_unpadded_func", "flash_attn_unpadded_qkvpacked_func", "flash_attn_unpadded_kvpacked_func",
-    "flash_attn_with_kvcache", "kvcache_attention", "kvcache_mask",
-    "index_first_axis", "index_put_first_axis", "pad_input", "unpad_input",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_unpadded_func",
+    "flash_attn_unpadded_kvpacked_func",
+    "flash_attn_unpadded_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "index_first_axis",
+    "index_put_first_axis",
+    "kvcache_attention",
+    "kvcache_mask",
+    "pad_input",
+    "unpad_input",
 ]
 
 
@@ -76,8 +87,22 @@ def kvcache_mask(lengths, s_q, s_k, *, causal=False, window=None):
     return mask[:, None]
 
 
-def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, scale=None, causal=False,
-                      window=None, softcap=None, return_lse=False, return_cache=False, backend="auto"):
+def kvcache_attention(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens=None,
+    scale=None,
+    causal=False,
+    window=None,
+    softcap=None,
+    return_lse=False,
+    return_cache=False,
+    backend="auto",
+):
     """flash-attn ``flash_attn_with_kvcache`` semantics without in-place updates.
 
     Args:
@@ -115,15 +140,26 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
     if k is not None:
         s_new = k.shape[1]
         if s_new and int(lengths.max()) + s_new > s_cache:
-            raise ValueError(f"kvcache_attention: cache_seqlens + S_new = {int(lengths.max()) + s_new} exceeds the cache length {s_cache}")
+            raise ValueError(
+                f"kvcache_attention: cache_seqlens + S_new = {int(lengths.max()) + s_new} exceeds the cache length {s_cache}"
+            )
         rows = (lengths[:, None] + torch.arange(s_new, device=q.device)[None, :]).clamp(max=s_cache - 1)
         index = rows[:, :, None, None]
         k_cache = k_cache.scatter(1, index.expand(-1, -1, *k.shape[2:]), k)
         v_cache = v_cache.scatter(1, index.expand(-1, -1, *v.shape[2:]), v)
         lengths = lengths + s_new
     mask = kvcache_mask(lengths, q.shape[1], s_cache, causal=causal, window=window)
-    result = flashport.torch.attention(q, k_cache, v_cache, scale=scale, softcap=softcap, mask=mask,
-                                       layout="BSHD", backend=backend, return_lse=return_lse)
+    result = flashport.torch.attention(
+        q,
+        k_cache,
+        v_cache,
+        scale=scale,
+        softcap=softcap,
+        mask=mask,
+        layout="BSHD",
+        backend=backend,
+        return_lse=return_lse,
+    )
     result = result if isinstance(result, tuple) else (result,)
     if return_cache:
         result = result + (k_cache, v_cache)
@@ -166,15 +202,39 @@ def _alibi_bias(slopes, s_q, s_k, causal, device):
     return -slopes * (i + s_k - s_q - j).abs()
 
 
-def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-           align="bottom_right"):
+def _dense(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    align="bottom_right",
+):
     """The BSHD functions' common body."""
     import flashport.torch
 
-    bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
-    result = flashport.torch.attention(q, k, v, scale=softmax_scale, causal=causal, window=_window(window_size),
-                                       align=align, softcap=softcap or None, bias=bias, layout="BSHD",
-                                       return_lse=bool(return_attn_probs), **_dropout(dropout_p))
+    bias = (
+        None if alibi_slopes is None else _alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
+    )
+    result = flashport.torch.attention(
+        q,
+        k,
+        v,
+        scale=softmax_scale,
+        causal=causal,
+        window=_window(window_size),
+        align=align,
+        softcap=softcap or None,
+        bias=bias,
+        layout="BSHD",
+        return_lse=bool(return_attn_probs),
+        **_dropout(dropout_p),
+    )
     if return_attn_probs:
         return result[0], _lse_like_flash_attn(result[1]), None
     return result
@@ -183,27 +243,63 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
 # ----------------------------------------------------------------------------------- dense [B, S, H, D]
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash-attn 2.x ``flash_attn_func``: q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D].
 
     With ``return_attn_probs=True`` returns ``(out, softmax_lse [B, H, Sq], None)`` (module docstring).
     """
-    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+    return _dense(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
+    )
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash-attn 2.x ``flash_attn_qkvpacked_func``: qkv [B, S, 3, H, D] -> [B, S, H, D]."""
     q, k, v = qkv.unbind(2)
-    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+    return _dense(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
+    )
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash-attn 2.x ``flash_attn_kvpacked_func``: q [B, Sq, H, D], kv [B, Sk, 2, Hk, D] -> [B, Sq, H, D]."""
     k, v = kv.unbind(2)
-    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+    return _dense(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
+    )
 
 
 # ----------------------------------------------------------------------------------- varlen [total, H, D]
@@ -223,8 +319,22 @@ def _paged(cache, block_table, cu_seqlens_k):
     return cache[blocks, row % page]
 
 
-def varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False, window=None, softcap=None,
-                align="bottom_right", dropout_p=0.0, return_lse=False, block_table=None):
+def varlen_core(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    scale=None,
+    causal=False,
+    window=None,
+    softcap=None,
+    align="bottom_right",
+    dropout_p=0.0,
+    return_lse=False,
+    block_table=None,
+):
     """Packed variable-length attention on the contract, shared by the flash-attn 1/2/3/4 drop-ins.
 
     Segment ids and a per-sequence causal/window mask (as :func:`flashport.varlen_attention`), batch 1
@@ -245,73 +355,255 @@ def varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False
 
     if block_table is not None:
         k, v = _paged(k, block_table, cu_seqlens_k), _paged(v, block_table, cu_seqlens_k)
-    q_ids, kv_ids, mask = varlen_layout(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal=causal,
-                                        window=window, align=align)
-    result = flashport.torch.attention(q[None], k[None], v[None], scale=scale, softcap=softcap, mask=mask[None, None],
-                                       q_segment_ids=q_ids[None], kv_segment_ids=kv_ids[None], layout="BSHD",
-                                       return_lse=return_lse, **_dropout(dropout_p))
+    q_ids, kv_ids, mask = varlen_layout(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal=causal, window=window, align=align
+    )
+    result = flashport.torch.attention(
+        q[None],
+        k[None],
+        v[None],
+        scale=scale,
+        softcap=softcap,
+        mask=mask[None, None],
+        q_segment_ids=q_ids[None],
+        kv_segment_ids=kv_ids[None],
+        layout="BSHD",
+        return_lse=return_lse,
+        **_dropout(dropout_p),
+    )
     return (result[0][0], result[1][0]) if return_lse else result[0]
 
 
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
-            alibi_slopes, return_attn_probs, block_table=None, align="bottom_right"):
+def _varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    block_table=None,
+    align="bottom_right",
+):
     """The flash-attn 1/2 varlen functions' common body (flash-attn's lse convention)."""
     if alibi_slopes is not None:
         raise NotImplementedError("flash_attn_varlen_*: alibi_slopes is not supported by flashport's drop-in")
-    result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale, causal=causal,
-                         window=_window(window_size), softcap=softcap or None, align=align, dropout_p=dropout_p,
-                         return_lse=bool(return_attn_probs), block_table=block_table)
+    result = varlen_core(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale=softmax_scale,
+        causal=causal,
+        window=_window(window_size),
+        softcap=softcap or None,
+        align=align,
+        dropout_p=dropout_p,
+        return_lse=bool(return_attn_probs),
+        block_table=block_table,
+    )
     if return_attn_probs:
         return result[0], _lse_like_flash_attn(result[1]), None
     return result
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """flash-attn 2.x ``flash_attn_varlen_func``: q [total_q, H, D], k/v [total_k, Hk, D] (or paged
     [num_blocks, page, Hk, D] with ``block_table`` [B, max_blocks]) -> [total_q, H, D]; lse [H, total_q].
     ``max_seqlen_*`` are ignored (kernel launch sizes)."""
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, return_attn_probs, block_table)
+    return _varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        block_table,
+    )
 
 
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash-attn 2.x ``flash_attn_varlen_qkvpacked_func``: qkv [total, 3, H, D] -> [total, H, D]."""
     q, k, v = qkv.unbind(1)
-    return _varlen(q, k, v, cu_seqlens, cu_seqlens, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, return_attn_probs)
+    return _varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+    )
 
 
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash-attn 2.x ``flash_attn_varlen_kvpacked_func``: q [total_q, H, D], kv [total_k, 2, Hk, D]."""
     k, v = kv.unbind(1)
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes, return_attn_probs)
+    return _varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+    )
 
 
-def flash_attn_unpadded_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                             softmax_scale=None, causal=False, return_attn_probs=False, deterministic=False):
+def flash_attn_unpadded_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale=None,
+    causal=False,
+    return_attn_probs=False,
+    deterministic=False,
+):
     """flash-attn 1.x ``flash_attn_unpadded_func`` (``dropout_p`` required; causal **top-left**)."""
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, (-1, -1), 0.0, None,
-                   return_attn_probs, align="top_left")
+    return _varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        (-1, -1),
+        0.0,
+        None,
+        return_attn_probs,
+        align="top_left",
+    )
 
 
-def flash_attn_unpadded_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale=None, causal=False,
-                                       return_attn_probs=False, deterministic=False):
+def flash_attn_unpadded_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p,
+    softmax_scale=None,
+    causal=False,
+    return_attn_probs=False,
+    deterministic=False,
+):
     """flash-attn 1.x ``flash_attn_unpadded_qkvpacked_func``: qkv [total, 3, H, D] (causal top-left)."""
     q, k, v = qkv.unbind(1)
-    return _varlen(q, k, v, cu_seqlens, cu_seqlens, dropout_p, softmax_scale, causal, (-1, -1), 0.0, None,
-                   return_attn_probs, align="top_left")
+    return _varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        dropout_p,
+        softmax_scale,
+        causal,
+        (-1, -1),
+        0.0,
+        None,
+        return_attn_probs,
+        align="top_left",
+    )
 
 
-def flash_attn_unpadded_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                      softmax_scale=None, causal=False, return_attn_probs=False, deterministic=False):
+def flash_attn_unpadded_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale=None,
+    causal=False,
+    return_attn_probs=False,
+    deterministic=False,
+):
     """flash-attn 1.x ``flash_attn_unpadded_kvpacked_func``: kv [total_k, 2, Hk, D] (causal top-left)."""
     k, v = kv.unbind(1)
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, (-1, -1), 0.0, None,
-                   return_attn_probs, align="top_left")
+    return _varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        (-1, -1),
+        0.0,
+        None,
+        return_attn_probs,
+        align="top_left",
+    )

@@ -22,8 +22,18 @@ from __future__ import annotations
 ATTN_IMPLEMENTATION = "flashport"
 
 
-def flashport_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                                is_causal=None, softcap=None, **kwargs):
+def flashport_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    softcap=None,
+    **kwargs,
+):
     """A transformers attention function (the signature ``AttentionInterface`` calls) on flashport.
 
     Args:
@@ -62,8 +72,16 @@ def flashport_attention_forward(module, query, key, value, attention_mask, dropo
         is_causal = getattr(module, "is_causal", True)
     causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
     out = flashport.torch.attention(
-        query, key, value, scale=scaling, causal=causal, softcap=softcap or None,
-        **flashport.sdpa_mask(attention_mask), align="top_left", layout="BHSD", dropout_p=dropout_p,
+        query,
+        key,
+        value,
+        scale=scaling,
+        causal=causal,
+        softcap=softcap or None,
+        **flashport.sdpa_mask(attention_mask),
+        align="top_left",
+        layout="BHSD",
+        dropout_p=dropout_p,
     )
     return out.transpose(1, 2).contiguous(), None
 

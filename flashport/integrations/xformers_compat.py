@@ -31,15 +31,24 @@ classes above are accepted too (read through their attributes). Every bias objec
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from flashport.kernels.varlen import is_torch_tensor
 
 __all__ = [
-    "AttentionBias", "LowerTriangularMask", "LowerTriangularMaskWithTensorBias",
-    "LowerTriangularFromBottomRightMask", "LowerTriangularFromBottomRightLocalAttentionMask",
-    "LocalAttentionFromBottomRightMask", "BlockDiagonalMask", "BlockDiagonalCausalMask",
-    "BlockDiagonalCausalFromBottomRightMask", "BlockDiagonalCausalLocalAttentionMask",
-    "BlockDiagonalCausalLocalAttentionFromBottomRightMask", "memory_efficient_attention", "contract_kwargs",
+    "AttentionBias",
+    "BlockDiagonalCausalFromBottomRightMask",
+    "BlockDiagonalCausalLocalAttentionFromBottomRightMask",
+    "BlockDiagonalCausalLocalAttentionMask",
+    "BlockDiagonalCausalMask",
+    "BlockDiagonalMask",
+    "LocalAttentionFromBottomRightMask",
+    "LowerTriangularFromBottomRightLocalAttentionMask",
+    "LowerTriangularFromBottomRightMask",
+    "LowerTriangularMask",
+    "LowerTriangularMaskWithTensorBias",
+    "contract_kwargs",
+    "memory_efficient_attention",
 ]
 
 
@@ -196,9 +205,9 @@ class BlockDiagonalMask(AttentionBias):
         sizes = self._batch_sizes or [1] * len(self.q_seqlen)
         chunks, start, out = [], 0, []
         for size in sizes:
-            chunks.append(sum(self.q_seqlen[start:start + size]))
+            chunks.append(sum(self.q_seqlen[start : start + size]))
             start += size
-        for size, part in zip(sizes, tensor.split(chunks, dim=1)):
+        for size, part in zip(sizes, tensor.split(chunks, dim=1), strict=True):
             out.append(part.reshape(size, -1, *part.shape[2:]))
         return out
 
@@ -221,12 +230,14 @@ class BlockDiagonalMask(AttentionBias):
         import torch
 
         if sum(self.q_seqlen) != mq or sum(self.kv_seqlen) != mk:
-            raise ValueError(f"{type(self).__name__}.materialize: shape must end with ({sum(self.q_seqlen)}, "
-                             f"{sum(self.kv_seqlen)}) (the blocks' total queries and keys), got ({mq}, {mk})")
+            raise ValueError(
+                f"{type(self).__name__}.materialize: shape must end with ({sum(self.q_seqlen)}, "
+                f"{sum(self.kv_seqlen)}) (the blocks' total queries and keys), got ({mq}, {mk})"
+            )
         ok = torch.zeros((mq, mk), dtype=torch.bool, device=device)
         q0 = k0 = 0
-        for nq, nk in zip(self.q_seqlen, self.kv_seqlen):
-            ok[q0:q0 + nq, k0:k0 + nk] = _band(nq, nk, device, self.causal, self.align, self.window())
+        for nq, nk in zip(self.q_seqlen, self.kv_seqlen, strict=True):
+            ok[q0 : q0 + nq, k0 : k0 + nk] = _band(nq, nk, device, self.causal, self.align, self.window())
             q0, k0 = q0 + nq, k0 + nk
         return ok
 
@@ -239,12 +250,25 @@ class BlockDiagonalMask(AttentionBias):
             return torch.tensor([0] + lengths, device=device).cumsum(0)
 
         if sum(self.q_seqlen) != total_q or sum(self.kv_seqlen) != total_k:
-            raise ValueError(f"{type(self).__name__}: the blocks cover {sum(self.q_seqlen)} queries and "
-                             f"{sum(self.kv_seqlen)} keys, the tensors have {total_q} and {total_k}")
-        q_ids, kv_ids, mask = varlen_layout(cumulative(self.q_seqlen), cumulative(self.kv_seqlen), total_q, total_k,
-                                            causal=self.causal, window=self.window(), align=self.align)
-        return {"mask": mask[None, None], "q_segment_ids": q_ids[None], "kv_segment_ids": kv_ids[None],
-                "blocks": True}
+            raise ValueError(
+                f"{type(self).__name__}: the blocks cover {sum(self.q_seqlen)} queries and "
+                f"{sum(self.kv_seqlen)} keys, the tensors have {total_q} and {total_k}"
+            )
+        q_ids, kv_ids, mask = varlen_layout(
+            cumulative(self.q_seqlen),
+            cumulative(self.kv_seqlen),
+            total_q,
+            total_k,
+            causal=self.causal,
+            window=self.window(),
+            align=self.align,
+        )
+        return {
+            "mask": mask[None, None],
+            "q_segment_ids": q_ids[None],
+            "kv_segment_ids": kv_ids[None],
+            "blocks": True,
+        }
 
 
 class BlockDiagonalCausalMask(BlockDiagonalMask):
@@ -280,12 +304,18 @@ def _from_xformers(bias):
     """A real xformers bias object of a supported class as the flashport mirror (by class name)."""
     name = type(bias).__name__
     cls = globals().get(name)
-    if cls is None or not (isinstance(cls, type) and issubclass(cls, AttentionBias)) or name in ("AttentionBias",):
+    if (
+        cls is None
+        or not (isinstance(cls, type) and issubclass(cls, AttentionBias))
+        or name in ("AttentionBias",)
+    ):
         raise ValueError(f"xformers bias {name} has no flashport equivalent")
     if issubclass(cls, BlockDiagonalMask):
+
         def lengths(info):
             starts = getattr(info, "seqstart_py", None) or getattr(info, "cu_seqlen_py", None)
-            return [b - a for a, b in zip(starts, starts[1:])]
+            return [b - a for a, b in itertools.pairwise(starts)]
+
         out = cls(q_seqlen=lengths(bias.q_seqinfo), kv_seqlen=lengths(bias.k_seqinfo))
         out._window_size = getattr(bias, "_window_size", 0) or 0
         return out
@@ -310,8 +340,19 @@ def contract_kwargs(attn_bias, total_q, total_k, device):
     return attn_bias._contract(total_q, total_k, device)
 
 
-def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None,
-                               output_dtype=None, backend="auto", generator=None):
+def memory_efficient_attention(
+    query,
+    key,
+    value,
+    attn_bias=None,
+    p=0.0,
+    scale=None,
+    *,
+    op=None,
+    output_dtype=None,
+    backend="auto",
+    generator=None,
+):
     """``xformers.ops.memory_efficient_attention`` through :func:`flashport.torch.attention`.
 
     Args:
@@ -345,7 +386,9 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
         raise type(e)(f"memory_efficient_attention: p is flashport's dropout_p: {e}") from None
     rank = query.ndim
     if rank not in (3, 4, 5):
-        raise ValueError(f"memory_efficient_attention: query must be 3-D, 4-D or 5-D, got shape {tuple(query.shape)}")
+        raise ValueError(
+            f"memory_efficient_attention: query must be 3-D, 4-D or 5-D, got shape {tuple(query.shape)}"
+        )
     shape = query.shape
     if rank == 3:
         query, key, value = (x.unsqueeze(2) for x in (query, key, value))
@@ -353,7 +396,9 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
         query, key, value = (x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]) for x in (query, key, value))
     kwargs = contract_kwargs(attn_bias, query.shape[1], key.shape[1], query.device)
     if kwargs.pop("blocks", False) and query.shape[0] != 1:
-        raise ValueError(f"memory_efficient_attention: block-diagonal biases need batch 1, got {query.shape[0]}")
+        raise ValueError(
+            f"memory_efficient_attention: block-diagonal biases need batch 1, got {query.shape[0]}"
+        )
     bias = kwargs.get("bias")
     if bias is not None:
         if rank == 3 and bias.ndim == 3:
@@ -362,8 +407,17 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
             full = (shape[0], shape[2], shape[3], query.shape[1], key.shape[1])
             bias = bias.expand(full).reshape(shape[0], shape[2] * shape[3], *full[-2:])
         kwargs["bias"] = bias
-    out = flashport.torch.attention(query, key, value, scale=scale, layout="BSHD", backend=backend,
-                                    dropout_p=p, generator=generator, **kwargs)
+    out = flashport.torch.attention(
+        query,
+        key,
+        value,
+        scale=scale,
+        layout="BSHD",
+        backend=backend,
+        dropout_p=p,
+        generator=generator,
+        **kwargs,
+    )
     if rank == 3:
         out = out.squeeze(2)
     elif rank == 5:

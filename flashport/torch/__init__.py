@@ -41,7 +41,7 @@ from flashport.torch import _checks, _dropout, _jax, _native
 from flashport.torch._checks import check
 from flashport.torch._varlen import varlen_attention
 
-__all__ = ["attention", "varlen_attention", "NATIVE_BACKENDS"]
+__all__ = ["NATIVE_BACKENDS", "attention", "varlen_attention"]
 
 # Backends implemented in torch itself; every other backend name belongs to the JAX implementation.
 NATIVE_BACKENDS = ("torch", "sdpa", "flash_attn")
@@ -166,8 +166,10 @@ def _run_native(backend, query, key, value, options, tensors, return_lse, dropou
     else:
         flash = _native.import_flash_attn()
         if flash is None:
-            raise ValueError("backend='flash_attn' needs the flash-attn package (pip install flash-attn); "
-                             "use backend='auto' to fall back to torch SDPA")
+            raise ValueError(
+                "backend='flash_attn' needs the flash-attn package (pip install flash-attn); "
+                "use backend='auto' to fall back to torch SDPA"
+            )
         reason = _native.flash_unsupported(call)
         if reason:
             raise ValueError(f"backend='flash_attn' does not support this call: {reason}; use backend='auto'")
@@ -199,7 +201,9 @@ def _run_jax(kind, backend, query, key, value, options, tensors, return_lse, dro
         seed = _dropout.seed_tensor(_dropout.draw_words(dropout[1]), query.detach())
     bias = tensors["bias"]
     need_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (query, key, value, bias))
-    out, lse = _jax.JaxAttention.apply(runner, static, need_grad, query, key, value, bias, tensors["mask"],
-                                       q_seg, kv_seg, seed)
+        x is not None and x.requires_grad for x in (query, key, value, bias)
+    )
+    out, lse = _jax.JaxAttention.apply(
+        runner, static, need_grad, query, key, value, bias, tensors["mask"], q_seg, kv_seg, seed
+    )
     return (out, lse) if return_lse else out

@@ -12,6 +12,7 @@ import torch
 
 from flashport.kernels import checks
 from flashport.kernels.checks import ALIGNS, LAYOUTS
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -66,9 +67,25 @@ class Call:
     seed: tuple[int, int] | None = None
 
 
-def check(query, key, value, *, scale=None, causal=False, window=None, align="bottom_right", softcap=None,
-          bias=None, mask=None, q_segment_ids=None, kv_segment_ids=None, layout="BSHD", return_lse=False, dropout_p=0.0,
-          seed=None) -> Call:
+def check(
+    query,
+    key,
+    value,
+    *,
+    scale=None,
+    causal=False,
+    window=None,
+    align="bottom_right",
+    softcap=None,
+    bias=None,
+    mask=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    layout="BSHD",
+    return_lse=False,
+    dropout_p=0.0,
+    seed=None,
+) -> Call:
     """Validate the contract's arguments for torch tensors and return the canonical :class:`Call`.
 
     ``dropout_p`` is validated by the caller (:func:`flashport.torch._dropout.check_p`); ``seed``
@@ -86,7 +103,9 @@ def check(query, key, value, *, scale=None, causal=False, window=None, align="bo
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(
+            f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
     checks.check_head_shapes(q.shape, k.shape, v.shape, layout)
     batch, hq, sq, dim = q.shape
     sk = k.shape[2]
@@ -123,7 +142,9 @@ def check_tensor(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.ndim != 4:
-        raise ValueError(f"{name} must have rank 4 ([batch, seq, heads, head_dim] for BSHD), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must have rank 4 ([batch, seq, heads, head_dim] for BSHD), got shape {tuple(x.shape)}"
+        )
     if x.dtype not in DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 

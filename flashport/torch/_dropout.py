@@ -40,7 +40,9 @@ def check_p(dropout_p) -> float:
         )
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}; pass 0.0 to disable dropout (e.g. in eval mode)")
+        raise ValueError(
+            f"dropout_p must be in [0, 1), got {p}; pass 0.0 to disable dropout (e.g. in eval mode)"
+        )
     return p
 
 
@@ -75,7 +77,7 @@ def seed_tensor(words: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
 
 def threshold(rate: float) -> int:
     """The uint32 cut: an entry is kept when its hash bits are ``>= threshold(rate)``."""
-    return min(int(math.floor(rate * 2.0**32)), MASK32)
+    return min(math.floor(rate * 2.0**32), MASK32)
 
 
 def _mul(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -108,7 +110,8 @@ def hash_bits(words: tuple[int, int], batch: int, heads: int, seq_q: int, seq_k:
     return _fmix(row ^ _mul(index(seq_k, 3), KEY_MUL))
 
 
-def keep_mask(words: tuple[int, int], rate: float, batch: int, heads: int, seq_q: int, seq_k: int,
-              device=None) -> torch.Tensor:
+def keep_mask(
+    words: tuple[int, int], rate: float, batch: int, heads: int, seq_q: int, seq_k: int, device=None
+) -> torch.Tensor:
     """The contract's keep-mask, bool [B, Hq, Sq, Sk] (``h`` is the query head, positions from 0)."""
     return hash_bits(words, batch, heads, seq_q, seq_k, device) >= threshold(rate)

@@ -36,8 +36,9 @@ def jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed=None, **static):
         import jax.numpy as jnp
 
         static = dict(static, dropout_rng=jax.lax.bitcast_convert_type(seed, jnp.uint32))
-    return attention(q, k, v, bias=bias, mask=mask, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                     return_lse=True, **static)
+    return attention(
+        q, k, v, bias=bias, mask=mask, q_segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True, **static
+    )
 
 
 def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, **static):
@@ -52,8 +53,20 @@ def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_ls
         import jax.numpy as jnp
 
         static = dict(static, dropout_rng=jax.lax.bitcast_convert_type(seed, jnp.uint32))
-    return attention_backward(q, k, v, out, lse, d_out, d_lse, bias=bias, mask=mask, q_segment_ids=q_seg,
-                              kv_segment_ids=kv_seg, **static)
+    return attention_backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        bias=bias,
+        mask=mask,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        **static,
+    )
 
 
 def _out_and_lse(q, k, v, bias, mask, q_seg, kv_seg, seed, static):
@@ -88,7 +101,9 @@ class DLPackRunner:
 
         q, k, v, bias, mask, q_seg, kv_seg, seed = (to_jax(a) for a in args)
         if need_grad:
-            f = functools.partial(_out_and_lse, mask=mask, q_seg=q_seg, kv_seg=kv_seg, seed=seed, static=static)
+            f = functools.partial(
+                _out_and_lse, mask=mask, q_seg=q_seg, kv_seg=kv_seg, seed=seed, static=static
+            )
             (out, lse), vjp = jax.vjp(f, q, k, v, bias)
         else:
             (out, lse), vjp = jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed, **static), None

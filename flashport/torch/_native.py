@@ -28,8 +28,10 @@ SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 # Why SDPA and flash-attn cannot run dropout with the contract's semantics.
-DROPOUT_REASON = ("{name} draws its own dropout mask, which cannot reproduce the contract's (a position "
-                  "hash of the seed words drawn from generator, identical on every backend)")
+DROPOUT_REASON = (
+    "{name} draws its own dropout mask, which cannot reproduce the contract's (a position "
+    "hash of the seed words drawn from generator, identical on every backend)"
+)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -94,7 +96,11 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
         s = s.masked_fill(~_group(keep, hkv), float("-inf"))
     # The max only stabilizes exp (softmax is invariant to it), so it needs no gradient.
     # amax has no identity for Sk == 0; the -inf row max then gives out 0 and lse -inf as for any empty row.
-    m = s.amax(dim=-1, keepdim=True).detach() if s.shape[-1] else s.new_full((*s.shape[:-1], 1), float("-inf"))
+    m = (
+        s.amax(dim=-1, keepdim=True).detach()
+        if s.shape[-1]
+        else s.new_full((*s.shape[:-1], 1), float("-inf"))
+    )
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     l = e.sum(dim=-1, keepdim=True)
@@ -103,7 +109,9 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     if call.dropout_p > 0:
         kept = _dropout.keep_mask(call.seed, call.dropout_p, b, hq, sq, call.k.shape[2], call.q.device)
         weights = e * (_group(kept, hkv).to(acc) * (1.0 / (1.0 - call.dropout_p)))
-    out = torch.einsum("bhgqk,bhkd->bhgqd", weights, call.v.to(acc)) / torch.where(nonempty, l, torch.ones_like(l))
+    out = torch.einsum("bhgqk,bhkd->bhgqd", weights, call.v.to(acc)) / torch.where(
+        nonempty, l, torch.ones_like(l)
+    )
     # Differentiable; the inner where keeps log's gradient finite on rows with no key.
     lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))), float("-inf"))
     out = out.reshape(b, hq, sq, -1).to(call.q.dtype)
@@ -231,8 +239,11 @@ def varlen_unsupported(call: Call) -> str | None:
 
 def lse_needs_grad(call: Call, return_lse: bool) -> bool:
     """Whether the lse this call returns must carry a gradient (grad mode on and an input requires it)."""
-    return return_lse and torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (call.q, call.k, call.v, call.bias))
+    return (
+        return_lse
+        and torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (call.q, call.k, call.v, call.bias))
+    )
 
 
 class _LseWithoutGrad(torch.autograd.Function):
@@ -285,8 +296,14 @@ def _flash_varlen(flash, call: Call, q, k, v, kwargs, return_lse):
     cu = torch.cat([begin, begin.new_tensor([b * s])]).to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
     result = flash.flash_attn_varlen_func(
-        q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
-        cu, cu, max_len, max_len, **kwargs,
+        q.reshape(b * s, *q.shape[2:]),
+        k.reshape(b * s, *k.shape[2:]),
+        v.reshape(b * s, *v.shape[2:]),
+        cu,
+        cu,
+        max_len,
+        max_len,
+        **kwargs,
     )
     out = (result[0] if return_lse else result).reshape(b, s, *q.shape[2:3], v.shape[-1])
     lse = result[1].reshape(-1, b, s).transpose(0, 1) if return_lse else None  # [H, total] -> [B, H, S]

@@ -45,6 +45,19 @@ def varlen_attention(
     if attention is None:
         from flashport.torch import attention
     extra = dict(dropout_p=dropout_p, generator=generator) if dropout_p or generator is not None else {}
-    return run_varlen(attention, query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      scale=scale, causal=causal, window=window, align=align, softcap=softcap, layout=layout,
-                      backend=backend, **extra)
+    return run_varlen(
+        attention,
+        query,
+        key,
+        value,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        scale=scale,
+        causal=causal,
+        window=window,
+        align=align,
+        softcap=softcap,
+        layout=layout,
+        backend=backend,
+        **extra,
+    )

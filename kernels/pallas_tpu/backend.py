@@ -14,13 +14,20 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import registry
-from flashport.kernels.pallas_tpu.blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
 from flashport.kernels.pallas_tpu.backward import dkv_call, dq_call
+from flashport.kernels.pallas_tpu.blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
 from flashport.kernels.pallas_tpu.forward import forward_call
 from flashport.kernels.pallas_tpu.platform import tpu_only
 from flashport.kernels.pallas_tpu.sharding import partitioned
-from flashport.kernels.pallas_tpu.tiling import (Geometry, Tables, block_tables, head_seed_table, pad_lanes,
-                                                 pad_to, prepare_operands)
+from flashport.kernels.pallas_tpu.tiling import (
+    Geometry,
+    Tables,
+    block_tables,
+    head_seed_table,
+    pad_lanes,
+    pad_to,
+    prepare_operands,
+)
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
 
@@ -36,8 +43,11 @@ class Config:
     def geometry(self, kind: str) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``)."""
         b = self.blocks
-        bq, bk = {"fwd": (b.block_q, b.block_k), "dkv": (b.block_q_dkv, b.block_k_dkv),
-                  "dq": (b.block_q_dq, b.block_k_dq)}[kind]
+        bq, bk = {
+            "fwd": (b.block_q, b.block_k),
+            "dkv": (b.block_q_dkv, b.block_k_dkv),
+            "dq": (b.block_q_dq, b.block_k_dq),
+        }[kind]
         return Geometry.make(self.spec, bq, bk)
 
     @property
@@ -96,11 +106,11 @@ def _map_under_vmap(fn, *flat):
 
     @call.def_vmap
     def _rule(axis_size, in_batched, *xs):
-        batched = [x for x, b in zip(xs, in_batched) if b]
+        batched = [x for x, b in zip(xs, in_batched, strict=True) if b]
 
         def one(slices):
             it = iter(slices)
-            return call(*[next(it) if b else x for x, b in zip(xs, in_batched)])
+            return call(*[next(it) if b else x for x, b in zip(xs, in_batched, strict=True)])
 
         outs = tuple(jax.lax.map(one, batched))
         return outs, tuple(True for _ in outs)
@@ -166,7 +176,11 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
     _, (dk, dv_) = results["dkv"]
     g, dq_out = results["dq"]
     dq = dq_out[0][:, :, :sq, :d]
-    dq, dk, dv_ = dq.astype(dtypes[0]), dk[:, :, :sk, :d].astype(dtypes[1]), dv_[:, :, :sk, :dv].astype(dtypes[2])
+    dq, dk, dv_ = (
+        dq.astype(dtypes[0]),
+        dk[:, :, :sk, :d].astype(dtypes[1]),
+        dv_[:, :, :sk, :dv].astype(dtypes[2]),
+    )
     dbias = None
     if bias is not None:
         dbias = _reduce_dbias(g, dq_out[1], bias.shape, sq, sk).astype(bias.dtype)
@@ -189,8 +203,9 @@ def _reduce_dbias(g: Geometry, tiles, bias_shape, sq, sk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds):
-    return partitioned(functools.partial(_forward_local, cfg), "fwd")(q, k, v, bias, mask, q_seg, kv_seg,
-                                                                       head_seeds)
+    return partitioned(functools.partial(_forward_local, cfg), "fwd")(
+        q, k, v, bias, mask, q_seg, kv_seg, head_seeds
+    )
 
 
 def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds):
@@ -216,11 +231,13 @@ def _make_backend_fn(name: str, interpret: bool):
         # Dropout seeds of every (batch, query head), computed before sharding so that each shard's
         # kernels hash global batch and head indices (positions are global: sequences are never split).
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
-        return _attention(Config(spec, blocks, interpret, generation), q, k, v, bias, mask, q_seg, kv_seg,
-                          head_seeds)
+        return _attention(
+            Config(spec, blocks, interpret, generation), q, k, v, bias, mask, q_seg, kv_seg, head_seeds
+        )
 
-    def backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec,
-                 options):
+    def backward(
+        q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options
+    ):
         generation, blocks = resolve_blocks(dict(options), name)
         cfg = Config(spec, blocks, interpret, generation)
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
@@ -245,8 +262,9 @@ pallas_tpu_attention = _make_backend_fn("pallas_tpu", interpret=False)
 pallas_tpu_interpret_attention = _make_backend_fn("pallas_tpu_interpret", interpret=True)
 
 
-def count_visited_tiles(q, k, v, *, spec: AttentionSpec, options=None, bias=None, mask=None, q_seg=None,
-                        kv_seg=None):
+def count_visited_tiles(
+    q, k, v, *, spec: AttentionSpec, options=None, bias=None, mask=None, q_seg=None, kv_seg=None
+):
     """Run the forward kernel in the TPU interpreter with a visit counter (single device, no sharding).
 
     Returns ``(out, lse, visits)`` where ``visits`` [B, Hq, nq] counts the key blocks whose compute

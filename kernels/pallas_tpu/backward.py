@@ -71,8 +71,26 @@ def _dscores(g: Geometry, dlogits, raw):
     return dlogits * g.spec.scale
 
 
-def _dkv_kernel(tables, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, bias_ref, mask_ref, q_seg_ref,  # inputs
-                kv_seg_ref, dk_ref, dv_ref, dk_scr, dv_scr, *, g: Geometry, group: int):
+def _dkv_kernel(
+    tables,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    di_ref,
+    bias_ref,
+    mask_ref,
+    q_seg_ref,  # inputs
+    kv_seg_ref,
+    dk_ref,
+    dv_ref,
+    dk_scr,
+    dv_scr,
+    *,
+    g: Geometry,
+    group: int,
+):
     """One grid step ``(b, hk, j, gi, i)``: add query block ``Step(...).block`` of query head
     ``hk * G + gi`` to the resident key block j's dK/dV (absent inputs are ``None``)."""
     bi, hk, j, gi, i = (pl.program_id(a) for a in range(5))
@@ -90,8 +108,20 @@ def _dkv_kernel(tables, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, bias_ref, 
         if g.spec.dropout_rate:
             head_seed = tables.head_seeds[bi * pl.num_programs(1) * group + hk * group + gi]
         p, dlogits, raw = _probs_and_dlogits(
-            g, st.block, j, q, k_ref[...], v_ref[...], do, lse_ref[...], di_ref[...],
-            load(bias_ref), load(mask_ref), load(q_seg_ref), load(kv_seg_ref), head_seed,
+            g,
+            st.block,
+            j,
+            q,
+            k_ref[...],
+            v_ref[...],
+            do,
+            lse_ref[...],
+            di_ref[...],
+            load(bias_ref),
+            load(mask_ref),
+            load(q_seg_ref),
+            load(kv_seg_ref),
+            head_seed,
         )
         dv_scr[...] += _dot(p, do, _TN)
         dk_scr[...] += _dot(_dscores(g, dlogits, raw), q, _TN)
@@ -115,7 +145,7 @@ def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, table
     out_specs = [pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv), pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv)]
 
     itemsize = jnp.dtype(q.dtype).itemsize
-    tiles = b * hq * sum(h - l for l, h in zip(g.col_lo, g.col_hi))
+    tiles = b * hq * sum(h - l for l, h in zip(g.col_lo, g.col_hi, strict=True))
     cost = pl.CostEstimate(
         flops=int(tiles * g.bq * g.bk * (4 * dp + 4 * dvp)),
         transcendentals=int(tiles * g.bq * g.bk * (2 if g.spec.softcap is not None else 1)),
@@ -147,8 +177,23 @@ def dbias_block(g: Geometry, bias_shape):
     return (g.bq if bias_shape[2] > 1 else 1), (g.bk if bias_shape[3] > 1 else 1)
 
 
-def _dq_kernel(tables, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, bias_ref, mask_ref, q_seg_ref,  # inputs
-               kv_seg_ref, dbias_zeros_ref, *rest, g: Geometry, dbias_block):
+def _dq_kernel(
+    tables,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    di_ref,
+    bias_ref,
+    mask_ref,
+    q_seg_ref,  # inputs
+    kv_seg_ref,
+    dbias_zeros_ref,
+    *rest,
+    g: Geometry,
+    dbias_block,
+):
     """One grid step ``(b, h, i, j)``: add key block ``Step(...).block`` to query block i's dQ.
 
     ``rest`` is ``dq_ref, [dbias_ref,] dq_scratch``. With a bias, ``dbias_zeros_ref`` (HBM, never
@@ -170,8 +215,20 @@ def _dq_kernel(tables, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, bias_ref, m
         k = k_ref[...]
         head_seed = tables.head_seeds[bi * pl.num_programs(1) + h] if g.spec.dropout_rate else None
         _, dlogits, raw = _probs_and_dlogits(
-            g, i, st.block, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], di_ref[...],
-            load(bias_ref), load(mask_ref), load(q_seg_ref), load(kv_seg_ref), head_seed,
+            g,
+            i,
+            st.block,
+            q_ref[...],
+            k,
+            v_ref[...],
+            do_ref[...],
+            lse_ref[...],
+            di_ref[...],
+            load(bias_ref),
+            load(mask_ref),
+            load(q_seg_ref),
+            load(kv_seg_ref),
+            head_seed,
         )
         dq_scr[...] += _dot(_dscores(g, dlogits, raw), k, _NN)
         if has_bias:
@@ -217,8 +274,10 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
         aliases = {len(jax.tree_util.tree_leaves((tables, *operands))): 1}
         out_shape.append(jax.ShapeDtypeStruct(dshape, jnp.float32))
         out_specs.append(
-            pl.BlockSpec((_SQ, _SQ, _SQ, _SQ, rq, rk),
-                         lambda bi, h, i, j, t: (bi, h, i, maps.step(bi, h, i, j, t).block, 0, 0))
+            pl.BlockSpec(
+                (_SQ, _SQ, _SQ, _SQ, rq, rk),
+                lambda bi, h, i, j, t: (bi, h, i, maps.step(bi, h, i, j, t).block, 0, 0),
+            )
         )
     in_specs.append(None if zeros is None else pl.BlockSpec(memory_space=pl.ANY))
 
@@ -228,7 +287,8 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
         flops=int(tiles * g.bq * g.bk * (4 * dp + 2 * dvp)),
         transcendentals=int(tiles * g.bq * g.bk * (2 if g.spec.softcap is not None else 1)),
         bytes_accessed=int(
-            (2 * q.size + do.size) * itemsize + 2 * b * hq * g.sqp * LANES * 4
+            (2 * q.size + do.size) * itemsize
+            + 2 * b * hq * g.sqp * LANES * 4
             + tiles * g.bk * (dp + dvp) * itemsize
             + (tiles * block[0] * block[1] * 4 * 2 if block else 0)
         ),

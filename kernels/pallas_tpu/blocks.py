@@ -64,13 +64,21 @@ class BlockSizes:
 # Per generation. See the module docstring; README.md has the numbers behind each choice.
 GENERATION_DEFAULTS = {
     # 16 MiB VMEM per core, 128x128 MXU, ridge ~224 FLOP/B.
-    "v4": BlockSizes(block_q=512, block_k=512, block_q_dkv=256, block_k_dkv=512, block_q_dq=512, block_k_dq=256),
+    "v4": BlockSizes(
+        block_q=512, block_k=512, block_q_dkv=256, block_k_dkv=512, block_q_dq=512, block_k_dq=256
+    ),
     # 128 MiB VMEM, 4x 128x128 MXU, ridge ~240.
-    "v5e": BlockSizes(block_q=512, block_k=1024, block_q_dkv=512, block_k_dkv=512, block_q_dq=512, block_k_dq=512),
+    "v5e": BlockSizes(
+        block_q=512, block_k=1024, block_q_dkv=512, block_k_dkv=512, block_q_dq=512, block_k_dq=512
+    ),
     # 64 MiB VMEM per core (megacore), ridge ~166-187.
-    "v5p": BlockSizes(block_q=512, block_k=1024, block_q_dkv=512, block_k_dkv=512, block_q_dq=512, block_k_dq=512),
+    "v5p": BlockSizes(
+        block_q=512, block_k=1024, block_q_dkv=512, block_k_dkv=512, block_q_dq=512, block_k_dq=512
+    ),
     # 128 MiB VMEM, 2x 256x256 MXU, ridge ~560.
-    "v6e": BlockSizes(block_q=1024, block_k=512, block_q_dkv=512, block_k_dkv=1024, block_q_dq=1024, block_k_dq=512),
+    "v6e": BlockSizes(
+        block_q=1024, block_k=512, block_q_dkv=512, block_k_dkv=1024, block_q_dq=1024, block_k_dq=512
+    ),
 }
 # Newer or unknown chips (TPU7x: 256x256 MXU, 64 MiB VMEM/core, ridge ~312) use the v6e table. It is
 # also the default when nothing names a chip (exporting for TPU from a CPU host, no abstract mesh):

@@ -25,8 +25,21 @@ from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, ti
 _SQ = pl.Squeezed()
 
 
-def _forward_kernel(tables, q_ref, k_ref, v_ref, bias_ref, mask_ref, q_seg_ref, kv_seg_ref,  # inputs
-                    o_ref, lse_ref, *rest, g: Geometry, count_visits: bool):
+def _forward_kernel(
+    tables,
+    q_ref,
+    k_ref,
+    v_ref,
+    bias_ref,
+    mask_ref,
+    q_seg_ref,
+    kv_seg_ref,  # inputs
+    o_ref,
+    lse_ref,
+    *rest,
+    g: Geometry,
+    count_visits: bool,
+):
     """One grid step ``(b, h, i, j)``: fold key block ``Step(...).block`` into query block i's softmax.
 
     ``rest`` is ``[visits_ref,] m_scratch, l_scratch, acc_scratch``; absent inputs are ``None``.
@@ -64,8 +77,9 @@ def _forward_kernel(tables, q_ref, k_ref, v_ref, bias_ref, mask_ref, q_seg_ref, 
         if keep is not None:
             p = dropout.apply(p, keep, rate)
         vv = v_ref[...]
-        pv = jax.lax.dot_general(p.astype(vv.dtype), vv, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(
+            p.astype(vv.dtype), vv, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
         acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
         if count_visits:
             visits_ref[...] = visits_ref[...] + 1
@@ -111,13 +125,17 @@ def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, int
     extra = 0
     for x in (bias, mask):
         if x is not None:
-            extra += tiles * (g.bq if x.shape[2] > 1 else 1) * (g.bk if x.shape[3] > 1 else 1) * x.dtype.itemsize
+            extra += (
+                tiles * (g.bq if x.shape[2] > 1 else 1) * (g.bk if x.shape[3] > 1 else 1) * x.dtype.itemsize
+            )
     cost = pl.CostEstimate(
         flops=int(tiles * 2 * g.bq * g.bk * (dp + dvp)),
         transcendentals=int(tiles * g.bq * g.bk * (2 if g.spec.softcap is not None else 1)),
         bytes_accessed=int(
-            q.size * itemsize + b * hq * g.sqp * (dvp * itemsize + LANES * 4)
-            + tiles * g.bk * (dp + dvp) * itemsize + extra
+            q.size * itemsize
+            + b * hq * g.sqp * (dvp * itemsize + LANES * 4)
+            + tiles * g.bk * (dp + dvp) * itemsize
+            + extra
         ),
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -142,4 +160,3 @@ def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, int
         interpret=interpret,
         name="flashport_flash_fwd",
     )(tables, *operands)
-

@@ -85,10 +85,14 @@ def _lowering(which):
         # A one-chip abstract mesh only tells Mosaic which chip it lowers for (the surrounding
         # module's shardings are already fixed). Each equation re-enters the abstract mesh it was
         # traced under, so the kernel is traced again inside this one.
-        chip = AbstractDevice(device_kind=target.device_kind if target else device_kind,
-                              num_cores=getattr(target, "num_cores", 1) or 1, platform="tpu")
-        with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("_flashport_chip",), (AxisType.Auto,),
-                                                         abstract_device=chip)):
+        chip = AbstractDevice(
+            device_kind=target.device_kind if target else device_kind,
+            num_cores=getattr(target, "num_cores", 1) or 1,
+            platform="tpu",
+        )
+        with jax.sharding.use_abstract_mesh(
+            AbstractMesh((1,), ("_flashport_chip",), (AxisType.Auto,), abstract_device=chip)
+        ):
             structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in]
             traced = jax.make_jaxpr(make(False))(*structs)
             return mlir.lower_fun(core.jaxpr_as_fun(traced), multiple_results=True)(ctx, *args)
@@ -110,8 +114,9 @@ def _batch(args, dims, *, tpu, other, make, device_kind):
     def vmapped_make(interpret):
         return jax.vmap(make(interpret), in_axes=axes)
 
-    out = tpu_only_p.bind(*args, tpu=vmapped(tpu), other=vmapped(other), make=vmapped_make,
-                          device_kind=device_kind)
+    out = tpu_only_p.bind(
+        *args, tpu=vmapped(tpu), other=vmapped(other), make=vmapped_make, device_kind=device_kind
+    )
     return out, [0] * len(out)
 
 

@@ -44,7 +44,9 @@ def partitioned(fn, kind: str):
             return fn(*args)
         present = tuple(a is not None for a in args)
         arrays = [a for a in args if a is not None]
-        return _wrapper(fn, kind, present, tuple(a.shape for a in arrays), tuple(str(a.dtype) for a in arrays))(*arrays)
+        return _wrapper(
+            fn, kind, present, tuple(a.shape for a in arrays), tuple(str(a.dtype) for a in arrays)
+        )(*arrays)
 
     return call
 
@@ -69,7 +71,9 @@ def _choose(mesh, q_sharding, q_shape, kv_heads):
     batch_axes, head_axes = spec[0], spec[1]
     if batch_axes is not None and q_shape[0] % _axes_size(mesh, batch_axes):
         batch_axes = None
-    if head_axes is not None and (kv_heads % _axes_size(mesh, head_axes) or q_shape[1] % _axes_size(mesh, head_axes)):
+    if head_axes is not None and (
+        kv_heads % _axes_size(mesh, head_axes) or q_shape[1] % _axes_size(mesh, head_axes)
+    ):
         head_axes = None
     return batch_axes, head_axes
 
@@ -86,10 +90,10 @@ def _spec_for(role, shape, batch, heads, batch_axes, head_axes):
     return PartitionSpec(*dims)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rule(kind, present, shapes):
     """A Shardy rule: batch 'b', query heads 'h', kv heads 'n'; every other dim its own factor."""
-    roles = [r for r, p in zip(_ROLES[kind], present) if p]
+    roles = [r for r, p in zip(_ROLES[kind], present, strict=True) if p]
     q_shape, kv_shape = shapes[0], shapes[1]
     batch, heads, kv_heads = q_shape[0], q_shape[1], kv_shape[1]
     counter = iter(range(10_000))
@@ -107,7 +111,7 @@ def _rule(kind, present, shapes):
                 names.append(f"x{next(counter)}")
         return " ".join(names)
 
-    ins = [dims(r, s) for r, s in zip(roles, shapes)]
+    ins = [dims(r, s) for r, s in zip(roles, shapes, strict=True)]
     return ins, batch, heads, kv_heads, roles
 
 
@@ -122,13 +126,13 @@ def _wrapper(fn, kind, present, shapes, dtypes):
     def out_shapes_of(arrays_shapes):
         return jax.eval_shape(lambda *a: fn(*with_nones(a)), *arrays_shapes)
 
-    out_structs = out_shapes_of([jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)])
+    out_structs = out_shapes_of([jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)])
     out_shapes = [None if o is None else o.shape for o in out_structs]
 
     def out_rule():
         names = []
         counter = iter(range(10_000))
-        for role, shape in zip(_OUT_ROLES[kind], out_shapes):
+        for role, shape in zip(_OUT_ROLES[kind], out_shapes, strict=True):
             if shape is None:
                 continue
             dims = []
@@ -146,10 +150,15 @@ def _wrapper(fn, kind, present, shapes, dtypes):
 
     def shardings(mesh, arg_shapes):
         batch_axes, head_axes = _choose(mesh, arg_shapes[0].sharding, shapes[0], kv_heads)
-        args = [NamedSharding(mesh, _spec_for(r, s, batch, heads, batch_axes, head_axes))
-                for r, s in zip(roles, shapes)]
-        outs = [NamedSharding(mesh, _spec_for(r, s, batch, heads, batch_axes, head_axes))
-                for r, s in zip(_OUT_ROLES[kind], out_shapes) if s is not None]
+        args = [
+            NamedSharding(mesh, _spec_for(r, s, batch, heads, batch_axes, head_axes))
+            for r, s in zip(roles, shapes, strict=True)
+        ]
+        outs = [
+            NamedSharding(mesh, _spec_for(r, s, batch, heads, batch_axes, head_axes))
+            for r, s in zip(_OUT_ROLES[kind], out_shapes, strict=True)
+            if s is not None
+        ]
         return args, outs
 
     def infer(mesh, arg_shapes, result_shape):
@@ -184,7 +193,7 @@ def _wrapper(fn, kind, present, shapes, dtypes):
 
     # custom_partitioning rejects closed-over constants (the kernels' static block tables), so they
     # become extra, replicated operands; the per-shard ``lower`` rebuilds its own.
-    closed = jax.make_jaxpr(impl)(*[jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)])
+    closed = jax.make_jaxpr(impl)(*[jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)])
     consts = [jax.numpy.asarray(c) for c in closed.consts]
     n = len(shapes)
 
@@ -203,8 +212,9 @@ def _wrapper(fn, kind, present, shapes, dtypes):
         return infer(mesh, arg_shapes[:n], result_shape)
 
     wrapped = custom_partitioning(impl_with_consts)
-    wrapped.def_partition(infer_sharding_from_operands=infer_all, partition=partition_all,
-                          sharding_rule=full_rule)
+    wrapped.def_partition(
+        infer_sharding_from_operands=infer_all, partition=partition_all, sharding_rule=full_rule
+    )
 
     def run(*arrays):
         res = iter(wrapped(*arrays, *consts))

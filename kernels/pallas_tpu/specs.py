@@ -86,7 +86,11 @@ def query_major_specs(g: Geometry, q, k, v, bias, mask, segmented: bool, *, grad
             pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
         ]
     specs += _optional_specs(
-        g, bias, mask, segmented, maps.bias,
+        g,
+        bias,
+        mask,
+        segmented,
+        maps.bias,
         lambda bi, h, i, j, t: (bi, i, 0),
         lambda bi, h, i, j, t: (bi, 0, maps.step(bi, h, i, j, t).block),
     )
@@ -129,7 +133,11 @@ def key_major_specs(g: Geometry, q, k, v, bias, mask, segmented: bool):
         pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
     ]
     specs += _optional_specs(
-        g, bias, mask, segmented, maps.bias,
+        g,
+        bias,
+        mask,
+        segmented,
+        maps.bias,
         lambda bi, hk, j, gi, i, t: (bi, maps.step(bi, hk, j, gi, i, t).block, 0),
         lambda bi, hk, j, gi, i, t: (bi, 0, j),
     )

@@ -52,7 +52,7 @@ class Geometry:
     col_hi: tuple[int, ...]
 
     @staticmethod
-    def make(spec: AttentionSpec, block_q: int, block_k: int) -> "Geometry":
+    def make(spec: AttentionSpec, block_q: int, block_k: int) -> Geometry:
         """Clip the blocks to the sequence lengths and compute the static ranges."""
         bq = min(block_q, round_up(spec.seq_q, Q_ALIGN))
         bk = min(block_k, round_up(spec.seq_k, K_ALIGN))
@@ -93,17 +93,17 @@ class Geometry:
     @property
     def steps_k(self) -> int:
         """Grid extent of the key axis in row-major kernels (forward, dQ): the widest row."""
-        return max(1, max(h - l for l, h in zip(self.row_lo, self.row_hi)))
+        return max(1, max(h - l for l, h in zip(self.row_lo, self.row_hi, strict=True)))
 
     @property
     def steps_q(self) -> int:
         """Grid extent of the query axis in the column-major kernel (dK/dV): the tallest column."""
-        return max(1, max(h - l for l, h in zip(self.col_lo, self.col_hi)))
+        return max(1, max(h - l for l, h in zip(self.col_lo, self.col_hi, strict=True)))
 
     @property
     def visited_tiles(self) -> int:
         """Tiles the row-major kernels compute per (batch, head) without segment ids."""
-        return sum(h - l for l, h in zip(self.row_lo, self.row_hi))
+        return sum(h - l for l, h in zip(self.row_lo, self.row_hi, strict=True))
 
     @property
     def needs_position_mask(self) -> bool:
@@ -271,8 +271,9 @@ def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_ti
         vis = k_pos < spec.seq_k
         if spec.has_positional_mask:
             diag = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 0) + spec.offset
-            vis = band_visible(diag, k_pos, causal=spec.causal, left=spec.window_left,
-                               right=spec.window_right, visible=vis)
+            vis = band_visible(
+                diag, k_pos, causal=spec.causal, left=spec.window_left, right=spec.window_right, visible=vis
+            )
     if mask_tile is not None:
         vis = both(vis, jnp.broadcast_to(mask_tile != 0, (g.bq, g.bk)))
     if q_seg_tile is not None:

@@ -38,13 +38,14 @@ def _iota(params):
 def _slice(params, x):
     start, limit, strides = params["start_indices"], params["limit_indices"], params["strides"]
     strides = strides or (1,) * len(start)
-    return x[tuple(slice(a, b, s) for a, b, s in zip(start, limit, strides))]
+    return x[tuple(slice(a, b, s) for a, b, s in zip(start, limit, strides, strict=True))]
 
 
 def _same(fn):
     def apply(params, *xs):
         out = fn(*xs)
         return np.asarray(out).astype(np.result_type(*xs)) if xs else out
+
     return apply
 
 
@@ -61,15 +62,30 @@ OPS = {
     "copy_p": lambda p, x: x,
     "stop_gradient": lambda p, x: x,
     "select_n": _select_n,
-    "add": _same(np.add), "sub": _same(np.subtract), "mul": _same(np.multiply),
-    "div": lambda p, a, b: (a // b if np.issubdtype(a.dtype, np.integer) else a / b).astype(np.result_type(a, b)),
-    "max": _same(np.maximum), "min": _same(np.minimum), "neg": _same(np.negative),
-    "abs": _same(np.abs), "sqrt": _same(np.sqrt), "rsqrt": _same(lambda x: 1 / np.sqrt(x)),
-    "exp": _same(np.exp), "log": _same(np.log),
+    "add": _same(np.add),
+    "sub": _same(np.subtract),
+    "mul": _same(np.multiply),
+    "div": lambda p, a, b: (a // b if np.issubdtype(a.dtype, np.integer) else a / b).astype(
+        np.result_type(a, b)
+    ),
+    "max": _same(np.maximum),
+    "min": _same(np.minimum),
+    "neg": _same(np.negative),
+    "abs": _same(np.abs),
+    "sqrt": _same(np.sqrt),
+    "rsqrt": _same(lambda x: 1 / np.sqrt(x)),
+    "exp": _same(np.exp),
+    "log": _same(np.log),
     "integer_pow": lambda p, x: (x ** p["y"]).astype(x.dtype),
-    "ge": lambda p, a, b: a >= b, "gt": lambda p, a, b: a > b, "le": lambda p, a, b: a <= b,
-    "lt": lambda p, a, b: a < b, "eq": lambda p, a, b: a == b, "ne": lambda p, a, b: a != b,
-    "and": _same(np.logical_and), "or": _same(np.logical_or), "not": lambda p, x: ~x if x.dtype == bool else np.invert(x),
+    "ge": lambda p, a, b: a >= b,
+    "gt": lambda p, a, b: a > b,
+    "le": lambda p, a, b: a <= b,
+    "lt": lambda p, a, b: a < b,
+    "eq": lambda p, a, b: a == b,
+    "ne": lambda p, a, b: a != b,
+    "and": _same(np.logical_and),
+    "or": _same(np.logical_or),
+    "not": lambda p, x: ~x if x.dtype == bool else np.invert(x),
     "is_finite": lambda p, x: np.isfinite(x),
     "concatenate": lambda p, *xs: np.concatenate(xs, axis=p["dimension"]),
 }

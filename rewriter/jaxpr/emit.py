@@ -39,12 +39,27 @@ def emit(match, read, backend):
             mask = val if mask is None else mask & val
     segments = {}
     if pad is not None:  # key padding as segment ids: query id 1, key id 1 (kept) or 0 (padded)
-        segments = {"q_segment_ids": jnp.ones((b, sz["T"]), jnp.int32),
-                    "kv_segment_ids": pad.astype(jnp.int32)}
+        segments = {
+            "q_segment_ids": jnp.ones((b, sz["T"]), jnp.int32),
+            "kv_segment_ids": pad.astype(jnp.int32),
+        }
     need_lse = match.empty in ("mean", "nan")
-    res = attention(q, k, v, scale=match.scale, causal=match.causal, window=match.window,
-                    align=match.align, softcap=match.softcap, bias=bias, mask=mask, layout="BSHD",
-                    backend=backend, return_lse=need_lse, **segments)
+    res = attention(
+        q,
+        k,
+        v,
+        scale=match.scale,
+        causal=match.causal,
+        window=match.window,
+        align=match.align,
+        softcap=match.softcap,
+        bias=bias,
+        mask=mask,
+        layout="BSHD",
+        backend=backend,
+        return_lse=need_lse,
+        **segments,
+    )
     out = res[0] if need_lse else res
     if need_lse:
         empty = jnp.transpose(res[1] == -jnp.inf, (0, 2, 1))[..., None]  # [B, T, Hq, 1]

@@ -50,8 +50,13 @@ def fold_repeat(g: Graph, var, order, head_pos, *, scales=False):
     out = shape(cur)
     if e.primitive.name == "reshape" and e.params.get("dimensions") is None:
         y = shape(e.invars[0])
-        if (len(y) != len(out) + 1 or y[:hd] != out[:hd] or y[hd + 2:] != out[hd + 1:]
-                or y[hd] * y[hd + 1] != out[hd] or y[hd + 1] == 1):
+        if (
+            len(y) != len(out) + 1
+            or y[:hd] != out[:hd]
+            or y[hd + 2 :] != out[hd + 1 :]
+            or y[hd] * y[hd + 1] != out[hd]
+            or y[hd + 1] == 1
+        ):
             return None
         bcast = g.prod(e.invars[0])
         to_y = [d if d <= hd else d + 1 for d in range(len(out))]  # cur dim -> y dim (head -> Hkv)
@@ -75,7 +80,7 @@ def fold_repeat(g: Graph, var, order, head_pos, *, scales=False):
     for j, size in enumerate(y):
         if j == copies:
             continue
-        if j in inv and xs[inv[j]] != size or j not in inv and size != 1:
+        if (j in inv and xs[inv[j]] != size) or (j not in inv and size != 1):
             return None  # another dim is broadcast too: not a plain head repeat
     src_order = [inv[to_y[d]] for d in order if to_y[d] in inv and to_y[d] != copies]
     src_order += [i for i in range(len(xs)) if i not in src_order]

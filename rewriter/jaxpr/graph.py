@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-
-from flashport.rewriter.jaxpr import consteval
 from jax._src import source_info_util
 from jax.extend import core as jcore
+
+from flashport.rewriter.jaxpr import consteval
 
 # Ops whose value is the same tensor, seen through a dtype change or an identity.
 IDENTITY_OPS = ("convert_element_type", "copy", "copy_p", "stop_gradient", "optimization_barrier")
@@ -34,7 +34,7 @@ class Graph:
         self.producer: dict = {}
         self.users: dict = {}
         self.index: dict = {}
-        self.consts = dict(zip(jaxpr.constvars, consts))
+        self.consts = dict(zip(jaxpr.constvars, consts, strict=True))
         self.outvars = {v for v in jaxpr.outvars if not is_literal(v)}
         dead = _dead_eqns(jaxpr)
         for i, eqn in enumerate(jaxpr.eqns):
@@ -75,12 +75,19 @@ class Graph:
         eqn = self.prod(v)
         if eqn is None:
             k = self._intern(("var", id(v)))
-        elif (eqn.primitive.name == "convert_element_type"
-              and eqn.invars[0].aval.dtype == v.aval.dtype):  # a weak-type-only cast
+        elif (
+            eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == v.aval.dtype
+        ):  # a weak-type-only cast
             k = self.key(eqn.invars[0])
         else:
-            k = self._intern((eqn.primitive.name, _params_key(eqn.params),
-                              tuple(self.key(x) for x in eqn.invars), eqn.outvars.index(v)))
+            k = self._intern(
+                (
+                    eqn.primitive.name,
+                    _params_key(eqn.params),
+                    tuple(self.key(x) for x in eqn.invars),
+                    eqn.outvars.index(v),
+                )
+            )
         self._keys[v] = k
         return k
 
@@ -121,7 +128,10 @@ class Graph:
     def scalar(self, v) -> float | None:
         """``v`` as a Python float when it is a constant scalar (or a constant broadcast of one)."""
         while (e := self.prod(v)) is not None and e.primitive.name in (
-                "broadcast_in_dim", "convert_element_type", "reshape"):
+            "broadcast_in_dim",
+            "convert_element_type",
+            "reshape",
+        ):
             v = e.invars[0]
         if _size(v) != 1:
             return None
@@ -129,7 +139,7 @@ class Graph:
         if val is None:
             return None
         flat = val.reshape(-1)
-        if flat.size == 0 or not np.all(flat == flat[0]) and not np.all(np.isnan(flat)):
+        if flat.size == 0 or (not np.all(flat == flat[0]) and not np.all(np.isnan(flat))):
             return None
         try:
             return float(flat[0])

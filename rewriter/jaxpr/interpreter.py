@@ -24,8 +24,21 @@ from flashport.rewriter.jaxpr.patterns import Miss, find_matches
 from flashport.rewriter.jaxpr.surgery import Builder
 
 # Nested calls with any of these inside are kept as calls (analyzed recursively), not inlined.
-HEAVY = frozenset({"dot_general", "scan", "while", "cond", "custom_vjp_call", "custom_vjp_call_jaxpr",
-                   "remat2", "checkpoint", "shard_map", "rng_bit_generator", "random_bits"})
+HEAVY = frozenset(
+    {
+        "dot_general",
+        "scan",
+        "while",
+        "cond",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "remat2",
+        "checkpoint",
+        "shard_map",
+        "rng_bit_generator",
+        "random_bits",
+    }
+)
 CALLS = ("jit", "pjit", "closed_call", "core_call")
 CUSTOM_JVP = ("custom_jvp_call", "custom_jvp_call_jaxpr")
 CUSTOM_VJP = ("custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -59,8 +72,9 @@ def analyze(closed, path="", memo=None) -> Plan:
     norm = normalize(closed)
     g = Graph(norm.jaxpr, norm.consts)
     matches, misses = find_matches(g)
-    plan = Plan(closed=norm, path=path, matches={id(m.anchor): m for m in matches}, misses=misses,
-                children={})
+    plan = Plan(
+        closed=norm, path=path, matches={id(m.anchor): m for m in matches}, misses=misses, children={}
+    )
     memo[key] = plan
     for eqn in norm.jaxpr.eqns:
         subs = _sub_jaxprs(eqn)
@@ -108,8 +122,11 @@ def demote(plan: Plan, match, err: Exception) -> None:
     """Turn ``match`` into a near-miss naming the internal error ``err``; its site stays as written."""
     plan.matches.pop(id(match.anchor), None)
     plan._fns.clear()
-    info = {"location": match.info.get("location", "?"), "scores_shape": match.info.get("scores_shape", ()),
-            "dtype": match.dtype}
+    info = {
+        "location": match.info.get("location", "?"),
+        "scores_shape": match.info.get("scores_shape", ()),
+        "dtype": match.dtype,
+    }
     reason = f"internal error while rewriting (site left unchanged): {type(err).__name__}: {err}"
     plan.misses.append(Miss(eqn=match.anchor, reason=reason, info=info))
 
@@ -192,8 +209,9 @@ def normalize(closed):
         if body is None:
             b.keep(eqn)
         else:
-            outs = b.inline(body, [b.atom(v) for v in eqn.invars], source=eqn.source_info,
-                            expand=_inline_body)
+            outs = b.inline(
+                body, [b.atom(v) for v in eqn.invars], source=eqn.source_info, expand=_inline_body
+            )
             b.alias(eqn.outvars, outs)
     return b.build()
 
@@ -246,8 +264,9 @@ def _splice_site(b, match, eqn, backend, memo):
     snippet = memo.get(key)
     if snippet is None:
         snippet = memo[key] = _site_jaxpr(match, inputs, backend)
-    return b.inline(snippet, [b.atom(v) for v in inputs], source=eqn.source_info,
-                    traceback=eqn.source_info.traceback)
+    return b.inline(
+        snippet, [b.atom(v) for v in inputs], source=eqn.source_info, traceback=eqn.source_info.traceback
+    )
 
 
 def _site_key(match, backend):
@@ -256,9 +275,25 @@ def _site_key(match, backend):
     slots = tuple(inputs.index(v) for v in match.inputs)
     avals = tuple((tuple(v.aval.shape), str(v.aval.dtype), bool(v.aval.weak_type)) for v in inputs)
     terms = tuple((t.dmap, t.mult, t.keep_when_true) for t in (*match.biases, *match.masks))
-    static = (match.q_order, match.k_order, match.v_order, match.sizes, match.out_perm,
-              match.canon_dims, match.groups, match.scale, match.softcap, len(match.biases), terms,
-              match.causal, match.window, match.align, match.empty, match.dtype, str(match.out_dtype))
+    static = (
+        match.q_order,
+        match.k_order,
+        match.v_order,
+        match.sizes,
+        match.out_perm,
+        match.canon_dims,
+        match.groups,
+        match.scale,
+        match.softcap,
+        len(match.biases),
+        terms,
+        match.causal,
+        match.window,
+        match.align,
+        match.empty,
+        match.dtype,
+        str(match.out_dtype),
+    )
     return ("site", backend, avals, slots, _freeze(static)), inputs
 
 
@@ -275,7 +310,7 @@ def _site_jaxpr(match, inputs, backend):
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in inputs]
 
     def snippet(*vals):
-        env = dict(zip(inputs, vals))
+        env = dict(zip(inputs, vals, strict=True))
         return [emit(match, env.__getitem__, backend)]
 
     return jax.make_jaxpr(snippet)(*specs)
@@ -296,7 +331,9 @@ def _rebuilt(plan, eqn, backend, memo):
     elif name == "scan":
         params["jaxpr"] = subs[0]
     elif name == "cond":
-        params["branches"] = tuple(br if s is None else s for s, br in zip(subs, params["branches"]))
+        params["branches"] = tuple(
+            br if s is None else s for s, br in zip(subs, params["branches"], strict=True)
+        )
     elif name == "while":
         params["body_jaxpr"] = subs[0]
     else:
@@ -305,8 +342,7 @@ def _rebuilt(plan, eqn, backend, memo):
 
 
 def _splice_retraced(b, plan, eqn, backend):
-    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-             for v in eqn.invars]
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in eqn.invars]
 
     def one_call(*vals):
         with _ctx(eqn):
@@ -368,25 +404,31 @@ def _run_nested(plan, eqn, invals, backend):
         return _bind_params(eqn, invals, call_jaxpr=new)
     if name == "scan":
         nc, ncarry = p["num_consts"], p["num_carry"]
-        consts, carry, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+        consts, carry, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
 
         def body(c, x):
             outs = run(subs[0], [*consts, *c, *x], backend)
             return tuple(outs[:ncarry]), tuple(outs[ncarry:])
 
-        c, ys = jax.lax.scan(body, tuple(carry), tuple(xs), length=p["length"], reverse=p["reverse"],
-                             unroll=p["unroll"])
+        c, ys = jax.lax.scan(
+            body, tuple(carry), tuple(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+        )
         return [*c, *ys]
     if name == "cond":
-        fns = [functools.partial(_run_flat, s, backend) if s is not None
-               else functools.partial(_eval_closed, br) for s, br in zip(subs, p["branches"])]
+        fns = [
+            functools.partial(_run_flat, s, backend) if s is not None else functools.partial(_eval_closed, br)
+            for s, br in zip(subs, p["branches"], strict=True)
+        ]
         return list(jax.lax.switch(invals[0], fns, *invals[1:]))
     if name == "while":
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        cconsts, bconsts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+        cconsts, bconsts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
         cond = p["cond_jaxpr"]
-        out = jax.lax.while_loop(lambda c: _eval_closed(cond, *cconsts, *c)[0],
-                                 lambda c: tuple(run(subs[0], [*bconsts, *c], backend)), tuple(init))
+        out = jax.lax.while_loop(
+            lambda c: _eval_closed(cond, *cconsts, *c)[0],
+            lambda c: tuple(run(subs[0], [*bconsts, *c], backend)),
+            tuple(init),
+        )
         return list(out)
     raise AssertionError(name)
 
@@ -402,16 +444,20 @@ def _eval_closed(closed, *args):
 def _jitted(plan, name, backend):
     key = ("jit", backend)
     if key not in plan._fns:
+
         def fn(*args):
             return run(plan, list(args), backend)
+
         fn.__name__ = fn.__qualname__ = name
         plan._fns[key] = jax.jit(fn)
     return plan._fns[key]
 
 
 def _retraced(plan, backend):
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-             for v in plan.closed.jaxpr.invars]
+    avals = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in plan.closed.jaxpr.invars
+    ]
     return jax.make_jaxpr(functools.partial(_run_flat, plan, backend))(*avals)
 
 
@@ -441,6 +487,6 @@ def _read(env, v):
 
 
 def _write_all(env, vars_, vals):
-    for v, x in zip(vars_, vals):
+    for v, x in zip(vars_, vals, strict=True):
         if not isinstance(v, jcore.DropVar):
             env[v] = x

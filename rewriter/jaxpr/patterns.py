@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from flashport.rewriter.jaxpr import positional
-from flashport.rewriter.jaxpr.axes import unit_reshape_map, operand_dims, peel_broadcast, shape
+from flashport.rewriter.jaxpr.axes import operand_dims, peel_broadcast, shape, unit_reshape_map
 from flashport.rewriter.jaxpr.canon import is_key_padding
 from flashport.rewriter.jaxpr.gqa import fold_repeat
 from flashport.rewriter.jaxpr.graph import Graph, location
@@ -129,8 +129,11 @@ def _candidate_info(g: Graph, exp_eqn, require_dots=True):
     down = _reaches(g, exp_eqn.outvars[0], "down")
     if require_dots and not (up and down):
         return None
-    return {"location": location(exp_eqn), "scores_shape": shape(exp_eqn.invars[0]),
-            "dtype": str(exp_eqn.invars[0].aval.dtype)}
+    return {
+        "location": location(exp_eqn),
+        "scores_shape": shape(exp_eqn.invars[0]),
+        "dtype": str(exp_eqn.invars[0].aval.dtype),
+    }
 
 
 def _reaches(g: Graph, v, direction, limit=40):
@@ -184,8 +187,9 @@ def _walk_up(g: Graph, c, depth=0):
         elif s0 is not None and shape(ins[1]) == shape(c):
             stage, up = ("scale", s0, None), ins[1]
         else:
-            raise NoMatch("the scores are multiplied by a non-constant or a tensor (not a scalar scale)",
-                          eqn=e)
+            raise NoMatch(
+                "the scores are multiplied by a non-constant or a tensor (not a scalar scale)", eqn=e
+            )
     elif name == "div":
         s1 = g.scalar(ins[1])
         if s1 is None or s1 == 0 or shape(ins[0]) != shape(c):
@@ -196,7 +200,7 @@ def _walk_up(g: Graph, c, depth=0):
         stage = ("mask", (fill, True, inner), pred)
     elif name in ("add", "sub"):
         first_err = None
-        for pos in ((0, 1) if name == "add" else (0,)):
+        for pos in (0, 1) if name == "add" else (0,):
             if shape(ins[pos]) != shape(c):
                 continue
             try:
@@ -272,7 +276,9 @@ def _unit_map(e):
     src, out = shape(e.invars[0]), shape(e.outvars[0])
     if math.prod(src) != math.prod(out):
         return None
-    if name == "broadcast_in_dim" and list(e.params["broadcast_dimensions"]) != sorted(e.params["broadcast_dimensions"]):
+    if name == "broadcast_in_dim" and list(e.params["broadcast_dimensions"]) != sorted(
+        e.params["broadcast_dimensions"]
+    ):
         return None
     return unit_reshape_map(src, out)
 
@@ -301,7 +307,7 @@ def _algebra(g: Graph, stages, t_dtype):
     """Fold the stages (dot -> softmax input) into contract terms; also each stage output's dims."""
     alpha, beta, tanh = 1.0, 1.0, False
     biases, masks = [], []
-    for kind, val, (extra, eqn, out_var, out_dims) in stages:
+    for kind, val, (extra, _eqn, out_var, out_dims) in stages:
         if kind == "scale":
             if tanh:
                 if biases or masks:
@@ -375,8 +381,9 @@ def match_at(g: Graph, exp_eqn) -> Match:
     q_out0 = nb + (len(lfree) if k_is_lhs else 0)
     k_out0 = nb + (0 if k_is_lhs else len(lfree))
     if len(kfree) != 1:
-        raise NoMatch(f"the softmax axis is not the key axis (the key side has {len(kfree)} free dims)",
-                      eqn=dot)
+        raise NoMatch(
+            f"the softmax axis is not the key axis (the key side has {len(kfree)} free dims)", eqn=dot
+        )
     if len(qc) != 1:
         raise NoMatch(f"the QK product contracts {len(qc)} dims (expected the head dim only)", eqn=dot)
     if not qfree:
@@ -392,12 +399,16 @@ def match_at(g: Graph, exp_eqn) -> Match:
     while True:
         cur_eqn = g.prod(cur)
         if cur in g.outvars:
-            raise NoMatch("the attention probabilities have other users: they are returned (attention maps "
-                          "are an output, so the scores must be materialized)", eqn=cur_eqn)
+            raise NoMatch(
+                "the attention probabilities have other users: they are returned (attention maps "
+                "are an output, so the scores must be materialized)",
+                eqn=cur_eqn,
+            )
         users = [u for u in g.users.get(cur, ()) if id(u) not in sum_path]
         if len(users) > 1:
-            raise NoMatch("the attention probabilities have other users (returned, reused or dropped out)",
-                          eqn=users[1])
+            raise NoMatch(
+                "the attention probabilities have other users (returned, reused or dropped out)", eqn=users[1]
+            )
         if not users:
             raise NoMatch("the attention probabilities are not used (no PV product)", eqn=cur_eqn)
         u = users[0]
@@ -415,11 +426,16 @@ def match_at(g: Graph, exp_eqn) -> Match:
             pdims = [pdims[p] for p in u.params["permutation"]]
         elif (mapping := _unit_map(u)) is not None:
             pdims = [None if m is None else pdims[m] for m in mapping]
-        elif name == "select_n" and len(u.invars) == 3 and u.invars[2] is cur and g.scalar(u.invars[1]) == 0.0:
+        elif (
+            name == "select_n" and len(u.invars) == 3 and u.invars[2] is cur and g.scalar(u.invars[1]) == 0.0
+        ):
             zero_preds.append((u.invars[0], True, cur, list(pdims)))
         elif name in ("mul", "div"):
-            raise NoMatch("the probabilities are multiplied by a tensor or rescaled (dropout, or a post-softmax "
-                          "mask without renormalisation)", eqn=u)
+            raise NoMatch(
+                "the probabilities are multiplied by a tensor or rescaled (dropout, or a post-softmax "
+                "mask without renormalisation)",
+                eqn=u,
+            )
         else:
             raise NoMatch(f"`{name}` between the softmax and the PV product", eqn=u)
         cur = u.outvars[0]
@@ -436,7 +452,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     if len(pc) != 1 or pdims[pc[0]] != s_dot:
         raise NoMatch("the PV product does not contract the softmax (key) axis", eqn=pv)
     v_batch = {}
-    for pi, vi in zip(pb, vb):
+    for pi, vi in zip(pb, vb, strict=True):
         if pdims[pi] >= nb:
             raise NoMatch("the PV product batches over a non-batch dim of the scores", eqn=pv)
         v_batch[pdims[pi]] = vi
@@ -447,8 +463,9 @@ def match_at(g: Graph, exp_eqn) -> Match:
         raise NoMatch("the PV product's free dims are not the query dims", eqn=pv)
     vfree = [d for d in range(len(shape(v))) if d not in vc and d not in vb]
     if len(vfree) != 1:
-        raise NoMatch(f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)",
-                      eqn=pv)
+        raise NoMatch(
+            f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)", eqn=pv
+        )
     pv_roles = [("d", pdims[pi]) for pi in pb]
     p_free_dims = [d for d in range(len(pdims)) if d not in pc and d not in pb]
     free_roles = [("d", pdims[d]) for d in p_free_dims]
@@ -465,7 +482,9 @@ def match_at(g: Graph, exp_eqn) -> Match:
     for pred, keep, at, at_dims in zero_preds:
         src, dmap = _term(g, pred, at, at_dims)
         if (g.key(src), dmap, keep) not in pre_keys:
-            raise NoMatch("a post-softmax mask differs from the pre-softmax mask (dropout, or no renormalisation)")
+            raise NoMatch(
+                "a post-softmax mask differs from the pre-softmax mask (dropout, or no renormalisation)"
+            )
 
     # ---- escape rule: every equation between the two products is explained and private
     _check_internal(g, dot, anchor, [cur] if anchor is pv else anchor.invars, explained)
@@ -477,25 +496,41 @@ def match_at(g: Graph, exp_eqn) -> Match:
     rest = list(range(nb - 1)) if nb else []
     canon_dims = rest + ([h_idx] if h_idx is not None else []) + g_out + [t_out, s_dot]
     nr, nh = len(rest), (1 if h_idx is not None else 0)
-    groups = [list(range(nr)), list(range(nr, nr + nh + len(g_out))), [nr + nh + len(g_out)],
-              [nr + nh + len(g_out) + 1]]
+    groups = [
+        list(range(nr)),
+        list(range(nr, nr + nh + len(g_out))),
+        [nr + nh + len(g_out)],
+        [nr + nh + len(g_out) + 1],
+    ]
     qd = {q_out0 + j: qfree[j] for j in range(len(qfree))}
-    q_order = tuple([qb[i] for i in rest] + [qd[t_out]] + ([qb[h_idx]] if nh else [])
-                    + [qd[d] for d in g_out] + [qc[0]])
+    q_order = tuple(
+        [qb[i] for i in rest] + [qd[t_out]] + ([qb[h_idx]] if nh else []) + [qd[d] for d in g_out] + [qc[0]]
+    )
     k_order = tuple([kb[i] for i in rest] + [kfree[0]] + ([kb[h_idx]] if nh else []) + [kc[0]])
     v_order = tuple([v_batch[i] for i in rest] + [vc[0]] + ([v_batch[h_idx]] if nh else []) + [vfree[0]])
     out_sh = shape(dot.outvars[0])
-    sizes = {"B": [out_sh[i] for i in rest], "H": out_sh[h_idx] if nh else None,
-             "G": [out_sh[d] for d in g_out], "T": out_sh[t_out], "S": out_sh[s_dot],
-             "D": shape(q)[qc[0]], "Dv": shape(v)[vfree[0]]}
+    sizes = {
+        "B": [out_sh[i] for i in rest],
+        "H": out_sh[h_idx] if nh else None,
+        "G": [out_sh[d] for d in g_out],
+        "T": out_sh[t_out],
+        "S": out_sh[s_dot],
+        "D": shape(q)[qc[0]],
+        "Dv": shape(v)[vfree[0]],
+    }
     # PV output roles -> canonical unflattened output [rest..., T, H?, G..., Dv]
-    canon_out = [("d", i) for i in rest] + [("d", t_out)] + ([("d", h_idx)] if nh else []) + \
-                [("d", d) for d in g_out] + [("dv",)]
+    canon_out = (
+        [("d", i) for i in rest]
+        + [("d", t_out)]
+        + ([("d", h_idx)] if nh else [])
+        + [("d", d) for d in g_out]
+        + [("dv",)]
+    )
     out_perm = tuple(canon_out.index(r) for r in pv_roles)
 
     # ---- scale factors folded into q or k
-    q_src, fq, q_eqns = _peel_scale(g, q)
-    k_src, fk, k_eqns = _peel_scale(g, k)
+    q_src, fq, _q_eqns = _peel_scale(g, q)
+    k_src, fk, _k_eqns = _peel_scale(g, k)
     scale *= fq * fk
 
     # ---- K/V repeated over heads (jnp.repeat, broadcast_to + reshape): pass the un-repeated K/V
@@ -520,10 +555,16 @@ def match_at(g: Graph, exp_eqn) -> Match:
         "location": location(dot),
         "scores_shape": shape(sm.t),
         "pv_location": location(pv),
-        "q_shape": shape(q_src), "k_shape": shape(k_src), "v_shape": shape(v),
-        "layout": _layout(q_src, q_order, nr, nh, len(g_out), "T") + "," +
-                  _layout(k_src, k_order, nr, nh, 0, "S") + "->" + _out_layout(pv_roles, canon_out, nr, nh),
-        "scale": scale, "softcap": softcap,
+        "q_shape": shape(q_src),
+        "k_shape": shape(k_src),
+        "v_shape": shape(v),
+        "layout": _layout(q_src, q_order, nr, nh, len(g_out), "T")
+        + ","
+        + _layout(k_src, k_order, nr, nh, 0, "S")
+        + "->"
+        + _out_layout(pv_roles, canon_out, nr, nh),
+        "scale": scale,
+        "softcap": softcap,
         "mask": _mask_kind(causal, window, align, masks, biases, zero_preds, g, canon_dims, groups),
         "dtypes": "/".join(sorted({str(x.aval.dtype) for x in (q, k, v)})),
         "softmax_dtype": str(t_dtype),
@@ -533,10 +574,30 @@ def match_at(g: Graph, exp_eqn) -> Match:
     }
     if sm.deferred is not None:
         info["normalized"] = "after PV"
-    return Match(anchor=anchor, q=q_src, k=k_src, v=v, q_order=q_order, k_order=k_order, v_order=v_order,
-                 sizes=sizes, out_perm=out_perm, canon_dims=canon_dims, groups=groups, scale=float(scale),
-                 softcap=softcap, biases=biases, masks=masks, causal=causal, window=window, align=align,
-                 empty=empty, dtype=dtype.name, out_dtype=np.dtype(anchor.outvars[0].aval.dtype), info=info)
+    return Match(
+        anchor=anchor,
+        q=q_src,
+        k=k_src,
+        v=v,
+        q_order=q_order,
+        k_order=k_order,
+        v_order=v_order,
+        sizes=sizes,
+        out_perm=out_perm,
+        canon_dims=canon_dims,
+        groups=groups,
+        scale=float(scale),
+        softcap=softcap,
+        biases=biases,
+        masks=masks,
+        causal=causal,
+        window=window,
+        align=align,
+        empty=empty,
+        dtype=dtype.name,
+        out_dtype=np.dtype(anchor.outvars[0].aval.dtype),
+        info=info,
+    )
 
 
 def _other(eqn, x):
@@ -562,11 +623,15 @@ def _unit_product(g: Graph, u, p, pdims):
     other = _other(u, p)
     pb, ob = (lb, rb) if p_is_lhs else (rb, lb)
     if len(ob) != len(shape(other)):
-        raise NoMatch("the probabilities are multiplied by a tensor in an outer product (no PV contraction)",
-                      eqn=u)
+        raise NoMatch(
+            "the probabilities are multiplied by a tensor in an outer product (no PV contraction)", eqn=u
+        )
     if not _all_ones(g, other):
-        raise NoMatch("the probabilities are multiplied by a per-head or per-row tensor (e.g. a head mask) "
-                      "that is not all ones", eqn=u)
+        raise NoMatch(
+            "the probabilities are multiplied by a per-head or per-row tensor (e.g. a head mask) "
+            "that is not all ones",
+            eqn=u,
+        )
     return [pdims[i] for i in pb] + [pdims[d] for d in range(len(pdims)) if d not in pb]
 
 
@@ -601,11 +666,13 @@ def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
     from flashport.rewriter.jaxpr.softmax import reciprocal_of
 
     o, roles, eqns = pv.outvars[0], list(pv_roles), []
+    u = pv  # the equation that produced ``o``: named in the reason when ``o`` has other users
     while True:
         users = g.users.get(o, ())
         if o in g.outvars or len(users) != 1:
-            raise NoMatch("softmax normalized after the PV product, but the unnormalized product has other "
-                          "users", eqn=u)
+            raise NoMatch(
+                "softmax normalized after the PV product, but the unnormalized product has other users", eqn=u
+            )
         u = users[0]
         name = u.primitive.name
         if name == "transpose":
@@ -615,8 +682,11 @@ def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
         eqns.append(u)
         o = u.outvars[0]
     if name not in ("div", "mul") or (name == "div" and u.invars[0] is not o) or u.invars[0] is u.invars[1]:
-        raise NoMatch(f"the PV product of the unnormalized exp is followed by `{name}`, not a division by "
-                      "the softmax sum", eqn=u)
+        raise NoMatch(
+            f"the PV product of the unnormalized exp is followed by `{name}`, not a division by "
+            "the softmax sum",
+            eqn=u,
+        )
     if shape(u.outvars[0]) != shape(o):
         raise NoMatch("the division after the PV product broadcasts the product", eqn=u)
     other = _other(u, o)
@@ -625,14 +695,19 @@ def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
     if name == "mul":
         r = reciprocal_of(g, src)
         if r is None:
-            raise NoMatch("the PV product of the unnormalized exp is multiplied by something other than "
-                          "the reciprocal of the softmax sum", eqn=u)
+            raise NoMatch(
+                "the PV product of the unnormalized exp is multiplied by something other than "
+                "the reciprocal of the softmax sum",
+                eqn=u,
+            )
         src, dims2, more = peel_broadcast(g, r[0])
         dims = [None if d is None else dims2[d] for d in dims]
         eqns += [r[1], *more]
     if src is not z:
-        raise NoMatch("the PV product of the unnormalized exp is divided by something other than the "
-                      "sum of that exp", eqn=u)
+        raise NoMatch(
+            "the PV product of the unnormalized exp is divided by something other than the sum of that exp",
+            eqn=u,
+        )
     zdims = [d for i, d in enumerate(t_dims) if i != axis]
     for i, role in enumerate(roles):
         if role == ("dv",):
@@ -642,8 +717,9 @@ def _deferred_division(g: Graph, pv, pv_roles, z, t_dims, axis):
         else:
             ok = zdims[dims[i]] == role[1]
         if not ok:
-            raise NoMatch("the PV product is divided by the softmax sum of other rows (misaligned axes)",
-                          eqn=u)
+            raise NoMatch(
+                "the PV product is divided by the softmax sum of other rows (misaligned axes)", eqn=u
+            )
     return u, eqns, roles
 
 
@@ -653,23 +729,24 @@ def _check_internal(g: Graph, dot, end, start, explained):
     eqns = g.jaxpr.eqns
     reached = {dot.outvars[0]}
     fwd = set()
-    for e in eqns[i0 + 1:i1]:
+    for e in eqns[i0 + 1 : i1]:
         if any(x in reached for x in e.invars if not hasattr(x, "val")):
             reached.update(e.outvars)
             fwd.add(id(e))
     need = {x for x in start if not hasattr(x, "val")}
     internal = []
-    for e in reversed(eqns[i0 + 1:i1]):
+    for e in reversed(eqns[i0 + 1 : i1]):
         if any(o in need for o in e.outvars):
             need.update(x for x in e.invars if not hasattr(x, "val"))
             if id(e) in fwd:
                 internal.append(e)
     inside = {id(e) for e in internal} | {id(end)}
-    known = {g.key(o) for e in eqns[i0:i1 + 1] if id(e) in explained for o in e.outvars}
+    known = {g.key(o) for e in eqns[i0 : i1 + 1] if id(e) in explained for o in e.outvars}
     for e in [dot, *internal]:
         if id(e) not in explained and not all(g.key(o) in known for o in e.outvars):
-            raise NoMatch(f"`{e.primitive.name}` between the QK and PV products is not part of the pattern",
-                          eqn=e)
+            raise NoMatch(
+                f"`{e.primitive.name}` between the QK and PV products is not part of the pattern", eqn=e
+            )
         for o in e.outvars:
             if o in g.outvars or any(id(u) not in inside for u in g.users.get(o, ())):
                 what = "scores" if e is dot else f"`{e.primitive.name}` output"
@@ -693,7 +770,7 @@ def _empty_semantics(masks, zero_preds, pos_empty):
 def _layout(var, order, nr, nh, ng, seq):
     letters = ["B"] * nr + [seq] + ["N"] * nh + ["G"] * ng + ["D"]
     out = ["?"] * len(shape(var))
-    for letter, d in zip(letters, order):
+    for letter, d in zip(letters, order, strict=True):
         out[d] = letter
     return "".join(out)
 

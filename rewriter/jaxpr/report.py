@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 
-COLUMNS = ("status", "where", "location", "q", "k", "v", "layout", "scale", "mask", "softcap", "dtypes",
-           "gqa", "empty_rows", "reason")
+COLUMNS = (
+    "status",
+    "where",
+    "location",
+    "q",
+    "k",
+    "v",
+    "layout",
+    "scale",
+    "mask",
+    "softcap",
+    "dtypes",
+    "gqa",
+    "empty_rows",
+    "reason",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +70,9 @@ class AttentionReport:
         """A :class:`rich.table.Table` of every site."""
         from rich.table import Table
 
-        table = Table(title=f"flashport.find_attention: {len(self.matches)} fused, "
-                            f"{len(self.near_misses)} near-miss")
+        table = Table(
+            title=f"flashport.find_attention: {len(self.matches)} fused, {len(self.near_misses)} near-miss"
+        )
         for col in COLUMNS:
             table.add_column(col, overflow="fold")
         for s in self.sites:
@@ -84,12 +99,30 @@ def site_from(plan, item, status) -> Site:
     info = item.info
     where = plan.path or "<top>"
     if status == "near-miss":
-        return Site(status=status, where=where, location=info["location"], dtypes=info.get("dtype", ""),
-                    reason=item.reason, q=None, layout=f"scores{list(info['scores_shape'])}")
-    return Site(status=status, where=where, location=info["location"], q=info["q_shape"], k=info["k_shape"],
-                v=info["v_shape"], layout=info["layout"], scale=float(info["scale"]), mask=info["mask"],
-                softcap=info["softcap"], dtypes=info["dtypes"] + f" (softmax {info['softmax_dtype']})",
-                gqa=info["gqa"], empty_rows=info["empty_rows"])
+        return Site(
+            status=status,
+            where=where,
+            location=info["location"],
+            dtypes=info.get("dtype", ""),
+            reason=item.reason,
+            q=None,
+            layout=f"scores{list(info['scores_shape'])}",
+        )
+    return Site(
+        status=status,
+        where=where,
+        location=info["location"],
+        q=info["q_shape"],
+        k=info["k_shape"],
+        v=info["v_shape"],
+        layout=info["layout"],
+        scale=float(info["scale"]),
+        mask=info["mask"],
+        softcap=info["softcap"],
+        dtypes=info["dtypes"] + f" (softmax {info['softmax_dtype']})",
+        gqa=info["gqa"],
+        empty_rows=info["empty_rows"],
+    )
 
 
 def _fmt(x):

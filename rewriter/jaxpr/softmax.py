@@ -44,7 +44,7 @@ class Softmax:
     p: object
     eqns: list
     zero_preds: list  # (pred var, keep_when_true) of where(m, ·, 0) zero-masks inside the softmax
-    deferred: "Deferred | None" = None  # set when ``p`` is the unnormalized exp (divided after P·V)
+    deferred: Deferred | None = None  # set when ``p`` is the unnormalized exp (divided after P·V)
 
 
 @dataclasses.dataclass
@@ -135,8 +135,14 @@ def _max_chain(g: Graph, v):
         name = e.primitive.name
         if name == "reduce_max":
             return e, eqns + [e]
-        if name in ("stop_gradient", "convert_element_type", "copy", "broadcast_in_dim", "transpose",
-                    "reshape"):
+        if name in (
+            "stop_gradient",
+            "convert_element_type",
+            "copy",
+            "broadcast_in_dim",
+            "transpose",
+            "reshape",
+        ):
             v = e.invars[0]
         elif name == "max":
             lits = [g.scalar(x) for x in e.invars]
@@ -177,8 +183,12 @@ def _logsumexp(g: Graph, src, a, axis):
         return None
     eqns.append(e)
     v = e.invars[0]
-    while (pe := g.prod(v)) is not None and pe.primitive.name in ("abs", "convert_element_type",
-                                                                  "broadcast_in_dim", "reshape"):
+    while (pe := g.prod(v)) is not None and pe.primitive.name in (
+        "abs",
+        "convert_element_type",
+        "broadcast_in_dim",
+        "reshape",
+    ):
         eqns.append(pe)
         v = pe.invars[0]
     rs = g.prod(v)
@@ -207,7 +217,7 @@ def _shifted_by_max(g: Graph, v, axis):
     if e is None or e.primitive.name != "sub":
         return None
     t, b = e.invars
-    src, dims, peqns = peel_broadcast(g, b, operand_dims(b, shape(v)))
+    src, _dims, peqns = peel_broadcast(g, b, operand_dims(b, shape(v)))
     red, meqns = _max_chain(g, src)
     if red is None or not _same_axis(g, red.invars[0], red.params["axes"], t, axis):
         return None
@@ -225,7 +235,12 @@ def _derived(g: Graph, ex):
             name = u.primitive.name
             if name in ("convert_element_type", "copy"):
                 pass
-            elif name == "select_n" and len(u.invars) == 3 and u.invars[2] is v and g.scalar(u.invars[1]) == 0.0:
+            elif (
+                name == "select_n"
+                and len(u.invars) == 3
+                and u.invars[2] is v
+                and g.scalar(u.invars[1]) == 0.0
+            ):
                 preds = preds + [(u.invars[0], True)]
             else:
                 continue

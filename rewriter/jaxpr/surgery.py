@@ -33,7 +33,7 @@ class Builder:
     def keep(self, eqn):
         """Append ``eqn`` (its inputs renamed where earlier edits replaced them)."""
         invars = [self.atom(v) for v in eqn.invars]
-        if all(a is v for a, v in zip(invars, eqn.invars)):
+        if all(a is v for a, v in zip(invars, eqn.invars, strict=True)):
             self.eqns.append(eqn)
             return
         self.alias(eqn.outvars, self._append(eqn.replace(invars=invars)))
@@ -47,10 +47,13 @@ class Builder:
         """
         fold = pe.const_fold_rules.get(eqn.primitive)
         if fold is not None and any(is_literal(v) for v in eqn.invars):
-            vals = fold([v.val if is_literal(v) else None for v in eqn.invars], eqn.params,
-                        [v.aval for v in eqn.outvars])
+            vals = fold(
+                [v.val if is_literal(v) else None for v in eqn.invars],
+                eqn.params,
+                [v.aval for v in eqn.outvars],
+            )
             if vals is not None and all(np.shape(x) == () for x in vals):
-                return [jcore.Literal(x, v.aval) for x, v in zip(vals, eqn.outvars)]
+                return [jcore.Literal(x, v.aval) for x, v in zip(vals, eqn.outvars, strict=True)]
         forward = pe.forwarding_rules.get(eqn.primitive)
         if forward is None or eqn.effects:
             self.eqns.append(eqn)
@@ -58,7 +61,7 @@ class Builder:
         in_fwd, new = forward(eqn)
         if new is not None:
             self.eqns.append(new)
-        return [v if i is None else eqn.invars[i] for v, i in zip(eqn.outvars, in_fwd)]
+        return [v if i is None else eqn.invars[i] for v, i in zip(eqn.outvars, in_fwd, strict=True)]
 
     def inline(self, closed, in_atoms, *, source=None, traceback=None, expand=None) -> list:
         """Append ``closed``'s equations with fresh variables, reading ``in_atoms``; return its outputs.
@@ -69,8 +72,8 @@ class Builder:
         recursively instead of keeping ``eqn``.
         """
         jaxpr = closed.jaxpr
-        env = dict(zip(jaxpr.invars, in_atoms))
-        for v, val in zip(jaxpr.constvars, closed.consts):
+        env = dict(zip(jaxpr.invars, in_atoms, strict=True))
+        for v, val in zip(jaxpr.constvars, closed.consts, strict=True):
             env[v] = self.add_const(v.aval, val)
 
         def read(v):
@@ -82,17 +85,21 @@ class Builder:
             body = expand(eqn) if expand is not None else None
             if body is not None:
                 outs = self.inline(body, ins, source=info, expand=expand)
-                env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jcore.DropVar))
+                env.update(
+                    (v, o) for v, o in zip(eqn.outvars, outs, strict=True) if not isinstance(v, jcore.DropVar)
+                )
                 continue
-            fresh = [jcore.DropVar(v.aval) if isinstance(v, jcore.DropVar) else jcore.Var(v.aval)
-                     for v in eqn.outvars]
+            fresh = [
+                jcore.DropVar(v.aval) if isinstance(v, jcore.DropVar) else jcore.Var(v.aval)
+                for v in eqn.outvars
+            ]
             outs = self._append(eqn.replace(invars=ins, outvars=fresh, source_info=info))
-            env.update(zip(eqn.outvars, outs))
+            env.update(zip(eqn.outvars, outs, strict=True))
         return [read(v) for v in jaxpr.outvars]
 
     def alias(self, outvars, atoms):
         """Later reads of ``outvars`` (the source jaxpr's) read ``atoms`` instead."""
-        for v, a in zip(outvars, atoms):
+        for v, a in zip(outvars, atoms, strict=True):
             if not isinstance(v, jcore.DropVar):
                 self.subst[v] = a
 
@@ -108,7 +115,7 @@ class Builder:
         outvars = [self.atom(v) for v in self.src.outvars]
         used = {v for e in self.eqns for v in e.invars if not is_literal(v)}
         used.update(v for v in outvars if not is_literal(v))
-        pairs = [(v, c) for v, c in zip(self.constvars, self.consts) if v in used]
+        pairs = [(v, c) for v, c in zip(self.constvars, self.consts, strict=True) if v in used]
         jaxpr = self.src.replace(constvars=[v for v, _ in pairs], eqns=self.eqns, outvars=outvars)
         return jcore.ClosedJaxpr(jaxpr, [c for _, c in pairs])
 
@@ -116,5 +123,7 @@ class Builder:
 def _nested_source(outer, inner, traceback=None):
     if outer is None:
         return inner
-    return inner.replace(traceback=inner.traceback if traceback is None else traceback,
-                         name_stack=outer.name_stack + inner.name_stack)
+    return inner.replace(
+        traceback=inner.traceback if traceback is None else traceback,
+        name_stack=outer.name_stack + inner.name_stack,
+    )
