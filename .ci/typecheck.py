@@ -35,13 +35,26 @@ def main(argv: list[str]) -> int:
                         (target / entry.name).symlink_to(entry)
             else:
                 target.symlink_to(ROOT / source, target_is_directory=True)
-        command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), *argv, "-p", "flashport"]
-        result = subprocess.run(command, cwd=stage, capture_output=True, text=True, env={**os.environ, "MYPYPATH": str(stage)})
-    back = {"/".join(package.split(".")) + "/": source.rstrip("/") + "/" for package, source in mapping.items()}
+        command = [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            *argv,
+            "-p",
+            "flashport",
+        ]
+        result = subprocess.run(
+            command, cwd=stage, capture_output=True, text=True, env={**os.environ, "MYPYPATH": str(stage)}
+        )
+    back = {
+        "/".join(package.split(".")) + "/": source.rstrip("/") + "/" for package, source in mapping.items()
+    }
     for line in (result.stdout + result.stderr).splitlines():
         for staged, source in sorted(back.items(), key=lambda item: -len(item[0])):
             if line.startswith(staged):
-                line = source + line[len(staged):]
+                line = source + line[len(staged) :]
                 break
         print(line)
     return result.returncode

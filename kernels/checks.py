@@ -61,7 +61,7 @@ def check_window(window) -> tuple[int | None, int | None]:
             f"window must be a (left, right) pair of ints or None, e.g. window=(128, 0); got {window!r}"
         )
     sides = []
-    for side, value in zip(("left", "right"), window, strict=True):
+    for side, value in zip(("left", "right"), window, strict=False):
         if value is None:
             sides.append(None)
             continue
@@ -105,7 +105,7 @@ def broadcast_shape(name: str, shape, full) -> tuple[int, ...]:
             f"{name} must broadcast to [B, Hq, Sq, Sk] = {list(full)}, got rank {len(shape)} shape {shape}"
         )
     shape = (1,) * (4 - len(shape)) + shape
-    for size, want in zip(shape, full, strict=True):
+    for size, want in zip(shape, full, strict=False):
         if size not in (1, want):
             raise ValueError(f"{name} of shape {shape} does not broadcast to [B, Hq, Sq, Sk] = {list(full)}")
     return shape

@@ -156,7 +156,7 @@ def _launch(cfg: Config, call, g: Geometry, named: dict, **kwargs):
 
     def make(interpret):
         def run(*arrays):
-            res = call(g, dict(zip(names, arrays, strict=True)), interpret=interpret, **kwargs)
+            res = call(g, dict(zip(names, arrays, strict=False)), interpret=interpret, **kwargs)
             return tuple(x for x in res if x is not None)
 
         return run

@@ -62,7 +62,7 @@ def _dlogits(g: Geometry, q, k, v, do, lse, delta, rows, i, j, **sides):
 
 
 def _dq_kernel(*refs, g: Geometry, names, layout):
-    r = dict(zip(names + ("dq_out", "dbias_out")[: 1 + (layout is not None)], refs, strict=True))
+    r = dict(zip(names + ("dq_out", "dbias_out")[: 1 + (layout is not None)], refs, strict=False))
     i = pl.program_id(0)
     q, do, lse, delta = r["q"][...], r["do"][...], r["lse"][...], r["delta"][...]
     q_seg = r["q_seg"][...] if "q_seg" in r else None
@@ -193,7 +193,7 @@ def _query_side(refs: dict, name: str, head, qs):
 
 
 def _dkv_kernel(*refs, g: Geometry, names, group: int):
-    r = dict(zip(names + ("dk_out", "dv_out"), refs, strict=True))
+    r = dict(zip(names + ("dk_out", "dv_out"), refs, strict=False))
     j = pl.program_id(0)
     k, v = r["k"][...], r["v"][...]
     kv_seg = r["kv_seg"][...] if "kv_seg" in r else None

@@ -79,7 +79,7 @@ def key_side(refs: dict, name: str, ks):
 
 
 def _forward_kernel(*refs, g: Geometry, names):
-    r = dict(zip(names + ("out", "lse_out"), refs, strict=True))
+    r = dict(zip(names + ("out", "lse_out"), refs, strict=False))
     i = pl.program_id(0)
     q = r["q"][...]
     q_seg = r["q_seg"][...] if "q_seg" in r else None

@@ -143,7 +143,7 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
     watch = prune.watch_of(rules)
     watch = dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
     flags = prune.keep([c.nodes for c in chunks], tree, watch)
-    chunks = [c for c, kept in zip(chunks, flags, strict=True) if kept]
+    chunks = [c for c, kept in zip(chunks, flags, strict=False) if kept]
     if not chunks:
         return result
     header = "".join(_terminated(src.unit_text(lines, h)) for h in header_units if id(h) not in chunk_ids)
@@ -179,7 +179,7 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
         if not new_code.startswith(header):
             raise RuntimeError("rewrite touched the import header")
         pieces = _split_chunks(new_code[len(header) :], len(ordered))
-        for unit, new_chunk in zip(ordered, pieces, strict=True):
+        for unit, new_chunk in zip(ordered, pieces, strict=False):
             chunk = src.unit_text(lines, unit)
             if not chunk.endswith(("\n", "\r")) and new_chunk.endswith("\n"):
                 new_chunk = new_chunk[:-1]  # _terminated() added it

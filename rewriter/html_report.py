@@ -218,7 +218,7 @@ def _diff_table(old: bytes, new: bytes) -> str:
         )
         for tag, i1, i2, j1, j2 in group:
             if tag == "equal":
-                for i, j in zip(range(i1, i2), range(j1, j2), strict=True):
+                for i, j in zip(range(i1, i2), range(j1, j2), strict=False):
                     rows.append(_row("ctx", i + 1, j + 1, " ", new_html[j]))
                 continue
             for i in range(i1, i2):

@@ -188,9 +188,11 @@ def _after_header(tree: ast.Module, lines: list[str], statement: str, newline: s
         lines.insert(last_line, statement)
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
-        lines.insert(
-            min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1, statement
-        )
+        at = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        definition = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        lines.insert(at, statement + newline * (2 if definition else 1))  # PEP 8 spacing below it
+        if not any(line.strip() for line in lines[:at]):
+            del lines[:at]  # only blank lines above (left by removed imports): the import leads the file
     else:
         if lines and not lines[-1].endswith(("\n", "\r")):
             lines[-1] += newline

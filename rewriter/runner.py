@@ -82,7 +82,7 @@ def run(
 
 def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Iterator[FileResult]:
     def remember(computed):
-        for (_, path, data), result in zip(todo, computed, strict=True):
+        for (_, path, data), result in zip(todo, computed, strict=False):
             if cache:
                 cache.put(path, data, result)
             yield result

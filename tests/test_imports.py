@@ -229,6 +229,9 @@ def test_names_read_before_the_port_only_by_other_code_keep_their_imports():
         ),
         # a new group after the stdlib one is kept apart from the code below it by a blank line
         ("import os\ndef f():\n    pass\n", "import os\n\nimport flashport\n\ndef f():\n    pass\n"),
+        # no imports left (the GPU one was removed): at the top, PEP 8 spacing; a header comment stays above
+        ("\n\ndef f():\n    pass\n", "import flashport\n\n\ndef f():\n    pass\n"),
+        ("# header\n\nx = 1\n", "# header\n\nimport flashport\n\nx = 1\n"),
     ],
 )
 def test_flashport_import_goes_where_isort_puts_it(before, after):

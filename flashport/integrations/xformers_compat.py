@@ -207,7 +207,7 @@ class BlockDiagonalMask(AttentionBias):
         for size in sizes:
             chunks.append(sum(self.q_seqlen[start : start + size]))
             start += size
-        for size, part in zip(sizes, tensor.split(chunks, dim=1), strict=True):
+        for size, part in zip(sizes, tensor.split(chunks, dim=1), strict=False):
             out.append(part.reshape(size, -1, *part.shape[2:]))
         return out
 
@@ -236,7 +236,7 @@ class BlockDiagonalMask(AttentionBias):
             )
         ok = torch.zeros((mq, mk), dtype=torch.bool, device=device)
         q0 = k0 = 0
-        for nq, nk in zip(self.q_seqlen, self.kv_seqlen, strict=True):
+        for nq, nk in zip(self.q_seqlen, self.kv_seqlen, strict=False):
             ok[q0 : q0 + nq, k0 : k0 + nk] = _band(nq, nk, device, self.causal, self.align, self.window())
             q0, k0 = q0 + nq, k0 + nk
         return ok

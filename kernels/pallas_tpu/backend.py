@@ -106,11 +106,11 @@ def _map_under_vmap(fn, *flat):
 
     @call.def_vmap
     def _rule(axis_size, in_batched, *xs):
-        batched = [x for x, b in zip(xs, in_batched, strict=True) if b]
+        batched = [x for x, b in zip(xs, in_batched, strict=False) if b]
 
         def one(slices):
             it = iter(slices)
-            return call(*[next(it) if b else x for x, b in zip(xs, in_batched, strict=True)])
+            return call(*[next(it) if b else x for x, b in zip(xs, in_batched, strict=False)])
 
         outs = tuple(jax.lax.map(one, batched))
         return outs, tuple(True for _ in outs)

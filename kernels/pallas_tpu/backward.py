@@ -145,7 +145,7 @@ def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, table
     out_specs = [pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv), pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv)]
 
     itemsize = jnp.dtype(q.dtype).itemsize
-    tiles = b * hq * sum(h - l for l, h in zip(g.col_lo, g.col_hi, strict=True))
+    tiles = b * hq * sum(h - l for l, h in zip(g.col_lo, g.col_hi, strict=False))
     cost = pl.CostEstimate(
         flops=int(tiles * g.bq * g.bk * (4 * dp + 4 * dvp)),
         transcendentals=int(tiles * g.bq * g.bk * (2 if g.spec.softcap is not None else 1)),

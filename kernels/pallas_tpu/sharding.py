@@ -93,7 +93,7 @@ def _spec_for(role, shape, batch, heads, batch_axes, head_axes):
 @functools.cache
 def _rule(kind, present, shapes):
     """A Shardy rule: batch 'b', query heads 'h', kv heads 'n'; every other dim its own factor."""
-    roles = [r for r, p in zip(_ROLES[kind], present, strict=True) if p]
+    roles = [r for r, p in zip(_ROLES[kind], present, strict=False) if p]
     q_shape, kv_shape = shapes[0], shapes[1]
     batch, heads, kv_heads = q_shape[0], q_shape[1], kv_shape[1]
     counter = iter(range(10_000))
@@ -111,7 +111,7 @@ def _rule(kind, present, shapes):
                 names.append(f"x{next(counter)}")
         return " ".join(names)
 
-    ins = [dims(r, s) for r, s in zip(roles, shapes, strict=True)]
+    ins = [dims(r, s) for r, s in zip(roles, shapes, strict=False)]
     return ins, batch, heads, kv_heads, roles
 
 
@@ -126,13 +126,13 @@ def _wrapper(fn, kind, present, shapes, dtypes):
     def out_shapes_of(arrays_shapes):
         return jax.eval_shape(lambda *a: fn(*with_nones(a)), *arrays_shapes)
 
-    out_structs = out_shapes_of([jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)])
+    out_structs = out_shapes_of([jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=False)])
     out_shapes = [None if o is None else o.shape for o in out_structs]
 
     def out_rule():
         names = []
         counter = iter(range(10_000))
-        for role, shape in zip(_OUT_ROLES[kind], out_shapes, strict=True):
+        for role, shape in zip(_OUT_ROLES[kind], out_shapes, strict=False):
             if shape is None:
                 continue
             dims = []
@@ -152,11 +152,11 @@ def _wrapper(fn, kind, present, shapes, dtypes):
         batch_axes, head_axes = _choose(mesh, arg_shapes[0].sharding, shapes[0], kv_heads)
         args = [
             NamedSharding(mesh, _spec_for(r, s, batch, heads, batch_axes, head_axes))
-            for r, s in zip(roles, shapes, strict=True)
+            for r, s in zip(roles, shapes, strict=False)
         ]
         outs = [
             NamedSharding(mesh, _spec_for(r, s, batch, heads, batch_axes, head_axes))
-            for r, s in zip(_OUT_ROLES[kind], out_shapes, strict=True)
+            for r, s in zip(_OUT_ROLES[kind], out_shapes, strict=False)
             if s is not None
         ]
         return args, outs
@@ -193,7 +193,7 @@ def _wrapper(fn, kind, present, shapes, dtypes):
 
     # custom_partitioning rejects closed-over constants (the kernels' static block tables), so they
     # become extra, replicated operands; the per-shard ``lower`` rebuilds its own.
-    closed = jax.make_jaxpr(impl)(*[jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)])
+    closed = jax.make_jaxpr(impl)(*[jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=False)])
     consts = [jax.numpy.asarray(c) for c in closed.consts]
     n = len(shapes)
 

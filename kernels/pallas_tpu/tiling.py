@@ -93,17 +93,17 @@ class Geometry:
     @property
     def steps_k(self) -> int:
         """Grid extent of the key axis in row-major kernels (forward, dQ): the widest row."""
-        return max(1, max(h - l for l, h in zip(self.row_lo, self.row_hi, strict=True)))
+        return max(1, max(h - l for l, h in zip(self.row_lo, self.row_hi, strict=False)))
 
     @property
     def steps_q(self) -> int:
         """Grid extent of the query axis in the column-major kernel (dK/dV): the tallest column."""
-        return max(1, max(h - l for l, h in zip(self.col_lo, self.col_hi, strict=True)))
+        return max(1, max(h - l for l, h in zip(self.col_lo, self.col_hi, strict=False)))
 
     @property
     def visited_tiles(self) -> int:
         """Tiles the row-major kernels compute per (batch, head) without segment ids."""
-        return sum(h - l for l, h in zip(self.row_lo, self.row_hi, strict=True))
+        return sum(h - l for l, h in zip(self.row_lo, self.row_hi, strict=False))
 
     @property
     def needs_position_mask(self) -> bool:

@@ -81,6 +81,6 @@ def unit_reshape_map(in_shape, out_shape):
     if [in_shape[i] for i in big_in] != [out_shape[i] for i in big_out]:
         return None
     mapping = [None] * len(out_shape)
-    for i_out, i_in in zip(big_out, big_in, strict=True):
+    for i_out, i_in in zip(big_out, big_in, strict=False):
         mapping[i_out] = i_in
     return mapping

@@ -151,7 +151,7 @@ def _trace(fun, flat, treedef, dyn_pos):
 
     def flat_fun(*dyn):
         leaves = list(flat)
-        for i, x in zip(dyn_pos, dyn, strict=True):
+        for i, x in zip(dyn_pos, dyn, strict=False):
             leaves[i] = x
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         outs, tree = jax.tree_util.tree_flatten(fun(*args, **kwargs))

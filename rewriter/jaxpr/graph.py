@@ -34,7 +34,7 @@ class Graph:
         self.producer: dict = {}
         self.users: dict = {}
         self.index: dict = {}
-        self.consts = dict(zip(jaxpr.constvars, consts, strict=True))
+        self.consts = dict(zip(jaxpr.constvars, consts, strict=False))
         self.outvars = {v for v in jaxpr.outvars if not is_literal(v)}
         dead = _dead_eqns(jaxpr)
         for i, eqn in enumerate(jaxpr.eqns):

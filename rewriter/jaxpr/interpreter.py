@@ -310,7 +310,7 @@ def _site_jaxpr(match, inputs, backend):
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in inputs]
 
     def snippet(*vals):
-        env = dict(zip(inputs, vals, strict=True))
+        env = dict(zip(inputs, vals, strict=False))
         return [emit(match, env.__getitem__, backend)]
 
     return jax.make_jaxpr(snippet)(*specs)
@@ -332,7 +332,7 @@ def _rebuilt(plan, eqn, backend, memo):
         params["jaxpr"] = subs[0]
     elif name == "cond":
         params["branches"] = tuple(
-            br if s is None else s for s, br in zip(subs, params["branches"], strict=True)
+            br if s is None else s for s, br in zip(subs, params["branches"], strict=False)
         )
     elif name == "while":
         params["body_jaxpr"] = subs[0]
@@ -417,7 +417,7 @@ def _run_nested(plan, eqn, invals, backend):
     if name == "cond":
         fns = [
             functools.partial(_run_flat, s, backend) if s is not None else functools.partial(_eval_closed, br)
-            for s, br in zip(subs, p["branches"], strict=True)
+            for s, br in zip(subs, p["branches"], strict=False)
         ]
         return list(jax.lax.switch(invals[0], fns, *invals[1:]))
     if name == "while":
@@ -487,6 +487,6 @@ def _read(env, v):
 
 
 def _write_all(env, vars_, vals):
-    for v, x in zip(vars_, vals, strict=True):
+    for v, x in zip(vars_, vals, strict=False):
         if not isinstance(v, jcore.DropVar):
             env[v] = x

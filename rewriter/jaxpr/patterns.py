@@ -452,7 +452,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     if len(pc) != 1 or pdims[pc[0]] != s_dot:
         raise NoMatch("the PV product does not contract the softmax (key) axis", eqn=pv)
     v_batch = {}
-    for pi, vi in zip(pb, vb, strict=True):
+    for pi, vi in zip(pb, vb, strict=False):
         if pdims[pi] >= nb:
             raise NoMatch("the PV product batches over a non-batch dim of the scores", eqn=pv)
         v_batch[pdims[pi]] = vi
@@ -770,7 +770,7 @@ def _empty_semantics(masks, zero_preds, pos_empty):
 def _layout(var, order, nr, nh, ng, seq):
     letters = ["B"] * nr + [seq] + ["N"] * nh + ["G"] * ng + ["D"]
     out = ["?"] * len(shape(var))
-    for letter, d in zip(letters, order, strict=True):
+    for letter, d in zip(letters, order, strict=False):
         out[d] = letter
     return "".join(out)
 

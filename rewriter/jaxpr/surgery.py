@@ -33,7 +33,7 @@ class Builder:
     def keep(self, eqn):
         """Append ``eqn`` (its inputs renamed where earlier edits replaced them)."""
         invars = [self.atom(v) for v in eqn.invars]
-        if all(a is v for a, v in zip(invars, eqn.invars, strict=True)):
+        if all(a is v for a, v in zip(invars, eqn.invars, strict=False)):
             self.eqns.append(eqn)
             return
         self.alias(eqn.outvars, self._append(eqn.replace(invars=invars)))
@@ -53,7 +53,7 @@ class Builder:
                 [v.aval for v in eqn.outvars],
             )
             if vals is not None and all(np.shape(x) == () for x in vals):
-                return [jcore.Literal(x, v.aval) for x, v in zip(vals, eqn.outvars, strict=True)]
+                return [jcore.Literal(x, v.aval) for x, v in zip(vals, eqn.outvars, strict=False)]
         forward = pe.forwarding_rules.get(eqn.primitive)
         if forward is None or eqn.effects:
             self.eqns.append(eqn)
@@ -61,7 +61,7 @@ class Builder:
         in_fwd, new = forward(eqn)
         if new is not None:
             self.eqns.append(new)
-        return [v if i is None else eqn.invars[i] for v, i in zip(eqn.outvars, in_fwd, strict=True)]
+        return [v if i is None else eqn.invars[i] for v, i in zip(eqn.outvars, in_fwd, strict=False)]
 
     def inline(self, closed, in_atoms, *, source=None, traceback=None, expand=None) -> list:
         """Append ``closed``'s equations with fresh variables, reading ``in_atoms``; return its outputs.
@@ -72,8 +72,8 @@ class Builder:
         recursively instead of keeping ``eqn``.
         """
         jaxpr = closed.jaxpr
-        env = dict(zip(jaxpr.invars, in_atoms, strict=True))
-        for v, val in zip(jaxpr.constvars, closed.consts, strict=True):
+        env = dict(zip(jaxpr.invars, in_atoms, strict=False))
+        for v, val in zip(jaxpr.constvars, closed.consts, strict=False):
             env[v] = self.add_const(v.aval, val)
 
         def read(v):
@@ -86,7 +86,9 @@ class Builder:
             if body is not None:
                 outs = self.inline(body, ins, source=info, expand=expand)
                 env.update(
-                    (v, o) for v, o in zip(eqn.outvars, outs, strict=True) if not isinstance(v, jcore.DropVar)
+                    (v, o)
+                    for v, o in zip(eqn.outvars, outs, strict=False)
+                    if not isinstance(v, jcore.DropVar)
                 )
                 continue
             fresh = [
@@ -94,12 +96,12 @@ class Builder:
                 for v in eqn.outvars
             ]
             outs = self._append(eqn.replace(invars=ins, outvars=fresh, source_info=info))
-            env.update(zip(eqn.outvars, outs, strict=True))
+            env.update(zip(eqn.outvars, outs, strict=False))
         return [read(v) for v in jaxpr.outvars]
 
     def alias(self, outvars, atoms):
         """Later reads of ``outvars`` (the source jaxpr's) read ``atoms`` instead."""
-        for v, a in zip(outvars, atoms, strict=True):
+        for v, a in zip(outvars, atoms, strict=False):
             if not isinstance(v, jcore.DropVar):
                 self.subst[v] = a
 
@@ -115,7 +117,7 @@ class Builder:
         outvars = [self.atom(v) for v in self.src.outvars]
         used = {v for e in self.eqns for v in e.invars if not is_literal(v)}
         used.update(v for v in outvars if not is_literal(v))
-        pairs = [(v, c) for v, c in zip(self.constvars, self.consts, strict=True) if v in used]
+        pairs = [(v, c) for v, c in zip(self.constvars, self.consts, strict=False) if v in used]
         jaxpr = self.src.replace(constvars=[v for v, _ in pairs], eqns=self.eqns, outvars=outvars)
         return jcore.ClosedJaxpr(jaxpr, [c for _, c in pairs])
 
