@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules import _sites
+from flashport.rules import _node_context
 from flashport.rules.base import Refuse, Rewrite
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
@@ -85,11 +85,11 @@ def _qualified(func, bindings) -> str:
 
 def neutral_selector(call: cst.Call, ctx, sdpa_rule) -> Rewrite | str:
     """``contextlib.nullcontext()`` when the selector's body is provably all rewritten SDPA, else why not."""
-    node = _sites.locate(call, ctx)
-    item = _sites.parent(node, ctx) if node is not None else None
+    node = _node_context.locate(call, ctx)
+    item = _node_context.parent(node, ctx) if node is not None else None
     if not isinstance(item, cst.WithItem):
         return "not used as a `with` item"
-    with_node = _sites.parent(item, ctx)
+    with_node = _node_context.parent(item, ctx)
     module = ctx.module
     if not isinstance(with_node, cst.With) or module is None:
         return "its `with` statement could not be located"

@@ -30,7 +30,7 @@ Example::
 from __future__ import annotations
 
 from flashport.rules import _flash_attn as fa
-from flashport.rules import _sites
+from flashport.rules import _node_context
 from flashport.rules.base import Refuse, Rewrite, Rule, build_call, register, string
 
 LEADING = ("qkv", "cu_seqlens", "max_seqlen")
@@ -59,7 +59,7 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
         drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
         if drop_in is not None:
             return drop_in
-        if not _sites.simple(cu):
+        if not _node_context.simple(cu):
             raise Refuse(
                 f"cu_seqlens={ctx.code(cu)} would be evaluated twice (queries and keys); bind it to a name first"
             )

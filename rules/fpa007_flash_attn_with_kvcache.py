@@ -48,7 +48,7 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import _flash_attn as fa
-from flashport.rules import _sites
+from flashport.rules import _node_context
 from flashport.rules.base import (
     Refuse,
     Rewrite,
@@ -131,13 +131,13 @@ def _allocates(node: cst.BaseExpression) -> bool:
 
 def cache_is_dead(call: cst.Call, names: list[str], ctx) -> str | None:
     """None when the in-place update of the caches ``names`` provably is not relied on, else why."""
-    node = _sites.locate(call, ctx)
+    node = _node_context.locate(call, ctx)
     if node is None:
         return "the call could not be located in its function"
-    function = next((a for a in _sites.ancestors(node, ctx) if isinstance(a, cst.FunctionDef)), None)
+    function = next((a for a in _node_context.ancestors(node, ctx) if isinstance(a, cst.FunctionDef)), None)
     if function is None:
         return "the call is not inside a function"
-    for up in _sites.ancestors(node, ctx):
+    for up in _node_context.ancestors(node, ctx):
         if up is function:
             break
         if isinstance(up, (cst.For, cst.While, cst.CompFor)):
