@@ -138,6 +138,43 @@ VARLEN_NO_DROPOUT = (
 )
 
 
+def _refuse_unsupported(value: dict[str, cst.BaseExpression]) -> list[str]:
+    """Refuse what the contract cannot express (ALiBi, ``return_attn_probs``, paged KV); returns the
+    note for a dropped ``deterministic``.
+
+    Raises:
+      Refuse: naming the argument.
+    """
+    if not is_none(value.get("alibi_slopes")):
+        raise Refuse("alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here")
+    probs = value.get("return_attn_probs")
+    if probs is not None and literal_bool(probs) is not False:
+        raise Refuse("return_attn_probs: the (out, softmax_lse, S_dmask) tuple cannot be reproduced")
+    if not is_none(value.get("block_table")):
+        raise Refuse("block_table (paged KV cache) has no portable equivalent")
+    deterministic = value.get("deterministic")
+    if deterministic is not None and literal_bool(deterministic) is not False:
+        return ["dropped deterministic= (it only affects flash-attn's backward pass)"]
+    return []
+
+
+def _softcap(softcap: cst.BaseExpression) -> cst.BaseExpression:
+    """flash-attn's ``softcap`` (0.0 = off) as the contract's (None = off): a literal as is, an
+    expression as ``softcap or None``.
+
+    Raises:
+      Refuse: for a negative literal.
+    """
+    literal = literal_number(softcap)
+    if literal is not None and literal < 0:
+        raise Refuse(f"softcap={literal} is negative")
+    if literal is not None:
+        return softcap
+    if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda)):
+        softcap = softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    return cst.BooleanOperation(left=softcap, operator=cst.Or(), right=cst.Name("None"))
+
+
 def map_arguments(
     bound: dict[str, cst.Arg],
     ctx: RuleContext,
@@ -159,19 +196,7 @@ def map_arguments(
     notes: list[str] = []
     if not dropout:
         notes.extend(no_dropout(value.get("dropout_p"), "dropout_p", ctx, VARLEN_NO_DROPOUT))
-    alibi = value.get("alibi_slopes")
-    if not is_none(alibi):
-        raise Refuse("alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here")
-    probs = value.get("return_attn_probs")
-    if probs is not None and literal_bool(probs) is not False:
-        raise Refuse("return_attn_probs: the (out, softmax_lse, S_dmask) tuple cannot be reproduced")
-    block_table = value.get("block_table")
-    if not is_none(block_table):
-        raise Refuse("block_table (paged KV cache) has no portable equivalent")
-    deterministic = value.get("deterministic")
-    if deterministic is not None and literal_bool(deterministic) is not False:
-        notes.append("dropped deterministic= (it only affects flash-attn's backward pass)")
-
+    notes.extend(_refuse_unsupported(value))
     scale = value.get("softmax_scale")
     keywords: list[tuple[str, cst.BaseExpression]] = [
         ("scale", cst.Name("None") if is_none(scale) else scale),
@@ -184,24 +209,7 @@ def map_arguments(
             keywords.append(("window", mapped))
     softcap = value.get("softcap")
     if softcap is not None and not is_zero(softcap):
-        literal = literal_number(softcap)
-        if literal is not None and literal < 0:
-            raise Refuse(f"softcap={literal} is negative")
-        if literal is not None:
-            keywords.append(("softcap", softcap))
-        else:  # flash-attn's 0.0 means "off"; the contract's off is None
-            keywords.append(
-                (
-                    "softcap",
-                    cst.BooleanOperation(
-                        left=softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-                        if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda))
-                        else softcap,
-                        operator=cst.Or(),
-                        right=cst.Name("None"),
-                    ),
-                )
-            )
+        keywords.append(("softcap", _softcap(softcap)))
     keywords.append(("align", string(align(version or ctx.options.flash_attn_version))))
     return keywords, notes
 

@@ -220,30 +220,11 @@ class FlashAttnWithKVCache(Rule):
             if not is_none(value.get(name)):
                 raise Refuse(reason)
         self.check_extra(value, ctx)
-        notes = []
-        for name in self.DROPPED:
-            if name in value:
-                notes.append(f"dropped {name}= (kernel tuning / rotary only)")
-        new_k, new_v = value.get("k"), value.get("v")
-        positional = [q, k_cache, v_cache]
-        if not (is_none(new_k) and is_none(new_v)):
-            if is_none(new_k) or is_none(new_v):
-                raise Refuse("only one of k/v is given")
-            if is_none(value.get("cache_seqlens")):
-                raise Refuse(
-                    "new k/v without cache_seqlens: where flash-attn writes them is not expressible here"
-                )
-            if not all(isinstance(c, cst.Name) for c in (k_cache, v_cache)):
-                why = f"k_cache/v_cache are not local names ({ctx.code(k_cache)}, {ctx.code(v_cache)})"
-            else:
-                why = cache_is_dead(call, [k_cache.value, v_cache.value], ctx)
-            if why and self.DROP_IN:
-                return self.drop_in(call, value, f"the in-place cache update may be relied on ({why})")
-            if why:
-                raise Refuse(
-                    f"flash_attn_with_kvcache updates k_cache/v_cache in place and the update may be relied on: {why}"
-                )
-            positional += [new_k, new_v]
+        notes = [f"dropped {name}= (kernel tuning / rotary only)" for name in self.DROPPED if name in value]
+        new_rows = self.new_rows(call, value, ctx)
+        if isinstance(new_rows, Rewrite):
+            return new_rows
+        if new_rows:
             notes.append(
                 "functional: the in-place cache update is not relied on (caches are local and not read again)"
             )
@@ -254,17 +235,51 @@ class FlashAttnWithKVCache(Rule):
             )
         if lse is not None and literal_bool(lse) is None:
             raise Refuse(f"return_softmax_lse={ctx.code(lse)} is not a literal: the return type is unknown")
+        keywords, more = self.keywords(bound, value, ctx)
+        node = build_call(self.TARGET, [q, k_cache, v_cache, *new_rows], keywords, call)
+        return Rewrite(node, imports=(MODULE,), notes=tuple(notes + more))
+
+    def new_rows(self, call, value, ctx) -> list | Rewrite:
+        """The new ``[k, v]`` for the functional form (``[]`` for a pure read), or the drop-in call
+        when the in-place cache update may be relied on.
+
+        Raises:
+          Refuse: for only one of k/v, new rows without ``cache_seqlens``, or (without a drop-in) a
+            live in-place update.
+        """
+        new_k, new_v = value.get("k"), value.get("v")
+        if is_none(new_k) and is_none(new_v):
+            return []
+        if is_none(new_k) or is_none(new_v):
+            raise Refuse("only one of k/v is given")
+        if is_none(value.get("cache_seqlens")):
+            raise Refuse(
+                "new k/v without cache_seqlens: where flash-attn writes them is not expressible here"
+            )
+        k_cache, v_cache = value["k_cache"], value["v_cache"]
+        if not all(isinstance(c, cst.Name) for c in (k_cache, v_cache)):
+            why = f"k_cache/v_cache are not local names ({ctx.code(k_cache)}, {ctx.code(v_cache)})"
+        else:
+            why = cache_is_dead(call, [k_cache.value, v_cache.value], ctx)
+        if why and self.DROP_IN:
+            return self.drop_in(call, value, f"the in-place cache update may be relied on ({why})")
+        if why:
+            raise Refuse(
+                f"flash_attn_with_kvcache updates k_cache/v_cache in place and the update may be relied on: {why}"
+            )
+        return [new_k, new_v]
+
+    def keywords(self, bound, value, ctx) -> tuple[list, list[str]]:
+        """(keywords, notes) of the functional call: ``cache_seqlens``, the flash-attn mapping without
+        ``align`` (kvcache alignment is per sequence, bottom-right) and ``return_lse``."""
         fa_bound = {n: bound[n] for n in ("softmax_scale", "causal", "window_size", "softcap") if n in bound}
-        keywords, more = fa.map_arguments(fa_bound, ctx, self.API)
-        keywords = [
-            kw for kw in keywords if kw[0] != "align"
-        ]  # kvcache alignment is per sequence, bottom-right
+        keywords, notes = fa.map_arguments(fa_bound, ctx, self.API)
+        keywords = [kw for kw in keywords if kw[0] != "align"]
         if not is_none(value.get("cache_seqlens")):
             keywords.insert(0, ("cache_seqlens", value["cache_seqlens"]))
-        if literal_bool(lse):
+        if literal_bool(value.get("return_softmax_lse")):
             keywords.append(("return_lse", cst.Name("True")))
-        node = build_call(self.TARGET, positional, keywords, call)
-        return Rewrite(node, imports=(MODULE,), notes=tuple(notes + more))
+        return keywords, notes
 
     def drop_in(self, call, value, why):
         """The call itself, on flashport's drop-in ``flash_attn_with_kvcache`` (same signature and
