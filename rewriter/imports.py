@@ -188,9 +188,10 @@ def _after_header(tree: ast.Module, lines: list[str], statement: str, newline: s
         lines.insert(last_line, statement)
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
-        lines.insert(
-            min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1, statement
-        )
+        index = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        while index > 0 and not lines[index - 1].strip():  # blank lines (a removed import's) stay below
+            index -= 1
+        lines.insert(index, statement)
     else:
         if lines and not lines[-1].endswith(("\n", "\r")):
             lines[-1] += newline

@@ -535,7 +535,7 @@ def _order_inversions(spots: list[list[int]], like: cst.Call) -> list[tuple[int,
 def _in_source_order(args: list[cst.Arg], like: cst.Call) -> list[cst.Arg]:
     """``args`` with every argument carried over from ``like`` evaluated in ``like``'s order.
 
-    Keyword arguments are free to move, so when the rewrite evaluates an argument with possible side
+    Keyword and ``**mapping`` arguments are free to move, so when the rewrite evaluates an argument with possible side
     effects out of its source order (``causal=f(), softmax_scale=g()`` mapped to ``scale=g(),
     causal=f()``), the keywords holding source arguments are sorted back into source order (the
     others keep their slots). Literals take no part (nothing to evaluate).
@@ -548,7 +548,7 @@ def _in_source_order(args: list[cst.Arg], like: cst.Call) -> list[cst.Arg]:
     spots = [_source_positions(arg.value, positions) for arg in args]
     if not _order_inversions(spots, like):
         return args
-    movable = [i for i, arg in enumerate(args) if arg.keyword is not None and not arg.star and spots[i]]
+    movable = [i for i, arg in enumerate(args) if (arg.keyword is not None or arg.star == "**") and spots[i]]
     ordered = sorted(movable, key=lambda i: min(spots[i]))
     args, spots = list(args), list(spots)
     new_args, new_spots = list(args), list(spots)

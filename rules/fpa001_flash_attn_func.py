@@ -60,6 +60,9 @@ class FlashAttnFunc(Rule):
 
     def check_call(self, call, ctx):
         """Bind against the configured version's signature and map to the contract."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         bound = fa.signature(("q", "k", "v"), ctx.options.flash_attn_version).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 3)

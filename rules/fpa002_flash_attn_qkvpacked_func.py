@@ -43,6 +43,9 @@ class FlashAttnQKVPackedFunc(Rule):
 
     def check_call(self, call, ctx):
         """Split the packed tensor once and map the rest like FPA001."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         bound = fa.signature(("qkv",), ctx.options.flash_attn_version).bind(call, self.API)
         (qkv,) = fa.required(bound, ("qkv",), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 1)

@@ -62,6 +62,9 @@ class FlashAttnVarlenFunc(Rule):
 
     def check_call(self, call, ctx):
         """Bind, map like FPA001, and pass cu_seqlens to the varlen helper."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         q, k, v, cu_q, cu_k = fa.required(bound, LEADING[:5], self.API)

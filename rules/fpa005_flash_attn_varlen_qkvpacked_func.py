@@ -53,6 +53,9 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
 
     def check_call(self, call, ctx):
         """Split the packed tensor once, pass cu_seqlens for both sides, map the rest like FPA001."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         qkv, cu = fa.required(bound, LEADING[:2], self.API)

@@ -204,7 +204,11 @@ class FlashAttnWithKVCache(Rule):
 
     def check_call(self, call, ctx):
         """Refuse what the contract cannot hold; rewrite reads, and updates nobody relies on, to the
-        functional form; the rest (live in-place updates, rotary, paged...) to the drop-in."""
+        functional form; the rest (live in-place updates, rotary, paged, splats...) to the drop-in."""
+        if self.DROP_IN:
+            splat = fa.splat_drop_in(call, ctx)
+            if splat is not None:
+                return splat
         if sum(1 for a in call.args if a.keyword is None and not a.star) > len(POSITIONAL):
             raise Refuse(
                 "arguments after v must be passed by keyword: their positions changed between releases"
