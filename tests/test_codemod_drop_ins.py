@@ -140,3 +140,52 @@ def test_paged_varlen_runs_on_the_drop_in():
     torch.testing.assert_close(
         attend(q, k_pages, v_pages, cu_q, cu_k, table).double(), want, atol=2e-5, rtol=2e-5
     )
+
+
+def bert_padding_reference(hidden, mask):
+    """flash-attn's ``unpad_input`` (>= 2.7) from its docstring, by loops: the valid tokens of each
+    sequence in order, their flat indices, int32 cu_seqlens, the longest length, seqused."""
+    rows, indices, lengths = [], [], []
+    batch, seqlen = mask.shape
+    for b in range(batch):
+        valid = [s for s in range(seqlen) if bool(mask[b, s])]
+        rows += [hidden[b, s] for s in valid]
+        indices += [b * seqlen + s for s in valid]
+        lengths.append(len(valid))
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return (
+        torch.stack(rows),
+        torch.tensor(indices),
+        torch.tensor(cu, dtype=torch.int32),
+        max(lengths),
+        lengths,
+    )
+
+
+BERT_PADDING = """
+    from flash_attn.bert_padding import index_first_axis, pad_input, unpad_input
+
+    def round_trip(hidden, mask):
+        packed, indices, cu_seqlens, max_len, *rest = unpad_input(hidden, mask)
+        rows = index_first_axis(hidden.flatten(0, 1), indices)
+        return packed, indices, cu_seqlens, max_len, rest, rows, pad_input(packed * 2, indices, *mask.shape)
+"""
+
+
+@pytest.mark.parametrize("version, extra", [((2, 8, 3), 1), ((2, 6, 3), 0)])
+def test_bert_padding_helpers_run_on_the_drop_ins(version, extra):
+    """Same results as flash-attn's helpers; before 2.7 ``unpad_input`` returns four values."""
+    round_trip = port(BERT_PADDING, flash_attn_version=version)["round_trip"]
+    hidden = rand(2, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
+    packed, indices, cu, max_len, rest, rows, padded = round_trip(hidden, mask)
+    want_rows, want_indices, want_cu, want_max, want_used = bert_padding_reference(hidden, mask)
+    torch.testing.assert_close(packed, want_rows)
+    torch.testing.assert_close(rows, want_rows)
+    assert indices.tolist() == want_indices.tolist() and cu.tolist() == want_cu.tolist()
+    assert cu.dtype == torch.int32 and max_len == want_max and len(rest) == extra
+    if extra:
+        assert rest[0].tolist() == want_used
+    torch.testing.assert_close(padded, 2 * hidden * mask[..., None])
