@@ -17,6 +17,9 @@ Semantics mapping:
   Positional arguments are bound against SDPA's signature for ``torch-version``.
 
 What it refuses:
+  backend probes: a call under a ``with sdpa_kernel(...)`` selector that sits in a ``try`` block or
+  takes its backends from a variable (``with sdpa_kernel([backend]): F.scaled_dot_product_attention(q,
+  q, q)`` asks whether that kernel runs; rewritten, it would always succeed);
   a dropout expression with side effects (a call) that the rewrite would evaluate out of its
   source order (bind it to a name first), unknown arguments.
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import libcst as cst
 
+from flashport.rules import _node_context
 from flashport.rules.base import (
     Refuse,
     Rewrite,
@@ -86,7 +90,13 @@ class TorchSDPA(Rule):
 
     def check_call(self, call, ctx):
         """Bind against SDPA's signature; map mask polarity, top-left causal and BHSD. A splat call
-        goes to the drop-in, which binds its arguments at run time."""
+        goes to the drop-in, which binds its arguments at run time. A backend probe is refused."""
+        probe = _node_context.backend_probe(ctx)
+        if probe is not None:
+            raise Refuse(
+                f"backend probe: {probe}, so it tests whether that SDPA kernel runs here; "
+                "rewritten, the probe would always succeed (port the code that uses its answer by hand)"
+            )
         if any(arg.star for arg in call.args):
             return Rewrite(
                 call.with_changes(func=dotted(f"{DROP_IN}.scaled_dot_product_attention")),
