@@ -120,16 +120,17 @@ def _selector(item: cst.WithItem) -> cst.Call | None:
 
 
 def _constant_backends(call: cst.Call) -> bool:
-    """True when the selector names its backends literally (``SDPBackend.FLASH_ATTENTION``, lists of
-    those, an UPPER_CASE module constant, ``enable_*=True/False`` keywords): a fixed choice, not a
-    parameter."""
+    """False when the selector takes its backends from a local variable or parameter (a lower-case
+    bare name: ``sdpa_kernel([backend])``, ``sdpa_kernel(kernel)``), as a probe over candidates does;
+    True for literal backends (``SDPBackend.FLASH_ATTENTION``), UPPER_CASE constants, configured
+    attributes (``self.sdpa_backends``) and ``enable_*=`` flags."""
 
     def constant(node: cst.BaseExpression) -> bool:
         if isinstance(node, (cst.List, cst.Tuple)):
             return all(constant(e.value) for e in node.elements)
-        if isinstance(node, cst.Attribute):
-            return isinstance(node.value, (cst.Name, cst.Attribute)) and node.attr.value.isupper()
-        return isinstance(node, cst.Name) and (node.value in ("True", "False") or node.value.isupper())
+        if isinstance(node, cst.Name):
+            return node.value in ("True", "False", "None") or node.value.isupper()
+        return True
 
     return all(
         constant(arg.value) for arg in call.args if arg.keyword is None or arg.keyword.value != "set_priority"
