@@ -544,6 +544,8 @@ def _in_source_order(args: list[cst.Arg], like: cst.Call) -> list[cst.Arg]:
       Refuse: when the order still differs (a positional argument of the target holds a source
         argument that came after one with side effects).
     """
+    if all(is_pure(arg.value) for arg in like.args):
+        return args  # nothing can observe the order (the common case: names, attributes, literals)
     positions = {id(arg.value): i for i, arg in enumerate(like.args) if not _is_literal(arg.value)}
     spots = [_source_positions(arg.value, positions) for arg in args]
     if not _order_inversions(spots, like):
