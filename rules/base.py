@@ -616,7 +616,7 @@ def build_call(
         kept = commented.pop(id(arg.value), None)
         arg = arg.with_changes(whitespace_after_arg=cst.SimpleWhitespace(""))
         if i < len(args) - 1:
-            between = between_ws if multiline else cst.SimpleWhitespace(" ")
+            between = between_ws if between_ws is not None else cst.SimpleWhitespace(" ")
             arg = arg.with_changes(comma=cst.Comma(whitespace_after=kept or between))
         elif multiline or kept is not None:
             arg = arg.with_changes(comma=cst.Comma(whitespace_after=kept or closing))
