@@ -12,7 +12,7 @@ Semantics mapping:
   window, softcap).
 
 What it refuses:
-  as FPA001: ``return_attn_probs``, splats, unknown arguments (ALiBi and an out-of-order
+  as FPA001: ``return_attn_probs``, unknown arguments (ALiBi, splats and an out-of-order
   side-effecting dropout go to the ``flash_attn_qkvpacked_func`` drop-in, as in FPA001).
 
 Example::

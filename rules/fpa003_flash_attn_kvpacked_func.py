@@ -12,8 +12,8 @@ Semantics mapping:
   contiguous groups, same as the contract. Rest as FPA001 (``dropout_p`` carried verbatim).
 
 What it refuses:
-  as FPA001 (ALiBi and an out-of-order side-effecting dropout go to the ``flash_attn_kvpacked_func``
-  drop-in, as in FPA001).
+  as FPA001 (ALiBi, splats and an out-of-order side-effecting dropout go to the
+  ``flash_attn_kvpacked_func`` drop-in, as in FPA001).
 
 Example::
 

@@ -14,7 +14,8 @@ What it rewrites:
 
   Every other call -- new ``k``/``v`` whose in-place update may be relied on (caches that are
   attributes, parameters, aliases, updated in a loop), ``rotary_cos``/``rotary_sin``,
-  ``cache_batch_idx``, ``cache_leftpad``, ``block_table``, a non-literal ``return_softmax_lse`` --
+  ``cache_batch_idx``, ``cache_leftpad``, ``block_table``, a non-literal ``return_softmax_lse``, a
+  ``*args``/``**kwargs`` splat --
   keeps its arguments and becomes a call of the drop-in
   ``flashport.integrations.flash_attn_compat.flash_attn_with_kvcache``, which has flash-attn's
   signature and full behaviour: it writes the new rows **in place** into the caches (rotated, at
@@ -31,7 +32,7 @@ Semantics mapping:
 
 What it refuses:
   ``alibi_slopes``, only one of ``k``/``v``, new ``k``/``v`` without ``cache_seqlens``, positional
-  arguments after ``v`` (their positions changed between releases), splats, unknown arguments.
+  arguments after ``v`` (their positions changed between releases), unknown arguments.
 
 Example::
 
