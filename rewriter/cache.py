@@ -97,7 +97,7 @@ def fingerprint(rules: Sequence[type], options) -> str:
 
 
 def _rule_package_modules(registry) -> list[str]:
-    """Every module file of the rules package (helpers such as ``_sites`` included)."""
+    """Every module file of the rules package (helpers such as ``_node_context`` included)."""
     directory = os.path.dirname(registry.__file__)
     try:
         return [name[:-3] for name in os.listdir(directory) if name.endswith(".py") and name != "__init__.py"]

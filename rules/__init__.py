@@ -20,6 +20,7 @@ RULE_MODULES = (
     "fpa006_flash_attn_varlen_kvpacked_func",
     "fpa007_flash_attn_with_kvcache",
     "fpa008_flash_attn_internal",
+    "fpa009_flash_attn_bert_padding",
     "fpa010_fa3_flash_attn_func",
     "fpa011_fa3_flash_attn_varlen_func",
     "fpa012_fa3_flash_attn_with_kvcache",

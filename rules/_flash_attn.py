@@ -138,6 +138,43 @@ VARLEN_NO_DROPOUT = (
 )
 
 
+def _refuse_unsupported(value: dict[str, cst.BaseExpression]) -> list[str]:
+    """Refuse what the contract cannot express (ALiBi, ``return_attn_probs``, paged KV); returns the
+    note for a dropped ``deterministic``.
+
+    Raises:
+      Refuse: naming the argument.
+    """
+    if not is_none(value.get("alibi_slopes")):
+        raise Refuse("alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here")
+    probs = value.get("return_attn_probs")
+    if probs is not None and literal_bool(probs) is not False:
+        raise Refuse("return_attn_probs: the (out, softmax_lse, S_dmask) tuple cannot be reproduced")
+    if not is_none(value.get("block_table")):
+        raise Refuse("block_table (paged KV cache) has no portable equivalent")
+    deterministic = value.get("deterministic")
+    if deterministic is not None and literal_bool(deterministic) is not False:
+        return ["dropped deterministic= (it only affects flash-attn's backward pass)"]
+    return []
+
+
+def _softcap(softcap: cst.BaseExpression) -> cst.BaseExpression:
+    """flash-attn's ``softcap`` (0.0 = off) as the contract's (None = off): a literal as is, an
+    expression as ``softcap or None``.
+
+    Raises:
+      Refuse: for a negative literal.
+    """
+    literal = literal_number(softcap)
+    if literal is not None and literal < 0:
+        raise Refuse(f"softcap={literal} is negative")
+    if literal is not None:
+        return softcap
+    if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda)):
+        softcap = softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    return cst.BooleanOperation(left=softcap, operator=cst.Or(), right=cst.Name("None"))
+
+
 def map_arguments(
     bound: dict[str, cst.Arg],
     ctx: RuleContext,
@@ -159,19 +196,7 @@ def map_arguments(
     notes: list[str] = []
     if not dropout:
         notes.extend(no_dropout(value.get("dropout_p"), "dropout_p", ctx, VARLEN_NO_DROPOUT))
-    alibi = value.get("alibi_slopes")
-    if not is_none(alibi):
-        raise Refuse("alibi_slopes: flash-attn's symmetric ALiBi bias has no portable equivalent here")
-    probs = value.get("return_attn_probs")
-    if probs is not None and literal_bool(probs) is not False:
-        raise Refuse("return_attn_probs: the (out, softmax_lse, S_dmask) tuple cannot be reproduced")
-    block_table = value.get("block_table")
-    if not is_none(block_table):
-        raise Refuse("block_table (paged KV cache) has no portable equivalent")
-    deterministic = value.get("deterministic")
-    if deterministic is not None and literal_bool(deterministic) is not False:
-        notes.append("dropped deterministic= (it only affects flash-attn's backward pass)")
-
+    notes.extend(_refuse_unsupported(value))
     scale = value.get("softmax_scale")
     keywords: list[tuple[str, cst.BaseExpression]] = [
         ("scale", cst.Name("None") if is_none(scale) else scale),
@@ -184,24 +209,7 @@ def map_arguments(
             keywords.append(("window", mapped))
     softcap = value.get("softcap")
     if softcap is not None and not is_zero(softcap):
-        literal = literal_number(softcap)
-        if literal is not None and literal < 0:
-            raise Refuse(f"softcap={literal} is negative")
-        if literal is not None:
-            keywords.append(("softcap", softcap))
-        else:  # flash-attn's 0.0 means "off"; the contract's off is None
-            keywords.append(
-                (
-                    "softcap",
-                    cst.BooleanOperation(
-                        left=softcap.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-                        if isinstance(softcap, (cst.BooleanOperation, cst.IfExp, cst.Lambda))
-                        else softcap,
-                        operator=cst.Or(),
-                        right=cst.Name("None"),
-                    ),
-                )
-            )
+        keywords.append(("softcap", _softcap(softcap)))
     keywords.append(("align", string(align(version or ctx.options.flash_attn_version))))
     return keywords, notes
 
@@ -230,20 +238,23 @@ COMPAT = "flashport.integrations.flash_attn_compat"
 def varlen_drop_in(
     call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int
 ) -> Rewrite | None:
-    """A varlen call whose dropout may be non-zero, on flashport's drop-in of the same name
-    (``flash_attn_compat.flash_attn_varlen_func``..., flash-attn's signature, dropout passed to the
-    contract): ``flashport.varlen_attention`` has no dropout. The call keeps its arguments, so
+    """A varlen call whose dropout may be non-zero, or that reads a paged KV cache (``block_table``),
+    on flashport's drop-in of the same name (``flash_attn_compat.flash_attn_varlen_func``...,
+    flash-attn's signature, dropout passed to the contract, pages gathered through
+    ``block_table``): ``flashport.varlen_attention`` has neither. The call keeps its arguments, so
     evaluation order and comments are unchanged.
 
-    Returns None when the usual rewrite applies (no dropout, or dropped by ``--inference``) or when
-    the usual refusal should name the blocker (ALiBi, ``return_attn_probs``, flash-attn 2.0's
-    top-left causal, which the 2.x drop-ins do not follow).
+    Returns None when the usual rewrite applies (no dropout or dropped by ``--inference``, no
+    ``block_table``) or when the usual refusal should name the blocker (ALiBi,
+    ``return_attn_probs``, flash-attn 2.0's top-left causal, which the 2.x drop-ins do not follow).
 
     Raises:
       Refuse: for 2.x positional arguments after ``dropout_p`` (their order changed between releases).
     """
     node = bound["dropout_p"].value if "dropout_p" in bound else None
-    if node is None or is_zero(node) or (training_gated_zero(node) and ctx.options.inference):
+    live = not (node is None or is_zero(node) or (training_gated_zero(node) and ctx.options.inference))
+    paged = "block_table" in bound and not is_none(bound["block_table"].value)
+    if not (live or paged):
         return None
     probs = bound["return_attn_probs"].value if "return_attn_probs" in bound else None
     if "alibi_slopes" in bound and not is_none(bound["alibi_slopes"].value):
@@ -252,14 +263,16 @@ def varlen_drop_in(
         return None
     if not is_fa1(ctx.qualified_name) and ctx.options.flash_attn_version < (2, 1):
         return None
+    what = f"dropout_p={ctx.code(node)}" if live else "block_table (paged KV cache)"
     positional = sum(1 for arg in call.args if arg.keyword is None)
     if not is_fa1(ctx.qualified_name) and positional > leading + 1:
         raise Refuse(
-            f"dropout_p={ctx.code(node)}: flashport.varlen_attention has no dropout, and the drop-in "
-            "takes flash-attn 2.8's argument order; pass the arguments after dropout_p by keyword"
+            f"{what}: flashport.varlen_attention does not take it, and the drop-in takes flash-attn "
+            "2.8's argument order; pass the arguments after dropout_p by keyword"
         )
     function = ctx.qualified_name.rsplit(".", 1)[-1]
-    note = f"drop-in {function} (flash-attn's signature; dropout_p passed to the contract): flashport.varlen_attention has no dropout"
+    passed = "dropout_p passed to the contract" if live else "pages gathered through block_table"
+    note = f"drop-in {function} (flash-attn's signature; {passed}): flashport.varlen_attention does not take {what.split('=')[0]}"
     return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
 
 
@@ -284,6 +297,32 @@ def dense_drop_in(call: cst.Call, ctx: RuleContext, leading: int, why: str) -> R
         )
     function = ctx.qualified_name.rsplit(".", 1)[-1]
     note = f"drop-in {function} (flash-attn's signature and semantics): {why}"
+    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+
+
+def splat_drop_in(call: cst.Call, ctx: RuleContext) -> Rewrite | None:
+    """A call with a ``*args``/``**kwargs`` splat on flashport's drop-in of the same name
+    (``flash_attn_compat.flash_attn_func``...: flash-attn 2.8's signature, or 1.x's for the
+    ``flash_attn_unpadded_*`` names), which binds the arguments at run time as flash-attn does.
+    None without a splat, and for flash-attn 2.0 (top-left causal; the 2.x drop-ins are bottom-right).
+
+    Raises:
+      Refuse: for a ``*args`` splat before flash-attn 2.6 (``softcap`` was inserted mid-signature in
+        2.6; the drop-in follows 2.8's positions).
+    """
+    if not any(arg.star for arg in call.args):
+        return None
+    if not is_fa1(ctx.qualified_name):
+        version = ctx.options.flash_attn_version
+        if version < (2, 1):
+            return None
+        if version < (2, 6) and any(arg.star == "*" for arg in call.args):
+            raise Refuse(
+                "*args splat: the parameters it fills moved in flash-attn 2.6 (softcap) and the drop-in "
+                "follows 2.8's positions; pass them by keyword"
+            )
+    function = ctx.qualified_name.rsplit(".", 1)[-1]
+    note = f"drop-in {function} (flash-attn's signature and semantics): a *args/**kwargs splat is bound at run time"
     return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
 
 

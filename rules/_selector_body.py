@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules import _sites
+from flashport.rules import _node_context
 from flashport.rules.base import Refuse, Rewrite
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
@@ -83,18 +83,66 @@ def _qualified(func, bindings) -> str:
     return bindings[head] + ("." + rest if rest else "")
 
 
-def neutral_selector(call: cst.Call, ctx, sdpa_rule) -> Rewrite | str:
-    """``contextlib.nullcontext()`` when the selector's body is provably all rewritten SDPA, else why not."""
-    node = _sites.locate(call, ctx)
-    item = _sites.parent(node, ctx) if node is not None else None
-    if not isinstance(item, cst.WithItem):
+def _bound_with(node: cst.CSTNode, ctx) -> cst.With | str:
+    """The ``with`` statement that uses a selector bound to a local name first:
+    ``context = sdpa_kernel(...) [if c else nullcontext()]`` then ``with context:``. The name must be
+    assigned once in the enclosing function and read once, as that ``with``'s only item; else why not."""
+    up = _node_context.parent(node, ctx)
+    if isinstance(up, cst.IfExp) and node is not up.test:
+        node, up = up, _node_context.parent(up, ctx)
+    if not (
+        isinstance(up, cst.Assign)
+        and up.value is node
+        and len(up.targets) == 1
+        and isinstance(up.targets[0].target, cst.Name)
+    ):
         return "not used as a `with` item"
-    with_node = _sites.parent(item, ctx)
+    name = up.targets[0].target.value
+    function = next((a for a in _node_context.ancestors(up, ctx) if isinstance(a, cst.FunctionDef)), None)
+    if function is None:
+        return f"bound to {name} outside a function: its uses are out of sight"
+    names: list[cst.Name] = []
+    withs: list[cst.With] = []
+
+    class _Uses(cst.CSTVisitor):
+        def visit_Name(self, inner: cst.Name) -> None:
+            if inner.value == name:
+                names.append(inner)
+
+        def visit_With(self, inner: cst.With) -> None:
+            if len(inner.items) == 1 and isinstance(inner.items[0].item, cst.Name):
+                if inner.items[0].item.value == name and inner.items[0].asname is None:
+                    withs.append(inner)
+
+    function.body.visit(_Uses())
+    if len(names) != 2 or len(withs) != 1:
+        return f"bound to {name}, which is not used exactly once as a `with` item in this function"
+    return withs[0]
+
+
+def neutral_selector(call: cst.Call, ctx, sdpa_rule) -> Rewrite | str:
+    """``contextlib.nullcontext()`` when the selector's body is provably all rewritten SDPA, else why
+    not. The selector is a ``with`` item, or bound to a local name that one ``with`` uses (:func:`_bound_with`)."""
+    node = _node_context.locate(call, ctx)
+    item = _node_context.parent(node, ctx) if node is not None else None
+    if node is None:
+        return "its `with` statement could not be located"
+    if isinstance(item, cst.WithItem):
+        with_node = _node_context.parent(item, ctx)
+    else:
+        with_node = _bound_with(node, ctx)
+        if isinstance(with_node, str):
+            return with_node
     module = ctx.module
     if not isinstance(with_node, cst.With) or module is None:
         return "its `with` statement could not be located"
-    bindings = _bindings(module)
-    calls: list[cst.Call] = []
+    return _neutral_body(with_node, ctx, sdpa_rule, _bindings(module))
+
+
+def _neutral_body(with_node: cst.With, ctx, sdpa_rule, bindings: dict[str, str]) -> Rewrite | str:
+    """The nullcontext rewrite when every call in the ``with`` body is a rewritten SDPA call or a
+    tensor method, else why not."""
+    calls: list[cst.CSTNode] = []
 
     class _Calls(cst.CSTVisitor):
         def visit_Call(self, inner: cst.Call) -> None:

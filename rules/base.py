@@ -497,38 +497,81 @@ def dotted(name: str) -> cst.BaseExpression:
     return node
 
 
-def build_call(
-    target: str,
+def _as_args(
     positional: Sequence[cst.BaseExpression | cst.Arg],
     keywords: Sequence[tuple[str, cst.BaseExpression] | cst.Arg],
-    like: cst.Call,
-) -> cst.Call:
-    """A call ``target(*positional, **keywords)`` formatted like ``like`` (one line or one arg per line).
-
-    Comments are kept: an argument carried over from ``like`` keeps the comment after it; the
-    engine re-attaches any other comment of ``like`` (:func:`keep_comments`).
-
-    ``positional`` and ``keywords`` items may be ready-made ``cst.Arg`` (e.g. a ``*x.unbind(2)``
-    or ``**mapping`` argument). Keyword values are inserted as given; build string values with
-    :func:`string`.
-    """
-    args: list[cst.Arg] = []
-    for item in positional:
-        args.append(item if isinstance(item, cst.Arg) else cst.Arg(value=item))
+) -> list[cst.Arg]:
+    """``positional`` then ``keywords`` as ``cst.Arg`` nodes (ready-made ``cst.Arg`` items kept)."""
+    args = [item if isinstance(item, cst.Arg) else cst.Arg(value=item) for item in positional]
     for item in keywords:
         if isinstance(item, cst.Arg):
             args.append(item)
             continue
         name, value = item
-        args.append(
-            cst.Arg(
-                value=value,
-                keyword=cst.Name(name),
-                equal=cst.AssignEqual(
-                    whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
-                ),
-            )
+        equal = cst.AssignEqual(
+            whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
         )
+        args.append(cst.Arg(value=value, keyword=cst.Name(name), equal=equal))
+    return args
+
+
+def _order_inversions(spots: list[list[int]], like: cst.Call) -> list[tuple[int, int]]:
+    """Pairs of source argument indices ``(earlier, later)`` of ``like`` that the new argument list
+    (given as the source indices each new argument holds, in order) evaluates the other way round,
+    where at least one of the two may have side effects (:func:`is_pure`)."""
+    seen: list[int] = []
+    found = []
+    for held in spots:
+        for here in held:
+            for before in seen:
+                if before > here and not (
+                    is_pure(like.args[before].value) and is_pure(like.args[here].value)
+                ):
+                    found.append((here, before))
+        seen.extend(held)
+    return found
+
+
+def _in_source_order(args: list[cst.Arg], like: cst.Call) -> list[cst.Arg]:
+    """``args`` with every argument carried over from ``like`` evaluated in ``like``'s order.
+
+    Keyword and ``**mapping`` arguments are free to move, so when the rewrite evaluates an argument with possible side
+    effects out of its source order (``causal=f(), softmax_scale=g()`` mapped to ``scale=g(),
+    causal=f()``), the keywords holding source arguments are sorted back into source order (the
+    others keep their slots). Literals take no part (nothing to evaluate).
+
+    Raises:
+      Refuse: when the order still differs (a positional argument of the target holds a source
+        argument that came after one with side effects).
+    """
+    if all(is_pure(arg.value) for arg in like.args):
+        return args  # nothing can observe the order (the common case: names, attributes, literals)
+    positions = {id(arg.value): i for i, arg in enumerate(like.args) if not _is_literal(arg.value)}
+    spots = [_source_positions(arg.value, positions) for arg in args]
+    if not _order_inversions(spots, like):
+        return args
+    movable = [i for i, arg in enumerate(args) if (arg.keyword is not None or arg.star == "**") and spots[i]]
+    ordered = sorted(movable, key=lambda i: min(spots[i]))
+    args, spots = list(args), list(spots)
+    new_args, new_spots = list(args), list(spots)
+    for slot, source in zip(movable, ordered, strict=True):
+        new_args[slot], new_spots[slot] = args[source], spots[source]
+    inversions = _order_inversions(new_spots, like)
+    if inversions:
+        moved = like.args[inversions[0][1]]
+        name = moved.keyword.value if moved.keyword is not None else f"argument {inversions[0][1] + 1}"
+        raise Refuse(
+            f"{name}={_EMPTY.code_for_node(moved.value)} may have side effects and would be evaluated "
+            "out of its original order here; bind it to a name first"
+        )
+    return new_args
+
+
+def _layout(
+    like: cst.Call,
+) -> tuple[cst.BaseParenthesizableWhitespace | None, cst.BaseParenthesizableWhitespace]:
+    """(whitespace between arguments when ``like`` has one argument per line, else None; whitespace
+    before the closing paren), comments removed."""
     opening = like.whitespace_before_args
     between_ws = _without_comment(opening) if isinstance(opening, cst.ParenthesizedWhitespace) else None
     for original in like.args[:-1]:
@@ -538,10 +581,34 @@ def build_call(
             and isinstance(original.comma.whitespace_after, cst.ParenthesizedWhitespace)
         ):
             between_ws = _without_comment(original.comma.whitespace_after)
-    multiline = between_ws is not None
     closing: cst.BaseParenthesizableWhitespace = cst.SimpleWhitespace("")
-    if multiline and like.args:
+    if between_ws is not None and like.args:
         closing = _without_comment(_trailing(like.args[-1]))
+    return between_ws, closing
+
+
+def build_call(
+    target: str,
+    positional: Sequence[cst.BaseExpression | cst.Arg],
+    keywords: Sequence[tuple[str, cst.BaseExpression] | cst.Arg],
+    like: cst.Call,
+) -> cst.Call:
+    """A call ``target(*positional, **keywords)`` formatted like ``like`` (one line or one arg per line).
+
+    Comments are kept: an argument carried over from ``like`` keeps the comment after it; the
+    engine re-attaches any other comment of ``like`` (:func:`keep_comments`). Arguments carried over
+    from ``like`` are evaluated in their source order (:func:`_in_source_order`).
+
+    ``positional`` and ``keywords`` items may be ready-made ``cst.Arg`` (e.g. a ``*x.unbind(2)``
+    or ``**mapping`` argument). Keyword values are inserted as given; build string values with
+    :func:`string`.
+
+    Raises:
+      Refuse: when an argument with possible side effects cannot keep its evaluation order.
+    """
+    args = _in_source_order(_as_args(positional, keywords), like)
+    between_ws, closing = _layout(like)
+    multiline = between_ws is not None
     # An argument carried over keeps the comments that followed it (its comma's whitespace).
     commented = {id(a.value): _trailing(a) for a in like.args if comments(_trailing(a))}
     formatted = []
@@ -549,7 +616,7 @@ def build_call(
         kept = commented.pop(id(arg.value), None)
         arg = arg.with_changes(whitespace_after_arg=cst.SimpleWhitespace(""))
         if i < len(args) - 1:
-            between = between_ws if multiline else cst.SimpleWhitespace(" ")
+            between = between_ws if between_ws is not None else cst.SimpleWhitespace(" ")
             arg = arg.with_changes(comma=cst.Comma(whitespace_after=kept or between))
         elif multiline or kept is not None:
             arg = arg.with_changes(comma=cst.Comma(whitespace_after=kept or closing))
@@ -557,9 +624,7 @@ def build_call(
             arg = arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)
         formatted.append(arg)
     return like.with_changes(
-        func=dotted(target),
-        args=formatted,
-        whitespace_before_args=opening,
+        func=dotted(target), args=formatted, whitespace_before_args=like.whitespace_before_args
     )
 
 

@@ -19,15 +19,16 @@ Semantics mapping:
   configured flash-attn version's signature (2.x inserted parameters mid-signature).
 
 What it refuses:
-  ``return_attn_probs``, ``*args``/``**kwargs`` splats, unknown arguments; the drop-in cases below
-  with flash-attn 2.0 (top-left causal) or, before 2.6, with positional arguments after
-  ``window_size``.
+  ``return_attn_probs``, unknown arguments; the drop-in cases below with flash-attn 2.0 (top-left
+  causal) or, before 2.6, with positional arguments after ``window_size`` (or a ``*args`` splat).
 
 Drop-in:
   a call with ``alibi_slopes``, or whose dropout expression has side effects and would be evaluated
   out of its source order by the explicit rewrite, keeps its arguments and calls
   ``flashport.integrations.flash_attn_compat.flash_attn_func`` (flash-attn's signature and
-  semantics: ALiBi added as flash-attn's kernel adds it, dropout passed to the contract).
+  semantics: ALiBi added as flash-attn's kernel adds it, dropout passed to the contract). So does a
+  call with a ``*args``/``**kwargs`` splat (its arguments are bound at run time), in every flash-attn
+  rule (FPA001-FPA007, each to its own drop-in).
 
 Example::
 
@@ -60,6 +61,9 @@ class FlashAttnFunc(Rule):
 
     def check_call(self, call, ctx):
         """Bind against the configured version's signature and map to the contract."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         bound = fa.signature(("q", "k", "v"), ctx.options.flash_attn_version).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 3)

@@ -12,7 +12,7 @@ Semantics mapping:
   window, softcap).
 
 What it refuses:
-  as FPA001: ``return_attn_probs``, splats, unknown arguments (ALiBi and an out-of-order
+  as FPA001: ``return_attn_probs``, unknown arguments (ALiBi, splats and an out-of-order
   side-effecting dropout go to the ``flash_attn_qkvpacked_func`` drop-in, as in FPA001).
 
 Example::
@@ -43,6 +43,9 @@ class FlashAttnQKVPackedFunc(Rule):
 
     def check_call(self, call, ctx):
         """Split the packed tensor once and map the rest like FPA001."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         bound = fa.signature(("qkv",), ctx.options.flash_attn_version).bind(call, self.API)
         (qkv,) = fa.required(bound, ("qkv",), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 1)

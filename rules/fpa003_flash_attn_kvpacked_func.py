@@ -12,8 +12,8 @@ Semantics mapping:
   contiguous groups, same as the contract. Rest as FPA001 (``dropout_p`` carried verbatim).
 
 What it refuses:
-  as FPA001 (ALiBi and an out-of-order side-effecting dropout go to the ``flash_attn_kvpacked_func``
-  drop-in, as in FPA001).
+  as FPA001 (ALiBi, splats and an out-of-order side-effecting dropout go to the
+  ``flash_attn_kvpacked_func`` drop-in, as in FPA001).
 
 Example::
 
@@ -43,6 +43,9 @@ class FlashAttnKVPackedFunc(Rule):
 
     def check_call(self, call, ctx):
         """Split ``kv`` once and map the rest like FPA001."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         bound = fa.signature(("q", "kv"), ctx.options.flash_attn_version).bind(call, self.API)
         q, kv = fa.required(bound, ("q", "kv"), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 2)

@@ -25,12 +25,12 @@ Dropout:
   of the same name, ``flashport.integrations.flash_attn_compat.<function>`` (flash-attn's signature
   and semantics; ``dropout_p`` goes to ``flashport.torch.attention``). Not with flash-attn 2.0
   (top-left causal), ALiBi or ``return_attn_probs``; 2.x positional arguments after ``dropout_p``
-  are refused (their order changed between releases).
+  are refused (their order changed between releases). A paged KV cache (``block_table``) and a
+  ``*args``/``**kwargs`` splat (``flash_attn_varlen_func(**flash_kwargs)``, bound at run time) go to
+  the same drop-in (it gathers the pages through ``block_table``).
 
 What it refuses:
-  dropout the drop-in cannot take (see Dropout), ALiBi, ``return_attn_probs``,
-  ``block_table`` (paged KV), splats (``flash_attn_varlen_func(**flash_kwargs)``), unknown
-  arguments.
+  dropout the drop-in cannot take (see Dropout), ALiBi, ``return_attn_probs``, unknown arguments.
 
 Example::
 
@@ -62,6 +62,9 @@ class FlashAttnVarlenFunc(Rule):
 
     def check_call(self, call, ctx):
         """Bind, map like FPA001, and pass cu_seqlens to the varlen helper."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         q, k, v, cu_q, cu_k = fa.required(bound, LEADING[:5], self.API)

@@ -16,8 +16,8 @@ Semantics mapping:
   name gets ``align="top_left"`` (1.x causal is top-left, as FPA004).
 
 What it refuses:
-  as FPA004 (dropout goes to the drop-in as there; ALiBi,
-  ``return_attn_probs``, splats, unknown arguments), and a ``cu_seqlens``
+  as FPA004 (dropout and splats go to the drop-in as there; ALiBi,
+  ``return_attn_probs``, unknown arguments), and a ``cu_seqlens``
   expression that is not a plain name/attribute/subscript (it would be evaluated twice).
 
 Example::
@@ -30,7 +30,7 @@ Example::
 from __future__ import annotations
 
 from flashport.rules import _flash_attn as fa
-from flashport.rules import _sites
+from flashport.rules import _node_context
 from flashport.rules.base import Refuse, Rewrite, Rule, build_call, register, string
 
 LEADING = ("qkv", "cu_seqlens", "max_seqlen")
@@ -53,13 +53,16 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
 
     def check_call(self, call, ctx):
         """Split the packed tensor once, pass cu_seqlens for both sides, map the rest like FPA001."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         qkv, cu = fa.required(bound, LEADING[:2], self.API)
         drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
         if drop_in is not None:
             return drop_in
-        if not _sites.simple(cu):
+        if not _node_context.simple(cu):
             raise Refuse(
                 f"cu_seqlens={ctx.code(cu)} would be evaluated twice (queries and keys); bind it to a name first"
             )

@@ -17,8 +17,8 @@ Semantics mapping:
   name gets ``align="top_left"``.
 
 What it refuses:
-  as FPA004 (dropout goes to the drop-in as there): ALiBi,
-  ``return_attn_probs``, splats, unknown arguments.
+  as FPA004 (dropout and splats go to the drop-in as there): ALiBi,
+  ``return_attn_probs``, unknown arguments.
 
 Example::
 
@@ -52,6 +52,9 @@ class FlashAttnVarlenKVPackedFunc(Rule):
 
     def check_call(self, call, ctx):
         """Split kv once, pass both cu_seqlens, map the rest like FPA001."""
+        splat = fa.splat_drop_in(call, ctx)
+        if splat is not None:
+            return splat
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
         q, kv, cu_q, cu_k = fa.required(bound, LEADING[:4], self.API)

@@ -14,7 +14,8 @@ What it rewrites:
 
   Every other call -- new ``k``/``v`` whose in-place update may be relied on (caches that are
   attributes, parameters, aliases, updated in a loop), ``rotary_cos``/``rotary_sin``,
-  ``cache_batch_idx``, ``cache_leftpad``, ``block_table``, a non-literal ``return_softmax_lse`` --
+  ``cache_batch_idx``, ``cache_leftpad``, ``block_table``, a non-literal ``return_softmax_lse``, a
+  ``*args``/``**kwargs`` splat --
   keeps its arguments and becomes a call of the drop-in
   ``flashport.integrations.flash_attn_compat.flash_attn_with_kvcache``, which has flash-attn's
   signature and full behaviour: it writes the new rows **in place** into the caches (rotated, at
@@ -31,7 +32,7 @@ Semantics mapping:
 
 What it refuses:
   ``alibi_slopes``, only one of ``k``/``v``, new ``k``/``v`` without ``cache_seqlens``, positional
-  arguments after ``v`` (their positions changed between releases), splats, unknown arguments.
+  arguments after ``v`` (their positions changed between releases), unknown arguments.
 
 Example::
 
@@ -48,7 +49,7 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import _flash_attn as fa
-from flashport.rules import _sites
+from flashport.rules import _node_context
 from flashport.rules.base import (
     Refuse,
     Rewrite,
@@ -131,13 +132,13 @@ def _allocates(node: cst.BaseExpression) -> bool:
 
 def cache_is_dead(call: cst.Call, names: list[str], ctx) -> str | None:
     """None when the in-place update of the caches ``names`` provably is not relied on, else why."""
-    node = _sites.locate(call, ctx)
+    node = _node_context.locate(call, ctx)
     if node is None:
         return "the call could not be located in its function"
-    function = next((a for a in _sites.ancestors(node, ctx) if isinstance(a, cst.FunctionDef)), None)
+    function = next((a for a in _node_context.ancestors(node, ctx) if isinstance(a, cst.FunctionDef)), None)
     if function is None:
         return "the call is not inside a function"
-    for up in _sites.ancestors(node, ctx):
+    for up in _node_context.ancestors(node, ctx):
         if up is function:
             break
         if isinstance(up, (cst.For, cst.While, cst.CompFor)):
@@ -204,7 +205,11 @@ class FlashAttnWithKVCache(Rule):
 
     def check_call(self, call, ctx):
         """Refuse what the contract cannot hold; rewrite reads, and updates nobody relies on, to the
-        functional form; the rest (live in-place updates, rotary, paged...) to the drop-in."""
+        functional form; the rest (live in-place updates, rotary, paged, splats...) to the drop-in."""
+        if self.DROP_IN:
+            splat = fa.splat_drop_in(call, ctx)
+            if splat is not None:
+                return splat
         if sum(1 for a in call.args if a.keyword is None and not a.star) > len(POSITIONAL):
             raise Refuse(
                 "arguments after v must be passed by keyword: their positions changed between releases"
@@ -220,30 +225,11 @@ class FlashAttnWithKVCache(Rule):
             if not is_none(value.get(name)):
                 raise Refuse(reason)
         self.check_extra(value, ctx)
-        notes = []
-        for name in self.DROPPED:
-            if name in value:
-                notes.append(f"dropped {name}= (kernel tuning / rotary only)")
-        new_k, new_v = value.get("k"), value.get("v")
-        positional = [q, k_cache, v_cache]
-        if not (is_none(new_k) and is_none(new_v)):
-            if is_none(new_k) or is_none(new_v):
-                raise Refuse("only one of k/v is given")
-            if is_none(value.get("cache_seqlens")):
-                raise Refuse(
-                    "new k/v without cache_seqlens: where flash-attn writes them is not expressible here"
-                )
-            if not all(isinstance(c, cst.Name) for c in (k_cache, v_cache)):
-                why = f"k_cache/v_cache are not local names ({ctx.code(k_cache)}, {ctx.code(v_cache)})"
-            else:
-                why = cache_is_dead(call, [k_cache.value, v_cache.value], ctx)
-            if why and self.DROP_IN:
-                return self.drop_in(call, value, f"the in-place cache update may be relied on ({why})")
-            if why:
-                raise Refuse(
-                    f"flash_attn_with_kvcache updates k_cache/v_cache in place and the update may be relied on: {why}"
-                )
-            positional += [new_k, new_v]
+        notes = [f"dropped {name}= (kernel tuning / rotary only)" for name in self.DROPPED if name in value]
+        new_rows = self.new_rows(call, value, ctx)
+        if isinstance(new_rows, Rewrite):
+            return new_rows
+        if new_rows:
             notes.append(
                 "functional: the in-place cache update is not relied on (caches are local and not read again)"
             )
@@ -254,17 +240,51 @@ class FlashAttnWithKVCache(Rule):
             )
         if lse is not None and literal_bool(lse) is None:
             raise Refuse(f"return_softmax_lse={ctx.code(lse)} is not a literal: the return type is unknown")
+        keywords, more = self.keywords(bound, value, ctx)
+        node = build_call(self.TARGET, [q, k_cache, v_cache, *new_rows], keywords, call)
+        return Rewrite(node, imports=(MODULE,), notes=tuple(notes + more))
+
+    def new_rows(self, call, value, ctx) -> list | Rewrite:
+        """The new ``[k, v]`` for the functional form (``[]`` for a pure read), or the drop-in call
+        when the in-place cache update may be relied on.
+
+        Raises:
+          Refuse: for only one of k/v, new rows without ``cache_seqlens``, or (without a drop-in) a
+            live in-place update.
+        """
+        new_k, new_v = value.get("k"), value.get("v")
+        if is_none(new_k) and is_none(new_v):
+            return []
+        if is_none(new_k) or is_none(new_v):
+            raise Refuse("only one of k/v is given")
+        if is_none(value.get("cache_seqlens")):
+            raise Refuse(
+                "new k/v without cache_seqlens: where flash-attn writes them is not expressible here"
+            )
+        k_cache, v_cache = value["k_cache"], value["v_cache"]
+        if not all(isinstance(c, cst.Name) for c in (k_cache, v_cache)):
+            why = f"k_cache/v_cache are not local names ({ctx.code(k_cache)}, {ctx.code(v_cache)})"
+        else:
+            why = cache_is_dead(call, [k_cache.value, v_cache.value], ctx)
+        if why and self.DROP_IN:
+            return self.drop_in(call, value, f"the in-place cache update may be relied on ({why})")
+        if why:
+            raise Refuse(
+                f"flash_attn_with_kvcache updates k_cache/v_cache in place and the update may be relied on: {why}"
+            )
+        return [new_k, new_v]
+
+    def keywords(self, bound, value, ctx) -> tuple[list, list[str]]:
+        """(keywords, notes) of the functional call: ``cache_seqlens``, the flash-attn mapping without
+        ``align`` (kvcache alignment is per sequence, bottom-right) and ``return_lse``."""
         fa_bound = {n: bound[n] for n in ("softmax_scale", "causal", "window_size", "softcap") if n in bound}
-        keywords, more = fa.map_arguments(fa_bound, ctx, self.API)
-        keywords = [
-            kw for kw in keywords if kw[0] != "align"
-        ]  # kvcache alignment is per sequence, bottom-right
+        keywords, notes = fa.map_arguments(fa_bound, ctx, self.API)
+        keywords = [kw for kw in keywords if kw[0] != "align"]
         if not is_none(value.get("cache_seqlens")):
             keywords.insert(0, ("cache_seqlens", value["cache_seqlens"]))
-        if literal_bool(lse):
+        if literal_bool(value.get("return_softmax_lse")):
             keywords.append(("return_lse", cst.Name("True")))
-        node = build_call(self.TARGET, positional, keywords, call)
-        return Rewrite(node, imports=(MODULE,), notes=tuple(notes + more))
+        return keywords, notes
 
     def drop_in(self, call, value, why):
         """The call itself, on flashport's drop-in ``flash_attn_with_kvcache`` (same signature and

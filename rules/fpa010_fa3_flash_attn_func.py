@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules import _fa34
+from flashport.rules import _fa3_fa4_common
 from flashport.rules import _flash_attn as fa
 from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_zero, register, string
 
@@ -76,11 +76,11 @@ def fa3_sources(function: str) -> tuple[str, ...]:
 
 def check_extras(value: dict, ctx) -> list[str]:
     """Refuse FA3-only features; return notes for dropped tuning arguments."""
-    _fa34.refuse_set(value, UNSUPPORTED)
+    _fa3_fa4_common.refuse_set(value, UNSUPPORTED)
     for name in ("attention_chunk", "sink_token_length"):
         if name in value and not is_zero(value[name]):
             raise Refuse(f"{name}={ctx.code(value[name])}: no portable equivalent (only 0 is accepted)")
-    return _fa34.dropped_notes(value, TUNING)
+    return _fa3_fa4_common.dropped_notes(value, TUNING)
 
 
 @register
@@ -98,7 +98,7 @@ class FA3FlashAttnFunc(Rule):
 
     def check_call(self, call, ctx):
         """Bind the stable prefix, refuse FA3-only features, pick the return type from the use."""
-        _fa34.positional_limit(
+        _fa3_fa4_common.positional_limit(
             call,
             len(POSITIONAL),
             "arguments after causal must be passed by keyword: FA3 inserted and renamed parameters between releases",
@@ -107,9 +107,11 @@ class FA3FlashAttnFunc(Rule):
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         notes = check_extras(value, ctx)
-        keywords, more = _fa34.common(bound, ctx, self.API)
+        keywords, more = _fa3_fa4_common.common(bound, ctx, self.API)
         keywords.append(("layout", string("BSHD")))
-        if _fa34.returns_tuple(call, ctx, value.get("return_attn_probs"), "return_attn_probs", HISTORY):
+        if _fa3_fa4_common.returns_tuple(
+            call, ctx, value.get("return_attn_probs"), "return_attn_probs", HISTORY
+        ):
             keywords.append(("return_lse", cst.Name("True")))
             notes.append("returns (out, lse) like the FA3 call it replaces")
         return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), notes=tuple(notes + more))

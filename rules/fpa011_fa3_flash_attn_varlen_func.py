@@ -26,7 +26,7 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules import _fa34
+from flashport.rules import _fa3_fa4_common
 from flashport.rules import _flash_attn as fa
 from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, register, string
 from flashport.rules.fpa010_fa3_flash_attn_func import HISTORY, KEYWORDS, check_extras, fa3_sources
@@ -50,7 +50,7 @@ class FA3FlashAttnVarlenFunc(Rule):
     def check_call(self, call, ctx):
         """Bind the stable prefix, refuse seqused/lse uses, map like FPA004."""
         signature = Signature(POSITIONAL, ("seqused_q", "seqused_k", "softmax_scale", "causal") + KEYWORDS)
-        _fa34.positional_limit(
+        _fa3_fa4_common.positional_limit(
             call,
             len(POSITIONAL),
             "arguments after max_seqlen_k must be passed by keyword: FA3 inserted seqused_q/seqused_k there",
@@ -64,9 +64,11 @@ class FA3FlashAttnVarlenFunc(Rule):
                     f"{name} (used lengths inside padded per-sequence buffers) has no portable equivalent"
                 )
         notes = check_extras(value, ctx)
-        if _fa34.returns_tuple(call, ctx, value.get("return_attn_probs"), "return_attn_probs", HISTORY):
+        if _fa3_fa4_common.returns_tuple(
+            call, ctx, value.get("return_attn_probs"), "return_attn_probs", HISTORY
+        ):
             raise Refuse("the caller expects (out, lse); flashport.varlen_attention returns no lse")
-        keywords, more = _fa34.common(bound, ctx, self.API)
+        keywords, more = _fa3_fa4_common.common(bound, ctx, self.API)
         keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords + [("layout", string("THD"))]
         notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
         return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), notes=tuple(notes + more))

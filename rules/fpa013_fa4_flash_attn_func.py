@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules import _fa34
+from flashport.rules import _fa3_fa4_common
 from flashport.rules import _flash_attn as fa
 from flashport.rules.base import Rewrite, Rule, Signature, build_call, is_none, register, string
 
@@ -79,13 +79,13 @@ def fa4_sources(function: str) -> tuple[str, ...]:
 
 def fa4_keywords(bound, value, ctx, api) -> tuple[list, list[str]]:
     """Refuse FA4-only features; map scale/causal/window/softcap (FA4 window conventions)."""
-    _fa34.refuse_set(value, UNSUPPORTED)
-    notes = _fa34.dropped_notes(value, TUNING)
+    _fa3_fa4_common.refuse_set(value, UNSUPPORTED)
+    notes = _fa3_fa4_common.dropped_notes(value, TUNING)
     plain = {n: bound[n] for n in ("softmax_scale", "causal", "softcap") if n in bound}
-    keywords, more = _fa34.common(plain, ctx, api)
+    keywords, more = _fa3_fa4_common.common(plain, ctx, api)
     window = value.get("window_size")
     if not is_none(window):
-        mapped = _fa34.fa4_window(window)
+        mapped = _fa3_fa4_common.fa4_window(window)
         if mapped is not None:
             keywords.insert(2, ("window", mapped))
     return keywords, notes + more
@@ -106,7 +106,7 @@ class FA4FlashAttnFunc(Rule):
 
     def check_call(self, call, ctx):
         """Keywords only after q, k, v; FA4 window conventions; always ``(out, lse)`` like FA4."""
-        _fa34.positional_limit(
+        _fa3_fa4_common.positional_limit(
             call,
             3,
             "arguments after v must be passed by keyword: FA4's 4th parameter is qv and its tail changed across betas",

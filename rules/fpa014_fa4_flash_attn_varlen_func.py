@@ -24,7 +24,7 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules import _fa34
+from flashport.rules import _fa3_fa4_common
 from flashport.rules import _flash_attn as fa
 from flashport.rules.base import Refuse, Rule, Signature, is_none, register
 from flashport.rules.fpa013_fa4_flash_attn_func import KEYWORDS, fa4_keywords, fa4_sources
@@ -56,7 +56,7 @@ class FA4FlashAttnVarlenFunc(Rule):
 
     def check_call(self, call, ctx):
         """Check the arguments like FPA013, then refuse: FA4 returns (out, lse), varlen_attention no lse."""
-        _fa34.positional_limit(
+        _fa3_fa4_common.positional_limit(
             call,
             3,
             "arguments after v must be passed by keyword: FA4's varlen signature changed across betas",

@@ -17,8 +17,17 @@ Semantics mapping:
   Positional arguments are bound against SDPA's signature for ``torch-version``.
 
 What it refuses:
+  backend probes: a call under a ``with sdpa_kernel(...)`` selector that sits in a ``try`` block or
+  takes its backends from a variable (``with sdpa_kernel([backend]): F.scaled_dot_product_attention(q,
+  q, q)`` asks whether that kernel runs; rewritten, it would always succeed);
   a dropout expression with side effects (a call) that the rewrite would evaluate out of its
-  source order (bind it to a name first), ``*args``/``**kwargs`` splats, unknown arguments.
+  source order (bind it to a name first), unknown arguments.
+
+Drop-in:
+  a call with a ``*args``/``**kwargs`` splat (its arguments are only known at run time) keeps its
+  arguments and calls ``flashport.integrations.sdpa_compat.scaled_dot_product_attention``, SDPA's
+  signature with the mapping above applied when it runs (SDPA's error for unequal head counts
+  without ``enable_gqa`` kept).
 
 Known problems:
   SDPA accepts any number of batch dims (``(N, ..., H, L, E)``); the contract needs rank 4.
@@ -28,12 +37,16 @@ Example::
     y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=False)
     # becomes
     y = flashport.torch.attention(q, k, v, scale=None, causal=False, **flashport.sdpa_mask(mask), align="top_left", layout="BHSD")
+    y = F.scaled_dot_product_attention(*args, **kwargs)
+    # becomes
+    y = flashport.integrations.sdpa_compat.scaled_dot_product_attention(*args, **kwargs)
 """
 
 from __future__ import annotations
 
 import libcst as cst
 
+from flashport.rules import _node_context
 from flashport.rules.base import (
     Refuse,
     Rewrite,
@@ -50,6 +63,7 @@ from flashport.rules.base import (
 )
 
 POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+DROP_IN = "flashport.integrations.sdpa_compat"
 
 
 def sdpa_signature(version: tuple[int, ...]) -> Signature:
@@ -75,7 +89,22 @@ class TorchSDPA(Rule):
     TARGET = "flashport.torch.attention"
 
     def check_call(self, call, ctx):
-        """Bind against SDPA's signature; map mask polarity, top-left causal and BHSD."""
+        """Bind against SDPA's signature; map mask polarity, top-left causal and BHSD. A splat call
+        goes to the drop-in, which binds its arguments at run time. A backend probe is refused."""
+        probe = _node_context.backend_probe(ctx)
+        if probe is not None:
+            raise Refuse(
+                f"backend probe: {probe}, so it tests whether that SDPA kernel runs here; "
+                "rewritten, the probe would always succeed (port the code that uses its answer by hand)"
+            )
+        if any(arg.star for arg in call.args):
+            return Rewrite(
+                call.with_changes(func=dotted(f"{DROP_IN}.scaled_dot_product_attention")),
+                imports=(DROP_IN,),
+                notes=(
+                    "drop-in scaled_dot_product_attention (SDPA's signature): a *args/**kwargs splat is bound at run time",
+                ),
+            )
         bound = sdpa_signature(ctx.options.torch_version).bind(call, self.API)
         for name in ("query", "key", "value"):
             if name not in bound:

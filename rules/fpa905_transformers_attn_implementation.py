@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules import _sites
+from flashport.rules import _node_context
 from flashport.rules.base import Report, Rewrite, Rule, dotted, literal_string, register
 
 MODULE = "flashport.integrations.transformers"
@@ -60,11 +60,11 @@ NAMES = ("attn_implementation", "_attn_implementation")
 
 def setting_context(node: cst.SimpleString, ctx) -> bool:
     """True when the string literal sets transformers' attention implementation."""
-    up = _sites.parent(node, ctx)
+    up = _node_context.parent(node, ctx)
     if isinstance(up, cst.Arg) and up.value is node:
         if up.keyword is not None:
             return up.keyword.value in NAMES
-        call = _sites.parent(up, ctx)
+        call = _node_context.parent(up, ctx)
         return (
             isinstance(call, cst.Call)
             and isinstance(call.func, cst.Attribute)
@@ -136,8 +136,8 @@ class TransformersAttnImplementation(Rule):
 
 def _remote_code(node: cst.SimpleString, ctx) -> bool:
     """True when ``node`` is an argument of a call that passes ``trust_remote_code`` (not ``False``)."""
-    up = _sites.parent(node, ctx)
-    call = _sites.parent(up, ctx) if isinstance(up, cst.Arg) else None
+    up = _node_context.parent(node, ctx)
+    call = _node_context.parent(up, ctx) if isinstance(up, cst.Arg) else None
     if not isinstance(call, cst.Call):
         return False
     for arg in call.args:

@@ -402,6 +402,41 @@ def test_dropout_with_side_effects_is_evaluated_once_in_source_order():
     np.testing.assert_allclose(got, fa2_reference(q, k, v, softmax_scale=0.5, causal=True), atol=1e-10)
 
 
+def test_keyword_arguments_with_side_effects_keep_their_evaluation_order():
+    """``causal=c(), softmax_scale=s()``: the contract's keyword order (scale before causal) must not
+    swap the two calls; the rewrite puts them back in source order (regression: scale went first)."""
+    code = rewrite("""
+        from flash_attn import flash_attn_func
+        def f(q, k, v, log):
+            def c():
+                log.append("causal")
+                return True
+            def s():
+                log.append("scale")
+                return 0.5
+            return flash_attn_func(q, k, v, causal=c(), softmax_scale=s(), window_size=(2, 0))
+    """)
+    log: list = []
+    q, k, v = rand(1, 3, 2, 4), rand(1, 5, 2, 4, seed=1), rand(1, 5, 2, 4, seed=2)
+    got = load(code)["f"](q, k, v, log).numpy()
+    assert log == ["causal", "scale"]
+    want = fa2_reference(q, k, v, softmax_scale=0.5, causal=True, window_size=(2, 0))
+    np.testing.assert_allclose(got, want, atol=1e-10)
+
+
+def test_positional_target_arguments_out_of_source_order_are_refused_when_impure():
+    """``v=a(), k=b(), q=c()`` would be evaluated q, k, v by the positional rewrite: refused; the
+    same with plain names (nothing to observe) is rewritten."""
+    impure = "from flash_attn import flash_attn_func\ny = flash_attn_func(v=a(), k=b(), q=c())\n"
+    result = transform_source(impure.encode(), "case.py", registry.all_rules(), RuleOptions())
+    assert result.new is None
+    [site] = [s for s in result.sites if s.kind == "call"]
+    assert site.status != "rewrite" and "original order" in site.reason, site
+    pure = impure.replace("a()", "a").replace("b()", "b").replace("c()", "c")
+    rewritten = transform_source(pure.encode(), "case.py", registry.all_rules(), RuleOptions())
+    assert [s.status for s in rewritten.sites if s.kind == "call"] == ["rewrite"]
+
+
 def test_inference_flag_drops_training_gated_dropout():
     code = rewrite(
         """

@@ -6,7 +6,7 @@ only the leading parameters that never moved may be positional; FA3's return typ
 (``(out, lse)`` always before 2025-07-11, then ``out``, then ``(out, lse)`` with
 ``return_attn_probs=True``) and FA4 spells "unbounded window" ``None`` and returns ``lse`` with
 ``return_lse``. Whether the caller expects a tuple is decided from how the result is used
-(:func:`flashport.rules._sites.result_usage`); when that is unknown the site is refused.
+(:func:`flashport.rules._node_context.result_usage`); when that is unknown the site is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import _flash_attn as fa
-from flashport.rules import _sites
+from flashport.rules import _node_context
 from flashport.rules.base import (
     Refuse,
     is_none,
@@ -96,7 +96,7 @@ def returns_tuple(call: cst.Call, ctx, flag: cst.BaseExpression | None, flag_nam
         if value is None:
             raise Refuse(f"{flag_name}={ctx.code(flag)} is not a literal: the return type is unknown")
         return value
-    usage = _sites.result_usage(call, ctx)
+    usage = _node_context.result_usage(call, ctx)
     if usage == "unknown":
         raise Refuse(
             f"{history}; how this result is used does not show which one the code expects "

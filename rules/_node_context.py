@@ -98,3 +98,64 @@ def simple(node: cst.BaseExpression) -> bool:
             for e in node.slice
         )
     return False
+
+
+SELECTORS = ("sdpa_kernel", "sdp_kernel")
+
+
+def _selector(item: cst.WithItem) -> cst.Call | None:
+    """The item's SDPA backend selector call (``sdpa_kernel(...)``/``sdp_kernel(...)``, by name), if any."""
+    call = item.item
+    if not isinstance(call, cst.Call):
+        return None
+    func = call.func
+    name = (
+        func.attr.value
+        if isinstance(func, cst.Attribute)
+        else func.value
+        if isinstance(func, cst.Name)
+        else ""
+    )
+    return call if name.lstrip("_") in SELECTORS else None
+
+
+def _constant_backends(call: cst.Call) -> bool:
+    """False when the selector takes its backends from a local variable or parameter (a lower-case
+    bare name: ``sdpa_kernel([backend])``, ``sdpa_kernel(kernel)``), as a probe over candidates does;
+    True for literal backends (``SDPBackend.FLASH_ATTENTION``), UPPER_CASE constants, configured
+    attributes (``self.sdpa_backends``) and ``enable_*=`` flags."""
+
+    def constant(node: cst.BaseExpression) -> bool:
+        if isinstance(node, (cst.List, cst.Tuple)):
+            return all(constant(e.value) for e in node.elements)
+        if isinstance(node, cst.Name):
+            return node.value in ("True", "False", "None") or node.value.isupper()
+        return True
+
+    return all(
+        constant(arg.value) for arg in call.args if arg.keyword is None or arg.keyword.value != "set_priority"
+    )
+
+
+def backend_probe(ctx: RuleContext) -> str | None:
+    """Why the site looks like an SDPA backend probe -- it runs under a ``with sdpa_kernel(...)``
+    selector that sits in a ``try`` body or picks its backends from a variable (``with
+    sdpa_kernel([backend]): F.scaled_dot_product_attention(q, q, q)`` asks whether that kernel runs
+    here) -- else None. Only the enclosing function is searched."""
+    path = _path(ctx)
+    for index, up in enumerate(path):
+        if isinstance(up, (cst.FunctionDef, cst.Lambda, cst.Module)):
+            return None
+        if not isinstance(up, cst.With):
+            continue
+        selector = next((s for s in map(_selector, up.items) if s is not None), None)
+        if selector is None:
+            continue
+        if not _constant_backends(selector):
+            return "it runs under an SDPA backend selector whose backends are a variable"
+        for outer in path[index + 1 :]:
+            if isinstance(outer, (cst.FunctionDef, cst.Lambda)):
+                break
+            if isinstance(outer, cst.Try) and outer.handlers:
+                return "it runs under an SDPA backend selector inside a try block"
+    return None

@@ -1,0 +1,68 @@
+"""FPA009 flash-attn-bert-padding: ``flash_attn.bert_padding`` helpers -> ``flashport.integrations.bert_padding``.
+
+What it rewrites:
+  calls of ``unpad_input``, ``pad_input``, ``index_first_axis`` and ``index_put_first_axis`` from
+  ``flash_attn.bert_padding`` (any import form). Importing ``flash_attn.bert_padding`` loads
+  flash-attn's CUDA extension, so a file that only needs these plain-torch helpers would still
+  need flash-attn; once every use is rewritten the engine drops the import.
+
+Semantics mapping:
+  the same functions, arguments and results, in plain torch (``flashport/integrations/bert_padding.py``):
+  ``unpad_input`` packs the valid tokens and returns ``(hidden, indices, cu_seqlens, max_seqlen,
+  seqused)`` as flash-attn >= 2.7 does; before 2.7 (``flash-attn-version``) flash-attn returned the
+  first four, so the rewrite takes ``[:4]`` of the drop-in's result. The call keeps its arguments,
+  their order and comments.
+
+What it refuses:
+  ``unpad_input`` with a third argument (``unused_mask``) before flash-attn 2.7, which had none;
+  other ``bert_padding`` names (``unpad_input_for_concatenated_sequences``...) and value uses are
+  reported, not rewritten.
+
+Example::
+
+    hidden, indices, cu_seqlens, max_len, _ = unpad_input(x, attention_mask)
+    # becomes
+    hidden, indices, cu_seqlens, max_len, _ = flashport.integrations.bert_padding.unpad_input(x, attention_mask)
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from flashport.rules.base import Refuse, Rewrite, Rule, dotted, register
+
+MODULE = "flashport.integrations.bert_padding"
+FUNCTIONS = ("unpad_input", "pad_input", "index_first_axis", "index_put_first_axis")
+SEQUSED_VERSION = (2, 7)  # unpad_input gained unused_mask and a fifth result (seqused) in 2.7.0
+
+
+@register
+class FlashAttnBertPadding(Rule):
+    """Rewrite ``flash_attn.bert_padding`` helper calls to flashport's plain-torch drop-ins."""
+
+    CODE = "FPA009"
+    NAME = "flash-attn-bert-padding"
+    API = "flash_attn.bert_padding.unpad_input"
+    FRAMEWORK = "torch"
+    SOURCES = tuple(f"flash_attn.bert_padding.{name}" for name in FUNCTIONS)
+    TRIGGERS = (b"bert_padding",)
+    GPU_MODULES = ("flash_attn",)
+    TARGET = MODULE + ".*"
+
+    def check_call(self, call, ctx):
+        """The same call on the drop-in; ``[:4]`` of ``unpad_input`` before flash-attn 2.7."""
+        name = ctx.qualified_name.rsplit(".", 1)[-1]
+        new: cst.BaseExpression = call.with_changes(func=dotted(f"{MODULE}.{name}"))
+        notes = [f"drop-in {name} (flash-attn's signature and results, plain torch)"]
+        if name == "unpad_input" and ctx.options.flash_attn_version < SEQUSED_VERSION:
+            if len(call.args) > 2 or any(arg.star for arg in call.args):
+                raise Refuse(
+                    "unpad_input before flash-attn 2.7 takes (hidden_states, attention_mask) only; "
+                    "check the flash-attn version (--flash-attn-version)"
+                )
+            new = cst.Subscript(
+                value=new,
+                slice=[cst.SubscriptElement(cst.Slice(lower=None, upper=cst.Integer("4")))],
+            )
+            notes.append("[:4]: flash-attn < 2.7 returns four values (no seqused)")
+        return Rewrite(new, imports=(MODULE,), notes=tuple(notes))
