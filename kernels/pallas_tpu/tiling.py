@@ -159,7 +159,9 @@ class Tables(NamedTuple):
     ``lo``/``hi``: int32 visited block range per resident block, [n] without segment ids, else
     [B * n] (narrowed to the blocks whose segment-id intervals overlap). ``q_min``/``q_max`` [B * nq]
     and ``k_min``/``k_max`` [B * nk]: per-block segment-id intervals (segment ids only).
-    ``head_seeds``: uint32 [B * Hq] dropout seeds ``t_bh`` (dropout only). Passed to ``pallas_call``
+    ``head_seeds``: uint32 [B * Hq] dropout seeds ``t_bh`` (dropout only). ``full_lo``/``full_hi``
+    int32 [nq]: per query block, the key blocks whose tiles are fully visible (see
+    :mod:`~flashport.kernels.pallas_tpu.classify`; ``None``: classify nothing). Passed to ``pallas_call``
     as one scalar-prefetch argument, so index maps and kernels receive a ``Tables`` of refs.
     """
 
@@ -170,6 +172,8 @@ class Tables(NamedTuple):
     k_min: Any = None
     k_max: Any = None
     head_seeds: Any = None
+    full_lo: Any = None
+    full_hi: Any = None
 
     @property
     def segmented(self) -> bool:
