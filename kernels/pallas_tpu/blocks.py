@@ -27,6 +27,10 @@ import jax
 # Sublane granularity of query blocks: 32 rows keep f32 (8), bf16/f16 (16) and the int8 mask (32)
 # tiles whole. Key blocks are lane dimensions of the score tile: multiples of 128.
 Q_ALIGN = 32
+# A query shorter than Q_ALIGN (decode: Sq = 1..31) is one block of the whole query rounded up to 8
+# rows (one f32 sublane tile) instead of 32: the block spans the whole padded array, which Mosaic
+# accepts for any dtype, and a decode step computes 8 padded rows per head rather than 32.
+SHORT_Q_ALIGN = 8
 K_ALIGN = 128
 LANES = 128
 

@@ -32,6 +32,10 @@ _SQ = pl.Squeezed()
 # mask operations of each class in the kernel's jaxpr by them.
 FULL_SCOPE = "flashport_full_tile"
 PARTIAL_SCOPE = "flashport_partial_tile"
+# Inside a tile body: the online-softmax update and dropout (not masking, so not counted as mask ops).
+SOFTMAX_SCOPE = "flashport_online_softmax"
+DROPOUT_SCOPE = "flashport_dropout"
+UNCOUNTED_SCOPES = (SOFTMAX_SCOPE, DROPOUT_SCOPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,25 +60,27 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
         vis = tile_visible(g, i, block, mask, load(q_seg_ref), load(kv_seg_ref))
         if vis is not None:
             s = jnp.where(vis, s, -jnp.inf)
-    m_prev = m_scr[gi]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m_prev - m_safe)
-    p = jnp.exp(s - m_safe[:, :1])
-    l_scr[gi] = alpha * l_scr[gi] + jnp.sum(p, axis=1, keepdims=True)
-    m_scr[gi] = m_new
+    with jax.named_scope(SOFTMAX_SCOPE):
+        m_prev = m_scr[gi]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe[:, :1])
+        l_scr[gi] = alpha * l_scr[gi] + jnp.sum(p, axis=1, keepdims=True)
+        m_scr[gi] = m_new
     # Dropout acts on the normalized probabilities: l (and so lse) sums the undropped p.
     rate = g.spec.dropout_rate
-    seed = tables.head_seeds[(bi * pl.num_programs(1) + hk) * lay.group + gi] if rate else None
-    keep = tile_keep(g, seed, i, block)
-    if keep is not None:
-        p = dropout.apply(p, keep, rate)
+    if rate:
+        with jax.named_scope(DROPOUT_SCOPE):
+            seed = tables.head_seeds[(bi * pl.num_programs(1) + hk) * lay.group + gi]
+            p = dropout.apply(p, tile_keep(g, seed, i, block), rate)
     vv = v_ref[...]
-    pv = jax.lax.dot_general(
-        p.astype(vv.dtype), vv, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-    )
-    acc_scr[gi] = acc_scr[gi] * alpha[:, :1] + pv
+    with jax.named_scope(SOFTMAX_SCOPE):
+        pv = jax.lax.dot_general(
+            p.astype(vv.dtype), vv, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        acc_scr[gi] = acc_scr[gi] * alpha[:, :1] + pv
 
 
 def _for_each_head(group: int, fn):
