@@ -131,8 +131,10 @@ def test_segment_ids_classify_uniform_tiles_as_full():
 
 def test_gqa_group_fetches_kv_group_times_less():
     spec = _spec(512, 512, causal=True)
-    g = counting.forward_geometry(spec, BLOCKS)
     for hq, hkv in ((4, 2), (8, 1), (8, 2)):
+        q, k, v = _arrays(1, 512, 512, hq, hkv, 128)
+        g = counting.forward_geometry(spec, q, k, v, BLOCKS)
+        assert (g.bq, g.bk) == (128, 128)
         group = hq // hkv
         after = counting.kv_block_fetches(g, 1, hq, hkv)
         before = counting.kv_block_fetches(g, 1, hq, hkv, grouped=False)

@@ -43,25 +43,35 @@ class TileCounts:
     partial: int
 
 
-def forward_geometry(spec: AttentionSpec, options=None) -> Geometry:
-    """The forward kernel's geometry for ``options`` (``block_q``/``block_k``; generation defaults)."""
+def forward_geometry(spec: AttentionSpec, q, k, v, options=None) -> Geometry:
+    """The forward kernel's geometry for these operands and ``options`` (generation defaults)."""
     _, blocks = resolve_blocks(dict(options or {}), "pallas_tpu_interpret")
-    return Geometry.make(spec, blocks.block_q, blocks.block_k)
+    return backend.Config(spec, blocks, interpret=True).geometry("fwd", q, k, v)
 
 
-def tile_counts(q, k, v, *, spec: AttentionSpec, options=None, **arrays) -> TileCounts:
-    """Run the forward in the interpreter with its class counters; ``arrays``: bias/mask/q_seg/kv_seg."""
-    _, _, full, partial = backend.count_tiles_by_class(q, k, v, spec=spec, options=options, **arrays)
+def tile_counts(q, k, v, *, spec: AttentionSpec, options=None, classify=True, **arrays) -> TileCounts:
+    """Run the forward in the interpreter with its class counters; ``arrays``: bias/mask/q_seg/kv_seg.
+
+    ``classify=False`` counts the previous kernel's behaviour (every tile through the masked body).
+    """
+    _, _, full, partial = backend.count_tiles_by_class(
+        q, k, v, spec=spec, options=options, classify=classify, **arrays
+    )
     return TileCounts(int(np.sum(full)), int(np.sum(partial)))
 
 
-def forward_kernel_jaxpr(q, k, v, *, spec: AttentionSpec, options=None, **arrays):
-    """The jaxpr of the forward ``pallas_call``'s kernel body (what Pallas lowers for the TPU)."""
+def forward_kernel_jaxpr(q, k, v, *, spec: AttentionSpec, options=None, classify=True, **arrays):
+    """The jaxpr of the forward ``pallas_call``'s kernel body (what Pallas lowers for the TPU).
+
+    ``classify=False``: the kernel as it was before tile classification (masked body only).
+    """
     _, blocks = resolve_blocks(dict(options or {}), "pallas_tpu_interpret")
     cfg = backend.Config(spec, blocks, interpret=True)
     names = ("bias", "mask", "q_seg", "kv_seg")
     closed = jax.make_jaxpr(
-        lambda q, k, v: backend._forward_local(cfg, q, k, v, *(arrays.get(n) for n in names))
+        lambda q, k, v: backend._forward_local(
+            cfg, q, k, v, *(arrays.get(n) for n in names), classify=classify
+        )
     )(q, k, v)
     for eqn in _walk(closed.jaxpr, ""):
         if eqn[0].primitive.name == "pallas_call" and eqn[0].params["name"] == "flashport_flash_fwd":

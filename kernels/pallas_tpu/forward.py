@@ -141,7 +141,9 @@ def _forward_kernel(
         lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, interpret, count_tiles=False):
+def forward_call(
+    g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, interpret, count_tiles=False, classify=True
+):
     """Run the forward kernel on padded operands; returns ``(out, lse128[, full_counts, partial_counts])``.
 
     ``q`` [B, Hq, Sqp, Dp], ``k`` [B, Hkv, Skp, Dp], ``v`` [B, Hkv, Skp, Dvp] (already padded),
@@ -150,12 +152,16 @@ def forward_call(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, int
     (``head_seeds`` set for dropout). ``count_tiles`` adds two int32 outputs [B, Hkv, nq * 8, 128]
     counting the head tiles computed per (b, kv head, query block) through the mask-free and the
     masked body - the instrumentation of the counting harness and the block-skipping tests.
+    ``classify=False`` runs the masked body on every tile (the previous kernel's behaviour; the
+    counting harness's "before").
     """
     b, hq = q.shape[:2]
     hkv, dvp = k.shape[1], v.shape[3]
     group = hq // hkv
     maps, in_specs = grouped_specs(g, q, k, v, bias, mask, q_seg is not None)
     full_body, partial_body = bodies(g, has_mask=mask is not None, segmented=q_seg is not None)
+    if not classify:
+        full_body, partial_body = False, True
     lay = Layout(
         group=group,
         bias_heads=bias is not None and bias.shape[1] > 1,
