@@ -172,7 +172,10 @@ def forward_vmem_bytes(bq: int, bk: int, group: int, dp: int, dvp: int, itemsize
 def fit_forward_block_q(block_q: int, bk: int, group: int, dp: int, dvp: int, itemsize: int) -> int:
     """``block_q`` halved (not below ``Q_ALIGN``) until the grouped forward fits
     :data:`FORWARD_VMEM_BUDGET`: the G query heads of a group share each step, so their blocks
-    multiply the per-row VMEM by G. The tile still carries ``G * block_q`` query rows per K/V fetch."""
+    multiply the per-row VMEM by G. The tile still carries ``G * block_q`` query rows per K/V fetch.
+    Without GQA (G = 1) the block is the per-generation default or the user's, unchanged."""
+    if group == 1:
+        return block_q
     bq = block_q
     while bq > Q_ALIGN and forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize) > FORWARD_VMEM_BUDGET:
         bq = max(Q_ALIGN, round_to_align(bq // 2))
