@@ -156,3 +156,13 @@ def test_decode_computes_a_quarter_of_the_padded_work(sk):
     before = hq * 32 * skp * 2 * d  # the previous kernel: one query padded to a 32-row block per head
     assert macs == hq * 8 * skp * 2 * d
     assert useful <= macs <= before / 4
+
+
+def test_backward_kernels_have_mask_free_full_bodies():
+    spec = _spec(512, 512, causal=True)
+    q, k, v = _arrays(1, 512, 512, 4, 2, 128)
+    kernels = counting.backward_kernel_jaxprs(q, k, v, spec=spec, options=BLOCKS)
+    for kind in ("dkv", "dq"):
+        ops = counting.mask_ops_per_tile(kernels[kind], 128, 128)
+        assert ops["full"] == 0, kind
+        assert ops["partial"] >= 4, kind  # the masked body is built and counted

@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import dropout
 from flashport.kernels.pallas_tpu.blocks import LANES
-from flashport.kernels.pallas_tpu.classify import bodies, tile_is_full, when_by_class
+from flashport.kernels.pallas_tpu.classify import DROPOUT_SCOPE, bodies, tile_is_full, when_by_class
 from flashport.kernels.pallas_tpu.specs import key_major_specs, query_major_specs
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, tile_keep, tile_visible
 
@@ -57,11 +57,12 @@ def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, 
     lse0 = lse[:, :1]
     p = jnp.exp(s - jnp.where(lse0 == -jnp.inf, 0.0, lse0))
     dp = _dot(do, v, _NT)
-    keep = tile_keep(g, head_seed, st_q, st_k)
     p_dropped = p
-    if keep is not None:
-        rate = g.spec.dropout_rate
-        p_dropped, dp = dropout.apply(p, keep, rate), dropout.apply(dp, keep, rate)
+    if g.spec.dropout_rate:
+        with jax.named_scope(DROPOUT_SCOPE):
+            keep = tile_keep(g, head_seed, st_q, st_k)
+            rate = g.spec.dropout_rate
+            p_dropped, dp = dropout.apply(p, keep, rate), dropout.apply(dp, keep, rate)
     dlogits = p * (dp - di[:, :1])
     return p_dropped, dlogits, raw
 

@@ -23,11 +23,21 @@ The full ranges travel as two more scalar-prefetch tables (``Tables.full_lo``/``
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
 from flashport.kernels.pallas_tpu.tiling import Geometry, Tables
+
+# Named scopes of the kernels' tile bodies; the counting harness (``counting.py``) finds the mask
+# operations of each class in a kernel's jaxpr by them. Inside a body, the online-softmax update and
+# dropout have their own scopes (they are not masking).
+FULL_SCOPE = "flashport_full_tile"
+PARTIAL_SCOPE = "flashport_partial_tile"
+SOFTMAX_SCOPE = "flashport_online_softmax"
+DROPOUT_SCOPE = "flashport_dropout"
+UNCOUNTED_SCOPES = (SOFTMAX_SCOPE, DROPOUT_SCOPE)
 
 
 def full_block_ranges(g: Geometry) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -78,15 +88,25 @@ def bodies(g: Geometry, *, has_mask: bool, segmented: bool) -> tuple[bool, bool]
 def when_by_class(run, is_full, body, *, full_body: bool, partial_body: bool) -> None:
     """Run ``body(masked)`` under ``pl.when``: the mask-free body on full tiles, the masked one on the rest.
 
+    Each body is traced inside its named scope (:data:`FULL_SCOPE` / :data:`PARTIAL_SCOPE`).
+
     ``run`` is the step's scalar "compute this tile" condition, ``is_full()`` builds the scalar
     :func:`tile_is_full` (only called when both bodies exist).
     """
+
+    def scoped(masked):
+        def run_body():
+            with jax.named_scope(PARTIAL_SCOPE if masked else FULL_SCOPE):
+                body(masked)
+
+        return run_body
+
     if full_body and partial_body:
         full = is_full()
-        pl.when(jnp.logical_and(run, full))(lambda: body(False))
-        pl.when(jnp.logical_and(run, jnp.logical_not(full)))(lambda: body(True))
+        pl.when(jnp.logical_and(run, full))(scoped(False))
+        pl.when(jnp.logical_and(run, jnp.logical_not(full)))(scoped(True))
     else:
-        pl.when(run)(lambda: body(not full_body))
+        pl.when(run)(scoped(not full_body))
 
 
 def tile_is_full(tables: Tables, b, q_block, k_block, nq: int, nk: int):

@@ -27,7 +27,7 @@ import numpy as np
 
 from flashport.kernels.pallas_tpu import backend
 from flashport.kernels.pallas_tpu.blocks import resolve_blocks
-from flashport.kernels.pallas_tpu.forward import FULL_SCOPE, PARTIAL_SCOPE, UNCOUNTED_SCOPES
+from flashport.kernels.pallas_tpu.classify import FULL_SCOPE, PARTIAL_SCOPE, UNCOUNTED_SCOPES
 from flashport.kernels.pallas_tpu.specs import GroupMajor, QueryMajor
 from flashport.kernels.pallas_tpu.tiling import Geometry, block_tables
 from flashport.kernels.spec import AttentionSpec
@@ -45,8 +45,7 @@ class TileCounts:
 
 def forward_geometry(spec: AttentionSpec, q, k, v, options=None) -> Geometry:
     """The forward kernel's geometry for these operands and ``options`` (generation defaults)."""
-    _, blocks = resolve_blocks(dict(options or {}), "pallas_tpu_interpret")
-    return backend.Config(spec, blocks, interpret=True).geometry("fwd", q, k, v)
+    return _config(spec, options).geometry("fwd", q, k, v)
 
 
 def tile_counts(q, k, v, *, spec: AttentionSpec, options=None, classify=True, **arrays) -> TileCounts:
@@ -65,18 +64,43 @@ def forward_kernel_jaxpr(q, k, v, *, spec: AttentionSpec, options=None, classify
 
     ``classify=False``: the kernel as it was before tile classification (masked body only).
     """
+    cfg = _config(spec, options)
+
+    def fn(q, k, v):
+        return backend._forward_local(cfg, q, k, v, *_optional(arrays), classify=classify)
+
+    return _kernel_jaxpr(jax.make_jaxpr(fn)(q, k, v), "flashport_flash_fwd")
+
+
+def backward_kernel_jaxprs(q, k, v, *, spec: AttentionSpec, options=None, **arrays) -> dict:
+    """The kernel jaxprs of the backward: ``{"dkv": jaxpr, "dq": jaxpr}`` (traced, not run)."""
+    cfg = _config(spec, options)
+    b, hq, sq, _ = q.shape
+    out = jnp.zeros((b, hq, sq, v.shape[3]), q.dtype)
+    lse = jnp.zeros((b, hq, sq), jnp.float32)
+
+    def fn(q, k, v):
+        return backend._backward_local(cfg, q, k, v, *_optional(arrays), out, lse, out, lse, None)
+
+    closed = jax.make_jaxpr(fn)(q, k, v)
+    return {kind: _kernel_jaxpr(closed, f"flashport_flash_{kind}") for kind in ("dkv", "dq")}
+
+
+def _config(spec: AttentionSpec, options) -> backend.Config:
     _, blocks = resolve_blocks(dict(options or {}), "pallas_tpu_interpret")
-    cfg = backend.Config(spec, blocks, interpret=True)
-    names = ("bias", "mask", "q_seg", "kv_seg")
-    closed = jax.make_jaxpr(
-        lambda q, k, v: backend._forward_local(
-            cfg, q, k, v, *(arrays.get(n) for n in names), classify=classify
-        )
-    )(q, k, v)
-    for eqn in _walk(closed.jaxpr, ""):
-        if eqn[0].primitive.name == "pallas_call" and eqn[0].params["name"] == "flashport_flash_fwd":
-            return eqn[0].params["jaxpr"]
-    raise LookupError("no flashport_flash_fwd pallas_call in the traced forward")
+    return backend.Config(spec, blocks, interpret=True)
+
+
+def _optional(arrays):
+    """``bias, mask, q_seg, kv_seg`` from the keyword arrays (``None`` where absent)."""
+    return tuple(arrays.get(n) for n in ("bias", "mask", "q_seg", "kv_seg"))
+
+
+def _kernel_jaxpr(closed, name: str):
+    for eqn, _ in _walk(closed.jaxpr, ""):
+        if eqn.primitive.name == "pallas_call" and eqn.params["name"] == name:
+            return eqn.params["jaxpr"]
+    raise LookupError(f"no {name} pallas_call in the traced function")
 
 
 def mask_ops_per_tile(kernel_jaxpr, bq: int, bk: int) -> dict[str, int]:

@@ -23,19 +23,17 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import dropout
 from flashport.kernels.pallas_tpu.blocks import LANES
-from flashport.kernels.pallas_tpu.classify import bodies, tile_is_full, when_by_class
+from flashport.kernels.pallas_tpu.classify import (
+    DROPOUT_SCOPE,
+    SOFTMAX_SCOPE,
+    bodies,
+    tile_is_full,
+    when_by_class,
+)
 from flashport.kernels.pallas_tpu.specs import grouped_specs
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, tile_keep, tile_visible
 
 _SQ = pl.Squeezed()
-# Named scopes around the two tile bodies; the counting harness (benchmarks/tpu_counts.py) finds the
-# mask operations of each class in the kernel's jaxpr by them.
-FULL_SCOPE = "flashport_full_tile"
-PARTIAL_SCOPE = "flashport_partial_tile"
-# Inside a tile body: the online-softmax update and dropout (not masking, so not counted as mask ops).
-SOFTMAX_SCOPE = "flashport_online_softmax"
-DROPOUT_SCOPE = "flashport_dropout"
-UNCOUNTED_SCOPES = (SOFTMAX_SCOPE, DROPOUT_SCOPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +113,7 @@ def _forward_kernel(
             ref[...] = jnp.zeros(ref.shape, jnp.int32)
 
     def body(masked: bool):
-        with jax.named_scope(PARTIAL_SCOPE if masked else FULL_SCOPE):
-            _for_each_head(
-                lay.group, lambda gi: _head_tile(g, lay, refs, tables, bi, i, st.block, gi, masked)
-            )
+        _for_each_head(lay.group, lambda gi: _head_tile(g, lay, refs, tables, bi, i, st.block, gi, masked))
         if lay.count_tiles:
             count_ref = rest[1 if masked else 0]
             count_ref[...] = count_ref[...] + lay.group
