@@ -146,8 +146,9 @@ def kv_block_fetches(
     maps = GroupMajor(g, group) if grouped else QueryMajor(g, group)
     tables = block_tables(g, q_seg, kv_seg, by_rows=True)
     grid = np.indices((batch, hkv if grouped else hq, g.nq, g.steps_k)).reshape(4, -1)
-    index = maps.kv(*(jnp.asarray(a) for a in grid), tables)
-    index = np.stack([np.broadcast_to(np.asarray(x), grid.shape[1:]) for x in index])
+    bi, h, i, j = (jnp.asarray(a) for a in grid)
+    blocks = maps.kv(bi, h, i, j, tables)
+    index = np.stack([np.broadcast_to(np.asarray(x), grid.shape[1:]) for x in blocks])
     return 1 + int(np.sum(np.any(index[:, 1:] != index[:, :-1], axis=0)))
 
 
