@@ -23,6 +23,7 @@ from reference import reduce_to_shape, reference_attention, reference_attention_
 import flashport
 from flashport.kernels import pallas_tpu, registry
 from flashport.kernels.pallas_tpu.blocks import GENERATION_DEFAULTS, BlockSizes, resolve_blocks
+from flashport.kernels.pallas_tpu.classify import full_block_ranges
 from flashport.kernels.pallas_tpu.tiling import Geometry, analytic_causal_fraction, visited_count
 from flashport.kernels.spec import AttentionSpec
 
@@ -121,6 +122,7 @@ CASES = {
     ),
     "mask_empty_rows_d256": dict(sq=40, sk=130, mask=(1, 1, 40, 130), empty_rows=True, d=256),
     "decode_sq1": dict(sq=1, sk=200, hq=4, causal=True, bias=(1, 4, 1, 200)),
+    "mask_per_head_gqa": dict(hq=4, hkv=2, mask=(1, 4, 40, 200)),
 }
 
 
@@ -132,6 +134,17 @@ def test_forward_and_grads_match_reference(name):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision(dtype):
     check(*make_case(hq=4, hkv=2, sk=130, causal=True, dtype=dtype), dtype=dtype)
+
+
+def test_full_tiles_with_segments_and_gqa():
+    """Tiles with one segment id on both sides below the diagonal run the mask-free bodies of all three
+    kernels (e.g. query block 4 x key block 0: rows 128..159, keys 0..127, all in segment 0)."""
+    q, k, v, d_out, kwargs = make_case(sq=256, sk=256, hq=4, hkv=2, causal=True)
+    seg = jnp.asarray(np.r_[np.zeros(160), np.ones(96)][None].astype(np.int32))
+    spec = _spec(256, 256, causal=True)
+    lo, hi = full_block_ranges(Geometry.make(spec, 32, 128))
+    assert lo[4] == 0 and hi[4] == 1
+    check(q, k, v, d_out, dict(kwargs, q_segment_ids=seg, kv_segment_ids=seg))
 
 
 def test_default_blocks_single_tile():

@@ -131,3 +131,21 @@ def test_dropout_compiles_on_every_generation_and_dtype(gen, dtype):
 def test_auto_with_default_generation_compiles():
     # No generation option and no abstract mesh: default blocks, the chip comes from the devices.
     compile_fwd_and_grad(one_chip("v5e"), "bfloat16", "causal", backend="auto")
+
+
+@pytest.mark.parametrize("gen", ["v4", "v5e", "v6e"])
+@pytest.mark.parametrize("hq,hkv", [(32, 4), (16, 1)])
+def test_long_gqa_default_blocks_fit_vmem(gen, hq, hkv):
+    # The grouped forward holds the G query heads of a group in one step: at S = 8192 with the
+    # default blocks its query block is shrunk to fit VMEM (blocks.fit_forward_block_q). Without the
+    # shrink v4 (16 MiB VMEM) runs out: "Used 29.54M of 16.00M vmem" for 16 heads on one kv head.
+    sharding = one_chip(gen)
+    q = jax.ShapeDtypeStruct((1, 8192, hq, 128), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, 8192, hkv, 128), jnp.bfloat16, sharding=sharding)
+    backend = registry.use("pallas_tpu", generation=gen)
+
+    def fwd(q, k, v):
+        return flashport.attention(q, k, v, causal=True, backend=backend)
+
+    text = jax.jit(fwd).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).compile().as_text()
+    assert "flashport_flash_fwd" in text

@@ -21,7 +21,9 @@ Options (``registry.use("pallas_tpu", block_q=512, ...)``): ``generation`` and t
 
 Modules: ``backend`` (padding, ``custom_vjp``, registration), ``forward`` and ``backward`` (the
 kernels), ``specs`` (their BlockSpecs: one builder per grid order), ``tiling`` (geometry, the
-scalar-prefetch ``Tables``, in-tile masks and dropout), ``blocks`` (block sizes per generation),
+scalar-prefetch ``Tables``, in-tile masks and dropout), ``classify`` (per-tile classes: fully visible
+tiles skip the mask), ``counting`` (instrumentation: tiles per class, mask ops, K/V fetches),
+``blocks`` (block sizes per generation),
 ``sharding`` (per-shard ``custom_partitioning``), ``platform`` (TPU-only lowering for multi-platform
 export).
 """

@@ -15,7 +15,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import registry
 from flashport.kernels.pallas_tpu.backward import dkv_call, dq_call
-from flashport.kernels.pallas_tpu.blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
+from flashport.kernels.pallas_tpu.blocks import (
+    GENERATION_DEVICE_KINDS,
+    LANES,
+    BlockSizes,
+    fit_forward_block_q,
+    resolve_blocks,
+)
+from flashport.kernels.pallas_tpu.classify import with_full_ranges
 from flashport.kernels.pallas_tpu.forward import forward_call
 from flashport.kernels.pallas_tpu.platform import tpu_only
 from flashport.kernels.pallas_tpu.sharding import partitioned
@@ -27,6 +34,7 @@ from flashport.kernels.pallas_tpu.tiling import (
     pad_lanes,
     pad_to,
     prepare_operands,
+    round_up,
 )
 from flashport.kernels.spec import FEATURES, AttentionSpec
 
@@ -40,14 +48,23 @@ class Config:
     interpret: bool
     generation: str = "v6e"  # the chip Mosaic lowers for when the computation names none
 
-    def geometry(self, kind: str) -> Geometry:
-        """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``)."""
+    def geometry(self, kind: str, q=None, k=None, v=None) -> Geometry:
+        """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``).
+
+        The forward needs its (padded) operands ``q, k, v``: its query block is shrunk until the G
+        heads of a GQA group fit VMEM together (:func:`~flashport.kernels.pallas_tpu.blocks.fit_forward_block_q`).
+        """
         b = self.blocks
         bq, bk = {
             "fwd": (b.block_q, b.block_k),
             "dkv": (b.block_q_dkv, b.block_k_dkv),
             "dq": (b.block_q_dq, b.block_k_dq),
         }[kind]
+        if kind == "fwd":
+            group, itemsize = q.shape[1] // k.shape[1], jnp.dtype(q.dtype).itemsize
+            bq = fit_forward_block_q(
+                bq, bk, group, round_up(q.shape[3], LANES), round_up(v.shape[3], LANES), itemsize
+            )
         return Geometry.make(self.spec, bq, bk)
 
     @property
@@ -129,29 +146,41 @@ def _loadable(x):
     return x.astype(jnp.float32) if x is not None and x.dtype == jnp.float16 else x
 
 
-def _tables(g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool) -> Tables:
-    """A kernel's scalar-prefetch tables: block ranges, plus the dropout head seeds when given."""
-    tables = block_tables(g, q_seg, kv_seg, by_rows=by_rows)
+def _tables(g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool, has_mask: bool) -> Tables:
+    """A kernel's scalar-prefetch tables: block ranges and full-tile ranges, plus the dropout head
+    seeds when given."""
+    tables = with_full_ranges(g, block_tables(g, q_seg, kv_seg, by_rows=by_rows), has_mask=has_mask)
     return tables if head_seeds is None else tables._replace(head_seeds=head_seeds.reshape(-1))
 
 
-def _forward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds=None, *, count_visits=False):
-    """Forward on unpadded canonical arrays of one shard; returns ``(out, lse[, visits])``.
+def _forward_local(
+    cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds=None, *, count_tiles=False, classify=True
+):
+    """Forward on unpadded canonical arrays of one shard; returns ``(out, lse[, full, partial])``.
 
     ``head_seeds`` (uint32 [B, Hq] of this shard, or None) are the dropout seeds ``t_bh`` of the
-    shard's global batch rows and query heads.
+    shard's global batch rows and query heads. ``count_tiles``/``classify``: see
+    :func:`~flashport.kernels.pallas_tpu.forward.forward_call` (instrumentation).
     """
     out_dtype = q.dtype
     q, k, v, bias = map(_loadable, (q, k, v, bias))
-    g = cfg.geometry("fwd")
+    g = cfg.geometry("fwd", q, k, v)
     sq, dv = q.shape[2], v.shape[3]
     qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
-    tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=True)
-    res = _launch(cfg, forward_call, g, [qp, kp, vp, bias, mask, qs, ks], tables, count_visits=count_visits)
+    tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=True, has_mask=mask is not None)
+    res = _launch(
+        cfg,
+        forward_call,
+        g,
+        [qp, kp, vp, bias, mask, qs, ks],
+        tables,
+        count_tiles=count_tiles,
+        classify=classify,
+    )
     out, lse = res[0][:, :, :sq, :dv].astype(out_dtype), res[1][:, :, :sq, 0]
-    if count_visits:
-        return out, lse, res[2][:, :, ::8, 0]
+    if count_tiles:
+        return out, lse, res[2][:, :, ::8, 0], res[3][:, :, ::8, 0]
     return out, lse
 
 
@@ -170,7 +199,7 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
         dop = pad_lanes(pad_to(d_out, 2, g.sqp))
         lse_t, di_t = _lanes(lse, g.sqp), _lanes(di, g.sqp)
         b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
-        tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"))
+        tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"), has_mask=mask is not None)
         call = dkv_call if kind == "dkv" else dq_call
         results[kind] = (g, _launch(cfg, call, g, [qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks], tables))
     _, (dk, dv_) = results["dkv"]
@@ -265,14 +294,40 @@ pallas_tpu_interpret_attention = _make_backend_fn("pallas_tpu_interpret", interp
 def count_visited_tiles(
     q, k, v, *, spec: AttentionSpec, options=None, bias=None, mask=None, q_seg=None, kv_seg=None
 ):
-    """Run the forward kernel in the TPU interpreter with a visit counter (single device, no sharding).
+    """Run the forward kernel in the TPU interpreter with visit counters (single device, no sharding).
 
-    Returns ``(out, lse, visits)`` where ``visits`` [B, Hq, nq] counts the key blocks whose compute
-    actually ran for each query block. For tests and for checking block skipping on new masks.
+    Returns ``(out, lse, visits)`` where ``visits`` [B, Hkv, nq] counts the head tiles (key block x
+    query head of the kv head's group) whose compute actually ran for each query block. For tests and
+    for checking block skipping on new masks; :func:`count_tiles_by_class` splits it by tile class.
+    """
+    out, lse, full, partial = count_tiles_by_class(
+        q, k, v, spec=spec, options=options, bias=bias, mask=mask, q_seg=q_seg, kv_seg=kv_seg
+    )
+    return out, lse, full + partial
+
+
+def count_tiles_by_class(
+    q,
+    k,
+    v,
+    *,
+    spec: AttentionSpec,
+    options=None,
+    bias=None,
+    mask=None,
+    q_seg=None,
+    kv_seg=None,
+    classify=True,
+):
+    """Like :func:`count_visited_tiles`, split by tile class: returns ``(out, lse, full, partial)``.
+
+    ``full`` [B, Hkv, nq] counts head tiles computed through the mask-free body, ``partial`` those
+    computed through the masked body (see :mod:`flashport.kernels.pallas_tpu.classify`);
+    ``classify=False`` masks every tile, as the kernel did before tiles were classified.
     """
     _, blocks = resolve_blocks(dict(options or {}), "pallas_tpu_interpret")
     cfg = Config(spec, blocks, interpret=True)
-    return _forward_local(cfg, q, k, v, bias, mask, q_seg, kv_seg, count_visits=True)
+    return _forward_local(cfg, q, k, v, bias, mask, q_seg, kv_seg, count_tiles=True, classify=classify)
 
 
 registry.register(

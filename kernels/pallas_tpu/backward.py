@@ -25,6 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import dropout
 from flashport.kernels.pallas_tpu.blocks import LANES
+from flashport.kernels.pallas_tpu.classify import DROPOUT_SCOPE, bodies, tile_is_full, when_by_class
 from flashport.kernels.pallas_tpu.specs import key_major_specs, query_major_specs
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, tile_keep, tile_visible
 
@@ -39,8 +40,10 @@ def _dot(a, b, dims):
     return jax.lax.dot_general(a.astype(b.dtype), b, dims, preferred_element_type=jnp.float32)
 
 
-def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, head_seed):
+def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, head_seed, masked=True):
     """Recompute one tile: returns ``(p_dropped, dlogits, raw)`` (all f32 [bq, bk]).
+
+    ``masked=False`` (a fully visible tile) builds no mask at all.
 
     ``dlogits = P * (dP - di)`` with ``dP = (dO·Vᵀ)∘Z/(1-rate)`` is the gradient w.r.t. the biased,
     soft-capped scores (and so the bias gradient); ``p_dropped = P∘Z/(1-rate)`` is what multiplied V
@@ -48,17 +51,18 @@ def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, 
     keep-mask Z is regenerated from ``head_seed`` and the tile's positions.
     """
     s, raw = scores(g, q, k, bias)
-    vis = tile_visible(g, st_q, st_k, mask, qs, ks)
+    vis = tile_visible(g, st_q, st_k, mask, qs, ks) if masked else None
     if vis is not None:
         s = jnp.where(vis, s, -jnp.inf)
     lse0 = lse[:, :1]
     p = jnp.exp(s - jnp.where(lse0 == -jnp.inf, 0.0, lse0))
     dp = _dot(do, v, _NT)
-    keep = tile_keep(g, head_seed, st_q, st_k)
     p_dropped = p
-    if keep is not None:
-        rate = g.spec.dropout_rate
-        p_dropped, dp = dropout.apply(p, keep, rate), dropout.apply(dp, keep, rate)
+    if g.spec.dropout_rate:
+        with jax.named_scope(DROPOUT_SCOPE):
+            keep = tile_keep(g, head_seed, st_q, st_k)
+            rate = g.spec.dropout_rate
+            p_dropped, dp = dropout.apply(p, keep, rate), dropout.apply(dp, keep, rate)
     dlogits = p * (dp - di[:, :1])
     return p_dropped, dlogits, raw
 
@@ -90,6 +94,7 @@ def _dkv_kernel(
     *,
     g: Geometry,
     group: int,
+    classes: tuple[bool, bool],
 ):
     """One grid step ``(b, hk, j, gi, i)``: add query block ``Step(...).block`` of query head
     ``hk * G + gi`` to the resident key block j's dK/dV (absent inputs are ``None``)."""
@@ -101,8 +106,7 @@ def _dkv_kernel(
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-    @pl.when(st.run)
-    def _compute():
+    def _compute(masked):
         q, do = q_ref[...], do_ref[...]
         head_seed = None
         if g.spec.dropout_rate:
@@ -122,9 +126,13 @@ def _dkv_kernel(
             load(q_seg_ref),
             load(kv_seg_ref),
             head_seed,
+            masked,
         )
         dv_scr[...] += _dot(p, do, _TN)
         dk_scr[...] += _dot(_dscores(g, dlogits, raw), q, _TN)
+
+    is_full = lambda: tile_is_full(tables, bi, st.block, j, g.nq, g.nk)  # noqa: E731
+    when_by_class(st.run, is_full, _compute, full_body=classes[0], partial_body=classes[1])
 
     @pl.when(jnp.logical_and(gi == group - 1, i == g.steps_q - 1))
     def _finish():
@@ -154,7 +162,12 @@ def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, table
         ),
     )
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, g=g, group=group),
+        functools.partial(
+            _dkv_kernel,
+            g=g,
+            group=group,
+            classes=bodies(g, has_mask=mask is not None, segmented=q_seg is not None),
+        ),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -193,6 +206,7 @@ def _dq_kernel(
     *rest,
     g: Geometry,
     dbias_block,
+    classes: tuple[bool, bool],
 ):
     """One grid step ``(b, h, i, j)``: add key block ``Step(...).block`` to query block i's dQ.
 
@@ -210,8 +224,7 @@ def _dq_kernel(
     def _init():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
-    @pl.when(st.run)
-    def _compute():
+    def _compute(masked):
         k = k_ref[...]
         head_seed = tables.head_seeds[bi * pl.num_programs(1) + h] if g.spec.dropout_rate else None
         _, dlogits, raw = _probs_and_dlogits(
@@ -229,6 +242,7 @@ def _dq_kernel(
             load(q_seg_ref),
             load(kv_seg_ref),
             head_seed,
+            masked,
         )
         dq_scr[...] += _dot(_dscores(g, dlogits, raw), k, _NN)
         if has_bias:
@@ -239,6 +253,9 @@ def _dq_kernel(
             if rk == 1:
                 tile = jnp.sum(tile, axis=1, keepdims=True)
             db_ref[...] = tile
+
+    is_full = lambda: tile_is_full(tables, bi, i, st.block, g.nq, g.nk)  # noqa: E731
+    when_by_class(st.run, is_full, _compute, full_body=classes[0], partial_body=classes[1])
 
     if has_bias:
         # A block entered without computing (empty row, or skipped by segment ids) must still be
@@ -294,7 +311,12 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
         ),
     )
     return pl.pallas_call(
-        functools.partial(_dq_kernel, g=g, dbias_block=block),
+        functools.partial(
+            _dq_kernel,
+            g=g,
+            dbias_block=block,
+            classes=bodies(g, has_mask=mask is not None, segmented=q_seg is not None),
+        ),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,

@@ -27,6 +27,10 @@ import jax
 # Sublane granularity of query blocks: 32 rows keep f32 (8), bf16/f16 (16) and the int8 mask (32)
 # tiles whole. Key blocks are lane dimensions of the score tile: multiples of 128.
 Q_ALIGN = 32
+# A query shorter than Q_ALIGN (decode: Sq = 1..31) is one block of the whole query rounded up to 8
+# rows (one f32 sublane tile) instead of 32: the block spans the whole padded array, which Mosaic
+# accepts for any dtype, and a decode step computes 8 padded rows per head rather than 32.
+SHORT_Q_ALIGN = 8
 K_ALIGN = 128
 LANES = 128
 
@@ -151,3 +155,33 @@ def resolve_blocks(options: dict[str, Any], backend: str) -> tuple[str, BlockSiz
     blocks = dataclasses.replace(base, **overrides)
     blocks.validate()
     return generation, blocks
+
+
+# What the grouped forward's blocks may occupy in VMEM: the 16 MiB default scoped VMEM less a margin
+# for Mosaic's own temporaries.
+FORWARD_VMEM_BUDGET = 12 * 2**20
+
+
+def forward_vmem_bytes(bq: int, bk: int, group: int, dp: int, dvp: int, itemsize: int) -> int:
+    """VMEM of one grouped forward step: double-buffered q/out/lse blocks of the G heads, K/V blocks,
+    the G heads' m/l (lane-replicated) and accumulator scratch, and ~4 live f32 [bq, bk] temporaries."""
+    per_row = group * (2 * dp * itemsize + 2 * dvp * itemsize + 2 * LANES * 4 + 2 * LANES * 4 + dvp * 4)
+    return bq * per_row + 2 * bk * (dp + dvp) * itemsize + 4 * bq * bk * 4
+
+
+def fit_forward_block_q(block_q: int, bk: int, group: int, dp: int, dvp: int, itemsize: int) -> int:
+    """``block_q`` halved (not below ``Q_ALIGN``) until the grouped forward fits
+    :data:`FORWARD_VMEM_BUDGET`: the G query heads of a group share each step, so their blocks
+    multiply the per-row VMEM by G. The tile still carries ``G * block_q`` query rows per K/V fetch.
+    Without GQA (G = 1) the block is the per-generation default or the user's, unchanged."""
+    if group == 1:
+        return block_q
+    bq = block_q
+    while bq > Q_ALIGN and forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize) > FORWARD_VMEM_BUDGET:
+        bq = max(Q_ALIGN, round_to_align(bq // 2))
+    return bq
+
+
+def round_to_align(rows: int) -> int:
+    """``rows`` rounded down to a multiple of ``Q_ALIGN`` (at least ``Q_ALIGN``)."""
+    return max(Q_ALIGN, rows // Q_ALIGN * Q_ALIGN)

@@ -142,3 +142,65 @@ def key_major_specs(g: Geometry, q, k, v, bias, mask, segmented: bool):
         lambda bi, hk, j, gi, i, t: (bi, 0, j),
     )
     return maps, specs
+
+
+class GroupMajor:
+    """Index maps of the forward's grouped grid ``(B, Hkv, nq, steps_k)``: one kv head per step.
+
+    The G query heads of a GQA group share the step: their query rows form one ``[G, bq, D]`` block
+    (query head ``hk * G + gi`` at index gi), so each K/V block is fetched once per group instead of
+    once per query head.
+    """
+
+    def __init__(self, g: Geometry, group: int):
+        self.g, self.group = g, group
+
+    def step(self, bi, hk, i, j, tables):
+        """The visit schedule entry of grid point (bi, hk, i, j)."""
+        return Step(tables, bi, i, j, self.g.nq, self.g.nk, by_rows=True)
+
+    def q(self, bi, hk, i, j, tables):
+        """Query-side blocks (q, out, lse) of the whole group: query block i of heads ``hk*G ..``."""
+        return bi, hk, i, 0
+
+    def kv(self, bi, hk, i, j, tables):
+        """K/V blocks: the scheduled key block of kv head ``hk``."""
+        return bi, hk, self.step(bi, hk, i, j, tables).block, 0
+
+    def bias(self, bi, hk, i, j, tables):
+        """(b, head-group, q block, k block) indices of bias/mask tiles (see :func:`grouped_bias_spec`)."""
+        return bi, hk, i, self.step(bi, hk, i, j, tables).block
+
+
+def grouped_bias_spec(g: Geometry, shape, group: int, index_of):
+    """BlockSpec of a rank-4 bias/mask for the grouped grid: all G heads of the group in one block.
+
+    A broadcast head dim stays squeezed (one tile serves every head); other size-1 dims stay at block 0.
+    """
+    bb, hb, sqb, skb = shape
+    block = (_SQ, group if hb > 1 else _SQ, g.bq if sqb > 1 else 1, g.bk if skb > 1 else 1)
+
+    def index_map(*args):
+        b, hk, qi, kj = index_of(*args)
+        return (b if bb > 1 else 0, hk if hb > 1 else 0, qi if sqb > 1 else 0, kj if skb > 1 else 0)
+
+    return pl.BlockSpec(block, index_map)
+
+
+def grouped_specs(g: Geometry, q, k, v, bias, mask, segmented: bool):
+    """Input specs of the grouped forward: ``q, k, v, bias, mask, q_seg, kv_seg`` (``None``: absent)."""
+    group = q.shape[1] // k.shape[1]
+    maps = GroupMajor(g, group)
+    dp, dvp = q.shape[3], v.shape[3]
+    specs = [
+        pl.BlockSpec((_SQ, group, g.bq, dp), maps.q),
+        pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv),
+        pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv),
+        None if bias is None else grouped_bias_spec(g, bias.shape, group, maps.bias),
+        None if mask is None else grouped_bias_spec(g, mask.shape, group, maps.bias),
+        pl.BlockSpec((_SQ, g.bq, 1), lambda bi, h, i, j, t: (bi, i, 0)) if segmented else None,
+        pl.BlockSpec((_SQ, 1, g.bk), lambda bi, h, i, j, t: (bi, 0, maps.step(bi, h, i, j, t).block))
+        if segmented
+        else None,
+    ]
+    return maps, specs

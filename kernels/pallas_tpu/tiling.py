@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashport.kernels import dropout
-from flashport.kernels.pallas_tpu.blocks import K_ALIGN, LANES, Q_ALIGN
+from flashport.kernels.pallas_tpu.blocks import K_ALIGN, LANES, Q_ALIGN, SHORT_Q_ALIGN
 from flashport.kernels.spec import AttentionSpec
 from flashport.kernels.visibility import band_visible
 
@@ -53,8 +53,12 @@ class Geometry:
 
     @staticmethod
     def make(spec: AttentionSpec, block_q: int, block_k: int) -> Geometry:
-        """Clip the blocks to the sequence lengths and compute the static ranges."""
-        bq = min(block_q, round_up(spec.seq_q, Q_ALIGN))
+        """Clip the blocks to the sequence lengths and compute the static ranges.
+
+        A query shorter than ``Q_ALIGN`` rows is one block of ``round_up(seq_q, SHORT_Q_ALIGN)`` rows.
+        """
+        q_align = SHORT_Q_ALIGN if spec.seq_q < Q_ALIGN else Q_ALIGN
+        bq = min(block_q, round_up(spec.seq_q, q_align))
         bk = min(block_k, round_up(spec.seq_k, K_ALIGN))
         nq, nk = -(-spec.seq_q // bq), -(-spec.seq_k // bk)
         row_lo, row_hi, col_lo, col_hi = [], [], [], []
@@ -159,7 +163,9 @@ class Tables(NamedTuple):
     ``lo``/``hi``: int32 visited block range per resident block, [n] without segment ids, else
     [B * n] (narrowed to the blocks whose segment-id intervals overlap). ``q_min``/``q_max`` [B * nq]
     and ``k_min``/``k_max`` [B * nk]: per-block segment-id intervals (segment ids only).
-    ``head_seeds``: uint32 [B * Hq] dropout seeds ``t_bh`` (dropout only). Passed to ``pallas_call``
+    ``head_seeds``: uint32 [B * Hq] dropout seeds ``t_bh`` (dropout only). ``full_lo``/``full_hi``
+    int32 [nq]: per query block, the key blocks whose tiles are fully visible (see
+    :mod:`~flashport.kernels.pallas_tpu.classify`; ``None``: classify nothing). Passed to ``pallas_call``
     as one scalar-prefetch argument, so index maps and kernels receive a ``Tables`` of refs.
     """
 
@@ -170,6 +176,8 @@ class Tables(NamedTuple):
     k_min: Any = None
     k_max: Any = None
     head_seeds: Any = None
+    full_lo: Any = None
+    full_hi: Any = None
 
     @property
     def segmented(self) -> bool:
@@ -268,7 +276,7 @@ def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_ti
 
     if g.needs_position_mask:
         k_pos = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 1)
-        vis = k_pos < spec.seq_k
+        vis = k_pos < spec.seq_k if g.skp != spec.seq_k else None
         if spec.has_positional_mask:
             diag = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 0) + spec.offset
             vis = band_visible(
