@@ -10,12 +10,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from flashport.kernels import checks, dropout, registry
 from flashport.kernels.spec import AttentionSpec
+
+# The canonical arrays a backend receives: (q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed).
+CanonicalArrays = tuple[
+    jax.Array,
+    jax.Array,
+    jax.Array,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+]
 
 log = logging.getLogger("flashport")
 
@@ -46,25 +60,25 @@ class Call:
 
 
 def attention(
-    query,
-    key,
-    value,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    backend="auto",
-    return_lse=False,
-    dropout_rate=0.0,
-    dropout_rng=None,
-):
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    align: str = "bottom_right",
+    softcap: float | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    layout: str = "BSHD",
+    backend: str | registry.BackendChoice = "auto",
+    return_lse: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention with one contract on every platform.
 
     Args:
@@ -158,24 +172,24 @@ def attention(
 
 
 def prepare(
-    query,
-    key,
-    value,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    return_lse=False,
-    dropout_rate=0.0,
-    dropout_rng=None,
-):
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    align: str = "bottom_right",
+    softcap: float | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    layout: str = "BSHD",
+    return_lse: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> tuple[CanonicalArrays, Call]:
     """Validate ``attention``'s arguments and return ``(canonical_arrays, call)``.
 
     ``canonical_arrays`` is ``(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed)`` in the
@@ -242,7 +256,19 @@ def prepare(
 
 
 @functools.partial(jax.jit, static_argnames=("call", "choice"))
-def flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, call: Call, choice):
+def flashport_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    seed: jax.Array | None,
+    *,
+    call: Call,
+    choice: registry.BackendChoice | None,
+) -> tuple[jax.Array, jax.Array]:
     """The jitted op (its name is what jaxprs, profiles and cost analyses show). Canonical in/out."""
     args = (q, k, v, bias, mask, q_seg, kv_seg, seed)
     with jax.named_scope("flashport_attention"):
@@ -266,7 +292,7 @@ def flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, call: Call,
         return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
 
 
-def _no_keys(call: Call):
+def _no_keys(call: Call) -> tuple[jax.Array, jax.Array]:
     """The contract for Sk == 0, on every backend: every query row sees no key, so out is 0 and lse
     is -inf (their gradients are 0). Kernels need not handle empty key blocks."""
     b, hq, sq, _ = call.q_shape
@@ -275,13 +301,17 @@ def _no_keys(call: Call):
     )
 
 
-def _run(choice, call, args):
+def _run(
+    choice: registry.BackendChoice, call: Call, args: tuple[jax.Array | None, ...]
+) -> tuple[jax.Array, jax.Array]:
     info = registry.get(choice.name)
     log.debug("flashport_attention %s: running backend %s", _describe(call), info.name)
     return info.fn(*args, spec=call.spec, options=choice.options_dict)
 
 
-def _run_positional(choice, call, *args):
+def _run_positional(
+    choice: registry.BackendChoice, call: Call, *args: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
     return _run(choice, call, args)
 
 
@@ -289,7 +319,7 @@ def _describe(call: Call) -> str:
     return f"q{list(call.q_shape)} kv{list(call.kv_shape)} {call.dtype} features={sorted(call.features)}"
 
 
-def _resolve_backend(backend, call: Call):
+def _resolve_backend(backend: object, call: Call) -> registry.BackendChoice | None:
     """Return None for auto, else a BackendChoice that is known to support ``call``."""
     if isinstance(backend, str):
         if backend == "auto":
@@ -316,7 +346,7 @@ def _resolve_backend(backend, call: Call):
 # ----------------------------------------------------------------------------------- validation
 
 
-def _as_array(x, name):
+def _as_array(x: Any, name: str) -> jax.Array:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         try:
             x = jnp.asarray(x)
@@ -331,7 +361,9 @@ def _as_array(x, name):
     return x
 
 
-def _check_broadcast(name, x, full, *, kind):
+def _check_broadcast(
+    name: str, x: ArrayLike | None, full: tuple[int, int, int, int], *, kind: str
+) -> jax.Array | None:
     """Left-pad ``x`` to rank 4 and check each dim is 1 or the full size; dims stay unbroadcast."""
     if x is None:
         return None
@@ -344,14 +376,16 @@ def _check_broadcast(name, x, full, *, kind):
     return x.astype(jnp.float32) if kind == "float" else x
 
 
-def _check_segments(q_seg, kv_seg, batch, sq, sk):
+def _check_segments(
+    q_seg: ArrayLike | None, kv_seg: ArrayLike | None, batch: int, sq: int, sk: int
+) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
     if not checks.check_segments_given(q_seg, kv_seg):
         return None, None
     out = []
-    for name, ids, seq in (("q_segment_ids", q_seg, sq), ("kv_segment_ids", kv_seg, sk)):
-        ids = jnp.asarray(ids)
+    for name, given, seq in (("q_segment_ids", q_seg, sq), ("kv_segment_ids", kv_seg, sk)):
+        ids = jnp.asarray(given)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
         checks.check_segment_shape(name, ids.shape, batch, seq)
         out.append(ids.astype(jnp.int32))
-    return tuple(out)
+    return out[0], out[1]
