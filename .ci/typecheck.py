@@ -41,11 +41,13 @@ def main(argv: list[str]) -> int:
     command = [sys.executable, "-m", "mypy", *config, *argv, "-p", "flashport"]
     env = {**os.environ, "MYPYPATH": str(stage)}
     result = subprocess.run(command, cwd=stage, capture_output=True, text=True, env=env)
-    back = {"/".join(package.split(".")) + "/": source.rstrip("/") + "/" for package, source in mapping.items()}
+    back = {
+        "/".join(package.split(".")) + "/": source.rstrip("/") + "/" for package, source in mapping.items()
+    }
     for line in (result.stdout + result.stderr).splitlines():
         for staged, source in sorted(back.items(), key=lambda item: -len(item[0])):
             if line.startswith(staged):
-                line = source + line[len(staged):]
+                line = source + line[len(staged) :]
                 break
         print(line)
     return result.returncode
