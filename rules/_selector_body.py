@@ -52,7 +52,7 @@ def _bindings(module: cst.Module) -> dict[str, str]:
                 for alias in small.names:
                     name = _dotted_text(alias.name)
                     if alias.asname is not None:
-                        out[alias.asname.name.value] = name
+                        out[_dotted_text(alias.asname.name)] = name
                     else:
                         out[name.split(".")[0]] = name.split(".")[0]
             elif isinstance(small, cst.ImportFrom) and small.module is not None and not small.relative:
@@ -60,12 +60,13 @@ def _bindings(module: cst.Module) -> dict[str, str]:
                     continue
                 base = _dotted_text(small.module)
                 for alias in small.names:
-                    local = alias.asname.name.value if alias.asname is not None else alias.name.value
+                    local = _dotted_text(alias.asname.name if alias.asname is not None else alias.name)
                     out[local] = f"{base}.{_dotted_text(alias.name)}"
     return out
 
 
-def _dotted_text(node) -> str:
+def _dotted_text(node: cst.BaseExpression) -> str:
+    """``a.b.c`` for a Name/Attribute chain; "" for anything else."""
     if isinstance(node, cst.Name):
         return node.value
     if isinstance(node, cst.Attribute):

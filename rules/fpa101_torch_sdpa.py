@@ -54,7 +54,7 @@ POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 def sdpa_signature(version: tuple[int, ...]) -> Signature:
     """SDPA's signature at torch ``version`` (scale from 2.1, enable_gqa from 2.5)."""
-    keyword_only = ()
+    keyword_only: tuple[str, ...] = ()
     if version >= (2, 1):
         keyword_only += ("scale",)
     if version >= (2, 5):
