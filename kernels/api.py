@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from flashport.kernels import checks, dropout, registry
+from flashport.kernels import bias_grad, checks, dropout, registry
 from flashport.kernels.spec import AttentionSpec
 
 # The canonical arrays a backend receives: (q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed).
@@ -56,7 +56,6 @@ class Call:
     v_head_dim: int
     dtype: str
     bias_shape: tuple[int, ...] | None
-    mask_shape: tuple[int, ...] | None
 
 
 def attention(
@@ -118,7 +117,8 @@ def attention(
 
     Raises:
       ValueError / TypeError naming the argument for shapes, dtypes or options that do not fit, and
-      ValueError naming the missing feature when an explicit backend cannot serve the call.
+      ValueError naming the missing feature when an explicit backend cannot serve the call (for
+      ``bias_grad``, a backend without bias gradients, when JAX differentiates w.r.t. ``bias``).
 
     Sequence parallelism: when ``query`` and ``key`` are sharded along their sequence dim over a mesh
     axis (concrete arrays with a ``NamedSharding``, or under ``jit`` with explicit-sharding mesh
@@ -250,7 +250,6 @@ def prepare(
         v_head_dim=v.shape[-1],
         dtype=DTYPES[q.dtype],
         bias_shape=None if bias is None else tuple(bias.shape),
-        mask_shape=None if mask is None else tuple(mask.shape),
     )
     return (q, k, v, bias, mask, q_seg, kv_seg, seed), call
 
@@ -274,22 +273,58 @@ def flashport_attention(
     with jax.named_scope("flashport_attention"):
         if call.kv_shape[2] == 0:
             return _no_keys(call)
-        if choice is not None:  # an explicit backend
-            return _run(choice, call, args)
-        picks = {p: registry.choose(p, call) for p in PLATFORMS}
-        log.debug(
-            "flashport_attention %s: auto picks %s",
-            _describe(call),
-            "; ".join(f"{p}->{name} ({why})" for p, (name, why) in picks.items()),
-        )
-        names = {name for name, _ in picks.values()}
-        if len(names) == 1:
-            return _run(registry.BackendChoice(names.pop()), call, args)
-        branches = {
-            p: functools.partial(_run_positional, registry.BackendChoice(name), call)
-            for p, (name, _) in picks.items()
-        }
-        return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
+        run = functools.partial(_dispatch, call, choice)
+        if bias is None:
+            return run(*args)
+        # Whether the bias is differentiated shows only when JAX differentiates (kernels/bias_grad.py).
+        if choice is not None and bias_grad.FEATURE not in registry.get(choice.name).features:
+            return bias_grad.guarded(run, None, _bias_grad_refusal(choice.name, call), *args)
+        with_grad = dataclasses.replace(call, features=call.features | {bias_grad.FEATURE})
+        if choice is None and _names(_auto_picks(call)) != _names(_auto_picks(with_grad)):
+            return bias_grad.guarded(run, functools.partial(_dispatch, with_grad, None), "", *args)
+        return run(*args)
+
+
+def _dispatch(
+    call: Call, choice: registry.BackendChoice | None, *args: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Run an explicit backend, or the one ``auto`` picks per platform (chosen when lowering)."""
+    if choice is not None:
+        return _run(choice, call, args)
+    picks = _auto_picks(call)
+    log.debug(
+        "flashport_attention %s: auto picks %s",
+        _describe(call),
+        "; ".join(f"{p}->{name} ({why})" for p, (name, why) in picks.items()),
+    )
+    names = {name for name, _ in picks.values()}
+    if len(names) == 1:
+        return _run(registry.BackendChoice(names.pop()), call, args)
+    branches = {
+        p: functools.partial(_run_positional, registry.BackendChoice(name), call)
+        for p, (name, _) in picks.items()
+    }
+    return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
+
+
+def _auto_picks(call: Call) -> dict[str, tuple[str, str]]:
+    """``auto``'s ``(backend, why)`` on every platform for ``call``."""
+    return {p: registry.choose(p, call) for p in PLATFORMS}
+
+
+def _names(picks: dict[str, tuple[str, str]]) -> dict[str, str]:
+    return {platform: name for platform, (name, _) in picks.items()}
+
+
+def _bias_grad_refusal(name: str, call: Call) -> str:
+    """The error for a differentiated bias on an explicit backend without bias gradients."""
+    features = call.features | {bias_grad.FEATURE}
+    alternatives = registry.backends_with(features) or ["none"]
+    return (
+        f"backend={name!r} does not give gradients w.r.t. bias (feature {bias_grad.FEATURE!r}), and this "
+        f"call differentiates its bias; backends that support these features: {', '.join(alternatives)} "
+        f"(or use backend='auto', or jax.lax.stop_gradient the bias)"
+    )
 
 
 def _no_keys(call: Call) -> tuple[jax.Array, jax.Array]:

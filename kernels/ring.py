@@ -288,7 +288,6 @@ def _local_call(spec: AttentionSpec, features, q, k, v) -> api.Call:
         v_head_dim=v.shape[-1],
         dtype=api.DTYPES[q.dtype],
         bias_shape=None,
-        mask_shape=None,
     )
 
 

@@ -32,7 +32,7 @@ FEATURES = (
     "align_bottom_right",
     "softcap",
     "bias",
-    "bias_grad",
+    "bias_grad",  # gradients w.r.t. bias: needed where JAX differentiates it (kernels/bias_grad.py)
     "mask",
     "segment_ids",
     "gqa",
