@@ -3,10 +3,10 @@
 The design keeps ``rewriter/``, ``kernels/`` and ``rules/`` at the top of the repository and installs
 them as ``flashport.rewriter``, ``flashport.kernels`` and ``flashport.rules`` (pyproject's
 ``package-dir``). mypy cannot follow that mapping (nor the editable-install import hook), so this
-script lays the package out as it installs - a tree of symlinks under ``.mypy_cache/stage`` (a fixed
-place, so mypy's incremental cache in ``.mypy_cache`` survives between runs) - runs mypy on it with
-the repository's ``[tool.mypy]`` settings, and prints every finding with its path in the repository.
-Exit status: mypy's.
+script lays the package out as it installs - a tree of symlinks under ``.mypy_cache/stage``, removed
+afterwards (a fixed place, so mypy's incremental cache in ``.mypy_cache`` serves the next run) - runs
+mypy on it with the repository's ``[tool.mypy]`` settings, and prints every finding with its path in
+the repository. Exit status: mypy's.
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ def main(argv: list[str]) -> int:
     config = ["--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(cache)]
     command = [sys.executable, "-m", "mypy", *config, *argv, "-p", "flashport"]
     env = {**os.environ, "MYPYPATH": str(stage)}
-    result = subprocess.run(command, cwd=stage, capture_output=True, text=True, env=env)
+    try:
+        result = subprocess.run(command, cwd=stage, capture_output=True, text=True, env=env)
+    finally:  # no second copy of the sources for tools that walk the repository
+        shutil.rmtree(stage, ignore_errors=True)
     back = {
         "/".join(package.split(".")) + "/": source.rstrip("/") + "/" for package, source in mapping.items()
     }
