@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,77 @@ class Call:
     v_head_dim: int
     dtype: str
     bias_shape: tuple[int, ...] | None
+
+
+# Typing overloads (deliberately parallel signatures, kept in step with the implementation below):
+# the result is an array, or ``(out, lse)`` with ``return_lse=True``.
+@overload
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: ArrayLike | None = ...,
+    mask: ArrayLike | None = ...,
+    q_segment_ids: ArrayLike | None = ...,
+    kv_segment_ids: ArrayLike | None = ...,
+    layout: str = ...,
+    backend: str | registry.BackendChoice = ...,
+    return_lse: Literal[False] = ...,
+    dropout_rate: float = ...,
+    dropout_rng: jax.Array | None = ...,
+) -> jax.Array: ...
+
+
+@overload
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: ArrayLike | None = ...,
+    mask: ArrayLike | None = ...,
+    q_segment_ids: ArrayLike | None = ...,
+    kv_segment_ids: ArrayLike | None = ...,
+    layout: str = ...,
+    backend: str | registry.BackendChoice = ...,
+    return_lse: Literal[True],
+    dropout_rate: float = ...,
+    dropout_rng: jax.Array | None = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: ArrayLike | None = ...,
+    mask: ArrayLike | None = ...,
+    q_segment_ids: ArrayLike | None = ...,
+    kv_segment_ids: ArrayLike | None = ...,
+    layout: str = ...,
+    backend: str | registry.BackendChoice = ...,
+    return_lse: bool = ...,
+    dropout_rate: float = ...,
+    dropout_rng: jax.Array | None = ...,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def attention(

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -51,6 +51,77 @@ _Options = dict[str, Any]  # scale, causal, window, align, softcap, layout as th
 _Tensors = dict[str, Any]  # bias, mask, q_segment_ids, kv_segment_ids as the user gave them
 _Dropout = tuple[float, "torch.Generator | None"]  # (dropout_p, generator), both checked
 _Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+# Typing overloads (deliberately parallel signatures, kept in step with the implementation below):
+# the result is a tensor, or ``(out, lse)`` with ``return_lse=True``.
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: torch.Tensor | None = ...,
+    mask: torch.Tensor | None = ...,
+    q_segment_ids: torch.Tensor | None = ...,
+    kv_segment_ids: torch.Tensor | None = ...,
+    layout: str = ...,
+    backend: Any = ...,
+    return_lse: Literal[False] = ...,
+    dropout_p: float = ...,
+    generator: torch.Generator | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: torch.Tensor | None = ...,
+    mask: torch.Tensor | None = ...,
+    q_segment_ids: torch.Tensor | None = ...,
+    kv_segment_ids: torch.Tensor | None = ...,
+    layout: str = ...,
+    backend: Any = ...,
+    return_lse: Literal[True],
+    dropout_p: float = ...,
+    generator: torch.Generator | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: torch.Tensor | None = ...,
+    mask: torch.Tensor | None = ...,
+    q_segment_ids: torch.Tensor | None = ...,
+    kv_segment_ids: torch.Tensor | None = ...,
+    layout: str = ...,
+    backend: Any = ...,
+    return_lse: bool = ...,
+    dropout_p: float = ...,
+    generator: torch.Generator | None = ...,
+) -> _Result: ...
 
 
 def attention(
