@@ -16,6 +16,18 @@ Public API (imported lazily, so ``import flashport`` and the CLI never pay for i
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers (no import at run time)
+    from flashport.kernels import seq_layout as seq_layout
+    from flashport.kernels.api import attention as attention
+    from flashport.kernels.backward import attention_backward as attention_backward
+    from flashport.kernels.registry import BackendInfo as BackendInfo
+    from flashport.kernels.registry import backends as backends
+    from flashport.kernels.ring import ring_attention as ring_attention
+    from flashport.kernels.sdpa_compat import sdpa_mask as sdpa_mask
+    from flashport.rewriter.jaxpr.fuse import find_attention as find_attention
+    from flashport.rewriter.jaxpr.fuse import fuse_attention as fuse_attention
 
 __version__ = "0.1.0"
 
@@ -36,7 +48,7 @@ _SUBMODULES = {"seq_layout": "flashport.kernels.seq_layout"}
 __all__ = ["__version__", "varlen_attention", *_LAZY, *_SUBMODULES]
 
 
-def varlen_attention(query, key, value, **kwargs):
+def varlen_attention(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
     """Attention over packed variable-length sequences (flash-attn's varlen convention).
 
     Dispatches on the tensor type: torch tensors (torchax and torch_xla tensors included) go to
@@ -49,13 +61,15 @@ def varlen_attention(query, key, value, **kwargs):
     from flashport.kernels.varlen import is_torch_tensor
 
     if is_torch_tensor(query):
-        from flashport.torch import varlen_attention as impl
-    else:
-        from flashport.kernels.varlen import varlen_attention as impl
-    return impl(query, key, value, **kwargs)
+        from flashport.torch import varlen_attention as torch_impl
+
+        return torch_impl(query, key, value, **kwargs)
+    from flashport.kernels.varlen import varlen_attention as jax_impl
+
+    return jax_impl(query, key, value, **kwargs)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module_name, attr = _LAZY[name].split(":")
         value = getattr(importlib.import_module(module_name), attr)
@@ -70,5 +84,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'flashport' has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(__all__)

@@ -10,12 +10,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
-from flashport.kernels import checks, dropout, registry
+from flashport.kernels import bias_grad, checks, dropout, registry
 from flashport.kernels.spec import AttentionSpec
+
+# The canonical arrays a backend receives: (q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed).
+CanonicalArrays = tuple[
+    jax.Array,
+    jax.Array,
+    jax.Array,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+    jax.Array | None,
+]
 
 log = logging.getLogger("flashport")
 
@@ -42,29 +56,99 @@ class Call:
     v_head_dim: int
     dtype: str
     bias_shape: tuple[int, ...] | None
-    mask_shape: tuple[int, ...] | None
+
+
+# Typing overloads (deliberately parallel signatures, kept in step with the implementation below):
+# the result is an array, or ``(out, lse)`` with ``return_lse=True``.
+@overload
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: ArrayLike | None = ...,
+    mask: ArrayLike | None = ...,
+    q_segment_ids: ArrayLike | None = ...,
+    kv_segment_ids: ArrayLike | None = ...,
+    layout: str = ...,
+    backend: str | registry.BackendChoice = ...,
+    return_lse: Literal[False] = ...,
+    dropout_rate: float = ...,
+    dropout_rng: jax.Array | None = ...,
+) -> jax.Array: ...
+
+
+@overload
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: ArrayLike | None = ...,
+    mask: ArrayLike | None = ...,
+    q_segment_ids: ArrayLike | None = ...,
+    kv_segment_ids: ArrayLike | None = ...,
+    layout: str = ...,
+    backend: str | registry.BackendChoice = ...,
+    return_lse: Literal[True],
+    dropout_rate: float = ...,
+    dropout_rng: jax.Array | None = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: ArrayLike | None = ...,
+    mask: ArrayLike | None = ...,
+    q_segment_ids: ArrayLike | None = ...,
+    kv_segment_ids: ArrayLike | None = ...,
+    layout: str = ...,
+    backend: str | registry.BackendChoice = ...,
+    return_lse: bool = ...,
+    dropout_rate: float = ...,
+    dropout_rng: jax.Array | None = ...,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def attention(
-    query,
-    key,
-    value,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    backend="auto",
-    return_lse=False,
-    dropout_rate=0.0,
-    dropout_rng=None,
-):
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    align: str = "bottom_right",
+    softcap: float | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    layout: str = "BSHD",
+    backend: str | registry.BackendChoice = "auto",
+    return_lse: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention with one contract on every platform.
 
     Args:
@@ -104,7 +188,8 @@ def attention(
 
     Raises:
       ValueError / TypeError naming the argument for shapes, dtypes or options that do not fit, and
-      ValueError naming the missing feature when an explicit backend cannot serve the call.
+      ValueError naming the missing feature when an explicit backend cannot serve the call (for
+      ``bias_grad``, a backend without bias gradients, when JAX differentiates w.r.t. ``bias``).
 
     Sequence parallelism: when ``query`` and ``key`` are sharded along their sequence dim over a mesh
     axis (concrete arrays with a ``NamedSharding``, or under ``jit`` with explicit-sharding mesh
@@ -158,24 +243,24 @@ def attention(
 
 
 def prepare(
-    query,
-    key,
-    value,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    return_lse=False,
-    dropout_rate=0.0,
-    dropout_rng=None,
-):
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    align: str = "bottom_right",
+    softcap: float | None = None,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    q_segment_ids: ArrayLike | None = None,
+    kv_segment_ids: ArrayLike | None = None,
+    layout: str = "BSHD",
+    return_lse: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> tuple[CanonicalArrays, Call]:
     """Validate ``attention``'s arguments and return ``(canonical_arrays, call)``.
 
     ``canonical_arrays`` is ``(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed)`` in the
@@ -236,37 +321,84 @@ def prepare(
         v_head_dim=v.shape[-1],
         dtype=DTYPES[q.dtype],
         bias_shape=None if bias is None else tuple(bias.shape),
-        mask_shape=None if mask is None else tuple(mask.shape),
     )
     return (q, k, v, bias, mask, q_seg, kv_seg, seed), call
 
 
 @functools.partial(jax.jit, static_argnames=("call", "choice"))
-def flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, call: Call, choice):
+def flashport_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    seed: jax.Array | None,
+    *,
+    call: Call,
+    choice: registry.BackendChoice | None,
+) -> tuple[jax.Array, jax.Array]:
     """The jitted op (its name is what jaxprs, profiles and cost analyses show). Canonical in/out."""
     args = (q, k, v, bias, mask, q_seg, kv_seg, seed)
     with jax.named_scope("flashport_attention"):
         if call.kv_shape[2] == 0:
             return _no_keys(call)
-        if choice is not None:  # an explicit backend
-            return _run(choice, call, args)
-        picks = {p: registry.choose(p, call) for p in PLATFORMS}
-        log.debug(
-            "flashport_attention %s: auto picks %s",
-            _describe(call),
-            "; ".join(f"{p}->{name} ({why})" for p, (name, why) in picks.items()),
-        )
-        names = {name for name, _ in picks.values()}
-        if len(names) == 1:
-            return _run(registry.BackendChoice(names.pop()), call, args)
-        branches = {
-            p: functools.partial(_run_positional, registry.BackendChoice(name), call)
-            for p, (name, _) in picks.items()
-        }
-        return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
+        run = functools.partial(_dispatch, call, choice)
+        if bias is None:
+            return run(*args)
+        # Whether the bias is differentiated shows only when JAX differentiates (kernels/bias_grad.py).
+        if choice is not None and bias_grad.FEATURE not in registry.get(choice.name).features:
+            return bias_grad.guarded(run, None, _bias_grad_refusal(choice.name, call), *args)
+        with_grad = dataclasses.replace(call, features=call.features | {bias_grad.FEATURE})
+        if choice is None and _names(_auto_picks(call)) != _names(_auto_picks(with_grad)):
+            return bias_grad.guarded(run, functools.partial(_dispatch, with_grad, None), "", *args)
+        return run(*args)
 
 
-def _no_keys(call: Call):
+def _dispatch(
+    call: Call, choice: registry.BackendChoice | None, *args: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Run an explicit backend, or the one ``auto`` picks per platform (chosen when lowering)."""
+    if choice is not None:
+        return _run(choice, call, args)
+    picks = _auto_picks(call)
+    log.debug(
+        "flashport_attention %s: auto picks %s",
+        _describe(call),
+        "; ".join(f"{p}->{name} ({why})" for p, (name, why) in picks.items()),
+    )
+    names = {name for name, _ in picks.values()}
+    if len(names) == 1:
+        return _run(registry.BackendChoice(names.pop()), call, args)
+    branches = {
+        p: functools.partial(_run_positional, registry.BackendChoice(name), call)
+        for p, (name, _) in picks.items()
+    }
+    return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
+
+
+def _auto_picks(call: Call) -> dict[str, tuple[str, str]]:
+    """``auto``'s ``(backend, why)`` on every platform for ``call``."""
+    return {p: registry.choose(p, call) for p in PLATFORMS}
+
+
+def _names(picks: dict[str, tuple[str, str]]) -> dict[str, str]:
+    return {platform: name for platform, (name, _) in picks.items()}
+
+
+def _bias_grad_refusal(name: str, call: Call) -> str:
+    """The error for a differentiated bias on an explicit backend without bias gradients."""
+    features = call.features | {bias_grad.FEATURE}
+    alternatives = registry.backends_with(features) or ["none"]
+    return (
+        f"backend={name!r} does not give gradients w.r.t. bias (feature {bias_grad.FEATURE!r}), and this "
+        f"call differentiates its bias; backends that support these features: {', '.join(alternatives)} "
+        f"(or use backend='auto', or jax.lax.stop_gradient the bias)"
+    )
+
+
+def _no_keys(call: Call) -> tuple[jax.Array, jax.Array]:
     """The contract for Sk == 0, on every backend: every query row sees no key, so out is 0 and lse
     is -inf (their gradients are 0). Kernels need not handle empty key blocks."""
     b, hq, sq, _ = call.q_shape
@@ -275,13 +407,17 @@ def _no_keys(call: Call):
     )
 
 
-def _run(choice, call, args):
+def _run(
+    choice: registry.BackendChoice, call: Call, args: tuple[jax.Array | None, ...]
+) -> tuple[jax.Array, jax.Array]:
     info = registry.get(choice.name)
     log.debug("flashport_attention %s: running backend %s", _describe(call), info.name)
     return info.fn(*args, spec=call.spec, options=choice.options_dict)
 
 
-def _run_positional(choice, call, *args):
+def _run_positional(
+    choice: registry.BackendChoice, call: Call, *args: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
     return _run(choice, call, args)
 
 
@@ -289,7 +425,7 @@ def _describe(call: Call) -> str:
     return f"q{list(call.q_shape)} kv{list(call.kv_shape)} {call.dtype} features={sorted(call.features)}"
 
 
-def _resolve_backend(backend, call: Call):
+def _resolve_backend(backend: object, call: Call) -> registry.BackendChoice | None:
     """Return None for auto, else a BackendChoice that is known to support ``call``."""
     if isinstance(backend, str):
         if backend == "auto":
@@ -316,7 +452,7 @@ def _resolve_backend(backend, call: Call):
 # ----------------------------------------------------------------------------------- validation
 
 
-def _as_array(x, name):
+def _as_array(x: Any, name: str) -> jax.Array:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         try:
             x = jnp.asarray(x)
@@ -331,7 +467,9 @@ def _as_array(x, name):
     return x
 
 
-def _check_broadcast(name, x, full, *, kind):
+def _check_broadcast(
+    name: str, x: ArrayLike | None, full: tuple[int, int, int, int], *, kind: str
+) -> jax.Array | None:
     """Left-pad ``x`` to rank 4 and check each dim is 1 or the full size; dims stay unbroadcast."""
     if x is None:
         return None
@@ -344,14 +482,16 @@ def _check_broadcast(name, x, full, *, kind):
     return x.astype(jnp.float32) if kind == "float" else x
 
 
-def _check_segments(q_seg, kv_seg, batch, sq, sk):
+def _check_segments(
+    q_seg: ArrayLike | None, kv_seg: ArrayLike | None, batch: int, sq: int, sk: int
+) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
     if not checks.check_segments_given(q_seg, kv_seg):
         return None, None
     out = []
-    for name, ids, seq in (("q_segment_ids", q_seg, sq), ("kv_segment_ids", kv_seg, sk)):
-        ids = jnp.asarray(ids)
+    for name, given, seq in (("q_segment_ids", q_seg, sq), ("kv_segment_ids", kv_seg, sk)):
+        ids = jnp.asarray(given)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
         checks.check_segment_shape(name, ids.shape, batch, seq)
         out.append(ids.astype(jnp.int32))
-    return tuple(out)
+    return out[0], out[1]

@@ -22,13 +22,14 @@ call with ``return_lse=True``, so the backward always matches the forward that m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 
-from flashport.kernels import api, registry
+from flashport.kernels import api, bias_grad, registry
 
 log = logging.getLogger("flashport")
 
@@ -92,6 +93,8 @@ def attention_backward(
     (q, k, v, bias_c, mask_c, q_seg, kv_seg, seed), call = api.prepare(
         query, key, value, bias=bias, **options
     )
+    if bias is not None:  # dbias is among the results: only backends with bias gradients qualify
+        call = dataclasses.replace(call, features=call.features | {bias_grad.FEATURE})
 
     def canonical(query, key, value, bias):
         arrays, _ = api.prepare(query, key, value, bias=bias, **options)

@@ -47,7 +47,7 @@ def check_softcap(softcap) -> float | None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a static positive float or None, got {type(softcap).__name__}")
-    if not softcap > 0:
+    if not float(softcap) > 0:
         raise ValueError(f"softcap must be > 0 (or None to disable), got {softcap}")
     return float(softcap)
 
@@ -60,7 +60,7 @@ def check_window(window) -> tuple[int | None, int | None]:
         raise ValueError(
             f"window must be a (left, right) pair of ints or None, e.g. window=(128, 0); got {window!r}"
         )
-    sides = []
+    sides: list[int | None] = []
     for side, value in zip(("left", "right"), window, strict=False):
         if value is None:
             sides.append(None)

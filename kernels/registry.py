@@ -15,9 +15,12 @@ import dataclasses
 import importlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashport.kernels.spec import FEATURES
+
+if TYPE_CHECKING:  # api imports this module at run time
+    from flashport.kernels.api import Call
 
 log = logging.getLogger("flashport")
 
@@ -65,9 +68,9 @@ class BackendInfo:
     platforms: tuple[str, ...]
     features: frozenset[str]
     fn: Callable[..., Any]
-    check: Callable[[Any], str | None] | None = None
+    check: Callable[[Call], str | None] | None = None
     is_available: Callable[[], bool] | None = None
-    prefer: Callable[[Any], str | None] | None = None
+    prefer: Callable[[Call], str | None] | None = None
     backward: Callable[..., Any] | None = None
 
     @property
@@ -160,7 +163,7 @@ def backends() -> dict[str, dict[str, Any]]:
     return {name: info.as_row() for name, info in sorted(all_backends().items())}
 
 
-def missing_features(info: BackendInfo, call) -> list[str]:
+def missing_features(info: BackendInfo, call: Call) -> list[str]:
     """Features (or limits, as reasons) that ``call`` needs and backend ``info`` lacks."""
     missing = sorted(call.features - info.features)
     if not missing and info.check is not None:
@@ -175,9 +178,9 @@ def backends_with(features: frozenset[str]) -> list[str]:
     return sorted(n for n, i in all_backends().items() if features <= i.features)
 
 
-def choose(platform: str, call) -> tuple[str, str]:
+def choose(platform: str, call: Call) -> tuple[str, str]:
     """Pick the backend ``auto`` uses on ``platform`` for ``call``; returns ``(name, why)``."""
-    reasons = []
+    reasons: list[str] = []
     for name in AUTO_PREFERENCE.get(platform, ("blockwise", "xla")):
         info = all_backends().get(name)
         if info is None:

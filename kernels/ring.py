@@ -288,7 +288,6 @@ def _local_call(spec: AttentionSpec, features, q, k, v) -> api.Call:
         v_head_dim=v.shape[-1],
         dtype=api.DTYPES[q.dtype],
         bias_shape=None,
-        mask_shape=None,
     )
 
 
@@ -514,7 +513,7 @@ def detect(query, key, layout: str):
     k_axis = k_spec[seq_dim]
     if isinstance(k_axis, tuple):
         k_axis = k_axis[0] if len(k_axis) == 1 else None
-    if axis is None or axis != k_axis or mesh.shape[axis] < 2:
+    if mesh is None or axis is None or axis != k_axis or mesh.shape[axis] < 2:
         return None
     n = mesh.shape[axis]
     if query.shape[seq_dim] % n or key.shape[seq_dim] % n:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from flashport.kernels.visibility import band_visible
@@ -31,7 +32,7 @@ FEATURES = (
     "align_bottom_right",
     "softcap",
     "bias",
-    "bias_grad",
+    "bias_grad",  # gradients w.r.t. bias: needed where JAX differentiates it (kernels/bias_grad.py)
     "mask",
     "segment_ids",
     "gqa",
@@ -103,7 +104,7 @@ class AttentionSpec:
         return lo, hi
 
 
-def positional_visible(spec: AttentionSpec, q_pos, k_pos):
+def positional_visible(spec: AttentionSpec, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     """Boolean array: which (query, key) positions causal/window structure keeps.
 
     ``q_pos`` and ``k_pos`` are integer arrays that broadcast against each other (e.g. [bq, 1] and
@@ -120,7 +121,7 @@ def positional_visible(spec: AttentionSpec, q_pos, k_pos):
     )
 
 
-def apply_softcap(spec: AttentionSpec, s):
+def apply_softcap(spec: AttentionSpec, s: jax.Array) -> jax.Array:
     """Return ``softcap * tanh(s / softcap)`` (or ``s`` when no softcap is set)."""
     if spec.softcap is None:
         return s

@@ -20,8 +20,11 @@ out of sight: they are reported with the reason, never rewritten.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import libcst as cst
+
+from flashport.rules.base import Rule
 
 
 @dataclasses.dataclass
@@ -42,7 +45,7 @@ class Alias:
 
     name: str
     api: str
-    rule: object
+    rule: Rule
     statement: cst.SimpleStatementLine
     owner: cst.CSTNode
     target: cst.Name
@@ -121,7 +124,9 @@ def referent(scope, name: cst.Name):
 
 
 def drop_statement(
-    body: tuple[cst.BaseStatement, ...], original_body, statement
+    body: Sequence[cst.BaseStatement],
+    original_body: Sequence[cst.BaseStatement],
+    statement: cst.SimpleStatementLine,
 ) -> tuple[cst.BaseStatement, ...] | None:
     """``body`` without the statement at ``statement``'s position in ``original_body`` (its leading
     comments move to the next statement); None when it cannot be located safely."""
@@ -131,5 +136,7 @@ def drop_statement(
     if not body[index].deep_equals(statement):
         return None
     following = body[index + 1]
+    if not isinstance(following, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+        return None
     moved = following.with_changes(leading_lines=(*statement.leading_lines, *following.leading_lines))
     return (*body[:index], moved, *body[index + 2 :])

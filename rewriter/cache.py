@@ -25,6 +25,10 @@ import pickle
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports this module; rules load only when a run needs them
+    from flashport.rules.base import Rule, RuleOptions
 
 _FORMAT = 1
 _ENGINE_MODULES = (
@@ -49,7 +53,7 @@ def default_dir() -> str:
     return os.path.join(base, "flashport")
 
 
-def from_environment(rules, options) -> ResultCache | None:
+def from_environment(rules: Sequence[type[Rule]], options: RuleOptions) -> ResultCache | None:
     """The cache ``FLASHPORT_CACHE`` asks for (``1``: default directory; a path: that one), or None."""
     value = os.environ.get("FLASHPORT_CACHE", "")
     if value in ("", "0"):
@@ -57,7 +61,7 @@ def from_environment(rules, options) -> ResultCache | None:
     return ResultCache.for_run(rules, options, None if value == "1" else value)
 
 
-def fingerprint(rules: Sequence[type], options) -> str:
+def fingerprint(rules: Sequence[type[Rule]], options: RuleOptions) -> str:
     """Hex digest of everything besides the file that a result depends on (see the module doc)."""
     import libcst
 
@@ -137,7 +141,9 @@ class ResultCache:
             self.entries = {}
 
     @classmethod
-    def for_run(cls, rules, options, directory: str | None = None) -> ResultCache:
+    def for_run(
+        cls, rules: Sequence[type[Rule]], options: RuleOptions, directory: str | None = None
+    ) -> ResultCache:
         """The cache file for this rule selection and options under ``directory`` (default :func:`default_dir`)."""
         return cls(
             os.path.join(directory or default_dir(), f"results-{fingerprint(rules, options)[:32]}.pickle")

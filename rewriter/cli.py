@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Literal
 
 import flashport
 
@@ -204,13 +205,12 @@ def _version(text, default, flag):
 
 def _run(args, files, chosen, options, jobs) -> int:
     from flashport.rewriter import report as rep
+    from flashport.rewriter.cache import ResultCache
     from flashport.rewriter.results import CHANGED, ERROR
     from flashport.rewriter.runner import StaleFile, atomic_write, run
 
-    cache = None  # None: FLASHPORT_CACHE decides
+    cache: ResultCache | Literal[False] | None = None  # None: FLASHPORT_CACHE decides
     if args.cache is not None:
-        from flashport.rewriter.cache import ResultCache
-
         cache = ResultCache.for_run(chosen, options) if args.cache else False
     results = _collect(run(files, chosen, options, jobs, cache=cache), len(files), args.format == "text")
     written: set[str] = set()

@@ -37,7 +37,9 @@ _PROBE_CALL = re.compile(r"(available|find_spec|^is_|^has_)", re.I)
 _LOG_CALL = re.compile(
     r"(^|\.)(warn|warning|info|debug|error|exception|critical|print|print_once|warning_once|info_once)$"
 )
-_TRY = (ast.Try, getattr(ast, "TryStar", ast.Try))
+_TRY = (ast.Try, ast.TryStar)
+_Import = ast.Import | ast.ImportFrom
+_Guard = ast.Try | ast.TryStar | ast.If  # a block whose branches may guard an import
 
 
 @dataclasses.dataclass
@@ -87,17 +89,20 @@ def _blank(lines: list[str], index: int) -> bool:
     return 0 <= index < len(lines) and not lines[index].strip()
 
 
-def _gpu_aliases(node: ast.stmt, plan: _Plan) -> list[ast.alias] | None:
-    """The aliases of a GPU import (None when ``node`` is no import of a GPU module)."""
+def _gpu_import(node: ast.stmt, plan: _Plan) -> _Import | None:
+    """``node`` if it is an import of a GPU module (no star import), else None."""
     if isinstance(node, ast.ImportFrom):
         if node.level or not _is_gpu(node.module or "", plan.gpu_modules):
             return None
-        return [a for a in node.names if a.name != "*"] if all(a.name != "*" for a in node.names) else None
+        return node if all(a.name != "*" for a in node.names) else None
     if isinstance(node, ast.Import):
-        if not any(_is_gpu(a.name, plan.gpu_modules) for a in node.names):
-            return None
-        return list(node.names)
+        return node if any(_is_gpu(a.name, plan.gpu_modules) for a in node.names) else None
     return None
+
+
+def _gpu_imports(body: list[ast.stmt], plan: _Plan) -> list[_Import]:
+    """The GPU imports directly in ``body``."""
+    return [imp for s in body if (imp := _gpu_import(s, plan)) is not None]
 
 
 def _is_gpu(module: str, gpu_modules: tuple[str, ...]) -> bool:
@@ -108,14 +113,14 @@ def _bound(alias: ast.alias) -> str:
     return alias.asname or alias.name.split(".")[0]
 
 
-def _dead_aliases(node: ast.stmt, plan: _Plan) -> list[ast.alias]:
-    aliases = _gpu_aliases(node, plan) or []
+def _dead_aliases(node: _Import, plan: _Plan) -> list[ast.alias]:
+    aliases = node.names
     if isinstance(node, ast.Import):
         aliases = [a for a in aliases if _is_gpu(a.name, plan.gpu_modules)]
     return [a for a in aliases if plan.dead(_bound(a))]
 
 
-def _dotted(node: ast.stmt, alias: ast.alias) -> str:
+def _dotted(node: _Import, alias: ast.alias) -> str:
     return f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
 
 
@@ -166,23 +171,21 @@ def _body(
             and all(isinstance(t, ast.Name) and t.id in fallbacks for t in stmt.targets)
         ):
             whole.append(stmt)
-        elif _gpu_aliases(stmt, plan) is not None:
-            dead = _dead_aliases(stmt, plan)
-            if not dead or not _alone(stmt, plan) or (guarded and len(dead) == len(stmt.names)):
+        elif (imp := _gpu_import(stmt, plan)) is not None:
+            dead = _dead_aliases(imp, plan)
+            if not dead or not _alone(imp, plan) or (guarded and len(dead) == len(imp.names)):
                 continue
-            if len(dead) == len(stmt.names):
-                whole.append(stmt)
+            if len(dead) == len(imp.names):
+                whole.append(imp)
             else:
-                start, end = stmt.lineno, stmt.end_lineno or stmt.lineno
+                start, end = imp.lineno, imp.end_lineno or imp.lineno
                 new = drop_aliases("".join(plan.lines[start - 1 : end]), {_bound(a) for a in dead})
                 if new is None:
                     continue
                 plan.edits.append((start, end, new))
-            plan.removed.extend(_dotted(stmt, a) for a in dead)
+            plan.removed.extend(_dotted(imp, a) for a in dead)
             dropped.update(_bound(a) for a in dead)
-        elif (
-            isinstance(stmt, (*_TRY, ast.If)) and _alone(stmt, plan) and _guard_removable(stmt, plan, public)
-        ):
+        elif isinstance(stmt, _Guard) and _alone(stmt, plan) and _guard_removable(stmt, plan, public):
             whole.append(stmt)
             plan.removed.extend(_guard_names(stmt, plan))
         else:
@@ -218,17 +221,16 @@ def _inner(stmt: ast.stmt, plan: _Plan, public: bool, drop_aliases) -> None:
 # ----------------------------------------------------------------------- guarded import blocks
 
 
-def _guard_names(stmt: ast.stmt, plan: _Plan) -> list[str]:
+def _guard_names(stmt: _Guard, plan: _Plan) -> list[str]:
     """Dotted names of the GPU imports directly in a guard's branches and handlers."""
-    bodies = [stmt.body, stmt.orelse, *[h.body for h in getattr(stmt, "handlers", [])]]
-    return [
-        _dotted(s, a) for body in bodies for s in body if _gpu_aliases(s, plan) is not None for a in s.names
-    ]
+    handlers = [] if isinstance(stmt, ast.If) else stmt.handlers
+    bodies = [stmt.body, stmt.orelse, *[h.body for h in handlers]]
+    return [_dotted(s, a) for body in bodies for s in _gpu_imports(body, plan) for a in s.names]
 
 
-def _guard_removable(stmt: ast.stmt, plan: _Plan, public: bool) -> bool:
+def _guard_removable(stmt: _Guard, plan: _Plan, public: bool) -> bool:
     """A ``try``/``if`` that only imports dead GPU names and handles their absence (module doc)."""
-    imports = [s for s in stmt.body if _gpu_aliases(s, plan) is not None]
+    imports = _gpu_imports(stmt.body, plan)
     if not imports:
         return False
     if any(
@@ -260,13 +262,13 @@ def _removable(stmt: ast.stmt, names: set[str], plan: _Plan, public: bool, handl
     """A statement that only existed for the dead imports ``names``."""
     if isinstance(stmt, ast.Pass):
         return True
-    if _gpu_aliases(stmt, plan) is not None:  # a fallback import of the same kernels (another path)
-        return len(_dead_aliases(stmt, plan)) == len(stmt.names)
+    if (imp := _gpu_import(stmt, plan)) is not None:  # a fallback import of the same kernels (another path)
+        return len(_dead_aliases(imp, plan)) == len(imp.names)
     if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
         return True
     if isinstance(stmt, ast.Assign):
-        targets = stmt.targets
-        if not all(isinstance(t, ast.Name) for t in targets):
+        targets = [t for t in stmt.targets if isinstance(t, ast.Name)]
+        if len(targets) != len(stmt.targets):
             return False
         if all(t.id in names for t in targets):  # fallback: flash_attn_func = None
             return _pure(stmt.value)

@@ -28,7 +28,7 @@ import dataclasses
 import re
 import sys
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper
@@ -115,7 +115,17 @@ def _error(result: FileResult, message: str) -> FileResult:
     return result
 
 
-def _transform(result, data, text, encoding, tree, rules, options, skip=None, masks=None) -> FileResult:
+def _transform(
+    result: FileResult,
+    data: bytes,
+    text: str,
+    encoding: str,
+    tree: ast.Module,
+    rules: list[Rule],
+    options: RuleOptions,
+    skip: dict[int, frozenset[str]] | None = None,
+    masks: dict[str, str] | None = None,
+) -> FileResult:
     lines = src.split_lines(text)
     text_pattern = re.compile(
         "|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x"
@@ -214,7 +224,7 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
     return result
 
 
-def _aliases(header_units, pattern) -> set[str]:
+def _aliases(header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:
     """Names bound by module-level imports of trigger names (``... import x as alias``)."""
     names: set[str] = set()
     for unit in header_units:
@@ -232,7 +242,7 @@ def _aliases(header_units, pattern) -> set[str]:
     return names
 
 
-def _value_aliases(units, pattern) -> set[str]:
+def _value_aliases(units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:
     """Names bound at module level by ``name = <trigger name>`` (``attn = flash_attn_func``): calls
     through them (rewriter/aliases.py) sit in statements without trigger text."""
     names: set[str] = set()
@@ -249,9 +259,9 @@ def _value_aliases(units, pattern) -> set[str]:
     return names
 
 
-def _attribute_aliases(tree: ast.Module, pattern) -> frozenset[str]:
+def _attribute_aliases(tree: ast.Module, pattern: re.Pattern[str]) -> frozenset[str]:
     """Attribute names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Assign)
@@ -288,7 +298,7 @@ def _split_chunks(code: str, count: int) -> list[str]:
     return [pieces[i] for i in range(count)]
 
 
-def _chunks(units, lines, pattern):
+def _chunks(units: Iterable[src.Unit], lines: list[str], pattern: re.Pattern[str]) -> Iterator[src.Unit]:
     """Units to parse: statements mentioning a trigger, descending one level into top-level
     classes (methods are parsed alone, which is what keeps big model files cheap). Plain import
     statements are header only."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import html
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from flashport.rewriter import report as rep
 from flashport.rewriter import source as src
@@ -278,10 +278,3 @@ def _decode(data: bytes) -> str:
 
 def _e(text: str) -> str:
     return html.escape(str(text), quote=True)
-
-
-def iter_anchors(page: str) -> Iterator[str]:
-    """The ``href="#..."`` targets in a rendered page (used by tests to check every link resolves)."""
-    import re
-
-    yield from re.findall(r'href="#([^"]+)"', page)

@@ -171,16 +171,14 @@ def _after_header(tree: ast.Module, lines: list[str], statement: str, newline: s
     """``statement`` after the docstring and ``__future__`` imports (a file without other imports)."""
     index = 0
     body = tree.body
+    first = body[0] if body else None
     if (
-        body
-        and isinstance(body[0], ast.Expr)
-        and isinstance(getattr(body[0], "value", None), ast.Constant)
-        and isinstance(body[0].value.value, str)
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
     ):
         index = 1
-    while (
-        index < len(body) and isinstance(body[index], ast.ImportFrom) and body[index].module == "__future__"
-    ):
+    while index < len(body) and _is_future(body[index]):
         index += 1
     if index > 0:  # right after the docstring / __future__ imports
         last_line = body[index - 1].end_lineno or len(lines)
@@ -200,14 +198,20 @@ def _after_header(tree: ast.Module, lines: list[str], statement: str, newline: s
     return "".join(lines)
 
 
+def _is_future(node: ast.stmt) -> bool:
+    return isinstance(node, ast.ImportFrom) and node.module == "__future__"
+
+
 def _section(node: ast.stmt) -> str:
     """isort's section of a top-level import: future, stdlib, local (relative) or third."""
     if isinstance(node, ast.ImportFrom):
         if node.level:
             return "local"
         name = node.module or ""
-    else:
+    elif isinstance(node, ast.Import):
         name = node.names[0].name
+    else:
+        raise TypeError(f"not an import statement: {type(node).__name__} at line {node.lineno}")
     top = name.split(".")[0]
     if top == "__future__":
         return "future"
@@ -268,7 +272,9 @@ def _guarded_imports(node: ast.stmt) -> bool:
 
 
 def _key(node: ast.stmt) -> str:
-    return (node.names[0].name if isinstance(node, ast.Import) else node.module or "").lower()
+    if isinstance(node, ast.Import):
+        return node.names[0].name.lower()
+    return (node.module or "").lower() if isinstance(node, ast.ImportFrom) else ""
 
 
 def _sorted_position(group: list[ast.stmt], module: str, lines: list[str]) -> int:

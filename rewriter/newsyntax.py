@@ -35,7 +35,7 @@ def mask(text: str) -> tuple[str, dict[str, str]] | None:
     def offset(position) -> int:
         return starts[position.line - 1] + position.column
 
-    spans = []
+    spans: list[tuple[int, int, str, str, str]] = []
     for node, statement in finder.found:
         where = positions[node]
         start, end = offset(where.start), offset(where.end)

@@ -67,9 +67,9 @@ def _text(data: bytes) -> str:
 
 def summarize(results: Sequence[FileResult]) -> dict:
     """Counts for the summary table and JSON ``summary``."""
-    sites = collections.Counter()
-    rules: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    reasons = collections.Counter()
+    sites: collections.Counter[str] = collections.Counter()
+    rules: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    reasons: collections.Counter[tuple[str, str]] = collections.Counter()
     for result in results:
         for site in result.sites:
             sites[site.status] += 1

@@ -9,7 +9,8 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Literal
 
 from flashport.rewriter.cache import ResultCache, from_environment
 from flashport.rewriter.engine import transform_source, trigger_pattern
@@ -41,7 +42,7 @@ def run(
     options: RuleOptions,
     jobs: int | None = None,
     progress: Callable[[FileResult], None] | None = None,
-    cache: ResultCache | bool | None = None,
+    cache: ResultCache | Literal[False] | None = None,
 ) -> Iterator[FileResult]:
     """Yield one :class:`FileResult` per path, in the order of ``paths``.
 
@@ -102,7 +103,7 @@ def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Ite
         initializer=_init_worker,
         initargs=(codes, options),
     ) as pool:
-        futures: dict[int, object] = {}
+        futures: dict[int, Future[FileResult]] = {}
         for position in sorted(range(len(todo)), key=lambda i: -len(todo[i][2])):
             _, path, data = todo[position]
             futures[position] = pool.submit(_work, (path, data))

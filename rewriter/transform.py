@@ -18,6 +18,7 @@ phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
 import libcst as cst
 from libcst.metadata import PositionProvider, ScopeProvider
@@ -25,6 +26,7 @@ from libcst.metadata import PositionProvider, ScopeProvider
 from flashport.rewriter import aliases, suppress
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rules.base import (
+    Outcome,
     Refusal,
     Refuse,
     Report,
@@ -34,6 +36,8 @@ from flashport.rules.base import (
     RuleOptions,
     keep_comments,
 )
+
+_OwnerT = TypeVar("_OwnerT", cst.FunctionDef, cst.Module)  # what binds aliases: a function or the module
 
 
 class SiteTransformer(cst.CSTTransformer):
@@ -137,9 +141,12 @@ class SiteTransformer(cst.CSTTransformer):
         *_, name, rule = min(found, key=lambda item: item[:2])
         return rule, name
 
-    def _record(self, rule: Rule, api: str, kind: str, where, outcome) -> Site | None:
+    def _record(
+        self, rule: Rule, api: str, kind: str, where: tuple[int, int, int], outcome: Outcome
+    ) -> Site | None:
         line, column, end = where
-        status, reason, notes = None, "", ()
+        status, reason = None, ""
+        notes: tuple[str, ...] = ()
         if suppress.is_suppressed(self.suppressions, rule.CODE, line, end):
             status, reason = SUPPRESSED, "suppressed by a # flashport: ignore comment"
         elif isinstance(outcome, Rewrite):
@@ -226,7 +233,7 @@ class SiteTransformer(cst.CSTTransformer):
         if isinstance(call.func, cst.Attribute) and isinstance(call.func.value, cst.Name):
             held = self._attributes.get((call.func.value.value, call.func.attr.value))
             where = self._file_lines(call) if held else None
-            if where is not None:
+            if held is not None and where is not None:
                 rule, api, line = held
                 self._record(
                     rule,
@@ -246,7 +253,7 @@ class SiteTransformer(cst.CSTTransformer):
         for access in scope.accesses[call.func.value] if scope else ():
             if access.node is call.func:
                 hits = [
-                    self._values[id(r.node)]
+                    self._values[id(getattr(r, "node", None))]
                     for r in access.referents
                     if id(getattr(r, "node", None)) in self._values
                 ]
@@ -274,7 +281,11 @@ class SiteTransformer(cst.CSTTransformer):
             return False
         matched = self._match(node.value)
         where = self._file_lines(node.value) if matched else None
-        if where is None or suppress.is_suppressed(self.suppressions, matched[0].CODE, where[0], where[2]):
+        if (
+            matched is None
+            or where is None
+            or suppress.is_suppressed(self.suppressions, matched[0].CODE, where[0], where[2])
+        ):
             return False
         found = aliases.candidate(node, tuple(reversed(self._path[:-1])))
         if found is None:
@@ -304,28 +315,18 @@ class SiteTransformer(cst.CSTTransformer):
         )
         return True
 
-    def _settle_aliases(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
+    def _settle_aliases(self, original: _OwnerT, updated: _OwnerT) -> _OwnerT:
         """Record the sites of the aliases bound in ``original``'s body; remove the removable ones."""
         for alias in [a for a in self._aliases.values() if a.owner is original]:
-            outcome = Report(alias.own_reason or alias.reason())
-            if alias.removable():
-                block = updated.body if isinstance(updated, cst.FunctionDef) else None
-                body = aliases.drop_statement(
-                    block.body if block else updated.body,
-                    original.body.body if block else original.body,
-                    alias.statement,
+            outcome: Outcome = Report(alias.own_reason or alias.reason())
+            dropped = _drop_alias(original, updated, alias.statement) if alias.removable() else None
+            if dropped is not None:
+                updated = dropped
+                outcome = Rewrite(
+                    cst.Name(alias.name),
+                    notes=(f"alias removed: all {alias.uses} calls through it were ported",),
                 )
-                if body is not None:
-                    updated = (
-                        updated.with_changes(body=block.with_changes(body=body))
-                        if block
-                        else updated.with_changes(body=body)
-                    )
-                    outcome = Rewrite(
-                        cst.Name(alias.name),
-                        notes=(f"alias removed: all {alias.uses} calls through it were ported",),
-                    )
-                    self.rewrites += 1
+                self.rewrites += 1
             self._record(alias.rule, alias.api, "reference", alias.where, outcome)
         return updated
 
@@ -370,7 +371,7 @@ class SiteTransformer(cst.CSTTransformer):
         self._reference(node.value)
         matched = self._match(node.value) if isinstance(node.value, (cst.Name, cst.Attribute)) else None
         where = self._file_lines(node.value) if matched else None
-        if where is not None:
+        if matched is not None and where is not None:
             for target in node.targets:
                 if isinstance(target.target, cst.Name):
                     self._values[id(target.target)] = (*matched, where[0])
@@ -405,7 +406,9 @@ class SiteTransformer(cst.CSTTransformer):
             value = original_node.evaluated_value
         except Exception:  # noqa: BLE001 - odd literals are simply not config values
             return updated_node
-        rule = self.by_string.get(value) if isinstance(value, str) else None
+        if not isinstance(value, str):
+            return updated_node
+        rule = self.by_string.get(value)
         if rule is None:
             return updated_node
         where = self._file_lines(original_node)
@@ -426,3 +429,16 @@ class SiteTransformer(cst.CSTTransformer):
             self.rewrites += 1
             return outcome.node
         return updated_node
+
+
+def _drop_alias(original: _OwnerT, updated: _OwnerT, statement: cst.SimpleStatementLine) -> _OwnerT | None:
+    """``updated`` without the alias ``statement`` (located in ``original``'s body), or None when it
+    cannot be removed safely (:func:`flashport.rewriter.aliases.drop_statement`)."""
+    if isinstance(original, cst.Module) and isinstance(updated, cst.Module):
+        body = aliases.drop_statement(updated.body, original.body, statement)
+        return None if body is None else updated.with_changes(body=body)
+    block, original_block = updated.body, original.body
+    if not isinstance(block, cst.IndentedBlock) or not isinstance(original_block, cst.IndentedBlock):
+        return None  # `def f(): a = x; ...` on one line holds small statements, never an alias line
+    body = aliases.drop_statement(block.body, original_block.body, statement)
+    return None if body is None else updated.with_changes(body=block.with_changes(body=body))

@@ -47,7 +47,9 @@ def dropped_notes(value: dict, names: tuple[str, ...]) -> list[str]:
 
 def common(bound: dict[str, cst.Arg], ctx, api: str) -> tuple[list, list[str]]:
     """scale/causal/window(FA2 spelling)/softcap keywords plus ``align="bottom_right"``."""
-    subset = {n: bound[n] for n in ("softmax_scale", "causal", "window_size", "softcap") if n in bound}
+    subset: dict[str, cst.Arg] = {
+        n: bound[n] for n in ("softmax_scale", "causal", "window_size", "softcap") if n in bound
+    }
     keywords, notes = fa.map_arguments(subset, ctx, api)
     keywords = [kw for kw in keywords if kw[0] != "align"]
     keywords.append(("align", string("bottom_right")))
@@ -64,7 +66,7 @@ def fa4_window(node: cst.BaseExpression) -> cst.BaseExpression | None:
         raise Refuse(
             "window_size is not a literal (l, r) pair: FA4's None/negative conventions cannot be mapped statically"
         )
-    sides = []
+    sides: list[int | None] = []
     for element in node.elements:
         if is_none(element.value):
             sides.append(None)

@@ -114,14 +114,17 @@ def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
         and len(node.elements) == 2
         and all(type(e) is cst.Element for e in node.elements)
     ):
-        values = [literal_number(e.value) for e in node.elements]
-        if all(isinstance(v, int) for v in values):
+        values = [v for e in node.elements if isinstance(v := literal_number(e.value), int)]
+        if len(values) == 2:
             if all(v < 0 for v in values):
                 return None
             return tuple_of(*[cst.Name("None") if v < 0 else number(v) for v in values])
     # Dynamic: convert at run time, once (the iterable of a generator is evaluated in this scope).
     template = cst.parse_expression("tuple(None if w is None or w < 0 else w for w in __window__)")
-    return template.visit(_Substitute("__window__", node))
+    converted = template.visit(_Substitute("__window__", node))
+    if not isinstance(converted, cst.BaseExpression):  # the substitution replaces one name by one expression
+        raise TypeError(f"window conversion produced {type(converted).__name__}, not an expression")
+    return converted
 
 
 class _Substitute(cst.CSTTransformer):
@@ -199,11 +202,11 @@ def map_arguments(
     notes.extend(_refuse_unsupported(value))
     scale = value.get("softmax_scale")
     keywords: list[tuple[str, cst.BaseExpression]] = [
-        ("scale", cst.Name("None") if is_none(scale) else scale),
+        ("scale", cst.Name("None") if scale is None or is_none(scale) else scale),
         ("causal", value.get("causal", cst.Name("False"))),
     ]
     window = value.get("window_size")
-    if not is_none(window):
+    if window is not None and not is_none(window):
         mapped = _window(window)
         if mapped is not None:
             keywords.append(("window", mapped))
@@ -263,7 +266,7 @@ def varlen_drop_in(
         return None
     if not is_fa1(ctx.qualified_name) and ctx.options.flash_attn_version < (2, 1):
         return None
-    what = f"dropout_p={ctx.code(node)}" if live else "block_table (paged KV cache)"
+    what = f"dropout_p={ctx.code(node)}" if live and node is not None else "block_table (paged KV cache)"
     positional = sum(1 for arg in call.args if arg.keyword is None)
     if not is_fa1(ctx.qualified_name) and positional > leading + 1:
         raise Refuse(

@@ -67,8 +67,8 @@ def fa_window(node: cst.BaseExpression, api: str) -> cst.BaseExpression | None:
       Refuse: for a window that is not a literal pair of ints.
     """
     if isinstance(node, (cst.Tuple, cst.List)) and len(node.elements) == 2:
-        values = [literal_number(e.value) for e in node.elements]
-        if all(isinstance(v, int) for v in values):
+        values = [v for e in node.elements if isinstance(v := literal_number(e.value), int)]
+        if len(values) == 2:
             if all(v < 0 for v in values):
                 return None
             return tuple_of(*[none() if v < 0 else number(v) for v in values])
@@ -84,7 +84,7 @@ def static_scale(
       Refuse: when the expression is computed with array ops (a tracer under jit): the contract
         needs a static Python float.
     """
-    if is_none(node):
+    if node is None or is_none(node):
         return default
     if _calls_array_namespace(node):
         raise Refuse(
@@ -124,7 +124,7 @@ def literal_false(node: cst.BaseExpression | None) -> bool:
 
 def subscript(node: cst.BaseExpression, *indices: str) -> cst.Subscript:
     """``node[i0, i1, ...]`` where each index is source text (``":"``, ``"None"``, ``"0"``)."""
-    template = cst.parse_expression(f"__x__[{', '.join(indices)}]")
+    template = cst.ensure_type(cst.parse_expression(f"__x__[{', '.join(indices)}]"), cst.Subscript)
     return template.with_changes(value=_paren(node))
 
 

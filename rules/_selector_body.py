@@ -52,7 +52,7 @@ def _bindings(module: cst.Module) -> dict[str, str]:
                 for alias in small.names:
                     name = _dotted_text(alias.name)
                     if alias.asname is not None:
-                        out[alias.asname.name.value] = name
+                        out[_dotted_text(alias.asname.name)] = name
                     else:
                         out[name.split(".")[0]] = name.split(".")[0]
             elif isinstance(small, cst.ImportFrom) and small.module is not None and not small.relative:
@@ -60,12 +60,13 @@ def _bindings(module: cst.Module) -> dict[str, str]:
                     continue
                 base = _dotted_text(small.module)
                 for alias in small.names:
-                    local = alias.asname.name.value if alias.asname is not None else alias.name.value
+                    local = _dotted_text(alias.asname.name if alias.asname is not None else alias.name)
                     out[local] = f"{base}.{_dotted_text(alias.name)}"
     return out
 
 
-def _dotted_text(node) -> str:
+def _dotted_text(node: cst.BaseExpression) -> str:
+    """``a.b.c`` for a Name/Attribute chain; "" for anything else."""
     if isinstance(node, cst.Name):
         return node.value
     if isinstance(node, cst.Attribute):
@@ -127,12 +128,14 @@ def neutral_selector(call: cst.Call, ctx, sdpa_rule) -> Rewrite | str:
     item = _node_context.parent(node, ctx) if node is not None else None
     if node is None:
         return "its `with` statement could not be located"
+    with_node: cst.CSTNode | None
     if isinstance(item, cst.WithItem):
         with_node = _node_context.parent(item, ctx)
     else:
-        with_node = _bound_with(node, ctx)
-        if isinstance(with_node, str):
-            return with_node
+        bound = _bound_with(node, ctx)
+        if isinstance(bound, str):
+            return bound
+        with_node = bound
     module = ctx.module
     if not isinstance(with_node, cst.With) or module is None:
         return "its `with` statement could not be located"

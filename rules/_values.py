@@ -90,8 +90,9 @@ def describe(node: cst.BaseExpression, ctx: RuleContext) -> str:
                 f"stored in {_name(next(t for t in targets if isinstance(t, cst.Attribute)))}: an attribute can be "
                 f"rebound from anywhere, so calls through it cannot be resolved; {tail}"
             )
-        if all(isinstance(t, cst.Name) for t in targets):
-            names = ", ".join(t.value for t in targets)
+        names_bound = [t.value for t in targets if isinstance(t, cst.Name)]
+        if len(names_bound) == len(targets):
+            names = ", ".join(names_bound)
             return (
                 f"assigned to {names}, which is bound more than once, bound in a class, nested block or several "
                 f"targets, or used as a value: calls through it do not resolve to this function alone; {tail}"

@@ -30,13 +30,17 @@ Adding a rule::
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import re
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import libcst as cst
+
+if TYPE_CHECKING:  # the engine's record of a site; results imports nothing from the rules at run time
+    from flashport.rewriter.results import Site
 
 # ----------------------------------------------------------------------------------- outcomes
 
@@ -182,7 +186,7 @@ class Rule:
         """Answer for a string literal whose value is in :attr:`STRINGS`."""
         return None
 
-    def settle(self, sites, tree) -> str | None:
+    def settle(self, sites: Sequence[Site], tree: ast.Module) -> str | None:
         """Per-file phase, after every site of the file has its final status (rewritten, refused,
         suppressed by a comment or by the interactive review; rules left out by ``--ignore`` have
         no sites). Return a reason to refuse *all* of this rule's rewrites in the file (their
@@ -425,7 +429,7 @@ def insert_in_source_order(
     }
     here = positions[id(value)]
 
-    def spots(item) -> list[int]:
+    def spots(item: cst.BaseExpression | cst.Arg | tuple[str, cst.BaseExpression]) -> list[int]:
         node = item if isinstance(item, cst.CSTNode) else item[1]
         return _source_positions(node, positions)
 
@@ -468,14 +472,14 @@ def contains_comment(node: cst.CSTNode) -> bool:
     return bool(comments(node))
 
 
-def _without_comment(ws):
+def _without_comment(ws: cst.BaseParenthesizableWhitespace) -> cst.BaseParenthesizableWhitespace:
     """``ws`` with its comments removed (a layout template must not copy one arg's comment)."""
     if isinstance(ws, cst.ParenthesizedWhitespace):
         return ws.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=())
     return ws
 
 
-def _trailing(arg: cst.Arg):
+def _trailing(arg: cst.Arg) -> cst.BaseParenthesizableWhitespace:
     """The whitespace after ``arg`` (after its comma when it has one): where its comments sit."""
     return arg.comma.whitespace_after if isinstance(arg.comma, cst.Comma) else arg.whitespace_after_arg
 
@@ -665,7 +669,9 @@ def keep_comments(original: cst.Call, new: cst.BaseExpression) -> cst.BaseExpres
     return new.with_changes(args=[*new.args[:-1], last])
 
 
-def _append_lines(ws, lines: list[cst.EmptyLine]) -> cst.ParenthesizedWhitespace:
+def _append_lines(
+    ws: cst.BaseParenthesizableWhitespace, lines: list[cst.EmptyLine]
+) -> cst.ParenthesizedWhitespace:
     """``ws`` followed by the comment ``lines``; the closing paren then starts its own line."""
     if isinstance(ws, cst.ParenthesizedWhitespace):
         return ws.with_changes(empty_lines=[*ws.empty_lines, *lines])

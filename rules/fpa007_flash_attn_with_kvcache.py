@@ -46,6 +46,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import libcst as cst
 
 from flashport.rules import _flash_attn as fa
@@ -196,12 +198,12 @@ class FlashAttnWithKVCache(Rule):
     FRAMEWORK = "torch"
     SOURCES = fa.sources("flash_attn_with_kvcache")
     TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
+    GPU_MODULES: ClassVar[tuple[str, ...]] = ("flash_attn",)
     TARGET = MODULE + ".kvcache_attention"
-    KEYWORDS = KEYWORDS
-    UNSUPPORTED = UNSUPPORTED
-    DROPPED = ("num_splits", "rotary_interleaved")
-    DROP_IN = MODULE + ".flash_attn_with_kvcache"  # FA3 (FPA012, other signature) sets None
+    KEYWORDS: tuple[str, ...] = KEYWORDS
+    UNSUPPORTED: dict[str, str] = UNSUPPORTED
+    DROPPED: tuple[str, ...] = ("num_splits", "rotary_interleaved")
+    DROP_IN: str | None = MODULE + ".flash_attn_with_kvcache"  # FA3 (FPA012, other signature) sets None
 
     def check_call(self, call, ctx):
         """Refuse what the contract cannot hold; rewrite reads, and updates nobody relies on, to the
@@ -262,6 +264,7 @@ class FlashAttnWithKVCache(Rule):
                 "new k/v without cache_seqlens: where flash-attn writes them is not expressible here"
             )
         k_cache, v_cache = value["k_cache"], value["v_cache"]
+        why: str | None
         if not all(isinstance(c, cst.Name) for c in (k_cache, v_cache)):
             why = f"k_cache/v_cache are not local names ({ctx.code(k_cache)}, {ctx.code(v_cache)})"
         else:
@@ -299,6 +302,8 @@ class FlashAttnWithKVCache(Rule):
             raise Refuse(
                 "new k/v without cache_seqlens: where flash-attn writes them is not expressible here"
             )
+        if self.DROP_IN is None:
+            raise Refuse(f"{self.API} has no drop-in replacement: {why}")
         note = f"drop-in flash_attn_with_kvcache (updates the caches in place like flash-attn): {why}"
         return Rewrite(call.with_changes(func=dotted(self.DROP_IN)), imports=(MODULE,), notes=(note,))
 

@@ -68,7 +68,7 @@ DROP_IN = "flashport.integrations.sdpa_compat"
 
 def sdpa_signature(version: tuple[int, ...]) -> Signature:
     """SDPA's signature at torch ``version`` (scale from 2.1, enable_gqa from 2.5)."""
-    keyword_only = ()
+    keyword_only: tuple[str, ...] = ()
     if version >= (2, 1):
         keyword_only += ("scale",)
     if version >= (2, 5):

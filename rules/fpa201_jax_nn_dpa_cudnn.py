@@ -55,7 +55,8 @@ from flashport.rules.base import (
 
 def jax_signature(version: tuple[int, ...]) -> Signature:
     """``jax.nn.dot_product_attention``'s signature at jax ``version``."""
-    keyword_only = ("scale", "is_causal")
+    keyword_only: tuple[str, ...] = ("scale", "is_causal")
+    positional: tuple[str, ...]
     if version >= (0, 4, 33):
         positional = ("query", "key", "value", "bias", "mask")
         keyword_only += ("query_seq_lengths", "key_value_seq_lengths")
@@ -126,7 +127,7 @@ def _window(node: cst.BaseExpression) -> cst.BaseExpression:
     if isinstance(single, int) and single >= 0:
         return tuple_of(number(single), number(single))
     if isinstance(node, (cst.Tuple, cst.List)) and len(node.elements) == 2:
-        values = [literal_number(e.value) for e in node.elements]
-        if all(isinstance(v, int) and v >= 0 for v in values):
+        values = [v for e in node.elements if isinstance(v := literal_number(e.value), int) and v >= 0]
+        if len(values) == 2:
             return tuple_of(*(number(v) for v in values))
     raise Refuse("local_window_size is not a literal int or (left, right) pair")

@@ -70,7 +70,7 @@ def cudnn_signature(version: tuple[int, ...]) -> Signature:
     Before 0.5.3 only the first seven parameters are accepted positionally (where ``fp8_params``
     sat in between was not verified, so later positionals are refused).
     """
-    positional = ("query", "key", "value", "bias", "mask", "q_seqlen", "kv_seqlen")
+    positional: tuple[str, ...] = ("query", "key", "value", "bias", "mask", "q_seqlen", "kv_seqlen")
     keyword_only: tuple[str, ...] = ("scale", "mask_type", "seed", "dropout_rate", "qkv_layout")
     if version >= (0, 5, 3):
         positional += ("q_offsets", "kv_offsets", "fp8_params")

@@ -69,7 +69,7 @@ def setting_context(node: cst.SimpleString, ctx) -> bool:
             isinstance(call, cst.Call)
             and isinstance(call.func, cst.Attribute)
             and call.func.attr.value == "set_attn_implementation"
-            and call.args
+            and bool(call.args)
             and call.args[0] is up
         )
     if isinstance(up, cst.Assign) and up.value is node:

@@ -136,7 +136,7 @@ def test_attention_forward_backward_lse(route, case):
     loss = (out * route.put(d_out)).sum() + (torch.where(torch.isinf(lse), 0, lse) * route.put(d_lse)).sum()
     loss.backward()
     want = reference_attention_vjp(x["query"], x["key"], x["value"], d_out, d_lse=d_lse, **ref_kw)
-    for name, w in zip(("query", "key", "value"), want, strict=True):
+    for name, w in zip(("query", "key", "value"), want[:3], strict=True):
         _close(route.numpy(t[name].grad), w, f"d{name}")
     if bias is not None:
         _close(route.numpy(bias.grad), reduce_to_shape(want[3], bias.shape), "dbias")
@@ -187,7 +187,7 @@ def test_backward_with_then_without_bias(route):
         d_out = rng.standard_normal(out.shape)
         (out * route.put(d_out)).sum().backward()
         want = reference_attention_vjp(x["query"], x["key"], x["value"], d_out, causal=True, bias=b)
-        for name, w in zip(("query", "key", "value"), want, strict=True):
+        for name, w in zip(("query", "key", "value"), want[:3], strict=True):
             _close(route.numpy(t[name].grad), w, f"d{name} (bias {'given' if b is not None else 'absent'})")
 
 
@@ -237,7 +237,7 @@ def test_xformers_memory_efficient_attention(route):
     d_out = rng.standard_normal(out.shape)
     (out * route.put(d_out)).sum().backward()
     want = reference_attention_vjp(q, k, v, d_out, causal=True, align="top_left")
-    for name, t, w in zip(("dq", "dk", "dv"), (tq, tk, tv), want, strict=True):
+    for name, t, w in zip(("dq", "dk", "dv"), (tq, tk, tv), want[:3], strict=True):
         _close(route.numpy(t.grad), w, f"xformers {name}")
     bias = rng.standard_normal((B, HQ, SQ, SK))
     out = xformers_compat.memory_efficient_attention(tq, tk, tv, attn_bias=route.put(bias), scale=0.3)

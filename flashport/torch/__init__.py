@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+from typing import Any, Literal, overload
 
 import torch
 
@@ -46,27 +47,103 @@ __all__ = ["NATIVE_BACKENDS", "attention", "varlen_attention"]
 # Backends implemented in torch itself; every other backend name belongs to the JAX implementation.
 NATIVE_BACKENDS = ("torch", "sdpa", "flash_attn")
 
+_Options = dict[str, Any]  # scale, causal, window, align, softcap, layout as the user gave them
+_Tensors = dict[str, Any]  # bias, mask, q_segment_ids, kv_segment_ids as the user gave them
+_Dropout = tuple[float, "torch.Generator | None"]  # (dropout_p, generator), both checked
+_Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+# Typing overloads (deliberately parallel signatures, kept in step with the implementation below):
+# the result is a tensor, or ``(out, lse)`` with ``return_lse=True``.
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: torch.Tensor | None = ...,
+    mask: torch.Tensor | None = ...,
+    q_segment_ids: torch.Tensor | None = ...,
+    kv_segment_ids: torch.Tensor | None = ...,
+    layout: str = ...,
+    backend: Any = ...,
+    return_lse: Literal[False] = ...,
+    dropout_p: float = ...,
+    generator: torch.Generator | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: torch.Tensor | None = ...,
+    mask: torch.Tensor | None = ...,
+    q_segment_ids: torch.Tensor | None = ...,
+    kv_segment_ids: torch.Tensor | None = ...,
+    layout: str = ...,
+    backend: Any = ...,
+    return_lse: Literal[True],
+    dropout_p: float = ...,
+    generator: torch.Generator | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None = ...,
+    causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
+    align: str = ...,
+    softcap: float | None = ...,
+    bias: torch.Tensor | None = ...,
+    mask: torch.Tensor | None = ...,
+    q_segment_ids: torch.Tensor | None = ...,
+    kv_segment_ids: torch.Tensor | None = ...,
+    layout: str = ...,
+    backend: Any = ...,
+    return_lse: bool = ...,
+    dropout_p: float = ...,
+    generator: torch.Generator | None = ...,
+) -> _Result: ...
+
 
 def attention(
-    query,
-    key,
-    value,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    backend="auto",
-    return_lse=False,
-    dropout_p=0.0,
-    generator=None,
-):
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    align: str = "bottom_right",
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    q_segment_ids: torch.Tensor | None = None,
+    kv_segment_ids: torch.Tensor | None = None,
+    layout: str = "BSHD",
+    backend: Any = "auto",
+    return_lse: bool = False,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> _Result:
     """Scaled dot-product attention on torch tensors with the contract of :func:`flashport.attention`.
 
     Args:
@@ -139,14 +216,31 @@ def jax_available() -> bool:
     return True
 
 
-def _native_call(query, key, value, options, tensors, return_lse, dropout):
+def _native_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    options: _Options,
+    tensors: _Tensors,
+    return_lse: bool,
+    dropout: _Dropout,
+) -> _checks.Call:
     """The validated :class:`_checks.Call`, with seed words drawn when ``dropout_p > 0``."""
     p, generator = dropout
     call = check(query, key, value, **options, **tensors, return_lse=return_lse, dropout_p=p)
     return dataclasses.replace(call, seed=_dropout.draw_words(generator)) if p > 0 else call
 
 
-def _run_native(backend, query, key, value, options, tensors, return_lse, dropout):
+def _run_native(
+    backend: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    options: _Options,
+    tensors: _Tensors,
+    return_lse: bool,
+    dropout: _Dropout,
+) -> _Result:
     if dropout[0] > 0 and backend != "torch":
         check(query, key, value, **options, **tensors, return_lse=return_lse)  # argument errors first
         name = "SDPA" if backend == "sdpa" else "flash-attn"
@@ -156,6 +250,7 @@ def _run_native(backend, query, key, value, options, tensors, return_lse, dropou
             f"math), 'auto', or a JAX backend such as 'xla', which draw the contract's mask"
         )
     call = _native_call(query, key, value, options, tensors, return_lse, dropout)
+    lse: torch.Tensor | None
     if backend == "torch" or call.k.shape[2] == 0:  # no keys: the contract's zeros on every backend
         out, lse = _native.math_attention(call)
     elif backend == "sdpa":
@@ -174,16 +269,30 @@ def _run_native(backend, query, key, value, options, tensors, return_lse, dropou
         if reason:
             raise ValueError(f"backend='flash_attn' does not support this call: {reason}; use backend='auto'")
         out, lse = _native.flash_attention(call, flash, return_lse)
-    return (out, lse) if return_lse else out
+    if not return_lse:
+        return out
+    assert lse is not None, f"backend={backend!r} returned no lse although return_lse=True"
+    return out, lse
 
 
-def _run_jax(kind, backend, query, key, value, options, tensors, return_lse, dropout):
+def _run_jax(
+    kind: str,
+    backend: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    options: _Options,
+    tensors: _Tensors,
+    return_lse: bool,
+    dropout: _Dropout,
+) -> _Result:
     # JAX validates everything else, but DLPack would hand it float64 already cast down (no x64).
     for name, x in (("query", query), ("key", key), ("value", value)):
         _checks.check_tensor(name, x)
     for name, x in tensors.items():
         if x is not None and not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    runner: _jax.CallJaxRunner | _jax.DLPackRunner
     if kind == "xla":
         runner = _jax.torch_xla_runner()
     elif kind == "torchax":

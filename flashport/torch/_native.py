@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ def visible(call: Call) -> torch.Tensor | None:
         keep = keep.expand(p.seq_q, p.seq_k)[None, None]
     if call.mask is not None:
         keep = call.mask if keep is None else keep & call.mask
-    if call.q_seg is not None:
+    if call.q_seg is not None and call.kv_seg is not None:  # both or neither (checked)
         same = (call.q_seg[:, :, None] == call.kv_seg[:, None, :])[:, None]
         keep = same if keep is None else keep & same
     return keep
@@ -107,6 +108,8 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     nonempty = l > 0
     weights = e
     if call.dropout_p > 0:
+        if call.seed is None:
+            raise ValueError("dropout_p > 0 needs the call's seed words (draw them with _dropout.draw_words)")
         kept = _dropout.keep_mask(call.seed, call.dropout_p, b, hq, sq, call.k.shape[2], call.q.device)
         weights = e * (_group(kept, hkv).to(acc) * (1.0 / (1.0 - call.dropout_p)))
     out = torch.einsum("bhgqk,bhkd->bhgqd", weights, call.v.to(acc)) / torch.where(
@@ -142,7 +145,7 @@ def sdpa_attention(call: Call) -> tuple[torch.Tensor, None]:
     """
     p = call.params
     q, k, v = call.q, call.k, call.v
-    kwargs = {"scale": p.scale}
+    kwargs: dict[str, Any] = {"scale": p.scale}
     if q.shape[1] != k.shape[1] and SDPA_GQA:
         kwargs["enable_gqa"] = True
     elif q.shape[1] != k.shape[1]:
@@ -153,9 +156,9 @@ def sdpa_attention(call: Call) -> tuple[torch.Tensor, None]:
         kwargs["is_causal"] = True  # SDPA's own (top-left) causal: lets its fused kernels run
         keep = rows = None
     else:
-        keep = visible(call)
-        rows = None if keep is None else keep.any(dim=-1, keepdim=True)
-        if rows is not None:
+        keep, rows = visible(call), None
+        if keep is not None:
+            rows = keep.any(dim=-1, keepdim=True)
             keep = keep | ~rows
     attn_mask = keep
     if call.bias is not None:
@@ -226,9 +229,11 @@ def varlen_unsupported(call: Call) -> str | None:
     contract lets separate runs with the same id see each other; varlen cannot). Checking the ids
     reads them back from the device.
     """
-    if call.params.seq_q != call.params.seq_k or not torch.equal(call.q_seg, call.kv_seg):
+    ids, kv_ids = call.q_seg, call.kv_seg
+    if ids is None or kv_ids is None:  # both or neither (checked): no ids, nothing to refuse
+        return None
+    if call.params.seq_q != call.params.seq_k or not torch.equal(ids, kv_ids):
         return "segment ids other than self-attention packing (Sq == Sk, equal q/kv ids)"
-    ids = call.q_seg
     runs = 1 + (ids[:, 1:] != ids[:, :-1]).sum(dim=-1)
     ordered = ids.sort(dim=-1).values
     distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(dim=-1)
@@ -268,9 +273,17 @@ def flash_attention(call: Call, flash, return_lse: bool):
     """Run ``call`` through flash-attn 2 (``flash_attn_func``, or ``flash_attn_varlen_func`` for
     packed segments); the caller has checked :func:`flash_unsupported`."""
     p = call.params
-    causal, window = flash_window(call)
+    fits = flash_window(call)
+    if isinstance(fits, str):
+        raise ValueError(f"backend='flash_attn' does not support this call: {fits}")
+    causal, window = fits
     q, k, v = (x.transpose(1, 2) for x in (call.q, call.k, call.v))  # BSHD, flash-attn's layout
-    kwargs = {"dropout_p": 0.0, "softmax_scale": p.scale, "causal": causal, "window_size": window}
+    kwargs: dict[str, Any] = {
+        "dropout_p": 0.0,
+        "softmax_scale": p.scale,
+        "causal": causal,
+        "window_size": window,
+    }
     if p.softcap is not None:
         kwargs["softcap"] = p.softcap
     if return_lse:
@@ -279,7 +292,7 @@ def flash_attention(call: Call, flash, return_lse: bool):
         result = flash.flash_attn_func(q, k, v, **kwargs)
         out, lse = (result[0], result[1]) if return_lse else (result, None)
     else:
-        out, lse = _flash_varlen(flash, call, q, k, v, kwargs, return_lse)
+        out, lse = _flash_varlen(flash, call.q_seg, q, k, v, kwargs, return_lse)
     if lse is not None:  # flash-attn reports +inf for rows with no key; the contract says -inf
         lse = torch.where(torch.isposinf(lse), float("-inf"), lse.float())
         if lse_needs_grad(call, return_lse):
@@ -287,9 +300,17 @@ def flash_attention(call: Call, flash, return_lse: bool):
     return _to_layout(out.transpose(1, 2), call.layout), lse
 
 
-def _flash_varlen(flash, call: Call, q, k, v, kwargs, return_lse):
-    b, s = call.q_seg.shape
-    ids = call.q_seg
+def _flash_varlen(
+    flash: Any,
+    ids: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kwargs: dict[str, Any],
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """flash-attn's varlen API over the runs of equal query ids ``ids`` [B, S] (self-attention packing)."""
+    b, s = ids.shape
     starts = torch.ones_like(ids, dtype=torch.bool)
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
     begin = torch.nonzero(starts.reshape(-1)).reshape(-1)

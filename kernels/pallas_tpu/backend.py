@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -254,7 +256,9 @@ def _attention_bwd(cfg, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _make_backend_fn(name: str, interpret: bool):
+def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The backend's forward ``fn`` and its residual ``backward`` (:class:`registry.BackendInfo`)."""
+
     def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
         generation, blocks = resolve_blocks(dict(options), name)
         # Dropout seeds of every (batch, query head), computed before sharding so that each shard's
@@ -283,12 +287,13 @@ def _make_backend_fn(name: str, interpret: bool):
         f"The ``{name}`` residual backward (the dK/dV and dQ kernels of its ``custom_vjp``) from the "
         "forward's ``out`` and ``lse``; returns ``(dq, dk, dv, dbias)``."
     )
-    fn.backward = backward
-    return fn
+    return fn, backward
 
 
-pallas_tpu_attention = _make_backend_fn("pallas_tpu", interpret=False)
-pallas_tpu_interpret_attention = _make_backend_fn("pallas_tpu_interpret", interpret=True)
+pallas_tpu_attention, pallas_tpu_backward = _make_backend_fns("pallas_tpu", interpret=False)
+pallas_tpu_interpret_attention, pallas_tpu_interpret_backward = _make_backend_fns(
+    "pallas_tpu_interpret", interpret=True
+)
 
 
 def count_visited_tiles(
@@ -338,7 +343,7 @@ registry.register(
         platforms=("tpu",),
         features=frozenset(FEATURES),
         fn=pallas_tpu_attention,
-        backward=pallas_tpu_attention.backward,
+        backward=pallas_tpu_backward,
     )
 )
 registry.register(
@@ -349,6 +354,6 @@ registry.register(
         platforms=("cpu",),
         features=frozenset(FEATURES),
         fn=pallas_tpu_interpret_attention,
-        backward=pallas_tpu_interpret_attention.backward,
+        backward=pallas_tpu_interpret_backward,
     )
 )

@@ -49,7 +49,7 @@ REMAT = ("remat2", "checkpoint")
 class Plan:
     """The analysis of one jaxpr: its normalized form, matches, near-misses and changed children."""
 
-    closed: object
+    closed: jcore.ClosedJaxpr
     path: str
     matches: dict
     misses: list
@@ -355,7 +355,7 @@ def _splice_retraced(b, plan, eqn, backend):
 def run(plan: Plan, args, backend):
     """Evaluate ``plan.closed`` on ``args`` with matched sites replaced by flashport.attention."""
     jaxpr = plan.closed.jaxpr
-    env = {}
+    env: dict[jcore.Var, object] = {}
     read = functools.partial(_read, env)
     _write_all(env, jaxpr.constvars, plan.closed.consts)
     _write_all(env, jaxpr.invars, args)

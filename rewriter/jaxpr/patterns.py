@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -137,7 +138,8 @@ def _candidate_info(g: Graph, exp_eqn, require_dots=True):
 
 
 def _reaches(g: Graph, v, direction, limit=40):
-    seen, frontier = set(), [v]
+    seen: set[object] = set()
+    frontier = [v]
     while frontier and len(seen) < limit:
         x = frontier.pop()
         if id(x) in seen:
@@ -172,6 +174,7 @@ def _walk_up(g: Graph, c, depth=0):
     ins = e.invars
     if name == "dot_general":
         return e, []
+    stage: tuple[str, Any, Any]  # (kind, value, extra): see match_at
     if name in ("convert_element_type", "copy", "copy_p"):
         stage, up = ("cast", None, None), ins[0]
     elif name == "transpose":
@@ -306,7 +309,8 @@ def _term(g: Graph, y, out_var, out_dims, mask=False):
 def _algebra(g: Graph, stages, t_dtype):
     """Fold the stages (dot -> softmax input) into contract terms; also each stage output's dims."""
     alpha, beta, tanh = 1.0, 1.0, False
-    biases, masks = [], []
+    biases: list[Term] = []
+    masks: list[Term] = []
     for kind, val, (extra, _eqn, out_var, out_dims) in stages:
         if kind == "scale":
             if tanh:
@@ -350,7 +354,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     dot, stages = _walk_up(g, sm.t)
     explained = {id(e) for e in sm.eqns} | {id(dot)}
     # dims of every stage output, from the dot downwards
-    dims = list(range(len(shape(dot.outvars[0]))))
+    dims: list[Any] = list(range(len(shape(dot.outvars[0]))))
     annotated = []
     for kind, val, (extra, eqn, out_var) in reversed(stages):
         if kind == "perm":
@@ -395,7 +399,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     zero_preds = [(pred, keep, sm.p, list(t_dims)) for pred, keep in sm.zero_preds]
     sum_path = {id(e) for e in sm.deferred.eqns} if sm.deferred is not None else set()
     explained |= sum_path
-    cur, pdims = sm.p, list(t_dims)
+    cur, pdims = sm.p, list[Any](t_dims)
     while True:
         cur_eqn = g.prod(cur)
         if cur in g.outvars:
@@ -466,7 +470,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
         raise NoMatch(
             f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)", eqn=pv
         )
-    pv_roles = [("d", pdims[pi]) for pi in pb]
+    pv_roles: list[tuple[Any, ...]] = [("d", pdims[pi]) for pi in pb]
     p_free_dims = [d for d in range(len(pdims)) if d not in pc and d not in pb]
     free_roles = [("d", pdims[d]) for d in p_free_dims]
     pv_roles += (free_roles + [("dv",)]) if p_is_lhs else ([("dv",)] + free_roles)
@@ -511,7 +515,7 @@ def match_at(g: Graph, exp_eqn) -> Match:
     out_sh = shape(dot.outvars[0])
     sizes = {
         "B": [out_sh[i] for i in rest],
-        "H": out_sh[h_idx] if nh else None,
+        "H": out_sh[h_idx] if h_idx is not None else None,
         "G": [out_sh[d] for d in g_out],
         "T": out_sh[t_out],
         "S": out_sh[s_dot],

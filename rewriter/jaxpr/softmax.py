@@ -16,8 +16,10 @@ on the common untransposed source.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
+from jax.extend import core as jcore
 
 from flashport.rewriter.jaxpr.axes import operand_dims, peel_broadcast, peel_transpose, shape
 from flashport.rewriter.jaxpr.graph import Graph
@@ -39,11 +41,13 @@ class NoMatch(Exception):
 class Softmax:
     """A matched softmax: ``p = softmax(t, axis)``; ``eqns`` are the equations it consists of."""
 
-    t: object
+    t: Any  # a jaxpr Var whose aval is a ShapedArray (jcore.Var types it as any AbstractValue)
     axis: int
-    p: object
-    eqns: list
-    zero_preds: list  # (pred var, keep_when_true) of where(m, ·, 0) zero-masks inside the softmax
+    p: jcore.Var
+    eqns: list[jcore.JaxprEqn]
+    zero_preds: list[
+        tuple[Any, bool]
+    ]  # (pred var, keep_when_true) of where(m, ·, 0) zero-masks inside the softmax
     deferred: Deferred | None = None  # set when ``p`` is the unnormalized exp (divided after P·V)
 
 
@@ -130,7 +134,7 @@ def _same_axis(g: Graph, y, axes, a, axis) -> bool:
 
 def _max_chain(g: Graph, v):
     """Walk up ``max(-inf, ·)``, ``select_n(is_finite)``, casts and stop_gradient to a reduce_max."""
-    eqns = []
+    eqns: list[jcore.JaxprEqn] = []
     while (e := g.prod(v)) is not None:
         name = e.primitive.name
         if name == "reduce_max":
@@ -226,7 +230,8 @@ def _shifted_by_max(g: Graph, v, axis):
 
 def _derived(g: Graph, ex):
     """Vars that carry ``ex`` through casts and ``where(m, ·, 0)``: var -> (eqns, zero_preds)."""
-    out = {ex: ([], [])}
+    # var -> (the eqns from ex to it, the (predicate atom, keep) pairs of the where(m, ., 0) on the way)
+    out: dict[jcore.Var, tuple[list[jcore.JaxprEqn], list[tuple[Any, bool]]]] = {ex: ([], [])}
     frontier = [ex]
     while frontier:
         v = frontier.pop()

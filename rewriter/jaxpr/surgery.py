@@ -52,7 +52,7 @@ class Builder:
                 eqn.params,
                 [v.aval for v in eqn.outvars],
             )
-            if vals is not None and all(np.shape(x) == () for x in vals):
+            if vals is not None and all(x is not None and np.shape(x) == () for x in vals):
                 return [jcore.Literal(x, v.aval) for x, v in zip(vals, eqn.outvars, strict=False)]
         forward = pe.forwarding_rules.get(eqn.primitive)
         if forward is None or eqn.effects:
