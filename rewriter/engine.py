@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import gc
 import re
 import sys
 import traceback
@@ -100,6 +101,8 @@ def transform_source(
             )
     except (ValueError, RecursionError, MemoryError) as err:
         return _error(result, f"cannot parse: {err}")
+    collecting = gc.isenabled()
+    gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
     try:
         return _transform(
             result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks
@@ -107,6 +110,9 @@ def transform_source(
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
         return _error(result, f"internal error, file left unchanged: {detail}")
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _error(result: FileResult, message: str) -> FileResult:
@@ -115,20 +121,61 @@ def _error(result: FileResult, message: str) -> FileResult:
     return result
 
 
+@dataclasses.dataclass
+class _MiniModule:
+    """The chunks of one file joined under its import header (see the module docstring)."""
+
+    header: str
+    ordered: list  # chunk units in mini-module order
+    source: str
+    line_map: list[tuple[int, int, int]]  # (first, last mini-module line, first file line)
+
+
 def _transform(result, data, text, encoding, tree, rules, options, skip=None, masks=None) -> FileResult:
     lines = src.split_lines(text)
-    text_pattern = re.compile(
-        "|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x"
-    )
     units = src.top_level_units(tree)
     header_units = [u for u in units if u.importish]
     table = suppress.parse(lines)
     for line, codes in (skip or {}).items():
         table[line] = table.get(line, frozenset()) | frozenset(codes)
-    replacements: list[tuple[int, int, str]] = []
-    needed: set[str] = set()
-    gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
     newline = src.newline_of(lines)
+    chunks, chunk_ids = _select_chunks(tree, units, header_units, lines, rules)
+    if not chunks:
+        return result
+    mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
+    transformer, new_module = _run_rules(result, mini, tree, rules, options, table)
+    result.sites.extend(transformer.sites)
+    replacements: list[tuple[int, int, str]] = []
+    if transformer.rewrites:
+        replacements = _replacements(new_module.code, mini, lines)
+    result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
+    if not replacements:
+        return result
+    for start, end, new_chunk in sorted(replacements, reverse=True):
+        lines[start - 1 : end] = [new_chunk]
+    gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
+    new_text = _fix_imports(result, "".join(lines), tree, gpu_modules, transformer.imports, newline)
+    compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
+    if masks:
+        try:
+            new_text = newsyntax.unmask(new_text, masks)
+        except ValueError as err:
+            return _error(result, f"{err}; file left unchanged")
+        cst.parse_module(new_text)  # the restored text must still parse (libcst's grammar)
+    new_data = src.encode(new_text, encoding)
+    if new_data != data:
+        result.status = CHANGED
+        result.old = data
+        result.new = new_data
+    return result
+
+
+def _select_chunks(tree, units, header_units, lines, rules) -> tuple[list, set[int]]:
+    """The units to parse (after pruning) and the ids of every unit that mentions a site name
+    (before pruning: the header stays as it was)."""
+    text_pattern = re.compile(
+        "|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x"
+    )
     aliases = _aliases(header_units, text_pattern) | _value_aliases(units, text_pattern)
     attributes = _attribute_aliases(
         tree, text_pattern
@@ -139,13 +186,16 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
             text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b"
         )
     chunks = list(_chunks(units, lines, text_pattern))
-    chunk_ids = {id(c.parent or c) for c in chunks}  # before pruning: the header stays as it was
+    chunk_ids = {id(c.parent or c) for c in chunks}
     watch = prune.watch_of(rules)
     watch = dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
     flags = prune.keep([c.nodes for c in chunks], tree, watch)
-    chunks = [c for c, kept in zip(chunks, flags, strict=True) if kept]
-    if not chunks:
-        return result
+    return [c for c, kept in zip(chunks, flags, strict=True) if kept], chunk_ids
+
+
+def _mini_module(lines, header_units, chunks, chunk_ids, newline) -> _MiniModule:
+    """Header imports, then each chunk after a sentinel comment (class members inside a stand-in
+    class), with the map from mini-module lines back to file lines."""
     header = "".join(_terminated(src.unit_text(lines, h)) for h in header_units if id(h) not in chunk_ids)
     parts, line_map = [header], []
     mini_line = len(src.split_lines(header))
@@ -163,35 +213,45 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
         line_map.append((mini_line + 1, mini_line + count, unit.start))
         parts.append(body)
         mini_line += count
-    mini_source = "".join(parts)
-    module = cst.parse_module(mini_source)
-    transformer = SiteTransformer(rules, options, result.path, line_map, table, module, source=mini_source)
-    new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
+    return _MiniModule(header, ordered, "".join(parts), line_map)
+
+
+def _run_rules(result, mini, tree, rules, options, table):
+    """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
+    every site's final status and may veto its rewrites (the pass is redone with them refused,
+    reusing the parse and the metadata). Returns the transformer and the new module."""
+    module = cst.parse_module(mini.source)
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    transformer = SiteTransformer(
+        rules, options, result.path, mini.line_map, table, module, source=mini.source
+    )
+    new_module = wrapper.visit(transformer)
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
-    if vetoes:  # per-file phase: redo the pass with those rules' rewrites refused
+    if vetoes:
         transformer = SiteTransformer(
-            rules, options, result.path, line_map, table, module, vetoes, source=mini_source
+            rules, options, result.path, mini.line_map, table, module, vetoes, source=mini.source
         )
-        new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
-    result.sites.extend(transformer.sites)
-    if transformer.rewrites:
-        new_code = new_module.code
-        if not new_code.startswith(header):
-            raise RuntimeError("rewrite touched the import header")
-        pieces = _split_chunks(new_code[len(header) :], len(ordered))
-        for unit, new_chunk in zip(ordered, pieces, strict=True):
-            chunk = src.unit_text(lines, unit)
-            if not chunk.endswith(("\n", "\r")) and new_chunk.endswith("\n"):
-                new_chunk = new_chunk[:-1]  # _terminated() added it
-            if new_chunk != chunk:
-                replacements.append((unit.start, unit.end, new_chunk))
-        needed.update(transformer.imports)
-    result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
-    if not replacements:
-        return result
-    for start, end, new_chunk in sorted(replacements, reverse=True):
-        lines[start - 1 : end] = [new_chunk]
-    new_text = "".join(lines)
+        new_module = wrapper.visit(transformer)
+    return transformer, new_module
+
+
+def _replacements(new_code: str, mini: _MiniModule, lines: list[str]) -> list[tuple[int, int, str]]:
+    """(first line, last line, new text) for every chunk the pass changed."""
+    if not new_code.startswith(mini.header):
+        raise RuntimeError("rewrite touched the import header")
+    replacements = []
+    pieces = _split_chunks(new_code[len(mini.header) :], len(mini.ordered))
+    for unit, new_chunk in zip(mini.ordered, pieces, strict=True):
+        chunk = src.unit_text(lines, unit)
+        if not chunk.endswith(("\n", "\r")) and new_chunk.endswith("\n"):
+            new_chunk = new_chunk[:-1]  # _terminated() added it
+        if new_chunk != chunk:
+            replacements.append((unit.start, unit.end, new_chunk))
+    return replacements
+
+
+def _fix_imports(result, new_text, tree, gpu_modules, needed, newline) -> str:
+    """Drop GPU imports a rewrite made unused and add the imports rewrites need."""
     before = import_edits.name_uses(tree)
     new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules)
     for module_name in sorted(needed):
@@ -199,19 +259,7 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
         if added:
             result.imports_added.append(module_name)
     result.imports_removed = removed
-    compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
-    if masks:
-        try:
-            new_text = newsyntax.unmask(new_text, masks)
-        except ValueError as err:
-            return _error(result, f"{err}; file left unchanged")
-        cst.parse_module(new_text)  # the restored text must still parse (libcst's grammar)
-    new_data = src.encode(new_text, encoding)
-    if new_data != data:
-        result.status = CHANGED
-        result.old = data
-        result.new = new_data
-    return result
+    return new_text
 
 
 def _aliases(header_units, pattern) -> set[str]:

@@ -17,12 +17,14 @@ phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import libcst as cst
-from libcst.metadata import PositionProvider, ScopeProvider
+from libcst.metadata import ScopeProvider
 
 from flashport.rewriter import aliases, suppress
+from flashport.rewriter.positions import LinePositionProvider
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rules.base import (
     Refusal,
@@ -42,7 +44,7 @@ class SiteTransformer(cst.CSTTransformer):
     # Qualified names come from the scope analysis, asked only for the nodes :meth:`_match` looks
     # at: exactly what ``QualifiedNameProvider`` would give them, without computing it for every
     # node of the chunk.
-    METADATA_DEPENDENCIES = (ScopeProvider, PositionProvider)
+    METADATA_DEPENDENCIES = (ScopeProvider, LinePositionProvider)
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class SiteTransformer(cst.CSTTransformer):
         self.options = options
         self.path = path
         self.line_map = line_map
+        self._firsts = [first for first, _, _ in line_map]
         self.suppressions = suppressions
         self.module = module
         self.by_source: dict[str, Rule] = {}
@@ -98,21 +101,25 @@ class SiteTransformer(cst.CSTTransformer):
 
     def _file_lines(self, node: cst.CSTNode) -> tuple[int, int, int] | None:
         """(start line, column, end line) in the file, or None for nodes outside the chunks."""
-        pos = self.get_metadata(PositionProvider, node, None)
+        pos = self.get_metadata(LinePositionProvider, node, None)
         if pos is None:
             return None
-        for first, last, file_line in self.line_map:
-            if first <= pos.start.line <= last:
-                shift = file_line - first
-                return pos.start.line + shift, pos.start.column, pos.end.line + shift
-        return None
+        (start, column), (end, _) = pos
+        index = bisect.bisect_right(self._firsts, start) - 1  # line_map is sorted by mini-module line
+        if index < 0:
+            return None
+        first, last, file_line = self.line_map[index]
+        if start > last:
+            return None
+        shift = file_line - first
+        return start + shift, column, end + shift
 
     def _has_comment(self, node: cst.CSTNode) -> bool:
         """Whether the source lines of ``node`` hold a ``#`` (a cheap test before looking for comments)."""
-        pos = self.get_metadata(PositionProvider, node, None)
+        pos = self.get_metadata(LinePositionProvider, node, None)
         if pos is None or self._lines is None:
             return True
-        return any("#" in line for line in self._lines[pos.start.line - 1 : pos.end.line])
+        return any("#" in line for line in self._lines[pos[0][0] - 1 : pos[1][0]])
 
     def _qualified_names(self, node: cst.CSTNode):
         """``QualifiedNameProvider``'s answer for ``node`` (same computation, on demand)."""
