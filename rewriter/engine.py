@@ -139,11 +139,13 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
     for line, codes in (skip or {}).items():
         table[line] = table.get(line, frozenset()) | frozenset(codes)
     newline = src.newline_of(lines)
-    chunks, chunk_ids = _select_chunks(tree, units, header_units, lines, rules)
+    text_pattern, attributes = _site_pattern(tree, units, header_units, rules)
+    chunks, chunk_ids = _select_chunks(tree, units, lines, rules, text_pattern, attributes)
     if not chunks:
         return result
     mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
-    transformer, new_module = _run_rules(result, mini, tree, rules, options, table)
+    relevant = _relevant_pattern(tree, text_pattern, rules)
+    transformer, new_module = _run_rules(result, mini, tree, rules, options, table, relevant)
     result.sites.extend(transformer.sites)
     replacements: list[tuple[int, int, str]] = []
     if transformer.rewrites:
@@ -170,9 +172,9 @@ def _transform(result, data, text, encoding, tree, rules, options, skip=None, ma
     return result
 
 
-def _select_chunks(tree, units, header_units, lines, rules) -> tuple[list, set[int]]:
-    """The units to parse (after pruning) and the ids of every unit that mentions a site name
-    (before pruning: the header stays as it was)."""
+def _site_pattern(tree, units, header_units, rules) -> tuple[re.Pattern[str], frozenset[str]]:
+    """The text a unit holding a site mentions (triggers and module-level aliases), and the
+    attribute names assigned a trigger name anywhere."""
     text_pattern = re.compile(
         "|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x"
     )
@@ -185,6 +187,12 @@ def _select_chunks(tree, units, header_units, lines, rules) -> tuple[list, set[i
         text_pattern = re.compile(
             text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b"
         )
+    return text_pattern, attributes
+
+
+def _select_chunks(tree, units, lines, rules, text_pattern, attributes) -> tuple[list, set[int]]:
+    """The units to parse (after pruning) and the ids of every unit that mentions a site name
+    (before pruning: the header stays as it was)."""
     chunks = list(_chunks(units, lines, text_pattern))
     chunk_ids = {id(c.parent or c) for c in chunks}
     watch = prune.watch_of(rules)
@@ -216,20 +224,50 @@ def _mini_module(lines, header_units, chunks, chunk_ids, newline) -> _MiniModule
     return _MiniModule(header, ordered, "".join(parts), line_map)
 
 
-def _run_rules(result, mini, tree, rules, options, table):
+def _relevant_pattern(tree: ast.Module, text_pattern: re.Pattern[str], rules) -> re.Pattern[str]:
+    """What a statement holding a site must mention: ``text_pattern``, watched strings, and every
+    name bound, at any depth, by an import or an assignment of something ``text_pattern`` matches
+    (``from flash_attn import flash_attn_func as fa``, ``fn = flash_attn_func``: calls through
+    them carry no trigger text). The libcst pass skips statements that mention none of these."""
+    names: set[str] = set()
+    assigns = []  # what SiteTransformer.visit_Assign tracks: `x = <name>`, `o.x = <name>`
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                dotted = (
+                    f"{node.module or ''}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
+                )
+                if text_pattern.search(dotted):
+                    names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute)):
+            assigns.append(node)
+    bound = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b") if names else None
+    for node in assigns:
+        value = _dotted(node.value)
+        if text_pattern.search(value) or (bound is not None and bound.search(value)):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            names.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
+    names.discard("*")
+    parts = [text_pattern.pattern] + [re.escape(v) for r in rules for v in r.STRINGS]
+    if names:
+        parts.append(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b")
+    return re.compile("|".join(parts))
+
+
+def _run_rules(result, mini, tree, rules, options, table, relevant=None):
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
     every site's final status and may veto its rewrites (the pass is redone with them refused,
     reusing the parse and the metadata). Returns the transformer and the new module."""
     module = cst.parse_module(mini.source)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     transformer = SiteTransformer(
-        rules, options, result.path, mini.line_map, table, module, source=mini.source
+        rules, options, result.path, mini.line_map, table, module, source=mini.source, relevant=relevant
     )
     new_module = wrapper.visit(transformer)
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
     if vetoes:
         transformer = SiteTransformer(
-            rules, options, result.path, mini.line_map, table, module, vetoes, source=mini.source
+            rules, options, result.path, mini.line_map, table, module, vetoes, mini.source, relevant
         )
         new_module = wrapper.visit(transformer)
     return transformer, new_module

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import re
 
 import libcst as cst
 from libcst.metadata import ScopeProvider
@@ -36,6 +37,57 @@ from flashport.rules.base import (
     RuleOptions,
     keep_comments,
 )
+
+# Nodes whose subtrees hold no call, string, assignment, argument or element: a site never sits
+# inside them, so the traversal does not descend (the node itself is still visited).
+_NO_SITES_BASES = (
+    cst.Name,
+    cst.Integer,
+    cst.Float,
+    cst.Imaginary,
+    cst.BaseParenthesizableWhitespace,
+    cst.TrailingWhitespace,
+    cst.EmptyLine,
+    cst.Newline,
+    cst.Comment,
+    cst.Comma,
+    cst.Dot,
+    cst.AssignEqual,
+    cst.Colon,
+    cst.Semicolon,
+    cst.LeftParen,
+    cst.RightParen,
+    cst.LeftSquareBracket,
+    cst.RightSquareBracket,
+    cst.LeftCurlyBrace,
+    cst.RightCurlyBrace,
+    cst.BaseBinaryOp,
+    cst.BaseBooleanOp,
+    cst.BaseCompOp,
+    cst.BaseUnaryOp,
+    cst.BaseAugOp,
+    cst.Import,
+    cst.ImportFrom,
+    cst.Pass,
+    cst.Break,
+    cst.Continue,
+)
+
+
+def _concrete(bases: tuple[type, ...]) -> frozenset[type]:
+    """Every class under ``bases`` (libcst's bases are ABCs: ``isinstance`` on them is slow)."""
+    found: set[type] = set()
+    todo = list(bases)
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found.add(cls)
+            todo.extend(cls.__subclasses__())
+    return frozenset(found)
+
+
+_NO_SITES = _concrete(_NO_SITES_BASES)
+_STATEMENTS = _concrete((cst.BaseStatement,))
 
 
 class SiteTransformer(cst.CSTTransformer):
@@ -56,8 +108,10 @@ class SiteTransformer(cst.CSTTransformer):
         module: cst.Module,
         vetoes: dict[str, str] | None = None,
         source: str | None = None,
+        relevant: re.Pattern[str] | None = None,
     ):
         super().__init__()
+        self._relevant = relevant if source is not None else None
         self._lines = source.splitlines() if source is not None else None  # the mini module's text
         self.vetoes = vetoes or {}
         self.options = options
@@ -86,9 +140,24 @@ class SiteTransformer(cst.CSTTransformer):
     # -- traversal path (what rules get as ``ctx.node`` / ``ctx.ancestors``) ------------------
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        """Record ``node`` on the path, then dispatch to ``visit_*``."""
+        """Record ``node`` on the path, then dispatch to ``visit_*``; skip the children of nodes
+        that cannot hold a site (names, numbers, whitespace, punctuation) and of statements whose
+        text mentions nothing ``relevant`` matches."""
         self._path.append(node)
-        return super().on_visit(node)
+        if not super().on_visit(node) or type(node) in _NO_SITES:
+            return False
+        if self._relevant is not None and type(node) in _STATEMENTS:
+            return self._mentions_relevant(node)
+        return True
+
+    def _mentions_relevant(self, statement: cst.BaseStatement) -> bool:
+        """Whether the lines of ``statement`` (decorators and all) match the relevant pattern."""
+        if getattr(statement, "decorators", ()):
+            return True  # its position starts after the decorators
+        pos = self.get_metadata(LinePositionProvider, statement, None)
+        if pos is None:
+            return True
+        return any(self._relevant.search(line) for line in self._lines[pos[0][0] - 1 : pos[1][0]])
 
     def on_leave(self, original_node, updated_node):
         """Dispatch to ``leave_*``, then take ``original_node`` off the path."""
