@@ -82,25 +82,10 @@ def transform_source(
         text, encoding = src.decode(data)
     except (SyntaxError, UnicodeDecodeError, LookupError) as err:
         return _error(result, f"cannot decode: {err}")
-    masks: dict[str, str] = {}
-    try:
-        tree = ast.parse(text, filename=path)
-    except SyntaxError as err:
-        masked = newsyntax.mask(text)
-        if masked is None:  # libcst cannot read it either: a real syntax error
-            return _error(result, f"syntax error at line {err.lineno}: {err.msg}")
-        text, masks = masked
-        try:
-            tree = ast.parse(text, filename=path)
-        except SyntaxError as newer:
-            host = ".".join(map(str, sys.version_info[:2]))
-            return _error(
-                result,
-                f"line {newer.lineno} uses Python syntax newer than this host's Python {host} "
-                f"can analyse ({newer.msg}); run flashport under a newer Python for this file",
-            )
-    except (ValueError, RecursionError, MemoryError) as err:
-        return _error(result, f"cannot parse: {err}")
+    parsed = _parse_for_analysis(text, path)
+    if isinstance(parsed, str):
+        return _error(result, parsed)
+    tree, text, masks = parsed
     collecting = gc.isenabled()
     gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
     try:
@@ -113,6 +98,28 @@ def transform_source(
     finally:
         if collecting:
             gc.enable()
+
+
+def _parse_for_analysis(text: str, path: str) -> tuple[ast.Module, str, dict[str, str]] | str:
+    """``(tree, text, masks)`` for the ``ast`` stages, or the error message. Syntax newer than the
+    host's Python that libcst reads is masked (:mod:`~flashport.rewriter.newsyntax`)."""
+    try:
+        return ast.parse(text, filename=path), text, {}
+    except SyntaxError as err:
+        masked = newsyntax.mask(text)
+        if masked is None:  # libcst cannot read it either: a real syntax error
+            return f"syntax error at line {err.lineno}: {err.msg}"
+        text, masks = masked
+        try:
+            return ast.parse(text, filename=path), text, masks
+        except SyntaxError as newer:
+            host = ".".join(map(str, sys.version_info[:2]))
+            return (
+                f"line {newer.lineno} uses Python syntax newer than this host's Python {host} "
+                f"can analyse ({newer.msg}); run flashport under a newer Python for this file"
+            )
+    except (ValueError, RecursionError, MemoryError) as err:
+        return f"cannot parse: {err}"
 
 
 def _error(result: FileResult, message: str) -> FileResult:
