@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 DEFAULT_EXCLUDES = (
     ".git",
@@ -152,6 +152,7 @@ def discover(paths: list[str], exclude: tuple[str, ...] = (), respect_gitignore:
     seen: set[str] = set()
     found: list[str] = []
     for given in paths:
+        candidates: Iterable[str]
         if os.path.isfile(given):
             candidates = [given]
         elif os.path.isdir(given):

@@ -344,7 +344,7 @@ def _value_aliases(units, pattern) -> set[str]:
 
 def _attribute_aliases(tree: ast.Module, pattern) -> frozenset[str]:
     """Attribute names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Assign)

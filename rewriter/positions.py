@@ -42,7 +42,7 @@ class _TupleState(PositionProvidingCodegenState):
 
     def before_codegen(self, node: cst.CSTNode) -> None:
         """Remember where ``node`` starts."""
-        self._stack.append((self.line, self.column))
+        self._stack.append((self.line, self.column))  # type: ignore[arg-type]  # tuples, not CodePosition
 
     def after_codegen(self, node: cst.CSTNode) -> None:
         """Record ``node``'s span unless its syntactic position is already known."""
@@ -64,7 +64,7 @@ class _TupleState(PositionProvidingCodegenState):
         try:
             yield
         finally:
-            computed = self.provider._computed
+            computed: dict[cst.CSTNode, Span] = self.provider._computed  # type: ignore[assignment]
             end = computed[end_node][1] if end_node is not None else (self.line, self.column)
             if start_node is not None:
                 start = computed[start_node][0]
@@ -77,6 +77,8 @@ class LinePositionProvider(BaseMetadataProvider[Span]):
 
     def _gen_impl(self, module: cst.Module) -> None:
         state = _TupleState(
-            default_indent=module.default_indent, default_newline=module.default_newline, provider=self
+            default_indent=module.default_indent,
+            default_newline=module.default_newline,
+            provider=self,  # type: ignore[arg-type]  # same provider API, tuple values
         )
         module._codegen(state)

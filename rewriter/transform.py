@@ -156,12 +156,12 @@ class SiteTransformer(cst.CSTTransformer):
             return self._mentions_relevant(node)
         return True
 
-    def _mentions_relevant(self, statement: cst.BaseStatement) -> bool:
+    def _mentions_relevant(self, statement: cst.CSTNode) -> bool:
         """Whether the lines of ``statement`` (decorators and all) match the relevant pattern."""
         if getattr(statement, "decorators", ()):
             return True  # its position starts after the decorators
         pos = self.get_metadata(LinePositionProvider, statement, None)
-        if pos is None:
+        if pos is None or self._relevant is None or self._lines is None:
             return True
         return any(self._relevant.search(line) for line in self._lines[pos[0][0] - 1 : pos[1][0]])
 

@@ -547,8 +547,9 @@ def build_call(
     formatted = []
     for i, arg in enumerate(args):
         kept = commented.pop(id(arg.value), None)
+        comma: cst.Comma | cst.MaybeSentinel
         if i < len(args) - 1:
-            between = between_ws if multiline else cst.SimpleWhitespace(" ")
+            between = between_ws if between_ws is not None else cst.SimpleWhitespace(" ")
             comma = cst.Comma(whitespace_after=kept or between)
         elif multiline or kept is not None:
             comma = cst.Comma(whitespace_after=kept or closing)
