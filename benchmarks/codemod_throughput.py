@@ -15,6 +15,18 @@ Fetches the wheel once with ``pip download --no-deps`` into a cache outside the 
   tree and divided by ``--jobs`` (the estimate is labelled as such).
 
 Prints files/s, MB/s and ratios to the grep floor.
+
+Then the cost per site on site-dense files, each ported in a fresh child process that times only
+the engine (``transform_source``; medians of ``--repeats`` runs, CPU and wall):
+
+* a generated file of ``--sites`` ``flash_attn_func`` calls, 20 a function (issue goal: <= 1 ms
+  a site, 20,000 sites in < 20 s);
+* flash-attn 2.8.3's own ``tests/test_flash_attn.py`` (2,525 lines), from the sdist fetched with
+  ``pip download --no-deps --no-binary :all: --no-build-isolation`` into the same cache
+  (``FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE``: metadata only, nothing is compiled).
+
+``--dense-only`` skips the transformers tree. A child imports ``flashport`` the usual way, so
+``PYTHONPATH`` pointing at another checkout's package measures that version side by side.
 """
 
 from __future__ import annotations
@@ -23,8 +35,10 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -129,6 +143,113 @@ def naive(files: list[str], budget: float) -> tuple[float, int, int]:
     return spent, count, size
 
 
+FLASH_ATTN = ("flash-attn", "2.8.3", "flash_attn-2.8.3/tests/test_flash_attn.py")
+
+
+def fetch_flash_attn_test(cache: str) -> str | None:
+    """flash-attn's own site-dense test file from its sdist (fetched once); None when unavailable."""
+    name, version, member = FLASH_ATTN
+    target = os.path.join(cache, "flash_attn-tests", member)
+    if os.path.isfile(target):
+        return target
+    sdist = os.path.join(cache, f"flash_attn-{version}.tar.gz")
+    if not os.path.isfile(sdist):
+        env = dict(os.environ, FLASH_ATTENTION_SKIP_CUDA_BUILD="TRUE")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        cmd += ["--no-build-isolation", "-q", f"{name}=={version}", "-d", cache]
+        if subprocess.run(cmd, env=env, capture_output=True).returncode != 0 or not os.path.isfile(sdist):
+            print(f"could not download {name}=={version} (sdist); skipping the real test file")
+            return None
+    with tarfile.open(sdist) as archive:
+        archive.extract(member, os.path.join(cache, "flash_attn-tests"), filter="data")
+    return target
+
+
+def generated(sites: int) -> bytes:
+    """A file of ``sites`` flash_attn_func calls, 20 a function."""
+    lines = ["from flash_attn import flash_attn_func\n\n"]
+    for f in range(max(1, sites // 20)):
+        lines.append(f"\ndef f{f}(q, k, v):\n")
+        lines += [
+            f"    o{i} = flash_attn_func(q, k, v, causal=True, softmax_scale=0.{i % 9 + 1})\n"
+            for i in range(min(20, sites))
+        ]
+        lines.append("    return q\n")
+    return "".join(lines).encode()
+
+
+def _dense_child(path: str) -> int:
+    """Port one file with every rule and print {sites, changed, cpu, wall} as JSON (child process)."""
+    from flashport import rules as registry
+    from flashport.rewriter.engine import transform_source
+    from flashport.rules.base import RuleOptions
+
+    data = open(path, "rb").read()
+    rules = registry.all_rules()
+    transform_source(generated(20), "warm.py", rules, RuleOptions())  # imports, regex compilation
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = transform_source(data, path, rules, RuleOptions())
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    doc = {
+        "sites": len(result.sites),
+        "status": result.status,
+        "error": result.error,
+        "cpu": cpu,
+        "wall": wall,
+    }
+    print(json.dumps(doc))
+    return 0
+
+
+def dense(label: str, path: str, repeats: int) -> dict | None:
+    """Median CPU and wall seconds of ``repeats`` fresh-process ports of ``path``."""
+    runs = []
+    for _ in range(repeats):
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--dense-child", path],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(path),  # not the repository root: PYTHONPATH decides which flashport
+        )
+        if proc.returncode != 0:
+            print(f"{label}: child failed:\n{proc.stderr[-2000:]}")
+            return None
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    if runs[0]["status"] == "error":
+        print(f"{label}: {runs[0]['error']}")
+        return None
+    cpu = statistics.median(r["cpu"] for r in runs)
+    wall = statistics.median(r["wall"] for r in runs)
+    return {
+        "label": label,
+        "bytes": os.path.getsize(path),
+        "sites": runs[0]["sites"],
+        "cpu": cpu,
+        "wall": wall,
+    }
+
+
+def dense_report(args) -> None:
+    """The per-site table for the generated and the real site-dense file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        gen_path = os.path.join(tmp, "generated.py")
+        with open(gen_path, "wb") as handle:
+            handle.write(generated(args.sites))
+        rows = [dense(f"generated, {args.sites} flash_attn_func calls", gen_path, args.repeats)]
+    real = fetch_flash_attn_test(args.cache)
+    if real:
+        rows.append(dense("flash-attn 2.8.3 tests/test_flash_attn.py", real, args.repeats))
+    print(f"\nsite-dense files (medians of {args.repeats} fresh processes, engine only):")
+    print(f"{'file':<48} {'MB':>6} {'sites':>6} {'CPU s':>7} {'wall s':>7} {'ms/site CPU':>12} {'wall':>7}")
+    for row in filter(None, rows):
+        n = max(row["sites"], 1)
+        print(
+            f"{row['label']:<48} {row['bytes'] / 1e6:>6.2f} {row['sites']:>6} {row['cpu']:>7.2f} "
+            f"{row['wall']:>7.2f} {1000 * row['cpu'] / n:>12.2f} {1000 * row['wall'] / n:>7.2f}"
+        )
+    print("goal: <= 1 ms a site; the 20,000-site file in < 20 s")
+
+
 def main(argv=None) -> int:
     """Run the benchmark and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -138,7 +259,16 @@ def main(argv=None) -> int:
         "--cache",
         default=os.environ.get("FLASHPORT_BENCH_CACHE", os.path.expanduser("~/.cache/flashport-bench")),
     )
+    parser.add_argument("--sites", type=int, default=20000, help="calls in the generated site-dense file")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per site-dense file (median)")
+    parser.add_argument("--dense-only", action="store_true", help="only the site-dense files")
+    parser.add_argument("--dense-child", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.dense_child:
+        return _dense_child(args.dense_child)
+    if args.dense_only:
+        dense_report(args)
+        return 0
 
     root = fetch(args.cache)
     files = python_files(root)
@@ -212,6 +342,7 @@ def main(argv=None) -> int:
         f"warm cache: scan / grep = {warm_scan_s / grep_s:.1f}x, rewrite = {warm_rewrite_s:.1f} s; "
         f"naive / rewrite = {naive_est / rewrite_s:.0f}x"
     )
+    dense_report(args)
     return 0
 
 

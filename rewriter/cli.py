@@ -43,69 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{scan,rewrite,rules}")
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("paths", nargs="*", default=["."], help="files or directories (default: .)")
-    common.add_argument(
-        "--select",
-        type=_codes,
-        action="extend",
-        metavar="RULES",
-        help="comma-separated rule codes/prefixes to run (default: all)",
-    )
-    common.add_argument(
-        "--ignore",
-        type=_codes,
-        action="extend",
-        metavar="RULES",
-        help="comma-separated rule codes/prefixes to skip",
-    )
-    common.add_argument(
-        "--exclude", action="append", metavar="GLOB", help="skip paths matching GLOB (repeatable)"
-    )
-    common.add_argument("--no-gitignore", action="store_true", help="do not skip files ignored by .gitignore")
-    common.add_argument("-j", "--jobs", type=int, metavar="N", help="worker processes (default: CPU count)")
-    common.add_argument(
-        "--format",
-        choices=("text", "json"),
-        default="text",
-        help="output format (json: schema flashport.report/1)",
-    )
-    common.add_argument(
-        "--cache",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse per-file results from ~/.cache/flashport (keyed by file bytes, rules, options and versions); default: off unless FLASHPORT_CACHE is set",
-    )
-    common.add_argument(
-        "--no-color",
-        action="store_true",
-        help="plain output (also when NO_COLOR is set or stdout is not a terminal)",
-    )
-    common.add_argument(
-        "--config",
-        metavar="PYPROJECT",
-        help="read [tool.flashport] from this file instead of the nearest pyproject.toml",
-    )
-    common.add_argument("--isolated", action="store_true", help="ignore any [tool.flashport] configuration")
-    common.add_argument(
-        "--inference",
-        action="store_true",
-        default=None,
-        help="treat training-gated dropout (`p if self.training else 0.0`) as 0 and drop it; the diff notes say so",
-    )
-    common.add_argument(
-        "--flash-attn-version",
-        metavar="X.Y.Z",
-        help="flash-attn version the code targets (positional binding, causal alignment; default 2.8.3)",
-    )
-    common.add_argument(
-        "--torch-version", metavar="X.Y", help="torch version for SDPA's signature (default 2.5)"
-    )
-    common.add_argument(
-        "--jax-version",
-        metavar="X.Y.Z",
-        help="jax version for jax.nn.dot_product_attention's signature (default 0.10.2)",
-    )
+    _add_file_arguments(common)
+    _add_output_arguments(common)
+    _add_rule_option_arguments(common)
+    _add_subcommands(sub, common)
+    return parser
 
+
+def _add_subcommands(sub, common: argparse.ArgumentParser) -> None:
+    """The ``scan``, ``rewrite`` and ``rules`` subcommands."""
     sub.add_parser(
         "scan", parents=[common], help="list every GPU attention use and whether it can be rewritten"
     )
@@ -130,7 +76,80 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("rule", nargs="?", help="rule code or name, e.g. FPA001")
     rules.add_argument("--format", choices=("text", "json"), default="text")
     rules.add_argument("--no-color", action="store_true")
-    return parser
+
+
+def _add_file_arguments(common: argparse.ArgumentParser) -> None:
+    """Which files and rules a run covers, and how many workers."""
+    common.add_argument("paths", nargs="*", default=["."], help="files or directories (default: .)")
+    common.add_argument(
+        "--select",
+        type=_codes,
+        action="extend",
+        metavar="RULES",
+        help="comma-separated rule codes/prefixes to run (default: all)",
+    )
+    common.add_argument(
+        "--ignore",
+        type=_codes,
+        action="extend",
+        metavar="RULES",
+        help="comma-separated rule codes/prefixes to skip",
+    )
+    common.add_argument(
+        "--exclude", action="append", metavar="GLOB", help="skip paths matching GLOB (repeatable)"
+    )
+    common.add_argument("--no-gitignore", action="store_true", help="do not skip files ignored by .gitignore")
+    common.add_argument("-j", "--jobs", type=int, metavar="N", help="worker processes (default: CPU count)")
+
+
+def _add_output_arguments(common: argparse.ArgumentParser) -> None:
+    """Output format, colour, result cache and configuration file."""
+    common.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="output format (json: schema flashport.report/1)",
+    )
+    common.add_argument(
+        "--cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse per-file results from ~/.cache/flashport (keyed by file bytes, rules, options and versions); default: off unless FLASHPORT_CACHE is set",
+    )
+    common.add_argument(
+        "--no-color",
+        action="store_true",
+        help="plain output (also when NO_COLOR is set or stdout is not a terminal)",
+    )
+    common.add_argument(
+        "--config",
+        metavar="PYPROJECT",
+        help="read [tool.flashport] from this file instead of the nearest pyproject.toml",
+    )
+    common.add_argument("--isolated", action="store_true", help="ignore any [tool.flashport] configuration")
+
+
+def _add_rule_option_arguments(common: argparse.ArgumentParser) -> None:
+    """Options the rules read (:class:`~flashport.rules.base.RuleOptions`)."""
+    common.add_argument(
+        "--inference",
+        action="store_true",
+        default=None,
+        help="treat training-gated dropout (`p if self.training else 0.0`) as 0 and drop it; the diff notes say so",
+    )
+    common.add_argument(
+        "--flash-attn-version",
+        metavar="X.Y.Z",
+        help="flash-attn version the code targets (positional binding, causal alignment; default 2.8.3)",
+    )
+    common.add_argument(
+        "--torch-version", metavar="X.Y", help="torch version for SDPA's signature (default 2.5)"
+    )
+    common.add_argument(
+        "--jax-version",
+        metavar="X.Y.Z",
+        help="jax version for jax.nn.dot_product_attention's signature (default 0.10.2)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

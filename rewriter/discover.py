@@ -14,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from collections.abc import Iterable, Iterator
 
 DEFAULT_EXCLUDES = (
     ".git",
@@ -150,65 +151,78 @@ def discover(paths: list[str], exclude: tuple[str, ...] = (), respect_gitignore:
     """
     seen: set[str] = set()
     found: list[str] = []
-
-    def add(path: str) -> None:
-        real = os.path.realpath(path)
-        if real not in seen:
-            seen.add(real)
-            found.append(path)
-
     for given in paths:
+        candidates: Iterable[str]
         if os.path.isfile(given):
-            add(given)
-            continue
-        if not os.path.isdir(given):
+            candidates = [given]
+        elif os.path.isdir(given):
+            candidates = _walk_tree(given, exclude, respect_gitignore)
+        else:
             raise FileNotFoundError(f"no such file or directory: {given}")
-        root = given
-        root_real = os.path.realpath(root)
-        ignore = GitIgnore()
+        for path in candidates:
+            real = os.path.realpath(path)
+            if real not in seen:
+                seen.add(real)
+                found.append(path)
+    return found
+
+
+def _tree_ignores(root_real: str, respect_gitignore: bool) -> GitIgnore:
+    """The ``.gitignore`` rules in force at ``root_real``: its parents' files up to the repository root."""
+    ignore = GitIgnore()
+    git_root = _git_root(root_real) if respect_gitignore else None
+    if git_root is not None:  # parents' .gitignore files between the repo root and the tree
+        chain, current = [], root_real
+        while True:
+            chain.append(current)
+            if current == git_root:
+                break
+            current = os.path.dirname(current)
+        for directory in reversed(chain[1:]):
+            ignore.add_file(directory)
+    return ignore
+
+
+def _walk_tree(root: str, exclude: tuple[str, ...], respect_gitignore: bool) -> Iterator[str]:
+    """The Python files under directory ``root``, sorted per directory, minus excluded and ignored
+    paths and links that leave the tree."""
+    root_real = os.path.realpath(root)
+    ignore = _tree_ignores(root_real, respect_gitignore)
+    for directory, dirnames, filenames in os.walk(root, followlinks=False):
         if respect_gitignore:
-            git_root = _git_root(root_real)
-            if git_root is not None:  # parents' .gitignore files between the repo root and the tree
-                chain, current = [], root_real
-                while True:
-                    chain.append(current)
-                    if current == git_root:
-                        break
-                    current = os.path.dirname(current)
-                for directory in reversed(chain[1:]):
-                    ignore.add_file(directory)
-        for directory, dirnames, filenames in os.walk(root, followlinks=False):
-            if respect_gitignore:
-                ignore.add_file(directory)
-            kept = []
-            for name in sorted(dirnames):
-                full = os.path.join(directory, name)
-                rel = os.path.relpath(full, root).replace(os.sep, "/")
-                if name in DEFAULT_EXCLUDES or name.endswith(".egg-info") or os.path.islink(full):
-                    continue
-                if _excluded(rel, name, exclude) or (
-                    respect_gitignore and ignore.ignored(_abs(full, root, root_real), True)
+            ignore.add_file(directory)
+        dirnames[:] = [
+            name
+            for name in sorted(dirnames)
+            if _keep_dir(directory, name, root, root_real, exclude, ignore if respect_gitignore else None)
+        ]
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            full = os.path.join(directory, name)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if _excluded(rel, name, exclude):
+                continue
+            if respect_gitignore and ignore.ignored(_abs(full, root, root_real), False):
+                continue
+            if os.path.islink(full):
+                target = os.path.realpath(full)
+                if not (target == root_real or target.startswith(root_real + os.sep)) or not os.path.isfile(
+                    target
                 ):
                     continue
-                kept.append(name)
-            dirnames[:] = kept
-            for name in sorted(filenames):
-                if not name.endswith(".py"):
-                    continue
-                full = os.path.join(directory, name)
-                rel = os.path.relpath(full, root).replace(os.sep, "/")
-                if _excluded(rel, name, exclude):
-                    continue
-                if respect_gitignore and ignore.ignored(_abs(full, root, root_real), False):
-                    continue
-                if os.path.islink(full):
-                    target = os.path.realpath(full)
-                    if not (
-                        target == root_real or target.startswith(root_real + os.sep)
-                    ) or not os.path.isfile(target):
-                        continue
-                add(full)
-    return found
+            yield full
+
+
+def _keep_dir(directory, name, root, root_real, exclude, ignore: GitIgnore | None) -> bool:
+    """Whether the walk descends into ``directory/name`` (``ignore`` None: .gitignore not consulted)."""
+    full = os.path.join(directory, name)
+    rel = os.path.relpath(full, root).replace(os.sep, "/")
+    if name in DEFAULT_EXCLUDES or name.endswith(".egg-info") or os.path.islink(full):
+        return False
+    if _excluded(rel, name, exclude):
+        return False
+    return ignore is None or not ignore.ignored(_abs(full, root, root_real), True)
 
 
 def _abs(path: str, root: str, root_real: str) -> str:

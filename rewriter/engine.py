@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import gc
 import re
 import sys
 import traceback
@@ -81,25 +82,12 @@ def transform_source(
         text, encoding = src.decode(data)
     except (SyntaxError, UnicodeDecodeError, LookupError) as err:
         return _error(result, f"cannot decode: {err}")
-    masks: dict[str, str] = {}
-    try:
-        tree = ast.parse(text, filename=path)
-    except SyntaxError as err:
-        masked = newsyntax.mask(text)
-        if masked is None:  # libcst cannot read it either: a real syntax error
-            return _error(result, f"syntax error at line {err.lineno}: {err.msg}")
-        text, masks = masked
-        try:
-            tree = ast.parse(text, filename=path)
-        except SyntaxError as newer:
-            host = ".".join(map(str, sys.version_info[:2]))
-            return _error(
-                result,
-                f"line {newer.lineno} uses Python syntax newer than this host's Python {host} "
-                f"can analyse ({newer.msg}); run flashport under a newer Python for this file",
-            )
-    except (ValueError, RecursionError, MemoryError) as err:
-        return _error(result, f"cannot parse: {err}")
+    parsed = _parse_for_analysis(text, path)
+    if isinstance(parsed, str):
+        return _error(result, parsed)
+    tree, text, masks = parsed
+    collecting = gc.isenabled()
+    gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
     try:
         return _transform(
             result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks
@@ -107,12 +95,47 @@ def transform_source(
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
         return _error(result, f"internal error, file left unchanged: {detail}")
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _parse_for_analysis(text: str, path: str) -> tuple[ast.Module, str, dict[str, str]] | str:
+    """``(tree, text, masks)`` for the ``ast`` stages, or the error message. Syntax newer than the
+    host's Python that libcst reads is masked (:mod:`~flashport.rewriter.newsyntax`)."""
+    try:
+        return ast.parse(text, filename=path), text, {}
+    except SyntaxError as err:
+        masked = newsyntax.mask(text)
+        if masked is None:  # libcst cannot read it either: a real syntax error
+            return f"syntax error at line {err.lineno}: {err.msg}"
+        text, masks = masked
+        try:
+            return ast.parse(text, filename=path), text, masks
+        except SyntaxError as newer:
+            host = ".".join(map(str, sys.version_info[:2]))
+            return (
+                f"line {newer.lineno} uses Python syntax newer than this host's Python {host} "
+                f"can analyse ({newer.msg}); run flashport under a newer Python for this file"
+            )
+    except (ValueError, RecursionError, MemoryError) as err:
+        return f"cannot parse: {err}"
 
 
 def _error(result: FileResult, message: str) -> FileResult:
     result.status = ERROR
     result.error = message
     return result
+
+
+@dataclasses.dataclass
+class _MiniModule:
+    """The chunks of one file joined under its import header (see the module docstring)."""
+
+    header: str
+    ordered: list[src.Unit]  # chunk units in mini-module order
+    source: str
+    line_map: list[tuple[int, int, int]]  # (first, last mini-module line, first file line)
 
 
 def _transform(
@@ -127,18 +150,53 @@ def _transform(
     masks: dict[str, str] | None = None,
 ) -> FileResult:
     lines = src.split_lines(text)
-    text_pattern = re.compile(
-        "|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x"
-    )
     units = src.top_level_units(tree)
     header_units = [u for u in units if u.importish]
     table = suppress.parse(lines)
     for line, codes in (skip or {}).items():
         table[line] = table.get(line, frozenset()) | frozenset(codes)
-    replacements: list[tuple[int, int, str]] = []
-    needed: set[str] = set()
-    gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
     newline = src.newline_of(lines)
+    text_pattern, attributes = _site_pattern(tree, units, header_units, rules)
+    chunks, chunk_ids = _select_chunks(tree, units, lines, rules, text_pattern, attributes)
+    if not chunks:
+        return result
+    mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
+    relevant = _relevant_pattern(tree, text_pattern, rules)
+    transformer, new_module = _run_rules(result, mini, tree, rules, options, table, relevant)
+    result.sites.extend(transformer.sites)
+    replacements: list[tuple[int, int, str]] = []
+    if transformer.rewrites:
+        replacements = _replacements(new_module.code, mini, lines)
+    result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
+    if not replacements:
+        return result
+    for start, end, new_chunk in sorted(replacements, reverse=True):
+        lines[start - 1 : end] = [new_chunk]
+    gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
+    new_text = _fix_imports(result, "".join(lines), tree, gpu_modules, transformer.imports, newline)
+    compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
+    if masks:
+        try:
+            new_text = newsyntax.unmask(new_text, masks)
+        except ValueError as err:
+            return _error(result, f"{err}; file left unchanged")
+        cst.parse_module(new_text)  # the restored text must still parse (libcst's grammar)
+    new_data = src.encode(new_text, encoding)
+    if new_data != data:
+        result.status = CHANGED
+        result.old = data
+        result.new = new_data
+    return result
+
+
+def _site_pattern(
+    tree: ast.Module, units: list[src.Unit], header_units: list[src.Unit], rules: list[Rule]
+) -> tuple[re.Pattern[str], frozenset[str]]:
+    """The text a unit holding a site mentions (triggers and module-level aliases), and the
+    attribute names assigned a trigger name anywhere."""
+    text_pattern = re.compile(
+        "|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x"
+    )
     aliases = _aliases(header_units, text_pattern) | _value_aliases(units, text_pattern)
     attributes = _attribute_aliases(
         tree, text_pattern
@@ -148,14 +206,32 @@ def _transform(
         text_pattern = re.compile(
             text_pattern.pattern + "|" + r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b"
         )
+    return text_pattern, attributes
+
+
+def _select_chunks(
+    tree: ast.Module,
+    units: list[src.Unit],
+    lines: list[str],
+    rules: list[Rule],
+    text_pattern: re.Pattern[str],
+    attributes: frozenset[str],
+) -> tuple[list[src.Unit], set[int]]:
+    """The units to parse (after pruning) and the ids of every unit that mentions a site name
+    (before pruning: the header stays as it was)."""
     chunks = list(_chunks(units, lines, text_pattern))
-    chunk_ids = {id(c.parent or c) for c in chunks}  # before pruning: the header stays as it was
+    chunk_ids = {id(c.parent or c) for c in chunks}
     watch = prune.watch_of(rules)
     watch = dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
     flags = prune.keep([c.nodes for c in chunks], tree, watch)
-    chunks = [c for c, kept in zip(chunks, flags, strict=False) if kept]
-    if not chunks:
-        return result
+    return [c for c, kept in zip(chunks, flags, strict=False) if kept], chunk_ids
+
+
+def _mini_module(
+    lines: list[str], header_units: list[src.Unit], chunks: list[src.Unit], chunk_ids: set[int], newline: str
+) -> _MiniModule:
+    """Header imports, then each chunk after a sentinel comment (class members inside a stand-in
+    class), with the map from mini-module lines back to file lines."""
     header = "".join(_terminated(src.unit_text(lines, h)) for h in header_units if id(h) not in chunk_ids)
     parts, line_map = [header], []
     mini_line = len(src.split_lines(header))
@@ -173,35 +249,90 @@ def _transform(
         line_map.append((mini_line + 1, mini_line + count, unit.start))
         parts.append(body)
         mini_line += count
-    mini_source = "".join(parts)
-    module = cst.parse_module(mini_source)
-    transformer = SiteTransformer(rules, options, result.path, line_map, table, module, source=mini_source)
-    new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
+    return _MiniModule(header, ordered, "".join(parts), line_map)
+
+
+def _relevant_pattern(tree: ast.Module, text_pattern: re.Pattern[str], rules: list[Rule]) -> re.Pattern[str]:
+    """What a statement holding a site must mention: ``text_pattern``, watched strings, and every
+    name bound, at any depth, by an import or an assignment of something ``text_pattern`` matches
+    (``from flash_attn import flash_attn_func as fa``, ``fn = flash_attn_func``: calls through
+    them carry no trigger text). The libcst pass skips statements that mention none of these."""
+    names: set[str] = set()
+    assigns = []  # what SiteTransformer.visit_Assign tracks: `x = <name>`, `o.x = <name>`
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                dotted = (
+                    f"{node.module or ''}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
+                )
+                if text_pattern.search(dotted):
+                    names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute)):
+            assigns.append(node)
+    bound = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b") if names else None
+    for node in assigns:
+        value = _dotted(node.value)
+        if text_pattern.search(value) or (bound is not None and bound.search(value)):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            names.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
+    names.discard("*")
+    parts = [text_pattern.pattern] + [re.escape(v) for r in rules for v in r.STRINGS]
+    if names:
+        parts.append(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b")
+    return re.compile("|".join(parts))
+
+
+def _run_rules(
+    result: FileResult,
+    mini: _MiniModule,
+    tree: ast.Module,
+    rules: list[Rule],
+    options: RuleOptions,
+    table: dict[int, frozenset[str]],
+    relevant: re.Pattern[str] | None = None,
+) -> tuple[SiteTransformer, cst.Module]:
+    """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
+    every site's final status and may veto its rewrites (the pass is redone with them refused,
+    reusing the parse and the metadata). Returns the transformer and the new module."""
+    module = cst.parse_module(mini.source)
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    transformer = SiteTransformer(
+        rules, options, result.path, mini.line_map, table, module, source=mini.source, relevant=relevant
+    )
+    new_module = wrapper.visit(transformer)
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
-    if vetoes:  # per-file phase: redo the pass with those rules' rewrites refused
+    if vetoes:
         transformer = SiteTransformer(
-            rules, options, result.path, line_map, table, module, vetoes, source=mini_source
+            rules, options, result.path, mini.line_map, table, module, vetoes, mini.source, relevant
         )
-        new_module = MetadataWrapper(module, unsafe_skip_copy=True).visit(transformer)
-    result.sites.extend(transformer.sites)
-    if transformer.rewrites:
-        new_code = new_module.code
-        if not new_code.startswith(header):
-            raise RuntimeError("rewrite touched the import header")
-        pieces = _split_chunks(new_code[len(header) :], len(ordered))
-        for unit, new_chunk in zip(ordered, pieces, strict=False):
-            chunk = src.unit_text(lines, unit)
-            if not chunk.endswith(("\n", "\r")) and new_chunk.endswith("\n"):
-                new_chunk = new_chunk[:-1]  # _terminated() added it
-            if new_chunk != chunk:
-                replacements.append((unit.start, unit.end, new_chunk))
-        needed.update(transformer.imports)
-    result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
-    if not replacements:
-        return result
-    for start, end, new_chunk in sorted(replacements, reverse=True):
-        lines[start - 1 : end] = [new_chunk]
-    new_text = "".join(lines)
+        new_module = wrapper.visit(transformer)
+    return transformer, new_module
+
+
+def _replacements(new_code: str, mini: _MiniModule, lines: list[str]) -> list[tuple[int, int, str]]:
+    """(first line, last line, new text) for every chunk the pass changed."""
+    if not new_code.startswith(mini.header):
+        raise RuntimeError("rewrite touched the import header")
+    replacements = []
+    pieces = _split_chunks(new_code[len(mini.header) :], len(mini.ordered))
+    for unit, new_chunk in zip(mini.ordered, pieces, strict=False):
+        chunk = src.unit_text(lines, unit)
+        if not chunk.endswith(("\n", "\r")) and new_chunk.endswith("\n"):
+            new_chunk = new_chunk[:-1]  # _terminated() added it
+        if new_chunk != chunk:
+            replacements.append((unit.start, unit.end, new_chunk))
+    return replacements
+
+
+def _fix_imports(
+    result: FileResult,
+    new_text: str,
+    tree: ast.Module,
+    gpu_modules: tuple[str, ...],
+    needed: Iterable[str],
+    newline: str,
+) -> str:
+    """Drop GPU imports a rewrite made unused and add the imports rewrites need."""
     before = import_edits.name_uses(tree)
     new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules)
     for module_name in sorted(needed):
@@ -209,19 +340,7 @@ def _transform(
         if added:
             result.imports_added.append(module_name)
     result.imports_removed = removed
-    compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
-    if masks:
-        try:
-            new_text = newsyntax.unmask(new_text, masks)
-        except ValueError as err:
-            return _error(result, f"{err}; file left unchanged")
-        cst.parse_module(new_text)  # the restored text must still parse (libcst's grammar)
-    new_data = src.encode(new_text, encoding)
-    if new_data != data:
-        result.status = CHANGED
-        result.old = data
-        result.new = new_data
-    return result
+    return new_text
 
 
 def _aliases(header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:

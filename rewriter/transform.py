@@ -13,17 +13,26 @@ relies on this to be opt-in behind FPA901.
 
 ``vetoes`` (rule code -> reason) turn that rule's rewrites into refusals: the engine's per-file
 phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
+
+Cost: the scope analysis and the positions are computed once per file for the whole mini module
+(positions by :mod:`~flashport.rewriter.positions`); the traversal does not descend into nodes
+that cannot hold a site, nor into statements whose text matches nothing of ``relevant`` (the
+engine's triggers, watched strings and names bound to a source). Rules still see every original
+ancestor and sibling: skipping only saves the visit.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import re
 from typing import TypeVar
 
 import libcst as cst
-from libcst.metadata import PositionProvider, ScopeProvider
+from libcst.metadata import ScopeProvider
 
 from flashport.rewriter import aliases, suppress
+from flashport.rewriter.positions import LinePositionProvider
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rules.base import (
     Outcome,
@@ -38,6 +47,56 @@ from flashport.rules.base import (
 )
 
 _OwnerT = TypeVar("_OwnerT", cst.FunctionDef, cst.Module)  # what binds aliases: a function or the module
+# Nodes whose subtrees hold no call, string, assignment, argument or element: a site never sits
+# inside them, so the traversal does not descend (the node itself is still visited).
+_NO_SITES_BASES = (
+    cst.Name,
+    cst.Integer,
+    cst.Float,
+    cst.Imaginary,
+    cst.BaseParenthesizableWhitespace,
+    cst.TrailingWhitespace,
+    cst.EmptyLine,
+    cst.Newline,
+    cst.Comment,
+    cst.Comma,
+    cst.Dot,
+    cst.AssignEqual,
+    cst.Colon,
+    cst.Semicolon,
+    cst.LeftParen,
+    cst.RightParen,
+    cst.LeftSquareBracket,
+    cst.RightSquareBracket,
+    cst.LeftCurlyBrace,
+    cst.RightCurlyBrace,
+    cst.BaseBinaryOp,
+    cst.BaseBooleanOp,
+    cst.BaseCompOp,
+    cst.BaseUnaryOp,
+    cst.BaseAugOp,
+    cst.Import,
+    cst.ImportFrom,
+    cst.Pass,
+    cst.Break,
+    cst.Continue,
+)
+
+
+def _concrete(bases: tuple[type, ...]) -> frozenset[type]:
+    """Every class under ``bases`` (libcst's bases are ABCs: ``isinstance`` on them is slow)."""
+    found: set[type] = set()
+    todo = list(bases)
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found.add(cls)
+            todo.extend(cls.__subclasses__())
+    return frozenset(found)
+
+
+_NO_SITES = _concrete(_NO_SITES_BASES)
+_STATEMENTS = _concrete((cst.BaseStatement,))
 
 
 class SiteTransformer(cst.CSTTransformer):
@@ -46,7 +105,7 @@ class SiteTransformer(cst.CSTTransformer):
     # Qualified names come from the scope analysis, asked only for the nodes :meth:`_match` looks
     # at: exactly what ``QualifiedNameProvider`` would give them, without computing it for every
     # node of the chunk.
-    METADATA_DEPENDENCIES = (ScopeProvider, PositionProvider)
+    METADATA_DEPENDENCIES = (ScopeProvider, LinePositionProvider)
 
     def __init__(
         self,
@@ -58,13 +117,16 @@ class SiteTransformer(cst.CSTTransformer):
         module: cst.Module,
         vetoes: dict[str, str] | None = None,
         source: str | None = None,
+        relevant: re.Pattern[str] | None = None,
     ):
         super().__init__()
+        self._relevant = relevant if source is not None else None
         self._lines = source.splitlines() if source is not None else None  # the mini module's text
         self.vetoes = vetoes or {}
         self.options = options
         self.path = path
         self.line_map = line_map
+        self._firsts = [first for first, _, _ in line_map]
         self.suppressions = suppressions
         self.module = module
         self.by_source: dict[str, Rule] = {}
@@ -87,9 +149,24 @@ class SiteTransformer(cst.CSTTransformer):
     # -- traversal path (what rules get as ``ctx.node`` / ``ctx.ancestors``) ------------------
 
     def on_visit(self, node: cst.CSTNode) -> bool:
-        """Record ``node`` on the path, then dispatch to ``visit_*``."""
+        """Record ``node`` on the path, then dispatch to ``visit_*``; skip the children of nodes
+        that cannot hold a site (names, numbers, whitespace, punctuation) and of statements whose
+        text mentions nothing ``relevant`` matches."""
         self._path.append(node)
-        return super().on_visit(node)
+        if not super().on_visit(node) or type(node) in _NO_SITES:
+            return False
+        if self._relevant is not None and type(node) in _STATEMENTS:
+            return self._mentions_relevant(node)
+        return True
+
+    def _mentions_relevant(self, statement: cst.CSTNode) -> bool:
+        """Whether the lines of ``statement`` (decorators and all) match the relevant pattern."""
+        if getattr(statement, "decorators", ()):
+            return True  # its position starts after the decorators
+        pos = self.get_metadata(LinePositionProvider, statement, None)
+        if pos is None or self._relevant is None or self._lines is None:
+            return True
+        return any(self._relevant.search(line) for line in self._lines[pos[0][0] - 1 : pos[1][0]])
 
     def on_leave(self, original_node, updated_node):
         """Dispatch to ``leave_*``, then take ``original_node`` off the path."""
@@ -102,21 +179,25 @@ class SiteTransformer(cst.CSTTransformer):
 
     def _file_lines(self, node: cst.CSTNode) -> tuple[int, int, int] | None:
         """(start line, column, end line) in the file, or None for nodes outside the chunks."""
-        pos = self.get_metadata(PositionProvider, node, None)
+        pos = self.get_metadata(LinePositionProvider, node, None)
         if pos is None:
             return None
-        for first, last, file_line in self.line_map:
-            if first <= pos.start.line <= last:
-                shift = file_line - first
-                return pos.start.line + shift, pos.start.column, pos.end.line + shift
-        return None
+        (start, column), (end, _) = pos
+        index = bisect.bisect_right(self._firsts, start) - 1  # line_map is sorted by mini-module line
+        if index < 0:
+            return None
+        first, last, file_line = self.line_map[index]
+        if start > last:
+            return None
+        shift = file_line - first
+        return start + shift, column, end + shift
 
     def _has_comment(self, node: cst.CSTNode) -> bool:
         """Whether the source lines of ``node`` hold a ``#`` (a cheap test before looking for comments)."""
-        pos = self.get_metadata(PositionProvider, node, None)
+        pos = self.get_metadata(LinePositionProvider, node, None)
         if pos is None or self._lines is None:
             return True
-        return any("#" in line for line in self._lines[pos.start.line - 1 : pos.end.line])
+        return any("#" in line for line in self._lines[pos[0][0] - 1 : pos[1][0]])
 
     def _qualified_names(self, node: cst.CSTNode):
         """``QualifiedNameProvider``'s answer for ``node`` (same computation, on demand)."""

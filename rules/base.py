@@ -618,15 +618,16 @@ def build_call(
     formatted = []
     for i, arg in enumerate(args):
         kept = commented.pop(id(arg.value), None)
-        arg = arg.with_changes(whitespace_after_arg=cst.SimpleWhitespace(""))
+        comma: cst.Comma | cst.MaybeSentinel
         if i < len(args) - 1:
             between = between_ws if between_ws is not None else cst.SimpleWhitespace(" ")
-            arg = arg.with_changes(comma=cst.Comma(whitespace_after=kept or between))
+            comma = cst.Comma(whitespace_after=kept or between)
         elif multiline or kept is not None:
-            arg = arg.with_changes(comma=cst.Comma(whitespace_after=kept or closing))
+            comma = cst.Comma(whitespace_after=kept or closing)
         else:
-            arg = arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)
-        formatted.append(arg)
+            comma = cst.MaybeSentinel.DEFAULT
+        # one with_changes per argument (each is a dataclasses.replace with validation)
+        formatted.append(arg.with_changes(whitespace_after_arg=cst.SimpleWhitespace(""), comma=comma))
     return like.with_changes(
         func=dotted(target), args=formatted, whitespace_before_args=like.whitespace_before_args
     )
