@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from flashport.kernels import checks, dropout, registry
-from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.spec import AttentionSpec, make_spec
 
 log = logging.getLogger("flashport")
 
@@ -184,23 +184,21 @@ def prepare(
     """
     q, k, v = (_as_array(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
     layout = checks.check_choice("layout", layout, checks.LAYOUTS)
-    align = checks.check_choice("align", align, checks.ALIGNS)
     if layout == "BSHD":
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-    batch, hq, sq, dim = q.shape
+    batch, hq, sq, _ = q.shape
     _, hkv, sk, _ = k.shape
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     checks.check_head_shapes(q.shape, k.shape, v.shape, layout)
-    spec = AttentionSpec(
-        scale=checks.check_scale(scale, dim),
-        causal=checks.check_bool("causal", causal),
-        window_left=(win := checks.check_window(window))[0],
-        window_right=win[1],
-        offset=(sk - sq) if align == "bottom_right" else 0,
-        softcap=checks.check_softcap(softcap),
-        seq_q=sq,
-        seq_k=sk,
+    spec = make_spec(
+        q.shape,
+        k.shape,
+        scale=scale,
+        causal=causal,
+        window=window,
+        align=align,
+        softcap=softcap,
         dropout_rate=dropout.check_rate("dropout_rate", dropout_rate),
     )
     full = (batch, hq, sq, sk)

@@ -18,7 +18,7 @@ piece starting at global position ``q0`` and a key piece at ``k0``, the contract
 ``offset' = offset + q0 − k0``; causal, windows, bottom-right alignment (``offset = Sk − Sq`` of the
 *global* lengths) and segment ids keep their meaning. Because ``q0 − k0`` depends on the traced shard
 index, every (shard, piece, visiting shard, piece) combination is classified ahead of time from
-:meth:`AttentionSpec.key_range` as *empty* (nothing visible: out 0, lse −inf, no compute), *full*
+:func:`flashport.kernels.block_ranges.key_range` as *empty* (nothing visible: out 0, lse −inf, no compute), *full*
 (every key visible: the call runs without positional masking) or *partial* (its own offset); the
 distinct ones become the branches of a ``lax.switch`` indexed by a static table.
 
@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from flashport.kernels import api
 from flashport.kernels import seq_layout as layouts
+from flashport.kernels.block_ranges import key_range
 from flashport.kernels.spec import AttentionSpec
 
 EMPTY = "empty"
@@ -260,10 +261,10 @@ def local_spec(spec: AttentionSpec, pq: int, pk: int, delta: int) -> AttentionSp
     local = dataclasses.replace(spec, seq_q=pq, seq_k=pk, offset=spec.offset + delta)
     if not spec.has_positional_mask:
         return dataclasses.replace(local, offset=0)
-    lo, hi = local.key_range(0, pq)
+    lo, hi = key_range(local, 0, pq)
     if hi <= lo:
         return None
-    if local.key_range(pq - 1, pq)[0] <= 0 and local.key_range(0, 1)[1] >= pk:
+    if key_range(local, pq - 1, pq)[0] <= 0 and key_range(local, 0, 1)[1] >= pk:
         return dataclasses.replace(local, causal=False, window_left=None, window_right=None, offset=0)
     return local
 

@@ -140,7 +140,7 @@ def jax_available() -> bool:
 
 
 def _native_call(query, key, value, options, tensors, return_lse, dropout):
-    """The validated :class:`_checks.Call`, with seed words drawn when ``dropout_p > 0``."""
+    """The validated :class:`_checks.CanonicalCall`, with seed words drawn when ``dropout_p > 0``."""
     p, generator = dropout
     call = check(query, key, value, **options, **tensors, return_lse=return_lse, dropout_p=p)
     return dataclasses.replace(call, seed=_dropout.draw_words(generator)) if p > 0 else call

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import registry
+from flashport.kernels.padding import pad_to
 from flashport.kernels.pallas_tpu.backward import dkv_call, dq_call
 from flashport.kernels.pallas_tpu.blocks import GENERATION_DEVICE_KINDS, LANES, BlockSizes, resolve_blocks
 from flashport.kernels.pallas_tpu.forward import forward_call
@@ -25,7 +26,6 @@ from flashport.kernels.pallas_tpu.tiling import (
     block_tables,
     head_seed_table,
     pad_lanes,
-    pad_to,
     prepare_operands,
 )
 from flashport.kernels.spec import FEATURES, AttentionSpec
