@@ -79,14 +79,10 @@ def attention(
         entries are scaled by ``1 / (1 - dropout_p)`` (flash-attn / SDPA semantics; pass 0.0 in
         eval mode, as callers of those do). The lse is that of the scores, unaffected.
       generator: the ``torch.Generator`` each call draws two uint32 seed words from (``None`` =
-        torch's default CPU generator, seeded by ``torch.manual_seed``). The keep-mask is the
-        contract's hash of (words, batch, query head, query position, key position), so the math
-        path and every JAX path draw the same mask for the same words, and
-        ``flashport.attention(..., dropout_rate=p, dropout_rng=jnp.asarray(words, jnp.uint32))``
-        reproduces the call; the backward reuses the words, so gradients are exact for them.
-        Drawing advances the generator only when ``dropout_p > 0``. Under activation
-        checkpointing (``torch.utils.checkpoint``) keep ``generator=None``: checkpoint restores the
-        default generator's state for the recomputed forward, so it draws the same words.
+        torch's default CPU generator, seeded by ``torch.manual_seed``); only when ``dropout_p > 0``.
+        The keep-mask is the contract's hash of the words (module docstring), the same on every
+        path; the backward reuses the words. Under ``torch.utils.checkpoint`` keep ``None``
+        (checkpoint restores the default generator for the recomputed forward).
 
     Returns:
       The output in ``query``'s layout and dtype, or ``(out, lse)`` with lse float32 [B, Hq, Sq];
@@ -104,22 +100,26 @@ def attention(
     tensors = dict(bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
-    kind = device_kind(query)
-    native = backend in NATIVE_BACKENDS if isinstance(backend, str) else False
-    if native:
-        return _run_native(backend, query, key, value, options, tensors, return_lse, dropout)
+    return _dispatch(backend, (query, key, value), options, tensors, return_lse, dropout)
+
+
+def _dispatch(backend, qkv, options, tensors, return_lse, dropout):
+    """Route a call to the torch-native paths or the JAX implementation (module docstring's table)."""
+    kind = device_kind(qkv[0])
+    if isinstance(backend, str) and backend in NATIVE_BACKENDS:
+        return _run_native(backend, *qkv, options, tensors, return_lse, dropout)
     if backend == "auto" and kind not in ("cpu", "xla", "torchax"):
-        call = _native_call(query, key, value, options, tensors, return_lse, dropout)
+        call = _native_call(*qkv, options, tensors, return_lse, dropout)
         out, lse = _native.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
         return (out, lse) if return_lse else out
     if backend == "auto" and kind == "cpu" and not jax_available():
-        return _run_native("torch", query, key, value, options, tensors, return_lse, dropout)
+        return _run_native("torch", *qkv, options, tensors, return_lse, dropout)
     if not jax_available():
         raise ValueError(
             f"backend={backend!r} runs flashport's JAX implementation, but jax is not importable here; "
             f"use backend='auto' or one of {', '.join(map(repr, NATIVE_BACKENDS))}"
         )
-    return _run_jax(kind, backend, query, key, value, options, tensors, return_lse, dropout)
+    return _run_jax(kind, backend, *qkv, options, tensors, return_lse, dropout)
 
 
 def device_kind(t: torch.Tensor) -> str:
