@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from flashport.kernels import checks, dropout, registry
+from flashport.kernels.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
 from flashport.kernels.spec import AttentionSpec, make_spec
 
 log = logging.getLogger("flashport")
@@ -45,25 +46,9 @@ class Call:
     mask_shape: tuple[int, ...] | None
 
 
+@takes_contract_keywords()
 def attention(
-    query,
-    key,
-    value,
-    *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    backend="auto",
-    return_lse=False,
-    dropout_rate=0.0,
-    dropout_rng=None,
+    query, key, value, *, backend="auto", return_lse=False, dropout_rate=0.0, dropout_rng=None, **contract
 ):
     """Scaled dot-product attention with one contract on every platform.
 
@@ -111,71 +96,32 @@ def attention(
     axes) and no ``bias``/``mask``/dropout is given, the call runs as
     :func:`flashport.ring_attention` over that axis instead of gathering the sequence.
     """
-    if bias is None and mask is None and not dropout_rate:
+    if contract["bias"] is None and contract["mask"] is None and not dropout_rate:
         from flashport.kernels import ring
 
-        route = ring.detect(query, key, layout)
+        route = ring.detect(query, key, contract["layout"])
         if route is not None:
             return ring.ring_attention(
-                query,
-                key,
-                value,
-                scale=scale,
-                causal=causal,
-                window=window,
-                align=align,
-                softcap=softcap,
-                q_segment_ids=q_segment_ids,
-                kv_segment_ids=kv_segment_ids,
-                layout=layout,
-                backend=backend,
-                return_lse=return_lse,
-                **route,
+                query, key, value, backend=backend, return_lse=return_lse, **contract, **route
             )
-    (q, k, v, bias, mask, q_seg, kv_seg, seed), call = prepare(
+    arrays, call = prepare(
         query,
         key,
         value,
-        scale=scale,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        bias=bias,
-        mask=mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        layout=layout,
         return_lse=return_lse,
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
+        **contract,
     )
     choice = _resolve_backend(backend, call)
-    out, lse = flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, call=call, choice=choice)
-    if layout == "BSHD":
+    out, lse = flashport_attention(*arrays, call=call, choice=choice)
+    if contract["layout"] == "BSHD":
         out = jnp.swapaxes(out, 1, 2)
     return (out, lse) if "return_lse" in call.features else out
 
 
-def prepare(
-    query,
-    key,
-    value,
-    *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    return_lse=False,
-    dropout_rate=0.0,
-    dropout_rng=None,
-):
+@takes_contract_keywords()
+def prepare(query, key, value, *, return_lse=False, dropout_rate=0.0, dropout_rng=None, **contract):
     """Validate ``attention``'s arguments and return ``(canonical_arrays, call)``.
 
     ``canonical_arrays`` is ``(q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed)`` in the
@@ -183,7 +129,7 @@ def prepare(
     checks and ``auto`` look at. Useful to ask which backend would run, without running it.
     """
     q, k, v = (_as_array(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
-    layout = checks.check_choice("layout", layout, checks.LAYOUTS)
+    layout = checks.check_choice("layout", contract["layout"], checks.LAYOUTS)
     if layout == "BSHD":
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     batch, hq, sq, _ = q.shape
@@ -191,30 +137,16 @@ def prepare(
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     checks.check_head_shapes(q.shape, k.shape, v.shape, layout)
-    spec = make_spec(
-        q.shape,
-        k.shape,
-        scale=scale,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        dropout_rate=dropout.check_rate("dropout_rate", dropout_rate),
-    )
+    rate = dropout.check_rate("dropout_rate", dropout_rate)
+    spec = make_spec(q.shape, k.shape, dropout_rate=rate, **pick(contract, SPEC_KEYWORDS))
     full = (batch, hq, sq, sk)
-    bias = _check_broadcast("bias", bias, full, kind="float")
-    mask = _check_broadcast("mask", mask, full, kind="bool")
-    q_seg, kv_seg = _check_segments(q_segment_ids, kv_segment_ids, batch, sq, sk)
+    bias = _check_broadcast("bias", contract["bias"], full, kind="float")
+    mask = _check_broadcast("mask", contract["mask"], full, kind="bool")
+    q_seg, kv_seg = _check_segments(contract["q_segment_ids"], contract["kv_segment_ids"], batch, sq, sk)
     return_lse = checks.check_bool("return_lse", return_lse)
     seed = dropout.seed_words(dropout_rng) if spec.dropout_rate > 0 else None
 
-    features = {DTYPES[q.dtype]}
-    if spec.causal:
-        features.add("causal")
-    if spec.window_left is not None or spec.window_right is not None:
-        features.add("window")
-    if spec.has_positional_mask and spec.offset != 0:
-        features.add("align_bottom_right")
+    features = {DTYPES[q.dtype], *spec.positional_features}
     for name, present in (
         ("softcap", spec.softcap is not None),
         ("bias", bias is not None),

@@ -45,11 +45,13 @@ from jax.sharding import PartitionSpec as P
 from flashport.kernels import api
 from flashport.kernels import seq_layout as layouts
 from flashport.kernels.block_ranges import key_range
+from flashport.kernels.keywords import takes_contract_keywords
 from flashport.kernels.spec import AttentionSpec
 
 EMPTY = "empty"
 
 
+@takes_contract_keywords()
 def ring_attention(
     query,
     key,
@@ -60,20 +62,11 @@ def ring_attention(
     seq_layout: str = "contiguous",
     batch_axis=None,
     head_axis=None,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
     backend="auto",
     return_lse=False,
     dropout_rate=0.0,
     dropout_rng=None,
+    **contract,
 ):
     """``flashport.attention`` with the sequence dim sharded over mesh axis ``axis_name`` (ring attention).
 
@@ -101,8 +94,8 @@ def ring_attention(
       ring), a sequence length that does not split over the axis, an unknown mesh axis, and whatever
       :func:`flashport.attention` raises for the call itself.
     """
-    for name, given in (("bias", bias), ("mask", mask)):
-        if given is not None:
+    for name in ("bias", "mask"):
+        if contract[name] is not None:
             raise ValueError(
                 f"ring_attention does not take {name}=: a {name} array spans the key sequence, which the "
                 f"ring shards; express document masking with q_segment_ids/kv_segment_ids, or call "
@@ -115,18 +108,7 @@ def ring_attention(
             "flashport.attention on gathered arrays"
         )
     (q, k, v, _, _, q_seg, kv_seg, _), call = api.prepare(
-        query,
-        key,
-        value,
-        scale=scale,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        layout=layout,
-        return_lse=return_lse,
+        query, key, value, return_lse=return_lse, **contract
     )
     seq_layout_ = seq_layout_check(seq_layout)
     n = _axis_size(mesh, axis_name, "axis_name")
@@ -162,7 +144,7 @@ def ring_attention(
         q, k, v = (_reshard(x, mesh, x_spec) for x in (q, k, v))
         q_seg, kv_seg = (_reshard(x, mesh, seg_spec) for x in (q_seg, kv_seg))
     out, lse = fn(q, k, v, q_seg, kv_seg)
-    if layout == "BSHD":
+    if contract["layout"] == "BSHD":
         out = jnp.swapaxes(out, 1, 2)
     return (out, lse) if return_lse else out
 
@@ -274,13 +256,7 @@ def local_spec(spec: AttentionSpec, pq: int, pk: int, delta: int) -> AttentionSp
 
 def _local_call(spec: AttentionSpec, features, q, k, v) -> api.Call:
     feats = set(features) - {"causal", "window", "align_bottom_right", "bias", "mask", "dropout"}
-    feats.add("return_lse")
-    if spec.causal:
-        feats.add("causal")
-    if spec.window_left is not None or spec.window_right is not None:
-        feats.add("window")
-    if spec.has_positional_mask and spec.offset != 0:
-        feats.add("align_bottom_right")
+    feats |= {"return_lse", *spec.positional_features}
     return api.Call(
         spec=spec,
         features=frozenset(feats),

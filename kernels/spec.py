@@ -77,18 +77,19 @@ class AttentionSpec:
         """True when causal or a window restricts which key positions a query sees."""
         return self.causal or self.window_left is not None or self.window_right is not None
 
+    @property
+    def positional_features(self) -> frozenset[str]:
+        """The :data:`FEATURES` its causal/window structure asks of a backend (``causal``, ``window``,
+        ``align_bottom_right``)."""
+        needs = {
+            "causal": self.causal,
+            "window": self.window_left is not None or self.window_right is not None,
+            "align_bottom_right": self.has_positional_mask and self.offset != 0,
+        }
+        return frozenset(name for name, needed in needs.items() if needed)
 
-def make_spec(
-    q_shape,
-    k_shape,
-    *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    dropout_rate=0.0,
-) -> AttentionSpec:
+
+def make_spec(q_shape, k_shape, *, scale, causal, window, align, softcap, dropout_rate=0.0) -> AttentionSpec:
     """Validate the static options of one call and normalize them: the one builder of :class:`AttentionSpec`.
 
     ``q_shape`` = (B, Hq, Sq, D) and ``k_shape`` = (B, Hkv, Sk, D) are canonical (already checked);

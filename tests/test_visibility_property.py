@@ -59,6 +59,12 @@ def _want(kw):
     )[0, 0]
 
 
+def _spec(kw):
+    """The normalized spec of a drawn call (no scale or softcap: they do not affect visibility)."""
+    options = {n: kw[n] for n in ("causal", "window", "align")}
+    return make_spec((1, 1, kw["sq"], 1), (1, 1, kw["sk"], 1), scale=None, softcap=None, **options)
+
+
 def _probe_inputs(kw):
     """Zero queries and identity values: the output row of query i is 1/count at its visible keys."""
     sq, sk = kw["sq"], kw["sk"]
@@ -92,9 +98,7 @@ def _check_jax(kw, backend):
 @given(calls())
 def test_band_visible_is_the_reference(kw):
     """``band_visible`` (with the spec's offset and lengths) is the reference's positional rule."""
-    spec = make_spec(
-        (1, 1, kw["sq"], 1), (1, 1, kw["sk"], 1), **{n: kw[n] for n in ("causal", "window", "align")}
-    )
+    spec = _spec(kw)
     i, j = np.arange(kw["sq"])[:, None], np.arange(kw["sk"])[None, :]
     got = band_visible(i + spec.offset, j, causal=spec.causal, left=spec.window_left, right=spec.window_right)
     want = _want({**kw, "q_segment_ids": None, "kv_segment_ids": None})
@@ -133,9 +137,7 @@ def _assert_tables(t, want, bq, bk):
 @given(calls(max_len=70, segments=False), st.integers(1, 24), st.integers(1, 24))
 def test_block_tables_skip_only_invisible_tiles(kw, bq, bk):
     """The shared builder's static tables, and the blockwise backend's copy of them."""
-    spec = make_spec(
-        (1, 1, kw["sq"], 1), (1, 1, kw["sk"], 1), **{n: kw[n] for n in ("causal", "window", "align")}
-    )
+    spec = _spec(kw)
     want = _want(kw)
     _assert_tables(block_ranges.block_tables(spec, bq, bk), want, bq, bk)
     tiling = _Tiling(spec, min(bq, spec.seq_q), min(bk, spec.seq_k))
@@ -158,9 +160,7 @@ def test_traced_block_bounds_match_the_tables(kw, bq, bk):
 
     from flashport.kernels.pallas_tpu.tiling import Geometry as TpuGeometry
 
-    spec = make_spec(
-        (1, 1, kw["sq"], 1), (1, 1, kw["sk"], 1), **{n: kw[n] for n in ("causal", "window", "align")}
-    )
+    spec = _spec(kw)
     want = _want(kw)
     ops = block_ranges.Ops(jnp.minimum, jnp.maximum, jnp.where, jax.lax.div)
     pairs = (

@@ -37,6 +37,7 @@ import importlib
 
 import torch
 
+from flashport.kernels.keywords import TENSOR_KEYWORDS, pick, takes_contract_keywords
 from flashport.torch import _checks, _dropout, _jax, _native
 from flashport.torch._checks import check
 from flashport.torch._varlen import varlen_attention
@@ -47,25 +48,9 @@ __all__ = ["NATIVE_BACKENDS", "attention", "varlen_attention"]
 NATIVE_BACKENDS = ("torch", "sdpa", "flash_attn")
 
 
+@takes_contract_keywords()
 def attention(
-    query,
-    key,
-    value,
-    *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    backend="auto",
-    return_lse=False,
-    dropout_p=0.0,
-    generator=None,
+    query, key, value, *, backend="auto", return_lse=False, dropout_p=0.0, generator=None, **contract
 ):
     """Scaled dot-product attention on torch tensors with the contract of :func:`flashport.attention`.
 
@@ -96,8 +81,8 @@ def attention(
       ``backend="sdpa"`` or ``"flash_attn"`` with ``dropout_p > 0``.
     """
     dropout = (_dropout.check_p(dropout_p), _dropout.check_generator(generator))
-    options = dict(scale=scale, causal=causal, window=window, align=align, softcap=softcap, layout=layout)
-    tensors = dict(bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    options = {n: x for n, x in contract.items() if n not in TENSOR_KEYWORDS}
+    tensors = pick(contract, TENSOR_KEYWORDS)
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
     return _dispatch(backend, (query, key, value), options, tensors, return_lse, dropout)

@@ -14,14 +14,10 @@ import torch
 
 from flashport.kernels import checks
 from flashport.kernels.checks import LAYOUTS
+from flashport.kernels.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
 from flashport.kernels.spec import AttentionSpec, make_spec
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-# The contract's keywords that are tensors (validated here); the rest build the AttentionSpec.
-TENSOR_KEYWORDS = ("bias", "mask", "q_segment_ids", "kv_segment_ids")
-SPEC_KEYWORDS = ("scale", "causal", "window", "align", "softcap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,25 +46,20 @@ class CanonicalCall:
         return self.spec.dropout_rate
 
 
-def check(query, key, value, *, layout="BSHD", return_lse=False, dropout_p=0.0, seed=None, **options):
+@takes_contract_keywords()
+def check(query, key, value, *, return_lse=False, dropout_p=0.0, seed=None, **contract):
     """Validate the contract's arguments for torch tensors and return the :class:`CanonicalCall`.
 
-    ``options`` are :func:`flashport.attention`'s keywords ``scale``, ``causal``, ``window``,
-    ``align``, ``softcap``, ``bias``, ``mask``, ``q_segment_ids`` and ``kv_segment_ids`` (absent ones
-    take its defaults). ``dropout_p`` is validated by the caller
+    ``contract`` holds :func:`flashport.attention`'s keywords (:mod:`flashport.kernels.keywords`).
+    ``dropout_p`` is validated by the caller
     (:func:`flashport.torch._dropout.check_p`); ``seed`` (the drawn words) is required when it is > 0.
 
     Raises:
       TypeError / ValueError naming the offending argument and what was expected.
     """
-    unknown = sorted(set(options) - set(TENSOR_KEYWORDS) - set(SPEC_KEYWORDS))
-    if unknown:
-        raise TypeError(
-            f"unexpected keyword argument(s) {unknown}; see flashport.torch.attention for the list"
-        )
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, x)
-    layout = checks.check_choice("layout", layout, LAYOUTS)
+    layout = checks.check_choice("layout", contract["layout"], LAYOUTS)
     checks.check_bool("return_lse", return_lse)
     q, k, v = (x.transpose(1, 2) if layout == "BSHD" else x for x in (query, key, value))
     if not (q.dtype == k.dtype == v.dtype):
@@ -78,18 +69,17 @@ def check(query, key, value, *, layout="BSHD", return_lse=False, dropout_p=0.0, 
             f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}"
         )
     checks.check_head_shapes(q.shape, k.shape, v.shape, layout)
-    spec_options = {name: options[name] for name in SPEC_KEYWORDS if name in options}
-    spec = make_spec(q.shape, k.shape, dropout_rate=dropout_p, **spec_options)
+    spec = make_spec(q.shape, k.shape, dropout_rate=dropout_p, **pick(contract, SPEC_KEYWORDS))
     batch, hq, sq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     full, device = (batch, hq, sq, sk), query.device
-    q_seg, kv_seg = _check_segments(options.get("q_segment_ids"), options.get("kv_segment_ids"), full, device)
+    q_seg, kv_seg = _check_segments(contract["q_segment_ids"], contract["kv_segment_ids"], full, device)
     return CanonicalCall(
         spec=spec,
         q=q,
         k=k,
         v=v,
-        bias=_check_broadcast("bias", options.get("bias"), full, device, floating=True),
-        mask=_check_broadcast("mask", options.get("mask"), full, device, floating=False),
+        bias=_check_broadcast("bias", contract["bias"], full, device, floating=True),
+        mask=_check_broadcast("mask", contract["mask"], full, device, floating=False),
         q_seg=q_seg,
         kv_seg=kv_seg,
         layout=layout,
