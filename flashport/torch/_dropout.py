@@ -16,34 +16,25 @@ uint32[2] key, whose words :func:`flashport.kernels.dropout.seed_words` uses as 
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
-# The constants of flashport.kernels.dropout (that module imports jax; this one must not).
-FMIX_M1 = 0x85EBCA6B
-FMIX_M2 = 0xC2B2AE35
-BATCH_MUL = 0x9E3779B9
-HEAD_MUL = 0x7F4A7C15
-ROW_MUL = 0x9E3779B9
-KEY_MUL = 0x27D4EB2F
-MASK32 = 0xFFFFFFFF
+from flashport.kernels.dropout_constants import (
+    BATCH_MUL,
+    FMIX_M1,
+    FMIX_M2,
+    HEAD_MUL,
+    KEY_MUL,
+    MASK32,
+    ROW_MUL,
+    check_rate,
+    threshold,
+)
 
 
 def check_p(dropout_p) -> float:
     """Validate ``dropout_p``: a real number in [0, 1). Returns it as a float."""
-    if isinstance(dropout_p, (bool, torch.Tensor)) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(
-            f"dropout_p must be a Python float in [0, 1), got {type(dropout_p).__name__}; pass the "
-            f"probability itself (e.g. dropout_p=0.1), not a tensor"
-        )
-    p = float(dropout_p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(
-            f"dropout_p must be in [0, 1), got {p}; pass 0.0 to disable dropout (e.g. in eval mode)"
-        )
-    return p
+    hint = "pass the probability itself (e.g. dropout_p=0.1), not a tensor"
+    return check_rate("dropout_p", dropout_p, type_hint=hint, value_hint=" (e.g. in eval mode)")
 
 
 def check_generator(generator):
@@ -73,11 +64,6 @@ def seed_tensor(words: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     runs without x64, so int64 would not survive; the JAX side bitcasts it back to uint32."""
     signed = [w - 2**32 if w >= 2**31 else w for w in words]
     return like.new_tensor(signed, dtype=torch.int32)
-
-
-def threshold(rate: float) -> int:
-    """The uint32 cut: an entry is kept when its hash bits are ``>= threshold(rate)``."""
-    return min(math.floor(rate * 2.0**32), MASK32)
 
 
 def _mul(x: torch.Tensor, c: int) -> torch.Tensor:
