@@ -156,19 +156,11 @@ def flash_attn_with_kvcache(
         q, lengths = _append(
             cache, (k_cache, v_cache), q, (k, v), lengths, rotary, local=causal or window is not None
         )
-    result = flashport.torch.attention(
-        q,
-        cache.read(k_cache, batch),
-        cache.read(v_cache, batch),
-        scale=softmax_scale,
-        softcap=softcap or None,
-        mask=_visible(cache, lengths, q.shape[1], causal, window, cache_leftpad),
-        layout="BSHD",
-        return_lse=return_softmax_lse,
-    )
-    if return_softmax_lse:
-        return result[0], _lse_like_flash_attn(result[1])
-    return result
+    keys, values = cache.read(k_cache, batch), cache.read(v_cache, batch)
+    mask = _visible(cache, lengths, q.shape[1], causal, window, cache_leftpad)
+    options = dict(scale=softmax_scale, softcap=softcap or None, mask=mask, layout="BSHD")
+    result = flashport.torch.attention(q, keys, values, **options, return_lse=return_softmax_lse)
+    return (result[0], _lse_like_flash_attn(result[1])) if return_softmax_lse else result
 
 
 def _check_arguments(k, v, rotary_cos, rotary_sin, alibi_slopes):

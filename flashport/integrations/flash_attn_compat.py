@@ -127,17 +127,10 @@ def kvcache_attention(
     if k is not None:
         k_cache, v_cache, lengths = _insert_copy(k_cache, v_cache, k, v, lengths)
     mask = kvcache_mask(lengths, q.shape[1], s_cache, causal=causal, window=window)
-    result = flashport.torch.attention(
-        q,
-        k_cache,
-        v_cache,
-        scale=scale,
-        softcap=softcap,
-        mask=mask,
-        layout="BSHD",
-        backend=backend,
-        return_lse=return_lse,
+    options = dict(
+        scale=scale, softcap=softcap, mask=mask, layout="BSHD", backend=backend, return_lse=return_lse
     )
+    result = flashport.torch.attention(q, k_cache, v_cache, **options)
     result = result if isinstance(result, tuple) else (result,)
     if return_cache:
         result = result + (k_cache, v_cache)

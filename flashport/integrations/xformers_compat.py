@@ -389,16 +389,9 @@ def memory_efficient_attention(
         )
     if kwargs.get("bias") is not None:
         kwargs["bias"] = _bias_to_bhsd(kwargs["bias"], shape, query.shape[1], key.shape[1])
+    dropout = dict(dropout_p=p, generator=generator)
     out = flashport.torch.attention(
-        query,
-        key,
-        value,
-        scale=scale,
-        layout="BSHD",
-        backend=backend,
-        dropout_p=p,
-        generator=generator,
-        **kwargs,
+        query, key, value, scale=scale, layout="BSHD", backend=backend, **dropout, **kwargs
     )
     if len(shape) == 3:
         out = out.squeeze(2)
