@@ -64,7 +64,7 @@ def takes_contract_keywords(names=None, **defaults):
             bound.apply_defaults()
             return fn(*bound.args, **bound.kwargs)
 
-        wrapper.__signature__ = signature  # type: ignore[attr-defined]
+        wrapper.__signature__ = signature
         return wrapper
 
     return decorate
