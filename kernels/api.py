@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Literal, overload
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from flashport.kernels import bias_grad, checks, dropout, registry
-from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
+from flashport.kernels.spec import AttentionSpec, make_spec
 
 # The canonical arrays a backend receives: (q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed).
 CanonicalArrays = tuple[
@@ -58,96 +59,17 @@ class Call:
     bias_shape: tuple[int, ...] | None
 
 
-# Typing overloads (deliberately parallel signatures, kept in step with the implementation below):
-# the result is an array, or ``(out, lse)`` with ``return_lse=True``.
-@overload
+@takes_contract_keywords()
 def attention(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
     *,
-    scale: float | None = ...,
-    causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    align: str = ...,
-    softcap: float | None = ...,
-    bias: ArrayLike | None = ...,
-    mask: ArrayLike | None = ...,
-    q_segment_ids: ArrayLike | None = ...,
-    kv_segment_ids: ArrayLike | None = ...,
-    layout: str = ...,
-    backend: str | registry.BackendChoice = ...,
-    return_lse: Literal[False] = ...,
-    dropout_rate: float = ...,
-    dropout_rng: jax.Array | None = ...,
-) -> jax.Array: ...
-
-
-@overload
-def attention(
-    query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
-    *,
-    scale: float | None = ...,
-    causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    align: str = ...,
-    softcap: float | None = ...,
-    bias: ArrayLike | None = ...,
-    mask: ArrayLike | None = ...,
-    q_segment_ids: ArrayLike | None = ...,
-    kv_segment_ids: ArrayLike | None = ...,
-    layout: str = ...,
-    backend: str | registry.BackendChoice = ...,
-    return_lse: Literal[True],
-    dropout_rate: float = ...,
-    dropout_rng: jax.Array | None = ...,
-) -> tuple[jax.Array, jax.Array]: ...
-
-
-@overload
-def attention(
-    query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
-    *,
-    scale: float | None = ...,
-    causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    align: str = ...,
-    softcap: float | None = ...,
-    bias: ArrayLike | None = ...,
-    mask: ArrayLike | None = ...,
-    q_segment_ids: ArrayLike | None = ...,
-    kv_segment_ids: ArrayLike | None = ...,
-    layout: str = ...,
-    backend: str | registry.BackendChoice = ...,
-    return_lse: bool = ...,
-    dropout_rate: float = ...,
-    dropout_rng: jax.Array | None = ...,
-) -> jax.Array | tuple[jax.Array, jax.Array]: ...
-
-
-def attention(
-    query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
-    *,
-    scale: float | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    align: str = "bottom_right",
-    softcap: float | None = None,
-    bias: ArrayLike | None = None,
-    mask: ArrayLike | None = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    layout: str = "BSHD",
     backend: str | registry.BackendChoice = "auto",
     return_lse: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    **contract: Any,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention with one contract on every platform.
 
@@ -196,70 +118,40 @@ def attention(
     axes) and no ``bias``/``mask``/dropout is given, the call runs as
     :func:`flashport.ring_attention` over that axis instead of gathering the sequence.
     """
-    if bias is None and mask is None and not dropout_rate:
+    if contract["bias"] is None and contract["mask"] is None and not dropout_rate:
         from flashport.kernels import ring
 
-        route = ring.detect(query, key, layout)
+        route = ring.detect(query, key, contract["layout"])
         if route is not None:
             return ring.ring_attention(
-                query,
-                key,
-                value,
-                scale=scale,
-                causal=causal,
-                window=window,
-                align=align,
-                softcap=softcap,
-                q_segment_ids=q_segment_ids,
-                kv_segment_ids=kv_segment_ids,
-                layout=layout,
-                backend=backend,
-                return_lse=return_lse,
-                **route,
+                query, key, value, backend=backend, return_lse=return_lse, **contract, **route
             )
-    (q, k, v, bias, mask, q_seg, kv_seg, seed), call = prepare(
+    arrays, call = prepare(
         query,
         key,
         value,
-        scale=scale,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        bias=bias,
-        mask=mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        layout=layout,
         return_lse=return_lse,
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
+        **contract,
     )
     choice = _resolve_backend(backend, call)
-    out, lse = flashport_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, call=call, choice=choice)
-    if layout == "BSHD":
+    out, lse = flashport_attention(*arrays, call=call, choice=choice)
+    if contract["layout"] == "BSHD":
         out = jnp.swapaxes(out, 1, 2)
     return (out, lse) if "return_lse" in call.features else out
 
 
+@takes_contract_keywords()
 def prepare(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
     *,
-    scale: float | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    align: str = "bottom_right",
-    softcap: float | None = None,
-    bias: ArrayLike | None = None,
-    mask: ArrayLike | None = None,
-    q_segment_ids: ArrayLike | None = None,
-    kv_segment_ids: ArrayLike | None = None,
-    layout: str = "BSHD",
     return_lse: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    **contract: Any,
 ) -> tuple[CanonicalArrays, Call]:
     """Validate ``attention``'s arguments and return ``(canonical_arrays, call)``.
 
@@ -268,40 +160,24 @@ def prepare(
     checks and ``auto`` look at. Useful to ask which backend would run, without running it.
     """
     q, k, v = (_as_array(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
-    layout = checks.check_choice("layout", layout, checks.LAYOUTS)
-    align = checks.check_choice("align", align, checks.ALIGNS)
+    layout = checks.check_choice("layout", contract["layout"], checks.LAYOUTS)
     if layout == "BSHD":
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-    batch, hq, sq, dim = q.shape
+    batch, hq, sq, _ = q.shape
     _, hkv, sk, _ = k.shape
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     checks.check_head_shapes(q.shape, k.shape, v.shape, layout)
-    spec = AttentionSpec(
-        scale=checks.check_scale(scale, dim),
-        causal=checks.check_bool("causal", causal),
-        window_left=(win := checks.check_window(window))[0],
-        window_right=win[1],
-        offset=(sk - sq) if align == "bottom_right" else 0,
-        softcap=checks.check_softcap(softcap),
-        seq_q=sq,
-        seq_k=sk,
-        dropout_rate=dropout.check_rate("dropout_rate", dropout_rate),
-    )
+    rate = dropout.check_rate("dropout_rate", dropout_rate)
+    spec = make_spec(q.shape, k.shape, dropout_rate=rate, **pick(contract, SPEC_KEYWORDS))
     full = (batch, hq, sq, sk)
-    bias = _check_broadcast("bias", bias, full, kind="float")
-    mask = _check_broadcast("mask", mask, full, kind="bool")
-    q_seg, kv_seg = _check_segments(q_segment_ids, kv_segment_ids, batch, sq, sk)
+    bias = _check_broadcast("bias", contract["bias"], full, kind="float")
+    mask = _check_broadcast("mask", contract["mask"], full, kind="bool")
+    q_seg, kv_seg = _check_segments(contract["q_segment_ids"], contract["kv_segment_ids"], batch, sq, sk)
     return_lse = checks.check_bool("return_lse", return_lse)
     seed = dropout.seed_words(dropout_rng) if spec.dropout_rate > 0 else None
 
-    features = {DTYPES[q.dtype]}
-    if spec.causal:
-        features.add("causal")
-    if spec.window_left is not None or spec.window_right is not None:
-        features.add("window")
-    if spec.has_positional_mask and spec.offset != 0:
-        features.add("align_bottom_right")
+    features = {DTYPES[q.dtype], *spec.positional_features}
     for name, present in (
         ("softcap", spec.softcap is not None),
         ("bias", bias is not None),

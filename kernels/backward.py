@@ -30,10 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from flashport.kernels import api, bias_grad, registry
+from flashport.kernels.keywords import takes_contract_keywords
 
 log = logging.getLogger("flashport")
 
 
+@takes_contract_keywords()
 def attention_backward(
     query,
     key,
@@ -43,19 +45,10 @@ def attention_backward(
     d_out,
     d_lse=None,
     *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
     backend="auto",
     dropout_rate=0.0,
     dropout_rng=None,
+    **contract,
 ):
     """Gradients of ``flashport.attention(..., return_lse=True)`` from its residuals.
 
@@ -76,20 +69,8 @@ def attention_backward(
       The errors of :func:`flashport.attention` for arguments that do not fit the contract, and
       ValueError when ``out`` / ``lse`` / the cotangents do not have the forward's shapes.
     """
-    options = dict(
-        scale=scale,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        mask=mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        layout=layout,
-        return_lse=True,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-    )
+    bias, layout = contract.pop("bias"), contract["layout"]
+    options = dict(contract, return_lse=True, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     (q, k, v, bias_c, mask_c, q_seg, kv_seg, seed), call = api.prepare(
         query, key, value, bias=bias, **options
     )

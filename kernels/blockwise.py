@@ -24,14 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashport.kernels import dropout, registry
+from flashport.kernels.block_ranges import block_tables
+from flashport.kernels.padding import pad_broadcastable, pad_to
 from flashport.kernels.scores import (
     group_broadcastable,
     group_heads,
     matmul_precision,
-    softcap_grad,
     tile_logits,
 )
-from flashport.kernels.spec import FEATURES, AttentionSpec
+from flashport.kernels.spec import FEATURES, AttentionSpec, softcap_grad
 
 # Measured on a 2-core XLA:CPU host at S=4096, D=64 (causal): 256x512 tiles beat 512x512 by ~1.5x
 # (less wasted work on diagonal blocks, scores tile stays in L2).
@@ -79,25 +80,11 @@ class _Tiling:
         self.spec, self.bq, self.bk = spec, block_q, block_k
         self.nq = -(-spec.seq_q // block_q)
         self.nk = -(-spec.seq_k // block_k)
-        kv_lo, kv_hi, q_lo, q_hi, full_lo, full_hi = [], [], [], [], [], []
-        for i in range(self.nq):
-            first, last = i * block_q, min((i + 1) * block_q, spec.seq_q) - 1
-            lo, hi = spec.key_range(first, last + 1)
-            kv_lo.append(min(max(lo, 0) // block_k, self.nk))
-            kv_hi.append(max(-(-hi // block_k), kv_lo[-1]) if hi > lo else kv_lo[-1])
-            # Key blocks every query of this block sees entirely (no positional mask needed): keys
-            # visible to all of them are [lo(last), hi(first)); ragged key tails always need one.
-            lo_all = spec.key_range(last, last + 1)[0]
-            hi_all = min(spec.key_range(first, first + 1)[1], (spec.seq_k // block_k) * block_k)
-            full_lo.append(-(-lo_all // block_k))
-            full_hi.append(max(hi_all // block_k, full_lo[-1]))
-        for j in range(self.nk):
-            lo, hi = spec.query_range(j * block_k, min((j + 1) * block_k, spec.seq_k))
-            q_lo.append(min(max(lo, 0) // block_q, self.nq))
-            q_hi.append(max(-(-hi // block_q), q_lo[-1]) if hi > lo else q_lo[-1])
-        self.kv_lo, self.kv_hi = np.array(kv_lo, np.int32), np.array(kv_hi, np.int32)
-        self.q_lo, self.q_hi = np.array(q_lo, np.int32), np.array(q_hi, np.int32)
-        self.full_lo, self.full_hi = np.array(full_lo, np.int32), np.array(full_hi, np.int32)
+        # full_lo/full_hi: key blocks every query of the block sees entirely (no positional mask needed).
+        t = block_tables(spec, block_q, block_k)
+        self.kv_lo, self.kv_hi = np.array(t.row_lo, np.int32), np.array(t.row_hi, np.int32)
+        self.q_lo, self.q_hi = np.array(t.col_lo, np.int32), np.array(t.col_hi, np.int32)
+        self.full_lo, self.full_hi = np.array(t.full_lo, np.int32), np.array(t.full_hi, np.int32)
 
     def is_full(self, i, j):
         """Traced bool: tile (i, j) needs no positional masking."""
@@ -119,14 +106,6 @@ class _Tiling:
         return int(np.sum(self.kv_hi - self.kv_lo))
 
 
-def _pad(x, axis, size, value=0):
-    if x is None or x.shape[axis] == 1 or x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def _slice(x, axis, start, size):
     """Block ``start*size`` of ``x`` along ``axis``, or ``x`` itself where that axis is broadcast (1)."""
     if x is None or x.shape[axis] == 1:
@@ -143,13 +122,13 @@ class _Inputs:
         self.t, self.prescaled = t, prescale
         if prescale:  # one multiply of q instead of one per score tile
             q = (q.astype(jnp.float32) * t.spec.scale).astype(q.dtype)
-        self.q = _pad(group_heads(q, hkv), 3, sqp)
-        self.k = _pad(k, 2, skp)
-        self.v = _pad(v, 2, skp)
-        self.bias = _pad(_pad(group_broadcastable(bias, hkv), 3, sqp), 4, skp)
-        self.mask = _pad(_pad(group_broadcastable(mask, hkv), 3, sqp, False), 4, skp, False)
-        self.q_seg = _pad(q_seg, 1, sqp)
-        self.kv_seg = _pad(kv_seg, 1, skp)
+        self.q = pad_to(group_heads(q, hkv), 3, sqp)
+        self.k = pad_to(k, 2, skp)
+        self.v = pad_to(v, 2, skp)
+        self.bias = pad_broadcastable(group_broadcastable(bias, hkv), {3: sqp, 4: skp})
+        self.mask = pad_broadcastable(group_broadcastable(mask, hkv), {3: sqp, 4: skp}, False)
+        self.q_seg = pad_to(q_seg, 1, sqp)
+        self.kv_seg = pad_to(kv_seg, 1, skp)
         # Dropout: per (batch, query head) seeds [B, Hkv, G, 1, 1]; tiles hash their own positions.
         self.head_seeds = None
         if t.spec.dropout_rate > 0:
@@ -264,9 +243,9 @@ def _backward(t: _Tiling, residuals, cotangents):
     sqp = t.nq * t.bq
     # dL/dlogits = P * (dP - rowsum(dO*O)) + P * dlse, so the lse cotangent folds into delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    d_out_g = _pad(group_heads(d_out, hkv), 3, sqp)
-    delta_g = _pad(group_heads(delta[..., None], hkv)[..., 0], 3, sqp)
-    lse_g = _pad(group_heads(lse[..., None], hkv)[..., 0], 3, sqp, -jnp.inf)
+    d_out_g = pad_to(group_heads(d_out, hkv), 3, sqp)
+    delta_g = pad_to(group_heads(delta[..., None], hkv)[..., 0], 3, sqp)
+    lse_g = pad_to(group_heads(lse[..., None], hkv)[..., 0], 3, sqp, -jnp.inf)
 
     def probs_and_dlogits(i, j, logits, visible, raw):
         """Recompute P and dL/dlogits of tile (i, j); P comes back with dropout applied (for dV).
@@ -293,7 +272,7 @@ def _backward(t: _Tiling, residuals, cotangents):
     prec = matmul_precision(q.dtype)
 
     def dscores(dlogits, raw):
-        grad = softcap_grad(t.spec, raw)
+        grad = softcap_grad(t.spec, raw, jnp)
         return (dlogits if grad is None else dlogits * grad) * t.spec.scale
 
     bias_g = x.bias

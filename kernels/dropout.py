@@ -33,33 +33,24 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-FMIX_M1 = 0x85EBCA6B
-FMIX_M2 = 0xC2B2AE35
-BATCH_MUL = 0x9E3779B9
-HEAD_MUL = 0x7F4A7C15
-ROW_MUL = 0x9E3779B9
-KEY_MUL = 0x27D4EB2F
-MASK32 = 0xFFFFFFFF
+from flashport.kernels import dropout_constants as constants
+from flashport.kernels.dropout_constants import (  # noqa: F401  (the hash constants, re-exported)
+    BATCH_MUL,
+    FMIX_M1,
+    FMIX_M2,
+    HEAD_MUL,
+    KEY_MUL,
+    MASK32,
+    ROW_MUL,
+    threshold,
+)
 
 
 def check_rate(name: str, rate) -> float:
     """Validate a dropout rate: a real number in [0, 1). Returns it as a float."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)):
-        raise TypeError(
-            f"{name} must be a Python float in [0, 1), got {type(rate).__name__}; a traced or array "
-            f"rate cannot be used (the rate is static, like scale)"
-        )
-    rate = float(rate)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {rate}; pass 0.0 to disable dropout")
-    return rate
-
-
-def threshold(rate: float) -> int:
-    """The uint32 cut: an entry is kept when its hash bits are ``>= threshold(rate)``."""
-    return min(int(np.floor(rate * 2.0**32)), MASK32)
+    hint = "a traced or array rate cannot be used (the rate is static, like scale)"
+    return constants.check_rate(name, rate, type_hint=hint)
 
 
 def seed_words(rng):

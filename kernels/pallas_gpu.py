@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashport.kernels import registry
+from flashport.kernels.padding import pad_broadcastable, pad_to
 from flashport.kernels.pallas_gpu_bwd import dbias_layout, dkv_call, dq_call
 from flashport.kernels.pallas_gpu_fwd import forward_call
 from flashport.kernels.pallas_gpu_platform import cuda_only
@@ -111,40 +112,21 @@ def resolve_options(options: dict, name: str) -> dict:
     return out
 
 
-def _pad(x, axis, size, value=0):
-    """Pad ``x`` along ``axis`` to ``size``."""
-    if x is None or x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _pad_broadcastable(x, sqp, skp):
-    """Pad a bias/mask [B|1, H|1, Sq|1, Sk|1] along its full sequence dims (broadcast dims stay 1)."""
-    if x is None:
-        return None
-    for axis, size in ((2, sqp), (3, skp)):
-        if x.shape[axis] > 1:
-            x = _pad(x, axis, size)
-    return x
-
-
 def _pad_head(x):
-    return _pad(x, 3, max(MIN_BLOCK, next_power_of_two(x.shape[3])))
+    return pad_to(x, 3, max(MIN_BLOCK, next_power_of_two(x.shape[3])))
 
 
 def _operands(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed):
     """Padded operands by name, in the order the kernels take them."""
     b, hq = q.shape[:2]
     return {
-        "q": _pad_head(_pad(q, 2, g.sqp)),
-        "k": _pad_head(_pad(k, 2, g.skp)),
-        "v": _pad_head(_pad(v, 2, g.skp)),
-        "bias": _pad_broadcastable(bias, g.sqp, g.skp),
-        "mask": None if mask is None else _pad_broadcastable(mask.astype(jnp.int8), g.sqp, g.skp),
-        "q_seg": None if q_seg is None else _pad(q_seg, 1, g.sqp),
-        "kv_seg": None if kv_seg is None else _pad(kv_seg, 1, g.skp),
+        "q": _pad_head(pad_to(q, 2, g.sqp)),
+        "k": _pad_head(pad_to(k, 2, g.skp)),
+        "v": _pad_head(pad_to(v, 2, g.skp)),
+        "bias": pad_broadcastable(bias, {2: g.sqp, 3: g.skp}),
+        "mask": None if mask is None else pad_broadcastable(mask.astype(jnp.int8), {2: g.sqp, 3: g.skp}),
+        "q_seg": None if q_seg is None else pad_to(q_seg, 1, g.sqp),
+        "kv_seg": None if kv_seg is None else pad_to(kv_seg, 1, g.skp),
         "rows": None if g.spec.dropout_rate == 0 else dropout_rows(seed, b, hq, g.sqp),
     }
 
@@ -201,9 +183,9 @@ def _attention_bwd(cfg: Config, residuals, cotangents):
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     named = _operands(g, q, k, v, bias, mask, q_seg, kv_seg, seed)
     named.update(
-        do=_pad_head(_pad(d_out.astype(q.dtype), 2, g.sqp)),
-        lse=_pad(jnp.where(jnp.isneginf(lse), 0.0, lse), 2, g.sqp),
-        delta=_pad(delta, 2, g.sqp),
+        do=_pad_head(pad_to(d_out.astype(q.dtype), 2, g.sqp)),
+        lse=pad_to(jnp.where(jnp.isneginf(lse), 0.0, lse), 2, g.sqp),
+        delta=pad_to(delta, 2, g.sqp),
     )
     tuning = dict(group=group, num_warps=cfg.warps(named["q"].shape[3]), num_stages=cfg.num_stages)
     dk, dv = _launch(cfg, dkv_call, g, named, **tuning)

@@ -31,10 +31,10 @@ from flashport.kernels.pallas_gpu_tile import (
     full_query_blocks,
     key_block_bounds,
     query_block_bounds,
-    softcap_grad,
     split_loop,
     tile_logits,
 )
+from flashport.kernels.spec import softcap_grad
 
 
 def dbias_layout(bias_shape) -> str | None:
@@ -56,7 +56,7 @@ def _dlogits(g: Geometry, q, k, v, do, lse, delta, rows, i, j, **sides):
     p = jnp.exp(logits - jnp.where(lse == -jnp.inf, 0.0, lse)[:, None])
     dp = apply_dropout(g, dot(do, v, trans_b=True), rows, j)
     dlogits = p * (dp - delta[:, None])
-    grad = softcap_grad(g.spec, raw)
+    grad = softcap_grad(g.spec, raw, jnp)
     ds = (dlogits if grad is None else dlogits * grad) * g.spec.scale
     return apply_dropout(g, p, rows, j), dlogits, ds
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from flashport.kernels import dropout
+from flashport.kernels import block_ranges, dropout
 from flashport.kernels.spec import AttentionSpec, apply_softcap, positional_visible
 
 MIN_BLOCK = 16  # Triton's smallest dot operand dimension
@@ -66,92 +66,28 @@ class Geometry:
         return self.nk * self.bk
 
 
-def _cdiv(x, n: int):
-    return jax.lax.div(x + (n - 1), n)
+# The block-range builder's integer ops on traced int32 scalars (inputs are clamped >= 0 before div).
+JAX_OPS = block_ranges.Ops(jnp.minimum, jnp.maximum, jnp.where, jax.lax.div)
 
 
 def key_block_bounds(g: Geometry, i):
-    """Half-open range of key blocks query block ``i`` (traced) must visit: the spec's key_range."""
-    spec = g.spec
-    first = i * g.bq
-    last = jnp.minimum(first + g.bq, spec.seq_q) - 1
-    lo, hi = jnp.int32(0), jnp.int32(spec.seq_k)
-    right = spec.window_right
-    if spec.causal:
-        right = 0 if right is None else min(right, 0)
-    if right is not None:
-        hi = jnp.minimum(hi, last + (spec.offset + right + 1))
-    if spec.window_left is not None:
-        lo = jnp.maximum(lo, first + (spec.offset - spec.window_left))
-    lo_blk = jnp.minimum(jax.lax.div(jnp.maximum(lo, 0), g.bk), g.nk)
-    hi_blk = jnp.where(hi > lo, jnp.minimum(_cdiv(jnp.maximum(hi, 0), g.bk), g.nk), lo_blk)
-    return lo_blk, jnp.maximum(hi_blk, lo_blk)
+    """Half-open range of key blocks query block ``i`` (traced) must visit (:func:`block_ranges.key_blocks`)."""
+    return block_ranges.key_blocks(g.spec, i, g.bq, g.bk, JAX_OPS)
 
 
 def query_block_bounds(g: Geometry, j):
-    """Half-open range of query blocks that may see key block ``j`` (traced): the spec's query_range."""
-    spec = g.spec
-    k_lo = j * g.bk
-    k_hi = jnp.minimum(k_lo + g.bk, spec.seq_k)
-    lo, hi = jnp.int32(0), jnp.int32(spec.seq_q)
-    right = spec.window_right
-    if spec.causal:
-        right = 0 if right is None else min(right, 0)
-    if right is not None:  # j <= i + offset + right  <=>  i >= j - offset - right
-        lo = jnp.maximum(lo, k_lo - (spec.offset + right))
-    if spec.window_left is not None:  # j >= i + offset - left  <=>  i <= j - offset + left
-        hi = jnp.minimum(hi, k_hi + (spec.window_left - spec.offset))
-    lo_blk = jnp.minimum(jax.lax.div(jnp.maximum(lo, 0), g.bq), g.nq)
-    hi_blk = jnp.where(hi > lo, jnp.minimum(_cdiv(jnp.maximum(hi, 0), g.bq), g.nq), lo_blk)
-    return lo_blk, jnp.maximum(hi_blk, lo_blk)
-
-
-def _reach(spec: AttentionSpec):
-    """(left, right) reach of the positional mask; None where unbounded (causal caps right at 0)."""
-    right = spec.window_right
-    if spec.causal:
-        right = 0 if right is None else min(right, 0)
-    return spec.window_left, right
+    """Half-open range of query blocks that may see key block ``j`` (traced) (:func:`block_ranges.query_blocks`)."""
+    return block_ranges.query_blocks(g.spec, j, g.bq, g.bk, JAX_OPS)
 
 
 def full_key_blocks(g: Geometry, i):
-    """Half-open range of key blocks whose every key every query of block ``i`` sees (no positional
-    mask needed). Empty for the last query block when it holds padded rows and never includes the
-    ragged last key block, so unmasked tiles only ever hold real positions."""
-    spec = g.spec
-    left, right = _reach(spec)
-    first = i * g.bq
-    last = first + g.bq - 1
-    lo = jnp.int32(0) if left is None else jnp.maximum(last + (spec.offset - left), 0)
-    whole = spec.seq_k // g.bk  # key blocks without padding
-    hi = (
-        jnp.int32(whole)
-        if right is None
-        else jnp.clip(jax.lax.div(jnp.maximum(first + (spec.offset + right + 1), 0), g.bk), 0, whole)
-    )
-    lo_blk = _cdiv(lo, g.bk)
-    hi_blk = jnp.where(last < spec.seq_q, jnp.maximum(hi, lo_blk), lo_blk)
-    return lo_blk, hi_blk
+    """Key blocks every query of block ``i`` sees entirely (:func:`block_ranges.full_key_blocks`)."""
+    return block_ranges.full_key_blocks(g.spec, i, g.bq, g.bk, JAX_OPS)
 
 
 def full_query_blocks(g: Geometry, j):
-    """Half-open range of query blocks whose every query sees every key of block ``j`` (no
-    positional mask needed); only unpadded blocks on both sides."""
-    spec = g.spec
-    left, right = _reach(spec)
-    k_lo = j * g.bk
-    k_last = k_lo + g.bk - 1
-    whole = spec.seq_q // g.bq
-    # i sees k_last  <=>  i >= k_last - offset - right;  i sees k_lo  <=>  i <= k_lo - offset + left
-    lo = jnp.int32(0) if right is None else jnp.maximum(k_last - (spec.offset + right), 0)
-    hi = (
-        jnp.int32(whole)
-        if left is None
-        else jnp.clip(jax.lax.div(jnp.maximum(k_lo + (left - spec.offset + 1), 0), g.bq), 0, whole)
-    )
-    lo_blk = _cdiv(lo, g.bq)
-    hi_blk = jnp.where(k_last < spec.seq_k, jnp.maximum(hi, lo_blk), lo_blk)
-    return lo_blk, hi_blk
+    """Query blocks that see every key of block ``j`` (:func:`block_ranges.full_query_blocks`)."""
+    return block_ranges.full_query_blocks(g.spec, j, g.bq, g.bk, JAX_OPS)
 
 
 def split_loop(bounds, full, body, carry):
@@ -203,7 +139,7 @@ def tile_logits(g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv
     """
     spec = g.spec
     raw = dot(q, k, trans_b=True) * spec.scale
-    logits = apply_softcap(spec, raw)
+    logits = apply_softcap(spec, raw, jnp)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     visible = None
@@ -234,11 +170,3 @@ def apply_dropout(g: Geometry, x, rows, j):
     cols = jnp.uint32(dropout.KEY_MUL) * (key_positions(g, j).astype(jnp.uint32) + jnp.uint32(1))
     keep = fmix(rows[:, None] ^ cols[None, :]) >= jnp.uint32(dropout.threshold(rate))
     return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
-
-
-def softcap_grad(spec: AttentionSpec, raw):
-    """d softcap(raw) / d raw (None without softcap)."""
-    if spec.softcap is None:
-        return None
-    t = jnp.tanh(raw / spec.softcap)
-    return 1.0 - t * t

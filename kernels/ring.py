@@ -18,7 +18,7 @@ piece starting at global position ``q0`` and a key piece at ``k0``, the contract
 ``offset' = offset + q0 − k0``; causal, windows, bottom-right alignment (``offset = Sk − Sq`` of the
 *global* lengths) and segment ids keep their meaning. Because ``q0 − k0`` depends on the traced shard
 index, every (shard, piece, visiting shard, piece) combination is classified ahead of time from
-:meth:`AttentionSpec.key_range` as *empty* (nothing visible: out 0, lse −inf, no compute), *full*
+:func:`flashport.kernels.block_ranges.key_range` as *empty* (nothing visible: out 0, lse −inf, no compute), *full*
 (every key visible: the call runs without positional masking) or *partial* (its own offset); the
 distinct ones become the branches of a ``lax.switch`` indexed by a static table.
 
@@ -44,11 +44,14 @@ from jax.sharding import PartitionSpec as P
 
 from flashport.kernels import api
 from flashport.kernels import seq_layout as layouts
+from flashport.kernels.block_ranges import key_range
+from flashport.kernels.keywords import takes_contract_keywords
 from flashport.kernels.spec import AttentionSpec
 
 EMPTY = "empty"
 
 
+@takes_contract_keywords()
 def ring_attention(
     query,
     key,
@@ -59,20 +62,11 @@ def ring_attention(
     seq_layout: str = "contiguous",
     batch_axis=None,
     head_axis=None,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
     backend="auto",
     return_lse=False,
     dropout_rate=0.0,
     dropout_rng=None,
+    **contract,
 ):
     """``flashport.attention`` with the sequence dim sharded over mesh axis ``axis_name`` (ring attention).
 
@@ -100,8 +94,8 @@ def ring_attention(
       ring), a sequence length that does not split over the axis, an unknown mesh axis, and whatever
       :func:`flashport.attention` raises for the call itself.
     """
-    for name, given in (("bias", bias), ("mask", mask)):
-        if given is not None:
+    for name in ("bias", "mask"):
+        if contract[name] is not None:
             raise ValueError(
                 f"ring_attention does not take {name}=: a {name} array spans the key sequence, which the "
                 f"ring shards; express document masking with q_segment_ids/kv_segment_ids, or call "
@@ -114,18 +108,7 @@ def ring_attention(
             "flashport.attention on gathered arrays"
         )
     (q, k, v, _, _, q_seg, kv_seg, _), call = api.prepare(
-        query,
-        key,
-        value,
-        scale=scale,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        layout=layout,
-        return_lse=return_lse,
+        query, key, value, return_lse=return_lse, **contract
     )
     seq_layout_ = seq_layout_check(seq_layout)
     n = _axis_size(mesh, axis_name, "axis_name")
@@ -161,7 +144,7 @@ def ring_attention(
         q, k, v = (_reshard(x, mesh, x_spec) for x in (q, k, v))
         q_seg, kv_seg = (_reshard(x, mesh, seg_spec) for x in (q_seg, kv_seg))
     out, lse = fn(q, k, v, q_seg, kv_seg)
-    if layout == "BSHD":
+    if contract["layout"] == "BSHD":
         out = jnp.swapaxes(out, 1, 2)
     return (out, lse) if return_lse else out
 
@@ -260,10 +243,10 @@ def local_spec(spec: AttentionSpec, pq: int, pk: int, delta: int) -> AttentionSp
     local = dataclasses.replace(spec, seq_q=pq, seq_k=pk, offset=spec.offset + delta)
     if not spec.has_positional_mask:
         return dataclasses.replace(local, offset=0)
-    lo, hi = local.key_range(0, pq)
+    lo, hi = key_range(local, 0, pq)
     if hi <= lo:
         return None
-    if local.key_range(pq - 1, pq)[0] <= 0 and local.key_range(0, 1)[1] >= pk:
+    if key_range(local, pq - 1, pq)[0] <= 0 and key_range(local, 0, 1)[1] >= pk:
         return dataclasses.replace(local, causal=False, window_left=None, window_right=None, offset=0)
     return local
 
@@ -273,13 +256,7 @@ def local_spec(spec: AttentionSpec, pq: int, pk: int, delta: int) -> AttentionSp
 
 def _local_call(spec: AttentionSpec, features, q, k, v) -> api.Call:
     feats = set(features) - {"causal", "window", "align_bottom_right", "bias", "mask", "dropout"}
-    feats.add("return_lse")
-    if spec.causal:
-        feats.add("causal")
-    if spec.window_left is not None or spec.window_right is not None:
-        feats.add("window")
-    if spec.has_positional_mask and spec.offset != 0:
-        feats.add("align_bottom_right")
+    feats |= {"return_lse", *spec.positional_features}
     return api.Call(
         spec=spec,
         features=frozenset(feats),

@@ -76,7 +76,7 @@ def tile_logits(
     )
     if not q_prescaled:
         raw = raw * spec.scale
-    logits = apply_softcap(spec, raw)
+    logits = apply_softcap(spec, raw, jnp)
     if bias is not None:
         logits = logits + bias
     visible = (
@@ -90,11 +90,3 @@ def tile_logits(
     if visible is None:  # fully visible tile: logits are final, every entry counts
         return logits, jnp.ones((), bool), raw
     return jnp.where(visible, logits, -jnp.inf), visible, raw
-
-
-def softcap_grad(spec: AttentionSpec, raw):
-    """d softcap(raw) / d raw, elementwise (1 when no softcap)."""
-    if spec.softcap is None:
-        return None
-    t = jnp.tanh(raw / spec.softcap)
-    return 1.0 - t * t

@@ -1,5 +1,9 @@
 """The normalized call that every backend receives: :class:`AttentionSpec` plus canonical arrays.
 
+This module imports no framework: the JAX API and the torch adapter both build their spec with
+:func:`make_spec`, and :func:`positional_visible` / :func:`apply_softcap` / :func:`softcap_grad`
+work on any array namespace.
+
 ``flashport.attention`` validates user input, converts it to the canonical form below and hands it
 to a backend. Backends never see layouts, ``None`` scales or unnormalized windows.
 
@@ -19,10 +23,9 @@ Backends return ``(out, lse)``: ``out`` [B, Hq, Sq, D] in ``q.dtype`` and ``lse`
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-
+from flashport.kernels import checks
 from flashport.kernels.visibility import band_visible
 
 # Features a call can need; backends declare which they support (see registry.BackendInfo).
@@ -75,36 +78,56 @@ class AttentionSpec:
         """True when causal or a window restricts which key positions a query sees."""
         return self.causal or self.window_left is not None or self.window_right is not None
 
-    def key_range(self, q_lo: int, q_hi: int) -> tuple[int, int]:
-        """Return the half-open range of key positions that queries ``[q_lo, q_hi)`` may see.
-
-        Only causal/window structure is used (masks, bias and segment ids may hide more). The range is
-        clipped to ``[0, seq_k)`` and may be empty (lo >= hi).
-        """
-        lo, hi = 0, self.seq_k
-        right = self.window_right
-        if self.causal:
-            right = 0 if right is None else min(right, 0)
-        if right is not None:
-            hi = min(hi, q_hi - 1 + self.offset + right + 1)
-        if self.window_left is not None:
-            lo = max(lo, q_lo + self.offset - self.window_left)
-        return lo, hi
-
-    def query_range(self, k_lo: int, k_hi: int) -> tuple[int, int]:
-        """Return the half-open range of query positions that may see keys ``[k_lo, k_hi)``."""
-        lo, hi = 0, self.seq_q
-        right = self.window_right
-        if self.causal:
-            right = 0 if right is None else min(right, 0)
-        if right is not None:  # j <= i + offset + right  <=>  i >= j - offset - right
-            lo = max(lo, k_lo - self.offset - right)
-        if self.window_left is not None:  # j >= i + offset - left  <=>  i <= j - offset + left
-            hi = min(hi, k_hi - 1 - self.offset + self.window_left + 1)
-        return lo, hi
+    @property
+    def positional_features(self) -> frozenset[str]:
+        """The :data:`FEATURES` its causal/window structure asks of a backend (``causal``, ``window``,
+        ``align_bottom_right``)."""
+        needs = {
+            "causal": self.causal,
+            "window": self.window_left is not None or self.window_right is not None,
+            "align_bottom_right": self.has_positional_mask and self.offset != 0,
+        }
+        return frozenset(name for name, needed in needs.items() if needed)
 
 
-def positional_visible(spec: AttentionSpec, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+def make_spec(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    *,
+    scale: float | None,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
+    align: str,
+    softcap: float | None,
+    dropout_rate: float = 0.0,
+) -> AttentionSpec:
+    """Validate the static options of one call and normalize them: the one builder of :class:`AttentionSpec`.
+
+    ``q_shape`` = (B, Hq, Sq, D) and ``k_shape`` = (B, Hkv, Sk, D) are canonical (already checked);
+    the keywords are those of :func:`flashport.attention` (``dropout_rate`` validated by the caller,
+    whose argument name differs between the JAX and torch APIs). Used by ``flashport.attention``
+    and the torch adapter alike, so both run the same spec.
+
+    Raises:
+      TypeError / ValueError naming the argument (:mod:`flashport.kernels.checks`).
+    """
+    align = checks.check_choice("align", align, checks.ALIGNS)
+    left, right = checks.check_window(window)
+    sq, sk = q_shape[2], k_shape[2]
+    return AttentionSpec(
+        scale=checks.check_scale(scale, q_shape[3]),
+        causal=checks.check_bool("causal", causal),
+        window_left=left,
+        window_right=right,
+        offset=(sk - sq) if align == "bottom_right" else 0,
+        softcap=checks.check_softcap(softcap),
+        seq_q=sq,
+        seq_k=sk,
+        dropout_rate=float(dropout_rate),
+    )
+
+
+def positional_visible(spec: AttentionSpec, q_pos: Any, k_pos: Any) -> Any:
     """Boolean array: which (query, key) positions causal/window structure keeps.
 
     ``q_pos`` and ``k_pos`` are integer arrays that broadcast against each other (e.g. [bq, 1] and
@@ -121,8 +144,19 @@ def positional_visible(spec: AttentionSpec, q_pos: jax.Array, k_pos: jax.Array) 
     )
 
 
-def apply_softcap(spec: AttentionSpec, s: jax.Array) -> jax.Array:
-    """Return ``softcap * tanh(s / softcap)`` (or ``s`` when no softcap is set)."""
+def apply_softcap(spec: AttentionSpec, s: Any, xp: Any) -> Any:
+    """Return ``softcap * tanh(s / softcap)`` (or ``s`` when no softcap is set).
+
+    ``xp`` is the array namespace of ``s`` (``jax.numpy``, ``torch``, ``numpy``: anything with ``tanh``).
+    """
     if spec.softcap is None:
         return s
-    return spec.softcap * jnp.tanh(s / spec.softcap)
+    return spec.softcap * xp.tanh(s / spec.softcap)
+
+
+def softcap_grad(spec: AttentionSpec, raw: Any, xp: Any) -> Any:
+    """d softcap(raw) / d raw, ``1 - tanh(raw / softcap)**2`` (``None`` without softcap); ``xp`` as above."""
+    if spec.softcap is None:
+        return None
+    t = xp.tanh(raw / spec.softcap)
+    return 1.0 - t * t

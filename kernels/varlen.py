@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 
+from flashport.kernels.keywords import VARLEN_KEYWORDS, takes_contract_keywords
 from flashport.kernels.visibility import band_visible
 
 
@@ -81,25 +82,11 @@ def varlen_layout(
     return q_ids, kv_ids, mask
 
 
-def run_varlen(
-    attention,
-    query,
-    key,
-    value,
-    *,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    scale,
-    causal,
-    window,
-    align,
-    softcap,
-    layout,
-    backend,
-    **extra,
-):
+def run_varlen(attention, query, key, value, *, cu_seqlens_q, cu_seqlens_k, backend, contract, extra):
     """Call ``attention`` (a contract implementation) on packed sequences; shared by the JAX and the
-    torch ``varlen_attention``. ``extra`` (dropout keywords) is passed through unchanged."""
+    torch ``varlen_attention``. ``contract`` holds the :data:`~flashport.kernels.keywords.VARLEN_KEYWORDS`;
+    ``extra`` (dropout keywords) is passed through unchanged."""
+    scale, causal, window, align, softcap, layout = (contract[n] for n in VARLEN_KEYWORDS)
     if layout != "THD":
         raise ValueError(
             f"layout={layout!r}: varlen_attention takes packed [total, heads, head_dim] tensors (layout='THD')"
@@ -125,6 +112,7 @@ def run_varlen(
     return out.squeeze(0) if is_torch_tensor(out) else out[0]
 
 
+@takes_contract_keywords(VARLEN_KEYWORDS, layout="THD")
 def varlen_attention(
     query,
     key,
@@ -132,16 +120,11 @@ def varlen_attention(
     *,
     cu_seqlens_q,
     cu_seqlens_k,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    layout="THD",
     backend="auto",
     dropout_rate=0.0,
     dropout_rng=None,
     attention=None,
+    **contract,
 ):
     """Attention over packed variable-length JAX arrays, flash-attn varlen semantics.
 
@@ -173,19 +156,5 @@ def varlen_attention(
             )
         from flashport.kernels.api import attention
     extra = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng) if dropout_rate else {}
-    return run_varlen(
-        attention,
-        query,
-        key,
-        value,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        scale=scale,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        layout=layout,
-        backend=backend,
-        **extra,
-    )
+    cu = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return run_varlen(attention, query, key, value, **cu, backend=backend, contract=contract, extra=extra)

@@ -6,6 +6,8 @@ Outputs are float64; ``out`` in the input layout, ``lse`` [B, Hq, Sq].
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 
@@ -62,47 +64,21 @@ def reference_attention(
     return out, lse
 
 
-def reference_attention_vjp(
-    q,
-    k,
-    v,
-    d_out,
-    *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    dropout_rate=0.0,
-    dropout_seed=None,
-    d_lse=None,
-):
+def reference_attention_vjp(q, k, v, d_out, *, d_lse=None, **options):
     """float64 gradients (dq, dk, dv, dbias_full) of ``sum(out * d_out)`` (plus ``sum(lse * d_lse)``
-    when ``d_lse`` [B, Hq, Sq] is given), derived by hand.
+    when ``d_lse`` [B, Hq, Sq] is given), derived by hand; ``options`` as :func:`reference_attention`.
 
     The textbook attention backward (dP = dO·Vᵀ, dS = P∘(dP − rowsum(dO∘O)), chain through softcap
     and scale); rows with no visible key get zero gradients. ``dbias_full`` is [B, Hq, Sq, Sk]; sum
     it over broadcast dims to get a broadcast bias's gradient.
     """
-    kwargs = dict(
-        scale=scale,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        bias=bias,
-        mask=mask,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        layout="BHSD",
-        dropout_rate=dropout_rate,
-        dropout_seed=dropout_seed,
-    )
+    bound = inspect.signature(reference_attention).bind(q, k, v, **options)
+    bound.apply_defaults()
+    o = bound.arguments
+    scale, softcap, bias, layout = o["scale"], o["softcap"], o["bias"], o["layout"]
+    dropout_rate, dropout_seed = o["dropout_rate"], o["dropout_seed"]
+    kwargs = {n: x for n, x in o.items() if n not in ("q", "k", "v")}
+    kwargs["layout"] = "BHSD"
     q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
     if layout == "BSHD":
         q, k, v, d_out = (x.transpose(0, 2, 1, 3) for x in (q, k, v, d_out))
@@ -120,7 +96,8 @@ def reference_attention_vjp(
     finite = np.isfinite(lse)[..., None]
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.where(finite, np.exp(s - np.where(finite, lse[..., None], 0.0)), 0.0)
-    keep = _visible(q.shape, k.shape, causal, window, align, mask, q_segment_ids, kv_segment_ids)
+    names = ("causal", "window", "align", "mask", "q_segment_ids", "kv_segment_ids")
+    keep = _visible(q.shape, k.shape, *(o[n] for n in names))
     p = np.where(keep, p, 0.0)
     # Dropout: out = (P∘Z/(1-r))·V, so dV and dP carry Z/(1-r); delta = rowsum(dO∘O) still holds.
     drop = dropout_keep(dropout_seed, dropout_rate, p.shape) / (1.0 - dropout_rate) if dropout_rate else 1.0

@@ -143,11 +143,28 @@ def flash_attn_with_kvcache(
       ValueError: ``k`` without ``v``, rotary without new rows, rows that do not fit the cache.
       NotImplementedError: ``alibi_slopes``.
     """
-    import torch
-
     import flashport.torch
-    from flashport.integrations.flash_attn_compat import _lse_like_flash_attn, _window, kvcache_mask
+    from flashport.integrations.flash_attn_compat import _lse_like_flash_attn, _window
 
+    _check_arguments(k, v, rotary_cos, rotary_sin, alibi_slopes)
+    batch = q.shape[0]
+    cache = _Cache(k_cache, batch, cache_batch_idx, block_table)
+    lengths = _lengths(cache_seqlens, batch, cache.length, q.device)
+    window = _window(window_size)
+    if k is not None:
+        rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved)
+        q, lengths = _append(
+            cache, (k_cache, v_cache), q, (k, v), lengths, rotary, local=causal or window is not None
+        )
+    keys, values = cache.read(k_cache, batch), cache.read(v_cache, batch)
+    mask = _visible(cache, lengths, q.shape[1], causal, window, cache_leftpad)
+    options = dict(scale=softmax_scale, softcap=softcap or None, mask=mask, layout="BSHD")
+    result = flashport.torch.attention(q, keys, values, **options, return_lse=return_softmax_lse)
+    return (result[0], _lse_like_flash_attn(result[1])) if return_softmax_lse else result
+
+
+def _check_arguments(k, v, rotary_cos, rotary_sin, alibi_slopes):
+    """Raise for the argument combinations flash-attn rejects (or flashport does not support)."""
     if alibi_slopes is not None:
         raise NotImplementedError(
             "flash_attn_with_kvcache: alibi_slopes is not supported by flashport's drop-in"
@@ -156,43 +173,44 @@ def flash_attn_with_kvcache(
         raise ValueError("flash_attn_with_kvcache: pass both k and v, or neither")
     if (rotary_cos is None) != (rotary_sin is None) or (rotary_cos is not None and k is None):
         raise ValueError("flash_attn_with_kvcache: rotary_cos and rotary_sin go together, and need new k/v")
+
+
+def _append(cache, caches, q, new, lengths, rotary, *, local):
+    """Write the new rows ``new`` = (k, v) into ``caches`` = (k_cache, v_cache) after ``lengths``,
+    rotating them (and ``q``) first when ``rotary`` = (cos, sin, interleaved) is given.
+
+    Returns ``(q, lengths)``: the (rotated) queries and the cache lengths after the append.
+    """
+    import torch
+
+    k, v = new
     batch, s_q = q.shape[:2]
-    cache = _Cache(k_cache, batch, cache_batch_idx, block_table)
-    lengths = _lengths(cache_seqlens, batch, cache.length, q.device)
-    window = _window(window_size)
-    if k is not None:
-        s_new = k.shape[1]
-        if s_new and int(lengths.max()) + s_new > cache.length:
-            raise ValueError(
-                f"flash_attn_with_kvcache: cache_seqlens + S_new = {int(lengths.max()) + s_new} "
-                f"exceeds the cache length {cache.length}"
-            )
-        rows = lengths[:, None] + torch.arange(s_new, device=q.device)[None, :]
-        if rotary_cos is not None:
-            k = apply_rotary(k, rotary_cos, rotary_sin, rows, rotary_interleaved)
-            local = causal or window is not None
-            q_pos = lengths[:, None] + (torch.arange(s_q, device=q.device)[None, :] if local else 0)
-            q = apply_rotary(q, rotary_cos, rotary_sin, q_pos.expand(batch, s_q), rotary_interleaved)
-        cache.write(k_cache, rows, k)
-        cache.write(v_cache, rows, v)
-        lengths = lengths + s_new
-    keys, values = cache.read(k_cache, batch), cache.read(v_cache, batch)
-    mask = kvcache_mask(lengths, s_q, cache.length, causal=causal, window=window)
-    if cache_leftpad is not None:
-        start = cache_leftpad.to(device=q.device, dtype=torch.long)
-        mask = mask & (
-            torch.arange(cache.length, device=q.device)[None, None, None, :] >= start[:, None, None, None]
+    s_new = k.shape[1]
+    if s_new and int(lengths.max()) + s_new > cache.length:
+        raise ValueError(
+            f"flash_attn_with_kvcache: cache_seqlens + S_new = {int(lengths.max()) + s_new} "
+            f"exceeds the cache length {cache.length}"
         )
-    result = flashport.torch.attention(
-        q,
-        keys,
-        values,
-        scale=softmax_scale,
-        softcap=softcap or None,
-        mask=mask,
-        layout="BSHD",
-        return_lse=return_softmax_lse,
-    )
-    if return_softmax_lse:
-        return result[0], _lse_like_flash_attn(result[1])
-    return result
+    rows = lengths[:, None] + torch.arange(s_new, device=q.device)[None, :]
+    if rotary is not None:
+        cos, sin, interleaved = rotary
+        k = apply_rotary(k, cos, sin, rows, interleaved)
+        q_pos = lengths[:, None] + (torch.arange(s_q, device=q.device)[None, :] if local else 0)
+        q = apply_rotary(q, cos, sin, q_pos.expand(batch, s_q), interleaved)
+    cache.write(caches[0], rows, k)
+    cache.write(caches[1], rows, v)
+    return q, lengths + s_new
+
+
+def _visible(cache, lengths, s_q, causal, window, cache_leftpad):
+    """Boolean [B, 1, S_q, cache.length]: the keys each query sees (``kvcache_mask``, left padding)."""
+    import torch
+
+    from flashport.integrations.flash_attn_compat import kvcache_mask
+
+    mask = kvcache_mask(lengths, s_q, cache.length, causal=causal, window=window)
+    if cache_leftpad is None:
+        return mask
+    start = cache_leftpad.to(device=lengths.device, dtype=torch.long)
+    key_pos = torch.arange(cache.length, device=lengths.device)[None, None, None, :]
+    return mask & (key_pos >= start[:, None, None, None])

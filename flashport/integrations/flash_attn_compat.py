@@ -36,7 +36,7 @@ mask.
 
 from __future__ import annotations
 
-from flashport.integrations._fa_kvcache import flash_attn_with_kvcache
+from flashport.integrations._fa_kvcache import _lengths, flash_attn_with_kvcache
 from flashport.integrations.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
 from flashport.kernels.visibility import band_visible
 
@@ -58,14 +58,6 @@ __all__ = [
     "pad_input",
     "unpad_input",
 ]
-
-
-def _as_lengths(cache_seqlens, batch, device):
-    import torch
-
-    if isinstance(cache_seqlens, torch.Tensor):
-        return cache_seqlens.to(device=device, dtype=torch.long).reshape(-1).expand(batch)
-    return torch.full((batch,), int(cache_seqlens), dtype=torch.long, device=device)
 
 
 def kvcache_mask(lengths, s_q, s_k, *, causal=False, window=None):
@@ -124,46 +116,47 @@ def kvcache_attention(
       ValueError: ``k`` without ``v`` (or the reverse), new rows without ``cache_seqlens``, or new
         rows that do not fit in the cache.
     """
-    import torch
-
     import flashport.torch
 
-    batch, s_cache = k_cache.shape[0], k_cache.shape[1]
     if (k is None) != (v is None):
         raise ValueError("kvcache_attention: pass both k and v, or neither")
-    if cache_seqlens is None:
-        if k is not None:
-            raise ValueError("kvcache_attention: new k/v rows need cache_seqlens (where to insert them)")
-        lengths = torch.full((batch,), s_cache, dtype=torch.long, device=q.device)
-    else:
-        lengths = _as_lengths(cache_seqlens, batch, q.device)
+    if cache_seqlens is None and k is not None:
+        raise ValueError("kvcache_attention: new k/v rows need cache_seqlens (where to insert them)")
+    s_cache = k_cache.shape[1]
+    lengths = _lengths(cache_seqlens, k_cache.shape[0], s_cache, q.device)
     if k is not None:
-        s_new = k.shape[1]
-        if s_new and int(lengths.max()) + s_new > s_cache:
-            raise ValueError(
-                f"kvcache_attention: cache_seqlens + S_new = {int(lengths.max()) + s_new} exceeds the cache length {s_cache}"
-            )
-        rows = (lengths[:, None] + torch.arange(s_new, device=q.device)[None, :]).clamp(max=s_cache - 1)
-        index = rows[:, :, None, None]
-        k_cache = k_cache.scatter(1, index.expand(-1, -1, *k.shape[2:]), k)
-        v_cache = v_cache.scatter(1, index.expand(-1, -1, *v.shape[2:]), v)
-        lengths = lengths + s_new
+        k_cache, v_cache, lengths = _insert_copy(k_cache, v_cache, k, v, lengths)
     mask = kvcache_mask(lengths, q.shape[1], s_cache, causal=causal, window=window)
-    result = flashport.torch.attention(
-        q,
-        k_cache,
-        v_cache,
-        scale=scale,
-        softcap=softcap,
-        mask=mask,
-        layout="BSHD",
-        backend=backend,
-        return_lse=return_lse,
+    options = dict(
+        scale=scale, softcap=softcap, mask=mask, layout="BSHD", backend=backend, return_lse=return_lse
     )
+    result = flashport.torch.attention(q, k_cache, v_cache, **options)
     result = result if isinstance(result, tuple) else (result,)
     if return_cache:
         result = result + (k_cache, v_cache)
     return result[0] if len(result) == 1 else result
+
+
+def _insert_copy(k_cache, v_cache, k, v, lengths):
+    """Copies of the caches with the new rows ``k``/``v`` [B, S_new, Hk, D] at rows ``lengths[b] ..``.
+
+    Returns ``(k_cache, v_cache, lengths + S_new)``.
+
+    Raises:
+      ValueError when the new rows do not fit in the cache.
+    """
+    import torch
+
+    s_new, s_cache = k.shape[1], k_cache.shape[1]
+    if s_new and int(lengths.max()) + s_new > s_cache:
+        raise ValueError(
+            f"kvcache_attention: cache_seqlens + S_new = {int(lengths.max()) + s_new} exceeds the cache length {s_cache}"
+        )
+    rows = (lengths[:, None] + torch.arange(s_new, device=lengths.device)[None, :]).clamp(max=s_cache - 1)
+    index = rows[:, :, None, None]
+    k_cache = k_cache.scatter(1, index.expand(-1, -1, *k.shape[2:]), k)
+    v_cache = v_cache.scatter(1, index.expand(-1, -1, *v.shape[2:]), v)
+    return k_cache, v_cache, lengths + s_new
 
 
 # ----------------------------------------------------------------------------------- shared pieces

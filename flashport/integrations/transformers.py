@@ -59,31 +59,35 @@ def flashport_attention_forward(
     Raises:
       NotImplementedError: for attention sinks or a head mask.
     """
-    import flashport
     import flashport.torch
 
-    dropout_p = (dropout or 0.0) if getattr(module, "training", True) else 0.0
     for name in ("s_aux", "head_mask"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attn_implementation='flashport' does not support {name}")
-    if attention_mask is not None and attention_mask.ndim == 4:
-        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
     out = flashport.torch.attention(
         query,
         key,
         value,
         scale=scaling,
-        causal=causal,
         softcap=softcap or None,
-        **flashport.sdpa_mask(attention_mask),
-        align="top_left",
+        **_mask_keywords(module, attention_mask, is_causal, query.shape[2], key.shape[-2]),
         layout="BHSD",
-        dropout_p=dropout_p,
+        dropout_p=(dropout or 0.0) if getattr(module, "training", True) else 0.0,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _mask_keywords(module, attention_mask, is_causal, s_q: int, s_k: int) -> dict:
+    """The contract's ``causal``/``align``/``mask``/``bias`` keywords for transformers' mask arguments,
+    as its SDPA integration reads them (mask sliced to ``s_k``; causal only without a mask, Sq > 1)."""
+    import flashport
+
+    if attention_mask is not None and attention_mask.ndim == 4:
+        attention_mask = attention_mask[:, :, :, :s_k]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(is_causal) and attention_mask is None and s_q > 1
+    return dict(flashport.sdpa_mask(attention_mask), causal=causal, align="top_left")
 
 
 def register(name: str = ATTN_IMPLEMENTATION) -> str:

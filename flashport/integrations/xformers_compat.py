@@ -378,48 +378,57 @@ def memory_efficient_attention(
       ``p`` outside [0, 1) (TypeError for a non-number).
     """
     import flashport.torch
+
+    _check_p(p)
+    shape = query.shape
+    query, key, value = _to_bshd(query, key, value)
+    kwargs = contract_kwargs(attn_bias, query.shape[1], key.shape[1], query.device)
+    if kwargs.pop("blocks", False) and query.shape[0] != 1:
+        raise ValueError(
+            f"memory_efficient_attention: block-diagonal biases need batch 1, got {query.shape[0]}"
+        )
+    if kwargs.get("bias") is not None:
+        kwargs["bias"] = _bias_to_bhsd(kwargs["bias"], shape, query.shape[1], key.shape[1])
+    dropout = dict(dropout_p=p, generator=generator)
+    out = flashport.torch.attention(
+        query, key, value, scale=scale, layout="BSHD", backend=backend, **dropout, **kwargs
+    )
+    if len(shape) == 3:
+        out = out.squeeze(2)
+    elif len(shape) == 5:
+        out = out.reshape(*shape[:4], out.shape[-1])
+    return out if output_dtype is None else out.to(output_dtype)
+
+
+def _check_p(p):
+    """Validate xformers' ``p`` as the contract's ``dropout_p`` (errors name both)."""
     from flashport.torch import _dropout
 
     try:
         _dropout.check_p(p)
     except (TypeError, ValueError) as e:
         raise type(e)(f"memory_efficient_attention: p is flashport's dropout_p: {e}") from None
+
+
+def _to_bshd(query, key, value):
+    """3-D [B, M, K] / 5-D [B, M, G, H, K] inputs as 4-D [B, M, H', K] (5-D: head ``g * H + h``)."""
     rank = query.ndim
     if rank not in (3, 4, 5):
         raise ValueError(
             f"memory_efficient_attention: query must be 3-D, 4-D or 5-D, got shape {tuple(query.shape)}"
         )
-    shape = query.shape
     if rank == 3:
-        query, key, value = (x.unsqueeze(2) for x in (query, key, value))
-    elif rank == 5:
-        query, key, value = (x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]) for x in (query, key, value))
-    kwargs = contract_kwargs(attn_bias, query.shape[1], key.shape[1], query.device)
-    if kwargs.pop("blocks", False) and query.shape[0] != 1:
-        raise ValueError(
-            f"memory_efficient_attention: block-diagonal biases need batch 1, got {query.shape[0]}"
-        )
-    bias = kwargs.get("bias")
-    if bias is not None:
-        if rank == 3 and bias.ndim == 3:
-            bias = bias.unsqueeze(1)
-        elif rank == 5:
-            full = (shape[0], shape[2], shape[3], query.shape[1], key.shape[1])
-            bias = bias.expand(full).reshape(shape[0], shape[2] * shape[3], *full[-2:])
-        kwargs["bias"] = bias
-    out = flashport.torch.attention(
-        query,
-        key,
-        value,
-        scale=scale,
-        layout="BSHD",
-        backend=backend,
-        dropout_p=p,
-        generator=generator,
-        **kwargs,
-    )
-    if rank == 3:
-        out = out.squeeze(2)
-    elif rank == 5:
-        out = out.reshape(*shape[:4], out.shape[-1])
-    return out if output_dtype is None else out.to(output_dtype)
+        return tuple(x.unsqueeze(2) for x in (query, key, value))
+    if rank == 5:
+        return tuple(x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]) for x in (query, key, value))
+    return query, key, value
+
+
+def _bias_to_bhsd(bias, shape, mq, mk):
+    """An additive bias for inputs of (original) ``shape`` as the contract's [B|1, H|1, Mq, Mk] form."""
+    if len(shape) == 3 and bias.ndim == 3:
+        return bias.unsqueeze(1)
+    if len(shape) == 5:
+        full = (shape[0], shape[2], shape[3], mq, mk)
+        return bias.expand(full).reshape(shape[0], shape[2] * shape[3], *full[-2:])
+    return bias

@@ -34,10 +34,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 
+from flashport.kernels.keywords import TENSOR_KEYWORDS, pick, takes_contract_keywords
 from flashport.torch import _checks, _dropout, _jax, _native
 from flashport.torch._checks import check
 from flashport.torch._varlen import varlen_attention
@@ -53,96 +54,17 @@ _Dropout = tuple[float, "torch.Generator | None"]  # (dropout_p, generator), bot
 _Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-# Typing overloads (deliberately parallel signatures, kept in step with the implementation below):
-# the result is a tensor, or ``(out, lse)`` with ``return_lse=True``.
-@overload
+@takes_contract_keywords()
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     *,
-    scale: float | None = ...,
-    causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    align: str = ...,
-    softcap: float | None = ...,
-    bias: torch.Tensor | None = ...,
-    mask: torch.Tensor | None = ...,
-    q_segment_ids: torch.Tensor | None = ...,
-    kv_segment_ids: torch.Tensor | None = ...,
-    layout: str = ...,
-    backend: Any = ...,
-    return_lse: Literal[False] = ...,
-    dropout_p: float = ...,
-    generator: torch.Generator | None = ...,
-) -> torch.Tensor: ...
-
-
-@overload
-def attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    scale: float | None = ...,
-    causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    align: str = ...,
-    softcap: float | None = ...,
-    bias: torch.Tensor | None = ...,
-    mask: torch.Tensor | None = ...,
-    q_segment_ids: torch.Tensor | None = ...,
-    kv_segment_ids: torch.Tensor | None = ...,
-    layout: str = ...,
-    backend: Any = ...,
-    return_lse: Literal[True],
-    dropout_p: float = ...,
-    generator: torch.Generator | None = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@overload
-def attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    scale: float | None = ...,
-    causal: bool = ...,
-    window: tuple[int | None, int | None] | None = ...,
-    align: str = ...,
-    softcap: float | None = ...,
-    bias: torch.Tensor | None = ...,
-    mask: torch.Tensor | None = ...,
-    q_segment_ids: torch.Tensor | None = ...,
-    kv_segment_ids: torch.Tensor | None = ...,
-    layout: str = ...,
-    backend: Any = ...,
-    return_lse: bool = ...,
-    dropout_p: float = ...,
-    generator: torch.Generator | None = ...,
-) -> _Result: ...
-
-
-def attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    scale: float | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    align: str = "bottom_right",
-    softcap: float | None = None,
-    bias: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    q_segment_ids: torch.Tensor | None = None,
-    kv_segment_ids: torch.Tensor | None = None,
-    layout: str = "BSHD",
     backend: Any = "auto",
     return_lse: bool = False,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
+    **contract: Any,
 ) -> _Result:
     """Scaled dot-product attention on torch tensors with the contract of :func:`flashport.attention`.
 
@@ -156,14 +78,10 @@ def attention(
         entries are scaled by ``1 / (1 - dropout_p)`` (flash-attn / SDPA semantics; pass 0.0 in
         eval mode, as callers of those do). The lse is that of the scores, unaffected.
       generator: the ``torch.Generator`` each call draws two uint32 seed words from (``None`` =
-        torch's default CPU generator, seeded by ``torch.manual_seed``). The keep-mask is the
-        contract's hash of (words, batch, query head, query position, key position), so the math
-        path and every JAX path draw the same mask for the same words, and
-        ``flashport.attention(..., dropout_rate=p, dropout_rng=jnp.asarray(words, jnp.uint32))``
-        reproduces the call; the backward reuses the words, so gradients are exact for them.
-        Drawing advances the generator only when ``dropout_p > 0``. Under activation
-        checkpointing (``torch.utils.checkpoint``) keep ``generator=None``: checkpoint restores the
-        default generator's state for the recomputed forward, so it draws the same words.
+        torch's default CPU generator, seeded by ``torch.manual_seed``); only when ``dropout_p > 0``.
+        The keep-mask is the contract's hash of the words (module docstring), the same on every
+        path; the backward reuses the words. Under ``torch.utils.checkpoint`` keep ``None``
+        (checkpoint restores the default generator for the recomputed forward).
 
     Returns:
       The output in ``query``'s layout and dtype, or ``(out, lse)`` with lse float32 [B, Hq, Sq];
@@ -177,26 +95,37 @@ def attention(
       ``backend="sdpa"`` or ``"flash_attn"`` with ``dropout_p > 0``.
     """
     dropout = (_dropout.check_p(dropout_p), _dropout.check_generator(generator))
-    options = dict(scale=scale, causal=causal, window=window, align=align, softcap=softcap, layout=layout)
-    tensors = dict(bias=bias, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    options = {n: x for n, x in contract.items() if n not in TENSOR_KEYWORDS}
+    tensors = pick(contract, TENSOR_KEYWORDS)
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
-    kind = device_kind(query)
-    native = backend in NATIVE_BACKENDS if isinstance(backend, str) else False
-    if native:
-        return _run_native(backend, query, key, value, options, tensors, return_lse, dropout)
+    return _dispatch(backend, (query, key, value), options, tensors, return_lse, dropout)
+
+
+def _dispatch(
+    backend: Any,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    options: _Options,
+    tensors: _Tensors,
+    return_lse: bool,
+    dropout: _Dropout,
+) -> _Result:
+    """Route a call to the torch-native paths or the JAX implementation (module docstring's table)."""
+    kind = device_kind(qkv[0])
+    if isinstance(backend, str) and backend in NATIVE_BACKENDS:
+        return _run_native(backend, *qkv, options, tensors, return_lse, dropout)
     if backend == "auto" and kind not in ("cpu", "xla", "torchax"):
-        call = _native_call(query, key, value, options, tensors, return_lse, dropout)
+        call = _native_call(*qkv, options, tensors, return_lse, dropout)
         out, lse = _native.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
         return (out, lse) if return_lse else out
     if backend == "auto" and kind == "cpu" and not jax_available():
-        return _run_native("torch", query, key, value, options, tensors, return_lse, dropout)
+        return _run_native("torch", *qkv, options, tensors, return_lse, dropout)
     if not jax_available():
         raise ValueError(
             f"backend={backend!r} runs flashport's JAX implementation, but jax is not importable here; "
             f"use backend='auto' or one of {', '.join(map(repr, NATIVE_BACKENDS))}"
         )
-    return _run_jax(kind, backend, query, key, value, options, tensors, return_lse, dropout)
+    return _run_jax(kind, backend, *qkv, options, tensors, return_lse, dropout)
 
 
 def device_kind(t: torch.Tensor) -> str:
@@ -224,8 +153,8 @@ def _native_call(
     tensors: _Tensors,
     return_lse: bool,
     dropout: _Dropout,
-) -> _checks.Call:
-    """The validated :class:`_checks.Call`, with seed words drawn when ``dropout_p > 0``."""
+) -> _checks.CanonicalCall:
+    """The validated :class:`_checks.CanonicalCall`, with seed words drawn when ``dropout_p > 0``."""
     p, generator = dropout
     call = check(query, key, value, **options, **tensors, return_lse=return_lse, dropout_p=p)
     return dataclasses.replace(call, seed=_dropout.draw_words(generator)) if p > 0 else call

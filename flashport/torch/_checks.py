@@ -1,7 +1,9 @@
 """Validation for the torch-native paths (math, SDPA, flash-attn), without importing jax.
 
 The JAX path validates inside ``flashport.attention``; the torch-native paths use :func:`check`.
-Both share the framework-free checks of :mod:`flashport.kernels.checks`, so users see the same errors on every device.
+Both share the framework-free checks of :mod:`flashport.kernels.checks` and build the same
+framework-free :class:`flashport.kernels.spec.AttentionSpec` (:func:`~flashport.kernels.spec.make_spec`),
+so users see the same errors on every device and every path runs one normalized spec.
 """
 
 from __future__ import annotations
@@ -11,50 +13,23 @@ import dataclasses
 import torch
 
 from flashport.kernels import checks
-from flashport.kernels.checks import ALIGNS, LAYOUTS
+from flashport.kernels.checks import LAYOUTS
+from flashport.kernels.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
+from flashport.kernels.spec import AttentionSpec, make_spec
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
-class Params:
-    """The static part of a call, normalized (the torch twin of ``flashport.kernels.spec.AttentionSpec``).
+class CanonicalCall:
+    """One validated torch call in canonical form: the framework-free :class:`AttentionSpec` plus
+    q/k/v as [B, H, S, D] views and bias/mask at rank 4 (unbroadcast).
 
-    ``left``/``right`` are the window reaches (``None`` = unbounded, causal not folded in);
-    query i sits at key position ``i + offset``.
+    ``layout`` is the user's (outputs go back to it). ``spec.dropout_rate`` > 0 comes with ``seed``,
+    the two uint32 seed words of the contract's keep-mask (:mod:`flashport.torch._dropout`).
     """
 
-    scale: float
-    causal: bool
-    left: int | None
-    right: int | None
-    offset: int
-    softcap: float | None
-    seq_q: int
-    seq_k: int
-
-    @property
-    def right_reach(self) -> int | None:
-        """The window's right reach with causal folded in (``None`` = unbounded)."""
-        if self.causal:
-            return 0 if self.right is None else min(self.right, 0)
-        return self.right
-
-    @property
-    def positional(self) -> bool:
-        """Whether causal or a window hides any key positions."""
-        return self.causal or self.left is not None or self.right is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """A validated call in canonical form: q/k/v as [B, H, S, D] views, bias/mask rank 4 (unbroadcast).
-
-    ``dropout_p`` > 0 comes with ``seed``, the two uint32 seed words of the contract's keep-mask
-    (:mod:`flashport.torch._dropout`).
-    """
-
-    params: Params
+    spec: AttentionSpec
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -63,41 +38,28 @@ class Call:
     q_seg: torch.Tensor | None
     kv_seg: torch.Tensor | None
     layout: str
-    dropout_p: float = 0.0
     seed: tuple[int, int] | None = None
 
+    @property
+    def dropout_p(self) -> float:
+        """The dropout probability (``spec.dropout_rate``, under torch's name)."""
+        return self.spec.dropout_rate
 
-def check(
-    query,
-    key,
-    value,
-    *,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    bias=None,
-    mask=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    layout="BSHD",
-    return_lse=False,
-    dropout_p=0.0,
-    seed=None,
-) -> Call:
-    """Validate the contract's arguments for torch tensors and return the canonical :class:`Call`.
 
-    ``dropout_p`` is validated by the caller (:func:`flashport.torch._dropout.check_p`); ``seed``
-    (the drawn words) is required when it is > 0.
+@takes_contract_keywords()
+def check(query, key, value, *, return_lse=False, dropout_p=0.0, seed=None, **contract):
+    """Validate the contract's arguments for torch tensors and return the :class:`CanonicalCall`.
+
+    ``contract`` holds :func:`flashport.attention`'s keywords (:mod:`flashport.kernels.keywords`).
+    ``dropout_p`` is validated by the caller
+    (:func:`flashport.torch._dropout.check_p`); ``seed`` (the drawn words) is required when it is > 0.
 
     Raises:
       TypeError / ValueError naming the offending argument and what was expected.
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, x)
-    layout = checks.check_choice("layout", layout, LAYOUTS)
-    align = checks.check_choice("align", align, ALIGNS)
+    layout = checks.check_choice("layout", contract["layout"], LAYOUTS)
     checks.check_bool("return_lse", return_lse)
     q, k, v = (x.transpose(1, 2) if layout == "BSHD" else x for x in (query, key, value))
     if not (q.dtype == k.dtype == v.dtype):
@@ -107,32 +69,20 @@ def check(
             f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}"
         )
     checks.check_head_shapes(q.shape, k.shape, v.shape, layout)
-    batch, hq, sq, dim = q.shape
-    sk = k.shape[2]
-    left, right = checks.check_window(window)
-    params = Params(
-        scale=checks.check_scale(scale, dim),
-        causal=checks.check_bool("causal", causal),
-        left=left,
-        right=right,
-        offset=(sk - sq) if align == "bottom_right" else 0,
-        softcap=checks.check_softcap(softcap),
-        seq_q=sq,
-        seq_k=sk,
-    )
-    full = (batch, hq, sq, sk)
-    q_seg, kv_seg = _check_segments(q_segment_ids, kv_segment_ids, batch, sq, sk, query.device)
-    return Call(
-        params=params,
+    spec = make_spec(q.shape, k.shape, dropout_rate=dropout_p, **pick(contract, SPEC_KEYWORDS))
+    batch, hq, sq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    full, device = (batch, hq, sq, sk), query.device
+    q_seg, kv_seg = _check_segments(contract["q_segment_ids"], contract["kv_segment_ids"], full, device)
+    return CanonicalCall(
+        spec=spec,
         q=q,
         k=k,
         v=v,
-        bias=_check_broadcast("bias", bias, full, query.device, floating=True),
-        mask=_check_broadcast("mask", mask, full, query.device, floating=False),
+        bias=_check_broadcast("bias", contract["bias"], full, device, floating=True),
+        mask=_check_broadcast("mask", contract["mask"], full, device, floating=False),
         q_seg=q_seg,
         kv_seg=kv_seg,
         layout=layout,
-        dropout_p=dropout_p,
         seed=seed if dropout_p > 0 else None,
     )
 
@@ -164,7 +114,8 @@ def _check_broadcast(name, x, full, device, *, floating):
     return x.reshape(checks.broadcast_shape(name, x.shape, full))
 
 
-def _check_segments(q_seg, kv_seg, batch, sq, sk, device):
+def _check_segments(q_seg, kv_seg, full, device):
+    batch, _, sq, sk = full
     if not checks.check_segments_given(q_seg, kv_seg):
         return None, None
     for name, ids, seq in (("q_segment_ids", q_seg, sq), ("kv_segment_ids", kv_seg, sk)):

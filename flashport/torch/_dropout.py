@@ -16,34 +16,15 @@ uint32[2] key, whose words :func:`flashport.kernels.dropout.seed_words` uses as 
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
-# The constants of flashport.kernels.dropout (that module imports jax; this one must not).
-FMIX_M1 = 0x85EBCA6B
-FMIX_M2 = 0xC2B2AE35
-BATCH_MUL = 0x9E3779B9
-HEAD_MUL = 0x7F4A7C15
-ROW_MUL = 0x9E3779B9
-KEY_MUL = 0x27D4EB2F
-MASK32 = 0xFFFFFFFF
+from flashport.kernels import dropout_constants as hashing
 
 
 def check_p(dropout_p) -> float:
     """Validate ``dropout_p``: a real number in [0, 1). Returns it as a float."""
-    if isinstance(dropout_p, (bool, torch.Tensor)) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(
-            f"dropout_p must be a Python float in [0, 1), got {type(dropout_p).__name__}; pass the "
-            f"probability itself (e.g. dropout_p=0.1), not a tensor"
-        )
-    p = float(dropout_p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(
-            f"dropout_p must be in [0, 1), got {p}; pass 0.0 to disable dropout (e.g. in eval mode)"
-        )
-    return p
+    hint = "pass the probability itself (e.g. dropout_p=0.1), not a tensor"
+    return hashing.check_rate("dropout_p", dropout_p, type_hint=hint, value_hint=" (e.g. in eval mode)")
 
 
 def check_generator(generator):
@@ -75,43 +56,38 @@ def seed_tensor(words: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     return like.new_tensor(signed, dtype=torch.int32)
 
 
-def threshold(rate: float) -> int:
-    """The uint32 cut: an entry is kept when its hash bits are ``>= threshold(rate)``."""
-    return min(math.floor(rate * 2.0**32), MASK32)
-
-
 def _mul(x: torch.Tensor, c: int) -> torch.Tensor:
     """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32) and a 32-bit constant, without overflow."""
     lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & hashing.MASK32
 
 
 def _fmix(x: torch.Tensor) -> torch.Tensor:
     """murmur3's 32-bit finalizer on int64 tensors holding uint32 values."""
     x = x ^ (x >> 16)
-    x = _mul(x, FMIX_M1)
+    x = _mul(x, hashing.FMIX_M1)
     x = x ^ (x >> 13)
-    x = _mul(x, FMIX_M2)
+    x = _mul(x, hashing.FMIX_M2)
     return x ^ (x >> 16)
 
 
 def hash_bits(words: tuple[int, int], batch: int, heads: int, seq_q: int, seq_k: int, device) -> torch.Tensor:
     """``bits`` of the definition, int64 [B, Hq, Sq, Sk] with values in [0, 2**32)."""
-    k0, k1 = (int(w) & MASK32 for w in words)
+    k0, k1 = (int(w) & hashing.MASK32 for w in words)
 
     def index(n, dim):
         shape = [1, 1, 1, 1]
         shape[dim] = n
         return (torch.arange(n, dtype=torch.int64, device=device) + 1).reshape(shape)
 
-    t_b = _fmix((_mul(index(batch, 0), BATCH_MUL) + k0) & MASK32)
-    t_bh = _fmix(t_b ^ ((_mul(index(heads, 1), HEAD_MUL) + k1) & MASK32))
-    row = _fmix((t_bh + _mul(index(seq_q, 2), ROW_MUL)) & MASK32)
-    return _fmix(row ^ _mul(index(seq_k, 3), KEY_MUL))
+    t_b = _fmix((_mul(index(batch, 0), hashing.BATCH_MUL) + k0) & hashing.MASK32)
+    t_bh = _fmix(t_b ^ ((_mul(index(heads, 1), hashing.HEAD_MUL) + k1) & hashing.MASK32))
+    row = _fmix((t_bh + _mul(index(seq_q, 2), hashing.ROW_MUL)) & hashing.MASK32)
+    return _fmix(row ^ _mul(index(seq_k, 3), hashing.KEY_MUL))
 
 
 def keep_mask(
     words: tuple[int, int], rate: float, batch: int, heads: int, seq_q: int, seq_k: int, device=None
 ) -> torch.Tensor:
     """The contract's keep-mask, bool [B, Hq, Sq, Sk] (``h`` is the query head, positions from 0)."""
-    return hash_bits(words, batch, heads, seq_q, seq_k, device) >= threshold(rate)
+    return hash_bits(words, batch, heads, seq_q, seq_k, device) >= hashing.threshold(rate)

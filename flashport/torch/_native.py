@@ -1,6 +1,6 @@
-"""The torch-native paths: exact float32 math, torch SDPA and flash-attn, all on a validated Call.
+"""The torch-native paths: exact float32 math, torch SDPA and flash-attn, all on a validated CanonicalCall.
 
-Each function takes a :class:`flashport.torch._checks.Call` and returns ``(out, lse)`` with ``out``
+Each function takes a :class:`flashport.torch._checks.CanonicalCall` and returns ``(out, lse)`` with ``out``
 in the call's layout and dtype and ``lse`` float32 [B, Hq, Sq] (``None`` where the path has none).
 ``cuda_attention`` is what ``backend="auto"`` runs for CUDA tensors; it works on any device, which
 is how its decisions are tested on CPU.
@@ -15,9 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flashport.kernels.visibility import band_visible
+from flashport.kernels.block_ranges import reach
+from flashport.kernels.spec import apply_softcap, positional_visible
 from flashport.torch import _dropout
-from flashport.torch._checks import Call
+from flashport.torch._checks import CanonicalCall
 
 log = logging.getLogger("flashport")
 
@@ -46,16 +47,15 @@ def _group(x: torch.Tensor, hkv: int) -> torch.Tensor:
     return x.reshape(b, hkv, h // hkv, *x.shape[2:])
 
 
-def visible(call: Call) -> torch.Tensor | None:
+def visible(call: CanonicalCall) -> torch.Tensor | None:
     """Boolean [B|1, Hq|1, Sq, Sk]: which keys each query may see (None when every key is visible)."""
-    p = call.params
+    p = call.spec
     device = call.q.device
     keep = None
-    if p.positional:
-        diag = torch.arange(p.seq_q, device=device)[:, None] + p.offset
+    if p.has_positional_mask:
+        i = torch.arange(p.seq_q, device=device)[:, None]
         j = torch.arange(p.seq_k, device=device)[None, :]
-        keep = band_visible(diag, j, causal=p.causal, left=p.left, right=p.right)
-        keep = keep.expand(p.seq_q, p.seq_k)[None, None]
+        keep = positional_visible(p, i, j).expand(p.seq_q, p.seq_k)[None, None]
     if call.mask is not None:
         keep = call.mask if keep is None else keep & call.mask
     if call.q_seg is not None and call.kv_seg is not None:  # both or neither (checked)
@@ -72,7 +72,7 @@ def _to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ math
 
 
-def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+def math_attention(call: CanonicalCall) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact contract semantics in plain torch ops; float32 softmax and accumulation, autograd-friendly.
 
     GQA stays grouped ([B, Hkv, G, Sq, D] against [B, Hkv, Sk, D]), so K/V are never repeated. Rows
@@ -82,14 +82,13 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     by ``1 / (1 - p)``; lse is that of the scores. float64 inputs (internal callers such as
     gradcheck) are computed in float64.
     """
-    p = call.params
+    p = call.spec
     b, hq, sq, d = call.q.shape
     hkv = call.k.shape[1]
     acc = torch.float64 if call.q.dtype == torch.float64 else torch.float32
     q = call.q.to(acc).reshape(b, hkv, hq // hkv, sq, d)
     s = torch.einsum("bhgqd,bhkd->bhgqk", q, call.k.to(acc)) * p.scale
-    if p.softcap is not None:
-        s = p.softcap * torch.tanh(s / p.softcap)
+    s = apply_softcap(p, s, torch)
     if call.bias is not None:
         s = s + _group(call.bias.to(acc), hkv)
     keep = visible(call)
@@ -124,18 +123,18 @@ def math_attention(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------------------------ SDPA
 
 
-def sdpa_unsupported(call: Call, return_lse: bool) -> str | None:
+def sdpa_unsupported(call: CanonicalCall, return_lse: bool) -> str | None:
     """Why torch SDPA cannot run ``call`` with the contract's semantics (None when it can)."""
     if call.dropout_p > 0:
         return "dropout_p > 0: " + DROPOUT_REASON.format(name="SDPA")
     if return_lse:
         return "return_lse (SDPA returns no log-sum-exp)"
-    if call.params.softcap is not None:
+    if call.spec.softcap is not None:
         return "softcap (SDPA has no tanh capping)"
     return None
 
 
-def sdpa_attention(call: Call) -> tuple[torch.Tensor, None]:
+def sdpa_attention(call: CanonicalCall) -> tuple[torch.Tensor, None]:
     """torch SDPA with the contract's semantics made explicit.
 
     Causal top-left (or Sq == Sk) uses ``is_causal``; bottom-right alignment with Sq != Sk, windows,
@@ -143,7 +142,7 @@ def sdpa_attention(call: Call) -> tuple[torch.Tensor, None]:
     visible key are given one dummy key and zeroed afterwards, so output and gradients are 0 on
     every SDPA backend (fused kernels included), never NaN.
     """
-    p = call.params
+    p = call.spec
     q, k, v = call.q, call.k, call.v
     kwargs: dict[str, Any] = {"scale": p.scale}
     if q.shape[1] != k.shape[1] and SDPA_GQA:
@@ -151,7 +150,7 @@ def sdpa_attention(call: Call) -> tuple[torch.Tensor, None]:
     elif q.shape[1] != k.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    only_causal = p.causal and p.left is None and p.right_reach == 0
+    only_causal = reach(p) == (None, 0)
     if only_causal and p.offset == 0 and call.bias is None and call.mask is None and call.q_seg is None:
         kwargs["is_causal"] = True  # SDPA's own (top-left) causal: lets its fused kernels run
         keep = rows = None
@@ -182,25 +181,27 @@ def import_flash_attn():
         return None
 
 
-def flash_window(call: Call) -> tuple[bool, tuple[int, int]] | str:
+def flash_window(call: CanonicalCall) -> tuple[bool, tuple[int, int]] | str:
     """``(causal, window_size)`` for flash-attn 2 (bottom-right anchored, -1 = unbounded), or a reason.
 
     Bottom-right calls map directly. Top-left calls with Sq != Sk shift the window by Sk - Sq, which
     is only expressible while both reaches stay >= 0.
     """
-    p = call.params
+    p = call.spec
     delta = p.seq_k - p.seq_q
-    if p.offset == delta or not p.positional:
-        return p.causal, (-1 if p.left is None else p.left, -1 if p.right is None else p.right)
+    if p.offset == delta or not p.has_positional_mask:
+        left, right = p.window_left, p.window_right
+        return p.causal, (-1 if left is None else left, -1 if right is None else right)
     # flash-attn keeps i + delta - L' <= j <= i + delta + R'; the contract keeps i + offset - L ...
-    left = None if p.left is None else p.left + delta - p.offset
-    right = None if p.right_reach is None else p.right_reach + p.offset - delta
+    left, right = reach(p)
+    left = None if left is None else left + delta - p.offset
+    right = None if right is None else right + p.offset - delta
     if (left is not None and left < 0) or (right is not None and right < 0):
         return f"align='top_left' with Sq={p.seq_q} != Sk={p.seq_k} is not a flash-attn window"
     return False, (-1 if left is None else left, -1 if right is None else right)
 
 
-def flash_unsupported(call: Call) -> str | None:
+def flash_unsupported(call: CanonicalCall) -> str | None:
     """Why flash-attn 2 cannot run ``call`` (None when it can; segment ids go to the varlen API)."""
     if call.dropout_p > 0:
         return "dropout_p > 0: " + DROPOUT_REASON.format(name="flash-attn")
@@ -222,7 +223,7 @@ def flash_unsupported(call: Call) -> str | None:
     return None
 
 
-def varlen_unsupported(call: Call) -> str | None:
+def varlen_unsupported(call: CanonicalCall) -> str | None:
     """Segment ids fit flash-attn's varlen API only as self-attention packing.
 
     That is: Sq == Sk, identical query and key ids, and each id one contiguous run per row (the
@@ -232,7 +233,7 @@ def varlen_unsupported(call: Call) -> str | None:
     ids, kv_ids = call.q_seg, call.kv_seg
     if ids is None or kv_ids is None:  # both or neither (checked): no ids, nothing to refuse
         return None
-    if call.params.seq_q != call.params.seq_k or not torch.equal(ids, kv_ids):
+    if call.spec.seq_q != call.spec.seq_k or not torch.equal(ids, kv_ids):
         return "segment ids other than self-attention packing (Sq == Sk, equal q/kv ids)"
     runs = 1 + (ids[:, 1:] != ids[:, :-1]).sum(dim=-1)
     ordered = ids.sort(dim=-1).values
@@ -242,7 +243,7 @@ def varlen_unsupported(call: Call) -> str | None:
     return None
 
 
-def lse_needs_grad(call: Call, return_lse: bool) -> bool:
+def lse_needs_grad(call: CanonicalCall, return_lse: bool) -> bool:
     """Whether the lse this call returns must carry a gradient (grad mode on and an input requires it)."""
     return (
         return_lse
@@ -269,10 +270,10 @@ class _LseWithoutGrad(torch.autograd.Function):
         )
 
 
-def flash_attention(call: Call, flash, return_lse: bool):
+def flash_attention(call: CanonicalCall, flash, return_lse: bool):
     """Run ``call`` through flash-attn 2 (``flash_attn_func``, or ``flash_attn_varlen_func`` for
     packed segments); the caller has checked :func:`flash_unsupported`."""
-    p = call.params
+    p = call.spec
     fits = flash_window(call)
     if isinstance(fits, str):
         raise ValueError(f"backend='flash_attn' does not support this call: {fits}")
@@ -334,7 +335,7 @@ def _flash_varlen(
 # ------------------------------------------------------------------------------------ CUDA auto
 
 
-def cuda_attention(call: Call, return_lse: bool, flash="import"):
+def cuda_attention(call: CanonicalCall, return_lse: bool, flash="import"):
     """``backend="auto"`` for CUDA tensors: flash-attn when installed and the call fits it, else torch
     SDPA when the contract's semantics survive, else the exact math path (softcap, or lse with SDPA;
     also an lse that needs a gradient, which flash-attn cannot give; and dropout, whose mask only

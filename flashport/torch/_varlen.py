@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from flashport.kernels.keywords import VARLEN_KEYWORDS, takes_contract_keywords
 from flashport.kernels.varlen import run_varlen
 
 
+@takes_contract_keywords(VARLEN_KEYWORDS, layout="THD")
 def varlen_attention(
     query,
     key,
@@ -12,16 +14,11 @@ def varlen_attention(
     *,
     cu_seqlens_q,
     cu_seqlens_k,
-    scale=None,
-    causal=False,
-    window=None,
-    align="bottom_right",
-    softcap=None,
-    layout="THD",
     backend="auto",
     dropout_p=0.0,
     generator=None,
     attention=None,
+    **contract,
 ):
     """Attention over packed variable-length torch tensors (torchax / torch_xla tensors included),
     flash-attn varlen semantics, through :func:`flashport.torch.attention`.
@@ -45,19 +42,5 @@ def varlen_attention(
     if attention is None:
         from flashport.torch import attention
     extra = dict(dropout_p=dropout_p, generator=generator) if dropout_p or generator is not None else {}
-    return run_varlen(
-        attention,
-        query,
-        key,
-        value,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        scale=scale,
-        causal=causal,
-        window=window,
-        align=align,
-        softcap=softcap,
-        layout=layout,
-        backend=backend,
-        **extra,
-    )
+    cu = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return run_varlen(attention, query, key, value, **cu, backend=backend, contract=contract, extra=extra)

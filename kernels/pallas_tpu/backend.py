@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import registry
+from flashport.kernels.padding import pad_to
 from flashport.kernels.pallas_tpu.backward import dkv_call, dq_call
 from flashport.kernels.pallas_tpu.blocks import (
     GENERATION_DEVICE_KINDS,
@@ -34,7 +35,6 @@ from flashport.kernels.pallas_tpu.tiling import (
     block_tables,
     head_seed_table,
     pad_lanes,
-    pad_to,
     prepare_operands,
     round_up,
 )

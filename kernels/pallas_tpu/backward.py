@@ -28,6 +28,7 @@ from flashport.kernels.pallas_tpu.blocks import LANES
 from flashport.kernels.pallas_tpu.classify import DROPOUT_SCOPE, bodies, tile_is_full, when_by_class
 from flashport.kernels.pallas_tpu.specs import key_major_specs, query_major_specs
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, tile_keep, tile_visible
+from flashport.kernels.spec import softcap_grad
 
 _SQ = pl.Squeezed()
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -69,9 +70,9 @@ def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, 
 
 def _dscores(g: Geometry, dlogits, raw):
     """Gradient w.r.t. the unscaled Q·Kᵀ: through the softcap's tanh and the scale."""
-    if g.spec.softcap is not None:
-        t = jnp.tanh(raw / g.spec.softcap)
-        dlogits = dlogits * (1.0 - t * t)
+    grad = softcap_grad(g.spec, raw, jnp)
+    if grad is not None:
+        dlogits = dlogits * grad
     return dlogits * g.spec.scale
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from flashport.kernels import block_ranges
 from flashport.kernels.pallas_tpu.tiling import Geometry, Tables
 
 # Named scopes of the kernels' tile bodies; the counting harness (``counting.py``) finds the mask
@@ -51,8 +52,8 @@ def full_block_ranges(g: Geometry) -> tuple[tuple[int, ...], tuple[int, ...]]:
     lo_out, hi_out = [], []
     for i in range(g.nq):
         q0, q1 = i * g.bq, min((i + 1) * g.bq, spec.seq_q)
-        lo_pos = spec.key_range(q1 - 1, q1)[0]
-        hi_pos = min(spec.key_range(q0, q0 + 1)[1], spec.seq_k)
+        lo_pos = block_ranges.key_range(spec, q1 - 1, q1)[0]
+        hi_pos = min(block_ranges.key_range(spec, q0, q0 + 1)[1], spec.seq_k)
         lo_b = max(-(-max(lo_pos, 0) // g.bk), g.row_lo[i])
         hi_b = min(hi_pos // g.bk, g.row_hi[i])
         lo_out.append(lo_b)

@@ -2,7 +2,7 @@
 
 A kernel covers a padded [Sqp, Skp] score matrix with [bq, bk] tiles. For every row block i the
 causal/window structure leaves a contiguous range of visible key blocks ``[lo_i, hi_i)`` (static,
-from :meth:`AttentionSpec.key_range`); the kernels' key axis only has ``max_i(hi_i - lo_i)`` steps
+from :func:`flashport.kernels.block_ranges.block_tables`); the kernels' key axis only has ``max_i(hi_i - lo_i)`` steps
 ("grid shrinking") and step j of row i visits block ``lo_i + j``. Steps past ``hi_i`` are clamped to
 the last visited block, so the pipeline sees an unchanged block index and issues no DMA, and the
 compute is skipped with ``pl.when``. Segment ids narrow the ranges further at run time: per-block
@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashport.kernels import dropout
+from flashport.kernels import block_ranges, dropout
+from flashport.kernels.padding import pad_broadcastable, pad_to
 from flashport.kernels.pallas_tpu.blocks import K_ALIGN, LANES, Q_ALIGN, SHORT_Q_ALIGN
-from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.spec import AttentionSpec, apply_softcap
 from flashport.kernels.visibility import band_visible
 
 _BIG = np.iinfo(np.int32).max
@@ -60,19 +61,8 @@ class Geometry:
         q_align = SHORT_Q_ALIGN if spec.seq_q < Q_ALIGN else Q_ALIGN
         bq = min(block_q, round_up(spec.seq_q, q_align))
         bk = min(block_k, round_up(spec.seq_k, K_ALIGN))
-        nq, nk = -(-spec.seq_q // bq), -(-spec.seq_k // bk)
-        row_lo, row_hi, col_lo, col_hi = [], [], [], []
-        for i in range(nq):
-            lo, hi = spec.key_range(i * bq, min((i + 1) * bq, spec.seq_q))
-            lo_b = min(max(lo, 0) // bk, nk)
-            row_lo.append(lo_b)
-            row_hi.append(max(-(-hi // bk), lo_b) if hi > lo else lo_b)
-        for j in range(nk):
-            lo, hi = spec.query_range(j * bk, min((j + 1) * bk, spec.seq_k))
-            lo_b = min(max(lo, 0) // bq, nq)
-            col_lo.append(lo_b)
-            col_hi.append(max(-(-hi // bq), lo_b) if hi > lo else lo_b)
-        return Geometry(spec, bq, bk, tuple(row_lo), tuple(row_hi), tuple(col_lo), tuple(col_hi))
+        t = block_ranges.block_tables(spec, bq, bk)
+        return Geometry(spec, bq, bk, t.row_lo, t.row_hi, t.col_lo, t.col_hi)
 
     @property
     def nq(self) -> int:
@@ -115,15 +105,6 @@ class Geometry:
         return self.spec.has_positional_mask or self.skp != self.spec.seq_k
 
 
-def pad_to(x, axis: int, size: int, value=0):
-    """Pad ``x`` along ``axis`` at the end to ``size`` (no-op when already that size)."""
-    if x is None or x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def pad_lanes(x):
     """Pad the last (head_dim) axis to a multiple of 128 lanes; zeros leave Q·Kᵀ and P·V unchanged."""
     return pad_to(x, x.ndim - 1, round_up(x.shape[-1], LANES))
@@ -134,13 +115,9 @@ def prepare_operands(g: Geometry, bias, mask, q_seg, kv_seg):
 
     Returns ``(bias, mask_int8, q_seg [B, Sqp, 1], kv_seg [B, 1, Skp])`` (``None`` where absent).
     """
-    if bias is not None:
-        bias = pad_to(bias, 2, g.sqp) if bias.shape[2] > 1 else bias
-        bias = pad_to(bias, 3, g.skp) if bias.shape[3] > 1 else bias
+    bias = pad_broadcastable(bias, {2: g.sqp, 3: g.skp})
     if mask is not None:
-        mask = mask.astype(jnp.int8)  # Mosaic has no bool memrefs
-        mask = pad_to(mask, 2, g.sqp) if mask.shape[2] > 1 else mask
-        mask = pad_to(mask, 3, g.skp) if mask.shape[3] > 1 else mask
+        mask = pad_broadcastable(mask.astype(jnp.int8), {2: g.sqp, 3: g.skp})  # Mosaic: no bool memrefs
     if q_seg is not None:
         q_seg = pad_to(q_seg, 1, g.sqp)[:, :, None]
         kv_seg = pad_to(kv_seg, 1, g.skp)[:, None, :]
@@ -293,9 +270,7 @@ def scores(g: Geometry, q, k, bias_tile):
     """Scaled (and soft-capped, biased) f32 scores [bq, bk] of one tile plus the pre-softcap ``raw``."""
     raw = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     raw = raw * g.spec.scale
-    s = raw
-    if g.spec.softcap is not None:
-        s = g.spec.softcap * jnp.tanh(raw / g.spec.softcap)
+    s = apply_softcap(g.spec, raw, jnp)
     if bias_tile is not None:
         s = s + bias_tile
     return s, raw
