@@ -11,6 +11,10 @@ program runs as written and the site is a near-miss naming the option.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,3 +231,67 @@ def test_flax_linen_mha_with_dropout_fuses_only_with_the_opt_in():
         gk, gp = np.asarray(gk), np.asarray(gp)
         assert np.all(np.isfinite(gk))
         assert np.abs(gk.mean(0) - gp).max() < 0.2 * np.abs(gp).max() + 1e-4
+
+
+def test_equinox_mha_with_dropout_equals_flashport_attention_with_its_first_key():
+    """Equinox vmaps over examples and heads with split keys: the fused site takes the first key."""
+    eqx = pytest.importorskip("equinox")
+    e, heads = 16, 2
+    module = eqx.nn.MultiheadAttention(num_heads=heads, query_size=e, dropout_p=0.2, key=jax.random.key(2))
+    params, static = eqx.partition(module, eqx.is_array)
+    x = jax.random.normal(jax.random.key(1), (B, T, e))
+
+    def f(params, x, key):
+        m = eqx.combine(params, static)
+        keys = jax.random.split(key, B)
+        return jax.vmap(lambda xx, kk: m(xx, xx, xx, key=kk, inference=False))(x, keys)
+
+    def expected(params, x, key):  # the same module written with flashport.attention
+        m = eqx.combine(params, static)
+        q, k, v = (
+            jax.vmap(jax.vmap(p))(x).reshape(B, T, heads, -1)
+            for p in (m.query_proj, m.key_proj, m.value_proj)
+        )
+        first = jax.random.split(jax.random.split(key, B)[0], heads)[0]
+        out = flashport.attention(q, k, v, dropout_rate=0.2, dropout_rng=first)
+        return jax.vmap(jax.vmap(m.output_proj))(out.reshape(B, T, -1))
+
+    key = jax.random.key(4)
+    assert count_sites(flashport.fuse_attention(f), params, x, key) == 0
+    fused = flashport.fuse_attention(f, dropout="contract")
+    assert count_sites(fused, params, x, key) == 1
+    got, want = jax.jit(lambda p, xx: (fused(p, xx, key), expected(p, xx, key)))(params, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    w = jnp.cos(jnp.arange(got.size, dtype=jnp.float32)).reshape(got.shape)
+    grads = [
+        jax.jit(jax.grad(lambda p, xx, fn=fn: jnp.sum(fn(p, xx, key) * w), argnums=(0, 1)))(params, x)
+        for fn in (fused, expected)
+    ]
+    for g, h in zip(*(jax.tree_util.tree_leaves(gr) for gr in grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), atol=1e-4, rtol=1e-4)
+
+
+def test_keras_mha_with_dropout_in_training_fuses_only_with_the_opt_in():
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras was imported with another backend before this test")
+    e, heads = 16, 2
+    layer = keras.layers.MultiHeadAttention(num_heads=heads, key_dim=e // heads, dropout=0.1)
+    x = jax.random.normal(jax.random.key(1), (B, T, e))
+    layer(x, x)
+    weights = [w.value for w in layer.trainable_variables]
+    state = [w.value for w in layer.non_trainable_variables]  # the dropout seed generator's state
+
+    def f(weights, x, state):
+        return layer.stateless_call(weights, state, x, x, training=True)[0]
+
+    assert count_sites(flashport.fuse_attention(f), weights, x, state) == 0
+    (miss,) = flashport.find_attention(f)(weights, x, state).near_misses
+    assert 'dropout="contract"' in miss.reason, miss.reason
+    fused = flashport.fuse_attention(f, dropout="contract")
+    assert count_sites(fused, weights, x, state) == 1
+    (site,) = flashport.find_attention(f, dropout="contract")(weights, x, state).matches
+    assert "dropout rate=0.1" in site.mask, site.mask
+    plain = np.asarray(layer.stateless_call(weights, state, x, x, training=False)[0])
+    got = np.asarray(fused(weights, x, state))
+    assert np.all(np.isfinite(got)) and not np.allclose(got, plain, atol=1e-4)  # dropout is applied

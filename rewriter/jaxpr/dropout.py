@@ -11,7 +11,9 @@ over batch and heads), and applied to the probabilities as
 
 where the constant factors on the path multiply to ``1 / keep_prob`` (within the dtype's precision).
 The fused site calls ``flashport.attention(..., dropout_rate=1 - keep_prob, dropout_rng=key)`` with
-the same key: the same rate and the same 1/(1-rate) scaling, but the contract draws its own mask
+the same key (a batch of keys, as ``vmap`` over per-example keys gives in Equinox, passes its first
+key: the contract's mask differs per batch element anyway): the same rate and the same 1/(1-rate)
+scaling, but the contract draws its own mask
 (:mod:`flashport.kernels.dropout`), per batch, head, query and key, so the kept entries differ from
 the original program's. That is why :func:`flashport.fuse_attention` fuses dropout only with
 ``dropout="contract"``.
@@ -44,7 +46,14 @@ class Dropout:
     def describe(self) -> str:
         """One line for the report."""
         note = ", original mask shared over batch/heads" if self.shared else ""
+        if shape(self.rng):
+            note += f", first of {math.prod(shape(self.rng))} keys"
         return f"rate={self.rate:g} (contract's mask{note})"
+
+    def key(self, read):
+        """The ``dropout_rng`` to pass: the program's key (the first one of a batch of keys)."""
+        rng = read(self.rng)
+        return rng.reshape(-1)[0] if shape(self.rng) else rng
 
 
 class DropoutWalk:
@@ -164,7 +173,7 @@ def keep_mask(g: Graph, var):
     if drawn is None or drawn[0] is None or drawn[1] is None:
         return None
     rng, keep, keep_var = drawn
-    if not _is_single_key(rng):
+    if not _is_key(rng):
         return None
     return rng, keep, keep_var.aval.dtype, math.prod(shape(src))
 
@@ -202,6 +211,7 @@ def _outer(call, body, v):
     return None
 
 
-def _is_single_key(v) -> bool:
+def _is_key(v) -> bool:
+    """A typed PRNG key or a (vmapped) batch of them."""
     dtype = getattr(v.aval, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape(v) == ()
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and math.prod(shape(v)) > 0

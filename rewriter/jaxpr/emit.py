@@ -24,7 +24,7 @@ def emit(match, read, backend):
     need_lse = match.empty in ("mean", "nan")
     drop = {}
     if match.dropout is not None:
-        drop = {"dropout_rate": match.dropout.rate, "dropout_rng": read(match.dropout.rng)}
+        drop = {"dropout_rate": match.dropout.rate, "dropout_rng": match.dropout.key(read)}
     res = attention(
         q,
         k,

@@ -35,6 +35,12 @@ Semantics that are preserved, not "fixed":
   key-padding mask (``mask[:, None, None, :]``) is passed as kv segment ids; an additive padding bias
   (``(1 - mask) * -1e9``) stays a bias, because on a fully padded row it means ``softmax(s - 1e9)``,
   not the contract's "no visible key".
+* **Attention-weight dropout** (a ``jax.random.bernoulli`` keep-mask applied to the probabilities
+  with ``1/(1-p)`` scaling, as Flax, Haiku, Equinox and Keras write it) is fused only with
+  ``fuse_attention(f, dropout="contract")``: the site calls ``flashport.attention(...,
+  dropout_rate=p, dropout_rng=key)`` with the program's key, so the rate and the expectation are
+  the same but the kept entries are the contract's (:mod:`flashport.kernels.dropout`), not the
+  original program's. By default such a site runs as written and is a near-miss naming the option.
 * Nested calls whose bodies contain matches keep their params (names, shardings, ``checkpoint``
   policies, ``scan`` options) with the rewritten body; nested calls without matches are re-bound
   unchanged.
