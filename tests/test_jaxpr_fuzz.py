@@ -6,7 +6,8 @@ scores and the output; softmax over any scores axis (only the key axis is attent
 the scores (multiply/divide) or on q; masks as ``where`` (causal or padding), additive bias or
 multiply-add; K/V heads repeated with ``jnp.repeat`` (foldable to GQA) or ``jnp.tile`` (not); an
 optional transpose of the probabilities; and the whole site nested in ``jit``, ``scan``, ``cond``,
-``checkpoint`` or ``custom_vjp``. Whatever is or is not fused:
+``checkpoint`` or ``custom_vjp``; optional attention-weight dropout (fused only with
+``dropout="contract"``, whose fused programs are traced too). Whatever is or is not fused:
 
 * the pass itself (``fuse_attention`` traced, also under ``grad``, and ``find_attention``) never
   raises, on :data:`PASS_PROGRAMS` programs;
@@ -108,8 +109,10 @@ def random_spec(seed: int) -> dict:
         "nest": choice(["none", "jit", "scan", "cond", "remat", "custom_vjp"]),
         "seed": int(rng.integers(2**16)),
     }
+    spec["dropout"] = bool(rng.random() < 0.15)  # drawn last: the earlier fields keep their seeds
     if spec["form"] == "deferred":
         spec["p_transpose"] = False
+        spec["dropout"] = False
     return spec
 
 
@@ -152,6 +155,9 @@ def _site(spec):
         else:
             p = jnp.exp(jax.nn.log_softmax(s, axis=ax))
         p_spec = sc
+        if spec.get("dropout"):  # Flax/Equinox-style attention-weight dropout with a fixed key
+            keep = jax.random.bernoulli(jax.random.key(spec["seed"]), 0.8, p.shape)
+            p = jnp.where(keep, p / 0.8, 0.0)
         if spec["p_transpose"]:
             p, p_spec = jnp.swapaxes(p, 0, -1), sc[-1] + sc[1:-1] + sc[0]
         return jnp.einsum(f"{p_spec},{spec['v']}->{spec['out']}", p, v)
@@ -242,19 +248,21 @@ def _check_pass(specs):
     """Tracing the fused program (and its gradient) and reporting never raise; avals are unchanged."""
     for spec in specs:
         f, args = build(spec)
-        fused = flashport.fuse_attention(f, backend=BACKEND)
+        modes = (None, "contract") if spec.get("dropout") else (None,)
+        for mode in modes:
+            fused = flashport.fuse_attention(f, backend=BACKEND, dropout=mode)
 
-        def fwd_bwd(q, k, v, pad, fused=fused):  # one trace of the fused program, forward and backward
-            out, vjp = jax.vjp(lambda a, b, c: fused(a, b, c, pad), q, k, v)
-            return out, vjp(out)
+            def fwd_bwd(q, k, v, pad, fused=fused):  # one trace of the fused program, forward and backward
+                out, vjp = jax.vjp(lambda a, b, c: fused(a, b, c, pad), q, k, v)
+                return out, vjp(out)
 
-        try:
-            want = jax.eval_shape(f, *args)
-            got = jax.eval_shape(fwd_bwd, *args)[0]
-            flashport.find_attention(f)(*args)
-        except Exception as err:
-            raise AssertionError(f"pass failed on {spec}") from err
-        assert (got.shape, got.dtype) == (want.shape, want.dtype), spec
+            try:
+                want = jax.eval_shape(f, *args)
+                got = jax.eval_shape(fwd_bwd, *args)[0]
+                flashport.find_attention(f, dropout=mode)(*args)
+            except Exception as err:
+                raise AssertionError(f"pass failed on {spec} (dropout={mode})") from err
+            assert (got.shape, got.dtype) == (want.shape, want.dtype), spec
 
 
 def _check_values(specs):

@@ -1,11 +1,14 @@
 """Match ``softmax(Q·Kᵀ)·V`` in one normalized jaxpr, semantically rather than by templates.
 
-Matching starts at every ``exp`` (the one op every softmax spelling shares): the softmax around it,
-then the scores path up to the QK ``dot_general`` (scale, softcap, bias, masks, casts, transposes,
-with axes tracked), then the probabilities down to the PV ``dot_general``. q, k and v roles come from
-the dimension numbers: the softmax axis is k's only free dim, and the PV product must contract it
+Matching starts at every ``exp`` (the one op every softmax spelling shares): the softmax around it
+(:mod:`.softmax`), then the scores path up to the QK ``dot_general`` (:mod:`.scores`: scale, softcap,
+bias, masks, casts, transposes, with axes tracked), then the probabilities down to the PV
+``dot_general`` (:mod:`.probs`, with dropout from :mod:`.dropout`). q, k and v roles come from the
+dimension numbers: the softmax axis is k's only free dim, and the PV product must contract it
 against v's sequence dim. Everything between the two products must be explained and have no other
 users (the escape rule), otherwise the candidate is reported as a near-miss with the reason.
+:func:`match_at` runs these stages in order, each returning a typed result (``ScoresPath``,
+``QKRoles``, ``ProbPath``, ``PVRoles``, ``Algebra``, ``Layout``), and assembles the :class:`Match`.
 """
 
 from __future__ import annotations
