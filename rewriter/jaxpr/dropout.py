@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,8 +40,8 @@ class Dropout:
     """Dropout found on a site's probabilities: its rate, the PRNG key it drew from, where it is."""
 
     rate: float
-    rng: object  # the key variable the keep-mask was drawn from (passed as ``dropout_rng``)
-    eqn: object  # the equation that applies the keep-mask (named in near-miss reasons)
+    rng: Any  # the key variable the keep-mask was drawn from (passed as ``dropout_rng``)
+    eqn: Any  # the equation that applies the keep-mask (named in near-miss reasons)
     shared: bool  # the original mask was broadcast (shared over some dims of the probabilities)
 
     def describe(self) -> str:
@@ -62,8 +63,8 @@ class DropoutWalk:
     def __init__(self, g: Graph):
         self.g = g
         self.factor = 1.0  # product of the constant factors on the path
-        self.first_scale = None  # the first constant rescale (named when there is no keep-mask)
-        self.mask = None  # (rng, keep_prob, keep dtype, shared, eqn)
+        self.first_scale: Any = None  # the first constant rescale (named when there is no keep-mask)
+        self.mask: tuple | None = None  # (rng, keep_prob, keep dtype, shared, eqn)
 
     def step(self, u, cur) -> bool:
         """Whether ``u`` (the one user of the probabilities ``cur``) is a dropout stage; record it."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,7 +58,7 @@ class Match:
     dtype: str
     out_dtype: object
     info: dict
-    dropout: object = None  # a .dropout.Dropout when the site's dropout is fused (opt-in)
+    dropout: Any = None  # a .dropout.Dropout when the site's dropout is fused (opt-in)
 
     @property
     def inputs(self):
@@ -138,7 +138,8 @@ def _candidate_info(g: Graph, exp_eqn, require_dots=True):
 
 
 def _reaches(g: Graph, v, direction, limit=40):
-    seen, frontier = set(), [v]
+    seen: set[int] = set()
+    frontier = [v]
     while frontier and len(seen) < limit:
         x = frontier.pop()
         if id(x) in seen:
@@ -165,8 +166,8 @@ def _reaches(g: Graph, v, direction, limit=40):
 class QKRoles(NamedTuple):
     """Roles of the QK product's operands: which is q and k, and their contracting/batch/free dims."""
 
-    q: object
-    k: object
+    q: Any
+    k: Any
     qc: tuple  # q's contracting (head_dim) dim
     qb: tuple  # q's batch dims, in the product's batch order
     kb: tuple
@@ -276,10 +277,9 @@ def _layout(dot, s_dot, qk: QKRoles, pvr, roles) -> Layout:
     nb = qk.nb
     t_out = max(qk.qfree_out, key=lambda d: (shape(dot.outvars[0])[d], -d))
     g_out = [d for d in qk.qfree_out if d != t_out]
-    h_idx = nb - 1 if nb else None
     rest = list(range(nb - 1)) if nb else []
-    nr, nh, ng = len(rest), (1 if h_idx is not None else 0), len(g_out)
-    heads = [h_idx] if nh else []
+    heads = [nb - 1] if nb else []  # the last batch dim of the product is the head dim
+    nr, nh, ng = len(rest), len(heads), len(g_out)
     canon_dims = rest + heads + g_out + [t_out, s_dot]
     groups = [list(range(nr)), list(range(nr, nr + nh + ng)), [nr + nh + ng], [nr + nh + ng + 1]]
     q_out0 = qk.qfree_out[0]
@@ -297,7 +297,7 @@ def _layout(dot, s_dot, qk: QKRoles, pvr, roles) -> Layout:
     out_sh = shape(dot.outvars[0])
     sizes = {
         "B": [out_sh[i] for i in rest],
-        "H": out_sh[h_idx] if nh else None,
+        "H": out_sh[heads[0]] if nh else None,
         "G": [out_sh[d] for d in g_out],
         "T": out_sh[t_out],
         "S": out_sh[s_dot],

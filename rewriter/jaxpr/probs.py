@@ -9,7 +9,7 @@ key axis; :func:`pv_roles` assigns the roles of that product's operands and outp
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,18 +23,18 @@ from flashport.rewriter.jaxpr.softmax import NoMatch, Softmax, reciprocal_of
 class ProbPath(NamedTuple):
     """The walk from the softmax output to the PV product."""
 
-    pv: object  # the PV dot_general
-    p: object  # the probabilities as the PV product reads them
+    pv: Any  # the PV dot_general
+    p: Any  # the probabilities as the PV product reads them
     pdims: list  # QK-output dim shown by each dim of ``p``
     zero_preds: list  # (pred, keep_when_true, var, dims) of post-softmax zero-masks
     eqns: list  # equations walked through (the PV product included)
-    dropout: object  # a .dropout.Dropout, or None
+    dropout: Any  # a .dropout.Dropout, or None
 
 
 class PVRoles(NamedTuple):
     """The value operand of the PV product and the role of each of the product's output dims."""
 
-    v: object
+    v: Any
     vc: int  # v's contracted (key) dim
     v_batch: dict  # QK-output batch dim -> v dim
     vfree: int  # v's head_dim
@@ -127,8 +127,8 @@ def pv_roles(path: ProbPath, s_dot: int, nb: int, qfree_out) -> PVRoles:
         raise NoMatch(
             f"the value side of the PV product has {len(vfree)} free dims (expected head_dim)", eqn=pv
         )
-    roles = [("d", pdims[pi]) for pi in pb]
-    free_roles = [("d", pdims[d]) for d in p_free_dims]
+    roles: list[tuple] = [("d", pdims[pi]) for pi in pb]
+    free_roles: list[tuple] = [("d", pdims[d]) for d in p_free_dims]
     roles += (free_roles + [("dv",)]) if p_is_lhs else ([("dv",)] + free_roles)
     return PVRoles(v=v, vc=vc[0], v_batch=v_batch, vfree=vfree[0], roles=roles)
 
@@ -202,7 +202,7 @@ def deferred_division(g: Graph, pv, roles, z, t_dims, axis):
 
 def _past_layout_ops(g: Graph, pv, roles):
     """Follow the product through transposes and casts: ``(next eqn, its input, roles, eqns)``."""
-    o, roles, eqns = pv.outvars[0], list(roles), []
+    o, roles, eqns = pv.outvars[0], list(roles), list[Any]()
     u = pv  # the equation that produced ``o``: named in the reason when ``o`` has other users
     while True:
         users = g.users.get(o, ())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,18 +46,18 @@ class Stage(NamedTuple):
     """
 
     kind: str
-    value: object
-    operand: object
-    eqn: object
-    out: object
-    inner: object = None
+    value: Any
+    operand: Any
+    eqn: Any
+    out: Any
+    inner: Any = None
     dims: tuple | None = None
 
 
 class ScoresPath(NamedTuple):
     """The QK product, the annotated stages from it down to the softmax input, and their equations."""
 
-    dot: object
+    dot: Any
     stages: list  # Stage, from the dot downwards, with dims
     t_dims: list  # QK-output dim shown by each dim of the softmax input
     eqns: list  # the equations of the stages (and multiply-add inner products)
@@ -250,7 +250,8 @@ class Algebra(NamedTuple):
 def algebra(g: Graph, stages, t_dtype) -> Algebra:
     """Fold the annotated ``stages`` (dot -> softmax input) into contract terms."""
     alpha, beta, tanh = 1.0, 1.0, False
-    biases, masks = [], []
+    biases: list[Term] = []
+    masks: list[Term] = []
     for st in stages:
         if st.kind == "scale":
             if tanh:

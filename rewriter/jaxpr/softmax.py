@@ -16,6 +16,7 @@ on the common untransposed source.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -39,9 +40,9 @@ class NoMatch(Exception):
 class Softmax:
     """A matched softmax: ``p = softmax(t, axis)``; ``eqns`` are the equations it consists of."""
 
-    t: object
+    t: Any
     axis: int
-    p: object
+    p: Any
     eqns: list
     zero_preds: list  # (pred var, keep_when_true) of where(m, ·, 0) zero-masks inside the softmax
     deferred: Deferred | None = None  # set when ``p`` is the unnormalized exp (divided after P·V)
@@ -51,7 +52,7 @@ class Softmax:
 class Deferred:
     """The row sum ``z = sum(exp, axis)`` of a softmax normalized after the P·V product."""
 
-    z: object  # the reduce_sum output
+    z: Any  # the reduce_sum output
     eqns: list  # the sum and the casts from the exp to it
 
 
