@@ -131,7 +131,7 @@ def _same_axis(g: Graph, y, axes, a, axis) -> bool:
 
 def _max_chain(g: Graph, v):
     """Walk up ``max(-inf, ·)``, ``select_n(is_finite)``, casts and stop_gradient to a reduce_max."""
-    eqns = []
+    eqns: list[Any] = []
     while (e := g.prod(v)) is not None:
         name = e.primitive.name
         if name == "reduce_max":
@@ -227,7 +227,7 @@ def _shifted_by_max(g: Graph, v, axis):
 
 def _derived(g: Graph, ex):
     """Vars that carry ``ex`` through casts and ``where(m, ·, 0)``: var -> (eqns, zero_preds)."""
-    out = {ex: ([], [])}
+    out: dict[Any, tuple[list, list]] = {ex: ([], [])}
     frontier = [ex]
     while frontier:
         v = frontier.pop()
