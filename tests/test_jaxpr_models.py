@@ -1,5 +1,7 @@
 """The jaxpr pass on real library attention modules (small random configs, no downloads).
 
+transformers' Flax models are in tests/test_jaxpr_transformers.py, dropout in tests/test_jaxpr_dropout.py.
+
 Each test counts flashport_attention sites in ``jax.make_jaxpr(fused)(...)`` and checks output and
 gradient parity (w.r.t. the parameters and the inputs) against the unmodified module.
 """
@@ -107,18 +109,3 @@ def test_keras_mha_jax_backend():
         return layer.stateless_call(weights, [], x, x, use_causal_mask=True)[0]
 
     assert_fused(f, (weights, x), 1, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_transformers_flax_gpt2_two_layers():
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "FlaxGPT2Model"):
-        pytest.skip("this transformers has no Flax models (removed in v5)")
-    config = transformers.GPT2Config(n_layer=2, n_head=HEADS, n_embd=E, vocab_size=64, n_positions=32)
-    model = transformers.FlaxGPT2Model(config, seed=0)
-    ids = jax.random.randint(jax.random.PRNGKey(3), (B, T), 0, 64)
-
-    def f(params, ids):
-        return model(ids, params=params).last_hidden_state
-
-    assert_fused(f, (model.params, ids), 2, argnums=(0,), atol=2e-5)

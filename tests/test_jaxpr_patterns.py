@@ -385,7 +385,7 @@ def test_negative_twin_is_not_fused(name):
         ("sum_wrong_axis", "different axes"),
         ("p_returned", "other users"),
         ("entropy_reuse", "other users"),
-        ("dropout", "multiplied by a tensor"),
+        ("dropout", 'dropout="contract"'),
         ("fill_not_negative_enough", "not negative enough"),
         ("softcap_after_mask", "softcap must come before"),
         ("post_mask_differs", "post-softmax mask differs"),

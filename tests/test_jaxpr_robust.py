@@ -54,7 +54,7 @@ def test_returned_weights_and_output_are_left_unchanged():
 
 
 def test_matcher_exception_leaves_program_unchanged_and_is_reported(monkeypatch):
-    def boom(g, eqn):
+    def boom(g, eqn, *options):
         raise RuntimeError("matcher bug")
 
     monkeypatch.setattr(patterns, "match_at", boom)

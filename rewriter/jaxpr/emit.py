@@ -14,14 +14,43 @@ def emit(match, read, backend):
     from flashport.kernels.api import attention
 
     sz = match.sizes
-    b = math.prod(sz["B"])
-    h = sz["H"] or 1
-    g = math.prod(sz["G"])
+    b, h, g = math.prod(sz["B"]), sz["H"] or 1, math.prod(sz["G"])
     dtype = jnp.dtype(match.dtype)
     q = _canon(read(match.q), match.q_order, (b, sz["T"], h * g, sz["D"]), dtype)
     hkv = sz.get("Hkv") or h  # fewer than h when a head repeat of K/V was folded (see .gqa)
     k = _canon(read(match.k), match.k_order, (b, sz["S"], hkv, sz["D"]), dtype)
     v = _canon(read(match.v), match.v_order, (b, sz["S"], hkv, sz["Dv"]), dtype)
+    bias, mask, segments = _terms(match, read, b)
+    need_lse = match.empty in ("mean", "nan")
+    drop = {}
+    if match.dropout is not None:
+        drop = {"dropout_rate": match.dropout.rate, "dropout_rng": match.dropout.key(read)}
+    res = attention(
+        q,
+        k,
+        v,
+        scale=match.scale,
+        causal=match.causal,
+        window=match.window,
+        align=match.align,
+        softcap=match.softcap,
+        bias=bias,
+        mask=mask,
+        layout="BSHD",
+        backend=backend,
+        return_lse=need_lse,
+        **segments,
+        **drop,
+    )
+    out = _empty_rows(match, res, v, h * g // hkv) if need_lse else res
+    out = out.astype(match.out_dtype)
+    out = jnp.reshape(out, [*sz["B"], sz["T"], *([sz["H"]] if sz["H"] else []), *sz["G"], sz["Dv"]])
+    return jnp.transpose(out, match.out_perm)
+
+
+def _terms(match, read, b):
+    """The contract's ``bias``, ``mask`` and segment-id arguments from the site's bias/mask terms."""
+    sz = match.sizes
     full = _full_sizes(match)
     bias = None
     for term in match.biases:
@@ -43,35 +72,19 @@ def emit(match, read, backend):
             "q_segment_ids": jnp.ones((b, sz["T"]), jnp.int32),
             "kv_segment_ids": pad.astype(jnp.int32),
         }
-    need_lse = match.empty in ("mean", "nan")
-    res = attention(
-        q,
-        k,
-        v,
-        scale=match.scale,
-        causal=match.causal,
-        window=match.window,
-        align=match.align,
-        softcap=match.softcap,
-        bias=bias,
-        mask=mask,
-        layout="BSHD",
-        backend=backend,
-        return_lse=need_lse,
-        **segments,
-    )
-    out = res[0] if need_lse else res
-    if need_lse:
-        empty = jnp.transpose(res[1] == -jnp.inf, (0, 2, 1))[..., None]  # [B, T, Hq, 1]
-        if match.empty == "mean":
-            fill = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)  # [B, 1, Hkv, Dv]
-            fill = jnp.repeat(fill, h * g // hkv, axis=2).astype(out.dtype)
-        else:
-            fill = jnp.full((), jnp.nan, out.dtype)
-        out = jnp.where(empty, fill, out)
-    out = out.astype(match.out_dtype)
-    out = jnp.reshape(out, [*sz["B"], sz["T"], *([sz["H"]] if sz["H"] else []), *sz["G"], sz["Dv"]])
-    return jnp.transpose(out, match.out_perm)
+    return bias, mask, segments
+
+
+def _empty_rows(match, res, v, reps):
+    """Rows with no visible key as the original computes them: ``mean(V)`` or NaN (not the contract's 0)."""
+    out, lse = res
+    empty = jnp.transpose(lse == -jnp.inf, (0, 2, 1))[..., None]  # [B, T, Hq, 1]
+    if match.empty == "mean":
+        fill = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)  # [B, 1, Hkv, Dv]
+        fill = jnp.repeat(fill, reps, axis=2).astype(out.dtype)
+    else:
+        fill = jnp.full((), jnp.nan, out.dtype)
+    return jnp.where(empty, fill, out)
 
 
 def _full_sizes(match):

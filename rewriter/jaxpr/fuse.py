@@ -35,6 +35,12 @@ Semantics that are preserved, not "fixed":
   key-padding mask (``mask[:, None, None, :]``) is passed as kv segment ids; an additive padding bias
   (``(1 - mask) * -1e9``) stays a bias, because on a fully padded row it means ``softmax(s - 1e9)``,
   not the contract's "no visible key".
+* **Attention-weight dropout** (a ``jax.random.bernoulli`` keep-mask applied to the probabilities
+  with ``1/(1-p)`` scaling, as Flax, Haiku, Equinox and Keras write it) is fused only with
+  ``fuse_attention(f, dropout="contract")``: the site calls ``flashport.attention(...,
+  dropout_rate=p, dropout_rng=key)`` with the program's key, so the rate and the expectation are
+  the same but the kept entries are the contract's (:mod:`flashport.kernels.dropout`), not the
+  original program's. By default such a site runs as written and is a near-miss naming the option.
 * Nested calls whose bodies contain matches keep their params (names, shardings, ``checkpoint``
   policies, ``scan`` options) with the rewritten body; nested calls without matches are re-bound
   unchanged.
@@ -49,6 +55,7 @@ import jax
 import numpy as np
 
 from flashport.rewriter.jaxpr.interpreter import all_sites, analyze, checked_rewrite
+from flashport.rewriter.jaxpr.patterns import DROPOUT_MODES
 from flashport.rewriter.jaxpr.report import AttentionReport, Site, site_from
 
 
@@ -59,21 +66,29 @@ class _Entry:
     out_tree: object
 
 
-def fuse_attention(fun=None, *, backend="auto"):
+def fuse_attention(fun=None, *, backend="auto", dropout=None):
     """Return ``fun`` with every recognized attention subgraph replaced by ``flashport.attention``.
 
     Args:
       fun: a JAX-traceable function of arrays (pytrees of arrays in and out). Non-array leaves are
         treated as static and become part of the cache key.
       backend: passed to :func:`flashport.attention` for every replaced site.
+      dropout: what to do with attention-weight dropout (a Bernoulli keep-mask drawn from a PRNG key
+        and applied to the softmax probabilities with ``1/(1-p)`` scaling, as Flax, Haiku, Equinox
+        and Keras write it). ``None`` (default): such a site is left as written and reported as a
+        near-miss. ``"contract"``: fuse it into ``flashport.attention(..., dropout_rate=p,
+        dropout_rng=key)`` with the program's key; the rate and scaling are the same but the
+        contract draws its own mask (:mod:`flashport.kernels.dropout`), so the kept entries differ
+        from the original program's.
 
     Returns:
       A function with the same signature. Each new input signature (tree structure, shapes,
       dtypes, static leaves) is traced, matched and rewritten once; later calls evaluate the cached
       rewritten jaxpr. Use :func:`find_attention` to see what was (not) matched and why.
     """
+    _check_dropout_mode(dropout)
     if fun is None:
-        return functools.partial(fuse_attention, backend=backend)
+        return functools.partial(fuse_attention, backend=backend, dropout=dropout)
     cache: dict = {}
 
     @functools.wraps(fun)
@@ -82,7 +97,7 @@ def fuse_attention(fun=None, *, backend="auto"):
         key = (treedef, static, tuple(_aval_key(flat[i]) for i in dyn_pos))
         entry = cache.get(key)
         if entry is None:
-            entry, cacheable = _build(fun, flat, treedef, dyn_pos, backend)
+            entry, cacheable = _build(fun, flat, treedef, dyn_pos, backend, dropout)
             if cacheable:
                 cache[key] = entry
         if entry.jaxpr is None:
@@ -94,7 +109,7 @@ def fuse_attention(fun=None, *, backend="auto"):
     return fused
 
 
-def find_attention(fun, *, backend="auto"):
+def find_attention(fun, *, backend="auto", dropout=None):
     """Return a function that traces ``fun`` on its arguments and reports every attention site.
 
     ``find_attention(f)(*args)`` returns an :class:`~flashport.rewriter.jaxpr.report.AttentionReport`:
@@ -103,14 +118,16 @@ def find_attention(fun, *, backend="auto"):
     (with the reason each was left alone), ``.to_dicts()`` for data and a rich table when printed.
     Each match's replacement is built (for ``backend``) as :func:`fuse_attention` would, so a site
     the pass fails on internally is reported as a near-miss naming the error, not as fused.
+    ``dropout`` is :func:`fuse_attention`'s option of that name.
     """
+    _check_dropout_mode(dropout)
 
     @functools.wraps(fun)
     def report(*args, **kwargs):
         flat, treedef, dyn_pos, _ = _split(args, kwargs)
         closed, _ = _trace(fun, flat, treedef, dyn_pos)
         try:
-            plan = analyze(closed)
+            plan = analyze(closed, dropout=dropout)
         except Exception as err:  # noqa: BLE001 -- the program runs unchanged; say why
             return AttentionReport((_internal_site(err),))
         checked_rewrite(plan, backend)
@@ -173,11 +190,19 @@ def _internal_site(err):
     return Site(status="near-miss", where="<top>", location="?", reason=reason)
 
 
-def _build(fun, flat, treedef, dyn_pos, backend):
+def _check_dropout_mode(dropout):
+    if dropout not in DROPOUT_MODES:
+        raise ValueError(
+            f"dropout must be None (leave attention-weight dropout unfused) or 'contract' (fuse it "
+            f"into flashport.attention's dropout, which draws different random bits), got {dropout!r}"
+        )
+
+
+def _build(fun, flat, treedef, dyn_pos, backend, dropout):
     closed, out_tree = _trace(fun, flat, treedef, dyn_pos)
     cacheable = not any(isinstance(c, jax.core.Tracer) for c in closed.consts)
     try:
-        plan = analyze(closed)
+        plan = analyze(closed, dropout=dropout)
     except Exception:  # noqa: BLE001 -- never break the program: run it as written
         return _Entry(plan=None, jaxpr=None, out_tree=out_tree), cacheable
     new = checked_rewrite(plan, backend)

@@ -32,44 +32,14 @@ def fold_repeat(g: Graph, var, order, head_pos, *, scales=False):
       (size-1 dims the canonical shape lacks come last), its number of kv heads and the scalar
       factor walked through; or None when ``var`` is not a head repeat with the contract's grouping.
     """
-    cur, order, factor = var, list(order), 1.0
-    while (e := g.prod(cur)) is not None:
-        if e.primitive.name == "transpose":
-            order = [e.params["permutation"][d] for d in order]
-        elif scales and (s := _scalar_factor(g, e, cur)) is not None:
-            factor *= s[0]
-            cur = s[1]
-            continue
-        elif e.primitive.name not in _WALK:
-            break
-        cur = e.invars[0]
+    cur, order, factor = _walk_to_repeat(g, var, order, scales)
     e = g.prod(cur)
     if e is None:
         return None
-    hd = order[head_pos]
-    out = shape(cur)
-    if e.primitive.name == "reshape" and e.params.get("dimensions") is None:
-        y = shape(e.invars[0])
-        if (
-            len(y) != len(out) + 1
-            or y[:hd] != out[:hd]
-            or y[hd + 2 :] != out[hd + 1 :]
-            or y[hd] * y[hd + 1] != out[hd]
-            or y[hd + 1] == 1
-        ):
-            return None
-        bcast = g.prod(e.invars[0])
-        to_y = [d if d <= hd else d + 1 for d in range(len(out))]  # cur dim -> y dim (head -> Hkv)
-        copies = hd + 1
-        hkv = y[hd]
-    elif e.primitive.name == "broadcast_in_dim":  # MQA: one kv head broadcast to every query head
-        bcast, y = e, out
-        to_y = list(range(len(out)))
-        copies, hkv = hd, 1
-        if y[hd] == 1:
-            return None
-    else:
+    found = _repeat_of(g, e, shape(cur), order[head_pos])
+    if found is None:
         return None
+    bcast, y, to_y, copies, hkv = found
     if bcast is None or bcast.primitive.name != "broadcast_in_dim":
         return None
     x = bcast.invars[0]
@@ -85,6 +55,47 @@ def fold_repeat(g: Graph, var, order, head_pos, *, scales=False):
     src_order = [inv[to_y[d]] for d in order if to_y[d] in inv and to_y[d] != copies]
     src_order += [i for i in range(len(xs)) if i not in src_order]
     return x, tuple(src_order), hkv, factor
+
+
+def _walk_to_repeat(g: Graph, var, order, scales):
+    """Walk up through transposes, copies (and constant scalings): ``(var, its canonical order, factor)``."""
+    cur, order, factor = var, list(order), 1.0
+    while (e := g.prod(cur)) is not None:
+        if e.primitive.name == "transpose":
+            order = [e.params["permutation"][d] for d in order]
+        elif scales and (s := _scalar_factor(g, e, cur)) is not None:
+            factor *= s[0]
+            cur = s[1]
+            continue
+        elif e.primitive.name not in _WALK:
+            break
+        cur = e.invars[0]
+    return cur, order, factor
+
+
+def _repeat_of(g: Graph, e, out, hd):
+    """The broadcast behind a head repeat ``e`` (output shape ``out``, head dim ``hd``), or None.
+
+    Returns ``(broadcast eqn, its output shape, out dim -> broadcast dim, the copies dim, Hkv)``:
+    a reshape merging ``[.., Hkv, G, ..]`` into the head dim, or (MQA) a broadcast of one kv head.
+    """
+    if e.primitive.name == "reshape" and e.params.get("dimensions") is None:
+        y = shape(e.invars[0])
+        if (
+            len(y) != len(out) + 1
+            or y[:hd] != out[:hd]
+            or y[hd + 2 :] != out[hd + 1 :]
+            or y[hd] * y[hd + 1] != out[hd]
+            or y[hd + 1] == 1
+        ):
+            return None
+        to_y = [d if d <= hd else d + 1 for d in range(len(out))]  # cur dim -> y dim (head -> Hkv)
+        return g.prod(e.invars[0]), y, to_y, hd + 1, y[hd]
+    if e.primitive.name == "broadcast_in_dim":  # MQA: one kv head broadcast to every query head
+        if out[hd] == 1:
+            return None
+        return e, out, list(range(len(out))), hd, 1
+    return None
 
 
 def _scalar_factor(g: Graph, e, out):

@@ -63,15 +63,19 @@ class Plan:
         return bool(self.matches) or bool(self.children)
 
 
-def analyze(closed, path="", memo=None) -> Plan:
-    """Normalize, match and recurse into ``closed`` (a ClosedJaxpr). Shared bodies share plans."""
+def analyze(closed, path="", memo=None, dropout=None) -> Plan:
+    """Normalize, match and recurse into ``closed`` (a ClosedJaxpr). Shared bodies share plans.
+
+    ``dropout`` is passed to :func:`~.patterns.find_matches` (``"contract"`` fuses attention-weight
+    dropout).
+    """
     memo = {} if memo is None else memo
     key = id(closed.jaxpr)
     if key in memo:
         return memo[key]
     norm = normalize(closed)
     g = Graph(norm.jaxpr, norm.consts)
-    matches, misses = find_matches(g)
+    matches, misses = find_matches(g, dropout)
     plan = Plan(
         closed=norm, path=path, matches={id(m.anchor): m for m in matches}, misses=misses, children={}
     )
@@ -81,7 +85,7 @@ def analyze(closed, path="", memo=None) -> Plan:
         if not subs:
             continue
         label = _label(eqn)
-        child = [analyze(s, f"{path}/{label}" if path else label, memo) for s in subs]
+        child = [analyze(s, f"{path}/{label}" if path else label, memo, dropout) for s in subs]
         plan.all_children[id(eqn)] = child
         if any(c.changed for c in child):
             plan.children[id(eqn)] = [c if c.changed else None for c in child]
@@ -293,6 +297,7 @@ def _site_key(match, backend):
         match.empty,
         match.dtype,
         str(match.out_dtype),
+        None if match.dropout is None else match.dropout.rate,
     )
     return ("site", backend, avals, slots, _freeze(static)), inputs
 

@@ -55,7 +55,7 @@ class Softmax:
 class Deferred:
     """The row sum ``z = sum(exp, axis)`` of a softmax normalized after the P·V product."""
 
-    z: object  # the reduce_sum output
+    z: Any  # the reduce_sum output
     eqns: list  # the sum and the casts from the exp to it
 
 
