@@ -87,7 +87,7 @@ def test_matches_float64_reference(backend, case):
         jq, jk, jv, out, lse, jnp.asarray(d_out, jnp.float32), backend=BACKENDS[backend], **_jax_kwargs(kw)
     )
     ref = reference_attention_vjp(q, k, v, d_out, **kw)
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+    for name, got, want in zip(("dq", "dk", "dv"), grads[:3], ref[:3], strict=True):
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5, err_msg=name)
     if "bias" in kw:
         want = reduce_to_shape(ref[3], kw["bias"].shape)
@@ -130,7 +130,7 @@ def test_dropout_matches_float64_reference(backend):
     d_out = rng.standard_normal(out.shape)
     grads = flashport.attention_backward(jq, jk, jv, out, lse, jnp.asarray(d_out, jnp.float32), **kw)
     ref = reference_attention_vjp(q, k, v, d_out, causal=True, dropout_rate=0.25, dropout_seed=(0, 42))
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+    for name, got, want in zip(("dq", "dk", "dv"), grads[:3], ref[:3], strict=True):
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5, err_msg=name)
 
 
