@@ -9,8 +9,8 @@ Causal self-attention, B=1, H=8, D=64, float32, S in 1024..8192, forward and for
 - ``torch.nn.functional.scaled_dot_product_attention`` (torch picks its kernel: the CPU flash kernel).
 
 Each (S, pass) runs in a fresh process that builds every implementation, warms it up, then times
-them in alternating rounds (round r runs each implementation once, in turn, so load from other jobs
-on the host hits them alike) together with a square f32 matmul (XLA and torch; the faster is the
+them in alternating rounds (round r runs each implementation once, in an order rotated by r, so
+load from other jobs on the host and one library's idle threads hit them alike) together with a square f32 matmul (XLA and torch; the faster is the
 reference). Reported: median seconds, GFLOP/s, % of that matmul, and the throughput ratio to torch
 SDPA (> 1 = faster than SDPA). FLOPs: causal forward 2·B·H·S²·D (QKᵀ and PV, half the square);
 forward+backward 3.5x that (the backward's five S²·D matmuls, FlashAttention-2's convention).
@@ -106,10 +106,11 @@ def _worker(seq: int, rounds: int, train: bool, with_xla: bool) -> dict:
     for fn in fns.values():  # compile and warm up
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):  # rotate the order: no implementation always follows the same one
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}
     matmul = max(2 * _MATMUL_N**3 / medians.pop(f"matmul {lib}") for lib in ("xla", "torch"))
