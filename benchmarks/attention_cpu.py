@@ -1,13 +1,24 @@
-"""flashport.attention (auto on CPU) vs jax.nn.dot_product_attention(implementation="xla").
+"""Attention on CPU, side by side: flashport (JAX and torch adapter) vs jax.nn and torch SDPA.
 
-B=1, H=8, D=64, float32, causal; S in 1024..8192. Each (implementation, S) runs in its own process
-so its peak RSS is its own; both implementations are measured in the same run, one after the other.
-Prints median forward times, peak memory, the ratios, and the fraction of this machine's measured
-f32 matmul throughput that flashport reaches (causal FLOPs = 2·B·H·S²·D). A second table shows
-forward+backward scratch memory (compiled memory analysis) and peak RSS at S up to 16384.
+Causal self-attention, B=1, H=8, D=64, float32, S in 1024..8192, forward and forward+backward:
 
-    python benchmarks/attention_cpu.py                  # full table (jax.nn at 8192 takes ~30 s a call)
-    python benchmarks/attention_cpu.py --sizes 1024 2048 --repeats 3
+- ``flashport.attention`` (``backend="auto"``: the blockwise backend from S=1024, jit),
+- ``flashport.torch.attention`` (auto on CPU torch tensors: torch SDPA when SDPA computes the call
+  exactly, as it does here, else the JAX path),
+- ``jax.nn.dot_product_attention(implementation="xla")`` (materialized O(S²) scores, jit),
+- ``torch.nn.functional.scaled_dot_product_attention`` (torch picks its kernel: the CPU flash kernel).
+
+Each (S, pass) runs in a fresh process that builds every implementation, warms it up, then times
+them in alternating rounds (round r runs each implementation once, in an order rotated by r, so
+load from other jobs on the host and one library's idle threads hit them alike) together with a square f32 matmul (XLA and torch; the faster is the
+reference). Reported: median seconds, GFLOP/s, % of that matmul, and the throughput ratio to torch
+SDPA (> 1 = faster than SDPA). FLOPs: causal forward 2·B·H·S²·D (QKᵀ and PV, half the square);
+forward+backward 3.5x that (the backward's five S²·D matmuls, FlashAttention-2's convention).
+The torch rows use BHSD tensors (SDPA's layout; the adapter is called with ``layout="BHSD"``).
+A last table shows flashport's compiled forward+backward scratch memory, linear in S.
+
+    python benchmarks/attention_cpu.py            # full run (several minutes on 2 cores)
+    python benchmarks/attention_cpu.py --quick    # CI-sized: S=1024, 2048, 3 rounds, no memory table
 """
 
 from __future__ import annotations
@@ -15,16 +26,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
 B, H, D = 1, 8, 64
+IMPLS = ("flashport", "flashport.torch", "jax.nn", "torch sdpa")
+# The reference square matmul's size (the parent sets it for its workers; --quick uses 2048).
+_MATMUL_N = int(os.environ.get("FLASHPORT_BENCH_MATMUL_N", "4096"))
 
 
-def _worker(impl: str, seq: int, repeats: int, train: bool) -> dict:
+def _flops(seq: int, train: bool) -> float:
+    forward = 2 * B * H * seq * seq * D
+    return forward * (3.5 if train else 1.0)
+
+
+def _jax_callables(seq: int, train: bool, with_xla: bool) -> dict:
+    """Jitted JAX implementations, each a no-argument callable that blocks until done."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -33,75 +52,129 @@ def _worker(impl: str, seq: int, repeats: int, train: bool) -> dict:
 
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((B, seq, H, D)), jnp.float32) for _ in range(3))
-    if impl == "flashport":
-        attn = lambda q, k, v: flashport.attention(q, k, v, causal=True)  # noqa: E731
-    else:
-        attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")  # noqa: E731
-    if train:
-        fn = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)), argnums=(0, 1, 2)))
-    else:
-        fn = jax.jit(attn)
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    temp = fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
-    jax.block_until_ready(fn(q, k, v))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(q, k, v))
-        times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {
-        "median_s": statistics.median(times),
-        "times": times,
-        "peak_rss": peak,
-        "base_rss": base_rss,
-        "temp_bytes": temp,
+    impls = {"flashport": lambda q, k, v: flashport.attention(q, k, v, causal=True)}
+    if with_xla:
+        impls["jax.nn"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="xla"
+        )
+    out = {}
+    for name, attn in impls.items():
+        if train:
+            fn = jax.jit(jax.grad(lambda q, k, v, f=attn: jnp.sum(f(q, k, v)), argnums=(0, 1, 2)))
+        else:
+            fn = jax.jit(attn)
+        out[name] = lambda fn=fn: jax.block_until_ready(fn(q, k, v))
+    a = jnp.asarray(rng.standard_normal((_MATMUL_N, _MATMUL_N)), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    out["matmul xla"] = lambda: jax.block_until_ready(mm(a))
+    return out
+
+
+def _torch_callables(seq: int, train: bool) -> dict:
+    """torch SDPA and flashport.torch.attention on the same BHSD tensors, plus torch's matmul."""
+    import torch
+    import torch.nn.functional as F
+
+    import flashport.torch as ft
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, seq, D, generator=gen, requires_grad=train) for _ in range(3))
+    impls = {
+        "flashport.torch": lambda: ft.attention(q, k, v, causal=True, layout="BHSD"),
+        "torch sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
+    out = {}
+    for name, attn in impls.items():
+        if train:
+
+            def step(attn=attn):
+                for x in (q, k, v):
+                    x.grad = None
+                attn().sum().backward()
+
+            out[name] = step
+        else:
+            out[name] = lambda attn=attn: attn()
+    a = torch.randn(_MATMUL_N, _MATMUL_N, generator=gen)
+    out["matmul torch"] = lambda: a @ a
+    return out
 
 
-def _run(impl: str, seq: int, repeats: int, train: bool = False) -> dict:
-    cmd = [sys.executable, __file__, "--worker", impl, str(seq), str(repeats)] + (
-        ["--train"] if train else []
-    )
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def _worker(seq: int, rounds: int, train: bool, with_xla: bool) -> dict:
+    """Time every implementation in alternating rounds; return per-implementation medians (s)."""
+    fns = {**_jax_callables(seq, train, with_xla), **_torch_callables(seq, train)}
+    for fn in fns.values():  # compile and warm up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):  # rotate the order: no implementation always follows the same one
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    matmul = max(2 * _MATMUL_N**3 / medians.pop(f"matmul {lib}") for lib in ("xla", "torch"))
+    return {"medians": medians, "spread": {n: [min(t), max(t)] for n, t in times.items()}, "matmul": matmul}
+
+
+def _scratch_worker(seq: int) -> dict:
+    """Compiled scratch memory and one timed call of flashport's forward+backward at ``seq``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import flashport
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, seq, H, D)), jnp.float32) for _ in range(3))
+    loss = lambda q, k, v: jnp.sum(flashport.attention(q, k, v, causal=True))  # noqa: E731
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    temp = fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+    jax.block_until_ready(fn(q, k, v))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(q, k, v))
+    return {"temp_bytes": temp, "seconds": time.perf_counter() - start}
+
+
+def _child(args: list[str], env: dict | None = None) -> dict:
+    cmd = [sys.executable, __file__, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"{impl} S={seq} failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _matmul_gflops() -> float:
-    import jax
-    import jax.numpy as jnp
+def _table(title: str, seqs, train: bool, rounds: int, xla_max: int, matmul_n: int):
+    from rich.table import Table
 
-    a = jnp.ones((4096, 4096), jnp.float32)
-    f = jax.jit(lambda a, b: a @ b)
-    f(a, a).block_until_ready()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        f(a, a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * 4096**3 / statistics.median(times) / 1e9
-
-
-def _attention_matmul_gflops(seq: int = 4096) -> float:
-    """Throughput of attention's two matmuls alone (QKᵀ, then ·V; no softmax) at B=1, H, D.
-
-    The contraction over D=64 has far less reuse than a square matmul, so this is the roofline the
-    attention shapes can reach on this CPU.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((B, H, seq, D), jnp.float32)
-    f = jax.jit(lambda q: jnp.einsum("bhqk,bhkd->bhqd", jnp.einsum("bhqd,bhkd->bhqk", q, q), q))
-    f(x).block_until_ready()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 4 * B * H * seq * seq * D / statistics.median(times) / 1e9
+    table = Table(title=title)
+    for col in ("S", "implementation", "median s", "min-max s", "GFLOP/s", "% matmul", "vs torch SDPA"):
+        table.add_column(col, justify="right" if col != "implementation" else "left")
+    env = dict(os.environ, FLASHPORT_BENCH_MATMUL_N=str(matmul_n))
+    for seq in seqs:
+        r = _child(["--worker", str(seq), str(rounds), str(int(train)), str(int(seq <= xla_max))], env)
+        sdpa = r["medians"]["torch sdpa"]
+        for name in IMPLS:
+            if name not in r["medians"]:
+                table.add_row(str(seq), name, "skipped", "", "", "", f"(O(S²) scores; --xla-max {xla_max})")
+                continue
+            t = r["medians"][name]
+            lo, hi = r["spread"][name]
+            gflops = _flops(seq, train) / t / 1e9
+            table.add_row(
+                str(seq),
+                name,
+                f"{t:.3f}",
+                f"{lo:.3f}-{hi:.3f}",
+                f"{gflops:.1f}",
+                f"{gflops / (r['matmul'] / 1e9):.0%}",
+                f"{sdpa / t:.2f}x",
+            )
+        table.add_row(
+            "", f"square f32 matmul {matmul_n}² (best of XLA, torch)", "", "", f"{r['matmul'] / 1e9:.1f}"
+        )
+        table.add_section()
+    return table
 
 
 def main() -> None:
@@ -112,74 +185,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    parser.add_argument("--train-sizes", type=int, nargs="*", default=[4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="CI-sized: S=1024 2048, 3 rounds, matmul 2048²")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5; quick 3)")
+    parser.add_argument("--xla-max", type=int, default=8192, help="largest S for jax.nn forward")
+    parser.add_argument("--xla-max-train", type=int, default=4096, help="largest S for jax.nn fwd+bwd")
+    parser.add_argument("--scratch-sizes", type=int, nargs="*", default=None)
     args = parser.parse_args()
-    console = Console(width=150)
-    # In a child process: Linux carries a parent's peak RSS into its children, so the parent stays
-    # small (it never imports jax) and every measurement runs in a process of its own.
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker-matmul"], capture_output=True, text=True, check=True
+    sizes = args.sizes or ([1024, 2048] if args.quick else [1024, 2048, 4096, 8192])
+    rounds = args.rounds or (3 if args.quick else 5)
+    matmul_n = 2048 if args.quick else 4096
+    scratch = (
+        args.scratch_sizes if args.scratch_sizes is not None else ([] if args.quick else [4096, 8192, 16384])
     )
-    peak, shaped = json.loads(proc.stdout.strip().splitlines()[-1])
-    console.print(
-        f"f32 4096² matmul on this machine: {peak:.1f} GFLOP/s ({os.cpu_count()} cores); "
-        f"attention-shaped matmuls (QKᵀ·V, D={D}, no softmax): {shaped:.1f} GFLOP/s"
-    )
-
-    table = Table(title=f"forward, causal, B={B} H={H} D={D} f32: flashport (auto) vs jax.nn (xla)")
-    for col in (
-        "S",
-        "jax.nn s",
-        "flashport s",
-        "speedup",
-        "jax.nn peak MB",
-        "flashport peak MB",
-        "memory ratio",
-        "flashport GFLOP/s",
-        "of matmul peak",
-        "of attn-shaped",
-    ):
-        table.add_column(col, justify="right")
-    for seq in args.sizes:
-        ref = _run("jax.nn", seq, args.repeats)
-        ours = _run("flashport", seq, args.repeats)
-        gflops = 2 * B * H * seq * seq * D / ours["median_s"] / 1e9
-        table.add_row(
-            str(seq),
-            f"{ref['median_s']:.3f}",
-            f"{ours['median_s']:.3f}",
-            f"{ref['median_s'] / ours['median_s']:.1f}x",
-            f"{ref['peak_rss'] / 1e6:.0f}",
-            f"{ours['peak_rss'] / 1e6:.0f}",
-            f"{ours['peak_rss'] / ref['peak_rss']:.0%}",
-            f"{gflops:.1f}",
-            f"{gflops / peak:.0%}",
-            f"{gflops / shaped:.0%}",
-        )
-    console.print(table)
-
-    if args.train_sizes:
-        train = Table(title="forward+backward (flashport auto): memory stays linear in S")
-        for col in ("S", "median s", "compiled scratch MB", "scratch / S (KB)", "peak RSS MB"):
-            train.add_column(col, justify="right")
-        for seq in args.train_sizes:
-            r = _run("flashport", seq, 1, train=True)
-            train.add_row(
-                str(seq),
-                f"{r['median_s']:.2f}",
-                f"{r['temp_bytes'] / 1e6:.1f}",
-                f"{r['temp_bytes'] / seq / 1e3:.1f}",
-                f"{r['peak_rss'] / 1e6:.0f}",
-            )
-        console.print(train)
+    console = Console(width=160)
+    console.print(f"{os.cpu_count()} CPU cores; load average before the run: {os.getloadavg()[0]:.1f}")
+    shape = f"causal, B={B} H={H} D={D} f32, {rounds} alternating rounds"
+    console.print(_table(f"forward, {shape}", sizes, False, rounds, args.xla_max, matmul_n))
+    console.print(_table(f"forward+backward, {shape}", sizes, True, rounds, args.xla_max_train, matmul_n))
+    if scratch:
+        mem = Table(title="flashport forward+backward: compiled scratch memory stays linear in S")
+        for col in ("S", "one call s", "compiled scratch MB", "scratch / S (KB)"):
+            mem.add_column(col, justify="right")
+        for seq in scratch:
+            r = _child(["--scratch", str(seq)])
+            mb = r["temp_bytes"] / 1e6
+            mem.add_row(str(seq), f"{r['seconds']:.2f}", f"{mb:.1f}", f"{r['temp_bytes'] / seq / 1e3:.1f}")
+        console.print(mem)
+    console.print(f"load average after the run: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker-matmul":
-        print(json.dumps([_matmul_gflops(), _attention_matmul_gflops()]))
-    elif len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        print(json.dumps(_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), "--train" in sys.argv)))
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        seq, rounds, train, with_xla = map(int, sys.argv[2:6])
+        print(json.dumps(_worker(seq, rounds, bool(train), bool(with_xla))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--scratch":
+        print(json.dumps(_scratch_worker(int(sys.argv[2]))))
     else:
         main()

@@ -5,10 +5,11 @@ structure leaves visible (the loop bounds are static per query block, so fully m
 nothing), carrying the f32 online-softmax state (running max, sum, accumulator). The output and
 the log-sum-exp are saved for the backward.
 
-Backward (``custom_vjp``, FA2 split): a dQ pass (map over query blocks, loop over their key blocks)
-and a dK/dV pass (map over key blocks, loop over the query blocks that see them), both recomputing
-probabilities from the saved lse, so training memory stays O(S) too. The bias gradient, when a bias
-is given, is produced block by block in the dQ pass. Dropout (:mod:`flashport.kernels.dropout`)
+Backward (``custom_vjp``), recomputing probabilities from the saved lse, so training memory stays
+O(S) too. Without a bias: one pass (scan over key blocks, loop over the query blocks that see them)
+that accumulates dK/dV per key block and dQ in place in an O(S) buffer, so each tile costs one exp
+and five matmuls. With a bias, the FA2 split: a dQ pass (map over query blocks, loop over their key
+blocks) that also produces the bias gradient block by block, and a dK/dV pass. Dropout (:mod:`flashport.kernels.dropout`)
 hashes each tile's positions, so the backward regenerates the forward's mask instead of storing it.
 
 Options: ``block_q`` and ``block_k`` (defaults 256 and 512; ``flashport.kernels.registry.use(
@@ -276,6 +277,8 @@ def _backward(t: _Tiling, residuals, cotangents):
         return (dlogits if grad is None else dlogits * grad) * t.spec.scale
 
     bias_g = x.bias
+    if bias_g is None:
+        return _single_pass_backward(t, x, q, k, probs_and_dlogits, dscores, prec)
 
     # ---- dQ (and dbias) pass: map over query blocks, loop over their key blocks.
     def dq_block(i):
@@ -336,6 +339,44 @@ def _backward(t: _Tiling, residuals, cotangents):
     dk = _unblock(dk, 2, sk).astype(k.dtype)
     dv = _unblock(dv, 2, sk).astype(v.dtype)
     return dq, dk, dv, dbias, None, None, None, None
+
+
+def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscores, prec):
+    """dQ, dK, dV in one pass (no bias): scan over key blocks, loop over the query blocks that see
+    them; each tile's probabilities are recomputed once (one exp, five matmuls per tile instead of
+    two exps and seven in the split passes), and dQ accumulates in place in an O(S) f32 buffer."""
+    b, hq, sq, d = q.shape
+    t_q_lo, t_q_hi = jnp.asarray(t.q_lo), jnp.asarray(t.q_hi)
+
+    def kv_block(dq_acc, j):
+        k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)
+
+        def tile_grads(i, dk, dv, *tile):
+            p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
+            ds = dscores(dlogits, raw)
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
+            dk = dk + jnp.einsum(
+                "bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32), precision=prec
+            )
+            return dk, dv, jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_j.astype(jnp.float32), precision=prec)
+
+        def q_step(i, carry):
+            dk, dv, dq_acc = carry
+            dk, dv, dq_i = x.tile(i, j, lambda *tile: tile_grads(i, dk, dv, *tile))
+            # Outside the cond, so the update stays in place in the loop-carried buffer.
+            row = jax.lax.dynamic_slice_in_dim(dq_acc, i * t.bq, t.bq, axis=3)
+            return dk, dv, jax.lax.dynamic_update_slice_in_dim(dq_acc, row + dq_i, i * t.bq, axis=3)
+
+        init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32), dq_acc)
+        dk, dv, dq_acc = jax.lax.fori_loop(t_q_lo[j], t_q_hi[j], q_step, init)
+        return dq_acc, (dk, dv)
+
+    dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros(x.q.shape, jnp.float32), jnp.arange(t.nk))
+    dq = jax.lax.slice_in_dim(dq, 0, sq, axis=3).reshape(b, hq, sq, d).astype(q.dtype)
+    sk = k.shape[2]
+    dk = _unblock(dk, 2, sk).astype(k.dtype)
+    dv = _unblock(dv, 2, sk).astype(x.v.dtype)
+    return dq, dk, dv, None, None, None, None, None
 
 
 def _accumulate_bias(dbias, dlogits, j, bk):

@@ -58,6 +58,16 @@ CASES = [
     Case("bias_causal", "BSHD", 4, 6, 4, 2, (("causal", True),), bias=(2, 4, 4, 6)),
     Case("bias_broadcast_mask_2d", "BHSD", 5, 5, 4, 2, bias=(1, 4, 1, 5), mask=(5, 5)),
     Case("mask_per_batch", "BSHD", 4, 6, 2, 2, mask=(2, 1, 4, 6)),
+    Case(
+        "gqa_scale_bias_causal_square",
+        "BHSD",
+        6,
+        6,
+        4,
+        2,
+        (("causal", True), ("scale", 0.7)),
+        bias=(2, 4, 6, 6),
+    ),
     Case("segments_empty_rows", "BSHD", 6, 7, 4, 2, segments=True),
     Case(
         "everything",
@@ -249,8 +259,82 @@ def test_jax_path_blockwise_backend_grads():
 # ------------------------------------------------------------------------------ CPU dispatch
 
 
+# The calls torch SDPA expresses exactly (float32: bias of the query's dtype); auto on CPU sends
+# them to SDPA, everything else (windows, segments, softcap, bottom-right causal with Sq != Sk) to JAX.
+SDPA_CPU_CASES = {
+    "plain",
+    "gqa_causal_top_left_sq<sk",
+    "causal_top_left_sq>sk",
+    "bias_broadcast_mask_2d",
+    "mask_per_batch",
+    "gqa_scale_bias_causal_square",
+}
+
+
+def spy_paths(monkeypatch):
+    """Record which implementation ``auto`` ran: ``"sdpa"`` (torch SDPA) or ``"jax"`` (DLPack)."""
+    paths = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    real_forward = _jax.DLPackRunner.forward
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: paths.append("sdpa") or real_sdpa(*a, **k),
+    )
+    monkeypatch.setattr(
+        _jax.DLPackRunner, "forward", lambda self, *a: paths.append("jax") or real_forward(self, *a)
+    )
+    return paths
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_cpu_auto_routes_exact_calls_to_sdpa(case, monkeypatch):
+    """auto on CPU: SDPA runs exactly the calls it expresses, and both routes meet the float64
+    reference (output, rows without keys, gradients of query, key, value and bias)."""
+    paths = spy_paths(monkeypatch)
+    x = torch_inputs(case)
+    out = ft.attention(**x, **dict(case.options), layout=case.layout)
+    assert paths == ["sdpa" if case.name in SDPA_CPU_CASES else "jax"]
+    assert out.dtype == torch.float32 and out.shape == x["query"].shape
+    np.testing.assert_allclose(
+        out.detach().numpy(), reference(case, numpy_inputs(case))[0], atol=2e-5, rtol=2e-5
+    )
+    check_empty_rows(case, x, out)
+    check_grads(case, x, out, atol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in SDPA_CPU_CASES], ids=lambda c: c.name)
+def test_cpu_auto_sdpa_half_precision(case, dtype, monkeypatch):
+    """Half-precision calls routed to SDPA (a bias of another dtype is not: SDPA would round it)."""
+    paths = spy_paths(monkeypatch)
+    x = {
+        n: v.to(dtype) if n in ("query", "key", "value") else v
+        for n, v in torch_inputs(case, grad=False).items()
+    }
+    out = ft.attention(**x, **dict(case.options), layout=case.layout)
+    assert paths == ["jax" if case.bias else "sdpa"]
+    rounded = {n: v.float().numpy() if v.is_floating_point() else v.numpy() for n, v in x.items()}
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out.float().numpy(), reference(case, rounded)[0], atol=3e-2, rtol=3e-2)
+    check_empty_rows(case, x, out)
+
+
+def test_cpu_auto_keeps_lse_and_dropout_calls_on_jax(monkeypatch):
+    """return_lse and dropout_p > 0 (the contract's keep-mask) are not SDPA's to give."""
+    paths = spy_paths(monkeypatch)
+    x = torch_inputs(CASES[0], grad=False)
+    out, lse = ft.attention(**x, return_lse=True)
+    want_out, want_lse = reference(CASES[0], numpy_inputs(CASES[0]))
+    np.testing.assert_allclose(out.numpy(), want_out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5, rtol=2e-5)
+    ft.attention(**x, dropout_p=0.5, generator=torch.Generator().manual_seed(0))
+    assert paths == ["jax", "jax"]
+
+
 def test_cpu_auto_goes_through_jax_zero_copy(monkeypatch):
-    """torch -> jax and jax -> torch share memory: data pointers match both ways, forward and grads."""
+    """torch -> jax and jax -> torch share memory: data pointers match both ways, forward and grads
+    (a softcap call: SDPA cannot run it, so auto takes the JAX path)."""
     seen = []
     real_to_jax, real_to_torch = _jax.to_jax, _jax.to_torch
 
@@ -270,7 +354,7 @@ def test_cpu_auto_goes_through_jax_zero_copy(monkeypatch):
     monkeypatch.setattr(_jax, "to_torch", spy_to_torch)
     # Fresh torch allocations: XLA shares only suitably aligned buffers, which numpy's may not be.
     x = {n: torch.randn(2, 5, 2, 8, requires_grad=True) for n in ("query", "key", "value")}
-    out = ft.attention(**x)
+    out = ft.attention(**x, softcap=30.0)
     out.backward(torch.ones_like(out))  # a contiguous cotangent (sum()'s is an expanded view)
     directions = [s[0] for s in seen]
     assert directions.count("to_jax") == 5  # q, k, v forward; d_out, d_lse backward
@@ -281,11 +365,17 @@ def test_cpu_auto_goes_through_jax_zero_copy(monkeypatch):
 
 
 def test_cpu_falls_back_to_torch_math_without_jax(monkeypatch):
+    """Without jax, auto on CPU runs SDPA where it is exact and the math path for the rest."""
     calls = []
     monkeypatch.setattr(ft, "jax_available", lambda: False)
     monkeypatch.setattr(_native, "math_attention", lambda call: calls.append(call) or ("out", "lse"))
     x = torch_inputs(CASES[0])
-    assert ft.attention(**x) == "out" and len(calls) == 1
+    assert ft.attention(**x, softcap=30.0) == "out" and len(calls) == 1
+    out = ft.attention(**x)  # SDPA: no jax needed
+    assert len(calls) == 1
+    np.testing.assert_allclose(
+        out.detach().numpy(), reference(CASES[0], numpy_inputs(CASES[0]))[0], atol=2e-5
+    )
     with pytest.raises(ValueError, match="jax is not importable"):
         ft.attention(**x, backend="blockwise")
 
@@ -309,9 +399,10 @@ def test_lazy_imports_and_no_jax_process():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_in_place_change_before_backward_is_refused():
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["sdpa", "jax"])
+def test_in_place_change_before_backward_is_refused(softcap):
     x = torch_inputs(CASES[0])
-    out = ft.attention(**x)
+    out = ft.attention(**x, softcap=softcap)
     with torch.no_grad():
         out.mul_(2)  # JAX's residuals alias out: torch must refuse, not use the changed values
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -326,10 +417,10 @@ def test_no_grad_call_skips_the_vjp(monkeypatch):
     )
     x = torch_inputs(CASES[0])
     with torch.no_grad():
-        out = ft.attention(**x)
+        out = ft.attention(**x, softcap=30.0)  # softcap: auto takes the JAX path
     assert not out.requires_grad
-    ft.attention(**x)
-    ft.attention(**{n: v.detach() for n, v in x.items()})
+    ft.attention(**x, softcap=30.0)
+    ft.attention(**{n: v.detach() for n, v in x.items()}, softcap=30.0)
     assert flags == [False, True, False]
 
 

@@ -6,8 +6,11 @@ where the tensors live (``backend="auto"``):
 ============  ===============================================================================
 tensors       path
 ============  ===============================================================================
-CPU           flashport's JAX implementation through DLPack (zero-copy), backward = JAX VJP;
-              the pure-torch math path when jax is not importable
+CPU           torch SDPA (its CPU flash kernel) when it computes the call exactly (no window,
+              segment ids, softcap, dropout, lse or bottom-right causal with Sq != Sk: see
+              ``_native.cpu_sdpa_unsupported``), else flashport's JAX implementation through
+              DLPack (zero-copy), backward = JAX VJP; the pure-torch math path when jax is not
+              importable
 torch_xla     ``torch_xla.core.xla_builder.call_jax`` -> flashport's JAX implementation (the
               Pallas kernel on TPU); backward = JAX VJP staged through the same bridge
 torchax       ``torchax.interop.call_jax`` -> flashport's JAX implementation
@@ -118,6 +121,10 @@ def _dispatch(
         call = _native_call(*qkv, options, tensors, return_lse, dropout)
         out, lse = _native.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
         return (out, lse) if return_lse else out
+    if backend == "auto" and kind == "cpu" and dropout[0] == 0:
+        out = _cpu_sdpa(*qkv, options, tensors, return_lse)
+        if out is not None:
+            return out
     if backend == "auto" and kind == "cpu" and not jax_available():
         return _run_native("torch", *qkv, options, tensors, return_lse, dropout)
     if not jax_available():
@@ -143,6 +150,24 @@ def jax_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _cpu_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    options: _Options,
+    tensors: _Tensors,
+    return_lse: bool,
+) -> torch.Tensor | None:
+    """``auto`` on CPU tensors: torch SDPA's output when it computes the call exactly, else None."""
+    call = check(query, key, value, **options, **tensors, return_lse=return_lse)
+    reason = _native.cpu_sdpa_unsupported(call, return_lse)
+    if reason is not None:
+        _native.log.debug("flashport.torch: SDPA passed over on CPU (%s)", reason)
+        return None
+    _native.log.debug("flashport.torch: torch SDPA runs this CPU call")
+    return _native.sdpa_attention(call)[0]
 
 
 def _native_call(

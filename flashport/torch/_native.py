@@ -134,6 +134,33 @@ def sdpa_unsupported(call: CanonicalCall, return_lse: bool) -> str | None:
     return None
 
 
+def cpu_sdpa_unsupported(call: CanonicalCall, return_lse: bool) -> str | None:
+    """Why ``auto`` on CPU tensors keeps ``call`` off torch SDPA (None: SDPA computes it exactly).
+
+    SDPA's CPU flash kernel takes what it can express without a materialized positional mask:
+    no or top-left causal (``is_causal``; any alignment when Sq == Sk), any scale, GQA/MQA
+    (``enable_gqa``, K/V not repeated), a bias of the query's dtype (with its gradient) and boolean
+    masks (both already [.., Sq, Sk] tensors). Windows, segment ids and bottom-right causal with
+    Sq != Sk would need an O(Sq·Sk) mask, and softcap, dropout with the contract's keep-mask and
+    ``return_lse`` are not SDPA's to give: those keep the JAX path (O(S) memory).
+    """
+    reason = sdpa_unsupported(call, return_lse)
+    if reason:
+        return reason
+    p = call.spec
+    if p.window_left is not None or p.window_right is not None:
+        return "a window (SDPA takes it only as an O(Sq*Sk) mask)"
+    if call.q_seg is not None:
+        return "segment ids (SDPA takes them only as an O(Sq*Sk) mask)"
+    if p.causal and p.offset != 0:
+        return f"bottom-right causal with Sq={p.seq_q} != Sk={p.seq_k} (SDPA's is_causal is top-left)"
+    if call.bias is not None and call.bias.dtype != call.q.dtype:
+        return f"a {call.bias.dtype} bias with {call.q.dtype} queries (SDPA would round the bias)"
+    if p.seq_q == 0 or p.seq_k == 0:
+        return "an empty sequence"
+    return None
+
+
 def sdpa_attention(call: CanonicalCall) -> tuple[torch.Tensor, None]:
     """torch SDPA with the contract's semantics made explicit.
 
