@@ -255,6 +255,8 @@ def check_call(call) -> str | None:
     return None
 
 
+# Deliberately parallel registrations (here and in kernels/pallas_tpu/backend.py): each backend
+# declares the same BackendInfo fields; the values are what differ.
 registry.register(
     registry.BackendInfo(
         name="pallas_gpu",

@@ -27,6 +27,8 @@ def _unsupported(**given):
             raise NotImplementedError(f"FlashAttention-3 {name}= is not supported by flashport's drop-in")
 
 
+# The public functions below mirror FlashAttention-3's signatures one for one (a drop-in must accept
+# exactly what the original accepts): their parameter lists are deliberately parallel.
 def flash_attn_func(
     q,
     k,

@@ -236,6 +236,9 @@ def _dense(
 # ----------------------------------------------------------------------------------- dense [B, S, H, D]
 
 
+# The public functions below mirror flash-attn 2.x's signatures one for one (a drop-in must accept
+# exactly what the original accepts), so their parameter lists are deliberately parallel; the shared
+# work lives in the private helpers they call.
 def flash_attn_func(
     q,
     k,

@@ -191,6 +191,8 @@ def dbias_block(g: Geometry, bias_shape):
     return (g.bq if bias_shape[2] > 1 else 1), (g.bk if bias_shape[3] > 1 else 1)
 
 
+# The same leading refs as _dkv_kernel, deliberately: Pallas passes refs positionally in the order
+# of the in_specs, and both kernels read the same inputs (tables, q, k, v, dO, lse, delta, ...).
 def _dq_kernel(
     tables,
     q_ref,
