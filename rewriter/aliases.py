@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import libcst as cst
 
-from flashport.rules.base import Rule
+from flashport.rules.base import Rewrite, Rule
 
 
 @dataclasses.dataclass
@@ -41,6 +41,9 @@ class Alias:
       uses: how many times the alias is read (libcst ``Assignment.references``).
       rewritten: calls through it that were rewritten; ``calls``: calls through it asked about.
       own_reason: the rule's own reason for keeping this value (its ``check_reference``), if any.
+      drop_in: the rule's rewrite of the value to flashport's drop-in, if it has one; a kept alias
+        gets it as its value. ``suppressed``: calls through it kept by a ``# flashport: ignore``
+        (the alias then keeps its value, or they would reach the drop-in).
     """
 
     name: str
@@ -54,6 +57,8 @@ class Alias:
     calls: int = 0
     rewritten: int = 0
     own_reason: str = ""
+    drop_in: Rewrite | None = None
+    suppressed: int = 0
 
     @property
     def local(self) -> bool:
@@ -127,13 +132,23 @@ def drop_statement(
     body: Sequence[cst.BaseStatement],
     original_body: Sequence[cst.BaseStatement],
     statement: cst.SimpleStatementLine,
+    value: cst.BaseExpression | None = None,
 ) -> tuple[cst.BaseStatement, ...] | None:
     """``body`` without the statement at ``statement``'s position in ``original_body`` (its leading
-    comments move to the next statement); None when it cannot be located safely."""
+    comments move to the next statement), or with ``value`` as that statement's assigned value when
+    given; None when it cannot be located safely."""
     index = next((i for i, s in enumerate(original_body) if s is statement), None)
-    if index is None or len(body) != len(original_body) or index + 1 >= len(body):
+    if index is None or len(body) != len(original_body):
         return None
     if not body[index].deep_equals(statement):
+        return None
+    if value is not None:
+        assign = statement.body[0]
+        if not isinstance(assign, cst.Assign):
+            return None
+        changed = statement.with_changes(body=[assign.with_changes(value=value)])
+        return (*body[:index], changed, *body[index + 1 :])
+    if index + 1 >= len(body):
         return None
     following = body[index + 1]
     if not isinstance(following, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
