@@ -62,7 +62,7 @@ PROBES = frozenset(
         "getfile",
     )
 )
-_CONTAINERS = (cst.Element, cst.Tuple, cst.List, cst.Set, cst.Arg)
+_CONTAINERS = (cst.Element, cst.Tuple, cst.List, cst.Set, cst.Arg, cst.ComparisonTarget)
 _IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError", "Exception", "BaseException", "OSError")
 
 
@@ -89,6 +89,12 @@ _PROVIDES = {
     BERT_PADDING: ("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"),
     SDPA: ("scaled_dot_product_attention",),
     XFORMERS: ("memory_efficient_attention",),
+}
+
+
+_CAVEATS = {  # what the note says about a drop-in besides "same signature"
+    FA4: "FA4's keywords and (out, lse) return; arguments after q, k, v are keyword-only: a positional one raises",
+    SDPA: "SDPA's signature; inputs of rank 4 only, other ranks raise",
 }
 
 
@@ -125,28 +131,22 @@ def _callee(node: cst.BaseExpression) -> str:
 
 def probe(ctx: RuleContext) -> str | None:
     """Why the value's context inspects or compares it instead of calling it (None when it does not)."""
-    holder: cst.CSTNode | None = None  # the call whose argument (list) holds the value
+    user = next((up for up in ctx.ancestors if not isinstance(up, _CONTAINERS)), None)
+    if isinstance(user, cst.Comparison):
+        return "compared (identity, equality or membership): the comparison must see the same object"
+    if isinstance(user, cst.Call):
+        callee = _callee(user.func)
+        if callee.rsplit(".", 1)[-1] in PROBES or callee.startswith("inspect."):
+            return f"inspected with {callee}(...) (a feature probe)"
     for up in ctx.ancestors:
         if isinstance(up, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
             break
-        if isinstance(up, cst.Comparison):
-            return "compared (identity, equality or membership): the comparison must see the same object"
         if isinstance(up, cst.Assign) and any(
             isinstance(t.target, cst.Name) and t.target.value == "__all__" for t in up.targets
         ):
             return "listed in __all__ (a re-export)"
         if isinstance(up, cst.Try) and any(_catches_import_error(h) for h in up.handlers):
             return "inside an import guard (try/except ImportError), which decides between flash-attn and a fallback"
-        if holder is None and isinstance(up, cst.Call):
-            holder = up
-    if holder is None or not isinstance(holder, cst.Call):
-        return None
-    between = ctx.ancestors[: ctx.ancestors.index(holder)]
-    if not all(isinstance(node, _CONTAINERS) for node in between):
-        return None
-    callee = _callee(holder.func)
-    if callee.rsplit(".", 1)[-1] in PROBES or callee.startswith("inspect."):
-        return f"inspected with {callee}(...) (a feature probe)"
     return None
 
 
@@ -169,7 +169,7 @@ def answer(node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
     if isinstance(found, str):
         return Report(f"{describe(node, ctx)}; not rewritten: {found}")
     module, name = found
-    note = f"{describe(node, ctx)}: the value is now flashport's drop-in {module}.{name} (same signature)"
+    note = f"{describe(node, ctx)}: the value is now flashport's drop-in {module}.{name} ({_CAVEATS.get(module, 'same signature')})"
     return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
 
 

@@ -91,8 +91,10 @@ class XformersAttnBias(Rule):
         """Keep every constructor when some consumer of a bias in the file stays xformers."""
         if not any(s.rule == self.CODE and s.status == "rewrite" for s in sites):
             return None  # nothing to veto: skip the walk over the file
-        rewritten = Counter(
-            s.line for s in sites if s.rule == "FPA110" and s.status == "rewrite" and s.kind == "call"
+        rewritten = Counter(  # a value use rewritten to the drop-in takes flashport's classes too
+            s.line
+            for s in sites
+            if s.rule == "FPA110" and s.status == "rewrite" and s.kind in ("call", "reference")
         )
         for line, count in sorted(_attention_uses(tree).items()):
             if count > rewritten[line]:
