@@ -31,7 +31,7 @@ from typing import TypeVar
 import libcst as cst
 from libcst.metadata import ScopeProvider
 
-from flashport.rewriter import aliases, suppress
+from flashport.rewriter import aliases, newsyntax, suppress
 from flashport.rewriter.positions import LinePositionProvider
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rules.base import (
@@ -479,6 +479,8 @@ class SiteTransformer(cst.CSTTransformer):
         """Why replacing ``value`` by the drop-in could change what the program does: its name may
         be bound to something else too (a ``None`` fallback of a guarded import), or the file
         compares it (``fn is flash_attn_func``, ``flash_attn_func is None``)."""
+        if any(map(_masked, self._path)):
+            return "inside Python 3.12+ syntax that this host's Python cannot analyse (kept byte-identical)"
         base = value
         while isinstance(base, cst.Attribute):
             base = base.value
@@ -589,6 +591,17 @@ class SiteTransformer(cst.CSTTransformer):
             self.rewrites += 1
             return outcome.node
         return updated_node
+
+
+def _masked(node: cst.CSTNode) -> bool:
+    """Whether ``node`` is a placeholder of :func:`flashport.rewriter.newsyntax.mask` (``(key, names)``
+    or ``key = (names,)``), whose text must stay as it is."""
+    first: cst.CSTNode | None = None
+    if isinstance(node, cst.Tuple) and node.elements:
+        first = node.elements[0].value
+    elif isinstance(node, cst.Assign):
+        first = node.targets[0].target
+    return isinstance(first, cst.Name) and first.value.startswith(newsyntax.PREFIX)
 
 
 def _drop_alias(
