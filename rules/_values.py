@@ -5,13 +5,14 @@ Calls are ported one by one because their arguments state the semantics; a value
 whatever calls it later (a dispatch table lookup, a ``functools.partial``, an attribute, a callback
 parameter) is out of the rule's sight. Where flashport ships a drop-in that replicates the API
 exactly (same signature, defaults and return convention: ``flashport.integrations.flash_attn_compat``,
-``flash_attn4_compat``, ``bert_padding``, ``sdpa_compat``, ``xformers_compat``), the value is replaced
-by the drop-in's function of the same name, so every later call runs on flashport whatever its
-arguments. The value stays (reported) where its meaning could change: feature probes
-(``callable(f)``, ``inspect.signature(f)``, ``getattr(f, ...)``), ``isinstance``/``issubclass``,
-identity or equality comparisons, ``__all__``, references inside an import guard (``try: ... except
-ImportError``), a flash-attn version whose signature differs from the drop-in's, and APIs without an
-exact drop-in. Local aliases whose calls can be resolved are ported call by call by the engine
+``bert_padding``, ``xformers_compat``), the value is replaced by the drop-in's function of the same
+name, so every later call runs on flashport whatever its arguments. The value stays (reported) where
+its meaning could change: feature probes (``callable(f)``, ``inspect.signature(f)``, ``getattr(f,
+...)``), ``isinstance``/``issubclass``, identity or equality comparisons, lookups by identity
+(``target=``), monkeypatches (``F.x = wrap(F.x)``), ``__all__``, references inside an import guard
+(``try: ... except ImportError``), a flash-attn version whose signature differs from the drop-in's,
+and APIs whose drop-in does not replicate every call (FA3's return type changed, FA4's drop-in lacks
+mask mods and block sparsity, SDPA's takes rank 4 only) or that have none. Local aliases whose calls can be resolved are ported call by call by the engine
 (:mod:`flashport.rewriter.aliases`).
 """
 
@@ -92,9 +93,15 @@ _PROVIDES = {
 }
 
 
-_CAVEATS = {  # what the note says about a drop-in besides "same signature"
-    FA4: "FA4's keywords and (out, lse) return; arguments after q, k, v are keyword-only: a positional one raises",
-    SDPA: "SDPA's signature; inputs of rank 4 only, other ranks raise",
+_INEXACT = {  # drop-ins that serve explicit calls but do not replicate every call a value may get
+    FA4: (
+        "the FA4 drop-in lacks mask/score mods, block sparsity, sinks and qv, and FA4's parameters "
+        "moved between releases; the callers of a value are out of sight"
+    ),
+    SDPA: (
+        "the SDPA drop-in takes rank-4 inputs only, and SDPA values are mostly wrapped, patched or "
+        "looked up by identity (SDPA itself runs on every host)"
+    ),
 }
 
 
@@ -109,6 +116,8 @@ def drop_in(api: str, ctx: RuleContext) -> tuple[str, str] | str:
         )
     if module is None or name not in _PROVIDES[module]:
         return "flashport has no drop-in with its exact signature"
+    if module in _INEXACT:
+        return _INEXACT[module]
     version = ctx.options.flash_attn_version
     shown = ".".join(map(str, version))
     if module == FA2 and name in _FA2_NAMES and version < FA2_SIGNATURE:
@@ -132,6 +141,9 @@ def _callee(node: cst.BaseExpression) -> str:
 def probe(ctx: RuleContext) -> str | None:
     """Why the value's context inspects or compares it instead of calling it (None when it does not)."""
     user = next((up for up in ctx.ancestors if not isinstance(up, _CONTAINERS)), None)
+    first = ctx.ancestors[0] if ctx.ancestors else None
+    if isinstance(first, cst.Arg) and first.keyword is not None and first.keyword.value == "target":
+        return "passed as target= (a lookup by identity, as torch.fx's find_nodes does)"
     if isinstance(user, cst.Comparison):
         return "compared (identity, equality or membership): the comparison must see the same object"
     if isinstance(user, cst.Call):
@@ -145,6 +157,10 @@ def probe(ctx: RuleContext) -> str | None:
             isinstance(t.target, cst.Name) and t.target.value == "__all__" for t in up.targets
         ):
             return "listed in __all__ (a re-export)"
+        if isinstance(up, cst.Assign) and ctx.node is not None:
+            here = ctx.code(ctx.node)
+            if any(ctx.code(t.target) == here for t in up.targets):
+                return f"wrapped and assigned back to {here} (a monkeypatch of the library function)"
         if isinstance(up, cst.Try) and any(_catches_import_error(h) for h in up.handlers):
             return "inside an import guard (try/except ImportError), which decides between flash-attn and a fallback"
     return None
@@ -169,7 +185,7 @@ def answer(node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
     if isinstance(found, str):
         return Report(f"{describe(node, ctx)}; not rewritten: {found}")
     module, name = found
-    note = f"{describe(node, ctx)}: the value is now flashport's drop-in {module}.{name} ({_CAVEATS.get(module, 'same signature')})"
+    note = f"{describe(node, ctx)}: the value is now flashport's drop-in {module}.{name} (same signature)"
     return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
 
 

@@ -17,7 +17,7 @@ from flashport.rules.base import RuleOptions
 
 torch = pytest.importorskip("torch")
 
-from torch_semantics_reference import flash_attn_ref, flash_attn_varlen_ref, sdpa_ref  # noqa: E402
+from torch_semantics_reference import flash_attn_ref, flash_attn_varlen_ref  # noqa: E402
 
 
 def port(source: str, **options) -> tuple[dict, str]:
@@ -71,10 +71,10 @@ def test_a_partial_of_flash_attn_func_runs_on_the_drop_in(sq, sk):
 
 
 TABLE = """
-    import torch.nn.functional as F
+    import xformers.ops as xops
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
-    KERNELS = {"fa2": flash_attn_func, "varlen": flash_attn_varlen_func, "sdpa": F.scaled_dot_product_attention}
+    KERNELS = {"fa2": flash_attn_func, "varlen": flash_attn_varlen_func, "mea": xops.memory_efficient_attention}
 
 
     def attend(kind, *args, **kwargs):
@@ -84,7 +84,10 @@ TABLE = """
 
 def test_a_dispatch_table_runs_every_entry_on_its_drop_in():
     namespace, code = port(TABLE)
-    assert "flash_attn_compat.flash_attn_varlen_func" in code and "sdpa_compat" in code
+    assert (
+        "flash_attn_compat.flash_attn_varlen_func" in code
+        and "xformers_compat.memory_efficient_attention" in code
+    )
     attend = namespace["attend"]
     q, k, v = rand(1, 5, 2, 8), rand(1, 7, 2, 8, seed=1), rand(1, 7, 2, 8, seed=2)
     close(attend("fa2", q, k, v, causal=True), flash_attn_ref(q, k, v, causal=True))
@@ -95,8 +98,9 @@ def test_a_dispatch_table_runs_every_entry_on_its_drop_in():
         attend("varlen", vq, vk, vv, cu_q, cu_k, 4, 6, causal=True),
         flash_attn_varlen_ref(vq, vk, vv, cu_q, cu_k, causal=True),
     )
-    bq, bk, bv = rand(2, 2, 3, 8), rand(2, 2, 5, 8, seed=1), rand(2, 2, 5, 8, seed=2)
-    close(attend("sdpa", bq, bk, bv, is_causal=True), sdpa_ref(bq, bk, bv, is_causal=True))
+    # xformers: [B, M, H, K], no mask = full attention, scale K ** -0.5 (= flash-attn's non-causal call)
+    close(attend("mea", q, k, v), flash_attn_ref(q, k, v))
+    close(attend("mea", q, k, v, scale=0.2), flash_attn_ref(q, k, v, softmax_scale=0.2))
 
 
 CALLBACK = """
