@@ -481,22 +481,27 @@ class SiteTransformer(cst.CSTTransformer):
         compares it (``fn is flash_attn_func``, ``flash_attn_func is None``)."""
         if any(map(_masked, self._path)):
             return "inside Python 3.12+ syntax that this host's Python cannot analyse (kept byte-identical)"
-        base = value
-        while isinstance(base, cst.Attribute):
-            base = base.value
+        chain: list[cst.BaseExpression] = [value]  # value, its receiver, ... down to the base name
+        while isinstance(chain[-1], cst.Attribute):
+            chain.append(chain[-1].value)
+        base = chain[-1]
         if not isinstance(base, cst.Name):
             return "not a plain name"
         scope = self.get_metadata(ScopeProvider, base, None)
-        bindings = None
-        for access in scope.accesses[base.value] if scope else ():
-            if access.node is base:
-                bindings = list(access.referents)
-        if (
-            bindings is None
-            or len(bindings) != 1
-            or not isinstance(getattr(bindings[0], "node", None), (cst.Import, cst.ImportFrom))
-        ):
-            return f"{base.value} is bound by more than its import (a fallback such as {base.value} = None?)"
+        bindings = None  # what the name resolves to; `import a.b` records the access of `a.b`
+        for node in chain if scope else ():
+            for access in scope.accesses[self.module.code_for_node(node)] if scope else ():
+                if access.node is node:
+                    bindings = list(access.referents)
+        imports_only = bool(bindings) and all(
+            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom)) for b in bindings or ()
+        )
+        if not imports_only or len({q.name for q in self._qualified_names(value)}) != 1:
+            # `import xformers` + `import xformers.ops.fmha` is fine: both give the value one meaning
+            return (
+                f"{base.value} is bound by more than one import or assignment (a fallback such as "
+                f"{base.value} = None, or another library's function): it may hold something else"
+            )
         leaf = value.attr.value if isinstance(value, cst.Attribute) else base.value
         line = self._compared_on(leaf)
         if line is not None:

@@ -294,3 +294,29 @@ def test_a_value_use_becomes_the_drop_in_when_flashport_has_one():
     assert "'a': flashport.integrations.flash_attn_compat.flash_attn_varlen_func" in result.new.decode()
     # the Triton kernel's 4th argument is a bias: no drop-in
     assert triton.status == "refused" and "port it by hand" in triton.reason
+
+
+def test_a_value_of_a_name_imported_from_two_libraries_stays():
+    result = run("""
+        try:
+            from flash_attn_interface import flash_attn_func
+        except ImportError:
+            from flash_attn import flash_attn_func
+
+        ATTN = {"flash": flash_attn_func}
+    """)
+    assert result.new is None  # FA3 or FA2 at run time: no single drop-in replicates both
+    [site] = result.sites
+    assert site.status == "refused" and "may hold something else" in site.reason
+
+
+def test_a_value_through_dotted_imports_becomes_the_drop_in():
+    result = run("""
+        import xformers
+        import xformers.ops.fmha
+
+        xformers_attention = xformers.ops.fmha.memory_efficient_attention
+    """)
+    text = result.new.decode()
+    assert "xformers_attention = flashport.integrations.xformers_compat.memory_efficient_attention\n" in text
+    assert "import xformers" not in text
