@@ -233,7 +233,7 @@ def test_a_value_of_a_name_with_a_fallback_binding_stays():
     """)
     assert result.new is None
     [site] = result.sites
-    assert site.status == "refused" and "bound by more than its import" in site.reason
+    assert site.status == "refused" and "a fallback such as flash_attn_func = None" in site.reason
 
 
 def test_a_value_inside_an_import_guard_stays():
