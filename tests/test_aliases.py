@@ -320,3 +320,14 @@ def test_a_value_through_dotted_imports_becomes_the_drop_in():
     text = result.new.decode()
     assert "xformers_attention = flashport.integrations.xformers_compat.memory_efficient_attention\n" in text
     assert "import xformers" not in text
+
+
+def test_a_suppressed_or_declined_value_use_stays():
+    source = b"from flash_attn import flash_attn_func\nATTN = {'a': flash_attn_func}\nB = [flash_attn_func]\n"
+    declined = transform_source(
+        source, "m.py", registry.all_rules(), RuleOptions(), skip={2: frozenset({"FPA001"})}
+    )
+    text = declined.new.decode()  # the declined entry keeps the GPU function, and so its import
+    assert "ATTN = {'a': flash_attn_func}" in text and "from flash_attn import flash_attn_func" in text
+    assert "B = [flashport.integrations.flash_attn_compat.flash_attn_func]" in text
+    assert [s.status for s in declined.sites] == ["suppressed", "rewrite"]
