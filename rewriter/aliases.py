@@ -11,10 +11,13 @@ source API, which libcst's scope analysis proves:
 
 When every use of a function-local alias is such a call and all of them were rewritten, the
 alias statement is removed (its comments move to the next statement), so the GPU import can go.
-Otherwise it stays and its site says why. Module-level aliases stay (another module may import
-them); their calls in this file are still ported. Attributes (``self.fn = flash_attn_func``),
-dispatch tables and ``functools.partial`` can be changed from elsewhere or bind arguments
-out of sight: they are reported with the reason, never rewritten.
+Otherwise it stays (module-level aliases always do: another module may import them; their calls in
+this file are still ported), and where the rule has a drop-in that replicates the API exactly its
+value becomes that drop-in (``attn = flashport.integrations.flash_attn_compat.flash_attn_func``), so
+the calls that were not ported and every importer run on flashport too -- unless a call through it
+was suppressed. Attributes (``self.fn = flash_attn_func``), dispatch tables and
+``functools.partial`` are not aliases: their calls cannot be resolved, so the value itself goes to
+the drop-in or is reported with the reason (:mod:`flashport.rules._values`).
 """
 
 from __future__ import annotations
