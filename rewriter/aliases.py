@@ -11,10 +11,13 @@ source API, which libcst's scope analysis proves:
 
 When every use of a function-local alias is such a call and all of them were rewritten, the
 alias statement is removed (its comments move to the next statement), so the GPU import can go.
-Otherwise it stays and its site says why. Module-level aliases stay (another module may import
-them); their calls in this file are still ported. Attributes (``self.fn = flash_attn_func``),
-dispatch tables and ``functools.partial`` can be changed from elsewhere or bind arguments
-out of sight: they are reported with the reason, never rewritten.
+Otherwise it stays (module-level aliases always do: another module may import them; their calls in
+this file are still ported), and where the rule has a drop-in that replicates the API exactly its
+value becomes that drop-in (``attn = flashport.integrations.flash_attn_compat.flash_attn_func``), so
+the calls that were not ported and every importer run on flashport too -- unless a call through it
+was suppressed. Attributes (``self.fn = flash_attn_func``), dispatch tables and
+``functools.partial`` are not aliases: their calls cannot be resolved, so the value itself goes to
+the drop-in or is reported with the reason (:mod:`flashport.rules._values`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Sequence
 
 import libcst as cst
 
-from flashport.rules.base import Rule
+from flashport.rules.base import Rewrite, Rule
 
 
 @dataclasses.dataclass
@@ -41,6 +44,9 @@ class Alias:
       uses: how many times the alias is read (libcst ``Assignment.references``).
       rewritten: calls through it that were rewritten; ``calls``: calls through it asked about.
       own_reason: the rule's own reason for keeping this value (its ``check_reference``), if any.
+      drop_in: the rule's rewrite of the value to flashport's drop-in, if it has one; a kept alias
+        gets it as its value. ``suppressed``: calls through it kept by a ``# flashport: ignore``
+        (the alias then keeps its value, or they would reach the drop-in).
     """
 
     name: str
@@ -54,6 +60,8 @@ class Alias:
     calls: int = 0
     rewritten: int = 0
     own_reason: str = ""
+    drop_in: Rewrite | None = None
+    suppressed: int = 0
 
     @property
     def local(self) -> bool:
@@ -127,13 +135,23 @@ def drop_statement(
     body: Sequence[cst.BaseStatement],
     original_body: Sequence[cst.BaseStatement],
     statement: cst.SimpleStatementLine,
+    value: cst.BaseExpression | None = None,
 ) -> tuple[cst.BaseStatement, ...] | None:
     """``body`` without the statement at ``statement``'s position in ``original_body`` (its leading
-    comments move to the next statement); None when it cannot be located safely."""
+    comments move to the next statement), or with ``value`` as that statement's assigned value when
+    given; None when it cannot be located safely."""
     index = next((i for i, s in enumerate(original_body) if s is statement), None)
-    if index is None or len(body) != len(original_body) or index + 1 >= len(body):
+    if index is None or len(body) != len(original_body):
         return None
     if not body[index].deep_equals(statement):
+        return None
+    if value is not None:
+        assign = statement.body[0]
+        if not isinstance(assign, cst.Assign):
+            return None
+        changed = statement.with_changes(body=[assign.with_changes(value=value)])
+        return (*body[:index], changed, *body[index + 1 :])
+    if index + 1 >= len(body):
         return None
     following = body[index + 1]
     if not isinstance(following, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):

@@ -31,7 +31,7 @@ from typing import TypeVar
 import libcst as cst
 from libcst.metadata import ScopeProvider
 
-from flashport.rewriter import aliases, suppress
+from flashport.rewriter import aliases, newsyntax, suppress
 from flashport.rewriter.positions import LinePositionProvider
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rules.base import (
@@ -145,6 +145,12 @@ class SiteTransformer(cst.CSTTransformer):
         self._attributes: dict[
             tuple[str, str], tuple[Rule, str, int]
         ] = {}  # (receiver, attr) of `self.fn = <source>`
+        self._dropped_in: set[int] = (
+            set()
+        )  # id(Name target) of `name = <source>` whose value became a drop-in
+        self._attributes_dropped_in: set[tuple[str, str]] = set()  # every `self.fn = <source>` became one
+        self._replacements: dict[int, cst.BaseExpression] = {}  # id(original value) -> its drop-in
+        self._compared: dict[str, int | None] = {}  # name -> first line comparing it (``is``, ``==``)
 
     # -- traversal path (what rules get as ``ctx.node`` / ``ctx.ancestors``) ------------------
 
@@ -169,9 +175,11 @@ class SiteTransformer(cst.CSTTransformer):
         return any(self._relevant.search(line) for line in self._lines[pos[0][0] - 1 : pos[1][0]])
 
     def on_leave(self, original_node, updated_node):
-        """Dispatch to ``leave_*``, then take ``original_node`` off the path."""
+        """Dispatch to ``leave_*`` (or put in the drop-in a value use was rewritten to), then take
+        ``original_node`` off the path."""
         try:
-            return super().on_leave(original_node, updated_node)
+            left = super().on_leave(original_node, updated_node)
+            return self._replacements.get(id(original_node), left)
         finally:
             self._path.pop()
 
@@ -278,6 +286,8 @@ class SiteTransformer(cst.CSTTransformer):
             alias.calls += 1
         rule, api = matched
         if suppress.is_suppressed(self.suppressions, rule.CODE, where[0], where[2]):
+            if alias is not None:
+                alias.suppressed += 1
             self._record(rule, api, "call", where, None)
             return updated_node
         try:
@@ -312,7 +322,8 @@ class SiteTransformer(cst.CSTTransformer):
         """Report a call through a name that *may* hold a source API (bound to it and to other
         things): the call is where a reader looks, so it is listed there too."""
         if isinstance(call.func, cst.Attribute) and isinstance(call.func.value, cst.Name):
-            held = self._attributes.get((call.func.value.value, call.func.attr.value))
+            key = (call.func.value.value, call.func.attr.value)
+            held = None if key in self._attributes_dropped_in else self._attributes.get(key)
             where = self._file_lines(call) if held else None
             if held is not None and where is not None:
                 rule, api, line = held
@@ -333,11 +344,9 @@ class SiteTransformer(cst.CSTTransformer):
         scope = self.get_metadata(ScopeProvider, call.func, None)
         for access in scope.accesses[call.func.value] if scope else ():
             if access.node is call.func:
-                hits = [
-                    self._values[id(getattr(r, "node", None))]
-                    for r in access.referents
-                    if id(getattr(r, "node", None)) in self._values
-                ]
+                # bindings whose value became the drop-in are left out: their value use answers for them
+                bound = [id(getattr(r, "node", None)) for r in access.referents]
+                hits = [self._values[b] for b in bound if b in self._values and b not in self._dropped_in]
                 where = self._file_lines(call)
                 if hits and where is not None:
                     rule, api, line = hits[0]
@@ -376,12 +385,9 @@ class SiteTransformer(cst.CSTTransformer):
         if assignment is None:
             return False
         rule, api = matched
+        answer = self._value_outcome(rule, api, node.value, where[0])
         own_reason = ""
         if type(rule).check_reference is not Rule.check_reference:  # the rule says why its values stay
-            try:
-                answer = rule.check_reference(node.value, self._context(where[0], api, node.value))
-            except Refuse as refusal:
-                answer = Refusal(refusal.reason)
             own_reason = answer.reason if isinstance(answer, (Refusal, Report)) else ""
         self._aliases[id(assignment)] = aliases.Alias(
             target.value,
@@ -393,20 +399,31 @@ class SiteTransformer(cst.CSTTransformer):
             where,
             uses=len(assignment.references),
             own_reason=own_reason,
+            drop_in=answer if isinstance(answer, Rewrite) else None,
         )
         return True
 
     def _settle_aliases(self, original: _OwnerT, updated: _OwnerT) -> _OwnerT:
-        """Record the sites of the aliases bound in ``original``'s body; remove the removable ones."""
+        """Record the sites of the aliases bound in ``original``'s body; remove the removable ones,
+        and give the others the drop-in as their value when the rule has one (every call through
+        them then runs on flashport, ported or not)."""
         for alias in [a for a in self._aliases.values() if a.owner is original]:
             outcome: Outcome = Report(alias.own_reason or alias.reason())
             dropped = _drop_alias(original, updated, alias.statement) if alias.removable() else None
+            swapped = None
+            if dropped is None and alias.drop_in is not None and not alias.suppressed:
+                swapped = _drop_alias(original, updated, alias.statement, alias.drop_in.node)
             if dropped is not None:
                 updated = dropped
                 outcome = Rewrite(
                     cst.Name(alias.name),
                     notes=(f"alias removed: all {alias.uses} calls through it were ported",),
                 )
+                self.rewrites += 1
+            elif swapped is not None and alias.drop_in is not None:
+                updated = swapped
+                outcome = alias.drop_in  # its note: "stored in <alias>: the value is now ... drop-in"
+                self.imports.update(alias.drop_in.imports)
                 self.rewrites += 1
             self._record(alias.rule, alias.api, "reference", alias.where, outcome)
         return updated
@@ -423,44 +440,113 @@ class SiteTransformer(cst.CSTTransformer):
 
     # -- references (functions passed as values) ---------------------------------------------
 
-    def _reference(self, value: cst.BaseExpression | None) -> None:
+    def _reference(self, value: cst.BaseExpression | None) -> bool:
+        """Ask the matching rule about a source API used as a value; put in its drop-in when the
+        rule rewrites it (:func:`flashport.rules._values.answer`). True when it was rewritten."""
         if value is None or isinstance(value, cst.Call):
-            return
+            return False
         matched = self._match(value)
         if matched is None:
-            return
+            return False
         where = self._file_lines(value)
         if where is None:
-            return
+            return False
         rule, api = matched
+        outcome = self._value_outcome(rule, api, value, where[0])
+        site = self._record(rule, api, "reference", where, outcome)
+        if site is None or site.status != REWRITE or not isinstance(outcome, Rewrite):
+            return False
+        self._replacements[id(value)] = outcome.node
+        self.imports.update(outcome.imports)
+        self.rewrites += 1
+        return True
+
+    def _value_outcome(self, rule: Rule, api: str, value: cst.BaseExpression, line: int) -> Outcome:
+        """The rule's answer for ``value`` (a source API not called), its rewrite turned into a
+        report where the name may hold something else or the file compares it."""
         try:
-            outcome = rule.check_reference(value, self._context(where[0], api, value))
+            outcome = rule.check_reference(value, self._context(line, api, value))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
-        if isinstance(outcome, Rewrite):  # references are reported, never rewritten by the engine
-            outcome = Report("used as a value: not rewritten")
-        self._record(rule, api, "reference", where, outcome)
+        if not isinstance(outcome, Rewrite):
+            return outcome
+        if rule.CODE in self.vetoes:
+            return Refusal(self.vetoes[rule.CODE])
+        why = self._value_may_differ(value)
+        return Report(f"{why}: not rewritten") if why else outcome
+
+    def _value_may_differ(self, value: cst.BaseExpression) -> str | None:
+        """Why replacing ``value`` by the drop-in could change what the program does: its name may
+        be bound to something else too (a ``None`` fallback of a guarded import), or the file
+        compares it (``fn is flash_attn_func``, ``flash_attn_func is None``)."""
+        if any(map(_masked, self._path)):
+            return "inside Python 3.12+ syntax that this host's Python cannot analyse (kept byte-identical)"
+        chain: list[cst.BaseExpression] = [value]  # value, its receiver, ... down to the base name
+        while isinstance(chain[-1], cst.Attribute):
+            chain.append(chain[-1].value)
+        base = chain[-1]
+        if not isinstance(base, cst.Name):
+            return "not a plain name"
+        scope = self.get_metadata(ScopeProvider, base, None)
+        bindings = None  # what the name resolves to; `import a.b` records the access of `a.b`
+        for node in chain if scope else ():
+            for access in scope.accesses[self.module.code_for_node(node)] if scope else ():
+                if access.node is node:
+                    bindings = list(access.referents)
+        imports_only = bool(bindings) and all(
+            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom)) for b in bindings or ()
+        )
+        if not imports_only or len({q.name for q in self._qualified_names(value)}) != 1:
+            # `import xformers` + `import xformers.ops.fmha` is fine: both give the value one meaning
+            return (
+                f"{base.value} is bound by more than one import or assignment (a fallback such as "
+                f"{base.value} = None, or another library's function): it may hold something else"
+            )
+        leaf = value.attr.value if isinstance(value, cst.Attribute) else base.value
+        line = self._compared_on(leaf)
+        if line is not None:
+            return f"the file compares {leaf} (line {line}): the comparison must see the same object"
+        return None
+
+    def _compared_on(self, name: str) -> int | None:
+        """The first mini-module line that compares ``name`` with ``is``/``==``/``!=`` (None: none)."""
+        if name not in self._compared:
+            pattern = re.compile(
+                rf"(\bis\b(\s+not)?|[=!]=)\s*[\w.]*\b{re.escape(name)}\b|\b{re.escape(name)}\s*(\bis\b|[=!]=)"
+            )
+            lines = self._lines or []
+            line = next((i + 1 for i, text in enumerate(lines) if pattern.search(text)), None)
+            index = bisect.bisect_right(self._firsts, line) - 1 if line is not None else -1
+            if line is not None and index >= 0 and line <= self.line_map[index][1]:
+                line += self.line_map[index][2] - self.line_map[index][0]  # the file's line
+            self._compared[name] = line
+        return self._compared[name]
 
     def visit_Arg(self, node: cst.Arg) -> None:
-        """``f(attention_fn=flash_attn_func)`` and ``inspect.signature(flash_attn_func)``."""
+        """``f(attention_fn=flash_attn_func)``, ``functools.partial(flash_attn_func, causal=True)``
+        and ``inspect.signature(flash_attn_func)``."""
         self._reference(node.value)
 
     def visit_Assign(self, node: cst.Assign) -> None:
         """``fn = flash_attn_func``: a local alias (calls through it are ported) or a value use."""
         if self._alias(node):
             return
-        self._reference(node.value)
+        rewritten = self._reference(node.value)
         matched = self._match(node.value) if isinstance(node.value, (cst.Name, cst.Attribute)) else None
         where = self._file_lines(node.value) if matched else None
         if matched is not None and where is not None:
             for target in node.targets:
                 if isinstance(target.target, cst.Name):
                     self._values[id(target.target)] = (*matched, where[0])
+                    if rewritten:
+                        self._dropped_in.add(id(target.target))
                 elif isinstance(target.target, cst.Attribute) and isinstance(target.target.value, cst.Name):
-                    self._attributes[(target.target.value.value, target.target.attr.value)] = (
-                        *matched,
-                        where[0],
-                    )
+                    key = (target.target.value.value, target.target.attr.value)
+                    if rewritten and (key in self._attributes_dropped_in or key not in self._attributes):
+                        self._attributes_dropped_in.add(key)
+                    else:
+                        self._attributes_dropped_in.discard(key)
+                    self._attributes[key] = (*matched, where[0])
 
     def visit_DictElement(self, node: cst.DictElement) -> None:
         """``{"flash_attention_2": flash_attn_func}``."""
@@ -512,14 +598,31 @@ class SiteTransformer(cst.CSTTransformer):
         return updated_node
 
 
-def _drop_alias(original: _OwnerT, updated: _OwnerT, statement: cst.SimpleStatementLine) -> _OwnerT | None:
-    """``updated`` without the alias ``statement`` (located in ``original``'s body), or None when it
-    cannot be removed safely (:func:`flashport.rewriter.aliases.drop_statement`)."""
+def _masked(node: cst.CSTNode) -> bool:
+    """Whether ``node`` is a placeholder of :func:`flashport.rewriter.newsyntax.mask` (``(key, names)``
+    or ``key = (names,)``), whose text must stay as it is."""
+    first: cst.CSTNode | None = None
+    if isinstance(node, cst.Tuple) and node.elements:
+        first = node.elements[0].value
+    elif isinstance(node, cst.Assign):
+        first = node.targets[0].target
+    return isinstance(first, cst.Name) and first.value.startswith(newsyntax.PREFIX)
+
+
+def _drop_alias(
+    original: _OwnerT,
+    updated: _OwnerT,
+    statement: cst.SimpleStatementLine,
+    value: cst.BaseExpression | None = None,
+) -> _OwnerT | None:
+    """``updated`` without the alias ``statement`` (located in ``original``'s body) or, given a
+    ``value``, with ``value`` as the alias's value; None when it cannot be changed safely
+    (:func:`flashport.rewriter.aliases.drop_statement`)."""
     if isinstance(original, cst.Module) and isinstance(updated, cst.Module):
-        body = aliases.drop_statement(updated.body, original.body, statement)
+        body = aliases.drop_statement(updated.body, original.body, statement, value)
         return None if body is None else updated.with_changes(body=body)
     block, original_block = updated.body, original.body
     if not isinstance(block, cst.IndentedBlock) or not isinstance(original_block, cst.IndentedBlock):
         return None  # `def f(): a = x; ...` on one line holds small statements, never an alias line
-    body = aliases.drop_statement(block.body, original_block.body, statement)
+    body = aliases.drop_statement(block.body, original_block.body, statement, value)
     return None if body is None else updated.with_changes(body=block.with_changes(body=body))

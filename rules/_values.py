@@ -1,102 +1,210 @@
-"""Why a source API used as a value (not called) is not rewritten, said for the actual context.
+"""A source API used as a value (not called): ported to flashport's drop-in of the same name, or
+reported with a reason said for the actual context.
 
 Calls are ported one by one because their arguments state the semantics; a value escapes that:
-whatever calls it later (a dispatch table lookup, a ``functools.partial``, an attribute anyone can
-rebind, a callback parameter) is out of the rule's sight. Where flashport ships a signature-compatible
-drop-in (``flashport.integrations.flash_attn_compat`` and the FA3/FA4 ones) the reason names it. Local aliases whose calls can be
-resolved are ported by the engine (:mod:`flashport.rewriter.aliases`); everything else gets one of
-these reasons.
+whatever calls it later (a dispatch table lookup, a ``functools.partial``, an attribute, a callback
+parameter) is out of the rule's sight. Where flashport ships a drop-in that replicates the API
+exactly (same signature, defaults and return convention: ``flashport.integrations.flash_attn_compat``,
+``bert_padding``, ``xformers_compat``), the value is replaced by the drop-in's function of the same
+name, so every later call runs on flashport whatever its arguments. The value stays (reported) where
+its meaning could change: feature probes (``callable(f)``, ``inspect.signature(f)``, ``getattr(f,
+...)``), ``isinstance``/``issubclass``, identity or equality comparisons, lookups by identity
+(``target=``), monkeypatches (``F.x = wrap(F.x)``), ``__all__``, references inside an import guard
+(``try: ... except ImportError``), a flash-attn version whose signature differs from the drop-in's,
+and APIs whose drop-in does not replicate every call (FA3's return type changed, FA4's drop-in lacks
+mask mods and block sparsity, SDPA's takes rank 4 only) or that have none. Local aliases whose calls can be resolved are ported call by call by the engine
+(:mod:`flashport.rewriter.aliases`).
 """
 
 from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import RuleContext
+from flashport.rules.base import Outcome, Report, Rewrite, RuleContext, dotted
 
-_DROP_INS = {  # (module prefix, drop-in module, names it provides with the source's signature)
-    "fa2": (
-        "flashport.integrations.flash_attn_compat",
-        (
-            "flash_attn_func",
-            "flash_attn_qkvpacked_func",
-            "flash_attn_kvpacked_func",
-            "flash_attn_varlen_func",
-            "flash_attn_varlen_qkvpacked_func",
-            "flash_attn_varlen_kvpacked_func",
-            "flash_attn_unpadded_func",
-            "flash_attn_unpadded_qkvpacked_func",
-            "flash_attn_unpadded_kvpacked_func",
-            "flash_attn_with_kvcache",
-        ),
-    ),
-    "fa3": ("flashport.integrations.flash_attn3_compat", ("flash_attn_func", "flash_attn_varlen_func")),
-    "fa4": ("flashport.integrations.flash_attn4_compat", ("flash_attn_func", "flash_attn_varlen_func")),
+FA2 = "flashport.integrations.flash_attn_compat"
+_FA2_NAMES = (
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+)
+_FA1_NAMES = (
+    "flash_attn_unpadded_func",
+    "flash_attn_unpadded_qkvpacked_func",
+    "flash_attn_unpadded_kvpacked_func",
+)
+FA4 = "flashport.integrations.flash_attn4_compat"
+BERT_PADDING = "flashport.integrations.bert_padding"
+SDPA = "flashport.integrations.sdpa_compat"
+XFORMERS = "flashport.integrations.xformers_compat"
+FA2_SIGNATURE = (2, 6)  # flash-attn's 2.x signatures are 2.8.3's (the drop-ins') from 2.6 on
+SEQUSED = (2, 7)  # unpad_input returns five values from 2.7 on (the drop-in's)
+# Callees that inspect a function instead of calling it: the value must stay the one it probes.
+PROBES = frozenset(
+    (
+        "callable",
+        "getattr",
+        "hasattr",
+        "isinstance",
+        "issubclass",
+        "id",
+        "type",
+        "vars",
+        "dir",
+        "repr",
+        "signature",
+        "getfullargspec",
+        "getsource",
+        "getmodule",
+        "getfile",
+    )
+)
+_CONTAINERS = (cst.Element, cst.Tuple, cst.List, cst.Set, cst.Arg, cst.ComparisonTarget)
+_IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError", "Exception", "BaseException", "OSError")
+
+
+def family(api: str) -> str | None:
+    """Which flashport drop-in module replicates ``api`` (a qualified source name), if any."""
+    if api.startswith("flash_attn.cute"):
+        return FA4
+    if api.startswith(("flash_attn_interface", "flash_attn_3", "hopper")):
+        return None  # FA3's return type changed on 2025-07-11; nothing says which one the code expects
+    if api.startswith("flash_attn.bert_padding."):
+        return BERT_PADDING
+    if api == "torch.nn.functional.scaled_dot_product_attention":
+        return SDPA
+    if api.startswith("xformers.ops."):
+        return XFORMERS
+    if api.startswith("flash_attn.") and "triton" not in api:
+        return FA2
+    return None
+
+
+_PROVIDES = {
+    FA2: _FA2_NAMES + _FA1_NAMES,
+    FA4: ("flash_attn_func", "flash_attn_varlen_func"),
+    BERT_PADDING: ("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"),
+    SDPA: ("scaled_dot_product_attention",),
+    XFORMERS: ("memory_efficient_attention",),
 }
 
 
-def _tail(api: str) -> str:
-    """ "not rewritten", plus the drop-in to use by hand when flashport has one for ``api``."""
-    name = api.rsplit(".", 1)[-1]
-    family = (
-        "fa4"
-        if api.startswith("flash_attn.cute")
-        else "fa3"
-        if api.startswith(("flash_attn_interface", "flash_attn_3", "hopper"))
-        else "fa2"
-        if api.startswith("flash_attn.") and "triton" not in api
-        else None
-    )
-    if family and name in _DROP_INS[family][1]:
-        return f"not rewritten; {_DROP_INS[family][0]}.{name} is a drop-in with the same signature to use instead"
-    return "not rewritten"
+_INEXACT = {  # drop-ins that serve explicit calls but do not replicate every call a value may get
+    FA4: (
+        "the FA4 drop-in lacks mask/score mods, block sparsity, sinks and qv, and FA4's parameters "
+        "moved between releases; the callers of a value are out of sight"
+    ),
+    SDPA: (
+        "the SDPA drop-in takes rank-4 inputs only, and SDPA values are mostly wrapped, patched or "
+        "looked up by identity (SDPA itself runs on every host)"
+    ),
+}
 
 
-def _name(node: cst.BaseExpression) -> str:
+def drop_in(api: str, ctx: RuleContext) -> tuple[str, str] | str:
+    """``(module, function)`` of the drop-in that replicates ``api`` at the configured versions,
+    or why there is none."""
+    module, name = family(api), api.rsplit(".", 1)[-1]
+    if api.startswith(("flash_attn_interface", "flash_attn_3", "hopper")):
+        return (
+            "FlashAttention-3 changed its return type on 2025-07-11 (out vs (out, lse)) and the "
+            "callers of a value are out of sight"
+        )
+    if module is None or name not in _PROVIDES[module]:
+        return "flashport has no drop-in with its exact signature"
+    if module in _INEXACT:
+        return _INEXACT[module]
+    version = ctx.options.flash_attn_version
+    shown = ".".join(map(str, version))
+    if module == FA2 and name in _FA2_NAMES and version < FA2_SIGNATURE:
+        return (
+            f"the drop-in follows flash-attn 2.8's signature and --flash-attn-version is {shown} "
+            "(parameters moved in 2.3-2.6; causal is top-left before 2.1)"
+        )
+    if module == BERT_PADDING and name == "unpad_input" and version < SEQUSED:
+        return f"the drop-in returns flash-attn 2.7's five values and --flash-attn-version is {shown}"
+    return module, name
+
+
+def _callee(node: cst.BaseExpression) -> str:
     if isinstance(node, cst.Name):
         return node.value
     if isinstance(node, cst.Attribute):
-        return f"{_name(node.value)}.{node.attr.value}"
+        return f"{_callee(node.value)}.{node.attr.value}"
     return "..."
 
 
+def probe(ctx: RuleContext) -> str | None:
+    """Why the value's context inspects or compares it instead of calling it (None when it does not)."""
+    user = next((up for up in ctx.ancestors if not isinstance(up, _CONTAINERS)), None)
+    first = ctx.ancestors[0] if ctx.ancestors else None
+    if isinstance(first, cst.Arg) and first.keyword is not None and first.keyword.value == "target":
+        return "passed as target= (a lookup by identity, as torch.fx's find_nodes does)"
+    if isinstance(user, cst.Comparison):
+        return "compared (identity, equality or membership): the comparison must see the same object"
+    if isinstance(user, cst.Call):
+        callee = _callee(user.func)
+        if callee.rsplit(".", 1)[-1] in PROBES or callee.startswith("inspect."):
+            return f"inspected with {callee}(...) (a feature probe)"
+    for up in ctx.ancestors:
+        if isinstance(up, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            break
+        if isinstance(up, cst.Assign) and any(
+            isinstance(t.target, cst.Name) and t.target.value == "__all__" for t in up.targets
+        ):
+            return "listed in __all__ (a re-export)"
+        if isinstance(up, cst.Assign) and ctx.node is not None:
+            here = ctx.code(ctx.node)
+            if any(ctx.code(t.target) == here for t in up.targets):
+                return f"wrapped and assigned back to {here} (a monkeypatch of the library function)"
+        if isinstance(up, cst.Try) and any(_catches_import_error(h) for h in up.handlers):
+            return "inside an import guard (try/except ImportError), which decides between flash-attn and a fallback"
+    return None
+
+
+def _catches_import_error(handler: cst.ExceptHandler) -> bool:
+    if handler.type is None:
+        return True
+    names = (
+        [e.value for e in handler.type.elements] if isinstance(handler.type, cst.Tuple) else [handler.type]
+    )
+    return any(_callee(name).rsplit(".", 1)[-1] in _IMPORT_ERRORS for name in names)
+
+
+def answer(node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
+    """The outcome for a source API used as a value: a rewrite to its drop-in (the note says how the
+    value is used), or a report saying why it stays."""
+    found = drop_in(ctx.qualified_name, ctx)
+    why = probe(ctx)
+    if why is not None:
+        return Report(f"{why}: not a call to port; kept")
+    if isinstance(found, str):
+        return Report(f"{describe(node, ctx)}; not rewritten: {found}")
+    module, name = found
+    note = f"{describe(node, ctx)}: the value is now flashport's drop-in {module}.{name} (same signature)"
+    return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
+
+
 def describe(node: cst.BaseExpression, ctx: RuleContext) -> str:
-    """One line: how ``node`` (a source API as a value) is used and why it stays."""
-    tail = _tail(ctx.qualified_name or "")
-    path = [a for a in ctx.ancestors]
+    """A few words on how ``node`` (a source API as a value) is used."""
+    path = list(ctx.ancestors)
     up = path[0] if path else None
     if isinstance(up, cst.DictElement):
-        return f"entry of a dispatch table: calls through the table are out of sight; {tail}"
+        return "entry of a dispatch table"
     if isinstance(up, cst.Element):
-        return f"element of a list/tuple/set: calls through it are out of sight; {tail}"
+        return "element of a list/tuple/set"
     if isinstance(up, cst.Arg) and len(path) > 1 and isinstance(path[1], cst.Call):
-        callee = _name(path[1].func)
+        callee = _callee(path[1].func)
         if callee.rsplit(".", 1)[-1] == "partial":
-            return f"bound with {callee}(...): the arguments of the later calls are out of sight; {tail}"
-        if callee.rsplit(".", 1)[-1] in (
-            "signature",
-            "getfullargspec",
-            "getattr",
-            "hasattr",
-            "isinstance",
-            "id",
-        ):
-            return f"inspected with {callee}(...) (a feature probe): not a call to port"
-        return f"passed to {callee}(...) as a callback: its calls are out of sight; {tail}"
+            return f"bound with {callee}(...)"
+        return f"passed to {callee}(...) as a callback"
     if isinstance(up, cst.Assign):
         targets = [t.target for t in up.targets]
-        if any(isinstance(t, cst.Attribute) for t in targets):
-            return (
-                f"stored in {_name(next(t for t in targets if isinstance(t, cst.Attribute)))}: an attribute can be "
-                f"rebound from anywhere, so calls through it cannot be resolved; {tail}"
-            )
-        names_bound = [t.value for t in targets if isinstance(t, cst.Name)]
-        if len(names_bound) == len(targets):
-            names = ", ".join(names_bound)
-            return (
-                f"assigned to {names}, which is bound more than once, bound in a class, nested block or several "
-                f"targets, or used as a value: calls through it do not resolve to this function alone; {tail}"
-            )
+        return f"stored in {', '.join(_callee(t) for t in targets)}"
     if isinstance(up, cst.Return):
-        return f"returned as a value: its callers are out of sight; {tail}"
-    return f"used as a value (callback, mapping or feature probe), not called: {tail}"
+        return "returned as a value"
+    return "used as a value"

@@ -176,11 +176,13 @@ class Rule:
         return Refusal("no rewrite implemented for this API")
 
     def check_reference(self, node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
-        """Answer for a source API used as a value (callback, mapping entry, feature probe): a
-        report whose reason names the context (:func:`flashport.rules._values.describe`)."""
+        """Answer for a source API used as a value (callback, mapping entry, ``functools.partial``,
+        attribute): a rewrite to flashport's drop-in of the same name where one replicates the API
+        exactly, else a report whose reason names the context (feature probe, comparison, version,
+        no drop-in; :func:`flashport.rules._values.answer`)."""
         from flashport.rules import _values
 
-        return Report(_values.describe(node, ctx))
+        return _values.answer(node, ctx)
 
     def check_string(self, node: cst.SimpleString, value: str, ctx: RuleContext) -> Outcome:
         """Answer for a string literal whose value is in :attr:`STRINGS`."""

@@ -4,7 +4,9 @@ What it rewrites:
   calls of ``unpad_input``, ``pad_input``, ``index_first_axis`` and ``index_put_first_axis`` from
   ``flash_attn.bert_padding`` (any import form). Importing ``flash_attn.bert_padding`` loads
   flash-attn's CUDA extension, so a file that only needs these plain-torch helpers would still
-  need flash-attn; once every use is rewritten the engine drops the import.
+  need flash-attn; once every use is rewritten the engine drops the import. Used as values
+  (dispatch tables, callbacks), they become the drop-ins of the same name too (``unpad_input``
+  only from flash-attn 2.7, whose five return values the drop-in has).
 
 Semantics mapping:
   the same functions, arguments and results, in plain torch (``flashport/integrations/bert_padding.py``):
@@ -15,8 +17,8 @@ Semantics mapping:
 
 What it refuses:
   ``unpad_input`` with a third argument (``unused_mask``) before flash-attn 2.7, which had none;
-  other ``bert_padding`` names (``unpad_input_for_concatenated_sequences``...) and value uses are
-  reported, not rewritten.
+  other ``bert_padding`` names (``unpad_input_for_concatenated_sequences``...), and value uses that
+  probe or compare the function, are reported, not rewritten.
 
 Example::
 

@@ -24,7 +24,8 @@ What it refuses:
   a file (decided once the file's other sites are final) where some use of
   ``memory_efficient_attention*`` is not rewritten by FPA110 -- refused, suppressed with
   ``# flashport: ignore[FPA110]``, left out by ``--ignore FPA110``, declined in ``--interactive``
-  review, or used as a value -- or where a bias class is used as a value (``isinstance(b,
+  review, or used as a value that stays xformers' (a probe such as ``callable(...)``; a value
+  rewritten to the drop-in takes flashport's classes) -- or where a bias class is used as a value (``isinstance(b,
   LowerTriangularMask)``): a bias built here could reach code that still runs xformers and needs
   xformers' own classes.
 
@@ -91,8 +92,10 @@ class XformersAttnBias(Rule):
         """Keep every constructor when some consumer of a bias in the file stays xformers."""
         if not any(s.rule == self.CODE and s.status == "rewrite" for s in sites):
             return None  # nothing to veto: skip the walk over the file
-        rewritten = Counter(
-            s.line for s in sites if s.rule == "FPA110" and s.status == "rewrite" and s.kind == "call"
+        rewritten = Counter(  # a value use rewritten to the drop-in takes flashport's classes too
+            s.line
+            for s in sites
+            if s.rule == "FPA110" and s.status == "rewrite" and s.kind in ("call", "reference")
         )
         for line, count in sorted(_attention_uses(tree).items()):
             if count > rewritten[line]:

@@ -65,13 +65,30 @@ def test_a_ported_alias_call_computes_what_the_original_api_computes():
     assert (namespace["f"](q, k, v).double() - want).abs().max().item() < 1e-5
 
 
-def test_an_alias_with_a_call_that_is_not_ported_stays_and_says_why():
+def test_an_alias_also_used_as_a_value_stays_with_the_drop_in_as_its_value():
     result = run("""
         from flash_attn import flash_attn_func
 
         def f(q, k, v, drop, table):
             attn = flash_attn_func
             table.append(attn)
+            return attn(q, k, v, causal=True)
+    """)
+    text = result.new.decode()
+    assert "    attn = flashport.integrations.flash_attn_compat.flash_attn_func\n" in text
+    assert "flash_attn import" not in text and "table.append(attn)" in text
+    alias = next(s for s in result.sites if s.kind == "reference")
+    assert alias.status == "rewrite" and "drop-in" in alias.notes[0]
+
+
+def test_an_alias_with_a_suppressed_call_keeps_its_value_and_says_why():
+    result = run("""
+        from flash_attn import flash_attn_func
+
+        def f(q, k, v, drop, table):
+            attn = flash_attn_func
+            table.append(attn)
+            a = attn(q, k, v)  # flashport: ignore[FPA001]
             return attn(q, k, v, causal=True)
     """)
     text = result.new.decode()
@@ -92,22 +109,34 @@ def test_a_name_that_may_hold_something_else_is_not_rewritten_and_is_reported_at
     source = f"from flash_attn import flash_attn_func\n\ndef f(q, k, v, p):\n    {binding}\n    return attn(q, k, v)\n"
     result = transform_source(source.encode(), "m.py", registry.all_rules(), RuleOptions())
     assert result.new is None or b"return attn(q, k, v)" in result.new
-    assert all(s.status != "rewrite" for s in result.sites)
+    assert all(s.status != "rewrite" for s in result.sites if s.kind == "call")
+
+
+REBOUND = """
+from flash_attn import flash_attn_func
+
+def f(q, k, v, p):
+    attn = flash_attn_func
+    if p:
+        attn = other
+    return attn(q, k, v)
+"""
 
 
 def test_a_rebound_alias_call_is_reported_where_it_is_called():
-    result = run("""
-        from flash_attn import flash_attn_func
-
-        def f(q, k, v, p):
-            attn = flash_attn_func
-            if p:
-                attn = other
-            return attn(q, k, v)
-    """)
+    old = RuleOptions(flash_attn_version=(2, 5, 0))  # no drop-in at this version: the value stays
+    result = transform_source(REBOUND.encode(), "m.py", registry.all_rules(), old)
     assert result.new is None
     call = next(s for s in result.sites if s.kind == "call")
     assert call.line == 8 and call.status == "refused" and "does not resolve to one function" in call.reason
+
+
+def test_a_rebound_alias_gets_the_drop_in_and_its_call_reaches_it():
+    result = run(REBOUND)
+    text = result.new.decode()
+    assert "    attn = flashport.integrations.flash_attn_compat.flash_attn_func\n" in text
+    assert "return attn(q, k, v)" in text and "flash_attn import" not in text
+    assert [(s.kind, s.status) for s in result.sites] == [("reference", "rewrite")]
 
 
 def test_scope_analysis_keeps_a_same_named_parameter_apart():
@@ -135,9 +164,10 @@ def test_module_level_alias_calls_are_ported_and_the_alias_kept_for_importers():
             return attention(q, k, v, causal=True)
     """)
     text = result.new.decode()
-    assert "attention = flash_attn_func\n" in text and "return flashport.torch.attention(" in text
+    assert "attention = flashport.integrations.flash_attn_compat.flash_attn_func\n" in text
+    assert "return flashport.torch.attention(" in text and "flash_attn import" not in text
     alias = next(s for s in result.sites if s.kind == "reference")
-    assert alias.status == "refused" and "another module may import it" in alias.reason
+    assert alias.status == "rewrite" and "stored in attention" in alias.notes[0]
 
 
 def test_a_suppressed_alias_line_is_not_followed():
@@ -158,10 +188,33 @@ def test_a_suppressed_alias_line_is_not_followed():
         ("fn = functools.partial(flash_attn_func, causal=True)", "functools.partial"),
         ("self.fn = flash_attn_func", "stored in self.fn"),
         ("register(flash_attn_func)", "passed to register"),
-        ("ok = inspect.signature(flash_attn_func)", "feature probe"),
     ],
 )
-def test_value_uses_are_reported_with_their_context(use, words):
+def test_value_uses_become_the_drop_in_with_their_context_in_the_note(use, words):
+    source = f"import functools, inspect\nfrom flash_attn import flash_attn_func\n\ndef f(self):\n    {use}\n"
+    result = transform_source(source.encode(), "m.py", registry.all_rules(), RuleOptions())
+    text = result.new.decode()
+    assert use.replace("flash_attn_func", "flashport.integrations.flash_attn_compat.flash_attn_func") in text
+    assert "flash_attn import" not in text and "import flashport.integrations.flash_attn_compat\n" in text
+    [site] = result.sites
+    assert site.kind == "reference" and site.status == "rewrite" and words in site.notes[0]
+
+
+@pytest.mark.parametrize(
+    "use, words",
+    [
+        ("ok = inspect.signature(flash_attn_func)", "feature probe"),
+        ("ok = callable(flash_attn_func)", "feature probe"),
+        ("ok = getattr(flash_attn_func, '__doc__', None)", "feature probe"),
+        ("ok = isinstance(x, (flash_attn_func, int))", "feature probe"),
+        ("ok = fn in (flash_attn_func, other)", "compared"),
+        (
+            "ok = fn is flash_attn_func\n    t = [flash_attn_func]",
+            "the file compares flash_attn_func (line 5)",
+        ),
+    ],
+)
+def test_value_uses_that_probe_or_compare_stay_and_say_why(use, words):
     source = f"import functools, inspect\nfrom flash_attn import flash_attn_func\n\ndef f(self):\n    {use}\n"
     result = transform_source(source.encode(), "m.py", registry.all_rules(), RuleOptions())
     assert result.new is None
@@ -169,25 +222,112 @@ def test_value_uses_are_reported_with_their_context(use, words):
     assert site.kind == "reference" and site.status == "refused" and words in site.reason
 
 
-def test_a_call_through_an_attribute_alias_is_reported_at_the_call():
+def test_a_value_of_a_name_with_a_fallback_binding_stays():
     result = run("""
-        from flash_attn import flash_attn_qkvpacked_func
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            flash_attn_func = None
 
-        class Attention:
-            def __init__(self):
-                self.flash_qkv_fn = flash_attn_qkvpacked_func
-
-            def forward(self, qkv):
-                return self.flash_qkv_fn(qkv, causal=True)
+        ATTN = {"flash": flash_attn_func}
     """)
+    assert result.new is None
+    [site] = result.sites
+    assert site.status == "refused" and "a fallback such as flash_attn_func = None" in site.reason
+
+
+def test_a_value_inside_an_import_guard_stays():
+    result = run("""
+        try:
+            from flash_attn import flash_attn_func
+            ATTN = {"flash": flash_attn_func}
+        except ImportError:
+            ATTN = {}
+    """)
+    assert result.new is None
+    [site] = result.sites
+    assert site.status == "refused" and "import guard" in site.reason
+
+
+def test_a_value_of_a_version_without_a_drop_in_signature_stays():
+    source = b"from flash_attn import flash_attn_func\nATTN = {'flash': flash_attn_func}\n"
+    result = transform_source(source, "m.py", registry.all_rules(), RuleOptions(flash_attn_version=(2, 3, 0)))
+    assert result.new is None
+    [site] = result.sites
+    assert site.status == "refused" and "--flash-attn-version is 2.3.0" in site.reason
+
+
+ATTRIBUTE = """
+from flash_attn import flash_attn_qkvpacked_func
+
+class Attention:
+    def __init__(self):
+        self.flash_qkv_fn = flash_attn_qkvpacked_func
+
+    def forward(self, qkv):
+        return self.flash_qkv_fn(qkv, causal=True)
+"""
+
+
+def test_a_call_through_an_attribute_alias_is_reported_at_the_call():
+    old = RuleOptions(flash_attn_version=(2, 5, 0))  # no drop-in at this version: the value stays
+    result = transform_source(ATTRIBUTE.encode(), "m.py", registry.all_rules(), old)
     assert result.new is None
     call = next(s for s in result.sites if s.kind == "call")
     assert call.line == 9 and call.status == "refused" and "self.flash_qkv_fn" in call.reason
 
 
-def test_a_value_use_names_the_drop_in_when_flashport_has_one():
+def test_an_attribute_alias_gets_the_drop_in_and_its_calls_reach_it():
+    result = run(ATTRIBUTE)
+    text = result.new.decode()
+    assert "self.flash_qkv_fn = flashport.integrations.flash_attn_compat.flash_attn_qkvpacked_func\n" in text
+    assert "flash_attn import" not in text
+    assert [(s.kind, s.status) for s in result.sites] == [("reference", "rewrite")]
+
+
+def test_a_value_use_becomes_the_drop_in_when_flashport_has_one():
     source = b"from flash_attn import flash_attn_varlen_func\nfrom flash_attn.flash_attn_triton import flash_attn_func\nT = {'a': flash_attn_varlen_func, 'b': flash_attn_func}\n"
     result = transform_source(source, "m.py", registry.all_rules(), RuleOptions())
     varlen, triton = sorted(result.sites, key=lambda s: s.column)
-    assert "flashport.integrations.flash_attn_compat.flash_attn_varlen_func is a drop-in" in varlen.reason
-    assert "drop-in" not in triton.reason  # the Triton kernel's 4th argument is a bias: no drop-in
+    assert varlen.status == "rewrite"
+    assert "flashport.integrations.flash_attn_compat.flash_attn_varlen_func" in varlen.notes[0]
+    assert "'a': flashport.integrations.flash_attn_compat.flash_attn_varlen_func" in result.new.decode()
+    # the Triton kernel's 4th argument is a bias: no drop-in
+    assert triton.status == "refused" and "port it by hand" in triton.reason
+
+
+def test_a_value_of_a_name_imported_from_two_libraries_stays():
+    result = run("""
+        try:
+            from flash_attn_interface import flash_attn_func
+        except ImportError:
+            from flash_attn import flash_attn_func
+
+        ATTN = {"flash": flash_attn_func}
+    """)
+    assert result.new is None  # FA3 or FA2 at run time: no single drop-in replicates both
+    [site] = result.sites
+    assert site.status == "refused" and "may hold something else" in site.reason
+
+
+def test_a_value_through_dotted_imports_becomes_the_drop_in():
+    result = run("""
+        import xformers
+        import xformers.ops.fmha
+
+        xformers_attention = xformers.ops.fmha.memory_efficient_attention
+    """)
+    text = result.new.decode()
+    assert "xformers_attention = flashport.integrations.xformers_compat.memory_efficient_attention\n" in text
+    assert "import xformers" not in text
+
+
+def test_a_suppressed_or_declined_value_use_stays():
+    source = b"from flash_attn import flash_attn_func\nATTN = {'a': flash_attn_func}\nB = [flash_attn_func]\n"
+    declined = transform_source(
+        source, "m.py", registry.all_rules(), RuleOptions(), skip={2: frozenset({"FPA001"})}
+    )
+    text = declined.new.decode()  # the declined entry keeps the GPU function, and so its import
+    assert "ATTN = {'a': flash_attn_func}" in text and "from flash_attn import flash_attn_func" in text
+    assert "B = [flashport.integrations.flash_attn_compat.flash_attn_func]" in text
+    assert [s.status for s in declined.sites] == ["suppressed", "rewrite"]
