@@ -28,6 +28,8 @@ from flashport.rules import _flash_attn as fa
 from flashport.rules.base import Rewrite, Rule, build_call, register, string
 
 
+# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
+# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
 class FlashAttnKVPackedFunc(Rule):
     """Rewrite flash-attn 2.x ``flash_attn_kvpacked_func`` to ``flashport.torch.attention``."""

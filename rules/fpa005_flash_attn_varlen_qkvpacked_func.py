@@ -36,6 +36,8 @@ from flashport.rules.base import Refuse, Rewrite, Rule, build_call, register, st
 LEADING = ("qkv", "cu_seqlens", "max_seqlen")
 
 
+# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
+# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
 class FlashAttnVarlenQKVPackedFunc(Rule):
     """Rewrite flash-attn 2.x ``flash_attn_varlen_qkvpacked_func`` to ``flashport.varlen_attention``."""

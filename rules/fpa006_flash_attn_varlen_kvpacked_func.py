@@ -35,6 +35,8 @@ from flashport.rules.base import Rewrite, Rule, build_call, register, string
 LEADING = ("q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
 
+# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
+# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
 class FlashAttnVarlenKVPackedFunc(Rule):
     """Rewrite flash-attn 2.x ``flash_attn_varlen_kvpacked_func`` to ``flashport.varlen_attention``."""

@@ -83,6 +83,8 @@ def check_extras(value: dict, ctx) -> list[str]:
     return _fa3_fa4_common.dropped_notes(value, TUNING)
 
 
+# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
+# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
 class FA3FlashAttnFunc(Rule):
     """Rewrite FlashAttention-3 ``flash_attn_func`` to ``flashport.torch.attention``."""

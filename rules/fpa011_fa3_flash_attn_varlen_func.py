@@ -34,6 +34,8 @@ from flashport.rules.fpa010_fa3_flash_attn_func import HISTORY, KEYWORDS, check_
 POSITIONAL = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
 
+# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
+# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
 class FA3FlashAttnVarlenFunc(Rule):
     """Rewrite FlashAttention-3 ``flash_attn_varlen_func`` to ``flashport.varlen_attention``."""

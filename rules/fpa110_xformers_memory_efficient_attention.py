@@ -60,6 +60,8 @@ REPORTED = (
 SIGNATURE = Signature(("query", "key", "value", "attn_bias", "p", "scale"), ("op", "output_dtype"))
 
 
+# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
+# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
 class XformersMemoryEfficientAttention(Rule):
     """Rewrite ``xformers.ops.memory_efficient_attention`` to flashport's drop-in."""

@@ -64,6 +64,8 @@ _REFUSED = (
 )
 
 
+# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
+# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
 class XformersAttnBias(Rule):
     """Point xformers ``attn_bias`` constructors at flashport's mirror classes."""

@@ -34,6 +34,8 @@ from flashport.rules.base import Rewrite, Rule, Signature, build_call, register,
 SIGNATURE = Signature(("q", "k", "v", "softmax_scale", "is_causal", "window_size"))
 
 
+# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
+# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
 class FlashAttnJaxMha(Rule):
     """Rewrite ``flash_attn_jax.flash_mha`` to ``flashport.attention`` (bottom-right causal)."""

@@ -59,6 +59,8 @@ SIGNATURE = Signature(
 DROPPED = ("max_seqlen_q", "max_seqlen_k", "zero_tensors", "deterministic")
 
 
+# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
+# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
 class FlashAttnJaxVarlen(Rule):
     """Rewrite ``flash_attn_jax.flash_mha_varlen`` to ``flashport.varlen_attention``."""
