@@ -5,9 +5,6 @@ the source APIs (``tests/torch_semantics_reference.py``), and with the source AP
 
 from __future__ import annotations
 
-import ast
-import textwrap
-
 import pytest
 
 from flashport import rules as registry
@@ -16,32 +13,13 @@ from flashport.rules.base import RuleOptions
 
 torch = pytest.importorskip("torch")
 
+from ported_code import port_and_run, rand  # noqa: E402
 from torch_semantics_reference import flash_attn_ref, flash_attn_varlen_ref, sdpa_ref  # noqa: E402
 
 
 def port(source: str, **options) -> dict:
-    """Rewrite ``source``; every call site must be rewritten; exec the result and return its namespace."""
-    result = transform_source(
-        textwrap.dedent(source).encode(), "case.py", registry.all_rules(), RuleOptions(**options)
-    )
-    calls = [s for s in result.sites if s.kind == "call"]
-    assert calls and all(s.status == "rewrite" for s in calls), [(s.status, s.reason) for s in calls]
-    code = result.new.decode()
-    imported = [
-        alias.name if isinstance(node, ast.Import) else node.module
-        for node in ast.walk(ast.parse(code))
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        for alias in node.names
-    ]
-    assert not [m for m in imported if m.split(".")[0] in ("flash_attn", "xformers")], imported
-    namespace: dict = {}
-    exec(compile(code, "ported.py", "exec"), namespace)
-    return namespace
-
-
-def rand(*shape, seed=0):
-    """Float32 normal tensor (the contract's dtypes); references upcast to float64."""
-    return torch.from_numpy(__import__("numpy").random.default_rng(seed).standard_normal(shape)).float()
+    """Rewrite ``source`` (every call site rewritten, no GPU import left) and exec it (tests/ported_code.py)."""
+    return port_and_run(source, "call", **options)[0]
 
 
 SDPA_SPLAT = """

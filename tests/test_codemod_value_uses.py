@@ -6,7 +6,6 @@ gone. Probes keep the GPU name, so the code that decides between GPU and fallbac
 
 from __future__ import annotations
 
-import ast
 import textwrap
 
 import pytest
@@ -17,32 +16,13 @@ from flashport.rules.base import RuleOptions
 
 torch = pytest.importorskip("torch")
 
+from ported_code import port_and_run, rand  # noqa: E402
 from torch_semantics_reference import flash_attn_ref, flash_attn_varlen_ref  # noqa: E402
 
 
 def port(source: str, **options) -> tuple[dict, str]:
-    """Rewrite ``source``; every value use must be rewritten and no GPU import left; exec the result."""
-    result = transform_source(
-        textwrap.dedent(source).encode(), "case.py", registry.all_rules(), RuleOptions(**options)
-    )
-    values = [s for s in result.sites if s.kind == "reference"]
-    assert values and all(s.status == "rewrite" for s in values), [(s.status, s.reason) for s in values]
-    code = result.new.decode()
-    imported = [
-        alias.name if isinstance(node, ast.Import) else node.module
-        for node in ast.walk(ast.parse(code))
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        for alias in node.names
-    ]
-    assert not [m for m in imported if m.split(".")[0] in ("flash_attn", "xformers")], imported
-    namespace: dict = {}
-    exec(compile(code, "ported.py", "exec"), namespace)
-    return namespace, code
-
-
-def rand(*shape, seed=0):
-    """Float32 normal tensor; references upcast to float64."""
-    return torch.from_numpy(__import__("numpy").random.default_rng(seed).standard_normal(shape)).float()
+    """Rewrite ``source`` (every reference site rewritten, no GPU import left) and exec it (tests/ported_code.py)."""
+    return port_and_run(source, "reference", **options)
 
 
 def close(got, want):

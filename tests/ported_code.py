@@ -1,0 +1,43 @@
+"""Run rewritten source: the helper the drop-in and value-use tests share.
+
+:func:`port_and_run` rewrites a small source file with every rule, checks that each site of one kind
+was rewritten and that no GPU import is left, then executes the result and returns its namespace.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+
+import numpy as np
+import torch
+
+from flashport import rules as registry
+from flashport.rewriter.engine import transform_source
+from flashport.rules.base import RuleOptions
+
+
+def port_and_run(source: str, kind: str, **options) -> tuple[dict, str]:
+    """Rewrite ``source`` (every site of ``kind``, ``"call"`` or ``"reference"``, must be rewritten and
+    no ``flash_attn``/``xformers`` import may be left), exec it; returns (namespace, rewritten code)."""
+    result = transform_source(
+        textwrap.dedent(source).encode(), "case.py", registry.all_rules(), RuleOptions(**options)
+    )
+    sites = [s for s in result.sites if s.kind == kind]
+    assert sites and all(s.status == "rewrite" for s in sites), [(s.status, s.reason) for s in sites]
+    code = result.new.decode()
+    imported = [
+        alias.name if isinstance(node, ast.Import) else node.module
+        for node in ast.walk(ast.parse(code))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    ]
+    assert not [m for m in imported if m.split(".")[0] in ("flash_attn", "xformers")], imported
+    namespace: dict = {}
+    exec(compile(code, "ported.py", "exec"), namespace)
+    return namespace, code
+
+
+def rand(*shape, seed=0):
+    """Float32 normal tensor (the contract's dtypes); references upcast to float64."""
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal(shape)).float()
