@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import RuleContext
+from flashport.rules.base import RuleContext, callee_name
 
 
 def _path(ctx: RuleContext) -> list[cst.CSTNode]:
@@ -108,15 +108,7 @@ def _selector(item: cst.WithItem) -> cst.Call | None:
     call = item.item
     if not isinstance(call, cst.Call):
         return None
-    func = call.func
-    name = (
-        func.attr.value
-        if isinstance(func, cst.Attribute)
-        else func.value
-        if isinstance(func, cst.Name)
-        else ""
-    )
-    return call if name.lstrip("_") in SELECTORS else None
+    return call if callee_name(call).lstrip("_") in SELECTORS else None
 
 
 def _constant_backends(call: cst.Call) -> bool:

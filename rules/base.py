@@ -492,6 +492,14 @@ def _trailing(arg: cst.Arg) -> cst.BaseParenthesizableWhitespace:
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
+def callee_name(call: cst.Call) -> str:
+    """The last name of ``call``'s callee (``torch.zeros(...)`` -> ``"zeros"``); ``""`` for other callees."""
+    func = call.func
+    if isinstance(func, cst.Attribute):
+        return func.attr.value
+    return func.value if isinstance(func, cst.Name) else ""
+
+
 def dotted(name: str) -> cst.BaseExpression:
     """``"flashport.torch.attention"`` as a Name/Attribute chain."""
     if not _DOTTED.match(name):

@@ -58,6 +58,7 @@ from flashport.rules.base import (
     Rule,
     Signature,
     build_call,
+    callee_name,
     dotted,
     is_none,
     literal_bool,
@@ -121,15 +122,7 @@ def _allocates(node: cst.BaseExpression) -> bool:
     """True for a call that returns a fresh tensor (``torch.zeros(...)``, ``x.clone()``, ...)."""
     if not isinstance(node, cst.Call):
         return False
-    func = node.func
-    name = (
-        func.attr.value
-        if isinstance(func, cst.Attribute)
-        else func.value
-        if isinstance(func, cst.Name)
-        else ""
-    )
-    return name in ALLOCATORS
+    return callee_name(node) in ALLOCATORS
 
 
 def cache_is_dead(call: cst.Call, names: list[str], ctx) -> str | None:
