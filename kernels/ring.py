@@ -42,13 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from flashport.kernels import api
+from flashport.kernels import api, registry
 from flashport.kernels import seq_layout as layouts
 from flashport.kernels.block_ranges import key_range
 from flashport.kernels.keywords import takes_contract_keywords
+from flashport.kernels.ring_backend import BackendRing
+from flashport.kernels.ring_blockwise import BlockwiseRing
 from flashport.kernels.spec import AttentionSpec
-
-EMPTY = "empty"
 
 
 @takes_contract_keywords()
@@ -128,10 +128,16 @@ def ring_attention(
             f"heads ({call.q_shape[1]}) and the kv heads ({call.kv_shape[1]}); use head_axis=None"
         )
     plan = Plan.make(call.spec, n, seq_layout_)
-    run = functools.partial(
-        _ring_shard, plan=plan, axis_name=axis_name, backend=backend, features=call.features
-    )
-    x_spec = P(batch_axis, head_axis, axis_name, None)
+    layout = contract["layout"]
+    engine = engine_for(plan, call.spec, backend, call.features, layout)
+    run = functools.partial(_ring_shard, engine=engine, axis_name=axis_name)
+    # The shard_map takes the user's layout: the blockwise engine reads it directly, the others
+    # transpose each shard once (the transposes of `prepare` and back cancel in XLA).
+    if layout == "BSHD":
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        x_spec = P(batch_axis, axis_name, head_axis, None)
+    else:
+        x_spec = P(batch_axis, head_axis, axis_name, None)
     seg_spec = P(batch_axis, axis_name)
     fn = jax.shard_map(
         run,
@@ -144,8 +150,6 @@ def ring_attention(
         q, k, v = (_reshard(x, mesh, x_spec) for x in (q, k, v))
         q_seg, kv_seg = (_reshard(x, mesh, seg_spec) for x in (q_seg, kv_seg))
     out, lse = fn(q, k, v, q_seg, kv_seg)
-    if contract["layout"] == "BSHD":
-        out = jnp.swapaxes(out, 1, 2)
     return (out, lse) if return_lse else out
 
 
@@ -227,6 +231,16 @@ class Plan:
         return table[r, a, s, b]
 
     @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """The (query piece, key piece) pairs some shard pair computes (the others are never run)."""
+        return [
+            (a, b)
+            for a in range(self.m)
+            for b in range(self.m)
+            if any(self.specs[i] is not None for i in self.branches_of(a, b))
+        ]
+
+    @property
     def computed_pairs(self) -> int:
         """How many (query piece, key piece) pairs over the whole ring run a kernel (not empty)."""
         table = np.asarray(self.table)
@@ -251,213 +265,82 @@ def local_spec(spec: AttentionSpec, pq: int, pk: int, delta: int) -> AttentionSp
     return local
 
 
-# ------------------------------------------------------------------------- per-shard computation
+# ------------------------------------------------------------------------------- the ring loops
 
 
-def _local_call(spec: AttentionSpec, features, q, k, v) -> api.Call:
-    feats = set(features) - {"causal", "window", "align_bottom_right", "bias", "mask", "dropout"}
-    feats |= {"return_lse", *spec.positional_features}
-    return api.Call(
-        spec=spec,
-        features=frozenset(feats),
-        q_shape=tuple(q.shape),
-        kv_shape=tuple(k.shape),
-        v_head_dim=v.shape[-1],
-        dtype=api.DTYPES[q.dtype],
-        bias_shape=None,
-    )
+def engine_for(plan: Plan, spec: AttentionSpec, backend, features, layout: str):
+    """The per-step engine of a ring: the blockwise ring steps for ``backend="blockwise"`` (running
+    state carried through the tiles, :mod:`flashport.kernels.ring_blockwise`), backend calls merged
+    through the lse for every other backend and ``auto`` (:mod:`flashport.kernels.ring_backend`)."""
+    choice = backend if isinstance(backend, registry.BackendChoice) else None
+    if backend == "blockwise" or (choice is not None and choice.name == "blockwise"):
+        options = {} if choice is None else choice.options_dict
+        return BlockwiseRing(plan, spec, options, layout)
+    return BackendRing(plan, backend, features, layout)
 
 
-def _piece(x, axis, i, size):
-    return None if x is None else jax.lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis)
-
-
-class _Step:
-    """The partial attention of one (query piece, key piece) pair, dispatched over the plan's branches."""
-
-    def __init__(self, plan: Plan, backend, features, q_piece, k_piece, v_piece):
-        self.plan = plan
-        self.out_shape = q_piece.shape[:3] + (v_piece.shape[-1],)
-        self.dtype = q_piece.dtype
-        self.fns = []
-        for sp in plan.specs:
-            if sp is None:
-                self.fns.append(self._empty)
-                continue
-            call = _local_call(sp, features, q_piece, k_piece, v_piece)
-            choice = api._resolve_backend(backend, call)
-            self.fns.append(functools.partial(_run_local, call, choice))
-
-    def _empty(self, q, k, v, qs, ks):
-        del q, k, v, qs, ks
-        return jnp.zeros(self.out_shape, self.dtype), jnp.full(self.out_shape[:3], -jnp.inf, jnp.float32)
-
-    def __call__(self, a, b, r, s, *args):
-        ids = sorted(self.plan.branches_of(a, b))
-        if len(ids) == 1:  # the same branch on every shard pair: no switch
-            return self.fns[ids[0]](*args)
-        return jax.lax.switch(self.plan.index(r, a, s, b), self.fns, *args)
-
-    def skipped(self, a, b) -> bool:
-        """True when piece pair (a, b) is empty on every shard pair (never computed)."""
-        ids = self.plan.branches_of(a, b)
-        return len(ids) == 1 and self.plan.specs[next(iter(ids))] is None
-
-
-def _run_local(call, choice, q, k, v, qs, ks):
-    return api.flashport_attention(q, k, v, None, None, qs, ks, None, call=call, choice=choice)
-
-
-def merge(acc, part):
-    """Merge two normalized partial attentions ``(out f32, lse)`` over disjoint key sets.
-
-    Rows where both are empty (lse −inf) stay out 0, lse −inf, with finite (zero) gradients.
-    """
-    o1, l1 = acc
-    o2, l2 = part
-    mx = jnp.maximum(l1, l2)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    w1, w2 = jnp.exp(l1 - mx), jnp.exp(l2 - mx)
-    total = w1 + w2
-    safe = jnp.where(total > 0, total, 1.0)
-    lse = jnp.where(total > 0, mx + jnp.log(safe), -jnp.inf)
-    out = o1 * (w1 / safe)[..., None] + o2.astype(jnp.float32) * (w2 / safe)[..., None]
-    return out, lse
-
-
-def _ring_shard(q, k, v, q_seg, kv_seg, *, plan: Plan, axis_name, backend, features):
-    """Body of the shard_map: this shard's queries against every shard's K/V, merged through lse."""
-    ring = _Ring(plan, axis_name, backend, features)
+def _ring_shard(q, k, v, q_seg, kv_seg, *, engine, axis_name):
+    """Body of the shard_map: this shard's queries against every shard's K/V (user layout in and out)."""
 
     @jax.custom_vjp
     def core(q, k, v, q_seg, kv_seg):
-        return ring.forward(q, k, v, q_seg, kv_seg)
+        return _forward(engine, axis_name, q, k, v, q_seg, kv_seg)
 
     def core_fwd(q, k, v, q_seg, kv_seg):
-        out, lse = ring.forward(q, k, v, q_seg, kv_seg)
+        out, lse = _forward(engine, axis_name, q, k, v, q_seg, kv_seg)
         return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
     def core_bwd(res, cotangents):
-        dq, dk, dv = ring.backward(*res, *cotangents)
+        dq, dk, dv = _backward(engine, axis_name, *res, *cotangents)
         return dq, dk, dv, None, None
 
     core.defvjp(core_fwd, core_bwd)
     return core(q, k, v, q_seg, kv_seg)
 
 
-class _Ring:
-    """The ring's forward and backward loops on one shard (inside the shard_map)."""
+def _perm(n):
+    return [(i, (i + 1) % n) for i in range(n)]
 
-    def __init__(self, plan: Plan, axis_name, backend, features):
-        self.plan, self.axis_name, self.backend, self.features = plan, axis_name, backend, features
-        self.perm = [(i, (i + 1) % plan.n) for i in range(plan.n)]
 
-    def _setup(self, q, k, v, q_seg):
-        plan = self.plan
-        q_pieces = [(_piece(q, 2, a, plan.pq), _piece(q_seg, 1, a, plan.pq)) for a in range(plan.m)]
-        step = _Step(
-            plan,
-            self.backend,
-            self.features,
-            q_pieces[0][0],
-            _piece(k, 2, 0, plan.pk),
-            _piece(v, 2, 0, plan.pk),
-        )
-        return q_pieces, step
+def _forward(engine, axis_name, q, k, v, q_seg, kv_seg):
+    """The ring forward: at step t this shard holds the K/V of shard (r − t) mod n; the next chunk's
+    ``ppermute`` is issued before the step's compute so the two overlap."""
+    plan, n = engine.plan, engine.plan.n
+    r = jax.lax.axis_index(axis_name)
+    q, k, v = engine.enter(q), engine.enter(k), engine.enter(v)
 
-    def _pairs(self, step):
-        return [(a, b) for a in range(self.plan.m) for b in range(self.plan.m) if not step.skipped(a, b)]
+    def body(carry, t):
+        state, kv = carry
+        kv_next = jax.lax.ppermute(kv, axis_name, _perm(n))
+        s = (r - t) % n
+        for a, b in plan.pairs:
+            state = engine.forward_pair(state, a, b, r, s, q, q_seg, *kv)
+        return (state, kv_next), None
 
-    def _kv_piece(self, kv, b):
-        k, v, ks = kv[:3]
-        pk = self.plan.pk
-        return _piece(k, 2, b, pk), _piece(v, 2, b, pk), _piece(ks, 1, b, pk)
+    (state, _), _ = jax.lax.scan(body, (engine.init_forward(q, v), (k, v, kv_seg)), jnp.arange(n))
+    out, lse = engine.finish_forward(state, q.dtype)
+    return engine.leave(out), lse
 
-    def forward(self, q, k, v, q_seg, kv_seg):
-        """Return this shard's ``(out, lse)`` for its queries over the whole (global) key sequence."""
-        plan, n = self.plan, self.plan.n
-        r = jax.lax.axis_index(self.axis_name)
-        q_pieces, step = self._setup(q, k, v, q_seg)
-        b_, h_ = q.shape[:2]
-        init = tuple(
-            (
-                jnp.zeros((b_, h_, plan.pq, v.shape[-1]), jnp.float32),
-                jnp.full((b_, h_, plan.pq), -jnp.inf, jnp.float32),
-            )
-            for _ in range(plan.m)
-        )
 
-        def body(carry, t):
-            acc, kv = carry
-            kv_next = jax.lax.ppermute(kv, self.axis_name, self.perm)  # issued first: overlaps the compute
-            s = (r - t) % n
-            acc = list(acc)
-            for a, b in self._pairs(step):
-                kb, vb, ksb = self._kv_piece(kv, b)
-                acc[a] = merge(acc[a], step(a, b, r, s, q_pieces[a][0], kb, vb, q_pieces[a][1], ksb))
-            return (tuple(acc), kv_next), None
+def _backward(engine, axis_name, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+    """The ring backward from the forward's residuals: dQ stays local; dK/dV (f32) travel with their
+    K/V and are back home after n steps."""
+    plan, n = engine.plan, engine.plan.n
+    r = jax.lax.axis_index(axis_name)
+    q, k, v, out, d_out = (engine.enter(x) for x in (q, k, v, out, d_out))
+    context, dq, dk, dv = engine.init_backward(q, k, v, out, lse, d_out, d_lse)
 
-        (acc, _), _ = jax.lax.scan(body, (init, (k, v, kv_seg)), jnp.arange(n))
-        out = jnp.concatenate([o for o, _ in acc], axis=2).astype(q.dtype)
-        lse = jnp.concatenate([l for _, l in acc], axis=2)
-        return out, lse
+    def body(carry, t):
+        dq, kv = carry
+        k_, v_, ks_, dk_, dv_ = kv
+        s = (r - t) % n
+        for a, b in plan.pairs:
+            dq, dk_, dv_ = engine.backward_pair((dq, dk_, dv_), context, a, b, r, s, q, q_seg, k_, v_, ks_)
+        return (dq, jax.lax.ppermute((k_, v_, ks_, dk_, dv_), axis_name, _perm(n))), None
 
-    def backward(self, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
-        """Ring backward: dQ stays local; dK/dV travel with their K/V and arrive home after n steps.
-
-        Each step recomputes its partial ``(out_t, lse_t)`` and pulls the merge's cotangents through
-        the backend's own backward (``jax.vjp``): with ``w_t = exp(lse_t − lse)``,
-        ``d out_t = w_t · dO`` and ``d lse_t = w_t · (rowsum(dO · (out_t − out)) + d lse)``.
-        """
-        plan, n = self.plan, self.plan.n
-        r = jax.lax.axis_index(self.axis_name)
-        q_pieces, step = self._setup(q, k, v, q_seg)
-        pq = plan.pq
-        d_out = d_out.astype(jnp.float32)
-        d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
-        rows = [
-            (
-                _piece(d_out, 2, a, pq),
-                _piece(out, 2, a, pq).astype(jnp.float32),
-                _piece(lse, 2, a, pq),
-                _piece(d_lse, 2, a, pq),
-            )
-            for a in range(plan.m)
-        ]
-
-        def body(carry, t):
-            dq, kv = carry
-            k_cur, v_cur, ks_cur, dk_cur, dv_cur = kv
-            s = (r - t) % n
-            dq = list(dq)
-            dk_parts = [jnp.zeros_like(x) for x in jnp.split(dk_cur, plan.m, axis=2)]
-            dv_parts = [jnp.zeros_like(x) for x in jnp.split(dv_cur, plan.m, axis=2)]
-            for a, b in self._pairs(step):
-                kb, vb, ksb = self._kv_piece(kv, b)
-                qa, qsa = q_pieces[a]
-                do_a, o_a, lse_a, dlse_a = rows[a]
-                fn = functools.partial(step, a, b, r, s)
-                (o_t, l_t), vjp = jax.vjp(
-                    lambda q_, k_, v_, fn=fn, qsa=qsa, ksb=ksb: fn(q_, k_, v_, qsa, ksb), qa, kb, vb
-                )
-                finite = jnp.isfinite(lse_a)
-                w = jnp.where(finite, jnp.exp(l_t - jnp.where(finite, lse_a, 0.0)), 0.0)
-                d_o = (w[..., None] * do_a).astype(o_t.dtype)
-                d_l = w * (jnp.sum(do_a * (o_t.astype(jnp.float32) - o_a), axis=-1) + dlse_a)
-                gq, gk, gv = vjp((d_o, d_l))
-                dq[a] = dq[a] + gq.astype(jnp.float32)
-                dk_parts[b] = dk_parts[b] + gk.astype(jnp.float32)
-                dv_parts[b] = dv_parts[b] + gv.astype(jnp.float32)
-            dk_cur = dk_cur + jnp.concatenate(dk_parts, axis=2)
-            dv_cur = dv_cur + jnp.concatenate(dv_parts, axis=2)
-            kv = jax.lax.ppermute((k_cur, v_cur, ks_cur, dk_cur, dv_cur), self.axis_name, self.perm)
-            return (tuple(dq), kv), None
-
-        dq0 = tuple(jnp.zeros(x.shape, jnp.float32) for x, _ in q_pieces)
-        kv0 = (k, v, kv_seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-        (dq, kv), _ = jax.lax.scan(body, (dq0, kv0), jnp.arange(n))
-        dq = jnp.concatenate(dq, axis=2).astype(q.dtype)
-        return dq, kv[3].astype(k.dtype), kv[4].astype(v.dtype)
+    (dq, kv), _ = jax.lax.scan(body, (dq, (k, v, kv_seg, dk, dv)), jnp.arange(n))
+    dq = engine.finish_backward(dq, q.dtype)
+    return engine.leave(dq), engine.leave(kv[3].astype(k.dtype)), engine.leave(kv[4].astype(v.dtype))
 
 
 # ------------------------------------------------------------------- auto-dispatch from sharding
