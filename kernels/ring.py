@@ -298,8 +298,21 @@ def _ring_shard(q, k, v, q_seg, kv_seg, *, engine, axis_name):
     return core(q, k, v, q_seg, kv_seg)
 
 
-def _perm(n):
-    return [(i, (i + 1) % n) for i in range(n)]
+def _rotate(tree, axis_name, n):
+    """Send ``tree`` to the next shard of the ring (``ppermute`` r -> r + 1 mod n).
+
+    16-bit floats travel bit-cast to uint16: XLA:CPU otherwise widens a bf16 collective-permute to
+    f32 (a converted copy of each K/V chunk on both sides, twice the bytes).
+    """
+
+    def send(x):
+        if x is None or jnp.dtype(x.dtype).itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+            return jax.lax.ppermute(x, axis_name, perm)
+        bits = jax.lax.ppermute(jax.lax.bitcast_convert_type(x, jnp.uint16), axis_name, perm)
+        return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    return jax.tree.map(send, tree)
 
 
 def _forward(engine, axis_name, q, k, v, q_seg, kv_seg):
@@ -311,7 +324,7 @@ def _forward(engine, axis_name, q, k, v, q_seg, kv_seg):
 
     def body(carry, t):
         state, kv = carry
-        kv_next = jax.lax.ppermute(kv, axis_name, _perm(n))
+        kv_next = _rotate(kv, axis_name, n)
         s = (r - t) % n
         for a, b in plan.pairs:
             state = engine.forward_pair(state, a, b, r, s, q, q_seg, *kv)
@@ -336,7 +349,7 @@ def _backward(engine, axis_name, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse)
         s = (r - t) % n
         for a, b in plan.pairs:
             dq, dk_, dv_ = engine.backward_pair((dq, dk_, dv_), context, a, b, r, s, q, q_seg, k_, v_, ks_)
-        return (dq, jax.lax.ppermute((k_, v_, ks_, dk_, dv_), axis_name, _perm(n))), None
+        return (dq, _rotate((k_, v_, ks_, dk_, dv_), axis_name, n)), None
 
     (dq, kv), _ = jax.lax.scan(body, (dq, (k, v, kv_seg, dk, dv)), jnp.arange(n))
     dq = engine.finish_backward(dq, q.dtype)

@@ -94,6 +94,18 @@ class BlockwiseRing:
         block = jax.lax.dynamic_slice_in_dim(x, start, size, self.seq_axis)
         return jnp.swapaxes(block, 1, 2) if self.seq_axis == 1 else block
 
+    def operand(self, x, start, size):
+        """Rows of a matmul operand; 16-bit floats are sliced as raw uint16 bits.
+
+        XLA:CPU runs bf16/f16 dots in f32 and would hoist the widening ``convert`` of every block out
+        of the loops, i.e. keep an f32 copy of the whole q (and of each visiting K/V chunk); slicing
+        the bits keeps the convert on the block.
+        """
+        if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2):
+            return self.rows(x, start, size)
+        bits = self.rows(jax.lax.bitcast_convert_type(x, jnp.uint16), start, size)
+        return jax.lax.bitcast_convert_type(bits, x.dtype)
+
     def put(self, x, block, start):
         """Write ``block`` ``[B, H, size, D]`` into rows ``start...`` of a layout array (in place)."""
         block = jnp.swapaxes(block, 1, 2) if self.seq_axis == 1 else block
@@ -144,7 +156,7 @@ class BlockwiseRing:
         def q_block(i, state):
             o, lse = state
             r0 = a * self.plan.pq + i * bq
-            q_i = group_heads(self.rows(q, r0, bq), hkv)
+            q_i = group_heads(self.operand(q, r0, bq), hkv)
             q_i = (q_i.astype(jnp.float32) * self.spec.scale).astype(q.dtype)
             lse_i = group_heads(jax.lax.dynamic_slice_in_dim(lse, r0, bq, 2)[..., None], hkv)[..., 0]
             qs = None if q_seg is None else jax.lax.dynamic_slice_in_dim(q_seg, r0, bq, 1)
@@ -157,7 +169,7 @@ class BlockwiseRing:
                 full = (j >= rows[2, i]) & (j < rows[3, i])
                 logits, _, _ = self._tile(
                     q_i,
-                    self.rows(k, c0, bk),
+                    self.operand(k, c0, bk),
                     q_pos,
                     j * bk + jnp.arange(bk),
                     qs,
@@ -173,7 +185,7 @@ class BlockwiseRing:
                 pv = jnp.einsum(
                     "bhgqk,bhkd->bhgqd",
                     p.astype(v.dtype),
-                    self.rows(v, c0, bk),
+                    self.operand(v, c0, bk),
                     preferred_element_type=jnp.float32,
                     precision=prec,
                 )
@@ -226,15 +238,15 @@ class BlockwiseRing:
         def kv_block(j, grads):
             dq, dk, dv = grads
             c0 = b * self.plan.pk + j * bk
-            k_j, v_j = self.rows(k, c0, bk), self.rows(v, c0, bk)
+            k_j, v_j = self.operand(k, c0, bk), self.operand(v, c0, bk)
             ks = None if kv_seg is None else jax.lax.dynamic_slice_in_dim(kv_seg, c0, bk, 1)
             k_pos = j * bk + jnp.arange(bk)
 
             def q_step(i, carry):
                 dk_j, dv_j, dq = carry
                 r0 = a * self.plan.pq + i * bq
-                q_i = group_heads(self.rows(q, r0, bq), hkv)
-                do_i = group_heads(self.rows(d_out, r0, bq), hkv)
+                q_i = group_heads(self.operand(q, r0, bq), hkv)
+                do_i = group_heads(self.operand(d_out, r0, bq), hkv)
                 lse_i, delta_i = (
                     group_heads(jax.lax.dynamic_slice_in_dim(x, r0, bq, 2)[..., None], hkv)
                     for x in (lse, delta)

@@ -71,55 +71,110 @@ CASES = {
         INTERPRET,
         ((2, 4), ("data", "seq")),
     ),
+    "interpret_br_window_segments_gqa": (
+        dict(sq=256, sk=512, hkv=2, d=32),
+        dict(window=(100, 0), segments=2),
+        {},
+        INTERPRET,
+        ((2, 4), ("data", "seq")),
+    ),
+    "interpret_zigzag_window_bhsd": (
+        dict(hkv=2, sq=256, sk=256, d=32),
+        dict(window=(40, 8), align="top_left"),
+        dict(seq_layout="zigzag", layout="BHSD"),
+        INTERPRET,
+        ((2, 4), ("data", "seq")),
+    ),
+    "bhsd_br_window_gqa": (
+        dict(sq=32, sk=64, hkv=2),
+        dict(window=(20, 3)),
+        dict(layout="BHSD"),
+        BLOCKWISE,
+        None,
+    ),
+    "bf16_zigzag_causal_gqa": (
+        dict(hkv=2, dtype="bfloat16"),
+        dict(causal=True, segments=2),
+        dict(seq_layout="zigzag"),
+        BLOCKWISE,
+        None,
+    ),
+    "bf16_interpret_causal": (
+        dict(sq=256, sk=256, d=32, dtype="bfloat16"),
+        dict(causal=True),
+        dict(seq_layout="zigzag"),
+        INTERPRET,
+        ((2, 4), ("data", "seq")),
+    ),
+    "xla_backend_calls_window": ({}, dict(window=(9, 3), softcap=2.0), {}, "xla", None),
 }
+
+
+TOLERANCE = {"float32": (2e-5, 1e-4), "bfloat16": (3e-2, 6e-2)}  # (out/lse, gradients)
 
 
 def run_case(name):
     shape, contract, ring_kw, backend, mesh_def = CASES[name]
-    contract = dict(contract)
+    contract, ring_kw = dict(contract), dict(ring_kw)
     b, sq, sk, hq, hkv, d = (
         shape.get(x, dflt) for x, dflt in (("b", 2), ("sq", 64), ("sk", 64), ("hq", 4), ("hkv", 4), ("d", 16))
     )
+    dtype = shape.get("dtype", "float32")
     (mshape, axes) = mesh_def or ((8,), ("seq",))
     mesh = Mesh(np.array(jax.devices()).reshape(mshape), axes)
     n = mesh.shape["seq"]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    q = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
-    k = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
-    v = rng.standard_normal((b, sk, hkv, d)).astype(np.float32)
+    # Inputs rounded to the case's dtype; the reference runs on the rounded values in float64.
+    q, k, v = (
+        np.asarray(jnp.asarray(rng.standard_normal(s), dtype), np.float64)
+        for s in ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d))
+    )
     d_out = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
+    d_lse = rng.standard_normal((b, hq, sq)).astype(np.float32)
     nseg = contract.pop("segments", 0)
     if nseg:  # documents ending together at the end (bottom-right): q ids are the last Sq kv ids
         seg = np.sort(rng.integers(0, nseg, (b, max(sq, sk))), axis=1).astype(np.int32)
         contract.update(q_segment_ids=seg[:, -sq:], kv_segment_ids=seg[:, -sk:])
     want_out, want_lse = reference_attention(q, k, v, **contract)
-    want_g = reference_attention_vjp(q, k, v, d_out, **contract)[:3]
+    want_g = reference_attention_vjp(q, k, v, d_out, d_lse=d_lse, **contract)[:3]
 
     zig = ring_kw.get("seq_layout") == "zigzag"
-    to = (lambda x: flashport.seq_layout.to_zigzag(x, n, axis=1)) if zig else (lambda x: x)
-    back = (
-        (lambda x, axis=1: flashport.seq_layout.from_zigzag(np.asarray(x), n, axis=axis))
-        if zig
-        else (lambda x, axis=1: np.asarray(x))
-    )
-    batch = ring_kw.get("batch_axis")
-    heads = ring_kw.get("head_axis")
-    put = lambda x: jax.device_put(to(x), NamedSharding(mesh, P(batch, "seq", heads, None)))  # noqa: E731
-    put_seg = lambda x: None if x is None else jax.device_put(to(x), NamedSharding(mesh, P(batch, "seq")))  # noqa: E731
+    bhsd = ring_kw.get("layout") == "BHSD"  # arrays go in (and come out) as [B, H, S, D]
+    seq_axis = 2 if bhsd else 1
+    batch, heads = ring_kw.get("batch_axis"), ring_kw.get("head_axis")
+
+    def to(x, axis):
+        return flashport.seq_layout.to_zigzag(x, n, axis=axis) if zig else x
+
+    def back(x, axis=seq_axis):
+        x = np.asarray(x, np.float64)
+        x = flashport.seq_layout.from_zigzag(x, n, axis=axis) if zig else x
+        return x.transpose(0, 2, 1, 3) if bhsd and x.ndim == 4 else x
+
+    spec = P(batch, heads, "seq", None) if bhsd else P(batch, "seq", heads, None)
+
+    def put(x, dt=dtype):
+        x = x.transpose(0, 2, 1, 3) if bhsd else x
+        return jax.device_put(jnp.asarray(to(x, seq_axis), dt), NamedSharding(mesh, spec))
+
+    put_seg = lambda x: jax.device_put(to(x, 1), NamedSharding(mesh, P(batch, "seq")))  # noqa: E731
     arrays = dict(contract)
     for key in ("q_segment_ids", "kv_segment_ids"):
         if key in arrays:
             arrays[key] = put_seg(arrays[key])
+    d_lse_sharded = jax.device_put(to(d_lse, 2), NamedSharding(mesh, P(batch, heads, "seq")))
 
-    def loss(q, k, v, d_out):
+    def loss(q, k, v, d_out, d_lse):
         out, lse = flashport.ring_attention(
             q, k, v, mesh=mesh, axis_name="seq", backend=backend, return_lse=True, **ring_kw, **arrays
         )
-        return jnp.sum(out * d_out), (out, lse)
+        lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse)
+        return jnp.sum(out.astype(jnp.float32) * d_out) + lse_term, (out, lse)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, (out, lse)), grads = step(put(q), put(k), put(v), put(d_out))
-    assert out.sharding.spec[1] == "seq", out.sharding  # the output stays sequence-sharded
+    (_, (out, lse)), grads = step(put(q), put(k), put(v), put(d_out, jnp.float32), d_lse_sharded)
+    assert out.sharding.spec[seq_axis] == "seq", out.sharding  # the output stays sequence-sharded
+    assert out.dtype == jnp.dtype(dtype) and all(g.dtype == jnp.dtype(dtype) for g in grads)
 
     def err(got, want):
         got = np.asarray(got, np.float64)
@@ -135,7 +190,8 @@ def run_case(name):
 
     errors = {"out": err(back(out), want_out), "lse": err(back(lse, axis=2), want_lse)}
     errors.update({f"d{x}": err(back(g), w) for x, g, w in zip("qkv", grads, want_g, strict=True)})
-    bad = {key: e for key, e in errors.items() if not e <= (2e-5 if key in ("out", "lse") else 1e-4)}
+    tol_out, tol_grad = TOLERANCE[dtype]
+    bad = {key: e for key, e in errors.items() if not e <= (tol_out if key in ("out", "lse") else tol_grad)}
     assert not bad, (name, errors)
     print(name, "ok", {key: f"{e:.1e}" for key, e in errors.items()}, flush=True)
 
