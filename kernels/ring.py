@@ -2,14 +2,19 @@
 
 The sequence dim of query/key/value is sharded over one mesh axis of ``n`` devices. Inside a
 ``shard_map`` each shard keeps its queries while the K/V chunks (with their kv segment ids) travel
-around the ring with ``ppermute``: at step ``t`` shard ``r`` holds the K/V of shard ``(r − t) mod n``.
-Every step runs the contract's backend on (local queries, visiting keys) with ``return_lse=True`` and
-the partial results merge through the log-sum-exp::
+around the ring with ``ppermute``: at step ``t`` shard ``r`` holds the K/V of shard ``(r − t) mod n``
+(the next chunk's send is issued before the step's compute; the last step sends nothing). Each step
+folds the visiting keys into the shard's running softmax state, which is exactly softmax attention
+over the union of the key chunks. No device ever holds more than two K/V chunks (the one it
+computes on and the one arriving), so per-device memory is O(S / n).
 
-    lse = logsumexp_t lse_t,    out = Σ_t exp(lse_t − lse) · out_t
+The per-step work is an *engine* (:func:`engine_for`):
 
-which is exactly softmax attention over the union of the key chunks. No device ever holds more than
-two K/V chunks (the one it computes on and the one arriving), so per-device memory is O(S / n).
+* ``backend="blockwise"``: :mod:`flashport.kernels.ring_blockwise` runs the online softmax tile by
+  tile on the user's layout and carries the running ``(out, lse)`` through the tiles in place (no
+  per-step output, no merge pass, no layout transposes);
+* any other backend (and ``auto``): :mod:`flashport.kernels.ring_backend` calls the backend once per
+  step with ``return_lse=True`` and merges the partial results through the log-sum-exp.
 
 Positions: a shard's queries and keys are pieces of the global sequence (one piece per shard in the
 ``"contiguous"`` layout, two in ``"zigzag"``, see :mod:`flashport.kernels.seq_layout`). For a query
@@ -19,12 +24,13 @@ piece starting at global position ``q0`` and a key piece at ``k0``, the contract
 *global* lengths) and segment ids keep their meaning. Because ``q0 − k0`` depends on the traced shard
 index, every (shard, piece, visiting shard, piece) combination is classified ahead of time from
 :func:`flashport.kernels.block_ranges.key_range` as *empty* (nothing visible: out 0, lse −inf, no compute), *full*
-(every key visible: the call runs without positional masking) or *partial* (its own offset); the
-distinct ones become the branches of a ``lax.switch`` indexed by a static table.
+(every key visible: no positional masking) or *partial* (its own offset): the :class:`Plan`, whose
+static table the engines index with the traced shard indices.
 
-Gradients: a ``custom_vjp`` runs the ring backward: it recomputes each step's partial attention,
-back-propagates the merge into the backend's own backward (through ``jax.vjp``), keeps dQ local and
-sends dK/dV around the ring with their K/V, so after ``n`` steps each shard holds its chunk's dK/dV.
+Gradients: a ``custom_vjp`` runs the ring backward from the forward's residuals (its ``out`` and
+``lse``), with no forward recomputed: a flash backward given the *global* lse computes the global
+probabilities restricted to the visiting keys, so each step's dQ/dK/dV contributions are exact.
+dQ stays local; dK/dV (f32) travel around the ring with their K/V and take one last hop home.
 Training memory stays O(S / n) per device too.
 
 Not supported (clear errors): ``bias`` and ``mask`` arrays (they span the key sequence; express
@@ -86,7 +92,9 @@ def ring_attention(
         dim and the head dim (Hq and Hkv must both split evenly); attention is independent across
         them, so they need no communication.
       backend: the backend each ring step runs (``"auto"``, a name, or ``registry.use(...)``); it must
-        support ``return_lse`` (every shipped one does).
+        support ``return_lse`` (every shipped one does). ``"blockwise"`` (with its ``block_q`` /
+        ``block_k`` options, rounded down to divisors of the per-shard pieces) runs the ring's own
+        tile loop with the running state carried in place, the leanest in memory.
       return_lse: also return the global log-sum-exp, float32 [B, Hq, Sq] (in the layout's order).
 
     Raises:
@@ -317,43 +325,52 @@ def _rotate(tree, axis_name, n):
 
 def _forward(engine, axis_name, q, k, v, q_seg, kv_seg):
     """The ring forward: at step t this shard holds the K/V of shard (r − t) mod n; the next chunk's
-    ``ppermute`` is issued before the step's compute so the two overlap."""
+    ``ppermute`` is issued before the step's compute so the two overlap. The last step sends
+    nothing (n − 1 rotations)."""
     plan, n = engine.plan, engine.plan.n
     r = jax.lax.axis_index(axis_name)
     q, k, v = engine.enter(q), engine.enter(k), engine.enter(v)
 
-    def body(carry, t):
-        state, kv = carry
-        kv_next = _rotate(kv, axis_name, n)
+    def step(state, kv, t):
         s = (r - t) % n
         for a, b in plan.pairs:
             state = engine.forward_pair(state, a, b, r, s, q, q_seg, *kv)
-        return (state, kv_next), None
+        return state
 
-    (state, _), _ = jax.lax.scan(body, (engine.init_forward(q, v), (k, v, kv_seg)), jnp.arange(n))
-    out, lse = engine.finish_forward(state, q.dtype)
+    def body(carry, t):
+        state, kv = carry
+        kv_next = _rotate(kv, axis_name, n)
+        return (step(state, kv, t), kv_next), None
+
+    (state, kv), _ = jax.lax.scan(body, (engine.init_forward(q, v), (k, v, kv_seg)), jnp.arange(n - 1))
+    out, lse = engine.finish_forward(step(state, kv, n - 1), q.dtype)
     return engine.leave(out), lse
 
 
 def _backward(engine, axis_name, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
     """The ring backward from the forward's residuals: dQ stays local; dK/dV (f32) travel with their
-    K/V and are back home after n steps."""
+    K/V (n − 1 rotations) and take one more hop home after the last step."""
     plan, n = engine.plan, engine.plan.n
     r = jax.lax.axis_index(axis_name)
     q, k, v, out, d_out = (engine.enter(x) for x in (q, k, v, out, d_out))
     context, dq, dk, dv = engine.init_backward(q, k, v, out, lse, d_out, d_lse)
 
-    def body(carry, t):
-        dq, kv = carry
+    def step(dq, kv, t):
         k_, v_, ks_, dk_, dv_ = kv
         s = (r - t) % n
         for a, b in plan.pairs:
             dq, dk_, dv_ = engine.backward_pair((dq, dk_, dv_), context, a, b, r, s, q, q_seg, k_, v_, ks_)
-        return (dq, _rotate((k_, v_, ks_, dk_, dv_), axis_name, n)), None
+        return dq, (k_, v_, ks_, dk_, dv_)
 
-    (dq, kv), _ = jax.lax.scan(body, (dq, (k, v, kv_seg, dk, dv)), jnp.arange(n))
+    def body(carry, t):
+        dq, kv = step(*carry, t)
+        return (dq, _rotate(kv, axis_name, n)), None
+
+    (dq, kv), _ = jax.lax.scan(body, (dq, (k, v, kv_seg, dk, dv)), jnp.arange(n - 1))
+    dq, kv = step(dq, kv, n - 1)
+    dk, dv = _rotate(kv[3:], axis_name, n)
     dq = engine.finish_backward(dq, q.dtype)
-    return engine.leave(dq), engine.leave(kv[3].astype(k.dtype)), engine.leave(kv[4].astype(v.dtype))
+    return engine.leave(dq), engine.leave(dk.astype(k.dtype)), engine.leave(dv.astype(v.dtype))
 
 
 # ------------------------------------------------------------------- auto-dispatch from sharding

@@ -1,9 +1,10 @@
 """Sequence-parallel (ring) attention: ``flashport.ring_attention`` and ``flashport.seq_layout``.
 
 Numerics run in subprocesses with 8 fake CPU devices (``tests/ring_check.py``; XLA_FLAGS must be
-set before JAX initialises): forward, lse and gradients against the float64 reference on the
-gathered arrays, for the blockwise backend and the Pallas TPU interpreter, contiguous and zigzag
-layouts, and batch/head sharding on a second mesh axis. The compiled program is checked for the
+set before JAX initialises): forward, lse and gradients (with an lse cotangent) against the float64
+reference on the gathered arrays, for the blockwise ring engine, the Pallas TPU interpreter and the
+xla backend (backend-call engine), contiguous and zigzag layouts, BSHD and BHSD, float32 and
+bfloat16, and batch/head sharding on a second mesh axis. The compiled program is checked for the
 absence of any all-gather (K/V only travel by collective-permute). The TPU export runs in-process
 over an abstract 8-device mesh. Layout helpers, the static plan and the errors run in-process.
 """
