@@ -15,9 +15,11 @@ torch_xla     ``torch_xla.core.xla_builder.call_jax`` -> flashport's JAX impleme
               Pallas kernel on TPU); backward = JAX VJP staged through the same bridge
 torchax       ``torchax.interop.call_jax`` -> flashport's JAX implementation
 CUDA          flash-attn 2 (``flash_attn_func``; ``flash_attn_varlen_func`` for packed segment
-              ids) when installed and the call fits, else torch SDPA with explicit masks, else
-              (softcap, or ``return_lse`` without flash-attn) the exact math path
-other         torch SDPA, else the exact math path
+              ids) when installed and the call fits, else torch SDPA's fused kernels (top-left
+              causal, bias), else FlexAttention compiled once per call signature (softcap,
+              windows, segment ids, bottom-right causal, masks, lse), else the exact math path
+              (dropout, head_dim < 16 with softcap or lse): ``_routing.choose_route``
+other         torch SDPA (with explicit masks where needed), else the exact math path
 ============  ===============================================================================
 
 Explicit ``backend=`` values: ``"torch"`` (pure-torch math on any device), ``"sdpa"``,
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 
 from flashport.kernels.keywords import TENSOR_KEYWORDS, pick, takes_contract_keywords
-from flashport.torch import _checks, _dropout, _jax, _native
+from flashport.torch import _checks, _dropout, _jax, _native, _routing
 from flashport.torch._checks import check
 from flashport.torch._varlen import varlen_attention
 
@@ -119,7 +121,7 @@ def _dispatch(
         return _run_native(backend, *qkv, options, tensors, return_lse, dropout)
     if backend == "auto" and kind not in ("cpu", "xla", "torchax"):
         call = _native_call(*qkv, options, tensors, return_lse, dropout)
-        out, lse = _native.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
+        out, lse = _routing.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
         return (out, lse) if return_lse else out
     if backend == "auto" and kind == "cpu" and dropout[0] == 0:
         out = _cpu_sdpa(*qkv, options, tensors, return_lse)
