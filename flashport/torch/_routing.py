@@ -55,8 +55,10 @@ def sdpa_fused_unsupported(call: CanonicalCall, return_lse: bool) -> str | None:
         return f"bottom-right causal with Sq={p.seq_q} != Sk={p.seq_k} (SDPA's is_causal is top-left)"
     if call.mask is not None:
         return "a boolean mask (SDPA has no block skipping for it)"
-    if p.causal and call.bias is not None:
+    if call.bias is not None and p.causal:
         return "causal with a bias (SDPA takes is_causal or a mask, not both)"
+    if call.bias is not None and call.bias.dtype != call.q.dtype:
+        return f"a {call.bias.dtype} bias with {call.q.dtype} queries (SDPA would round the bias)"
     return None
 
 
