@@ -336,6 +336,31 @@ def test_band_block_mask_cached():
     assert (info.misses, info.hits) == (1, 1)
 
 
+def test_segment_block_mask_reused_while_ids_unchanged(monkeypatch):
+    module = _flex.import_flex()
+    built = []
+    real = module.create_block_mask
+    monkeypatch.setattr(module, "create_block_mask", lambda *a, **kw: built.append(a) or real(*a, **kw))
+    monkeypatch.setattr(_flex, "_SEGMENT_MASKS", type(_flex._SEGMENT_MASKS)(maxlen=8))
+    case = CASES[10]  # packed documents
+    x = inputs(case)
+    want = run_flex(case, x, return_lse=False)[0]
+    run_flex(case, x, return_lse=False)
+    assert len(built) == 1
+    x["q_segment_ids"], x["kv_segment_ids"] = x["q_segment_ids"].clone(), x["kv_segment_ids"].clone()
+    run_flex(case, x, return_lse=False)  # equal ids in other tensors: built again ...
+    run_flex(case, x, return_lse=False)  # ... and reused
+    assert len(built) == 2
+    for name in ("q_segment_ids", "kv_segment_ids"):  # the same tensors written in place: rebuilt
+        x[name][:, :7] = 1  # documents 0 and 1 merge
+    merged = run_flex(case, x, return_lse=False)[0]
+    assert len(built) == 3 and not torch.allclose(merged, want)
+    ref, _ = reference_attention(
+        *(x[n].double().numpy() for n in ("query", "key", "value")), **numpy_kw(case, x)
+    )
+    np.testing.assert_allclose(merged.numpy(), ref, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.slow
 def test_compiled_flex_on_cpu_inference():
     """The compiled runner (fullgraph, inductor's CPU backend: inference without lse) traces our

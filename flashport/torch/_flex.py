@@ -27,10 +27,11 @@ dtypes, ``return_lse``, device) gets its own ``torch.compile(..., fullgraph=True
 of a fresh copy of the runner's code, so it is compiled once and dynamo's per-code-object
 recompile limit counts per signature instead of across all of them (at most
 :data:`MAX_COMPILED` are kept). Block masks of the causal/window band depend only on the spec and
-the lengths and are cached per (band, Sq, Sk, device); masks that depend on tensor values (boolean
-masks, segment ids) are built per call. ``compiled=False`` runs flex eagerly (its unfused math
-implementation: materialized scores), which is how the path is tested on CPU: torch 2.13 compiles
-flex for CPU only for inference without lse, and refuses CPU backward in eager mode.
+the lengths and are cached per (band, Sq, Sk, device); those of segment ids are reused while the
+same id tensors come back unmodified (the last 8); boolean masks are built per call.
+``compiled=False`` runs flex eagerly (its unfused math implementation: materialized scores), which
+is how the path is tested on CPU: torch 2.13 compiles flex for CPU only for inference without lse,
+and refuses CPU backward in eager mode.
 """
 
 from __future__ import annotations
@@ -141,15 +142,17 @@ def mask_mod(
 
 
 def _block_mask(call: CanonicalCall, *, compile_mask: bool) -> Any:
-    """The call's ``BlockMask`` (None when every key is visible); band-only masks come from a cache."""
+    """The call's ``BlockMask`` (None when every key is visible), from a cache where it can be."""
     spec, device = call.spec, call.q.device
+    band = (spec.causal, spec.window_left, spec.window_right, spec.offset)
     if call.mask is None and call.q_seg is None:
         if not spec.has_positional_mask:
             return None
-        band = (spec.causal, spec.window_left, spec.window_right, spec.offset)
         return _band_block_mask(band, spec.seq_q, spec.seq_k, str(device), compile_mask)
-    batch = call.q_seg is not None or (call.mask is not None and call.mask.shape[0] > 1)
-    heads = call.mask is not None and call.mask.shape[1] > 1
+    if call.mask is None:
+        return _segment_block_mask(call, band, compile_mask)
+    batch = call.mask.shape[0] > 1 or call.q_seg is not None
+    heads = call.mask.shape[1] > 1
     return import_flex().create_block_mask(
         mask_mod(spec, call.mask, call.q_seg, call.kv_seg),
         call.q.shape[0] if batch else None,
@@ -159,6 +162,48 @@ def _block_mask(call: CanonicalCall, *, compile_mask: bool) -> Any:
         device=device,
         _compile=compile_mask,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _SegmentEntry:
+    q_seg: torch.Tensor
+    kv_seg: torch.Tensor
+    versions: tuple[int, int]
+    key: tuple
+    block_mask: Any
+
+
+# Block masks of segment ids, reused while the same id tensors come back unmodified (their
+# ``_version`` counts in-place writes); the entries hold the [B, S] ids, which are small.
+_SEGMENT_MASKS: collections.deque[_SegmentEntry] = collections.deque(maxlen=8)
+
+
+def _segment_block_mask(call: CanonicalCall, band: tuple, compile_mask: bool) -> Any:
+    """The ``BlockMask`` of segment ids (and the band), cached per id tensors, their versions and
+    the band; boolean masks (O(Sq*Sk) tensors, not kept alive) are built per call instead."""
+    q_seg, kv_seg = call.q_seg, call.kv_seg
+    assert q_seg is not None and kv_seg is not None  # both or neither (checked)
+    key = (band, call.spec.seq_q, call.spec.seq_k, str(call.q.device), compile_mask)
+    versions = (q_seg._version, kv_seg._version)
+    for entry in _SEGMENT_MASKS:
+        if (
+            entry.q_seg is q_seg
+            and entry.kv_seg is kv_seg
+            and entry.versions == versions
+            and entry.key == key
+        ):
+            return entry.block_mask
+    block_mask = import_flex().create_block_mask(
+        mask_mod(call.spec, None, q_seg, kv_seg),
+        call.q.shape[0],
+        None,
+        call.spec.seq_q,
+        call.spec.seq_k,
+        device=call.q.device,
+        _compile=compile_mask,
+    )
+    _SEGMENT_MASKS.append(_SegmentEntry(q_seg, kv_seg, versions, key, block_mask))
+    return block_mask
 
 
 @functools.lru_cache(maxsize=64)
