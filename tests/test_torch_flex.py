@@ -187,6 +187,30 @@ def test_flex_low_precision(dtype):
     np.testing.assert_allclose(out.float().numpy(), want, atol=3e-2, rtol=3e-2)
 
 
+def test_explicit_flex_backend():
+    """``backend="flex"`` through the public API: runs (eagerly on CPU, no grad) or says why not."""
+    import flashport.torch as ft
+
+    case = CASES[10]  # packed documents, causal
+    x = inputs(case)
+    kw = contract(case, x)
+    q, k, v = x["query"], x["key"], x["value"]
+    out, lse = ft.attention(q, k, v, **kw, softcap=2.0, backend="flex", return_lse=True)
+    want_out, want_lse = reference_attention(
+        *(t.double().numpy() for t in (q, k, v)), **numpy_kw(case, x), softcap=2.0
+    )
+    np.testing.assert_allclose(out.numpy(), want_out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5, rtol=2e-5)
+    with pytest.raises(
+        ValueError, match=r"backend='flex' cannot run dropout_p=0.1: FlexAttention has no dropout"
+    ):
+        ft.attention(q, k, v, **kw, backend="flex", dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"gradients on cpu \(query require grad.*torch.no_grad\(\)"):
+        ft.attention(q.clone().requires_grad_(True), k, v, **kw, backend="flex")
+    with pytest.raises(ValueError, match=r"head_dim 8 < 16"):
+        ft.attention(q[..., :8], k[..., :8], v[..., :8], **kw, backend="flex")
+
+
 # ------------------------------------------------------------------------------------ routing
 
 

@@ -80,6 +80,25 @@ def flex_unsupported(call: CanonicalCall) -> str | None:
     return None
 
 
+def explicit_unsupported(call: CanonicalCall) -> str | None:
+    """Why ``backend="flex"`` cannot run ``call``: :func:`flex_unsupported`, or a backward on a
+    device where torch's flex has none (it runs eagerly there, and refuses inputs needing grad)."""
+    reason = flex_unsupported(call)
+    device = call.q.device.type
+    if reason is None and device != "cuda" and torch.is_grad_enabled():
+        needs_grad = [
+            n
+            for n, x in (("query", call.q), ("key", call.k), ("value", call.v), ("bias", call.bias))
+            if x is not None and x.requires_grad
+        ]
+        if needs_grad:
+            reason = (
+                f"gradients on {device} ({', '.join(needs_grad)} require grad; torch's FlexAttention has "
+                f"a backward only on CUDA): run under torch.no_grad()"
+            )
+    return reason
+
+
 def flex_attention(call: CanonicalCall, return_lse: bool, *, compiled: bool) -> tuple[torch.Tensor, Any]:
     """Run ``call`` through FlexAttention; returns ``(out, lse)`` (lse None unless ``return_lse``).
 
