@@ -389,7 +389,14 @@ def test_segment_block_mask_reused_while_ids_unchanged(monkeypatch):
 def test_compiled_flex_on_cpu_inference():
     """The compiled runner (fullgraph, inductor's CPU backend: inference without lse) traces our
     score_mod/mask_mod closures and matches the reference (~40-60 s of compilation)."""
-    case = dataclasses.replace(CASES[6], segments=(PACKED, PACKED), sq=24, sk=24, bias=(B, 1, 1, 24))
+    case = dataclasses.replace(
+        CASES[6],
+        options=(("softcap", 3.0), ("causal", True), ("window", (5, None))),
+        segments=(PACKED, PACKED),
+        sq=24,
+        sk=24,
+        bias=(B, 1, 1, 24),
+    )
     x = inputs(case)
     call = _checks.check(x["query"], x["key"], x["value"], **contract(case, x))
     with torch.no_grad():
