@@ -13,6 +13,7 @@ to run flex's own backward on CPU (on CUDA the same score_mod/mask_mod go throug
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 
 import numpy as np
@@ -209,6 +210,44 @@ def test_explicit_flex_backend():
         ft.attention(q.clone().requires_grad_(True), k, v, **kw, backend="flex")
     with pytest.raises(ValueError, match=r"head_dim 8 < 16"):
         ft.attention(q[..., :8], k[..., :8], v[..., :8], **kw, backend="flex")
+
+
+def test_ragged_lengths_through_the_flex_route():
+    """``varlen_attention`` (cu_seqlens, per-sequence bottom-right causal) on the CUDA route's flex
+    path equals the reference run sequence by sequence."""
+    from flashport.torch import varlen_attention
+
+    cu_q, cu_k = [0, 5, 17, 24], [0, 9, 20, 40]
+    rng = np.random.default_rng(3)
+    q = torch.from_numpy(rng.standard_normal((24, HQ, D)).astype(np.float32))
+    k, v = (torch.from_numpy(rng.standard_normal((40, HKV, D)).astype(np.float32)) for _ in range(2))
+    routes = []
+
+    def on_cuda_route(query, key, value, *, backend, **kw):
+        call = _checks.check(query, key, value, **kw)
+        routes.append(_routing.choose_route(call, False, device_type="cuda", flash=False).path)
+        return _routing.cuda_attention(call, False, flash=None, device_type="cuda")[0]
+
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q=torch.tensor(cu_q),
+        cu_seqlens_k=torch.tensor(cu_k),
+        causal=True,
+        softcap=4.0,
+        attention=on_cuda_route,
+    )
+    assert routes == ["flex"]
+    for (q0, q1), (k0, k1) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k), strict=True):
+        want, _ = reference_attention(
+            q[None, q0:q1].double().numpy(),
+            k[None, k0:k1].double().numpy(),
+            v[None, k0:k1].double().numpy(),
+            causal=True,
+            softcap=4.0,
+        )
+        np.testing.assert_allclose(out[q0:q1].numpy(), want[0], atol=2e-5, rtol=2e-5)
 
 
 # ------------------------------------------------------------------------------------ routing
