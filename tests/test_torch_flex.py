@@ -328,6 +328,15 @@ ROUTES = [  # (name, call keywords, device, flash-attn installed, path, fragment
     ("cuda_no_keys", dict(sk=0, softcap=30.0), "cuda", False, "math", "no keys"),
     ("cuda_small_head_softcap", dict(d=8, softcap=30.0), "cuda", False, "math", "head_dim 8 < 16"),
     ("cuda_small_head_window", dict(d=8, window=(2, 2)), "cuda", False, "sdpa", "explicit mask"),
+    (
+        "cuda_softcap_no_triton",
+        dict(softcap=30.0, triton=False),
+        "cuda",
+        False,
+        "math",
+        "Triton is not installed",
+    ),
+    ("cuda_window_no_triton", dict(window=(2, 2), triton=False), "cuda", False, "sdpa", "explicit mask"),
     ("other_device_softcap", dict(softcap=30.0), "mps", False, "math", "not used on mps"),
     ("other_device_window", dict(window=(2, 2)), "xpu", False, "sdpa", "explicit mask"),
 ]
@@ -336,8 +345,8 @@ ROUTES = [  # (name, call keywords, device, flash-attn installed, path, fragment
 @pytest.mark.parametrize("name,kw,device,flash,path,fragment", ROUTES, ids=[r[0] for r in ROUTES])
 def test_choose_route(name, kw, device, flash, path, fragment):
     kw = dict(kw)
-    return_lse = kw.get("return_lse", False)
-    route = _routing.choose_route(_call(**kw), return_lse, device_type=device, flash=flash)
+    return_lse, triton = kw.get("return_lse", False), kw.pop("triton", True)
+    route = _routing.choose_route(_call(**kw), return_lse, device_type=device, flash=flash, triton=triton)
     assert route.path == path, route
     assert fragment in route.reason, route
 

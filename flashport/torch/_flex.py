@@ -40,6 +40,7 @@ import collections
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import types
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,12 @@ def import_flex() -> Any:
         return None
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton is installed (``torch.compile`` builds flex's CUDA kernels with it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def flex_unsupported(call: CanonicalCall) -> str | None:
     """Why the FlexAttention path cannot run ``call`` with the contract's semantics (None when it can)."""
     if import_flex() is None:
@@ -85,6 +92,8 @@ def explicit_unsupported(call: CanonicalCall) -> str | None:
     device where torch's flex has none (it runs eagerly there, and refuses inputs needing grad)."""
     reason = flex_unsupported(call)
     device = call.q.device.type
+    if reason is None and device == "cuda" and not triton_available():
+        reason = "CUDA tensors without Triton installed (torch.compile builds flex's CUDA kernels with it)"
     if reason is None and device != "cuda" and torch.is_grad_enabled():
         needs_grad = [
             n

@@ -62,8 +62,11 @@ def sdpa_fused_unsupported(call: CanonicalCall, return_lse: bool) -> str | None:
     return None
 
 
-def choose_route(call: CanonicalCall, return_lse: bool, *, device_type: str, flash: bool) -> Route:
-    """The path ``auto`` takes for ``call`` on ``device_type`` (``flash``: flash-attn installed).
+def choose_route(
+    call: CanonicalCall, return_lse: bool, *, device_type: str, flash: bool, triton: bool = True
+) -> Route:
+    """The path ``auto`` takes for ``call`` on ``device_type`` (``flash``: flash-attn installed;
+    ``triton``: Triton installed, which compiling FlexAttention for CUDA needs).
 
     Pure: reads the call (its spec, tensors' shapes and, for varlen packing, segment ids), never
     the tensors' device, so decisions for ``"cuda"`` are testable with CPU tensors.
@@ -92,6 +95,8 @@ def choose_route(call: CanonicalCall, return_lse: bool, *, device_type: str, fla
     passed.append(f"SDPA: {reason}")
     if device_type in FLEX_DEVICES:
         reason = _flex.flex_unsupported(call)
+        if reason is None and not triton:
+            reason = "Triton is not installed (torch.compile builds flex's CUDA kernels with it)"
         if reason is None:
             return Route("flex", "; ".join(passed))
         passed.append(f"FlexAttention: {reason}")
@@ -114,7 +119,10 @@ def cuda_attention(
     """
     flash = _native.import_flash_attn() if flash == "import" else flash
     actual = call.q.device.type
-    route = choose_route(call, return_lse, device_type=device_type or actual, flash=flash is not None)
+    triton = _flex.triton_available() if actual in FLEX_DEVICES else True  # off CUDA flex runs eagerly
+    route = choose_route(
+        call, return_lse, device_type=device_type or actual, flash=flash is not None, triton=triton
+    )
     if route.path == "math":
         log.debug("flashport.torch: exact math path runs this call (%s)", route.reason)
         return _native.math_attention(call)
