@@ -8,7 +8,7 @@ every decision is tested on a CPU host. In order:
 2. flash-attn 2 when installed and the call fits it (:func:`_native.flash_unsupported`);
 3. torch SDPA when its fused kernels take the call as it is: no positional mask beyond top-left
    causal (or Sq == Sk), no boolean mask or segment ids, no softcap, no lse (:func:`sdpa_fused_unsupported`);
-4. on CUDA, FlexAttention (:mod:`flashport.torch._flex`): softcap, windows, segment ids,
+4. on CUDA with Triton installed, FlexAttention (:mod:`flashport.torch._flex`): softcap, windows, segment ids,
    bottom-right causal, masks, biases under a mask, lse, in O(S) memory with block skipping;
 5. SDPA with an explicit O(Sq*Sk) mask (other devices, or FlexAttention unavailable);
 6. the exact math path for what none of them can do, with a DEBUG line naming every reason.
