@@ -264,6 +264,10 @@ def run_table(device: str, smoke: bool, reps: int, path_log: PathLog) -> list[st
     """Measure every row and return the markdown table's lines."""
     dtype = torch.bfloat16
     compiled = device == "cuda"
+    # Every row compiles flex_attention and create_block_mask again (its own shapes and mods, with
+    # and without grad); dynamo's default of 8 compilations per function would send the later rows'
+    # FlexAttention anchor to flex's eager (unfused) implementation.
+    torch._dynamo.config.recompile_limit = 64
     header = ["case", "flashport fwd / fwd+bwd", "path", *ANCHORS, "best anchor fwd / fwd+bwd", "ratio"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     print("\n".join(lines), flush=True)
