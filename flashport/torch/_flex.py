@@ -103,7 +103,7 @@ def explicit_unsupported(call: CanonicalCall) -> str | None:
         if needs_grad:
             reason = (
                 f"gradients on {device} ({', '.join(needs_grad)} require grad; torch's FlexAttention has "
-                f"a backward only on CUDA): run under torch.no_grad()"
+                f"no {device} backward): run under torch.no_grad()"
             )
     return reason
 
