@@ -1,13 +1,22 @@
-"""Check flashport.torch.attention's CUDA path (flash-attn / SDPA / math) against the float64 reference.
+"""flashport.torch.attention on CUDA: its paths checked against the float64 reference, then timed.
 
 Run on a CUDA machine from the repository root (torch with CUDA; flash-attn optional):
 
-    python benchmarks/torch_cuda_check.py            # --device cpu runs the same checks on CPU
+    python benchmarks/torch_cuda_check.py            # checks, then the timing table
+    python benchmarks/torch_cuda_check.py --smoke    # tiny table on CPU (tests/test_torch_cuda_check.py)
 
-For each case and dtype it prints which path ran (from the adapter's debug log), the max abs error of
-the output and lse against tests/reference.py (float64 numpy), and of dq/dk/dv/dbias against the
-pure-torch math path run on CPU in float32 (that path is checked against the float64 reference by
-tests/test_torch_adapter.py). Errors are relative to max(1, max |reference|). Exits 1 on any failure.
+Checks (``--device cpu`` runs them on CPU): for each case and dtype it prints which path ran
+(flash-attn, torch SDPA, FlexAttention or the math path, from the adapter's debug log), the max abs
+error of the output and lse against tests/reference.py (float64 numpy), and of dq/dk/dv/dbias
+against the pure-torch math path run on CPU in float32 (that path is checked against the float64
+reference by tests/test_torch_adapter.py). Errors are relative to max(1, max |reference|). Without
+flash-attn, the softcap, window, mask, segment and bias+causal cases run FlexAttention (compiled per
+signature, so this section pays one compilation per case and dtype). Exits 1 on any failure.
+
+Table (``benchmarks/torch_cuda_table.py``): issue 12's rows (bf16, B=2, H=16, D=128, S=8192: causal,
+window 1024, GQA 32q/8kv, softcap 30, 4 packed documents, chunked prefill Sq=2048 Sk=8192
+bottom-right), flashport auto next to SDPA's flash / efficient / math kernels and FlexAttention:
+forward and forward+backward medians, peak memory, ratio to the best anchor.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -23,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from reference import reference_attention
+from torch_cuda_table import PathLog, run_table
 
 import flashport.torch as ft
 
@@ -58,20 +69,6 @@ def cases():
         ),
         ("BHSD layout", (b, 128, hq, d), (b, 128, hkv, d), dict(causal=True, layout="BHSD"), {}),
     ]
-
-
-class PathLog(logging.Handler):
-    """Remembers the adapter's last 'runs this call' debug line."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.path = ""
-
-    def emit(self, record):
-        """Keep the path named by a 'runs this call' line."""
-        message = record.getMessage()
-        if "runs this call" in message:
-            self.path = message.split(": ")[-1].replace(" runs this call", "").replace("exact ", "")
 
 
 def check(name, q_shape, kv_shape, options, extras, dtype, device, log, rng):
@@ -122,40 +119,63 @@ def check(name, q_shape, kv_shape, options, extras, dtype, device, log, rng):
             1.0, float(np.abs(want[np.isfinite(want)]).max())
         )
 
-    errors = {"out": err(out.detach().float().cpu(), ref_out), "lse": err(lse.cpu(), ref_lse)}
+    errors = {"out": err(out.detach().float().cpu(), ref_out), "lse": err(lse.detach().cpu(), ref_lse)}
     for n in grads:
         errors["d" + ("bias" if n == "bias" else n[0])] = err(dev[n].grad.float().cpu(), math_in[n].grad)
     ok = all(e <= TOLERANCE[dtype] for e in errors.values())
     shown = "  ".join(f"{n}={e:.1e}" for n, e in errors.items())
     print(
-        f"{'ok  ' if ok else 'FAIL'} {name:40s} {str(dtype)[6:]:9s} {path:11s} (lse: {path_lse:5s}) {shown}"
+        f"{'ok  ' if ok else 'FAIL'} {name:40s} {str(dtype)[6:]:9s} {path:13s} (lse: {path_lse:13s}) {shown}"
     )
     return ok
 
 
+def run_checks(device, log, dtypes):
+    """Every check case for every dtype, one line each; returns whether all passed."""
+    rng = np.random.default_rng(0)
+    start = time.perf_counter()
+    results = [check(*case, dtype, device, log, rng) for dtype in dtypes for case in cases()]
+    print(f"{sum(results)}/{len(results)} passed ({time.perf_counter() - start:.0f} s, compilation included)")
+    return all(results)
+
+
 def main():
-    """Run every case for every dtype; print one line each; exit 1 on any failure."""
+    """Run the checks, then the timing table; exit 1 on any failed check."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="tiny table on CPU, no checks (a test runs it)")
+    parser.add_argument("--no-checks", action="store_true", help="only the timing table")
+    parser.add_argument("--no-table", action="store_true", help="only the checks")
+    parser.add_argument(
+        "--dtypes",
+        default="bfloat16,float16,float32",
+        help="checked dtypes, comma-separated (each FlexAttention case compiles once per dtype)",
+    )
+    parser.add_argument(
+        "--reps", type=int, default=10, help="timed runs per median (after up to two warm-ups)"
+    )
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA device visible to torch (use --device cpu to dry-run)")
+    device = "cpu" if args.smoke else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device visible to torch (use --device cpu to dry-run, or --smoke)")
     log = PathLog()
     logging.getLogger("flashport").addHandler(log)
     logging.getLogger("flashport").setLevel(logging.DEBUG)
     flash = ft._native.import_flash_attn()
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(
-        f"torch {torch.__version__}, device {args.device}, flash-attn "
+        f"torch {torch.__version__}, device {device} ({name}), flash-attn "
         f"{getattr(flash, '__version__', 'installed') if flash else 'not installed'}"
     )
-    rng = np.random.default_rng(0)
-    results = [
-        check(*case, dtype, args.device, log, rng)
-        for dtype in (torch.bfloat16, torch.float16, torch.float32)
-        for case in cases()
-    ]
-    print(f"{sum(results)}/{len(results)} passed")
-    sys.exit(0 if all(results) else 1)
+    ok = True
+    if not (args.smoke or args.no_checks):
+        ok = run_checks(device, log, [getattr(torch, name) for name in args.dtypes.split(",")])
+    if not args.no_table:
+        print("\ntiming (bf16, B=2, D=128, causal; fwd / fwd+bwd medians in ms, peak MB of fwd+bwd):")
+        start = time.perf_counter()
+        run_table(device, args.smoke, 1 if args.smoke else args.reps, log)
+        print(f"table: {time.perf_counter() - start:.0f} s, compilation included")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

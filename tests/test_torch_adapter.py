@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 from reference import reference_attention  # noqa: E402
 
 import flashport.torch as ft  # noqa: E402
-from flashport.torch import _checks, _jax, _native  # noqa: E402
+from flashport.torch import _checks, _jax, _native, _routing  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ def run(path, x, case, return_lse, flash=None):
         return ft.attention(**kw, backend="torch")
     assert path == "cuda"
     kw.pop("return_lse")
-    out, lse = _native.cuda_attention(_checks.check(**kw, return_lse=return_lse), return_lse, flash=flash)
+    out, lse = _routing.cuda_attention(_checks.check(**kw, return_lse=return_lse), return_lse, flash=flash)
     return (out, lse) if return_lse else out
 
 
@@ -613,7 +613,7 @@ def test_flash_attn_takes_exactly_the_calls_it_can_express():
 def _flash_kwargs(q, k, **options):
     fake = FakeFlashAttn()
     call = _checks.check(q, k, k, **options)
-    _native.cuda_attention(call, False, flash=fake)
+    _routing.cuda_attention(call, False, flash=fake)
     return fake.calls[-1][1] if fake.calls else None
 
 
@@ -653,7 +653,7 @@ def test_flash_attn_varlen_for_packed_segments():
     kw = dict(causal=True, window=(2, None), q_segment_ids=ids, kv_segment_ids=ids)
     out, lse = ft.attention(q, k, v, **kw, return_lse=True, backend="torch")  # the math path, for the shape
     call = _checks.check(q, k, v, **kw)
-    out, lse = _native.cuda_attention(call, True, flash=fake)
+    out, lse = _routing.cuda_attention(call, True, flash=fake)
     assert fake.calls[-1][0] == "varlen"
     assert fake.calls[-1][1] == dict(
         cu_seqlens_q=[0, 3, 5, 8, 13, 15, 16], max_seqlen_q=5, causal=True, window_size=(2, -1)

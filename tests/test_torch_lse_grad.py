@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from reference import reference_attention  # noqa: E402
 
 import flashport.torch as ft  # noqa: E402
-from flashport.torch import _checks, _native  # noqa: E402
+from flashport.torch import _checks, _native, _routing  # noqa: E402
 
 GRAD_NAMES = ("query", "key", "value", "bias")
 # (name, Sq, Sk, options, bias shape): the last has query rows that see no key (lse = -inf).
@@ -114,10 +114,10 @@ def test_cuda_auto_skips_flash_attn_when_lse_needs_a_gradient():
 
     q, k = (torch.randn(1, 4, 2, 8, dtype=torch.bfloat16) for _ in range(2))
     fake = FakeFlashAttn()
-    _native.cuda_attention(_checks.check(q, k, k, return_lse=True), True, flash=fake)
+    _routing.cuda_attention(_checks.check(q, k, k, return_lse=True), True, flash=fake)
     assert len(fake.calls) == 1
     q.requires_grad_(True)
-    _, lse = _native.cuda_attention(_checks.check(q, k, k, return_lse=True), True, flash=fake)
+    _, lse = _routing.cuda_attention(_checks.check(q, k, k, return_lse=True), True, flash=fake)
     assert len(fake.calls) == 1 and lse.requires_grad
     lse.sum().backward()
     assert q.grad is not None and q.grad.abs().sum() > 0

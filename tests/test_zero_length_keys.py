@@ -101,11 +101,11 @@ def test_torch_adapter_with_no_keys(backend):
 def test_torch_cuda_auto_route_with_no_keys():
     """The CUDA auto route (run here on CPU tensors) takes the math path instead of SDPA/flash-attn."""
     torch = pytest.importorskip("torch")
-    from flashport.torch import _checks, _native
+    from flashport.torch import _checks, _routing
 
     q = torch.from_numpy(np.array(inputs()[0]))
     k, v = torch.zeros(B, 0, HKV, D), torch.zeros(B, 0, HKV, DV)
-    out, lse = _native.cuda_attention(_checks.check(q, k, v, return_lse=True), True, flash=None)
+    out, lse = _routing.cuda_attention(_checks.check(q, k, v, return_lse=True), True, flash=None)
     want_out, want_lse = expected()
     np.testing.assert_array_equal(out.numpy(), want_out)
     np.testing.assert_array_equal(lse.numpy(), want_lse)

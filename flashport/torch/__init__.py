@@ -15,19 +15,22 @@ torch_xla     ``torch_xla.core.xla_builder.call_jax`` -> flashport's JAX impleme
               Pallas kernel on TPU); backward = JAX VJP staged through the same bridge
 torchax       ``torchax.interop.call_jax`` -> flashport's JAX implementation
 CUDA          flash-attn 2 (``flash_attn_func``; ``flash_attn_varlen_func`` for packed segment
-              ids) when installed and the call fits, else torch SDPA with explicit masks, else
-              (softcap, or ``return_lse`` without flash-attn) the exact math path
-other         torch SDPA, else the exact math path
+              ids) when installed and the call fits, else torch SDPA's fused kernels (top-left
+              causal, bias), else FlexAttention compiled once per call signature (softcap,
+              windows, segment ids, bottom-right causal, masks, lse), else the exact math path
+              (dropout, head_dim < 16 with softcap or lse): ``_routing.choose_route``
+other         torch SDPA (with explicit masks where needed), else the exact math path
 ============  ===============================================================================
 
 Explicit ``backend=`` values: ``"torch"`` (pure-torch math on any device), ``"sdpa"``,
-``"flash_attn"``, or any JAX backend name / ``flashport.kernels.registry.use(...)`` choice, which
+``"flash_attn"``, ``"flex"`` (FlexAttention: compiled on CUDA; elsewhere eager, forward only, as
+torch has no CPU flex backward), or any JAX backend name / ``flashport.kernels.registry.use(...)`` choice, which
 runs the JAX implementation with that backend. Importing this module imports torch, never jax.
 
 Dropout (``dropout_p``, ``generator``) draws the contract's keep-mask, a position hash of two seed
 words (:mod:`flashport.kernels.dropout`), on the math path and on every JAX path alike; SDPA and
 flash-attn draw their own masks, so ``auto`` routes dropout calls on CUDA and other devices to the
-exact math path, and ``backend="sdpa"`` / ``"flash_attn"`` refuse ``dropout_p > 0``.
+exact math path, and ``backend="sdpa"`` / ``"flash_attn"`` / ``"flex"`` refuse ``dropout_p > 0``.
 
 :func:`varlen_attention` is flash-attn's packed variable-length convention on torch tensors.
 """
@@ -42,14 +45,14 @@ from typing import Any
 import torch
 
 from flashport.kernels.keywords import TENSOR_KEYWORDS, pick, takes_contract_keywords
-from flashport.torch import _checks, _dropout, _jax, _native
+from flashport.torch import _checks, _dropout, _flex, _jax, _native, _routing
 from flashport.torch._checks import check
 from flashport.torch._varlen import varlen_attention
 
 __all__ = ["NATIVE_BACKENDS", "attention", "varlen_attention"]
 
 # Backends implemented in torch itself; every other backend name belongs to the JAX implementation.
-NATIVE_BACKENDS = ("torch", "sdpa", "flash_attn")
+NATIVE_BACKENDS = ("torch", "sdpa", "flash_attn", "flex")
 
 _Options = dict[str, Any]  # scale, causal, window, align, softcap, layout as the user gave them
 _Tensors = dict[str, Any]  # bias, mask, q_segment_ids, kv_segment_ids as the user gave them
@@ -76,7 +79,7 @@ def attention(
         kv_segment_ids, layout, return_lse: as for :func:`flashport.attention`, with torch tensors
         (bias, mask and segment ids too) on one device.
       backend: ``"auto"`` (by device, see the module docstring), ``"torch"``, ``"sdpa"``,
-        ``"flash_attn"``, or a JAX backend name or ``registry.use(...)`` choice.
+        ``"flash_attn"``, ``"flex"``, or a JAX backend name or ``registry.use(...)`` choice.
       dropout_p: probability of zeroing each entry of the normalized attention probabilities; kept
         entries are scaled by ``1 / (1 - dropout_p)`` (flash-attn / SDPA semantics; pass 0.0 in
         eval mode, as callers of those do). The lse is that of the scores, unaffected.
@@ -95,7 +98,7 @@ def attention(
     Raises:
       TypeError / ValueError naming the argument for inputs that do not fit the contract, and
       ValueError when an explicit backend cannot serve the call (naming the reason), e.g.
-      ``backend="sdpa"`` or ``"flash_attn"`` with ``dropout_p > 0``.
+      ``backend="sdpa"``, ``"flash_attn"`` or ``"flex"`` with ``dropout_p > 0``.
     """
     dropout = (_dropout.check_p(dropout_p), _dropout.check_generator(generator))
     options = {n: x for n, x in contract.items() if n not in TENSOR_KEYWORDS}
@@ -119,7 +122,7 @@ def _dispatch(
         return _run_native(backend, *qkv, options, tensors, return_lse, dropout)
     if backend == "auto" and kind not in ("cpu", "xla", "torchax"):
         call = _native_call(*qkv, options, tensors, return_lse, dropout)
-        out, lse = _native.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
+        out, lse = _routing.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
         return (out, lse) if return_lse else out
     if backend == "auto" and kind == "cpu" and dropout[0] == 0:
         out = _cpu_sdpa(*qkv, options, tensors, return_lse)
@@ -197,36 +200,51 @@ def _run_native(
 ) -> _Result:
     if dropout[0] > 0 and backend != "torch":
         check(query, key, value, **options, **tensors, return_lse=return_lse)  # argument errors first
-        name = "SDPA" if backend == "sdpa" else "flash-attn"
+        why = {
+            "sdpa": _native.DROPOUT_REASON.format(name="SDPA"),
+            "flash_attn": _native.DROPOUT_REASON.format(name="flash-attn"),
+            "flex": "FlexAttention has no dropout",
+        }[backend]
         raise ValueError(
-            f"backend={backend!r} cannot run dropout_p={dropout[0]}: "
-            f"{_native.DROPOUT_REASON.format(name=name)}; use backend='torch' (exact "
-            f"math), 'auto', or a JAX backend such as 'xla', which draw the contract's mask"
+            f"backend={backend!r} cannot run dropout_p={dropout[0]}: {why}; use backend='torch' "
+            f"(exact math), 'auto', or a JAX backend such as 'xla', which draw the contract's mask"
         )
     call = _native_call(query, key, value, options, tensors, return_lse, dropout)
     lse: torch.Tensor | None
     if backend == "torch" or call.k.shape[2] == 0:  # no keys: the contract's zeros on every backend
         out, lse = _native.math_attention(call)
-    elif backend == "sdpa":
-        reason = _native.sdpa_unsupported(call, return_lse)
-        if reason:
-            raise ValueError(f"backend='sdpa' does not support {reason}; use backend='torch' or 'auto'")
-        out, lse = _native.sdpa_attention(call)
     else:
-        flash = _native.import_flash_attn()
-        if flash is None:
-            raise ValueError(
-                "backend='flash_attn' needs the flash-attn package (pip install flash-attn); "
-                "use backend='auto' to fall back to torch SDPA"
-            )
-        reason = _native.flash_unsupported(call)
-        if reason:
-            raise ValueError(f"backend='flash_attn' does not support this call: {reason}; use backend='auto'")
-        out, lse = _native.flash_attention(call, flash, return_lse)
+        out, lse = _explicit_path(backend, call, return_lse)
     if not return_lse:
         return out
     assert lse is not None, f"backend={backend!r} returned no lse although return_lse=True"
     return out, lse
+
+
+def _explicit_path(
+    backend: str, call: _checks.CanonicalCall, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``backend="sdpa"``, ``"flash_attn"`` or ``"flex"``: run it, or raise why it cannot."""
+    if backend == "sdpa":
+        reason = _native.sdpa_unsupported(call, return_lse)
+        if reason:
+            raise ValueError(f"backend='sdpa' does not support {reason}; use backend='torch' or 'auto'")
+        return _native.sdpa_attention(call)
+    if backend == "flex":
+        reason = _flex.explicit_unsupported(call)
+        if reason:
+            raise ValueError(f"backend='flex' does not support {reason}; use backend='torch' or 'auto'")
+        return _flex.flex_attention(call, return_lse, compiled=call.q.device.type == "cuda")
+    flash = _native.import_flash_attn()
+    if flash is None:
+        raise ValueError(
+            "backend='flash_attn' needs the flash-attn package (pip install flash-attn); "
+            "use backend='auto' to fall back to torch SDPA"
+        )
+    reason = _native.flash_unsupported(call)
+    if reason:
+        raise ValueError(f"backend='flash_attn' does not support this call: {reason}; use backend='auto'")
+    return _native.flash_attention(call, flash, return_lse)
 
 
 def _run_jax(

@@ -2,8 +2,7 @@
 
 Each function takes a :class:`flashport.torch._checks.CanonicalCall` and returns ``(out, lse)`` with ``out``
 in the call's layout and dtype and ``lse`` float32 [B, Hq, Sq] (``None`` where the path has none).
-``cuda_attention`` is what ``backend="auto"`` runs for CUDA tensors; it works on any device, which
-is how its decisions are tested on CPU.
+Which of them ``backend="auto"`` runs for CUDA tensors is decided in :mod:`flashport.torch._routing`.
 """
 
 from __future__ import annotations
@@ -357,38 +356,3 @@ def _flash_varlen(
     out = (result[0] if return_lse else result).reshape(b, s, *q.shape[2:3], v.shape[-1])
     lse = result[1].reshape(-1, b, s).transpose(0, 1) if return_lse else None  # [H, total] -> [B, H, S]
     return out, lse
-
-
-# ------------------------------------------------------------------------------------ CUDA auto
-
-
-def cuda_attention(call: CanonicalCall, return_lse: bool, flash="import"):
-    """``backend="auto"`` for CUDA tensors: flash-attn when installed and the call fits it, else torch
-    SDPA when the contract's semantics survive, else the exact math path (softcap, or lse with SDPA;
-    also an lse that needs a gradient, which flash-attn cannot give; and dropout, whose mask only
-    the math path draws as the contract defines it).
-
-    ``flash`` is the flash-attn module (``"import"`` = import it now; ``None`` = not installed).
-    """
-    if call.k.shape[2] == 0:
-        log.debug("flashport.torch: no keys (Sk == 0); exact math path runs this call")
-        return math_attention(call)
-    if call.dropout_p > 0:
-        # flash-attn and SDPA draw their own dropout masks, which cannot reproduce the contract's.
-        log.debug("flashport.torch: dropout; exact math path runs this call (it draws the contract's mask)")
-        return math_attention(call)
-    flash = import_flash_attn() if flash == "import" else flash
-    if flash is not None:
-        reason = flash_unsupported(call)
-        if reason is None and lse_needs_grad(call, return_lse):
-            reason = "a differentiable lse (flash-attn's backward ignores the lse cotangent)"
-        if reason is None:
-            log.debug("flashport.torch: flash-attn runs this call")
-            return flash_attention(call, flash, return_lse)
-        log.debug("flashport.torch: flash-attn passed over: %s", reason)
-    reason = sdpa_unsupported(call, return_lse)
-    if reason is None:
-        log.debug("flashport.torch: torch SDPA runs this call")
-        return sdpa_attention(call)
-    log.debug("flashport.torch: SDPA passed over (%s); exact math path runs this call", reason)
-    return math_attention(call)
