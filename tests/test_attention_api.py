@@ -237,7 +237,8 @@ def test_cudnn_dispatch_guards(monkeypatch):
     from flashport.kernels import api, cudnn
 
     def call(dtype="bfloat16", shape=None, **kw):
-        q, k, v, _ = make_inputs(0, dtype=dtype, **(shape or {}))
+        # Even lengths: jax's cuDNN path needs them when differentiated (cudnn refuses odd ones).
+        q, k, v, _ = make_inputs(0, dtype=dtype, **dict(dict(sq=12, sk=28), **(shape or {})))
         return api.prepare(q, k, v, **kw)[1]
 
     monkeypatch.setattr(cudnn, "gpu_present", lambda: True)
@@ -248,6 +249,7 @@ def test_cudnn_dispatch_guards(monkeypatch):
     assert "reaches right" in cudnn.check_call(call(window=(4, 2), align="top_left"))
     assert cudnn.check_call(call(window=(4, 0), align="top_left")) is None
     assert "head_dim=160" in cudnn.check_call(call(shape=dict(d=160)))
+    assert "odd sequence length" in cudnn.check_call(call(shape=dict(sq=13)))
     assert registry.missing_features(registry.get("cudnn"), call(dtype="float32")) == ["float32"]
     assert registry.choose("cuda", call(softcap=2.0))[0] == "pallas_gpu"  # the Triton kernel serves softcap
     monkeypatch.setattr(cudnn, "gpu_present", lambda: False)
