@@ -199,6 +199,13 @@ def test_head_dims(simulated_cuda, d):
     assert registry.choose("cuda", big)[0] not in ("cudnn", "pallas_gpu")  # both refuse, with a reason
 
 
+def test_long_sequences_never_take_the_materialized_path(simulated_cuda):
+    """Where neither cuDNN nor pallas_gpu can serve a long call (head_dim 512), auto on CUDA takes the
+    O(S) blockwise path, never the O(S^2) xla one."""
+    name, why = registry.choose("cuda", make_call(2048, 2048, d=512, causal=True))
+    assert name == "blockwise" and "head_dim 512" in why
+
+
 def test_no_cudnn_without_a_gpu():
     """In a process without a CUDA device (this one), auto's CUDA branch never traces cuDNN."""
     assert not cudnn.gpu_present()
