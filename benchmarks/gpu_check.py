@@ -1,27 +1,40 @@
 """Check flashport.attention on a CUDA machine against the float64 reference, and time it.
 
-Runs every backend that can run there (``cudnn``, ``pallas_gpu``, ``blockwise``, ``xla``, ``auto``) on
-configurations inside and outside cuDNN's feature set, prints max errors vs tests/reference.py and
-which backend ``auto`` picked, checks the compiled ``pallas_gpu`` kernels' gradients (and dropout)
-against the float64 reference, then times the forward pass of auto and pallas_gpu vs jax.nn's cuDNN
-and XLA paths.
+1. Correctness: runs every backend that can run there (``cudnn``, ``pallas_gpu``, ``blockwise``,
+   ``xla``, ``auto``) on configurations inside and outside cuDNN's feature set, prints max errors vs
+   tests/reference.py and which backend ``auto`` picked, and checks the compiled ``pallas_gpu``
+   kernels' gradients (and dropout) against the float64 reference.
+2. The issue's table (:mod:`gpu_table`): bf16 B=2 H=16 D=128 S=8192, causal / + window 1024 / GQA
+   32q:8kv / + softcap 30 / + 4 packed documents / chunked prefill, flashport auto and pallas_gpu next
+   to jax.nn cuDNN, jax.nn XLA and JAX's Pallas GPU ``mha``: forward and forward+backward medians,
+   compiled scratch memory, ratios to the best anchor, the goals' pass/fail and memory at two S.
 
-    python benchmarks/gpu_check.py
+Everything printed is also written to ``--out`` (default ``benchmarks/results/<gpu>_gpu_check.txt``,
+e.g. ``h200_gpu_check.txt``). The exit status is 1 when a correctness check fails (including a
+table column whose output differs from flashport auto's); the goals are reported (``GOALS MET`` /
+``GOALS NOT MET``), not enforced.
+
+    python benchmarks/gpu_check.py                 # on the GPU, about 5 minutes on an H200
+    python benchmarks/gpu_check.py --smoke --out /tmp/smoke.txt
+        # the table's code path on CPU at tiny shapes: pallas_gpu_interpret, mha interpreted,
+        # jax.nn cuDNN skipped with a note (no correctness section; tests/test_gpu_check_smoke.py)
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
-import statistics
+import re
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
+import gpu_table
 from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
@@ -55,14 +68,14 @@ def _inputs(seed, sq=128, sk=256, hq=8, hkv=8, d=64, dtype=jnp.bfloat16):
     return q, k, v
 
 
-def check() -> bool:
+def check(emit=print) -> bool:
     """Compare every backend with the reference; return True when all are within tolerance."""
     ok = True
     picks = _Picks()
     log = logging.getLogger("flashport")
     log.setLevel(logging.DEBUG)
     log.addHandler(picks)
-    print(f"jax {jax.__version__}, devices {jax.devices()}")
+    emit(f"jax {jax.__version__}, devices {jax.devices()}")
     for name, case in CASES:
         case = dict(case)
         shape = {k: case.pop(k) for k in ("sq", "hkv") if k in case}
@@ -86,13 +99,13 @@ def check() -> bool:
                     )
                 )(q, k, v)
             except ValueError as err:
-                print(f"{name:28s} {backend:9s} refused: {str(err)[:110]}")
+                emit(f"{name:28s} {backend:9s} refused: {str(err)[:110]}")
                 continue
             err = float(np.max(np.abs(np.asarray(out, np.float64) - want)))
             picked = next((l.split("cuda->")[1].split(" ")[0] for l in picks.lines if "cuda->" in l), "")
             good = err < 5e-2
             ok &= good
-            print(
+            emit(
                 f"{name:28s} {backend:9s} max err {err:.2e} {'ok' if good else 'FAIL'} {('auto picked ' + picked) if picked else ''}"
             )
     return ok
@@ -106,7 +119,9 @@ GRAD_CASES = [
 ]
 
 
-def check_grads(backend="pallas_gpu", dtype=jnp.bfloat16, sq=128, sk=256, d=64, tol=6e-2, cases=None) -> bool:
+def check_grads(
+    backend="pallas_gpu", dtype=jnp.bfloat16, sq=128, sk=256, d=64, tol=6e-2, cases=None, emit=print
+) -> bool:
     """Forward and gradients (q, k, v, bias) of ``backend`` against the float64 reference.
 
     On the GPU this checks the compiled Triton kernels; on CPU it runs with
@@ -149,7 +164,7 @@ def check_grads(backend="pallas_gpu", dtype=jnp.bfloat16, sq=128, sk=256, d=64, 
         good = max(errs) < tol
         ok &= good
         labels = "out dq dk dv dbias".split()
-        print(
+        emit(
             f"{name:28s} {backend:9s} grads "
             + " ".join(f"{l} {e:.1e}" for l, e in zip(labels, errs, strict=True))
             + f" {'ok' if good else 'FAIL'}"
@@ -157,38 +172,42 @@ def check_grads(backend="pallas_gpu", dtype=jnp.bfloat16, sq=128, sk=256, d=64, 
     return ok
 
 
-def _time(fn, *args, repeats=20):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def default_out() -> str:
+    """``benchmarks/results/<gpu>_gpu_check.txt`` from the device kind ("NVIDIA H200" -> "h200")."""
+    kind = jax.devices()[0].device_kind.lower().replace("nvidia", "").strip()
+    slug = re.sub(r"[^a-z0-9]+", "_", kind).strip("_") or "unknown"
+    return os.path.join(os.path.dirname(__file__), "results", f"{slug}_gpu_check.txt")
 
 
-def bench() -> None:
-    """Median forward time: flashport auto and pallas_gpu vs jax.nn cuDNN and XLA, causal, bf16."""
-    print(
-        f"{'S':>6} {'flashport auto ms':>18} {'pallas_gpu ms':>14} {'jax.nn cudnn ms':>16} {'jax.nn xla ms':>14}"
+def main(argv=None) -> int:
+    """Run the checks and the table; print everything and write it to ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU with interpreter backends")
+    parser.add_argument("--out", help="file for the output (default: benchmarks/results/<gpu>_gpu_check.txt)")
+    parser.add_argument(
+        "--rows", default="", help="comma-separated words: only the table rows naming one (plus causal)"
     )
-    for seq in (1024, 4096, 8192):
-        q, k, v = _inputs(0, sq=seq, sk=seq, hq=16, hkv=16, d=128)
-        ours = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True))
-        pallas = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True, backend="pallas_gpu"))
-        cudnn = jax.jit(
-            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-        )
-        xla = jax.jit(
-            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-        )
-        row = [_time(f, q, k, v) * 1e3 for f in (ours, pallas, cudnn, xla)]
-        print(f"{seq:>6} {row[0]:>18.3f} {row[1]:>14.3f} {row[2]:>16.3f} {row[3]:>14.3f}")
+    args = parser.parse_args(argv)
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    good = True
+    if not args.smoke:  # both sections run, whatever the first finds
+        good = check(emit)
+        good &= check_grads(emit=emit)
+    only = tuple(w.strip() for w in args.rows.split(",") if w.strip())
+    goals, agree = gpu_table.run_table(gpu_table.Shape.make(args.smoke), emit, only)
+    good &= agree
+    emit(f"correctness {'ALL OK' if good else 'SOME CHECKS FAILED'}; goals {'met' if goals else 'not met'}")
+    out = args.out or (None if args.smoke else default_out())
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0 if good else 1
 
 
 if __name__ == "__main__":
-    good = check()
-    good &= check_grads()
-    bench()
-    print("ALL OK" if good else "SOME CHECKS FAILED")
-    sys.exit(0 if good else 1)
+    sys.exit(main())

@@ -2,19 +2,25 @@
 
 Used only where the call provably means the same thing under cuDNN's rules, which
 :func:`check_call` spells out (each refusal names the reason, and ``auto`` then falls back to
-``blockwise``/``xla``):
+``pallas_gpu``):
 
 * float16/bfloat16 only; head_dim a multiple of 8 and at most 128; value head_dim = query head_dim;
 * causal and windows only when the diagonal sits at offset 0 (top-left alignment, or Sq == Sk),
   because cuDNN's plain causal mode is top-left; windows only on the left (``(left, 0)`` or
   ``(left, None)`` with causal), which jax.nn maps to cuDNN's sliding window;
-* a bias must span both sequence axes ([B or 1, H or 1, Sq, Sk]): cuDNN rejects a bias broadcast
-  over queries or keys (the common key-padding bias [B, 1, 1, Sk]) while lowering;
+* a bias must span both sequence axes ([B or 1, H or 1, Sq, Sk]): jax.nn's cuDNN path raises "Bias
+  must have same seq length as QKV" for a bias broadcast over queries or keys (the common key-padding
+  bias [B, 1, 1, Sk]);
+* Sq and Sk even: jax's cuDNN path requires that whenever the call is differentiated
+  (``check_is_flash_attention`` with ``is_training``, which counts every call as biased: "Unsupported
+  sequence length"), and a forward call cannot know yet whether it will be;
+* no window that leaves query rows without a key (Sq > Sk + left with top-left alignment): the
+  contract gives those rows 0, which jax.nn's cuDNN path does not promise;
 * no softcap, boolean mask, segment ids or lse output: jax.nn's cuDNN path either lacks them or
   gives fully-masked rows a different value than the contract's 0.
 * the cuDNN custom call is traced only when a GPU backend is present in this process (jax.nn
   checks the cuDNN version while tracing), so exports for CUDA from a CPU-only machine use the
-  blockwise path instead.
+  ``pallas_gpu`` kernel instead.
 """
 
 from __future__ import annotations
@@ -40,25 +46,53 @@ def gpu_present() -> bool:
 
 
 def check_call(call) -> str | None:
-    """Return why cuDNN cannot serve ``call`` with the contract's semantics, or None."""
-    spec = call.spec
-    dim = call.q_shape[3]
+    """Return why cuDNN cannot serve ``call`` with the contract's semantics, or None.
+
+    Mirrors the checks ``jax.nn.dot_product_attention(implementation="cudnn")`` runs while tracing
+    (``jax._src.cudnn.fused_attention_stablehlo``: ``check_layout``, ``check_is_flash_attention``
+    for the forward and the training forward), at their strictest (pre-Hopper head dims), so a call
+    this accepts never raises there; ``tests/test_auto_cuda_choice.py`` runs those checks as the oracle.
+    """
     if not gpu_present():
         return "needs a CUDA device in this process (cuDNN is traced only where a GPU is present)"
+    return _shape_reason(call) or _bias_reason(call) or _positional_reason(call.spec)
+
+
+def _shape_reason(call) -> str | None:
+    dim = call.q_shape[3]
     if dim % 8 or dim > MAX_HEAD_DIM:
         return f"head_dim={dim} (cuDNN needs a multiple of 8, at most {MAX_HEAD_DIM})"
     if call.v_head_dim != dim:
         return "value head_dim differs from query head_dim"
-    if call.bias_shape is not None and tuple(call.bias_shape[2:]) != (call.q_shape[2], call.kv_shape[2]):
+    sq, sk = call.q_shape[2], call.kv_shape[2]
+    if sq % 2 or sk % 2:
+        return f"odd sequence length (Sq={sq}, Sk={sk}; cuDNN's training forward needs even ones)"
+    return None
+
+
+def _bias_reason(call) -> str | None:
+    if call.bias_shape is None:
+        return None
+    sq, sk = call.q_shape[2], call.kv_shape[2]
+    if tuple(call.bias_shape[2:]) != (sq, sk):
         return (
             f"bias of shape {list(call.bias_shape)} broadcast over the query or key axis (cuDNN "
-            f"needs the full [.., .., Sq={call.q_shape[2]}, Sk={call.kv_shape[2]}]; batch and head may be 1)"
+            f"needs the full [.., .., Sq={sq}, Sk={sk}]; batch and head may be 1)"
         )
+    return None
+
+
+def _positional_reason(spec) -> str | None:
     if spec.has_positional_mask and spec.offset != 0:
         return "causal/window with bottom-right alignment when Sq != Sk"
     has_window = spec.window_left is not None or spec.window_right is not None
     if has_window and not spec.causal and spec.window_right != 0:
         return "a window that reaches right (cuDNN windows reach left only, unless causal)"
+    if spec.window_left is not None and spec.seq_q > spec.seq_k + spec.window_left:
+        return (
+            f"window left={spec.window_left} leaves the last {spec.seq_q - spec.seq_k - spec.window_left} "
+            "query rows without a key (the contract gives them 0; jax.nn's cuDNN path does not promise that)"
+        )
     return None
 
 

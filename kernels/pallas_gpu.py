@@ -261,7 +261,7 @@ registry.register(
     registry.BackendInfo(
         name="pallas_gpu",
         description="flashport's Pallas (Triton) GPU flash attention: forward + dK/dV and dQ kernels, "
-        "causal/window block skipping, GQA via index maps, every contract feature; CUDA only.",
+        "causal/window/segment-id block skipping, GQA via index maps, every contract feature; CUDA only.",
         platforms=("cuda",),
         features=frozenset(FEATURES),
         fn=pallas_gpu_attention,

@@ -11,6 +11,10 @@ folds into it), ``dlogits = P * (dropout(dO·Vᵀ) - delta)`` and ``dS = dlogits
 * dQ: one program per (query block, batch, query head), looping over the forward's key blocks. It
   also writes the bias gradient (``dlogits``) in the layout :func:`dbias_layout` names; the caller
   reduces it to the bias's broadcast shape.
+
+With segment ids both skip the tiles whose query and key id ranges do not meet
+(:func:`~flashport.kernels.pallas_gpu_tile.segment_visit`); the dQ kernel writes a zero bias gradient
+for them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from flashport.kernels.pallas_gpu_tile import (
     full_query_blocks,
     key_block_bounds,
     query_block_bounds,
+    segment_visit,
     split_loop,
     tile_logits,
 )
@@ -69,16 +74,15 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
     rows = r["rows"][...] if "rows" in r else None
     lo, hi = key_block_bounds(g, i)
 
-    if layout in ("full", "keys"):  # key blocks the loop never visits get a zero gradient
+    def zero(j, carry):  # the bias gradient of a key block the kernel does not compute
+        ks = pl.ds(j * g.bk, g.bk)
+        if layout == "full":
+            r["dbias_out"][:, ks] = jnp.zeros((g.bq, g.bk), jnp.float32)
+        elif layout == "keys":
+            r["dbias_out"][ks] = jnp.zeros((g.bk,), jnp.float32)
+        return carry
 
-        def zero(j, carry):
-            ks = pl.ds(j * g.bk, g.bk)
-            if layout == "full":
-                r["dbias_out"][:, ks] = jnp.zeros((g.bq, g.bk), jnp.float32)
-            else:
-                r["dbias_out"][ks] = jnp.zeros((g.bk,), jnp.float32)
-            return carry
-
+    if layout in ("full", "keys"):  # key blocks the loop never visits
         jax.lax.fori_loop(0, lo, zero, None)
         jax.lax.fori_loop(hi, g.nk, zero, None)
 
@@ -113,7 +117,8 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
         return dq, db
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((g.bq,), jnp.float32))
-    dq, db = split_loop((lo, hi), full_key_blocks(g, i), body, init)
+    visit = segment_visit(q_seg, lambda j: r["kv_seg"][pl.ds(j * g.bk, g.bk)])
+    dq, db = split_loop((lo, hi), full_key_blocks(g, i), body, init, visit, zero)
     r["dq_out"][...] = dq.astype(r["dq_out"].dtype)
     if layout == "rows":
         r["dbias_out"][...] = db
@@ -198,6 +203,7 @@ def _dkv_kernel(*refs, g: Geometry, names, group: int):
     k, v = r["k"][...], r["v"][...]
     kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
     bounds, full = query_block_bounds(g, j), full_query_blocks(g, j)
+    visit = segment_visit(kv_seg, lambda i: r["q_seg"][pl.ds(i * g.bq, g.bq)])
 
     def head(h, carry):
         def body(i, carry, positional):
@@ -225,7 +231,7 @@ def _dkv_kernel(*refs, g: Geometry, names, group: int):
             dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
             return dk, dv
 
-        return split_loop(bounds, full, body, carry)
+        return split_loop(bounds, full, body, carry, visit)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = jax.lax.fori_loop(0, group, head, init)

@@ -3,7 +3,9 @@
 Each program keeps its query block in registers and loops over only the key blocks that
 causal/window structure leaves visible (:func:`~flashport.kernels.pallas_gpu_tile.key_block_bounds`),
 carrying the float32 online-softmax state; interior blocks every query sees whole
-(:func:`~flashport.kernels.pallas_gpu_tile.full_key_blocks`) skip the position masking. K/V are read through an index map that sends query head
+(:func:`~flashport.kernels.pallas_gpu_tile.full_key_blocks`) skip the position masking, and with
+segment ids, key blocks whose id range misses the query block's are skipped
+(:func:`~flashport.kernels.pallas_gpu_tile.segment_visit`). K/V are read through an index map that sends query head
 ``h`` to kv head ``h // G`` (GQA/MQA without repeating K/V). Outputs: ``out`` and the natural-log
 ``lse`` (``-inf`` for rows that see no key; their ``out`` is 0).
 
@@ -26,6 +28,7 @@ from flashport.kernels.pallas_gpu_tile import (
     dot,
     full_key_blocks,
     key_block_bounds,
+    segment_visit,
     split_loop,
     tile_logits,
 )
@@ -114,7 +117,8 @@ def _forward_kernel(*refs, g: Geometry, names):
         jnp.full((g.bq,), -jnp.inf, jnp.float32),
         jnp.zeros((g.bq,), jnp.float32),
     )
-    acc, m, l = split_loop(key_block_bounds(g, i), full_key_blocks(g, i), body, init)
+    visit = segment_visit(q_seg, lambda j: r["kv_seg"][pl.ds(j * g.bk, g.bk)])
+    acc, m, l = split_loop(key_block_bounds(g, i), full_key_blocks(g, i), body, init, visit)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     r["out"][...] = (acc / l_safe[:, None]).astype(r["out"].dtype)

@@ -90,15 +90,49 @@ def full_query_blocks(g: Geometry, j):
     return block_ranges.full_query_blocks(g.spec, j, g.bq, g.bk, JAX_OPS)
 
 
-def split_loop(bounds, full, body, carry):
+def split_loop(bounds, full, body, carry, visit=None, skip=None):
     """``fori_loop`` over ``bounds`` = (lo, hi) calling ``body(n, carry, positional)``: tiles in the
-    ``full`` range run with ``positional=False`` (no position masking), the rest with True."""
+    ``full`` range run with ``positional=False`` (no position masking), the rest with True.
+
+    ``visit(n)`` (traced bool, optional) skips tile ``n`` when False: ``skip(n, carry)`` (default: the
+    carry unchanged) runs instead, e.g. to write the zero gradient of a tile that is not computed.
+    """
     lo, hi = bounds
     f_lo = jnp.clip(full[0], lo, hi)
     f_hi = jnp.clip(full[1], f_lo, hi)
-    carry = jax.lax.fori_loop(lo, f_lo, lambda n, c: body(n, c, True), carry)
-    carry = jax.lax.fori_loop(f_lo, f_hi, lambda n, c: body(n, c, False), carry)
-    return jax.lax.fori_loop(f_hi, hi, lambda n, c: body(n, c, True), carry)
+
+    def step(positional):
+        def run(n, c):
+            if visit is None:
+                return body(n, c, positional)
+            pass_over = (lambda c: c) if skip is None else (lambda c: skip(n, c))
+            return jax.lax.cond(visit(n), lambda c: body(n, c, positional), pass_over, c)
+
+        return run
+
+    carry = jax.lax.fori_loop(lo, f_lo, step(True), carry)
+    carry = jax.lax.fori_loop(f_lo, f_hi, step(False), carry)
+    return jax.lax.fori_loop(f_hi, hi, step(True), carry)
+
+
+def segment_visit(own, other):
+    """Block skipping by segment ids: ``visit(n)`` for :func:`split_loop`, or None without segments.
+
+    ``own`` is the int32 ids of the kernel's resident block (None: no segment ids) and ``other(n)`` the
+    ids of block ``n`` of the other side. A tile whose two id ranges ``[min, max]`` do not intersect
+    holds no pair with equal ids: everything in it is hidden, so it is skipped (exact, and a superset
+    of the tiles that matter for any ids; for sorted ids, packed documents, it is the block diagonal).
+    Padded positions carry id 0; they can only widen a range, never skip a visible tile.
+    """
+    if own is None:
+        return None
+    lo, hi = jnp.min(own), jnp.max(own)
+
+    def visit(n):
+        ids = other(n)
+        return (jnp.max(ids) >= lo) & (jnp.min(ids) <= hi)
+
+    return visit
 
 
 def dot(a, b, *, trans_a=False, trans_b=False):

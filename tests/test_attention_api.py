@@ -13,7 +13,14 @@ from flashport.kernels import registry
 
 # Small blocks so every case spans several query and key blocks, ragged tails included.
 BLOCKWISE = registry.use("blockwise", block_q=8, block_k=16)
-BACKENDS = {"xla": "xla", "blockwise": BLOCKWISE}
+# The Pallas GPU kernels through their interpreter twin, with Triton's smallest tiles (slow: the
+# default run covers every feature of it in tests/test_pallas_gpu.py).
+PALLAS_GPU = registry.use("pallas_gpu_interpret", block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+BACKENDS = {"xla": "xla", "blockwise": BLOCKWISE, "pallas_gpu_interpret": PALLAS_GPU}
+SLOW_BACKENDS = {"pallas_gpu_interpret"}
+BACKEND_PARAMS = [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_BACKENDS else name for name in sorted(BACKENDS)
+]
 # float32 against float64: forward 2e-5, gradients 1e-4 (relative to the gradient's scale).
 TOL = {"float32": (2e-5, 1e-4), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 1e-2)}
 
@@ -121,7 +128,7 @@ def check_against_reference(q, k, v, d_out, kwargs, backend, dtype="float32"):
         assert_close(grads[3], reduce_to_shape(want[3], bias.shape), grad_tol, "dbias")
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference(name, backend):
     q, k, v, d_out, kwargs = build(CASES[name])
@@ -129,13 +136,13 @@ def test_matches_reference(name, backend):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_low_precision(dtype, backend):
     q, k, v, d_out, kwargs = build(CASES["everything"], dtype=dtype)
     check_against_reference(q, k, v, d_out, kwargs, BACKENDS[backend], dtype=dtype)
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_empty_rows_are_zero_with_zero_gradients(backend):
     q, k, v, _, kwargs = build(CASES["causal_br_sq>sk"])
     out, lse = flashport.attention(q, k, v, backend=BACKENDS[backend], return_lse=True, **kwargs)
@@ -146,7 +153,7 @@ def test_empty_rows_are_zero_with_zero_gradients(backend):
     assert np.all(np.asarray(dq)[:, :empty] == 0) and np.all(np.isfinite(np.asarray(dq)))
 
 
-@pytest.mark.parametrize("backend", [*sorted(BACKENDS), "pallas_tpu_interpret"])
+@pytest.mark.parametrize("backend", [*BACKEND_PARAMS, "pallas_tpu_interpret"])
 def test_lse_is_differentiable(backend):
     q, k, v, _, kwargs = build(CASES["causal_br_sq>sk"])
 
@@ -237,7 +244,8 @@ def test_cudnn_dispatch_guards(monkeypatch):
     from flashport.kernels import api, cudnn
 
     def call(dtype="bfloat16", shape=None, **kw):
-        q, k, v, _ = make_inputs(0, dtype=dtype, **(shape or {}))
+        # Even lengths: jax's cuDNN path needs them when differentiated (cudnn refuses odd ones).
+        q, k, v, _ = make_inputs(0, dtype=dtype, **dict(dict(sq=12, sk=28), **(shape or {})))
         return api.prepare(q, k, v, **kw)[1]
 
     monkeypatch.setattr(cudnn, "gpu_present", lambda: True)
@@ -248,6 +256,7 @@ def test_cudnn_dispatch_guards(monkeypatch):
     assert "reaches right" in cudnn.check_call(call(window=(4, 2), align="top_left"))
     assert cudnn.check_call(call(window=(4, 0), align="top_left")) is None
     assert "head_dim=160" in cudnn.check_call(call(shape=dict(d=160)))
+    assert "odd sequence length" in cudnn.check_call(call(shape=dict(sq=13)))
     assert registry.missing_features(registry.get("cudnn"), call(dtype="float32")) == ["float32"]
     assert registry.choose("cuda", call(softcap=2.0))[0] == "pallas_gpu"  # the Triton kernel serves softcap
     monkeypatch.setattr(cudnn, "gpu_present", lambda: False)

@@ -141,6 +141,9 @@ CASES = {
         b=2, dropout_rate=0.5, dropout_seed=(3, 11), segments=True, window=(16, 0), align="top_left"
     ),
     "decode_sq1": dict(sq=1, hq=4, causal=True, bias=(1, 4, 1, 72)),
+    # sorted ids over 64 positions: tiles pairing different id ranges are skipped, and the dQ kernel
+    # writes their (zero) full-layout bias gradient
+    "segments_bias_full_skips": dict(sq=64, sk=64, bias=(1, 2, 64, 64), segments=True, seed=4),
 }
 
 
@@ -191,6 +194,28 @@ def test_lse_gradient():
     want_dk = np.einsum("bhqk,bhqd->bhkd", p, qf).reshape(1, 1, 2, sk, -1).sum(2) / np.sqrt(qf.shape[-1])
     assert_close(dq, want_dq.transpose(0, 2, 1, 3), 1e-4, "dq")
     assert_close(dk, want_dk.transpose(0, 2, 1, 3), 1e-4, "dk")
+
+
+def test_segment_block_skipping_never_computes_other_documents():
+    """Four packed documents aligned to the 16-wide blocks: a tile pairing two documents is skipped.
+    Poisoning document 0's values (read by the forward and dQ kernels) and its rows' output cotangent
+    (read by the dK/dV kernel) with NaN leaves the other documents finite and equal to the reference
+    on clean inputs; a computed tile would turn them NaN (0 * NaN), as causal bounds alone visit
+    document 0's blocks from every later query block."""
+    q, k, v, d_out, _ = make_case(sq=64, sk=64, hq=2, hkv=1, seed=5)
+    ids = jnp.asarray(np.arange(64)[None] // 16, jnp.int32)
+    kw = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    nan = float("nan")
+    blocks16 = registry.use("pallas_gpu_interpret", block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+    out, vjp = jax.vjp(
+        lambda q, k, v: flashport.attention(q, k, v, backend=blocks16, **kw), q, k, v.at[:, :16].set(nan)
+    )
+    dq, dk, dv = vjp(jnp.asarray(d_out).at[:, :16].set(nan))
+    want_out, _ = reference_attention(q, k, v, **kw)
+    want = reference_attention_vjp(q, k, v, d_out, **kw)
+    assert_close(out[:, 16:], want_out[:, 16:], 2e-5, "out")
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want[:3], strict=True):
+        assert_close(got[:, 16:], ref[:, 16:], 1e-4, name)
 
 
 def test_vmap_and_jit():
