@@ -13,7 +13,9 @@
   ``flash_attn_unpadded_*`` (1.x argument order, **top-left** causal);
 * :func:`flash_attn_with_kvcache` (in-place cache update, rotary, ``cache_batch_idx``,
   ``cache_leftpad``, paged caches; see ``_fa_kvcache``);
-* ``pad_input``, ``unpad_input``, ``index_first_axis``, ``index_put_first_axis`` (``bert_padding``).
+* ``pad_input``, ``unpad_input``, ``index_first_axis``, ``index_put_first_axis`` (``bert_padding``);
+* the private kernels ``_flash_attn_forward`` / ``_flash_attn_backward`` and their varlen forms
+  (flash-attn 2.7+'s signatures, return conventions and in-place gradients; ``flash_attn_private``).
 
 FlashAttention-3 (``flash_attn_interface``) and -4 (``flash_attn.cute``) have their own drop-ins,
 ``flash_attn3_compat`` and ``flash_attn4_compat`` (different signatures and return types).
@@ -38,9 +40,19 @@ from __future__ import annotations
 
 from flashport.integrations._fa_kvcache import _lengths, flash_attn_with_kvcache
 from flashport.integrations.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from flashport.integrations.flash_attn_private import (
+    _flash_attn_backward,
+    _flash_attn_forward,
+    _flash_attn_varlen_backward,
+    _flash_attn_varlen_forward,
+)
 from flashport.kernels.visibility import band_visible
 
 __all__ = [
+    "_flash_attn_backward",
+    "_flash_attn_forward",
+    "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_forward",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
