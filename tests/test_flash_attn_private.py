@@ -221,7 +221,8 @@ def test_ported_custom_autograd_function_runs_and_matches_float64():
     close(v.grad, gv)
 
 
-def test_private_kernels_are_refused_before_flash_attn_2_7():
+def test_2_7_calls_are_refused_when_the_configured_release_is_2_6():
+    """The 2.7+ calls do not fit 2.6's signatures (window_size tuple, 8 return values): refused."""
     from flashport import rules as registry
     from flashport.rewriter.engine import transform_source
     from flashport.rules.base import RuleOptions
@@ -230,5 +231,59 @@ def test_private_kernels_are_refused_before_flash_attn_2_7():
         AUTOGRAD.encode(), "case.py", registry.all_rules(), RuleOptions(flash_attn_version=(2, 6, 3))
     )
     calls = [s for s in result.sites if s.kind == "call"]
-    assert calls and all(s.status == "refused" and "before flash-attn 2.7" in s.reason for s in calls)
+    assert calls and all(s.status == "refused" and "(flash-attn 2.6.3)" in s.reason for s in calls), [
+        s.reason for s in calls
+    ]
     assert result.new is None
+
+
+BRANCHES = """
+import torch
+from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+from packaging import version
+
+flash_attn_version = version.parse("2.8.3")
+
+
+def forward_backward(q, k, v, dout, scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if flash_attn_version >= version.parse("2.7.0"):
+        out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, causal=True, window_size_left=-1,
+                                             window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                                             return_softmax=False)
+        _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, True, -1, -1, 0.0, None, False)
+    elif flash_attn_version >= version.parse("2.6.0"):
+        out, _, _, _, _, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, causal=True, window_size=(-1, -1),
+                                                         softcap=0.0, alibi_slopes=None, return_softmax=False)
+        _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, True, (-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
+    else:
+        out, _, _, _, _, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, scale, causal=True, window_size=(-1, -1),
+                                                         alibi_slopes=None, return_softmax=False)
+        _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, True, (-1, -1),
+                             alibi_slopes=None, deterministic=False, rng_state=None)
+    return out, dq, dk, dv
+"""
+
+
+@pytest.mark.parametrize("installed", ["2.8.3", "2.6.3", "2.5.8"])
+def test_version_branches_port_to_each_releases_drop_in_and_agree(installed):
+    """Each branch (2.7+, 2.6, 2.4-2.5 signatures and return conventions) goes to its own drop-in,
+    and every branch computes the float64 reference (the installed version picks the branch)."""
+    from packaging import version
+
+    namespace, code = port_and_run(BRANCHES, "call")
+    for target in ("_flash_attn_forward(", "_flash_attn_forward_v2_6(", "_flash_attn_forward_v2_4("):
+        assert f"flash_attn_compat.{target}" in code
+    for target in ("_flash_attn_backward(", "_flash_attn_backward_v2_6(", "_flash_attn_backward_v2_4("):
+        assert f"flash_attn_compat.{target}" in code
+    namespace["flash_attn_version"] = version.parse(installed)
+    q, k, v = rand(1, 4, 2, 8), rand(1, 6, 2, 8, seed=1), rand(1, 6, 2, 8, seed=2)
+    dout = rand(1, 4, 2, 8, seed=3)
+    out, dq, dk, dv = namespace["forward_backward"](q, k, v, dout, 0.4)
+    args = (q.numpy(), k.numpy(), v.numpy())
+    close(out, reference_attention(*args, scale=0.4, causal=True)[0])
+    gq, gk, gv, _ = reference_attention_vjp(*args, dout.numpy(), scale=0.4, causal=True)
+    close(dq, gq)
+    close(dk, gk)
+    close(dv, gv)

@@ -15,7 +15,8 @@
   ``cache_leftpad``, paged caches; see ``_fa_kvcache``);
 * ``pad_input``, ``unpad_input``, ``index_first_axis``, ``index_put_first_axis`` (``bert_padding``);
 * the private kernels ``_flash_attn_forward`` / ``_flash_attn_backward`` and their varlen forms
-  (flash-attn 2.7+'s signatures, return conventions and in-place gradients; ``flash_attn_private``).
+  (flash-attn 2.7+'s signatures, return conventions and in-place gradients; ``flash_attn_private``),
+  and the dense ones of flash-attn 2.4-2.5 / 2.6 (``_flash_attn_forward_v2_4``, ``..._v2_6``).
 
 FlashAttention-3 (``flash_attn_interface``) and -4 (``flash_attn.cute``) have their own drop-ins,
 ``flash_attn3_compat`` and ``flash_attn4_compat`` (different signatures and return types).
@@ -43,7 +44,11 @@ from flashport.integrations._fa_kvcache import _lengths, flash_attn_with_kvcache
 from flashport.integrations.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
 from flashport.integrations.flash_attn_private import (
     _flash_attn_backward,
+    _flash_attn_backward_v2_4,
+    _flash_attn_backward_v2_6,
     _flash_attn_forward,
+    _flash_attn_forward_v2_4,
+    _flash_attn_forward_v2_6,
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
 )
@@ -51,7 +56,11 @@ from flashport.kernels.visibility import band_visible
 
 __all__ = [
     "_flash_attn_backward",
+    "_flash_attn_backward_v2_4",
+    "_flash_attn_backward_v2_6",
     "_flash_attn_forward",
+    "_flash_attn_forward_v2_4",
+    "_flash_attn_forward_v2_6",
     "_flash_attn_varlen_backward",
     "_flash_attn_varlen_forward",
     "flash_attn_func",

@@ -6,7 +6,8 @@ directly: ``_flash_attn_forward`` / ``_flash_attn_varlen_forward`` return
 ``_flash_attn_varlen_backward`` write dq, dk, dv **into the buffers they are given** and return
 ``softmax_d``. The functions here have flash-attn 2.8.3's signatures (``window_size_left`` /
 ``window_size_right`` as ints since 2.7; before 2.7 the forward took ``window_size=(l, r)`` and
-returned 8 values, which these drop-ins do not reproduce) and the same conventions:
+returned 8 values: ``_flash_attn_forward_v2_4`` / ``_v2_6`` and ``_flash_attn_backward_v2_4`` / ``_v2_6``
+have those dense signatures and return conventions) and the same conventions:
 
 * q [B, Sq, H, D], k/v [B, Sk, Hk, D] (varlen: [total, H, D] with int ``cu_seqlens``); causal and
   window aligned bottom-right (per sequence for varlen); ``softcap`` 0 = off; contiguous GQA;
@@ -33,7 +34,11 @@ from __future__ import annotations
 
 __all__ = [
     "_flash_attn_backward",
+    "_flash_attn_backward_v2_4",
+    "_flash_attn_backward_v2_6",
     "_flash_attn_forward",
+    "_flash_attn_forward_v2_4",
+    "_flash_attn_forward_v2_6",
     "_flash_attn_varlen_backward",
     "_flash_attn_varlen_forward",
 ]
@@ -296,3 +301,118 @@ def _flash_attn_varlen_backward(
     grads = _run(jax_backward, args, _varlen_static(softmax_scale, softcap, dropout_p))
     _write((dq, dk, dv), [g[0] for g in grads[:3]])
     return (dout.float() * out.float()).sum(-1).transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------------- flash-attn 2.4-2.6
+# Before 2.7 the dense private kernels took ``window_size=(left, right)``, the forward returned 8
+# values ``(out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)`` (q, k, v and out_padded as
+# the kernel saw them: head dim padded to a multiple of 8; here the inputs and ``out``, flashport
+# needs no padding) and the backward returned ``(dq, dk, dv, softmax_d)``. 2.6 inserted ``softcap``
+# before ``alibi_slopes``. The codemod picks the version from the ``if flash_attn_version ...``
+# branch a call sits in.
+
+
+def _flash_attn_forward_v2_4(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax
+):
+    """flash-attn 2.4-2.5 ``_flash_attn_forward``: ``(out, q, k, v, out, softmax_lse, None, rng_state)``."""
+    return _flash_attn_forward_v2_6(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, alibi_slopes, return_softmax
+    )
+
+
+def _flash_attn_forward_v2_6(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax
+):
+    """flash-attn 2.6 ``_flash_attn_forward``: ``(out, q, k, v, out, softmax_lse, None, rng_state)``."""
+    left, right = window_size
+    out, lse, s_dmask, rng_state = _flash_attn_forward(
+        q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes, return_softmax
+    )
+    return out, q, k, v, out, lse, s_dmask, rng_state
+
+
+def _flash_attn_backward_v2_4(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    """flash-attn 2.4-2.5 ``_flash_attn_backward``: writes dq, dk, dv into the given buffers; returns
+    ``(dq, dk, dv, softmax_d)``."""
+    return _flash_attn_backward_v2_6(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        0.0,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
+
+
+def _flash_attn_backward_v2_6(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    """flash-attn 2.6 ``_flash_attn_backward``: writes dq, dk, dv into the given buffers; returns
+    ``(dq, dk, dv, softmax_d)``."""
+    left, right = window_size
+    softmax_d = _flash_attn_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
+    return dq, dk, dv, softmax_d
