@@ -12,8 +12,9 @@ What goes:
   partly dead one loses only its dead names;
 * a whole ``try: <GPU imports> except ...: <fallbacks>`` block when its imports are all dead and
   everything else in it only existed for them: fallback assignments of the imported names
-  (``flash_attn_func = None``), flags nobody reads any more (``HAS_FLASH_ATTN = True/False``),
-  ``pass``, warnings/log calls and ``raise`` in the handlers. When other code is there the block
+  (``flash_attn_func = None``, or a function the handler defines only for them), flags nobody
+  reads any more (``HAS_FLASH_ATTN = True/False``), ``pass``, warnings/log calls and ``raise`` in
+  the handlers. When other code is there the block
   stays exactly as it was: removing the import would change what it computes, and a guarded import
   already loads without the GPU library;
 * a ``try`` availability guard whose GPU imports are all dead but whose flag is still read
@@ -266,7 +267,24 @@ def _guard_removable(stmt: _Guard, plan: _Plan, public: bool) -> bool:
     rest = [s for s in stmt.body if s not in imports]
     if not all(_removable(s, names, plan, public, handler=False) for s in rest + stmt.orelse):
         return False
-    return all(_removable(s, names, plan, public, handler=True) for h in stmt.handlers for s in h.body)
+    return all(
+        _removable(s, names, plan, public, handler=True) or _fallback_helper(s, h.body, plan)
+        for h in stmt.handlers
+        for s in h.body
+    )
+
+
+def _fallback_helper(stmt: ast.stmt, body: list[ast.stmt], plan: _Plan) -> bool:
+    """A plain function a handler defines only for its fallbacks (``def _unsupported(*a): raise ...``
+    then ``flash_attn_func = _unsupported``): no decorator, and read nowhere but in ``body``."""
+    if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) or stmt.decorator_list:
+        return False
+    reads = sum(
+        isinstance(n, ast.Name) and n.id == stmt.name and isinstance(n.ctx, ast.Load)
+        for s in body
+        for n in ast.walk(s)
+    )
+    return reads == plan.after[stmt.name]
 
 
 def _collapsed(stmt: ast.Try | ast.TryStar, plan: _Plan) -> list[ast.Assign] | None:
@@ -289,7 +307,9 @@ def _collapsed(stmt: ast.Try | ast.TryStar, plan: _Plan) -> list[ast.Assign] | N
     if not all(s in flags or _removable(s, names, plan, True, handler=False) for s in success):
         return None
     if not all(
-        _flag(s) or _removable(s, names, plan, True, handler=True) for h in stmt.handlers for s in h.body
+        _flag(s) or _removable(s, names, plan, True, handler=True) or _fallback_helper(s, h.body, plan)
+        for h in stmt.handlers
+        for s in h.body
     ):
         return None
     return flags

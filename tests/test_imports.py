@@ -398,3 +398,39 @@ def test_a_guard_that_only_logs_the_missing_library_goes_with_it():
             return xformers.ops.memory_efficient_attention(q, k, v)
     """)
     assert "try:" not in text and "LOG.error" not in text and "import xformers" not in text
+
+
+def test_a_function_a_handler_defines_only_for_its_fallbacks_goes_with_the_guard():
+    text = port("""
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+
+            def _unsupported(*args, **kwargs):
+                raise ImportError("flash-attn is not installed")
+
+            flash_attn_func = _unsupported
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v)
+    """)
+    assert "try:" not in text and "_unsupported" not in text and "flash_attn_func" not in text
+
+
+def test_a_handler_function_read_elsewhere_keeps_the_guard():
+    text = port("""
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+
+            def _unsupported(*args, **kwargs):
+                raise ImportError("flash-attn is not installed")
+
+            flash_attn_func = _unsupported
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v)
+
+        CHECKS = [_unsupported]
+    """)
+    assert "from flash_attn import flash_attn_func" in text and "def _unsupported" in text
