@@ -303,7 +303,11 @@ def _collapsed(stmt: ast.Try | ast.TryStar, plan: _Plan) -> list[ast.Assign] | N
         return None
     names = {_bound(a) for s in imports for a in s.names}
     success = [s for s in stmt.body if s not in imports] + stmt.orelse
-    flags = [s for s in success if _flag(s) and not _removable(s, names, plan, True, handler=False)]
+    flags = [
+        s
+        for s in success
+        if isinstance(s, ast.Assign) and _flag(s) and not _removable(s, names, plan, True, handler=False)
+    ]
     if not all(s in flags or _removable(s, names, plan, True, handler=False) for s in success):
         return None
     if not all(

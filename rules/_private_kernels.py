@@ -138,13 +138,13 @@ def _version_literal(node: cst.BaseExpression) -> tuple[int, ...] | None:
     return padded(tuple(int(part) for part in text.split(".")))
 
 
-_FLIP = {cst.GreaterThanEqual: cst.LessThanEqual, cst.GreaterThan: cst.LessThan}
+_FLIP = {"GreaterThanEqual": "LessThanEqual", "GreaterThan": "LessThan"}
 _FLIP.update({v: k for k, v in list(_FLIP.items())})
 _NEGATE = {
-    cst.GreaterThanEqual: cst.LessThan,
-    cst.GreaterThan: cst.LessThanEqual,
-    cst.LessThan: cst.GreaterThanEqual,
-    cst.LessThanEqual: cst.GreaterThan,
+    "GreaterThanEqual": "LessThan",
+    "GreaterThan": "LessThanEqual",
+    "LessThan": "GreaterThanEqual",
+    "LessThanEqual": "GreaterThan",
 }
 
 
@@ -154,24 +154,26 @@ def _bound(test: cst.BaseExpression, negated: bool) -> tuple[str, tuple[int, ...
     if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
         return None
     left, target = test.left, test.comparisons[0]
-    bound, kind = _version_literal(target.comparator), type(target.operator)
+    bound, kind = _version_literal(target.comparator), type(target.operator).__name__
     if bound is None and (bound := _version_literal(left)) is not None:
         left, kind = target.comparator, _FLIP.get(kind, kind)
     if bound is None or kind not in _NEGATE or "flash" not in cst.Module([]).code_for_node(left).lower():
         return None
     kind = _NEGATE[kind] if negated else kind
     after = (*bound[:-1], bound[-1] + 1)  # the next release after X
-    if kind is cst.GreaterThanEqual:
+    if kind == "GreaterThanEqual":
         return "lo", bound
-    if kind is cst.GreaterThan:
+    if kind == "GreaterThan":
         return "lo", after
-    return "hi", bound if kind is cst.LessThan else after
+    return "hi", bound if kind == "LessThan" else after
 
 
 def release_range(ctx: RuleContext) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """``[lo, hi)``: the flash-attn releases the site runs under, from the version tests of the
     branches around it, else the configured version alone."""
-    lo, hi, seen = (0, 0, 0), None, False
+    lo: tuple[int, ...] = (0, 0, 0)
+    hi: tuple[int, ...] | None = None
+    seen = False
     child = ctx.node
     for up in ctx.ancestors:
         if isinstance(up, cst.If) and child is not up.test:

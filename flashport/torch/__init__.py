@@ -172,7 +172,7 @@ def _cpu_sdpa(
         return _native.sdpa_attention(call)[0]
 
 
-def _cpu_sdpa_kernels():
+def _cpu_sdpa_kernels() -> contextlib.AbstractContextManager[Any]:
     """torch's CPU SDPA kernels (flash, math) enabled whatever the caller's SDPA backend switches
     (``torch.backends.cuda.enable_*_sdp``) and selectors (``sdpa_kernel``) say: they pick kernels for
     torch SDPA, and flashport's result does not depend on them (the backward keeps the kernel the
