@@ -164,23 +164,38 @@ def enclosing_function(node: cst.CSTNode, ctx: RuleContext) -> cst.FunctionDef |
 
 
 def synthetic_query(call: cst.Call, function: cst.FunctionDef | None) -> bool:
-    """True when the call's query (first positional or ``query=``) is a name that ``function``
-    assigns from ``torch.randn/rand/zeros/ones/empty/full(...)``: the call runs on tensors made up
-    for the occasion (a kernel probe), not on model data."""
+    """True when the call's query (first positional or ``query=``) is a local name of ``function``
+    (not a parameter) that every assignment in it binds to ``torch.randn/rand/zeros/ones/empty/full(...)``:
+    the call runs on tensors made up for the occasion (a kernel probe), not on model data."""
     query = next((a.value for a in call.args if a.keyword is None and not a.star), None)
     query = next((a.value for a in call.args if a.keyword and a.keyword.value == "query"), query)
     if function is None or not isinstance(query, cst.Name):
         return False
-    name, found = query.value, []
+    name = query.value
+    params = function.params
+    every = [
+        *params.posonly_params,
+        *params.params,
+        *params.kwonly_params,
+        params.star_arg,
+        params.star_kwarg,
+    ]
+    if any(isinstance(p, cst.Param) and p.name.value == name for p in every):
+        return False
+    values: list[bool] = []
 
     class _Assigns(cst.CSTVisitor):
         def visit_Assign(self, assign: cst.Assign) -> None:
             bound = set().union(*(_target_names(t.target) for t in assign.targets))
-            if name in bound and _SYNTHETIC.search(cst.Module([]).code_for_node(assign.value)):
-                found.append(assign)
+            if name in bound:
+                values.append(bool(_SYNTHETIC.search(cst.Module([]).code_for_node(assign.value))))
+
+        def visit_AugAssign(self, assign: cst.AugAssign) -> None:
+            if name in _target_names(assign.target):
+                values.append(False)
 
     function.body.visit(_Assigns())
-    return bool(found)
+    return bool(values) and all(values)
 
 
 def _target_names(target: cst.BaseExpression) -> set[str]:
