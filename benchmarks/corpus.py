@@ -221,9 +221,12 @@ def _verify_changes(doc: dict, originals: dict, out: Outcome) -> None:
         ).get_opcodes():
             if tag == "equal":
                 continue
-            # a guarded import block may go as a whole once its imports are dead (rewriter/dead_imports.py)
+            # a guarded import block may go as a whole once its imports are dead, or collapse to the
+            # flag assignments of its success path (rewriter/dead_imports.py)
+            guard_texts = {old_lines[i].strip() for i in range(i1, i2) if i + 1 in guards}
             only_imports = all(
-                not t.strip() or t.strip().startswith(("import ", "from ")) for t in new_lines[j1:j2]
+                not t.strip() or t.strip().startswith(("import ", "from ")) or t.strip() in guard_texts
+                for t in new_lines[j1:j2]
             )
             removable = allowed | guards if only_imports else allowed
             stray = [i + 1 for i in range(i1, i2) if i + 1 not in removable and old_lines[i].strip()]

@@ -10,11 +10,14 @@ through :func:`flashport.rewriter.engine.transform_source` with the default rule
 Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *test* code, the rest
 *model* code. Per package it prints:
 
-* model-code call and value-use sites (config strings aside), how many were ported, and test sites;
+* model-code call and value-use sites (config strings aside), how many were ported, how many run
+  *as is* (kept byte-identical because they need no change on a TPU host: SDPA backend switches and
+  probes of torch SDPA's kernels, reported with the reason prefix ``RUNS_AS_IS``), and test sites;
+  the share counts ported + as is, and the line under the table gives the ported share alone;
 * refusals by reason (model code);
 * checks on every changed file: it compiles, a second run changes nothing, every changed line is in
   a rewritten site, an import, or a guard/alias the import clean-up removed ("stray" otherwise);
-* *fully ported* files (every site rewritten): how many still import a GPU module (``flash_attn``,
+* *fully ported* files (every site rewritten or run as is): how many still import a GPU module (``flash_attn``,
   ``xformers``, ...) statically, and - unless ``--no-import-check`` - whether their module imports
   in a subprocess where GPU modules are blocked (``ok``, ``gpu`` = a GPU import was attempted,
   ``dep`` = another dependency of the package is missing here, so nothing is known);
@@ -47,7 +50,7 @@ import corpus
 
 from flashport import rules as registry
 from flashport.rewriter.engine import transform_source
-from flashport.rules.base import RuleOptions
+from flashport.rules.base import RUNS_AS_IS, RuleOptions
 
 # name, version: sources or wheels that carry model code calling flash-attn / xformers / SDPA
 PACKAGES = (
@@ -76,6 +79,7 @@ class Result:
     files: int = 0
     model_sites: int = 0
     model_ported: int = 0
+    model_as_is: int = 0  # kept byte-identical: needs no change on a TPU host (RUNS_AS_IS)
     test_sites: int = 0
     test_ported: int = 0
     refusals: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -207,14 +211,18 @@ def run_package(name: str, version: str, cache: str) -> Result:
                 continue
             counted = [s for s in result.sites if s.kind in ("call", "reference")]
             ported = [s for s in counted if s.status == "rewrite"]
+            as_is = [s for s in counted if s.status != "rewrite" and s.reason.startswith(RUNS_AS_IS)]
             if is_test(relative):
                 out.test_sites += len(counted)
                 out.test_ported += len(ported)
             else:
                 out.model_sites += len(counted)
                 out.model_ported += len(ported)
+                out.model_as_is += len(as_is)
                 out.refusals.update(
-                    f"{s.rule} {s.kind}: {normalize(s.reason)}" for s in counted if s.status != "rewrite"
+                    f"{s.rule} {s.kind}: {normalize(s.reason)}"
+                    for s in counted
+                    if s.status != "rewrite" and s not in as_is
                 )
             if result.new is None:
                 continue
@@ -227,7 +235,7 @@ def run_package(name: str, version: str, cache: str) -> Result:
             if transform_source(result.new, relative, rules, options).new is not None:
                 out.not_idempotent.append(relative)
             out.stray += check_changes(relative, data, result.new, result.sites, gpu_modules)
-            if counted and len(ported) == len(counted) and not is_test(relative):
+            if counted and len(ported) + len(as_is) == len(counted) and not is_test(relative):
                 out.fully_ported.append((root, relative, result.new))
                 left = gpu_imports(result.new, gpu_modules)
                 if left:
@@ -328,6 +336,7 @@ def report(results: list[Result]) -> None:
         "files",
         "model sites",
         "ported",
+        "as is",
         "share",
         "test sites",
         "test ported",
@@ -342,13 +351,14 @@ def report(results: list[Result]) -> None:
     )
     rows = []
     for r in results:
-        share = f"{100 * r.model_ported / r.model_sites:.0f}%" if r.model_sites else "-"
+        share = f"{100 * (r.model_ported + r.model_as_is) / r.model_sites:.0f}%" if r.model_sites else "-"
         rows.append(
             (
                 f"{r.name}=={r.version}",
                 r.files,
                 r.model_sites,
                 r.model_ported,
+                r.model_as_is,
                 share,
                 r.test_sites,
                 r.test_ported,
@@ -366,13 +376,15 @@ def report(results: list[Result]) -> None:
         )
     total_sites = sum(r.model_sites for r in results)
     total_ported = sum(r.model_ported for r in results)
+    total_as_is = sum(r.model_as_is for r in results)
     rows.append(
         (
             "TOTAL",
             sum(r.files for r in results),
             total_sites,
             total_ported,
-            f"{100 * total_ported / total_sites:.0f}%" if total_sites else "-",
+            total_as_is,
+            f"{100 * (total_ported + total_as_is) / total_sites:.0f}%" if total_sites else "-",
             sum(r.test_sites for r in results),
             sum(r.test_ported for r in results),
             sum(r.changed for r in results),
@@ -396,6 +408,12 @@ def report(results: list[Result]) -> None:
     reasons = collections.Counter()
     for r in results:
         reasons.update(r.refusals)
+    if total_sites:
+        print(
+            f"\nshare = (ported + as is) / model sites; ported alone: {total_ported}/{total_sites} = "
+            f"{100 * total_ported / total_sites:.0f}%. 'as is': kept byte-identical because it needs no "
+            "change on a TPU host (SDPA backend switches, probes of torch SDPA's kernels on made-up tensors)"
+        )
     print("\nTop refusal reasons in model code (all packages):")
     for reason, count in reasons.most_common(15):
         print(f"  {count:4d}  {reason}")
@@ -444,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             import_check(result, gpu_modules)
         results.append(result)
         print(
-            f"... {name}: {result.model_ported}/{result.model_sites} model sites ported",
+            f"... {name}: {result.model_ported}/{result.model_sites} model sites ported, {result.model_as_is} as is",
             file=sys.stderr,
             flush=True,
         )

@@ -12,10 +12,18 @@ What goes:
   partly dead one loses only its dead names;
 * a whole ``try: <GPU imports> except ...: <fallbacks>`` block when its imports are all dead and
   everything else in it only existed for them: fallback assignments of the imported names
-  (``flash_attn_func = None``), flags nobody reads any more (``HAS_FLASH_ATTN = True/False``),
-  ``pass``, warnings/log calls and ``raise`` in the handlers. When anything else is there (a flag
-  still read, other code) the block stays exactly as it was: removing the import would change what
-  it computes, and a guarded import already loads without the GPU library;
+  (``flash_attn_func = None``, or a function the handler defines only for them), flags nobody
+  reads any more (``HAS_FLASH_ATTN = True/False``), ``pass``, warnings/log calls and ``raise`` in
+  the handlers. When other code is there the block
+  stays exactly as it was: removing the import would change what it computes, and a guarded import
+  already loads without the GPU library;
+* a ``try`` availability guard whose GPU imports are all dead but whose flag is still read
+  (``try: from flash_attn import f; HAS_FA = True`` / ``except ImportError: HAS_FA = False``)
+  collapses to its success path, the flag assignments of the ``try`` body and ``else``
+  (``HAS_FA = True``): the imports' names now come from flashport, so the import can no longer
+  fail, and keeping the guard would send the ported code down the fallback path on a host without
+  the GPU library. Only when the block holds nothing but dead imports, constant flags, fallbacks,
+  ``pass``, warnings/log calls and ``raise``;
 * likewise a whole ``if available(): <GPU imports> else: <fallbacks>`` whose condition is a
   plain probe (names, attributes, ``is_*_available()`` / ``find_spec`` calls, comparisons of those).
 
@@ -188,6 +196,14 @@ def _body(
         elif isinstance(stmt, _Guard) and _alone(stmt, plan) and _guard_removable(stmt, plan, public):
             whole.append(stmt)
             plan.removed.extend(_guard_names(stmt, plan))
+        elif isinstance(stmt, _TRY) and _alone(stmt, plan) and (flags := _collapsed(stmt, plan)) is not None:
+            plan.removed.extend(_guard_names(stmt, plan))
+            if flags:
+                plan.edits.append(
+                    (stmt.lineno, stmt.end_lineno or stmt.lineno, _flag_lines(stmt, flags, plan))
+                )
+            else:
+                whole.append(stmt)
         else:
             _inner(stmt, plan, public, drop_aliases)
     if not whole:
@@ -251,7 +267,72 @@ def _guard_removable(stmt: _Guard, plan: _Plan, public: bool) -> bool:
     rest = [s for s in stmt.body if s not in imports]
     if not all(_removable(s, names, plan, public, handler=False) for s in rest + stmt.orelse):
         return False
-    return all(_removable(s, names, plan, public, handler=True) for h in stmt.handlers for s in h.body)
+    return all(
+        _removable(s, names, plan, public, handler=True) or _fallback_helper(s, h.body, plan)
+        for h in stmt.handlers
+        for s in h.body
+    )
+
+
+def _fallback_helper(stmt: ast.stmt, body: list[ast.stmt], plan: _Plan) -> bool:
+    """A plain function a handler defines only for its fallbacks (``def _unsupported(*a): raise ...``
+    then ``flash_attn_func = _unsupported``): no decorator, and read nowhere but in ``body``."""
+    if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) or stmt.decorator_list:
+        return False
+    reads = sum(
+        isinstance(n, ast.Name) and n.id == stmt.name and isinstance(n.ctx, ast.Load)
+        for s in body
+        for n in ast.walk(s)
+    )
+    return reads == plan.after[stmt.name]
+
+
+def _collapsed(stmt: ast.Try | ast.TryStar, plan: _Plan) -> list[ast.Assign] | None:
+    """An availability guard whose GPU imports all became dead but whose flag is still read
+    (``try: from flash_attn import f; HAS_FA = True / except ImportError: HAS_FA = False``): the
+    imports now always succeed (flashport stands in for them), so the block is its success path, the
+    flag assignments of the ``try`` body and ``else``. Returns those assignments (possibly none), or
+    None when the block holds anything else (module doc)."""
+    imports = _gpu_imports(stmt.body, plan)
+    if not imports or stmt.finalbody:
+        return None
+    if any(
+        len(_dead_aliases(s, plan)) != len(s.names) or (isinstance(s, ast.ImportFrom) and s.level)
+        for s in imports
+    ):
+        return None
+    names = {_bound(a) for s in imports for a in s.names}
+    success = [s for s in stmt.body if s not in imports] + stmt.orelse
+    flags = [
+        s
+        for s in success
+        if isinstance(s, ast.Assign) and _flag(s) and not _removable(s, names, plan, True, handler=False)
+    ]
+    if not all(s in flags or _removable(s, names, plan, True, handler=False) for s in success):
+        return None
+    if not all(
+        _flag(s) or _removable(s, names, plan, True, handler=True) or _fallback_helper(s, h.body, plan)
+        for h in stmt.handlers
+        for s in h.body
+    ):
+        return None
+    return flags
+
+
+def _flag(stmt: ast.stmt) -> bool:
+    """``NAME = <constant>`` (one or more plain names)."""
+    return (
+        isinstance(stmt, ast.Assign)
+        and isinstance(stmt.value, ast.Constant)
+        and all(isinstance(t, ast.Name) for t in stmt.targets)
+    )
+
+
+def _flag_lines(stmt: ast.stmt, flags: list[ast.Assign], plan: _Plan) -> str:
+    """The flag assignments as lines at ``stmt``'s indentation."""
+    line = plan.lines[stmt.lineno - 1]
+    indent, newline = line[: stmt.col_offset], line[len(line.rstrip("\r\n")) :] or "\n"
+    return "".join(f"{indent}{ast.unparse(flag)}{newline}" for flag in flags)
 
 
 def _else_removable(orelse: list[ast.stmt], names: set[str], plan: _Plan, public: bool) -> bool:

@@ -343,6 +343,33 @@ def alibi_drop_in(
     return dense_drop_in(call, ctx, leading, "alibi_slopes (ALiBi bias added as flash-attn's kernel adds it)")
 
 
+def probs_drop_in(
+    call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int
+) -> Rewrite | None:
+    """A flash-attn 2.x call whose ``return_attn_probs`` may be true, without dropout, on the drop-in
+    of the same name (:func:`dense_drop_in`). flash-attn fills ``S_dmask`` only when ``dropout_p > 0``
+    (its kernel refuses the probabilities otherwise and the Python wrapper returns an empty tensor),
+    so without dropout its ``(out, softmax_lse, S_dmask)`` is reproduced exactly: the drop-in returns
+    the same empty tensor. None when the flag is absent or literally False, when ``dropout_p`` may be
+    non-zero (the refusal stands), for ALiBi on a varlen call (its drop-in has none) and for the
+    flash-attn 1.x names."""
+    probs = bound["return_attn_probs"].value if "return_attn_probs" in bound else None
+    dropout = bound["dropout_p"].value if "dropout_p" in bound else None
+    if probs is None or literal_bool(probs) is False or is_fa1(ctx.qualified_name):
+        return None
+    if dropout is not None and not is_zero(dropout):
+        return None
+    if (
+        "varlen" in ctx.qualified_name
+        and "alibi_slopes" in bound
+        and not is_none(bound["alibi_slopes"].value)
+    ):
+        return None
+    return dense_drop_in(
+        call, ctx, leading, "return_attn_probs without dropout (S_dmask: flash-attn's empty tensor)"
+    )
+
+
 def dropout_or_drop_in(
     call: cst.Call,
     positional: list,

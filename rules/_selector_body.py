@@ -12,7 +12,7 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import _node_context
-from flashport.rules.base import Refuse, Rewrite
+from flashport.rules.base import Refuse, Rewrite, callee_name
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 TENSOR_METHODS = frozenset(
@@ -181,3 +181,39 @@ def _neutral_body(with_node: cst.With, ctx, sdpa_rule, bindings: dict[str, str])
         imports=("contextlib",),
         notes=("every SDPA call in the body is rewritten: selector made neutral (contextlib.nullcontext())",),
     )
+
+
+PROBE_METHODS = TENSOR_METHODS | {"sum", "mean", "all", "item", "backward"}
+
+
+def probe_only(call: cst.Call, ctx) -> bool:
+    """True when ``call`` is the ``with`` item of a selector whose body only runs SDPA on tensors its
+    function makes itself (:func:`_node_context.synthetic_query`) and tensor methods (a kernel probe)."""
+    node = _node_context.locate(call, ctx)
+    item = _node_context.parent(node, ctx) if node is not None else None
+    with_node = _node_context.parent(item, ctx) if isinstance(item, cst.WithItem) else None
+    if not isinstance(with_node, cst.With):
+        return False
+    function = _node_context.enclosing_function(with_node, ctx)
+    calls: list[cst.CSTNode] = []
+
+    class _Calls(cst.CSTVisitor):
+        def visit_Call(self, inner: cst.Call) -> None:
+            calls.append(inner)
+
+        def visit_FunctionDef(self, inner) -> bool:
+            calls.append(inner)
+            return False
+
+    with_node.body.visit(_Calls())
+    sdpa = 0
+    for inner in calls:
+        if not isinstance(inner, cst.Call):
+            return False
+        if callee_name(inner).endswith("scaled_dot_product_attention"):
+            if not _node_context.synthetic_query(inner, function):
+                return False
+            sdpa += 1
+        elif not (isinstance(inner.func, cst.Attribute) and inner.func.attr.value in PROBE_METHODS):
+            return False
+    return sdpa > 0

@@ -77,6 +77,15 @@ class Report:
 
 Outcome = Rewrite | Refusal | Report | None
 
+# Reason prefix of a site kept byte-identical because it needs no change to run on a TPU host with the
+# same meaning (an SDPA backend switch, a probe of torch SDPA's kernels); benchmarks count it apart.
+RUNS_AS_IS = "runs as is on a TPU host"
+
+
+def runs_as_is(why: str) -> Report:
+    """A report for a site that needs no port: :data:`RUNS_AS_IS`, then ``why``."""
+    return Report(f"{RUNS_AS_IS}: {why}")
+
 
 class Refuse(Exception):
     """Raised by helpers (argument binding, literal checks); the engine turns it into a Refusal."""

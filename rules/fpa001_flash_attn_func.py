@@ -19,7 +19,8 @@ Semantics mapping:
   configured flash-attn version's signature (2.x inserted parameters mid-signature).
 
 What it refuses:
-  ``return_attn_probs``, unknown arguments; the drop-in cases below with flash-attn 2.0 (top-left
+  ``return_attn_probs`` with a dropout that may be non-zero (the dropout-encoded probabilities are
+  not reproduced), unknown arguments; the drop-in cases below with flash-attn 2.0 (top-left
   causal) or, before 2.6, with positional arguments after ``window_size`` (or a ``*args`` splat).
 
 Drop-in:
@@ -28,7 +29,9 @@ Drop-in:
   ``flashport.integrations.flash_attn_compat.flash_attn_func`` (flash-attn's signature and
   semantics: ALiBi added as flash-attn's kernel adds it, dropout passed to the contract). So does a
   call with a ``*args``/``**kwargs`` splat (its arguments are bound at run time), in every flash-attn
-  rule (FPA001-FPA007, each to its own drop-in).
+  rule (FPA001-FPA007, each to its own drop-in). And so does a call whose ``return_attn_probs`` may
+  be true without dropout (FPA001-FPA006): flash-attn then returns ``(out, softmax_lse, S_dmask)``
+  with an empty ``S_dmask`` (its kernel fills it only with dropout), which the drop-in reproduces.
 
 Example::
 
@@ -69,6 +72,7 @@ class FlashAttnFunc(Rule):
         bound = fa.signature(("q", "k", "v"), ctx.options.flash_attn_version).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 3)
+        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, 3)
         if drop_in is not None:
             return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API)

@@ -51,6 +51,7 @@ class FlashAttnQKVPackedFunc(Rule):
         bound = fa.signature(("qkv",), ctx.options.flash_attn_version).bind(call, self.API)
         (qkv,) = fa.required(bound, ("qkv",), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 1)
+        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, 1)
         if drop_in is not None:
             return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API)

@@ -51,6 +51,7 @@ class FlashAttnKVPackedFunc(Rule):
         bound = fa.signature(("q", "kv"), ctx.options.flash_attn_version).bind(call, self.API)
         q, kv = fa.required(bound, ("q", "kv"), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 2)
+        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, 2)
         if drop_in is not None:
             return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API)

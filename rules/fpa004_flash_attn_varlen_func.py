@@ -30,7 +30,8 @@ Dropout:
   the same drop-in (it gathers the pages through ``block_table``).
 
 What it refuses:
-  dropout the drop-in cannot take (see Dropout), ALiBi, ``return_attn_probs``, unknown arguments.
+  dropout the drop-in cannot take (see Dropout), ALiBi, ``return_attn_probs`` with a dropout that
+  may be non-zero (without dropout the call goes to the drop-in, as in FPA001), unknown arguments.
 
 Example::
 
@@ -69,6 +70,7 @@ class FlashAttnVarlenFunc(Rule):
         bound = sig.bind(call, self.API)
         q, k, v, cu_q, cu_k = fa.required(bound, LEADING[:5], self.API)
         drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
+        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, len(LEADING))
         if drop_in is not None:
             return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)

@@ -62,6 +62,7 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
         bound = sig.bind(call, self.API)
         qkv, cu = fa.required(bound, LEADING[:2], self.API)
         drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
+        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, len(LEADING))
         if drop_in is not None:
             return drop_in
         if not _node_context.simple(cu):

@@ -61,6 +61,7 @@ class FlashAttnVarlenKVPackedFunc(Rule):
         bound = sig.bind(call, self.API)
         q, kv, cu_q, cu_k = fa.required(bound, LEADING[:4], self.API)
         drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
+        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, len(LEADING))
         if drop_in is not None:
             return drop_in
         keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)

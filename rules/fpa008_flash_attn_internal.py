@@ -1,35 +1,56 @@
-"""FPA008 flash-attn-triton-and-internals: flash-attn entry points that are reported, never rewritten.
+"""FPA008 flash-attn-triton-and-internals: flash-attn's private kernels -> flashport's drop-ins; Triton reported.
 
-What it reports:
+What it rewrites:
+  the private kernel entry points of ``flash_attn.flash_attn_interface`` (ring / context-parallel
+  attention and custom autograd functions call them): ``_flash_attn_forward`` /
+  ``_flash_attn_backward``, ``_flash_attn_varlen_forward`` / ``_flash_attn_varlen_backward`` and
+  their ``_wrapped_*`` variants become flashport's drop-in for the flash-attn release the call was
+  written for, in ``flashport.integrations.flash_attn_compat`` (``flash_attn_private``): the call,
+  its arguments, their order and comments unchanged. The release range comes from the ``if`` /
+  ``elif`` / ``else`` tests around the call that compare a flash-attn version (``if
+  flash_attn_version >= version.parse("2.7.0"):``), else from ``--flash-attn-version`` (default
+  2.8.3); the call must fit exactly one release's signature in that range (its arguments, and the
+  number of names a forward's result is unpacked into): 2.7+ -> the drop-in of the same name;
+  2.6 / 2.4-2.5 (dense only: ``window_size=(l, r)``, 8 return values) -> ``_flash_attn_forward_v2_6``
+  / ``_v2_4`` and ``_flash_attn_backward_v2_6`` / ``_v2_4``. ``*args``/``**kwargs`` splats are bound at
+  run time (``rules/_private_kernels.py``).
+
+Semantics mapping:
+  the drop-ins keep flash-attn's conventions: the 2.7+ forwards return ``(out, softmax_lse,
+  S_dmask, rng_state)``, the older ones ``(out, q, k, v, out_padded, softmax_lse, S_dmask,
+  rng_state)`` (lse [B, H, Sq] / varlen [H, total_q], +inf for a row that sees no key; ``S_dmask``
+  None; ``rng_state`` the dropout seed); the backwards write dq, dk, dv **into the given buffers**
+  from the ``out`` and ``softmax_lse`` they are given (not a recomputed forward, so merged ring /
+  two-branch results get flash-attn's gradients) and return ``softmax_d`` (2.7+) or ``(dq, dk, dv,
+  softmax_d)``. Causal/window bottom-right (per sequence for varlen), softcap, GQA, ALiBi (dense),
+  dropout regenerated from ``rng_state`` in the backward.
+
+What it refuses:
+  * a call that fits no release's signature in its range, or several with different conventions
+    (ambiguous), releases before 2.4 and varlen before 2.7 (no drop-in), ``return_softmax`` that may
+    be true, varlen ``alibi_slopes``/``block_table``/``leftpad_k``/``seqused_k``, and value uses;
   * the Triton implementation ``flash_attn.flash_attn_triton.flash_attn_func(q, k, v, bias=None,
     causal=False, softmax_scale=None)`` and its ``flash_attn_kvpacked_func`` /
     ``flash_attn_qkvpacked_func``: same names as the CUDA functions (FPA001-003) but another
     signature -- the 4th positional argument is an additive ``bias``, not ``dropout_p`` -- so
-    rewriting them as the CUDA function would change the meaning;
-  * private kernel entry points of ``flash_attn.flash_attn_interface``: ``_flash_attn_forward`` /
-    ``_flash_attn_backward``, ``_flash_attn_varlen_forward`` / ``_flash_attn_varlen_backward`` and
-    their ``_wrapped_*`` variants (custom autograd functions, ring/context-parallel attention). They
-    return ``(out, softmax_lse, S_dmask, rng_state)`` or write gradients into caller-provided
-    buffers: no call-for-call equivalent.
-
-Semantics mapping:
-  none (scan-only). Port by hand: the Triton function is ``flashport.torch.attention(q, k, v,
-  bias=bias, causal=causal, scale=softmax_scale)`` once its causal alignment is checked; a custom
-  autograd function around the private forward usually becomes ``flashport.torch.attention(...,
-  return_lse=True)`` with autograd doing the backward.
-
-What it refuses:
-  every call and value use, with the reason above.
+    rewriting them as the CUDA function would change the meaning. Port by hand to
+    ``flashport.torch.attention(q, k, v, bias=bias, causal=causal, scale=softmax_scale)`` once its
+    causal alignment is checked.
 
 Example::
 
-    from flash_attn.flash_attn_triton import flash_attn_func
-    out = flash_attn_func(q, k, v, bias, True)   # reported: 4th argument is a bias
+    out, lse, _, rng = _flash_attn_forward(q, k, v, 0.0, scale, True, -1, -1, 0.0, None, False)
+    # becomes
+    out, lse, _, rng = flashport.integrations.flash_attn_compat._flash_attn_forward(q, k, v, 0.0, scale, True, -1, -1, 0.0, None, False)
 """
 
 from __future__ import annotations
 
-from flashport.rules.base import Refusal, Rule, register
+import libcst as cst
+
+from flashport.rules import _private_kernels
+from flashport.rules._flash_attn import COMPAT
+from flashport.rules.base import Refusal, Refuse, Rewrite, Rule, dotted, is_none, literal_bool, register
 
 TRITON = tuple(
     f"flash_attn.flash_attn_triton.{name}"
@@ -41,40 +62,65 @@ PRIVATE = tuple(
     for kind in ("", "_varlen")
     for step in ("forward", "backward")
 )
+_UNSUPPORTED_VARLEN = ("alibi_slopes", "block_table", "leftpad_k", "seqused_k")
 
 
 @register
 class FlashAttnTritonAndInternals(Rule):
-    """Report flash-attn's Triton functions and private kernel entry points with the reason."""
+    """Port flash-attn's private kernels to the drop-ins; report the Triton functions."""
 
     CODE = "FPA008"
     NAME = "flash-attn-triton-and-internals"
-    API = "flash_attn.flash_attn_triton.flash_attn_func"
+    API = "flash_attn.flash_attn_interface._flash_attn_forward"
     FRAMEWORK = "torch"
     SOURCES = TRITON + PRIVATE
     TRIGGERS = (b"flash_attn",)
-    TARGET = "flashport.torch.attention (manual)"
-    REWRITES = False
+    GPU_MODULES = ("flash_attn",)
+    TARGET = "flashport.integrations.flash_attn_compat._flash_attn_* (drop-ins)"
 
     def check_call(self, call, ctx):
-        """Refuse with the reason that applies to this entry point."""
-        return Refusal(_reason(ctx.qualified_name))
+        """The private kernels go to the drop-in of the release the call was written for; Triton
+        calls are refused."""
+        if ctx.qualified_name in TRITON:
+            return Refusal(_triton_reason(ctx.qualified_name))
+        function = ctx.qualified_name.rsplit(".", 1)[-1].replace("_wrapped", "", 1)
+        convention, bound = _private_kernels.convention_for(call, function, ctx)
+        _check_bound(bound, function)
+        releases = "2.7+" if not convention.suffix else convention.suffix[2:].replace("_", ".") + ".x"
+        target = function + convention.suffix
+        note = (
+            f"drop-in {target} (flash-attn {releases}'s signature, return convention and in-place gradients)"
+        )
+        return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{target}")), imports=(COMPAT,), notes=(note,))
 
     def check_reference(self, node, ctx):
-        """Value uses are reported with the same reason."""
-        return Refusal(f"used as a value: {_reason(ctx.qualified_name)}")
-
-
-def _reason(name: str) -> str:
-    short = name.rsplit(".", 1)[-1]
-    if name in TRITON:
-        return (
-            f"flash_attn_triton.{short} is the Triton implementation: its 4th positional argument is an "
-            "additive bias (not dropout_p), so it is not the CUDA function; port it by hand to "
-            "flashport.torch.attention(q, k, v, bias=..., causal=..., scale=...)"
+        """Value uses are reported: the callers of a value are out of sight."""
+        if ctx.qualified_name in TRITON:
+            return Refusal(f"used as a value: {_triton_reason(ctx.qualified_name)}")
+        return Refusal(
+            "used as a value: a private flash-attn kernel whose signature and return convention "
+            "changed between releases; call flashport.integrations.flash_attn_compat's drop-in of the "
+            "same name"
         )
+
+
+def _check_bound(bound: dict[str, cst.Arg], function: str) -> None:
+    """Refuse what the drop-in would reject at run time."""
+    if "return_softmax" in bound and literal_bool(bound["return_softmax"].value) is not False:
+        raise Refuse(
+            f"{function}(return_softmax=...) may be true: flash-attn's dropout-encoded probabilities "
+            "are not reproduced"
+        )
+    if "varlen" in function:
+        for name in _UNSUPPORTED_VARLEN:
+            if name in bound and not is_none(bound[name].value):
+                raise Refuse(f"{function}({name}=...): not supported by flashport's varlen drop-in")
+
+
+def _triton_reason(name: str) -> str:
+    short = name.rsplit(".", 1)[-1]
     return (
-        f"{short} is a private flash-attn kernel entry point (returns out, softmax_lse, S_dmask, rng_state "
-        "or writes gradients into given buffers); port the surrounding autograd code by hand to "
-        "flashport.torch.attention(..., return_lse=True)"
+        f"flash_attn_triton.{short} is the Triton implementation: its 4th positional argument is an "
+        "additive bias (not dropout_p), so it is not the CUDA function; port it by hand to "
+        "flashport.torch.attention(q, k, v, bias=..., causal=..., scale=...)"
     )

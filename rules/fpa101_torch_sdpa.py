@@ -16,8 +16,14 @@ Semantics mapping:
   a literal 0 is dropped, ``--inference`` drops a training-gated one). Fully masked rows give 0, as SDPA >= 2.5.
   Positional arguments are bound against SDPA's signature for ``torch-version``.
 
+Runs as is:
+  a backend probe (below) whose query is a tensor its function makes itself
+  (``q = torch.zeros(...)``, ``torch.randn``...): it asks torch whether an SDPA kernel runs on this
+  host, which a TPU host answers for itself, and ``flashport.torch.attention`` does not depend on
+  the answer. Kept byte-identical, reported with the reason prefix "runs as is on a TPU host".
+
 What it refuses:
-  backend probes: a call under a ``with sdpa_kernel(...)`` selector that sits in a ``try`` block or
+  backend probes on model data: a call under a ``with sdpa_kernel(...)`` selector that sits in a ``try`` block or
   takes its backends from a variable (``with sdpa_kernel([backend]): F.scaled_dot_product_attention(q,
   q, q)`` asks whether that kernel runs; rewritten, it would always succeed);
   a dropout expression with side effects (a call) that the rewrite would evaluate out of its
@@ -59,6 +65,7 @@ from flashport.rules.base import (
     is_none,
     literal_bool,
     register,
+    runs_as_is,
     string,
 )
 
@@ -92,6 +99,14 @@ class TorchSDPA(Rule):
         """Bind against SDPA's signature; map mask polarity, top-left causal and BHSD. A splat call
         goes to the drop-in, which binds its arguments at run time. A backend probe is refused."""
         probe = _node_context.backend_probe(ctx)
+        if probe is not None and _node_context.synthetic_query(
+            call, _node_context.enclosing_function(ctx.node, ctx) if ctx.node is not None else None
+        ):
+            return runs_as_is(
+                f"SDPA backend probe on tensors it makes itself ({probe}): it asks torch whether that "
+                "kernel runs on this host, which a TPU host answers for itself; flashport calls do not "
+                "depend on the answer"
+            )
         if probe is not None:
             raise Refuse(
                 f"backend probe: {probe}, so it tests whether that SDPA kernel runs here; "

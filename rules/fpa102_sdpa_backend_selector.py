@@ -12,10 +12,17 @@ Semantics mapping:
   ways FPA101 rewrites, plus plain tensor methods, becomes ``with contextlib.nullcontext():``
   (``rules/_selector_body.py``).
 
+Runs as is:
+  the global switches (``enable_math_sdp`` only when switched on) and their values (a table of
+  switches), and the selector of a kernel probe (FPA101's "runs as is" probes, plus tensor methods,
+  in its body): they only pick torch SDPA's kernels, and ``flashport.torch.attention`` does not read
+  them (on CPU it enables torch's CPU kernels for its own SDPA call). Kept byte-identical, reported
+  with the reason prefix "runs as is on a TPU host".
+
 What it refuses:
   selectors whose body calls anything else (it may run SDPA indirectly), holds an SDPA call that
-  is refused, or has no SDPA call; selectors not used as a ``with`` item; the global switches
-  (left as is, reported with the reason).
+  is refused, or has no SDPA call; selectors not used as a ``with`` item; ``enable_math_sdp`` with
+  a value that may be false (a CPU host may be left without a kernel for torch SDPA calls).
 
 Example::
 
@@ -25,8 +32,8 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules import _selector_body
-from flashport.rules.base import Report, Rule, register
+from flashport.rules import _node_context, _selector_body
+from flashport.rules.base import Report, Rule, literal_bool, register, runs_as_is
 from flashport.rules.fpa101_torch_sdpa import TorchSDPA
 
 SWITCHES = ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_math_sdp", "enable_cudnn_sdp")
@@ -48,9 +55,35 @@ class SDPABackendSelector(Rule):
 
     def check_call(self, call, ctx):
         """Neutral once every call in the ``with`` body is a rewritten SDPA call; else a report."""
-        if ctx.qualified_name.rsplit(".", 1)[-1] in SWITCHES:
-            return Report("SDPA backend switch: no effect on flashport calls; kept")
+        switch = ctx.qualified_name.rsplit(".", 1)[-1]
+        if switch in SWITCHES:
+            value = call.args[0].value if len(call.args) == 1 and not call.args[0].star else None
+            if switch == "enable_math_sdp" and literal_bool(value) is not True:
+                return Report(
+                    "SDPA backend switch kept: turning the math kernel off may leave torch SDPA calls on "
+                    "a CPU host without a kernel"
+                )
+            return runs_as_is(SWITCH_REASON)
         outcome = _selector_body.neutral_selector(call, ctx, TorchSDPA())
         if isinstance(outcome, str):
+            if _node_context.backend_probe(ctx) is not None and _selector_body.probe_only(call, ctx):
+                return runs_as_is(
+                    "SDPA backend selector of a kernel probe on tensors its function makes itself: it "
+                    "asks torch whether that kernel runs on this host; flashport calls do not depend on it"
+                )
             return Report(f"SDPA backend selector kept: {outcome}")
         return outcome
+
+    def check_reference(self, node, ctx):
+        """A switch used as a value (a table of switches) runs as is, as its calls do; else as
+        :meth:`Rule.check_reference`."""
+        switch = ctx.qualified_name.rsplit(".", 1)[-1]
+        if switch in SWITCHES and switch != "enable_math_sdp":
+            return runs_as_is(f"a value of an {SWITCH_REASON}")
+        return super().check_reference(node, ctx)
+
+
+SWITCH_REASON = (
+    "SDPA backend switch: it selects torch SDPA's kernels (a global flag every torch build has), and "
+    "flashport.torch.attention does not read it"
+)

@@ -56,6 +56,24 @@ def test_verifier_allows_a_removed_import_guard_but_not_an_edit_inside_one(tmp_p
     assert out.stray_lines == ["m.py: [6]"]
 
 
+def test_verifier_allows_a_guard_collapsed_to_its_flag_but_not_a_new_value(tmp_path):
+    corpus = _corpus()
+    path = tmp_path / "m.py"
+    old = b"try:\n    import xformers\n    HAS = True\nexcept ImportError:\n    HAS = False\n\n\ndef f(q):\n    return g(q)\n"
+    doc = {
+        "sites": [{"path": str(path), "line": 9, "end_line": 9, "status": "rewrite"}],
+        "files": [{"path": str(path), "written": True}],
+    }
+    path.write_bytes(b"import flashport\n\nHAS = True\n\n\ndef f(q):\n    return h(q)\n")
+    out = corpus.Outcome("x", "0", "torch")
+    corpus._verify_changes(doc, {str(path): old}, out)
+    assert out.ok, out.stray_lines
+    path.write_bytes(b"import flashport\n\nHAS = 2\n\n\ndef f(q):\n    return h(q)\n")
+    out = corpus.Outcome("x", "0", "torch")
+    corpus._verify_changes(doc, {str(path): old}, out)
+    assert not out.ok
+
+
 @pytest.mark.slow
 def test_corpus_run_keeps_every_guarantee(tmp_path):
     corpus = _corpus()

@@ -93,7 +93,9 @@ def test_flash_attn_func_and_packed_variants(sq, sk, h, hk, kwargs):
     close(fa.flash_attn_func(q, k, v, **kwargs), want)
     out, lse, probs = fa.flash_attn_func(q, k, v, 0.0, return_attn_probs=True, **kwargs)
     close(out, want)
-    assert probs is None and lse.dtype == torch.float32
+    assert (
+        probs.shape == (0,) and probs.dtype == q.dtype and lse.dtype == torch.float32
+    )  # flash-attn's empty S_dmask
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     close(torch.where(torch.isinf(lse), 0, lse), torch.where(torch.isinf(want_lse), 0, want_lse))
     close(fa.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), **kwargs), want)
@@ -534,3 +536,34 @@ def test_alibi_and_out_of_order_dropout_calls_are_ported_to_the_drop_in():
     log: list = []
     close(namespace["ordered"](q, k, v, log), reference(q, k, v, allowed=band(3, 5, True), scale=0.5)[0])
     assert log == ["causal", "dropout", "scale"]
+
+
+def test_return_attn_probs_without_dropout_is_ported_to_the_drop_in():
+    """flash-attn returns (out, softmax_lse, empty S_dmask) when dropout_p is 0: the drop-in reproduces
+    the tuple, so a flag known only at run time ports (sglang's FA2 fallback passes return_softmax_lse)."""
+    from ported_code import port_and_run
+
+    source = """
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    def dense(q, k, v, want_lse):
+        return flash_attn_func(q, k, v, softmax_scale=0.5, causal=True, return_attn_probs=want_lse)
+
+    def packed(q, k, v, cu_q, cu_k, want_lse):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, causal=True, return_attn_probs=want_lse)
+    """
+    namespace, code = port_and_run(source, "call")
+    assert code.count("flash_attn_compat.flash_attn") == 2
+    q, k, v = rand(2, 3, 2, 8), rand(2, 5, 1, 8, seed=1), rand(2, 5, 1, 8, seed=2)
+    want, want_lse = reference(q, k, v, allowed=band(3, 5, causal=True), scale=0.5)
+    out, lse, s_dmask = namespace["dense"](q, k, v, True)
+    close(out, want)
+    close(lse, want_lse)
+    assert s_dmask.numel() == 0
+    close(namespace["dense"](q, k, v, False), want)
+    q, k, v = rand(7, 2, 8), rand(11, 1, 8, seed=1), rand(11, 1, 8, seed=2)
+    want, want_lse = varlen_reference(q, k, v, CU_Q, CU_K, causal=True)
+    out, lse, s_dmask = namespace["packed"](q, k, v, CU_Q, CU_K, True)
+    close(out, want)
+    close(lse[:, :6], want_lse[:, :6])
+    assert s_dmask.numel() == 0

@@ -112,7 +112,7 @@ def test_dead_guarded_imports_and_their_fallbacks_go_at_every_scope():
     )
 
 
-def test_a_guard_whose_flag_is_still_read_stays_exactly_as_it_was():
+def test_a_guard_whose_flag_is_still_read_collapses_to_its_success_path():
     block = textwrap.dedent("""\
         try:
             from flash_attn import flash_attn_func
@@ -131,11 +131,54 @@ def test_a_guard_whose_flag_is_still_read_stays_exactly_as_it_was():
             return None
     """)
     )
-    # removing the import would make HAS_FLASH_ATTN always True: the branch taken would change
-    assert block in text and "flashport.torch.attention(" in text
+    # flashport now supplies what the import supplied, so it cannot fail: the ported branch is taken
+    # (as it was where flash-attn was installed), not the fallback a host without it would take
+    assert text.startswith("import flashport\n\nHAS_FLASH_ATTN = True\n\n\ndef f(") and "try:" not in text
+    assert "flashport.torch.attention(" in text
 
 
-def test_an_unread_public_flag_may_be_imported_elsewhere_so_the_guard_stays():
+def test_an_else_flag_and_a_handler_only_flag_collapse_too():
+    text = port("""
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            _has_flash_attn_2 = False
+        else:
+            _has_flash_attn_2 = True
+
+        def f(q, k, v, decode):
+            if decode:
+                try:
+                    from flash_attn import flash_attn_func as fa
+                except Exception:
+                    decode = False
+            if _has_flash_attn_2 and decode:
+                return fa(q, k, v)
+            return flash_attn_func(q, k, v)
+    """)
+    assert "\n_has_flash_attn_2 = True\n" in text and "_has_flash_attn_2 = False" not in text
+    assert (
+        "    if decode:\n        pass\n" in text
+        and "decode = False" not in text
+        and "from flash_attn" not in text
+    )
+
+
+def test_a_guard_with_other_code_stays():
+    block = textwrap.dedent("""\
+        try:
+            from flash_attn import flash_attn_func
+            HAS_FLASH_ATTN = check_gpu()
+        except ImportError:
+            HAS_FLASH_ATTN = False
+    """)
+    text = port(
+        block + "\n\ndef f(q, k, v):\n    return flash_attn_func(q, k, v) if HAS_FLASH_ATTN else None\n"
+    )
+    assert block in text
+
+
+def test_an_unread_public_flag_may_be_imported_elsewhere_so_it_stays_true():
     text = port("""
         try:
             from flash_attn import flash_attn_func
@@ -146,7 +189,7 @@ def test_an_unread_public_flag_may_be_imported_elsewhere_so_the_guard_stays():
         def f(q, k, v):
             return flash_attn_func(q, k, v)
     """)
-    assert "from flash_attn import flash_attn_func\n" in text and "HAS_FLASH_ATTN = False" in text
+    assert "\nHAS_FLASH_ATTN = True\n" in text and "flash_attn_func" not in text and "try:" not in text
 
 
 def test_a_guarded_import_with_a_live_name_loses_only_the_dead_one_and_its_fallback():
@@ -316,6 +359,34 @@ def test_a_ported_file_imports_and_runs_where_flash_attn_and_xformers_cannot_be_
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+_FLAG_MODEL = """\
+import torch
+
+try:
+    from flash_attn import flash_attn_func
+    HAS_FLASH_ATTN = True
+except ImportError:
+    print("flash-attn not found: attention unavailable")
+    HAS_FLASH_ATTN = False
+
+
+def attend(q, k, v):
+    if not HAS_FLASH_ATTN:
+        raise RuntimeError("this model needs flash-attn")
+    full = flash_attn_func(q, k, v)
+    return flash_attn_func(q, k, v, causal=True), full, full
+"""
+
+
+def test_a_ported_availability_flag_runs_the_ported_path_without_flash_attn(tmp_path):
+    pytest.importorskip("torch")
+    assert _run_model(tmp_path, _FLAG_MODEL).returncode != 0  # the original falls back to raising
+    ported = port(_FLAG_MODEL)
+    assert "flash_attn" not in ported and "HAS_FLASH_ATTN = True" in ported
+    done = _run_model(tmp_path, ported)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_a_guard_that_only_logs_the_missing_library_goes_with_it():
     text = port("""
         try:
@@ -327,3 +398,39 @@ def test_a_guard_that_only_logs_the_missing_library_goes_with_it():
             return xformers.ops.memory_efficient_attention(q, k, v)
     """)
     assert "try:" not in text and "LOG.error" not in text and "import xformers" not in text
+
+
+def test_a_function_a_handler_defines_only_for_its_fallbacks_goes_with_the_guard():
+    text = port("""
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+
+            def _unsupported(*args, **kwargs):
+                raise ImportError("flash-attn is not installed")
+
+            flash_attn_func = _unsupported
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v)
+    """)
+    assert "try:" not in text and "_unsupported" not in text and "flash_attn_func" not in text
+
+
+def test_a_handler_function_read_elsewhere_keeps_the_guard():
+    text = port("""
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+
+            def _unsupported(*args, **kwargs):
+                raise ImportError("flash-attn is not installed")
+
+            flash_attn_func = _unsupported
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v)
+
+        CHECKS = [_unsupported]
+    """)
+    assert "from flash_attn import flash_attn_func" in text and "def _unsupported" in text

@@ -43,7 +43,7 @@ REFUSED = """from flash_attn import flash_attn_func
 
 
 def f(q, k, v):
-    return flash_attn_func(q, k, v, return_attn_probs=True)
+    return flash_attn_func(q, k, v, 0.1, return_attn_probs=True)  # dropout: S_dmask not reproduced
 """
 SDPA = """import torch.nn.functional as F
 

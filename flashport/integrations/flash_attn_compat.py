@@ -13,13 +13,17 @@
   ``flash_attn_unpadded_*`` (1.x argument order, **top-left** causal);
 * :func:`flash_attn_with_kvcache` (in-place cache update, rotary, ``cache_batch_idx``,
   ``cache_leftpad``, paged caches; see ``_fa_kvcache``);
-* ``pad_input``, ``unpad_input``, ``index_first_axis``, ``index_put_first_axis`` (``bert_padding``).
+* ``pad_input``, ``unpad_input``, ``index_first_axis``, ``index_put_first_axis`` (``bert_padding``);
+* the private kernels ``_flash_attn_forward`` / ``_flash_attn_backward`` and their varlen forms
+  (flash-attn 2.7+'s signatures, return conventions and in-place gradients; ``flash_attn_private``),
+  and the dense ones of flash-attn 2.4-2.5 / 2.6 (``_flash_attn_forward_v2_4``, ``..._v2_6``).
 
 FlashAttention-3 (``flash_attn_interface``) and -4 (``flash_attn.cute``) have their own drop-ins,
 ``flash_attn3_compat`` and ``flash_attn4_compat`` (different signatures and return types).
 
-``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flash-attn's third value (the
-dropout-encoded probabilities, "for testing only") is not produced. ``deterministic`` and
+``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` with ``S_dmask`` flash-attn's
+empty tensor when ``dropout_p`` is 0 (flash-attn fills it only with dropout) and None otherwise (the
+dropout-encoded probabilities, "for testing only", are not produced). ``deterministic`` and
 ``num_splits`` are accepted and ignored (backward determinism / kernel tuning). An lse row that sees
 no key is +inf, as flash-attn's.
 
@@ -38,9 +42,27 @@ from __future__ import annotations
 
 from flashport.integrations._fa_kvcache import _lengths, flash_attn_with_kvcache
 from flashport.integrations.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from flashport.integrations.flash_attn_private import (
+    _flash_attn_backward,
+    _flash_attn_backward_v2_4,
+    _flash_attn_backward_v2_6,
+    _flash_attn_forward,
+    _flash_attn_forward_v2_4,
+    _flash_attn_forward_v2_6,
+    _flash_attn_varlen_backward,
+    _flash_attn_varlen_forward,
+)
 from flashport.kernels.visibility import band_visible
 
 __all__ = [
+    "_flash_attn_backward",
+    "_flash_attn_backward_v2_4",
+    "_flash_attn_backward_v2_6",
+    "_flash_attn_forward",
+    "_flash_attn_forward_v2_4",
+    "_flash_attn_forward_v2_6",
+    "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_forward",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -229,8 +251,15 @@ def _dense(
         **_dropout(dropout_p),
     )
     if return_attn_probs:
-        return result[0], _lse_like_flash_attn(result[1]), None
+        return result[0], _lse_like_flash_attn(result[1]), _s_dmask(q, dropout_p)
     return result
+
+
+def _s_dmask(q, dropout_p):
+    """flash-attn's third value with ``return_attn_probs=True``: an empty tensor without dropout (its
+    kernel fills it only when ``dropout_p > 0``), else None (the dropout-encoded probabilities, "for
+    testing only", are not produced)."""
+    return q.new_empty(0) if not dropout_p else None
 
 
 # ----------------------------------------------------------------------------------- dense [B, S, H, D]
@@ -254,7 +283,7 @@ def flash_attn_func(
 ):
     """flash-attn 2.x ``flash_attn_func``: q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D].
 
-    With ``return_attn_probs=True`` returns ``(out, softmax_lse [B, H, Sq], None)`` (module docstring).
+    With ``return_attn_probs=True`` returns ``(out, softmax_lse [B, H, Sq], S_dmask)`` (module docstring).
     """
     return _dense(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
@@ -405,7 +434,7 @@ def _varlen(
         block_table=block_table,
     )
     if return_attn_probs:
-        return result[0], _lse_like_flash_attn(result[1]), None
+        return result[0], _lse_like_flash_attn(result[1]), _s_dmask(q, dropout_p)
     return result
 
 

@@ -37,6 +37,7 @@ exact math path, and ``backend="sdpa"`` / ``"flash_attn"`` / ``"flex"`` refuse `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -170,7 +171,20 @@ def _cpu_sdpa(
         _native.log.debug("flashport.torch: SDPA passed over on CPU (%s)", reason)
         return None
     _native.log.debug("flashport.torch: torch SDPA runs this CPU call")
-    return _native.sdpa_attention(call)[0]
+    with _cpu_sdpa_kernels():
+        return _native.sdpa_attention(call)[0]
+
+
+def _cpu_sdpa_kernels() -> contextlib.AbstractContextManager[Any]:
+    """torch's CPU SDPA kernels (flash, math) enabled whatever the caller's SDPA backend switches
+    (``torch.backends.cuda.enable_*_sdp``) and selectors (``sdpa_kernel``) say: they pick kernels for
+    torch SDPA, and flashport's result does not depend on them (the backward keeps the kernel the
+    forward chose)."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3: no selector to undo
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
 
 
 def _native_call(

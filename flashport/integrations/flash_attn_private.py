@@ -1,0 +1,418 @@
+"""Drop-ins for flash-attn 2.7+'s private kernel entry points, on flashport's JAX implementation.
+
+Ring / context-parallel attention and custom autograd functions call flash-attn's private kernels
+directly: ``_flash_attn_forward`` / ``_flash_attn_varlen_forward`` return
+``(out, softmax_lse, S_dmask, rng_state)`` and ``_flash_attn_backward`` /
+``_flash_attn_varlen_backward`` write dq, dk, dv **into the buffers they are given** and return
+``softmax_d``. The functions here have flash-attn 2.8.3's signatures (``window_size_left`` /
+``window_size_right`` as ints since 2.7; before 2.7 the forward took ``window_size=(l, r)`` and
+returned 8 values: ``_flash_attn_forward_v2_4`` / ``_v2_6`` and ``_flash_attn_backward_v2_4`` / ``_v2_6``
+have those dense signatures and return conventions) and the same conventions:
+
+* q [B, Sq, H, D], k/v [B, Sk, Hk, D] (varlen: [total, H, D] with int ``cu_seqlens``); causal and
+  window aligned bottom-right (per sequence for varlen); ``softcap`` 0 = off; contiguous GQA;
+  ``alibi_slopes`` as flash-attn's kernel adds them (dense only);
+* ``softmax_lse`` float32 [B, H, Sq] (varlen: [H, total_q]), natural log of the sum of
+  ``exp(softmax_scale * q·k)`` over the visible keys; +inf for a row that sees no key;
+* the backward uses the ``out`` and ``softmax_lse`` it is given (not a recomputed forward), as
+  flash-attn's does, so merged partial results (ring attention, two-branch attention) get the
+  gradients flash-attn gives them; it runs :func:`flashport.attention_backward`;
+* ``dropout_p > 0``: the forward draws the contract's keep-mask from two seed words taken from torch's
+  default generator and returns them as ``rng_state``; the backward regenerates the same mask from
+  that ``rng_state`` (and refuses ``dropout_p > 0`` without it, where flash-attn would silently draw
+  a different mask);
+* ``S_dmask`` is None (``return_softmax=True`` raises: flash-attn's dropout-encoded probabilities
+  are for its tests only); ``softmax_d`` is ``rowsum(dout * out)`` float32 [B, H, Sq] (varlen:
+  [H, total_q]) without flash-attn's padding rows; ``deterministic`` and ``zero_tensors`` are
+  accepted and ignored; ``max_seqlen_*`` only size flash-attn's launch.
+
+They run on CPU tensors through DLPack and on torch_xla / torchax tensors through their JAX bridges,
+without autograd (they are kernels: the caller's ``torch.autograd.Function`` owns the graph).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "_flash_attn_backward",
+    "_flash_attn_backward_v2_4",
+    "_flash_attn_backward_v2_6",
+    "_flash_attn_forward",
+    "_flash_attn_forward_v2_4",
+    "_flash_attn_forward_v2_6",
+    "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_forward",
+]
+
+
+def _run(fn, args, static):
+    """``fn`` (a JAX function of :mod:`flashport.torch._jax`) on torch tensors; torch results."""
+    from flashport.torch import _jax, device_kind
+
+    kind = device_kind(args[0])
+    if kind in ("xla", "torchax"):
+        runner = _jax.torch_xla_runner() if kind == "xla" else _jax.torchax_runner()
+        return tuple(runner.call(fn, tuple(args), dict(static)))
+    return tuple(_jax.to_torch(x) for x in fn(*(_jax.to_jax(a) for a in args), **static))
+
+
+def _static(softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p):
+    """The contract's static keywords for a dense call (bottom-right alignment, BSHD)."""
+    from flashport.integrations.flash_attn_compat import _window
+    from flashport.torch._dropout import check_p
+
+    static = dict(
+        scale=softmax_scale,
+        causal=bool(causal),
+        window=_window((window_size_left, window_size_right)),
+        align="bottom_right",
+        softcap=softcap or None,
+        layout="BSHD",
+        backend="auto",
+    )
+    if check_p(dropout_p) > 0:
+        static["dropout_rate"] = float(dropout_p)
+    return static
+
+
+def _seed(dropout_p, rng_state, like, step):
+    """The dropout seed tensor: drawn (forward) or the forward's ``rng_state`` (backward); None
+    without dropout."""
+    from flashport.torch._dropout import draw_words, seed_tensor
+
+    if not dropout_p:
+        return None
+    if step == "forward":
+        return seed_tensor(draw_words(None), like.detach())
+    if rng_state is None:
+        raise ValueError(
+            "dropout_p > 0 in the backward needs rng_state: pass the rng_state the forward returned "
+            "(without it the keep-mask cannot be regenerated)"
+        )
+    return rng_state
+
+
+def _no_softmax(return_softmax):
+    if return_softmax:
+        raise ValueError(
+            "return_softmax=True: flash-attn's dropout-encoded probabilities (for its tests only) are "
+            "not produced by flashport's drop-in; pass return_softmax=False"
+        )
+
+
+def _to_flash_lse(lse):
+    """The contract's lse with flash-attn's value for a row that sees no key (+inf, not -inf)."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def _from_flash_lse(lse):
+    """flash-attn's lse (+inf for an empty row) as the contract's (float32, -inf)."""
+    import torch
+
+    lse = lse.to(torch.float32)
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+def _write(buffers, grads):
+    """Copy each gradient into its caller-given buffer (flash-attn writes in place); None is skipped."""
+    for buffer, grad in zip(buffers, grads, strict=False):
+        if buffer is not None:
+            buffer.copy_(grad.to(buffer.dtype))
+
+
+def _alibi(alibi_slopes, q, k, causal):
+    from flashport.integrations.flash_attn_compat import _alibi_bias
+
+    return (
+        None if alibi_slopes is None else _alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
+    )
+
+
+def _flash_attn_forward(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    return_softmax,
+):
+    """flash-attn 2.7+ ``_flash_attn_forward``: ``(out [B, Sq, H, D], softmax_lse [B, H, Sq], None,
+    rng_state)`` (``rng_state`` None without dropout)."""
+    from flashport.torch._jax import jax_forward
+
+    _no_softmax(return_softmax)
+    static = _static(softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
+    seed = _seed(dropout_p, None, q, "forward")
+    bias = _alibi(alibi_slopes, q, k, causal)
+    out, lse = _run(jax_forward, (q, k, v, bias, None, None, None, seed), static)
+    return out, _to_flash_lse(lse), None, seed
+
+
+def _flash_attn_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    """flash-attn 2.7+ ``_flash_attn_backward``: writes dq, dk, dv into the given buffers from the
+    given ``out`` / ``softmax_lse``; returns ``softmax_d`` [B, H, Sq]."""
+    import torch
+
+    from flashport.torch._jax import jax_backward
+
+    static = _static(softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
+    seed = _seed(dropout_p, rng_state, q, "backward")
+    bias = _alibi(alibi_slopes, q, k, causal)
+    d_lse = torch.zeros(softmax_lse.shape, dtype=torch.float32, device=q.device)
+    args = (q, k, v, bias, None, None, None, seed, out, _from_flash_lse(softmax_lse), dout, d_lse)
+    grads = _run(jax_backward, args, static)
+    _write((dq, dk, dv), grads[:3])
+    return (dout.float() * out.float()).sum(-1).transpose(1, 2)
+
+
+def _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right):
+    """(q_segment_ids [1, total_q], kv_segment_ids [1, total_k], mask [1, 1, total_q, total_k])."""
+    import torch
+
+    from flashport.integrations.flash_attn_compat import _window
+    from flashport.kernels.varlen import varlen_layout
+
+    q_ids, kv_ids, mask = varlen_layout(
+        cu_seqlens_q,
+        cu_seqlens_k,
+        q.shape[0],
+        k.shape[0],
+        causal=bool(causal),
+        window=_window((window_size_left, window_size_right)),
+    )
+    return q_ids.to(torch.int32)[None], kv_ids.to(torch.int32)[None], mask[None, None]
+
+
+def _varlen_static(softmax_scale, softcap, dropout_p):
+    """Static keywords of a varlen call: the mask carries causal/window per sequence."""
+    return _static(softmax_scale, False, -1, -1, softcap, dropout_p)
+
+
+def _flash_attn_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+    leftpad_k=None,
+    seqused_k=None,
+    zero_tensors=False,
+):
+    """flash-attn 2.7+ ``_flash_attn_varlen_forward``: q [total_q, H, D], k/v [total_k, Hk, D] ->
+    ``(out [total_q, H, D], softmax_lse [H, total_q], None, rng_state)``."""
+    from flashport.torch._jax import jax_forward
+
+    _no_softmax(return_softmax)
+    for name, value in (
+        ("alibi_slopes", alibi_slopes),
+        ("block_table", block_table),
+        ("leftpad_k", leftpad_k),
+        ("seqused_k", seqused_k),
+    ):
+        if value is not None:
+            raise NotImplementedError(
+                f"_flash_attn_varlen_forward: {name} is not supported by flashport's drop-in"
+            )
+    q_ids, kv_ids, mask = _varlen_layout(
+        q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right
+    )
+    seed = _seed(dropout_p, None, q, "forward")
+    args = (q[None], k[None], v[None], None, mask, q_ids, kv_ids, seed)
+    out, lse = _run(jax_forward, args, _varlen_static(softmax_scale, softcap, dropout_p))
+    return out[0], _to_flash_lse(lse[0]), None, seed
+
+
+def _flash_attn_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+    zero_tensors=False,
+):
+    """flash-attn 2.7+ ``_flash_attn_varlen_backward``: writes dq, dk, dv into the given buffers from
+    the given ``out`` / ``softmax_lse`` [H, total_q]; returns ``softmax_d`` [H, total_q]."""
+    import torch
+
+    from flashport.torch._jax import jax_backward
+
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "_flash_attn_varlen_backward: alibi_slopes is not supported by flashport's drop-in"
+        )
+    q_ids, kv_ids, mask = _varlen_layout(
+        q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right
+    )
+    seed = _seed(dropout_p, rng_state, q, "backward")
+    lse = _from_flash_lse(softmax_lse)[None]
+    d_lse = torch.zeros(lse.shape, dtype=torch.float32, device=q.device)
+    args = (q[None], k[None], v[None], None, mask, q_ids, kv_ids, seed, out[None], lse, dout[None], d_lse)
+    grads = _run(jax_backward, args, _varlen_static(softmax_scale, softcap, dropout_p))
+    _write((dq, dk, dv), [g[0] for g in grads[:3]])
+    return (dout.float() * out.float()).sum(-1).transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------------- flash-attn 2.4-2.6
+# Before 2.7 the dense private kernels took ``window_size=(left, right)``, the forward returned 8
+# values ``(out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)`` (q, k, v and out_padded as
+# the kernel saw them: head dim padded to a multiple of 8; here the inputs and ``out``, flashport
+# needs no padding) and the backward returned ``(dq, dk, dv, softmax_d)``. 2.6 inserted ``softcap``
+# before ``alibi_slopes``. The codemod picks the version from the ``if flash_attn_version ...``
+# branch a call sits in.
+
+
+def _flash_attn_forward_v2_4(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax
+):
+    """flash-attn 2.4-2.5 ``_flash_attn_forward``: ``(out, q, k, v, out, softmax_lse, None, rng_state)``."""
+    return _flash_attn_forward_v2_6(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, alibi_slopes, return_softmax
+    )
+
+
+def _flash_attn_forward_v2_6(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax
+):
+    """flash-attn 2.6 ``_flash_attn_forward``: ``(out, q, k, v, out, softmax_lse, None, rng_state)``."""
+    left, right = window_size
+    out, lse, s_dmask, rng_state = _flash_attn_forward(
+        q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes, return_softmax
+    )
+    return out, q, k, v, out, lse, s_dmask, rng_state
+
+
+def _flash_attn_backward_v2_4(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    """flash-attn 2.4-2.5 ``_flash_attn_backward``: writes dq, dk, dv into the given buffers; returns
+    ``(dq, dk, dv, softmax_d)``."""
+    return _flash_attn_backward_v2_6(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        0.0,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
+
+
+def _flash_attn_backward_v2_6(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    """flash-attn 2.6 ``_flash_attn_backward``: writes dq, dk, dv into the given buffers; returns
+    ``(dq, dk, dv, softmax_d)``."""
+    left, right = window_size
+    softmax_d = _flash_attn_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
+    return dq, dk, dv, softmax_d
