@@ -23,6 +23,7 @@ times move with the load (printed before and after).
 
     python benchmarks/attention_cpu.py            # full run (about 5 minutes on an idle 2-core host)
     python benchmarks/attention_cpu.py --quick    # CI-sized: S=1024, 2048, 3 rounds, no memory table
+    python benchmarks/attention_cpu.py --single-thread --scratch-sizes  # work per call, one thread each
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ B, H, D = 1, 8, 64
 IMPLS = ("flashport", "flashport.torch", "jax.nn", "torch sdpa")
 # The reference square matmul's size (the parent sets it for its workers; --quick uses 2048).
 _MATMUL_N = int(os.environ.get("FLASHPORT_BENCH_MATMUL_N", "4096"))
+# --single-thread: workers run XLA and torch on one thread each and time process CPU time, which
+# a loaded host disturbs far less than wall time (it measures work, not use of the cores).
+_SINGLE = os.environ.get("FLASHPORT_BENCH_SINGLE_THREAD") == "1"
+if _SINGLE:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
+_clock = time.process_time if _SINGLE else time.perf_counter
 
 
 def _flops(seq: int, train: bool) -> float:
@@ -106,6 +115,10 @@ def _torch_callables(seq: int, train: bool) -> dict:
 
 def _worker(seq: int, rounds: int, train: bool, with_xla: bool) -> dict:
     """Time every implementation in alternating rounds; return per-implementation medians (s)."""
+    if _SINGLE:
+        import torch
+
+        torch.set_num_threads(1)
     fns = {**_jax_callables(seq, train, with_xla), **_torch_callables(seq, train)}
     for fn in fns.values():  # compile and warm up
         fn()
@@ -113,9 +126,9 @@ def _worker(seq: int, rounds: int, train: bool, with_xla: bool) -> dict:
     names = list(fns)
     for r in range(rounds):  # rotate the order: no implementation always follows the same one
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
+            start = _clock()
             fns[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(_clock() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}
     matmul = max(2 * _MATMUL_N**3 / medians.pop(f"matmul {lib}") for lib in ("xla", "torch"))
     return {"medians": medians, "spread": {n: [min(t), max(t)] for n, t in times.items()}, "matmul": matmul}
@@ -193,6 +206,11 @@ def main() -> None:
     parser.add_argument("--xla-max", type=int, default=4096, help="largest S for jax.nn forward")
     parser.add_argument("--xla-max-train", type=int, default=2048, help="largest S for jax.nn fwd+bwd")
     parser.add_argument("--scratch-sizes", type=int, nargs="*", default=None)
+    parser.add_argument(
+        "--single-thread",
+        action="store_true",
+        help="one thread each, process CPU time (work efficiency; robust to a loaded host)",
+    )
     args = parser.parse_args()
     sizes = args.sizes or ([1024, 2048] if args.quick else [2048, 4096, 8192])
     rounds = args.rounds or (3 if args.quick else 5)
@@ -200,9 +218,14 @@ def main() -> None:
     scratch = (
         args.scratch_sizes if args.scratch_sizes is not None else ([] if args.quick else [4096, 8192, 16384])
     )
+    if args.single_thread:
+        os.environ["FLASHPORT_BENCH_SINGLE_THREAD"] = "1"
     console = Console(width=160)
     console.print(f"{os.cpu_count()} CPU cores; load average before the run: {os.getloadavg()[0]:.1f}")
-    shape = f"causal, B={B} H={H} D={D} f32, {rounds} alternating rounds"
+    clock = (
+        "one thread, process CPU s" if args.single_thread else f"all threads ({os.cpu_count()} cores), wall s"
+    )
+    shape = f"causal, B={B} H={H} D={D} f32, {rounds} alternating rounds, {clock}"
     ratios: dict = {}
     console.print(_table(f"forward, {shape}", sizes, False, rounds, args.xla_max, matmul_n, ratios))
     console.print(

@@ -72,8 +72,17 @@ def rows_product(p, v, precision=None):
 
 def keys_product(p, x, precision=None):
     """Pᵀ·X summed over the group: p [B, Hkv, G, bq, bk], x [B, Hkv, G, bq, D] -> float32
-    [B, Hkv, bk, D] (dV = Pᵀ·dO and dK = dSᵀ·Q)."""
-    return _batched(p, x, 1, 1, precision).reshape(*p.shape[:2], p.shape[-1], x.shape[-1])
+    [B, Hkv, bk, D] (dV = Pᵀ·dO and dK = dSᵀ·Q).
+
+    Computed as (Xᵀ·P)ᵀ: the small X tile is transposed instead of the scores tile, which keeps the
+    big operand in the layout XLA:CPU's matmul library takes (a dot contracting both operands' row
+    axis is lowered as a generic dot)."""
+    xt = jax.lax.optimization_barrier(jnp.swapaxes(_flat(x), 1, 2))  # or XLA folds it into the dot
+    dims = (((2,), (1,)), ((0,), (0,)))
+    out = jax.lax.dot_general(xt, _flat(p), dims, precision=precision, preferred_element_type=jnp.float32)
+    return jnp.swapaxes(jax.lax.optimization_barrier(out), 1, 2).reshape(
+        *p.shape[:2], p.shape[-1], x.shape[-1]
+    )
 
 
 def tile_logits(
