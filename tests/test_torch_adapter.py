@@ -424,6 +424,25 @@ def test_no_grad_call_skips_the_vjp(monkeypatch):
     assert flags == [False, True, False]
 
 
+def test_cpu_auto_validates_each_call_once(monkeypatch):
+    """auto on CPU checks the torch arguments once: keywords that rule SDPA out skip the canonical
+    call (the JAX path checks them), and a call validated to test SDPA is not checked again."""
+    checks_run, tensors_checked = [], []
+    real_check, real_check_tensor = ft.check, _checks.check_tensor
+    monkeypatch.setattr(ft, "check", lambda *a, **k: checks_run.append(1) or real_check(*a, **k))
+    monkeypatch.setattr(
+        _checks, "check_tensor", lambda *a: tensors_checked.append(a[0]) or real_check_tensor(*a)
+    )
+    q, kv = torch.randn(1, 3, 2, 8), torch.randn(1, 5, 2, 8)
+    want = ft.attention(q, kv, kv, softcap=30.0, backend="torch")
+    checks_run.clear(), tensors_checked.clear()
+    np.testing.assert_allclose(ft.attention(q, kv, kv, softcap=30.0).numpy(), want.numpy(), atol=1e-5)
+    assert checks_run == [] and tensors_checked == ["query", "key", "value"]  # JAX path's own checks
+    checks_run.clear(), tensors_checked.clear()
+    ft.attention(q, kv, kv, causal=True)  # bottom-right with Sq != Sk: validated, then the JAX path
+    assert checks_run == [1] and tensors_checked == ["query", "key", "value"]
+
+
 # ------------------------------------------------------------------------------ validation
 
 BAD = [

@@ -125,8 +125,9 @@ def _dispatch(
         call = _native_call(*qkv, options, tensors, return_lse, dropout)
         out, lse = _routing.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
         return (out, lse) if return_lse else out
+    validated = False  # the torch-side checks of the JAX path already ran (in `check`)
     if backend == "auto" and kind == "cpu" and dropout[0] == 0:
-        out = _cpu_sdpa(*qkv, options, tensors, return_lse)
+        out, validated = _cpu_sdpa(*qkv, options, tensors, return_lse)
         if out is not None:
             return out
     if backend == "auto" and kind == "cpu" and not jax_available():
@@ -136,7 +137,7 @@ def _dispatch(
             f"backend={backend!r} runs flashport's JAX implementation, but jax is not importable here; "
             f"use backend='auto' or one of {', '.join(map(repr, NATIVE_BACKENDS))}"
         )
-    return _run_jax(kind, backend, *qkv, options, tensors, return_lse, dropout)
+    return _run_jax(kind, backend, *qkv, options, tensors, return_lse, dropout, validated=validated)
 
 
 def device_kind(t: torch.Tensor) -> str:
@@ -163,16 +164,23 @@ def _cpu_sdpa(
     options: _Options,
     tensors: _Tensors,
     return_lse: bool,
-) -> torch.Tensor | None:
-    """``auto`` on CPU tensors: torch SDPA's output when it computes the call exactly, else None."""
-    call = check(query, key, value, **options, **tensors, return_lse=return_lse)
-    reason = _native.cpu_sdpa_unsupported(call, return_lse)
+) -> tuple[torch.Tensor | None, bool]:
+    """``auto`` on CPU tensors: ``(torch SDPA's output, True)`` when it computes the call exactly,
+    else ``(None, validated)``. Keywords that alone rule SDPA out are read before any validation
+    (``validated`` False: the JAX path validates the call, once); otherwise the call is validated
+    here to decide, and ``validated`` True spares the JAX path the same torch-side checks."""
+    segments = (tensors["q_segment_ids"], tensors["kv_segment_ids"])
+    reason = _native.cpu_sdpa_excluded(options["window"], options["softcap"], segments, return_lse)
+    validated = reason is None
+    if validated:
+        call = check(query, key, value, **options, **tensors, return_lse=return_lse)
+        reason = _native.cpu_sdpa_unsupported(call, return_lse)
     if reason is not None:
         _native.log.debug("flashport.torch: SDPA passed over on CPU (%s)", reason)
-        return None
+        return None, validated
     _native.log.debug("flashport.torch: torch SDPA runs this CPU call")
     with _cpu_sdpa_kernels():
-        return _native.sdpa_attention(call)[0]
+        return _native.sdpa_attention(call)[0], True
 
 
 def _cpu_sdpa_kernels() -> contextlib.AbstractContextManager[Any]:
@@ -271,13 +279,16 @@ def _run_jax(
     tensors: _Tensors,
     return_lse: bool,
     dropout: _Dropout,
+    *,
+    validated: bool = False,
 ) -> _Result:
-    # JAX validates everything else, but DLPack would hand it float64 already cast down (no x64).
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        _checks.check_tensor(name, x)
-    for name, x in tensors.items():
-        if x is not None and not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not validated:  # `check` did these already when `validated`
+        # JAX validates everything else, but DLPack would hand it float64 already cast down (no x64).
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            _checks.check_tensor(name, x)
+        for name, x in tensors.items():
+            if x is not None and not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     runner: _jax.CallJaxRunner | _jax.DLPackRunner
     if kind == "xla":
         runner = _jax.torch_xla_runner()

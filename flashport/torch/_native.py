@@ -127,9 +127,30 @@ def sdpa_unsupported(call: CanonicalCall, return_lse: bool) -> str | None:
     if call.dropout_p > 0:
         return "dropout_p > 0: " + DROPOUT_REASON.format(name="SDPA")
     if return_lse:
-        return "return_lse (SDPA returns no log-sum-exp)"
+        return LSE_REASON
     if call.spec.softcap is not None:
-        return "softcap (SDPA has no tanh capping)"
+        return SOFTCAP_REASON
+    return None
+
+
+WINDOW_REASON = "a window (SDPA takes it only as an O(Sq*Sk) mask)"
+SEGMENTS_REASON = "segment ids (SDPA takes them only as an O(Sq*Sk) mask)"
+LSE_REASON = "return_lse (SDPA returns no log-sum-exp)"
+SOFTCAP_REASON = "softcap (SDPA has no tanh capping)"
+
+
+def cpu_sdpa_excluded(window, softcap, segment_ids, return_lse: bool) -> str | None:
+    """A reason of :func:`cpu_sdpa_unsupported` read off the keyword values as given, before any
+    validation (None when they leave SDPA possible): such calls go straight to the JAX path, which
+    validates them, instead of being validated here first and again there."""
+    if return_lse is True:
+        return LSE_REASON
+    if softcap is not None:
+        return SOFTCAP_REASON
+    if any(ids is not None for ids in segment_ids):
+        return SEGMENTS_REASON
+    if isinstance(window, (tuple, list)) and any(w is not None for w in window):
+        return WINDOW_REASON
     return None
 
 
@@ -148,9 +169,9 @@ def cpu_sdpa_unsupported(call: CanonicalCall, return_lse: bool) -> str | None:
         return reason
     p = call.spec
     if p.window_left is not None or p.window_right is not None:
-        return "a window (SDPA takes it only as an O(Sq*Sk) mask)"
+        return WINDOW_REASON
     if call.q_seg is not None:
-        return "segment ids (SDPA takes them only as an O(Sq*Sk) mask)"
+        return SEGMENTS_REASON
     if p.causal and p.offset != 0:
         return f"bottom-right causal with Sq={p.seq_q} != Sk={p.seq_k} (SDPA's is_causal is top-left)"
     if call.bias is not None and call.bias.dtype != call.q.dtype:
