@@ -34,8 +34,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
+from flashport.rewriter import astindex, newsyntax, prune, suppress
 from flashport.rewriter import imports as import_edits
-from flashport.rewriter import newsyntax, prune, suppress
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
 from flashport.rewriter.names import Names
@@ -277,7 +277,7 @@ def _relevant_pattern(tree: ast.Module, text_pattern: re.Pattern[str], rules: li
     them carry no trigger text). The libcst pass skips statements that mention none of these."""
     names: set[str] = set()
     assigns = []  # what SiteTransformer.visit_Assign tracks: `x = <name>`, `o.x = <name>`
-    for node in ast.walk(tree):
+    for node in astindex.of_type(tree, ast.Import, ast.ImportFrom, ast.Assign):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
                 dotted = (
@@ -425,7 +425,7 @@ def _value_aliases(units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[s
 def _attribute_aliases(tree: ast.Module, pattern: re.Pattern[str]) -> frozenset[str]:
     """Attribute names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in astindex.of_type(tree, ast.Assign):
         if (
             isinstance(node, ast.Assign)
             and isinstance(node.value, (ast.Name, ast.Attribute))

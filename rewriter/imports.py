@@ -17,14 +17,14 @@ import sys
 
 import libcst as cst
 
-from flashport.rewriter import dead_imports
+from flashport.rewriter import astindex, dead_imports
 from flashport.rewriter.source import split_lines
 
 
 def name_uses(tree: ast.AST) -> collections.Counter:
     """How often each name is read (``Name`` loads, plus strings listed in ``__all__``)."""
     uses: collections.Counter = collections.Counter()
-    for node in ast.walk(tree):
+    for node in astindex.of_type(tree, ast.Name, ast.Assign):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
             uses[node.id] += 1
         elif isinstance(node, ast.Assign) and any(

@@ -26,8 +26,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import re
-from collections.abc import Mapping
-from typing import TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ScopeProvider
@@ -98,6 +98,9 @@ def _concrete(bases: tuple[type, ...]) -> frozenset[type]:
 
 
 _NO_SITES = _concrete(_NO_SITES_BASES)
+_HANDLERS: dict[
+    tuple[type, str, type], Callable[..., Any] | None
+] = {}  # (transformer class, prefix, node type) -> function
 _STATEMENTS = _concrete((cst.BaseStatement,))
 
 
@@ -171,7 +174,9 @@ class SiteTransformer(cst.CSTTransformer):
         that cannot hold a site (names, numbers, whitespace, punctuation) and of statements whose
         text mentions nothing ``relevant`` matches."""
         self._path.append(node)
-        if not super().on_visit(node) or type(node) in _NO_SITES:
+        kind = type(node)
+        visit = self._handler("visit_", kind)
+        if (visit is not None and visit(self, node) is False) or kind in _NO_SITES:
             return False
         if self._relevant is not None and type(node) in _STATEMENTS:
             return self._mentions_relevant(node)
@@ -190,10 +195,26 @@ class SiteTransformer(cst.CSTTransformer):
         """Dispatch to ``leave_*`` (or put in the drop-in a value use was rewritten to), then take
         ``original_node`` off the path."""
         try:
-            left = super().on_leave(original_node, updated_node)
+            leave = self._handler("leave_", type(original_node))
+            left = leave(self, original_node, updated_node) if leave is not None else updated_node
             return self._replacements.get(id(original_node), left)
         finally:
             self._path.pop()
+
+    @classmethod
+    def _handler(cls, prefix: str, kind: type) -> Callable[..., Any] | None:
+        """The ``visit_<Type>`` / ``leave_<Type>`` function for nodes of ``kind`` (None: none), looked
+        up once per class and node type instead of by name at every node, as libcst does."""
+        key = (cls, prefix, kind)
+        if key not in _HANDLERS:
+            _HANDLERS[key] = getattr(cls, f"{prefix}{kind.__name__}", None)
+        return _HANDLERS[key]
+
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        """No per-attribute hooks here (libcst looks one up by name for every field)."""
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        """No per-attribute hooks here (see :meth:`on_visit_attribute`)."""
 
     # -- helpers -----------------------------------------------------------------------------
 
