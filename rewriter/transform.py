@@ -98,6 +98,7 @@ def _concrete(bases: tuple[type, ...]) -> frozenset[type]:
 
 
 _NO_SITES = _concrete(_NO_SITES_BASES)
+_LEAVES = frozenset((cst.Name, cst.Integer, cst.Float, cst.Imaginary))  # no site below, no handler
 _HANDLERS: dict[
     tuple[type, str, type], Callable[..., Any] | None
 ] = {}  # (transformer class, prefix, node type) -> function
@@ -178,6 +179,11 @@ class SiteTransformer(cst.CSTTransformer):
         visit = self._handler("visit_", kind)
         if (visit is not None and visit(self, node) is False) or kind in _NO_SITES:
             return False
+        if kind is cst.Arg or kind is cst.AssignTarget:
+            # `f(q, causal=True)`, `o = ...`: the value/target was asked about above (visit_Arg,
+            # visit_Assign); a leaf that is not being replaced leaves nothing to visit below
+            below = node.value if kind is cst.Arg else node.target
+            return type(below) not in _LEAVES or id(below) in self._replacements
         if self._relevant is not None and type(node) in _STATEMENTS:
             return self._mentions_relevant(node)
         return True
