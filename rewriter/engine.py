@@ -143,11 +143,10 @@ class _MiniModule:
     wrappers: list[str] = dataclasses.field(default_factory=list)  # stand-in class names
     pieces: list[str] = dataclasses.field(default_factory=list)  # independent top-level parts of source
 
-    def names(self, rules: Iterable[Rule]) -> Names:
-        """The :class:`~flashport.rewriter.names.Names` of this mini module's statements."""
+    def names(self, tree: ast.Module, rules: Iterable[Rule]) -> Names:
+        """The :class:`~flashport.rewriter.names.Names` of this mini module (``tree``: the file's)."""
         header = [node for unit in self.header_units for node in unit.nodes]
-        chunks = [(unit.nodes, unit.parent is not None) for unit in self.ordered]
-        return Names(header, chunks, self.wrappers, [s for rule in rules for s in rule.SOURCES])
+        return Names(tree, header, self.wrappers, [s for rule in rules for s in rule.SOURCES])
 
 
 def _transform(
@@ -314,7 +313,7 @@ def _run_rules(
     reusing the parse and the metadata). Returns the transformer and the new module."""
     module = mini_parse.parse(mini.pieces)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    names = mini.names(rules)
+    names = mini.names(tree, rules)
     positions = line_positions(module)
     transformer = SiteTransformer(
         rules,

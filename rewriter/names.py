@@ -4,9 +4,10 @@ libcst's ``ScopeProvider`` (and the ``ExpressionContextProvider`` it needs) trav
 the mini module twice; on a site-dense file that was a third of the engine's time. The transformer
 only asks it one question for almost every node, "which qualified names does this ``Name`` /
 ``Attribute`` have?", and the answer is decided by the imports and bindings of the node's root
-name alone. :class:`Names` answers it from ``ast`` facts about the mini module's statements
-(collected once, C parser only) where the answer is provably libcst's, and says "unknown" (None)
-otherwise; the transformer then runs the real scope analysis, once, on demand.
+name alone. :class:`Names` answers it from ``ast`` facts (the header's imports, and every binding
+in the file: a superset of the mini module's, so a name bound anywhere else counts as "varies")
+where the answer is provably libcst's, and says "unknown" (None) otherwise; the transformer then
+runs the real scope analysis, once, on demand.
 
 Why the answers are libcst's (``Scope.get_qualified_names_for``, ``ImportAssignment`` and
 ``Assignment.get_qualified_names_for``, the access inference of ``ScopeVisitor``):
@@ -33,10 +34,12 @@ import ast
 import builtins
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import libcst as cst
 from libcst.helpers import get_full_name_for_node
+
+from flashport.rewriter import astindex
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 
@@ -84,16 +87,16 @@ class Names:
     """Qualified names of ``Name``/``Attribute`` nodes of one mini module, where provable.
 
     Args:
-      header: the header's top-level statements (module level, before every chunk).
-      chunks: each chunk's statements and whether it sits in a stand-in class.
+      tree: the file's ``ast`` (every statement of the mini module is one of its statements).
+      header: the mini module's header statements (module level, before every chunk).
       wrappers: the stand-in class names the mini module defines.
       sources: every selected rule's ``SOURCES``.
     """
 
     def __init__(
         self,
+        tree: ast.Module,
         header: Iterable[ast.stmt],
-        chunks: Iterable[tuple[Sequence[ast.stmt], bool]],
         wrappers: Iterable[str],
         sources: Iterable[str],
     ):
@@ -103,32 +106,37 @@ class Names:
         self._header_imports: dict[str, list[_Import]] = defaultdict(list)  # bound name -> statements
         self._import_bound: set[str] = set()  # every name any import binds (dotted prefixes too)
         self._other: set[str] = set(wrappers)  # roots with any binding that is not a header import
-        self._scan(header, module_level=True, header=True)
-        for statements, in_class in chunks:
-            self._scan(statements, module_level=not in_class, header=False)
+        in_header = self._header(header)
+        for node in astindex.of_type(tree, ast.Import, ast.ImportFrom):
+            self._import(node, id(node) in in_header)  # type: ignore[arg-type]
+        self._bindings(tree)
 
-    def _scan(self, statements: Iterable[ast.stmt], module_level: bool, header: bool) -> None:
-        """Record the bindings of ``statements`` (and of everything nested in them)."""
-        stack: list[tuple[ast.AST, bool]] = [(s, module_level) for s in statements]
+    def _header(self, statements: Iterable[ast.stmt]) -> set[int]:
+        """ids of the imports that run at module level in ``statements`` (not in a def or class)."""
+        found: set[int] = set()
+        stack: list[ast.AST] = list(statements)
         while stack:
-            node, level = stack.pop()
+            node = stack.pop()
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                self._import(node, level and header)
-            elif isinstance(node, ast.Name):
-                if not isinstance(node.ctx, ast.Load):
-                    self._other.add(node.id)
-            elif isinstance(node, ast.arg):
-                self._other.add(node.arg)
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                self._other.add(node.name)
-            elif isinstance(node, (ast.Global, ast.Nonlocal)):
-                self._other.update(node.names)
-            elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
-                self._other.add(node.name)
-            elif isinstance(node, ast.MatchMapping) and node.rest:
-                self._other.add(node.rest)
-            inner = level and not isinstance(node, _SCOPES)
-            stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+                found.add(id(node))
+            elif not isinstance(node, _SCOPES):
+                stack.extend(ast.iter_child_nodes(node))
+        return found
+
+    def _bindings(self, tree: ast.Module) -> None:
+        """Every name the file binds other than by an import (assignment and loop targets, ``del``,
+        parameters, definitions, ``global``/``nonlocal``, ``except ... as``, match captures)."""
+        other = self._other
+        other.update(n.id for n in astindex.of_type(tree, ast.Name) if not isinstance(n.ctx, ast.Load))  # type: ignore[attr-defined]
+        other.update(n.arg for n in astindex.of_type(tree, ast.arg))  # type: ignore[attr-defined]
+        kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        other.update(n.name for n in astindex.of_type(tree, *kinds))  # type: ignore[attr-defined]
+        for node in astindex.of_type(tree, ast.Global, ast.Nonlocal):
+            other.update(node.names)  # type: ignore[attr-defined]
+        for node in astindex.of_type(tree, ast.ExceptHandler, ast.MatchAs, ast.MatchStar):
+            if node.name:  # type: ignore[attr-defined]
+                other.add(node.name)  # type: ignore[attr-defined]
+        other.update(n.rest for n in astindex.of_type(tree, ast.MatchMapping) if n.rest)  # type: ignore[attr-defined]
 
     def _import(self, node: ast.Import | ast.ImportFrom, in_header_scope: bool) -> None:
         module = ""

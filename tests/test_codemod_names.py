@@ -85,8 +85,7 @@ SHAPES = {
 def _answers(text: str, header_lines: int) -> list[tuple[str, set[str] | None, set[str]]]:
     tree = ast.parse(text)
     header = [s for s in tree.body if s.end_lineno is not None and s.end_lineno <= header_lines]
-    chunks = [([s], False) for s in tree.body if s.lineno > header_lines]
-    names = Names(header, chunks, [], SOURCES)
+    names = Names(tree, header, [], SOURCES)
     wrapper = MetadataWrapper(cst.parse_module(text), unsafe_skip_copy=True)
     scopes = wrapper.resolve(ScopeProvider)  # every expression has a scope: all candidates are here
     out = []
