@@ -9,8 +9,10 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    libcst reads (``type X = ...``, PEP 701 f-strings) is masked for the ``ast`` stages
    (:mod:`~flashport.rewriter.newsyntax`) and restored in the output.
 3. For every top-level statement that mentions a trigger (imports aside), build a mini module
-   (header imports + that statement) and run :class:`~flashport.rewriter.transform.SiteTransformer`
-   with libcst's ``QualifiedNameProvider``: rules answer per site.
+   (header imports + that statement), parse it piece by piece (:mod:`~flashport.rewriter.pieces`)
+   and run :class:`~flashport.rewriter.transform.SiteTransformer`, which gives each candidate
+   node libcst's qualified names (:mod:`~flashport.rewriter.names`, libcst's scope analysis where
+   the imports alone cannot tell): rules answer per site.
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
    its own rewrites in this file (the pass is redone with them refused).
 4. Splice rewritten statement texts into the original lines (everything else is byte-identical),

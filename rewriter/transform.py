@@ -14,11 +14,13 @@ relies on this to be opt-in behind FPA901.
 ``vetoes`` (rule code -> reason) turn that rule's rewrites into refusals: the engine's per-file
 phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
 
-Cost: the scope analysis and the positions are computed once per file for the whole mini module
-(positions by :mod:`~flashport.rewriter.positions`); the traversal does not descend into nodes
-that cannot hold a site, nor into statements whose text matches nothing of ``relevant`` (the
-engine's triggers, watched strings and names bound to a source). Rules still see every original
-ancestor and sibling: skipping only saves the visit.
+Cost: the positions are computed once per file for the whole mini module
+(:mod:`~flashport.rewriter.positions`); qualified names come from the imports
+(:mod:`~flashport.rewriter.names`) and libcst's scope analysis runs, once, only for a question they
+cannot answer (aliases, value uses, names bound in more than one way). The traversal does not
+descend into nodes that cannot hold a site, nor into statements whose text matches nothing of
+``relevant`` (the engine's triggers, watched strings and names bound to a source). Rules still see
+every original ancestor and sibling: skipping only saves the visit.
 """
 
 from __future__ import annotations
