@@ -184,7 +184,7 @@ class SiteTransformer(cst.CSTTransformer):
         if kind is cst.Arg or kind is cst.AssignTarget:
             # `f(q, causal=True)`, `o = ...`: the value/target was asked about above (visit_Arg,
             # visit_Assign); a leaf that is not being replaced leaves nothing to visit below
-            below = node.value if kind is cst.Arg else node.target
+            below = getattr(node, "value" if kind is cst.Arg else "target")
             return type(below) not in _LEAVES or id(below) in self._replacements
         if self._relevant is not None and type(node) in _STATEMENTS:
             return self._mentions_relevant(node)
