@@ -9,8 +9,10 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    libcst reads (``type X = ...``, PEP 701 f-strings) is masked for the ``ast`` stages
    (:mod:`~flashport.rewriter.newsyntax`) and restored in the output.
 3. For every top-level statement that mentions a trigger (imports aside), build a mini module
-   (header imports + that statement) and run :class:`~flashport.rewriter.transform.SiteTransformer`
-   with libcst's ``QualifiedNameProvider``: rules answer per site.
+   (header imports + that statement), parse it piece by piece (:mod:`~flashport.rewriter.pieces`)
+   and run :class:`~flashport.rewriter.transform.SiteTransformer`, which gives each candidate
+   node libcst's qualified names (:mod:`~flashport.rewriter.names`, libcst's scope analysis where
+   the imports alone cannot tell): rules answer per site.
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
    its own rewrites in this file (the pass is redone with them refused).
 4. Splice rewritten statement texts into the original lines (everything else is byte-identical),
@@ -34,9 +36,12 @@ from collections.abc import Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
+from flashport.rewriter import astindex, newsyntax, prune, suppress
 from flashport.rewriter import imports as import_edits
-from flashport.rewriter import newsyntax, prune, suppress
+from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
+from flashport.rewriter.names import Names
+from flashport.rewriter.positions import line_positions
 from flashport.rewriter.results import CHANGED, ERROR, FileResult
 from flashport.rewriter.transform import SiteTransformer
 from flashport.rules.base import Rule, RuleOptions
@@ -136,6 +141,14 @@ class _MiniModule:
     ordered: list[src.Unit]  # chunk units in mini-module order
     source: str
     line_map: list[tuple[int, int, int]]  # (first, last mini-module line, first file line)
+    header_units: list[src.Unit] = dataclasses.field(default_factory=list)
+    wrappers: list[str] = dataclasses.field(default_factory=list)  # stand-in class names
+    pieces: list[str] = dataclasses.field(default_factory=list)  # independent top-level parts of source
+
+    def names(self, tree: ast.Module, rules: Iterable[Rule]) -> Names:
+        """The :class:`~flashport.rewriter.names.Names` of this mini module (``tree``: the file's)."""
+        header = [node for unit in self.header_units for node in unit.nodes]
+        return Names(tree, header, self.wrappers, [s for rule in rules for s in rule.SOURCES])
 
 
 def _transform(
@@ -232,24 +245,30 @@ def _mini_module(
 ) -> _MiniModule:
     """Header imports, then each chunk after a sentinel comment (class members inside a stand-in
     class), with the map from mini-module lines back to file lines."""
-    header = "".join(_terminated(src.unit_text(lines, h)) for h in header_units if id(h) not in chunk_ids)
-    parts, line_map = [header], []
+    in_header = [h for h in header_units if id(h) not in chunk_ids]
+    header = "".join(_terminated(src.unit_text(lines, h)) for h in in_header)
+    pieces: list[list[str]] = [[header]]  # a top-level chunk, or a stand-in class with its members
+    line_map = []
     mini_line = len(src.split_lines(header))
     wrapper_of: dict[int, int] = {}
     ordered = [c for c in chunks if c.parent is None] + [c for c in chunks if c.parent is not None]
     for index, unit in enumerate(ordered):
-        if unit.parent is not None and id(unit.parent) not in wrapper_of:
+        if unit.parent is None:
+            pieces.append([])
+        elif id(unit.parent) not in wrapper_of:
             wrapper_of[id(unit.parent)] = len(wrapper_of)
-            parts.append(f"class _flashport_chunk_{wrapper_of[id(unit.parent)]}_:{newline}")
+            pieces.append([f"class _flashport_chunk_{wrapper_of[id(unit.parent)]}_:{newline}"])
             mini_line += 1
-        parts.append(f"# flashport-chunk-{index}{newline}")
+        pieces[-1].append(f"# flashport-chunk-{index}{newline}")
         mini_line += 1
         body = _terminated(src.unit_text(lines, unit))
         count = len(src.split_lines(body))
         line_map.append((mini_line + 1, mini_line + count, unit.start))
-        parts.append(body)
+        pieces[-1].append(body)
         mini_line += count
-    return _MiniModule(header, ordered, "".join(parts), line_map)
+    wrappers = [f"_flashport_chunk_{i}_" for i in range(len(wrapper_of))]
+    texts = ["".join(piece) for piece in pieces]
+    return _MiniModule(header, ordered, "".join(texts), line_map, in_header, wrappers, texts)
 
 
 def _relevant_pattern(tree: ast.Module, text_pattern: re.Pattern[str], rules: list[Rule]) -> re.Pattern[str]:
@@ -259,7 +278,7 @@ def _relevant_pattern(tree: ast.Module, text_pattern: re.Pattern[str], rules: li
     them carry no trigger text). The libcst pass skips statements that mention none of these."""
     names: set[str] = set()
     assigns = []  # what SiteTransformer.visit_Assign tracks: `x = <name>`, `o.x = <name>`
-    for node in ast.walk(tree):
+    for node in astindex.of_type(tree, ast.Import, ast.ImportFrom, ast.Assign):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
                 dotted = (
@@ -294,18 +313,41 @@ def _run_rules(
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
     every site's final status and may veto its rewrites (the pass is redone with them refused,
     reusing the parse and the metadata). Returns the transformer and the new module."""
-    module = cst.parse_module(mini.source)
+    module = mini_parse.parse(mini.pieces)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    names = mini.names(tree, rules)
+    positions = line_positions(module)
     transformer = SiteTransformer(
-        rules, options, result.path, mini.line_map, table, module, source=mini.source, relevant=relevant
+        rules,
+        options,
+        result.path,
+        mini.line_map,
+        table,
+        module,
+        source=mini.source,
+        relevant=relevant,
+        wrapper=wrapper,
+        names=names,
+        positions=positions,
     )
-    new_module = wrapper.visit(transformer)
+    new_module = module.visit(transformer)
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
     if vetoes:
         transformer = SiteTransformer(
-            rules, options, result.path, mini.line_map, table, module, vetoes, mini.source, relevant
+            rules,
+            options,
+            result.path,
+            mini.line_map,
+            table,
+            module,
+            vetoes,
+            mini.source,
+            relevant,
+            wrapper=wrapper,
+            names=names,
+            positions=positions,
         )
-        new_module = wrapper.visit(transformer)
+        new_module = module.visit(transformer)
     return transformer, new_module
 
 
@@ -334,9 +376,12 @@ def _fix_imports(
 ) -> str:
     """Drop GPU imports a rewrite made unused and add the imports rewrites need."""
     before = import_edits.name_uses(tree)
-    new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules)
+    parsed_text = new_text
+    parsed: ast.Module | None = ast.parse(new_text)  # one parse for both edits while the text stays
+    new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules, parsed)
     for module_name in sorted(needed):
-        new_text, added = import_edits.ensure_import(new_text, module_name, newline)
+        current = parsed if new_text == parsed_text else None
+        new_text, added = import_edits.ensure_import(new_text, module_name, newline, current)
         if added:
             result.imports_added.append(module_name)
     result.imports_removed = removed
@@ -381,7 +426,7 @@ def _value_aliases(units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[s
 def _attribute_aliases(tree: ast.Module, pattern: re.Pattern[str]) -> frozenset[str]:
     """Attribute names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in astindex.of_type(tree, ast.Assign):
         if (
             isinstance(node, ast.Assign)
             and isinstance(node.value, (ast.Name, ast.Attribute))

@@ -17,14 +17,14 @@ import sys
 
 import libcst as cst
 
-from flashport.rewriter import dead_imports
+from flashport.rewriter import astindex, dead_imports
 from flashport.rewriter.source import split_lines
 
 
 def name_uses(tree: ast.AST) -> collections.Counter:
     """How often each name is read (``Name`` loads, plus strings listed in ``__all__``)."""
     uses: collections.Counter = collections.Counter()
-    for node in ast.walk(tree):
+    for node in astindex.of_type(tree, ast.Name, ast.Assign):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
             uses[node.id] += 1
         elif isinstance(node, ast.Assign) and any(
@@ -37,17 +37,20 @@ def name_uses(tree: ast.AST) -> collections.Counter:
 
 
 def remove_unused(
-    text: str, before: collections.Counter, gpu_modules: tuple[str, ...]
+    text: str,
+    before: collections.Counter,
+    gpu_modules: tuple[str, ...],
+    tree: ast.Module | None = None,
 ) -> tuple[str, list[str]]:
     """Drop GPU imports whose bound names were read in ``before`` and are unread now, at every
     scope, with the ``try``/``if`` guards and fallbacks that only existed for them
-    (:mod:`flashport.rewriter.dead_imports`).
+    (:mod:`flashport.rewriter.dead_imports`). ``tree``: ``ast.parse(text)`` when the caller has it.
 
     Returns the new text and the dotted names removed.
     """
     if not gpu_modules:
         return text, []
-    tree = ast.parse(text)
+    tree = tree if tree is not None else ast.parse(text)
     return dead_imports.remove_dead(text, tree, before, name_uses(tree), gpu_modules, _drop_aliases)
 
 
@@ -120,7 +123,7 @@ def has_import(tree: ast.Module, module: str) -> bool:
     return False
 
 
-def ensure_import(text: str, module: str, newline: str) -> tuple[str, bool]:
+def ensure_import(text: str, module: str, newline: str, tree: ast.Module | None = None) -> tuple[str, bool]:
     """Add ``import <module>`` once, where isort would put it; returns (text, added).
 
     The statement joins the file's third-party import group (the first blank-line separated group
@@ -129,9 +132,9 @@ def ensure_import(text: str, module: str, newline: str) -> tuple[str, bool]:
     before the ``from x import`` ones (isort's default), else among all by module name
     (``force_sort_within_sections``). Without such a group it gets its own, after the standard
     library group or before the local (relative) one; without imports, it goes after the module
-    docstring and ``from __future__`` imports.
+    docstring and ``from __future__`` imports. ``tree``: ``ast.parse(text)`` when the caller has it.
     """
-    tree = ast.parse(text)
+    tree = tree if tree is not None else ast.parse(text)
     if has_import(tree, module):
         return text, False
     lines = split_lines(text)

@@ -82,3 +82,12 @@ class LinePositionProvider(BaseMetadataProvider[Span]):
             provider=self,  # type: ignore[arg-type]  # same provider API, tuple values
         )
         module._codegen(state)
+
+
+def line_positions(module: cst.Module) -> dict[cst.CSTNode, Span]:
+    """:class:`LinePositionProvider`'s mapping for ``module``, computed directly: resolving it
+    through a ``MetadataWrapper`` also runs libcst's batched-provider traversal of the whole
+    module, with no batched provider to feed."""
+    provider = LinePositionProvider()
+    provider._gen_impl(module)
+    return provider._computed  # type: ignore[return-value]  # tuples, as recorded by _TupleState

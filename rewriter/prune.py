@@ -36,6 +36,8 @@ import ast
 import dataclasses
 from collections.abc import Iterable, Sequence
 
+from flashport.rewriter import astindex
+
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
@@ -63,7 +65,7 @@ def watch_of(rules: Iterable) -> Watch:
 def import_aliases(tree: ast.Module, watch: Watch) -> frozenset[str]:
     """Names bound anywhere in ``tree`` by an ``as`` import of a watched last component."""
     names = set()
-    for node in ast.walk(tree):
+    for node in astindex.of_type(tree, ast.Import, ast.ImportFrom):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
                 if alias.asname and alias.name.rsplit(".", 1)[-1] in watch.lasts:

@@ -14,11 +14,13 @@ relies on this to be opt-in behind FPA901.
 ``vetoes`` (rule code -> reason) turn that rule's rewrites into refusals: the engine's per-file
 phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
 
-Cost: the scope analysis and the positions are computed once per file for the whole mini module
-(positions by :mod:`~flashport.rewriter.positions`); the traversal does not descend into nodes
-that cannot hold a site, nor into statements whose text matches nothing of ``relevant`` (the
-engine's triggers, watched strings and names bound to a source). Rules still see every original
-ancestor and sibling: skipping only saves the visit.
+Cost: the positions are computed once per file for the whole mini module
+(:mod:`~flashport.rewriter.positions`); qualified names come from the imports
+(:mod:`~flashport.rewriter.names`) and libcst's scope analysis runs, once, only for a question they
+cannot answer (aliases, value uses, names bound in more than one way). The traversal does not
+descend into nodes that cannot hold a site, nor into statements whose text matches nothing of
+``relevant`` (the engine's triggers, watched strings and names bound to a source). Rules still see
+every original ancestor and sibling: skipping only saves the visit.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import re
-from typing import TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import libcst as cst
-from libcst.metadata import ScopeProvider
+from libcst.metadata import MetadataWrapper, ScopeProvider
 
 from flashport.rewriter import aliases, newsyntax, suppress
-from flashport.rewriter.positions import LinePositionProvider
+from flashport.rewriter.names import Names
+from flashport.rewriter.positions import Span, line_positions
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rules.base import (
     Outcome,
@@ -96,16 +100,22 @@ def _concrete(bases: tuple[type, ...]) -> frozenset[type]:
 
 
 _NO_SITES = _concrete(_NO_SITES_BASES)
+_LEAVES = frozenset((cst.Name, cst.Integer, cst.Float, cst.Imaginary))  # no site below, no handler
+_HANDLERS: dict[
+    tuple[type, str, type], Callable[..., Any] | None
+] = {}  # (transformer class, prefix, node type) -> function
 _STATEMENTS = _concrete((cst.BaseStatement,))
 
 
 class SiteTransformer(cst.CSTTransformer):
     """Visits a mini module; collects :class:`Site` s and applies :class:`Rewrite` s in the chunk."""
 
-    # Qualified names come from the scope analysis, asked only for the nodes :meth:`_match` looks
-    # at: exactly what ``QualifiedNameProvider`` would give them, without computing it for every
-    # node of the chunk.
-    METADATA_DEPENDENCIES = (ScopeProvider, LinePositionProvider)
+    # Qualified names are asked only for the nodes :meth:`_match` looks at: exactly what
+    # ``QualifiedNameProvider`` would give them. :class:`~flashport.rewriter.names.Names` answers
+    # from the imports where that is provably the same; the scope analysis (``ScopeProvider``) runs
+    # only when a question needs it (:meth:`_scope`), once per file. Positions come as a plain
+    # mapping (:func:`~flashport.rewriter.positions.line_positions`): declaring them as a metadata
+    # dependency would make libcst's resolver walk the whole module once more for nothing.
 
     def __init__(
         self,
@@ -118,8 +128,16 @@ class SiteTransformer(cst.CSTTransformer):
         vetoes: dict[str, str] | None = None,
         source: str | None = None,
         relevant: re.Pattern[str] | None = None,
+        *,
+        wrapper: MetadataWrapper | None = None,
+        names: Names | None = None,
+        positions: Mapping[cst.CSTNode, Span] | None = None,
     ):
         super().__init__()
+        self._positions = positions if positions is not None else line_positions(module)
+        self._wrapper = wrapper if wrapper is not None else MetadataWrapper(module, unsafe_skip_copy=True)
+        self._names = names
+        self._scopes: object = None  # ScopeProvider's mapping, computed on first use
         self._relevant = relevant if source is not None else None
         self._lines = source.splitlines() if source is not None else None  # the mini module's text
         self.vetoes = vetoes or {}
@@ -159,8 +177,15 @@ class SiteTransformer(cst.CSTTransformer):
         that cannot hold a site (names, numbers, whitespace, punctuation) and of statements whose
         text mentions nothing ``relevant`` matches."""
         self._path.append(node)
-        if not super().on_visit(node) or type(node) in _NO_SITES:
+        kind = type(node)
+        visit = self._handler("visit_", kind)
+        if (visit is not None and visit(self, node) is False) or kind in _NO_SITES:
             return False
+        if kind is cst.Arg or kind is cst.AssignTarget:
+            # `f(q, causal=True)`, `o = ...`: the value/target was asked about above (visit_Arg,
+            # visit_Assign); a leaf that is not being replaced leaves nothing to visit below
+            below = getattr(node, "value" if kind is cst.Arg else "target")
+            return type(below) not in _LEAVES or id(below) in self._replacements
         if self._relevant is not None and type(node) in _STATEMENTS:
             return self._mentions_relevant(node)
         return True
@@ -169,7 +194,7 @@ class SiteTransformer(cst.CSTTransformer):
         """Whether the lines of ``statement`` (decorators and all) match the relevant pattern."""
         if getattr(statement, "decorators", ()):
             return True  # its position starts after the decorators
-        pos = self.get_metadata(LinePositionProvider, statement, None)
+        pos = self._positions.get(statement)
         if pos is None or self._relevant is None or self._lines is None:
             return True
         return any(self._relevant.search(line) for line in self._lines[pos[0][0] - 1 : pos[1][0]])
@@ -178,16 +203,32 @@ class SiteTransformer(cst.CSTTransformer):
         """Dispatch to ``leave_*`` (or put in the drop-in a value use was rewritten to), then take
         ``original_node`` off the path."""
         try:
-            left = super().on_leave(original_node, updated_node)
+            leave = self._handler("leave_", type(original_node))
+            left = leave(self, original_node, updated_node) if leave is not None else updated_node
             return self._replacements.get(id(original_node), left)
         finally:
             self._path.pop()
+
+    @classmethod
+    def _handler(cls, prefix: str, kind: type) -> Callable[..., Any] | None:
+        """The ``visit_<Type>`` / ``leave_<Type>`` function for nodes of ``kind`` (None: none), looked
+        up once per class and node type instead of by name at every node, as libcst does."""
+        key = (cls, prefix, kind)
+        if key not in _HANDLERS:
+            _HANDLERS[key] = getattr(cls, f"{prefix}{kind.__name__}", None)
+        return _HANDLERS[key]
+
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        """No per-attribute hooks here (libcst looks one up by name for every field)."""
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        """No per-attribute hooks here (see :meth:`on_visit_attribute`)."""
 
     # -- helpers -----------------------------------------------------------------------------
 
     def _file_lines(self, node: cst.CSTNode) -> tuple[int, int, int] | None:
         """(start line, column, end line) in the file, or None for nodes outside the chunks."""
-        pos = self.get_metadata(LinePositionProvider, node, None)
+        pos = self._positions.get(node)
         if pos is None:
             return None
         (start, column), (end, _) = pos
@@ -202,16 +243,23 @@ class SiteTransformer(cst.CSTTransformer):
 
     def _has_comment(self, node: cst.CSTNode) -> bool:
         """Whether the source lines of ``node`` hold a ``#`` (a cheap test before looking for comments)."""
-        pos = self.get_metadata(LinePositionProvider, node, None)
+        pos = self._positions.get(node)
         if pos is None or self._lines is None:
             return True
         return any("#" in line for line in self._lines[pos[0][0] - 1 : pos[1][0]])
 
-    def _qualified_names(self, node: cst.CSTNode):
-        """``QualifiedNameProvider``'s answer for ``node`` (same computation, on demand)."""
-        scope = self.get_metadata(ScopeProvider, node, None)
+    def _scope(self, node: cst.CSTNode):
+        """``ScopeProvider``'s scope of ``node`` (None outside any); the analysis of the whole mini
+        module runs on the first call and is reused (the wrapper caches it for a second pass)."""
+        if self._scopes is None:
+            self._scopes = self._wrapper.resolve(ScopeProvider)
+        return self._scopes.get(node)  # type: ignore[attr-defined]
+
+    def _qualified_names(self, node: cst.CSTNode) -> set[str]:
+        """``QualifiedNameProvider``'s names for ``node`` (same computation, on demand)."""
+        scope = self._scope(node)
         if scope:
-            return scope.get_qualified_names_for(node)
+            return {q.name for q in scope.get_qualified_names_for(node)}
         return set()
 
     def _match(self, node: cst.CSTNode) -> tuple[Rule, str] | None:
@@ -220,10 +268,13 @@ class SiteTransformer(cst.CSTTransformer):
         # A node may have several qualified names (conditional imports): answer deterministically
         # (a set's order varies with PYTHONHASHSEED): lowest rule code, then the rule's first-listed
         # source (its canonical path).
+        names = self._names.qualified(node) if self._names is not None else None
+        if names is None:
+            names = self._qualified_names(node)
         found = [
-            (rule.CODE, rule.SOURCES.index(q.name), q.name, rule)
-            for q in self._qualified_names(node)
-            if (rule := self.by_source.get(q.name)) is not None
+            (rule.CODE, rule.SOURCES.index(name), name, rule)
+            for name in names
+            if (rule := self.by_source.get(name)) is not None
         ]
         if not found:
             return None
@@ -272,8 +323,8 @@ class SiteTransformer(cst.CSTTransformer):
         :mod:`flashport.rewriter.aliases`); apply its rewrite."""
         matched = self._match(original_node.func)
         alias = None
-        if matched is None and isinstance(original_node.func, cst.Name):
-            scope = self.get_metadata(ScopeProvider, original_node.func, None)
+        if matched is None and self._aliases and isinstance(original_node.func, cst.Name):
+            scope = self._scope(original_node.func)
             alias = self._aliases.get(id(aliases.referent(scope, original_node.func)))
             matched = (alias.rule, alias.api) if alias is not None else None
         if matched is None:
@@ -341,7 +392,7 @@ class SiteTransformer(cst.CSTTransformer):
             return
         if not self._values or not isinstance(call.func, cst.Name):
             return
-        scope = self.get_metadata(ScopeProvider, call.func, None)
+        scope = self._scope(call.func)
         for access in scope.accesses[call.func.value] if scope else ():
             if access.node is call.func:
                 # bindings whose value became the drop-in are left out: their value use answers for them
@@ -381,7 +432,7 @@ class SiteTransformer(cst.CSTTransformer):
         if found is None:
             return False
         target, statement, owner = found
-        assignment = aliases.single_assignment(self.get_metadata(ScopeProvider, target, None), target)
+        assignment = aliases.single_assignment(self._scope(target), target)
         if assignment is None:
             return False
         rule, api = matched
@@ -487,7 +538,7 @@ class SiteTransformer(cst.CSTTransformer):
         base = chain[-1]
         if not isinstance(base, cst.Name):
             return "not a plain name"
-        scope = self.get_metadata(ScopeProvider, base, None)
+        scope = self._scope(base)
         bindings = None  # what the name resolves to; `import a.b` records the access of `a.b`
         for node in chain if scope else ():
             for access in scope.accesses[self.module.code_for_node(node)] if scope else ():
@@ -496,7 +547,7 @@ class SiteTransformer(cst.CSTTransformer):
         imports_only = bool(bindings) and all(
             isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom)) for b in bindings or ()
         )
-        if not imports_only or len({q.name for q in self._qualified_names(value)}) != 1:
+        if not imports_only or len(self._qualified_names(value)) != 1:
             # `import xformers` + `import xformers.ops.fmha` is fine: both give the value one meaning
             return (
                 f"{base.value} is bound by more than one import or assignment (a fallback such as "

@@ -51,12 +51,8 @@ def test_statements_without_triggers_are_not_given_to_libcst(monkeypatch):
             def forward(self, q, k, v):
                 return flash_attn_func(q, k, v)
     """)
-    assert (
-        len(seen) == 1
-        and "untouched" not in seen[0]
-        and "def other" not in seen[0]
-        and "def forward" in seen[0]
-    )
+    given = "".join(seen)  # the mini module may be parsed piece by piece (rewriter/pieces.py)
+    assert seen and "untouched" not in given and "def other" not in given and "def forward" in given
 
 
 def test_resolution_through_module_alias_and_class_methods():

@@ -1,0 +1,26 @@
+"""One ``ast.walk`` per file: its nodes grouped by type, shared by the engine's analyses.
+
+The engine, the chunk pruning and the import edits each looked for a few node types (imports,
+assignments, names) with their own ``ast.walk`` over the whole file; on a big file each walk costs
+about as much as the ``ast.parse``. :func:`of_type` walks a tree once, keeps its nodes by type on
+the tree object, and answers every later question from that.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+
+_ATTRIBUTE = "_flashport_by_type"
+
+
+def of_type(tree: ast.AST, *kinds: type[ast.AST]) -> list[ast.AST]:
+    """The nodes of ``tree`` (itself included) whose type is exactly one of ``kinds``, in
+    ``ast.walk`` order within each kind. ``tree`` must not be changed afterwards."""
+    index = getattr(tree, _ATTRIBUTE, None)
+    if index is None:
+        index = defaultdict(list)
+        for node in ast.walk(tree):
+            index[type(node)].append(node)
+        setattr(tree, _ATTRIBUTE, index)
+    return [node for kind in kinds for node in index.get(kind, ())]
