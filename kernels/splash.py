@@ -41,6 +41,7 @@ Sharded inputs are not partitioned for you: run the backend per shard inside ``s
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,7 +120,7 @@ def block_sizes(options: dict, sq: int, sk: int) -> splash.BlockSizes:
     if not isinstance(fused, bool):
         raise ValueError(f"splash option use_fused_bwd_kernel must be a bool, got {fused!r}")
     seqs = {"q": sq, "kv": sk}
-    blocks = {name: _block(options, name, seqs[axis]) for name, axis in BLOCK_OPTIONS.items()}
+    blocks: dict[str, Any] = {name: _block(options, name, seqs[axis]) for name, axis in BLOCK_OPTIONS.items()}
     if fused:
         del blocks["block_q_dq"], blocks["block_kv_dq"]
     return splash.BlockSizes(**blocks, use_fused_bwd_kernel=fused)
