@@ -55,6 +55,8 @@ CASES = {
     "causal_top_left_sq<sk": dict(shape=dict(sq=128, sk=384), opts=dict(causal=True, align="top_left")),
     "causal_top_left_sq>sk": dict(shape=dict(sq=384, sk=128), opts=dict(causal=True, align="top_left")),
     "window_both": dict(opts=dict(window=(40, 9))),
+    # Bottom-right with Sq > Sk: a negative mask offset, every row still sees a key.
+    "window_bottom_right_sq>sk": dict(shape=dict(sq=384, sk=256), opts=dict(window=(300, 200))),
     "window_left_causal_sq<sk": dict(shape=dict(sq=128, sk=256), opts=dict(causal=True, window=(70, None))),
     "softcap": dict(opts=dict(softcap=2.0, scale=1.0, causal=True)),
     "segments": dict(segments=3),
