@@ -88,14 +88,14 @@ class Config:
         return f"S={self.seq} H={self.heads}/{self.kv_heads} {'causal' if self.causal else 'full'} {mode}"
 
 
-def configs(seqs, heads=HEADS) -> list[Config]:
-    """Every configuration over ``seqs`` x ``heads`` x causal x {fwd, fwd+bwd}."""
+def configs(seqs, heads=HEADS, masks=("full", "causal"), modes=("fwd", "fwd+bwd")) -> list[Config]:
+    """Every configuration over ``seqs`` x ``heads`` x ``masks`` x ``modes``."""
     return [
-        Config(s, hq, hkv, causal, backward)
+        Config(s, hq, hkv, mask == "causal", mode == "fwd+bwd")
         for s in seqs
         for hq, hkv in heads
-        for causal in (False, True)
-        for backward in (False, True)
+        for mask in masks
+        for mode in modes
     ]
 
 
@@ -261,9 +261,12 @@ def main() -> None:
     parser.add_argument(
         "--heads", nargs="+", default=[f"{q}/{k}" for q, k in HEADS], help="query/kv heads, e.g. 8/8 32/8"
     )
+    parser.add_argument("--masks", nargs="+", default=["full", "causal"], choices=["full", "causal"])
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
-    cfgs = configs(args.seqs, [tuple(int(n) for n in h.split("/")) for h in args.heads])
+    heads = [tuple(int(n) for n in h.split("/")) for h in args.heads]
+    cfgs = configs(args.seqs, heads, args.masks, args.modes)
     if args.compile_only:
         run_compile_only(cfgs, args.impls, args.gen)
     else:
