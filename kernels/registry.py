@@ -31,6 +31,7 @@ _BACKEND_MODULES = (
     "flashport.kernels.cudnn",
     "flashport.kernels.pallas_tpu",
     "flashport.kernels.pallas_gpu",
+    "flashport.kernels.splash",
 )
 
 # For backend="auto": the order of preference per platform (first available and capable wins).
