@@ -29,6 +29,7 @@ from flashport.kernels.pallas_tpu.classify import with_full_ranges
 from flashport.kernels.pallas_tpu.forward import forward_call
 from flashport.kernels.pallas_tpu.platform import tpu_only
 from flashport.kernels.pallas_tpu.sharding import partitioned
+from flashport.kernels.pallas_tpu.specs import Operands
 from flashport.kernels.pallas_tpu.tiling import (
     Geometry,
     Tables,
@@ -50,11 +51,12 @@ class Config:
     interpret: bool
     generation: str = "v6e"  # the chip Mosaic lowers for when the computation names none
 
-    def geometry(self, kind: str, q=None, k=None, v=None) -> Geometry:
+    def geometry(self, kind: str, q=None, k=None, v=None, *, token_major: bool = False) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``).
 
-        The forward needs its (padded) operands ``q, k, v``: its query block is shrunk until the G
-        heads of a GQA group fit VMEM together (:func:`~flashport.kernels.pallas_tpu.blocks.fit_forward_block_q`).
+        The forward needs its canonical operands ``q, k, v``: its query block is shrunk until the
+        heads of one step (the G heads of a GQA group; every head when ``token_major``) fit VMEM
+        together (:func:`~flashport.kernels.pallas_tpu.blocks.fit_forward_block_q`).
         """
         b = self.blocks
         bq, bk = {
@@ -63,10 +65,10 @@ class Config:
             "dq": (b.block_q_dq, b.block_k_dq),
         }[kind]
         if kind == "fwd":
-            group, itemsize = q.shape[1] // k.shape[1], jnp.dtype(q.dtype).itemsize
-            bq = fit_forward_block_q(
-                bq, bk, group, round_up(q.shape[3], LANES), round_up(v.shape[3], LANES), itemsize
-            )
+            hq, hkv, itemsize = q.shape[1], k.shape[1], jnp.dtype(q.dtype).itemsize
+            heads, kv_heads = (hq, hkv) if token_major else (hq // hkv, 1)
+            dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
+            bq = fit_forward_block_q(bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads)
         return Geometry.make(self.spec, bq, bk)
 
     @property
@@ -137,9 +139,19 @@ def _map_under_vmap(fn, *flat):
     return call(*flat)
 
 
-def _lanes(x, size):
-    """[B, H, S] f32 -> lane-replicated [B, H, size, 128] (padded rows are 0)."""
-    return jnp.broadcast_to(pad_to(x, 2, size)[..., None], (*x.shape[:2], size, LANES))
+def _rows(x, g: Geometry):
+    """[B, H, S] f32 -> the kernels' compact lse/di rows [B, H, nq, 1, bq] (padded rows are 0)."""
+    return pad_to(x, 2, g.sqp).reshape(*x.shape[:2], g.nq, 1, g.bq)
+
+
+def reads_bshd(spec: AttentionSpec, q, v) -> bool:
+    """Whether the forward reads the caller's BSHD arrays directly (token-major operands).
+
+    Only when the caller's layout is BSHD (the spec's hint) and both head dims are whole 128-lane
+    multiples: other head dims are padded to 128 lanes, which needs a copy anyway, so they take the
+    heads-major (transposed) path.
+    """
+    return spec.layout == "BSHD" and q.shape[3] % LANES == 0 and v.shape[3] % LANES == 0
 
 
 def _loadable(x):
@@ -156,19 +168,39 @@ def _tables(g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool, has_mask: 
 
 
 def _forward_local(
-    cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds=None, *, count_tiles=False, classify=True
+    cfg: Config,
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    head_seeds=None,
+    *,
+    write_lse=True,
+    count_tiles=False,
+    classify=True,
 ):
     """Forward on unpadded canonical arrays of one shard; returns ``(out, lse[, full, partial])``.
 
     ``head_seeds`` (uint32 [B, Hq] of this shard, or None) are the dropout seeds ``t_bh`` of the
-    shard's global batch rows and query heads. ``count_tiles``/``classify``: see
+    shard's global batch rows and query heads. ``write_lse=False`` (inference without lse): the
+    kernel writes none and the returned lse is NaN (never read). When :func:`reads_bshd`, the kernel
+    runs on ``swapaxes(q, 1, 2)`` etc.: under ``jit`` XLA cancels these against the API's BSHD ->
+    BHSD transposes, so no copy is made. ``count_tiles``/``classify``: see
     :func:`~flashport.kernels.pallas_tpu.forward.forward_call` (instrumentation).
     """
     out_dtype = q.dtype
     q, k, v, bias = map(_loadable, (q, k, v, bias))
-    g = cfg.geometry("fwd", q, k, v)
-    sq, dv = q.shape[2], v.shape[3]
-    qp, kp, vp = _pad_qkv(g, q, k, v)
+    b, hq, sq, _ = q.shape
+    dv = v.shape[3]
+    ops = Operands(token_major=reads_bshd(cfg.spec, q, v), kv_group=hq // k.shape[1])
+    g = cfg.geometry("fwd", q, k, v, token_major=ops.token_major)
+    if ops.token_major:
+        qp, kp, vp = (pad_to(jnp.swapaxes(x, 1, 2), 1, n) for x, n in ((q, g.sqp), (k, g.skp), (v, g.skp)))
+    else:
+        qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
     tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=True, has_mask=mask is not None)
     res = _launch(
@@ -177,12 +209,19 @@ def _forward_local(
         g,
         [qp, kp, vp, bias, mask, qs, ks],
         tables,
+        ops=ops,
+        write_lse=write_lse,
         count_tiles=count_tiles,
         classify=classify,
     )
-    out, lse = res[0][:, :, :sq, :dv].astype(out_dtype), res[1][:, :, :sq, 0]
+    out = jnp.swapaxes(res[0], 1, 2) if ops.token_major else res[0]
+    out = out[:, :, :sq, :dv].astype(out_dtype)
+    if write_lse:
+        lse, counts = res[1].reshape(b, hq, g.sqp)[:, :, :sq], res[2:]
+    else:
+        lse, counts = jnp.full((b, hq, sq), jnp.nan, jnp.float32), res[1:]
     if count_tiles:
-        return out, lse, res[2][:, :, ::8, 0], res[3][:, :, ::8, 0]
+        return out, lse, counts[0][:, :, ::8, 0], counts[1][:, :, ::8, 0]
     return out, lse
 
 
@@ -199,7 +238,7 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
         g = cfg.geometry(kind)
         qp, kp, vp = _pad_qkv(g, q, k, v)
         dop = pad_lanes(pad_to(d_out, 2, g.sqp))
-        lse_t, di_t = _lanes(lse, g.sqp), _lanes(di, g.sqp)
+        lse_t, di_t = _rows(lse, g), _rows(di, g)
         b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
         tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"), has_mask=mask is not None)
         call = dkv_call if kind == "dkv" else dq_call
@@ -234,13 +273,16 @@ def _reduce_dbias(g: Geometry, tiles, bias_shape, sq, sk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds):
-    return partitioned(functools.partial(_forward_local, cfg), "fwd")(
-        q, k, v, bias, mask, q_seg, kv_seg, head_seeds
-    )
+    # Without a gradient (this primal) the lse is written only when the caller keeps it.
+    forward = functools.partial(_forward_local, cfg, write_lse=cfg.spec.lse_used)
+    return partitioned(forward, "fwd")(q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
 
 
 def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds):
-    out, lse = _attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
+    # The forward of a gradient always writes the lse: the backward recomputes P from it.
+    out, lse = partitioned(functools.partial(_forward_local, cfg), "fwd")(
+        q, k, v, bias, mask, q_seg, kv_seg, head_seeds
+    )
     return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, out, lse, head_seeds)
 
 

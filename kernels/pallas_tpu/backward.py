@@ -55,7 +55,8 @@ def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, 
     vis = tile_visible(g, st_q, st_k, mask, qs, ks) if masked else None
     if vis is not None:
         s = jnp.where(vis, s, -jnp.inf)
-    lse0 = lse[:, :1]
+    # lse and di arrive as compact [1, bq] rows; the tile needs [bq, 1] columns.
+    lse0, di = lse.T, di.T
     p = jnp.exp(s - jnp.where(lse0 == -jnp.inf, 0.0, lse0))
     dp = _dot(do, v, _NT)
     p_dropped = p
@@ -64,7 +65,7 @@ def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, 
             keep = tile_keep(g, head_seed, st_q, st_k)
             rate = g.spec.dropout_rate
             p_dropped, dp = dropout.apply(p, keep, rate), dropout.apply(dp, keep, rate)
-    dlogits = p * (dp - di[:, :1])
+    dlogits = p * (dp - di)
     return p_dropped, dlogits, raw
 
 

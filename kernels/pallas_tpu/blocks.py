@@ -162,22 +162,30 @@ def resolve_blocks(options: dict[str, Any], backend: str) -> tuple[str, BlockSiz
 FORWARD_VMEM_BUDGET = 12 * 2**20
 
 
-def forward_vmem_bytes(bq: int, bk: int, group: int, dp: int, dvp: int, itemsize: int) -> int:
-    """VMEM of one grouped forward step: double-buffered q/out/lse blocks of the G heads, K/V blocks,
-    the G heads' m/l (lane-replicated) and accumulator scratch, and ~4 live f32 [bq, bk] temporaries."""
-    per_row = group * (2 * dp * itemsize + 2 * dvp * itemsize + 2 * LANES * 4 + 2 * LANES * 4 + dvp * 4)
-    return bq * per_row + 2 * bk * (dp + dvp) * itemsize + 4 * bq * bk * 4
+def forward_vmem_bytes(
+    bq: int, bk: int, group: int, dp: int, dvp: int, itemsize: int, kv_heads: int = 1
+) -> int:
+    """VMEM of one grouped forward step: double-buffered q/out blocks and compact lse rows of the
+    step's ``group`` heads, the K/V blocks of its ``kv_heads``, the heads' m/l (lane-replicated) and
+    accumulator scratch, and ~4 live f32 [bq, bk] temporaries."""
+    per_row = group * (2 * dp * itemsize + 2 * dvp * itemsize + 2 * 4 + 2 * LANES * 4 + dvp * 4)
+    return bq * per_row + 2 * bk * (dp + dvp) * itemsize * kv_heads + 4 * bq * bk * 4
 
 
-def fit_forward_block_q(block_q: int, bk: int, group: int, dp: int, dvp: int, itemsize: int) -> int:
+def fit_forward_block_q(
+    block_q: int, bk: int, group: int, dp: int, dvp: int, itemsize: int, *, kv_heads: int = 1
+) -> int:
     """``block_q`` halved (not below ``Q_ALIGN``) until the grouped forward fits
     :data:`FORWARD_VMEM_BUDGET`: the G query heads of a group share each step, so their blocks
     multiply the per-row VMEM by G. The tile still carries ``G * block_q`` query rows per K/V fetch.
-    Without GQA (G = 1) the block is the per-generation default or the user's, unchanged."""
+    Without GQA (G = 1) the block is the per-generation default or the user's, unchanged. The
+    token-major forward passes every head of a step (``group`` = Hq, ``kv_heads`` = Hkv)."""
     if group == 1:
         return block_q
     bq = block_q
-    while bq > Q_ALIGN and forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize) > FORWARD_VMEM_BUDGET:
+    while bq > Q_ALIGN and (
+        forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads) > FORWARD_VMEM_BUDGET
+    ):
         bq = max(Q_ALIGN, round_to_align(bq // 2))
     return bq
 

@@ -13,12 +13,83 @@ so they cost no DMA. K/V use the kv head ``h // G``, so GQA/MQA never repeats K/
 
 from __future__ import annotations
 
+import dataclasses
+
 from jax.experimental import pallas as pl
 
-from flashport.kernels.pallas_tpu.blocks import LANES
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step
 
 _SQ = pl.Squeezed()
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """The layout a kernel reads Q/K/V (and writes its outputs) in, and how a head's rows are read.
+
+    Heads-major (``token_major=False``): BHSD [B, H, S, D] arrays, blocks of one head (or of the G
+    heads of a group) ``[.., rows, D]``. Token-major: the caller's BSHD [B, S, H, D] arrays, read
+    without a transpose. Mosaic needs a block's last two dims to be whole (8, 128) tiles or the array's
+    own, and XLA tiles a BSHD array over (H, D), so a token-major block holds every head of its rows:
+    ``[rows, H, D]`` (a reshape to [B, S, H*D] would be a relayout copy on TPU). ``kv_group`` is G, the
+    query heads per kv head.
+    """
+
+    token_major: bool
+    kv_group: int = 1
+
+    def heads(self, x) -> int:
+        """The head count of an operand in this layout."""
+        return x.shape[2 if self.token_major else 1]
+
+    def seq(self, x) -> int:
+        """The sequence length of an operand in this layout."""
+        return x.shape[1 if self.token_major else 2]
+
+    @staticmethod
+    def batch(x) -> int:
+        """The batch size of an operand."""
+        return x.shape[0]
+
+    def shape(self, b: int, h: int, s: int, d: int) -> tuple[int, int, int, int]:
+        """The shape of a [b, h, s, d] (BHSD) array in this layout."""
+        return (b, s, h, d) if self.token_major else (b, h, s, d)
+
+    def spec(self, heads: int, rows: int, width: int, index_map, *, squeeze: bool = False):
+        """BlockSpec of ``heads`` heads x ``rows`` rows x ``width`` lanes.
+
+        ``index_map`` returns heads-major block indices ``(b, head_block, row_block, 0)``; ``squeeze``
+        drops the head dim of a one-head heads-major block (the kernel then reads ``ref[...]``).
+        """
+        if self.token_major:
+            return pl.BlockSpec((_SQ, rows, heads, width), lambda *a: _token_major(index_map(*a)))
+        return pl.BlockSpec((_SQ, _SQ if squeeze else heads, rows, width), index_map)
+
+    def q_rows(self, ref, gi):
+        """Query-side rows [rows, D] of head ``gi`` of the step's heads (``gi`` static if token-major)."""
+        return ref[:, gi, :] if self.token_major else ref[gi]
+
+    def kv_rows(self, ref, gi):
+        """K/V rows [rows, D] for query head ``gi`` of the step's heads (its kv head ``gi // G``)."""
+        return ref[:, gi // self.kv_group, :] if self.token_major else ref[...]
+
+
+def _token_major(index):
+    b, h, r, _ = index
+    return b, r, h, 0
+
+
+def lse_rows_spec(g: Geometry, heads: int | None, q_map):
+    """BlockSpec of the compact lse (or di) rows f32 [B, Hq, nq, 1, bq]: ``heads`` lane-dense rows of bq
+    (``None``: one head, squeezed; the kernel reads a [1, bq] row).
+
+    ``q_map`` returns the query-side heads-major indices ``(b, head_block, q_block, 0)``.
+    """
+
+    def index_map(*args):
+        b, h, i, _ = q_map(*args)
+        return b, h, i, 0, 0
+
+    return pl.BlockSpec((_SQ, _SQ if heads is None else heads, _SQ, 1, g.bq), index_map)
 
 
 def bias_spec(g: Geometry, shape, index_of):
@@ -82,8 +153,8 @@ def query_major_specs(g: Geometry, q, k, v, bias, mask, segmented: bool, *, grad
     if grads:
         specs += [
             pl.BlockSpec((_SQ, _SQ, g.bq, dvp), maps.q),
-            pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
-            pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
+            lse_rows_spec(g, None, maps.q),
+            lse_rows_spec(g, None, maps.q),
         ]
     specs += _optional_specs(
         g,
@@ -129,8 +200,8 @@ def key_major_specs(g: Geometry, q, k, v, bias, mask, segmented: bool):
         pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv),
         pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv),
         pl.BlockSpec((_SQ, _SQ, g.bq, dvp), maps.q),
-        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
-        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
+        lse_rows_spec(g, None, maps.q),
+        lse_rows_spec(g, None, maps.q),
     ]
     specs += _optional_specs(
         g,
@@ -187,17 +258,22 @@ def grouped_bias_spec(g: Geometry, shape, group: int, index_of):
     return pl.BlockSpec(block, index_map)
 
 
-def grouped_specs(g: Geometry, q, k, v, bias, mask, segmented: bool):
-    """Input specs of the grouped forward: ``q, k, v, bias, mask, q_seg, kv_seg`` (``None``: absent)."""
-    group = q.shape[1] // k.shape[1]
-    maps = GroupMajor(g, group)
-    dp, dvp = q.shape[3], v.shape[3]
+def grouped_specs(g: Geometry, ops: Operands, q, k, v, bias, mask, segmented: bool):
+    """Input specs of the grouped forward: ``q, k, v, bias, mask, q_seg, kv_seg`` (``None``: absent).
+
+    Heads-major: one step serves a GQA group; token-major: one step serves every head (grid extent 1
+    along the kv heads).
+    """
+    hq, hkv = ops.heads(q), ops.heads(k)
+    maps = GroupMajor(g, hq // hkv)
+    step_heads = hq if ops.token_major else hq // hkv
+    dp, dvp = q.shape[-1], v.shape[-1]
     specs = [
-        pl.BlockSpec((_SQ, group, g.bq, dp), maps.q),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv),
-        None if bias is None else grouped_bias_spec(g, bias.shape, group, maps.bias),
-        None if mask is None else grouped_bias_spec(g, mask.shape, group, maps.bias),
+        ops.spec(step_heads, g.bq, dp, maps.q),
+        ops.spec(hkv, g.bk, dp, maps.kv, squeeze=True),
+        ops.spec(hkv, g.bk, dvp, maps.kv, squeeze=True),
+        None if bias is None else grouped_bias_spec(g, bias.shape, step_heads, maps.bias),
+        None if mask is None else grouped_bias_spec(g, mask.shape, step_heads, maps.bias),
         pl.BlockSpec((_SQ, g.bq, 1), lambda bi, h, i, j, t: (bi, i, 0)) if segmented else None,
         pl.BlockSpec((_SQ, 1, g.bk), lambda bi, h, i, j, t: (bi, 0, maps.step(bi, h, i, j, t).block))
         if segmented
