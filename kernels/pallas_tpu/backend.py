@@ -22,6 +22,7 @@ from flashport.kernels.pallas_tpu.blocks import (
     GENERATION_DEVICE_KINDS,
     LANES,
     BlockSizes,
+    fit_backward_blocks,
     fit_forward_block_q,
     resolve_blocks,
 )
@@ -51,12 +52,13 @@ class Config:
     interpret: bool
     generation: str = "v6e"  # the chip Mosaic lowers for when the computation names none
 
-    def geometry(self, kind: str, q=None, k=None, v=None, *, token_major: bool = False) -> Geometry:
+    def geometry(self, kind: str, q, k, v, *, token_major: bool = False) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``).
 
-        The forward needs its canonical operands ``q, k, v``: its query block is shrunk until the
-        heads of one step (the G heads of a GQA group; every head when ``token_major``) fit VMEM
-        together (:func:`~flashport.kernels.pallas_tpu.blocks.fit_forward_block_q`).
+        From the canonical operands ``q, k, v``: the blocks are shrunk until the heads of one step
+        (the G heads of a GQA group in the forward and dQ; every head when ``token_major``) fit VMEM
+        together (:func:`~flashport.kernels.pallas_tpu.blocks.fit_forward_block_q`,
+        :func:`~flashport.kernels.pallas_tpu.blocks.fit_backward_blocks`).
         """
         b = self.blocks
         bq, bk = {
@@ -64,11 +66,15 @@ class Config:
             "dkv": (b.block_q_dkv, b.block_k_dkv),
             "dq": (b.block_q_dq, b.block_k_dq),
         }[kind]
+        hq, hkv, itemsize = q.shape[1], k.shape[1], jnp.dtype(q.dtype).itemsize
+        dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
+        kv_heads = hkv if token_major else 1
         if kind == "fwd":
-            hq, hkv, itemsize = q.shape[1], k.shape[1], jnp.dtype(q.dtype).itemsize
-            heads, kv_heads = (hq, hkv) if token_major else (hq // hkv, 1)
-            dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
+            heads = hq if token_major else hq // hkv
             bq = fit_forward_block_q(bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads)
+        else:
+            heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
+            bq, bk = fit_backward_blocks(kind, bq, bk, heads, kv_heads, dp, dvp, itemsize)
         return Geometry.make(self.spec, bq, bk)
 
     @property
@@ -226,30 +232,38 @@ def _forward_local(
 
 
 def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds):
-    """dQ, dK, dV (and the bias gradient, or None) for one shard."""
+    """dQ, dK, dV (and the bias gradient, or None) for one shard (canonical arrays; like the forward,
+    the kernels read token-major ``swapaxes`` views when :func:`reads_bshd`)."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, bias_in, d_out = map(_loadable, (q, k, v, bias, d_out))
     sq, sk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     # dL/dlogits = P * (dP - di) with di = rowsum(dO*O) - dlse: the lse cotangent folds into di.
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    ops = Operands(token_major=reads_bshd(cfg.spec, q, v), kv_group=q.shape[1] // k.shape[1])
+
+    def operands(g: Geometry):
+        if ops.token_major:
+            pairs = ((q, g.sqp), (k, g.skp), (v, g.skp), (d_out, g.sqp))
+            return [pad_to(jnp.swapaxes(x, 1, 2), 1, n) for x, n in pairs]
+        return [*_pad_qkv(g, q, k, v), pad_lanes(pad_to(d_out, 2, g.sqp))]
+
+    def canonical(x, s, width):
+        return (jnp.swapaxes(x, 1, 2) if ops.token_major else x)[:, :, :s, :width]
 
     results = {}
     for kind in ("dkv", "dq"):
-        g = cfg.geometry(kind)
-        qp, kp, vp = _pad_qkv(g, q, k, v)
-        dop = pad_lanes(pad_to(d_out, 2, g.sqp))
-        lse_t, di_t = _rows(lse, g), _rows(di, g)
+        g = cfg.geometry(kind, q, k, v, token_major=ops.token_major)
         b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
         tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"), has_mask=mask is not None)
         call = dkv_call if kind == "dkv" else dq_call
-        results[kind] = (g, _launch(cfg, call, g, [qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks], tables))
+        arrays = [*operands(g), _rows(lse, g), _rows(di, g), b_, m_, qs, ks]
+        results[kind] = (g, _launch(cfg, call, g, arrays, tables, ops=ops))
     _, (dk, dv_) = results["dkv"]
     g, dq_out = results["dq"]
-    dq = dq_out[0][:, :, :sq, :d]
     dq, dk, dv_ = (
-        dq.astype(dtypes[0]),
-        dk[:, :, :sk, :d].astype(dtypes[1]),
-        dv_[:, :, :sk, :dv].astype(dtypes[2]),
+        canonical(dq_out[0], sq, d).astype(dtypes[0]),
+        canonical(dk, sk, d).astype(dtypes[1]),
+        canonical(dv_, sk, dv).astype(dtypes[2]),
     )
     dbias = None
     if bias is not None:

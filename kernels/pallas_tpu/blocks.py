@@ -193,3 +193,47 @@ def fit_forward_block_q(
 def round_to_align(rows: int) -> int:
     """``rows`` rounded down to a multiple of ``Q_ALIGN`` (at least ``Q_ALIGN``)."""
     return max(Q_ALIGN, rows // Q_ALIGN * Q_ALIGN)
+
+
+def backward_vmem_bytes(
+    kind: str, bq: int, bk: int, heads: int, kv_heads: int, dp: int, dvp: int, itemsize: int
+) -> int:
+    """VMEM of one backward step serving ``heads`` query heads and ``kv_heads`` kv heads.
+
+    ``kind`` ``"dq"`` (Q, dO resident; K/V streamed) or ``"dkv"`` (K/V resident; Q, dO streamed): the
+    double-buffered blocks of both sides, the compact lse/di rows, the kernel's output block and f32
+    accumulator, and ~5 live f32 [bq, bk] temporaries.
+    """
+    q_side = 2 * bq * heads * (dp + dvp) * itemsize + 2 * 2 * heads * bq * 4
+    kv_side = 2 * bk * kv_heads * (dp + dvp) * itemsize
+    if kind == "dq":
+        own = 2 * bq * heads * dp * itemsize + bq * heads * dp * 4
+    else:
+        own = 2 * bk * kv_heads * (dp + dvp) * itemsize + bk * kv_heads * (dp + dvp) * 4
+    return q_side + kv_side + own + 5 * bq * bk * 4
+
+
+def fit_backward_blocks(
+    kind: str, bq: int, bk: int, heads: int, kv_heads: int, dp: int, dvp: int, itemsize: int
+) -> tuple[int, int]:
+    """``(bq, bk)`` of a backward kernel halved until :func:`backward_vmem_bytes` fits
+    :data:`FORWARD_VMEM_BUDGET`, the side holding more VMEM rows first. One head per step
+    (heads-major dK/dV, dQ without GQA) keeps the blocks unchanged, as the forward does."""
+    if heads == 1 and kv_heads == 1:
+        return bq, bk
+
+    def fits(rows, cols):
+        return (
+            backward_vmem_bytes(kind, rows, cols, heads, kv_heads, dp, dvp, itemsize) <= FORWARD_VMEM_BUDGET
+        )
+
+    while not fits(bq, bk):
+        # Halve the side holding more rows of VMEM (ties: the key side), keeping the tiles square-ish.
+        can_q, can_k = bq > Q_ALIGN, bk > K_ALIGN
+        if can_k and (bk * kv_heads >= bq * heads or not can_q):
+            bk = max(K_ALIGN, bk // 2 // K_ALIGN * K_ALIGN)
+        elif can_q:
+            bq = max(Q_ALIGN, round_to_align(bq // 2))
+        else:
+            break
+    return bq, bk

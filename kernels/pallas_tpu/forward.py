@@ -93,7 +93,7 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
         acc_scr[gi] = acc_scr[gi] * alpha[:, :1] + pv
 
 
-def _for_each_head(group: int, fn, *, unroll: bool):
+def for_each_head(group: int, fn, *, unroll: bool):
     """``fn(gi)`` for every head of the step (a loop, not unrolled, when G > 1 unless ``unroll``)."""
     if group == 1 or unroll:
         for gi in range(group):
@@ -127,7 +127,7 @@ def _forward_kernel(
             ref[...] = jnp.zeros(ref.shape, jnp.int32)
 
     def body(masked: bool):
-        _for_each_head(
+        for_each_head(
             lay.group,
             lambda gi: _head_tile(g, lay, refs, tables, bi, i, st.block, gi, masked),
             unroll=lay.ops.token_major,
