@@ -5,7 +5,8 @@ This module imports no framework: the JAX API and the torch adapter both build t
 work on any array namespace.
 
 ``flashport.attention`` validates user input, converts it to the canonical form below and hands it
-to a backend. Backends never see layouts, ``None`` scales or unnormalized windows.
+to a backend. Backends never see layouts (beyond the spec's optional ``layout`` hint), ``None``
+scales or unnormalized windows.
 
 Canonical arrays (all backends):
 

@@ -19,8 +19,10 @@ from flashport.kernels import registry
 from flashport.kernels.padding import pad_to
 from flashport.kernels.pallas_tpu.backward import dkv_call, dq_call
 from flashport.kernels.pallas_tpu.blocks import (
+    FORWARD_VMEM_BUDGET,
     GENERATION_DEVICE_KINDS,
     LANES,
+    TOKEN_MAJOR_VMEM,
     BlockSizes,
     fit_backward_blocks,
     fit_forward_block_q,
@@ -69,13 +71,20 @@ class Config:
         hq, hkv, itemsize = q.shape[1], k.shape[1], jnp.dtype(q.dtype).itemsize
         dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
         kv_heads = hkv if token_major else 1
+        budget = self.vmem(token_major)[0]
         if kind == "fwd":
             heads = hq if token_major else hq // hkv
-            bq = fit_forward_block_q(bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads)
+            bq = fit_forward_block_q(bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget)
         else:
             heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
-            bq, bk = fit_backward_blocks(kind, bq, bk, heads, kv_heads, dp, dvp, itemsize)
+            bq, bk = fit_backward_blocks(kind, bq, bk, heads, kv_heads, dp, dvp, itemsize, budget)
         return Geometry.make(self.spec, bq, bk)
+
+    def vmem(self, token_major: bool) -> tuple[int, int | None]:
+        """``(budget, vmem_limit_bytes)`` of the kernels: token-major steps get the chip's larger
+        budget (:data:`~flashport.kernels.pallas_tpu.blocks.TOKEN_MAJOR_VMEM`), heads-major ones the
+        default scoped VMEM."""
+        return TOKEN_MAJOR_VMEM[self.generation] if token_major else (FORWARD_VMEM_BUDGET, None)
 
     @property
     def interpret_mode(self):
@@ -216,6 +225,7 @@ def _forward_local(
         [qp, kp, vp, bias, mask, qs, ks],
         tables,
         ops=ops,
+        vmem_limit=cfg.vmem(ops.token_major)[1],
         write_lse=write_lse,
         count_tiles=count_tiles,
         classify=classify,
@@ -257,7 +267,8 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
         tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"), has_mask=mask is not None)
         call = dkv_call if kind == "dkv" else dq_call
         arrays = [*operands(g), _rows(lse, g), _rows(di, g), b_, m_, qs, ks]
-        results[kind] = (g, _launch(cfg, call, g, arrays, tables, ops=ops))
+        limit = cfg.vmem(ops.token_major)[1]
+        results[kind] = (g, _launch(cfg, call, g, arrays, tables, ops=ops, vmem_limit=limit))
     _, (dk, dv_) = results["dkv"]
     g, dq_out = results["dq"]
     dq, dk, dv_ = (

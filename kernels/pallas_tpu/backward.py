@@ -197,7 +197,22 @@ def _grad_layout(g: Geometry, ops: Operands, heads: int, hq: int, bias, mask, se
 
 
 def dkv_call(
-    g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables, *, interpret, ops: Operands
+    g: Geometry,
+    q,
+    k,
+    v,
+    do,
+    lse,
+    di,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    tables,
+    *,
+    interpret,
+    ops: Operands,
+    vmem_limit=None,
 ):
     """dK/dV kernel on padded operands in ``ops``'s layout; returns ``(dk, dv)`` in that layout.
 
@@ -235,7 +250,8 @@ def dkv_call(
             ],
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=vmem_limit,
         ),
         cost_estimate=cost,
         interpret=interpret,
@@ -334,7 +350,22 @@ def _dq_kernel(
 
 
 def dq_call(
-    g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables, *, interpret, ops: Operands
+    g: Geometry,
+    q,
+    k,
+    v,
+    do,
+    lse,
+    di,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    tables,
+    *,
+    interpret,
+    ops: Operands,
+    vmem_limit=None,
 ):
     """dQ (+ bias gradient) kernel on padded operands in ``ops``'s layout.
 
@@ -395,7 +426,7 @@ def dq_call(
         ),
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
         ),
         cost_estimate=cost,
         interpret=interpret,

@@ -161,6 +161,16 @@ def resolve_blocks(options: dict[str, Any], backend: str) -> tuple[str, BlockSiz
 # for Mosaic's own temporaries.
 FORWARD_VMEM_BUDGET = 12 * 2**20
 
+# Token-major (BSHD) steps hold every head of their rows, so their blocks fit a larger budget on chips
+# with the VMEM for it: (budget the blocks fit, ``vmem_limit_bytes`` the kernels request). Physical
+# VMEM per core: 128 MiB on v5e/v6e, 64 MiB on v5p; v4 keeps the 16 MiB default scoped VMEM.
+TOKEN_MAJOR_VMEM = {
+    "v4": (FORWARD_VMEM_BUDGET, None),
+    "v5e": (48 * 2**20, 64 * 2**20),
+    "v5p": (24 * 2**20, 32 * 2**20),
+    "v6e": (48 * 2**20, 64 * 2**20),
+}
+
 
 def forward_vmem_bytes(
     bq: int, bk: int, group: int, dp: int, dvp: int, itemsize: int, kv_heads: int = 1
@@ -173,19 +183,25 @@ def forward_vmem_bytes(
 
 
 def fit_forward_block_q(
-    block_q: int, bk: int, group: int, dp: int, dvp: int, itemsize: int, *, kv_heads: int = 1
+    block_q: int,
+    bk: int,
+    group: int,
+    dp: int,
+    dvp: int,
+    itemsize: int,
+    *,
+    kv_heads: int = 1,
+    budget: int = FORWARD_VMEM_BUDGET,
 ) -> int:
     """``block_q`` halved (not below ``Q_ALIGN``) until the grouped forward fits
-    :data:`FORWARD_VMEM_BUDGET`: the G query heads of a group share each step, so their blocks
+    ``budget`` (:data:`FORWARD_VMEM_BUDGET`): the G query heads of a group share each step, so their blocks
     multiply the per-row VMEM by G. The tile still carries ``G * block_q`` query rows per K/V fetch.
     Without GQA (G = 1) the block is the per-generation default or the user's, unchanged. The
     token-major forward passes every head of a step (``group`` = Hq, ``kv_heads`` = Hkv)."""
     if group == 1:
         return block_q
     bq = block_q
-    while bq > Q_ALIGN and (
-        forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads) > FORWARD_VMEM_BUDGET
-    ):
+    while bq > Q_ALIGN and (forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads) > budget):
         bq = max(Q_ALIGN, round_to_align(bq // 2))
     return bq
 
@@ -214,18 +230,24 @@ def backward_vmem_bytes(
 
 
 def fit_backward_blocks(
-    kind: str, bq: int, bk: int, heads: int, kv_heads: int, dp: int, dvp: int, itemsize: int
+    kind: str,
+    bq: int,
+    bk: int,
+    heads: int,
+    kv_heads: int,
+    dp: int,
+    dvp: int,
+    itemsize: int,
+    budget: int = FORWARD_VMEM_BUDGET,
 ) -> tuple[int, int]:
     """``(bq, bk)`` of a backward kernel halved until :func:`backward_vmem_bytes` fits
-    :data:`FORWARD_VMEM_BUDGET`, the side holding more VMEM rows first. One head per step
+    ``budget`` (:data:`FORWARD_VMEM_BUDGET`), the side holding more VMEM rows first. One head per step
     (heads-major dK/dV, dQ without GQA) keeps the blocks unchanged, as the forward does."""
     if heads == 1 and kv_heads == 1:
         return bq, bk
 
     def fits(rows, cols):
-        return (
-            backward_vmem_bytes(kind, rows, cols, heads, kv_heads, dp, dvp, itemsize) <= FORWARD_VMEM_BUDGET
-        )
+        return backward_vmem_bytes(kind, rows, cols, heads, kv_heads, dp, dvp, itemsize) <= budget
 
     while not fits(bq, bk):
         # Halve the side holding more rows of VMEM (ties: the key side), keeping the tiles square-ish.

@@ -175,6 +175,7 @@ def forward_call(
     *,
     interpret,
     ops: Operands,
+    vmem_limit=None,
     write_lse=True,
     count_tiles=False,
     classify=True,
@@ -234,7 +235,7 @@ def forward_call(
         out_shape=out_shape,
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
         ),
         cost_estimate=_cost(g, ops, q, k, v, bias, mask, write_lse),
         interpret=interpret,
