@@ -200,7 +200,7 @@ def test_bshd_call_has_no_transposes_around_the_kernel_and_inference_writes_no_l
 
 @pytest.mark.parametrize(
     "gen,b,s,hq,hkv",
-    [("v5e", 2, 2048, 8, 2), ("v6e", 1, 4096, 16, 1), ("v5e", 1, 2048, 4, 4), ("v6e", 2, 1024, 32, 8)],
+    [("v5e", 2, 2048, 8, 2), ("v6e", 1, 4096, 16, 1), ("v5e", 1, 2048, 4, 4), ("v6e", 2, 1024, 16, 4)],
 )
 def test_bshd_forward_and_gradient_compile_without_relayouts(gen, b, s, hq, hkv):
     # GQA / MQA / MHA at a few shapes on v5e and v6e: every head of a step in VMEM must fit the chip.

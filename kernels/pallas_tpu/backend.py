@@ -22,6 +22,7 @@ from flashport.kernels.pallas_tpu.blocks import (
     FORWARD_VMEM_BUDGET,
     GENERATION_DEVICE_KINDS,
     LANES,
+    TOKEN_MAJOR_STEP_ELEMENTS,
     TOKEN_MAJOR_VMEM,
     BlockSizes,
     fit_backward_blocks,
@@ -72,12 +73,18 @@ class Config:
         dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
         kv_heads = hkv if token_major else 1
         budget = self.vmem(token_major)[0]
+        cap = TOKEN_MAJOR_STEP_ELEMENTS if token_major else None
         if kind == "fwd":
             heads = hq if token_major else hq // hkv
-            bq = fit_forward_block_q(bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget)
+            bq = fit_forward_block_q(
+                bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget, max_elements=cap
+            )
         else:
             heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
-            bq, bk = fit_backward_blocks(kind, bq, bk, heads, kv_heads, dp, dvp, itemsize, budget)
+            clipped = Geometry.make(self.spec, bq, bk)  # fit the blocks the sequences actually use
+            bq, bk = fit_backward_blocks(
+                kind, clipped.bq, clipped.bk, heads, kv_heads, dp, dvp, itemsize, budget, max_elements=cap
+            )
         return Geometry.make(self.spec, bq, bk)
 
     def vmem(self, token_major: bool) -> tuple[int, int | None]:

@@ -170,6 +170,10 @@ TOKEN_MAJOR_VMEM = {
     "v5p": (24 * 2**20, 32 * 2**20),
     "v6e": (48 * 2**20, 64 * 2**20),
 }
+# A token-major step unrolls its head loop, so Mosaic compiles heads x [bq, bk] score elements of
+# straight-line code per tile body; capping them keeps compile times near the heads-major kernel's
+# (one 1024 x 512 tile per body there; the cap is four of those).
+TOKEN_MAJOR_STEP_ELEMENTS = 2**21
 
 
 def forward_vmem_bytes(
@@ -192,16 +196,21 @@ def fit_forward_block_q(
     *,
     kv_heads: int = 1,
     budget: int = FORWARD_VMEM_BUDGET,
+    max_elements: int | None = None,
 ) -> int:
     """``block_q`` halved (not below ``Q_ALIGN``) until the grouped forward fits
     ``budget`` (:data:`FORWARD_VMEM_BUDGET`): the G query heads of a group share each step, so their blocks
     multiply the per-row VMEM by G. The tile still carries ``G * block_q`` query rows per K/V fetch.
     Without GQA (G = 1) the block is the per-generation default or the user's, unchanged. The
-    token-major forward passes every head of a step (``group`` = Hq, ``kv_heads`` = Hkv)."""
+    token-major forward passes every head of a step (``group`` = Hq, ``kv_heads`` = Hkv) and
+    ``max_elements`` (:data:`TOKEN_MAJOR_STEP_ELEMENTS`), a cap on ``group * bq * bk``."""
     if group == 1:
         return block_q
     bq = block_q
-    while bq > Q_ALIGN and (forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads) > budget):
+    while bq > Q_ALIGN and (
+        forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads) > budget
+        or (max_elements is not None and group * bq * bk > max_elements)
+    ):
         bq = max(Q_ALIGN, round_to_align(bq // 2))
     return bq
 
@@ -239,14 +248,18 @@ def fit_backward_blocks(
     dvp: int,
     itemsize: int,
     budget: int = FORWARD_VMEM_BUDGET,
+    max_elements: int | None = None,
 ) -> tuple[int, int]:
     """``(bq, bk)`` of a backward kernel halved until :func:`backward_vmem_bytes` fits
     ``budget`` (:data:`FORWARD_VMEM_BUDGET`), the side holding more VMEM rows first. One head per step
-    (heads-major dK/dV, dQ without GQA) keeps the blocks unchanged, as the forward does."""
+    (heads-major dK/dV, dQ without GQA) keeps the blocks unchanged, as the forward does;
+    ``max_elements`` caps ``heads * bq * bk`` (token-major steps)."""
     if heads == 1 and kv_heads == 1:
         return bq, bk
 
     def fits(rows, cols):
+        if max_elements is not None and heads * rows * cols > max_elements:
+            return False
         return backward_vmem_bytes(kind, rows, cols, heads, kv_heads, dp, dvp, itemsize) <= budget
 
     while not fits(bq, bk):
