@@ -44,10 +44,6 @@ class Operands:
         """The head count of an operand in this layout."""
         return x.shape[2 if self.token_major else 1]
 
-    def seq(self, x) -> int:
-        """The sequence length of an operand in this layout."""
-        return x.shape[1 if self.token_major else 2]
-
     @staticmethod
     def batch(x) -> int:
         """The batch size of an operand."""
@@ -96,7 +92,8 @@ def lse_rows_spec(g: Geometry, heads: int | None, q_map):
 
 
 class QueryMajor:
-    """Index maps of the query-major grid ``(B, Hq, nq, steps_k)`` (forward and dQ kernels)."""
+    """Index maps of the previous per-query-head grid ``(B, Hq, nq, steps_k)`` of the forward and dQ
+    kernels: the counting harness's "before" (K/V fetched once per query head)."""
 
     def __init__(self, g: Geometry, group: int):
         self.g, self.group = g, group
