@@ -200,9 +200,12 @@ def test_bshd_call_has_no_transposes_around_the_kernel_and_inference_writes_no_l
 
 @pytest.mark.parametrize(
     "gen,b,s,hq,hkv",
-    [("v5e", 2, 2048, 8, 2), ("v6e", 1, 4096, 16, 1), ("v5e", 1, 2048, 4, 4), ("v6e", 2, 1024, 16, 4)],
+    # One GQA shape on v5e (its own VMEM budget and tiles); MQA/GQA on v6e at S = 300 are in
+    # test_every_feature_compiles ("gqa", "dropout_gqa"), the MHA shape above. Each compile
+    # of forward + gradient takes minutes on a CPU host (unrolled head loops).
+    [("v5e", 2, 2048, 8, 2)],
 )
 def test_bshd_forward_and_gradient_compile_without_relayouts(gen, b, s, hq, hkv):
-    # GQA / MQA / MHA at a few shapes on v5e and v6e: every head of a step in VMEM must fit the chip.
+    # Every head of a token-major step in VMEM must fit the chip, at its own budget and tiles.
     for text in _compile_bshd(gen, b, s, hq, hkv, causal=True):
         _assert_no_relayout(text, b, s, hq, hkv)
