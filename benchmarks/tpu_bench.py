@@ -21,7 +21,10 @@ Implementations (all bf16; every one gets its inputs in its own layout, so no tr
 except where a layout is the point):
 
 * ``flashport``: ``flashport.attention(layout="BHSD", backend=use("pallas_tpu", generation=...))``;
-* ``flashport_bshd``: the same on BSHD inputs (the contract's default layout and flash-attn's);
+* ``flashport_bshd``: the same on BSHD inputs (the contract's default layout and flash-attn's):
+  transposed to BHSD around the kernels;
+* ``flashport_bshd_direct``: BSHD inputs with the option ``read_bshd=True`` (the kernels read and
+  write the caller's arrays; slow to compile);
 * ``splash``: ``flashport.attention(layout="BHSD", backend="splash")``, JAX's splash attention
   (``kernels/splash.py``), default 512 blocks;
 * ``jax_flash``: ``jax.experimental.pallas.ops.tpu.flash_attention`` with 512 blocks (its 128
@@ -58,7 +61,7 @@ DEVICE_KINDS = {
     "TPU v6e": "v6e",
     "TPU7x": "v7x",
 }
-IMPLS = ("flashport", "flashport_bshd", "splash", "jax_flash", "xla")
+IMPLS = ("flashport", "flashport_bshd", "flashport_bshd_direct", "splash", "jax_flash", "xla")
 SEQS = (2048, 4096, 8192, 16384, 32768)
 HEADS = ((8, 8), (32, 8))  # (query heads, kv heads): MHA and GQA 4:1
 BLOCK = 512
@@ -107,16 +110,16 @@ def generation() -> str | None:
 
 def shapes(impl: str, cfg: Config) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(q shape, k/v shape) in the implementation's own layout."""
-    if impl in ("flashport_bshd", "xla"):
+    if impl in ("flashport_bshd", "flashport_bshd_direct", "xla"):
         return (1, cfg.seq, cfg.heads, cfg.dim), (1, cfg.seq, cfg.kv_heads, cfg.dim)
     return (1, cfg.heads, cfg.seq, cfg.dim), (1, cfg.kv_heads, cfg.seq, cfg.dim)
 
 
 def attention_fn(impl: str, cfg: Config, gen: str):
     """``fn(q, k, v) -> out`` of one implementation for ``cfg``."""
-    if impl in ("flashport", "flashport_bshd"):
-        backend = registry.use("pallas_tpu", generation=gen)
-        layout = "BSHD" if impl == "flashport_bshd" else "BHSD"
+    if impl in ("flashport", "flashport_bshd", "flashport_bshd_direct"):
+        backend = registry.use("pallas_tpu", generation=gen, read_bshd=impl == "flashport_bshd_direct")
+        layout = "BHSD" if impl == "flashport" else "BSHD"
         return lambda q, k, v: flashport.attention(q, k, v, causal=cfg.causal, layout=layout, backend=backend)
     if impl == "splash":
         return lambda q, k, v: flashport.attention(

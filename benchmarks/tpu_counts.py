@@ -8,7 +8,11 @@ Runs the forward in the TPU interpreter on CPU (no TPU needed) and prints, per c
   every visited tile runs the masked body, as before), after = the kernel as shipped;
 * K/V block fetches over the grid (index map evaluated in grid order; a fetch per block change):
   before = the previous per-query-head grid, after = the grouped grid; model = before / G;
-* padded multiply-accumulates (decode): before = the old 32-row query block per head.
+* padded multiply-accumulates (decode): before = the old 32-row query block per head;
+* dQ K/V block fetches: the dQ kernel's grid, before = per query head, after = per kv head (grouped);
+* lse bytes the forward writes for a BSHD call at S = 4096, H = 8, D = 128 bf16 (traced): inference
+  without lse, with ``return_lse``, and the forward of a gradient, against the previous lane-replicated
+  f32 [B, H, S, 128].
 
     python benchmarks/tpu_counts.py
 """
@@ -103,6 +107,9 @@ def run_case(name, sq, sk, hq, hkv, kw, opts, segs):
     segs_j = (arrays.get("q_seg"), arrays.get("kv_seg"))
     after = counting.kv_block_fetches(g, 1, hq, hkv, *segs_j)
     before = counting.kv_block_fetches(g, 1, hq, hkv, *segs_j, grouped=False)
+    g_dq = counting.dq_geometry(spec, q, k, k, opts)
+    dq_after = counting.kv_block_fetches(g_dq, 1, hq, hkv, *segs_j)
+    dq_before = counting.kv_block_fetches(g_dq, 1, hq, hkv, *segs_j, grouped=False)
     macs = counting.padded_macs(kernel, counts)
     tiles = counts.full + counts.partial
     old_rows = round_up(sq, Q_ALIGN) if sq < Q_ALIGN else g.bq
@@ -115,7 +122,27 @@ def run_case(name, sq, sk, hq, hkv, kw, opts, segs):
         f"{counts.partial * ops['partial'] + counts.full * ops['full']:,}",
         kv=f"{before} -> {after} ({before / after:.0f}x; model {hq // hkv}x)",
         macs=f"{tiles * old_rows * g.bk * 2 * D / 1e6:.1f}M -> {macs / 1e6:.1f}M",
+        dq=f"{dq_before} -> {dq_after} ({dq_before / dq_after:.0f}x; model {hq // hkv}x)",
     )
+
+
+def lse_table():
+    """The lse bytes the forward writes for the issue's BSHD call, traced (no run)."""
+    b, s, h = 1, 4096, 8
+    q = jnp.zeros((b, s, h, D), jnp.bfloat16)
+    opts = dict(generation="v6e")
+    before = b * h * s * 128 * 4
+    table = Table(title="forward lse bytes written, BSHD S=4096 H=8 D=128 bf16 (v6e blocks)")
+    for col in ("call", "before (lane-replicated f32)", "after", "model"):
+        table.add_column(col)
+    for name, grad, ret, model in (
+        ("inference", False, False, 0),
+        ("return_lse", False, True, b * h * s * 4),
+        ("gradient", True, False, b * h * s * 4),
+    ):
+        got = counting.lse_bytes_written(q, q, q, grad=grad, causal=True, return_lse=ret, options=opts)
+        table.add_row(name, f"{before:,}", f"{got:,}", f"{model:,}")
+    return table
 
 
 def main():
@@ -129,13 +156,16 @@ def main():
         ("mask ops evaluated before -> after", "evaluated"),
         ("K/V block fetches before -> after", "kv"),
         ("padded MACs before -> after", "macs"),
+        ("dQ K/V fetches before -> after", "dq"),
     ]
     for title, _ in cols:
         table.add_column(title)
     for case in CASES:
         row = run_case(*case)
         table.add_row(*(row[key] for _, key in cols))
-    Console(width=200).print(table)
+    console = Console(width=220)
+    console.print(table)
+    console.print(lse_table())
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class Call:
     v_head_dim: int
     dtype: str
     bias_shape: tuple[int, ...] | None
+    layout: str = "BHSD"  # the caller's layout (the spec's ``layout`` hint for the backend)
 
 
 @takes_contract_keywords()
@@ -197,6 +198,7 @@ def prepare(
         v_head_dim=v.shape[-1],
         dtype=DTYPES[q.dtype],
         bias_shape=None if bias is None else tuple(bias.shape),
+        layout=layout,
     )
     return (q, k, v, bias, mask, q_seg, kv_seg, seed), call
 
@@ -288,7 +290,9 @@ def _run(
 ) -> tuple[jax.Array, jax.Array]:
     info = registry.get(choice.name)
     log.debug("flashport_attention %s: running backend %s", _describe(call), info.name)
-    return info.fn(*args, spec=call.spec, options=choice.options_dict)
+    # The spec's hints (kernels/spec.py): the caller's layout, and whether it keeps the lse.
+    spec = dataclasses.replace(call.spec, layout=call.layout, lse_used="return_lse" in call.features)
+    return info.fn(*args, spec=spec, options=choice.options_dict)
 
 
 def _run_positional(

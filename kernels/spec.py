@@ -5,7 +5,8 @@ This module imports no framework: the JAX API and the torch adapter both build t
 work on any array namespace.
 
 ``flashport.attention`` validates user input, converts it to the canonical form below and hands it
-to a backend. Backends never see layouts, ``None`` scales or unnormalized windows.
+to a backend. Backends never see layouts (beyond the spec's optional ``layout`` hint), ``None``
+scales or unnormalized windows.
 
 Canonical arrays (all backends):
 
@@ -61,6 +62,13 @@ class AttentionSpec:
       dropout_rate: probability of zeroing an entry of the normalized probabilities (kept ones are
         scaled by 1 / (1 - rate)); the mask is :mod:`flashport.kernels.dropout`'s hash of the seed
         the backend receives as its ``seed`` array. 0.0 means no dropout (``seed`` is None).
+      layout: a hint, not semantics: the layout the caller's arrays had before ``flashport.attention``
+        transposed them to canonical BHSD (``"BSHD"`` or ``"BHSD"``). A backend that can read that
+        layout directly transposes back, which XLA cancels against the API's transpose (the
+        ``pallas_tpu`` kernels read BSHD this way). Backends may ignore it.
+      lse_used: a hint: ``False`` when the caller discards the lse (no ``return_lse``). A backend may
+        then skip writing it in a forward that computes no gradient; a forward for a gradient still
+        saves it.
     """
 
     scale: float
@@ -72,6 +80,8 @@ class AttentionSpec:
     seq_q: int
     seq_k: int
     dropout_rate: float = 0.0
+    layout: str = "BHSD"
+    lse_used: bool = True
 
     @property
     def has_positional_mask(self) -> bool:

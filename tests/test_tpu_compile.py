@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +186,49 @@ def test_ring_attention_compiles_over_8_chips(backend, seq_layout, segments):
         text = jax.jit(fn).trace(q, kv, kv, ids).lower(lowering_platforms=("tpu",)).compile().as_text()
         assert "collective-permute" in text and "all-gather" not in text
         assert ("flashport_flash" in text) == (backend == "pallas_tpu")
+
+
+def _hlo_lines(text, pattern):
+    return [line.strip()[:200] for line in text.splitlines() if re.search(pattern, line)]
+
+
+def _compile_bshd(gen, b, s, hq, hkv, d=128, **kwargs):
+    """The optimized HLO of a BSHD bf16 call, inference forward and gradient, for chip ``gen``."""
+    sharding = one_chip(gen)
+    q = jax.ShapeDtypeStruct((b, s, hq, d), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16, sharding=sharding)
+    backend = registry.use("pallas_tpu", generation=gen, read_bshd=True)
+
+    def fwd(q, k, v):
+        return flashport.attention(q, k, v, backend=backend, **kwargs)
+
+    def loss(q, k, v):
+        return jnp.sum(fwd(q, k, v).astype(jnp.float32))
+
+    return [
+        jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).compile().as_text()
+        for fn in (fwd, jax.grad(loss, argnums=(0, 1, 2)))
+    ]
+
+
+def _assert_no_relayout(text, b, s, hq, hkv, d=128):
+    """No transpose/copy producing Q/K/V/dO/out or their gradients, and no BHSD-shaped array at all."""
+    for h in sorted({hq, hkv}):
+        bhsd, bshd = rf"\[{b},{h},{s},{d}\]", rf"\[{b},{s},{h},{d}\]"
+        assert not _hlo_lines(text, bhsd), _hlo_lines(text, bhsd)[:3]
+        relayouts = _hlo_lines(text, rf"= bf16{bshd}\S* (copy|transpose|fusion)\(")
+        assert not relayouts, relayouts[:3]
+
+
+def test_bshd_call_has_no_transposes_around_the_kernel_and_inference_writes_no_lse():
+    # The issue's shape: S=4096, H=8, D=128 bf16 on a v6e. Before: three copy_bitcast_fusion
+    # transposes of Q, K, V to BHSD, one copy of the output back, and an f32 [B, H, S, 128] lse.
+    fwd, grad = _compile_bshd("v6e", 1, 4096, 8, 8, causal=True)
+    _assert_no_relayout(fwd, 1, 4096, 8, 8)
+    _assert_no_relayout(grad, 1, 4096, 8, 8)
+    kernel = _hlo_lines(fwd, r"custom-call\(.*flashport_flash_fwd|flashport_flash_fwd\S* = ")
+    assert kernel and all("f32[" not in line.split("custom-call(")[0] for line in kernel), kernel
+    # The gradient's forward writes the lse, compactly: [B, H, nq, 1, bq] rows, not [B, H, S, 128].
+    fwd_in_grad = _hlo_lines(grad, r"%flashport_flash_fwd\S* = ")
+    assert fwd_in_grad and re.search(r"f32\[1,8,\d+,1,\d+\]", fwd_in_grad[0]), fwd_in_grad
+    assert "flashport_flash_dkv" in grad and "flashport_flash_dq" in grad

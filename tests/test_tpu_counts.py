@@ -9,11 +9,12 @@ pipeline rule that a block is fetched when its index differs from the previous g
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashport.kernels.pallas_tpu import counting
+from flashport.kernels.pallas_tpu import backend, counting
 from flashport.kernels.spec import AttentionSpec
 
 
@@ -166,3 +167,45 @@ def test_backward_kernels_have_mask_free_full_bodies():
         ops = counting.mask_ops_per_tile(kernels[kind], 128, 128)
         assert ops["full"] == 0, kind
         assert ops["partial"] >= 4, kind  # the masked body is built and counted
+
+
+def _grid(fn, args, name):
+    """The grid of the ``pallas_call`` named ``name`` in ``fn``'s traced program."""
+    stack = [jax.make_jaxpr(fn)(*args).jaxpr]
+    while stack:
+        for eqn in stack.pop().eqns:
+            if eqn.primitive.name == "pallas_call" and eqn.params["name"] == name:
+                return tuple(eqn.params["grid_mapping"].grid)
+            stack.extend(jax.extend.core.jaxprs_in_params(eqn.params))
+    raise LookupError(name)
+
+
+def test_dq_fetches_kv_once_per_group():
+    spec = _spec(512, 512, causal=True)
+    for hq, hkv in ((4, 2), (8, 1), (8, 2)):
+        q, k, v = _arrays(1, 512, 512, hq, hkv, 128)
+        g = counting.dq_geometry(spec, q, k, v, BLOCKS)
+        assert (g.bq, g.bk) == (128, 128)
+        group = hq // hkv
+        after = counting.kv_block_fetches(g, 1, hq, hkv)
+        before = counting.kv_block_fetches(g, 1, hq, hkv, grouped=False)
+        assert after == model_kv_fetches(spec, 128, 128, hkv, lambda h: h)
+        assert before == group * after
+        # The dQ kernel itself walks kv heads: its grid is (B, Hkv, nq, steps_k), not (B, Hq, ...).
+        cfg = counting._config(spec, BLOCKS)
+        out, lse = jnp.zeros((1, hq, 512, 128)), jnp.zeros((1, hq, 512))
+
+        def bwd(q, k, v, cfg=cfg, out=out, lse=lse):
+            return backend._backward_local(cfg, q, k, v, None, None, None, None, out, lse, out, lse, None)
+
+        assert _grid(bwd, (q, k, v), "flashport_flash_dq") == (1, hkv, g.nq, g.steps_k)
+
+
+@pytest.mark.parametrize("grad,return_lse", [(False, False), (False, True), (True, False)])
+def test_forward_writes_compact_lse_and_none_for_inference(grad, return_lse):
+    b, s, h = 1, 1024, 4
+    q = jnp.zeros((b, s, h, 128), jnp.bfloat16)
+    written = counting.lse_bytes_written(q, q, q, grad=grad, causal=True, return_lse=return_lse)
+    lane_replicated = b * h * s * 128 * 4  # the previous [B, H, S, 128] f32 lse
+    assert written == (b * h * s * 4 if grad or return_lse else 0)
+    assert written * 128 <= lane_replicated

@@ -19,9 +19,13 @@ from flashport.kernels import registry
 from flashport.kernels.padding import pad_to
 from flashport.kernels.pallas_tpu.backward import dkv_call, dq_call
 from flashport.kernels.pallas_tpu.blocks import (
+    FORWARD_VMEM_BUDGET,
     GENERATION_DEVICE_KINDS,
     LANES,
+    TOKEN_MAJOR_STEP_ELEMENTS,
+    TOKEN_MAJOR_VMEM,
     BlockSizes,
+    fit_backward_blocks,
     fit_forward_block_q,
     resolve_blocks,
 )
@@ -29,6 +33,7 @@ from flashport.kernels.pallas_tpu.classify import with_full_ranges
 from flashport.kernels.pallas_tpu.forward import forward_call
 from flashport.kernels.pallas_tpu.platform import tpu_only
 from flashport.kernels.pallas_tpu.sharding import partitioned
+from flashport.kernels.pallas_tpu.specs import Operands
 from flashport.kernels.pallas_tpu.tiling import (
     Geometry,
     Tables,
@@ -49,12 +54,18 @@ class Config:
     blocks: BlockSizes
     interpret: bool
     generation: str = "v6e"  # the chip Mosaic lowers for when the computation names none
+    # Opt-in (option ``read_bshd=True``): BSHD calls read/write the caller's arrays directly (no
+    # transposes around the kernels). Off by default: its unrolled head loops make libtpu compiles
+    # take minutes (about 10 for forward + gradient at S=4096, H=8 on a CPU host).
+    read_bshd: bool = False
 
-    def geometry(self, kind: str, q=None, k=None, v=None) -> Geometry:
+    def geometry(self, kind: str, q, k, v, *, token_major: bool = False) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``).
 
-        The forward needs its (padded) operands ``q, k, v``: its query block is shrunk until the G
-        heads of a GQA group fit VMEM together (:func:`~flashport.kernels.pallas_tpu.blocks.fit_forward_block_q`).
+        From the canonical operands ``q, k, v``: the blocks are shrunk until the heads of one step
+        (the G heads of a GQA group in the forward and dQ; every head when ``token_major``) fit VMEM
+        together (:func:`~flashport.kernels.pallas_tpu.blocks.fit_forward_block_q`,
+        :func:`~flashport.kernels.pallas_tpu.blocks.fit_backward_blocks`).
         """
         b = self.blocks
         bq, bk = {
@@ -62,12 +73,29 @@ class Config:
             "dkv": (b.block_q_dkv, b.block_k_dkv),
             "dq": (b.block_q_dq, b.block_k_dq),
         }[kind]
+        hq, hkv, itemsize = q.shape[1], k.shape[1], jnp.dtype(q.dtype).itemsize
+        dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
+        kv_heads = hkv if token_major else 1
+        budget = self.vmem(token_major)[0]
+        cap = TOKEN_MAJOR_STEP_ELEMENTS if token_major else None
         if kind == "fwd":
-            group, itemsize = q.shape[1] // k.shape[1], jnp.dtype(q.dtype).itemsize
+            heads = hq if token_major else hq // hkv
             bq = fit_forward_block_q(
-                bq, bk, group, round_up(q.shape[3], LANES), round_up(v.shape[3], LANES), itemsize
+                bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget, max_elements=cap
+            )
+        else:
+            heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
+            clipped = Geometry.make(self.spec, bq, bk)  # fit the blocks the sequences actually use
+            bq, bk = fit_backward_blocks(
+                kind, clipped.bq, clipped.bk, heads, kv_heads, dp, dvp, itemsize, budget, max_elements=cap
             )
         return Geometry.make(self.spec, bq, bk)
+
+    def vmem(self, token_major: bool) -> tuple[int, int | None]:
+        """``(budget, vmem_limit_bytes)`` of the kernels: token-major steps get the chip's larger
+        budget (:data:`~flashport.kernels.pallas_tpu.blocks.TOKEN_MAJOR_VMEM`), heads-major ones the
+        default scoped VMEM."""
+        return TOKEN_MAJOR_VMEM[self.generation] if token_major else (FORWARD_VMEM_BUDGET, None)
 
     @property
     def interpret_mode(self):
@@ -137,9 +165,19 @@ def _map_under_vmap(fn, *flat):
     return call(*flat)
 
 
-def _lanes(x, size):
-    """[B, H, S] f32 -> lane-replicated [B, H, size, 128] (padded rows are 0)."""
-    return jnp.broadcast_to(pad_to(x, 2, size)[..., None], (*x.shape[:2], size, LANES))
+def _rows(x, g: Geometry):
+    """[B, H, S] f32 -> the kernels' compact lse/di rows [B, H, nq, 1, bq] (padded rows are 0)."""
+    return pad_to(x, 2, g.sqp).reshape(*x.shape[:2], g.nq, 1, g.bq)
+
+
+def reads_bshd(spec: AttentionSpec, q, v) -> bool:
+    """Whether the forward reads the caller's BSHD arrays directly (token-major operands).
+
+    Only when the caller's layout is BSHD (the spec's hint) and both head dims are whole 128-lane
+    multiples: other head dims are padded to 128 lanes, which needs a copy anyway, so they take the
+    heads-major (transposed) path.
+    """
+    return spec.layout == "BSHD" and q.shape[3] % LANES == 0 and v.shape[3] % LANES == 0
 
 
 def _loadable(x):
@@ -156,19 +194,39 @@ def _tables(g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool, has_mask: 
 
 
 def _forward_local(
-    cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds=None, *, count_tiles=False, classify=True
+    cfg: Config,
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    head_seeds=None,
+    *,
+    write_lse=True,
+    count_tiles=False,
+    classify=True,
 ):
     """Forward on unpadded canonical arrays of one shard; returns ``(out, lse[, full, partial])``.
 
     ``head_seeds`` (uint32 [B, Hq] of this shard, or None) are the dropout seeds ``t_bh`` of the
-    shard's global batch rows and query heads. ``count_tiles``/``classify``: see
+    shard's global batch rows and query heads. ``write_lse=False`` (inference without lse): the
+    kernel writes none and the returned lse is NaN (never read). When :func:`reads_bshd`, the kernel
+    runs on ``swapaxes(q, 1, 2)`` etc.: under ``jit`` XLA cancels these against the API's BSHD ->
+    BHSD transposes, so no copy is made. ``count_tiles``/``classify``: see
     :func:`~flashport.kernels.pallas_tpu.forward.forward_call` (instrumentation).
     """
     out_dtype = q.dtype
     q, k, v, bias = map(_loadable, (q, k, v, bias))
-    g = cfg.geometry("fwd", q, k, v)
-    sq, dv = q.shape[2], v.shape[3]
-    qp, kp, vp = _pad_qkv(g, q, k, v)
+    b, hq, sq, _ = q.shape
+    dv = v.shape[3]
+    ops = Operands(token_major=cfg.read_bshd and reads_bshd(cfg.spec, q, v), kv_group=hq // k.shape[1])
+    g = cfg.geometry("fwd", q, k, v, token_major=ops.token_major)
+    if ops.token_major:
+        qp, kp, vp = (pad_to(jnp.swapaxes(x, 1, 2), 1, n) for x, n in ((q, g.sqp), (k, g.skp), (v, g.skp)))
+    else:
+        qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
     tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=True, has_mask=mask is not None)
     res = _launch(
@@ -177,40 +235,59 @@ def _forward_local(
         g,
         [qp, kp, vp, bias, mask, qs, ks],
         tables,
+        ops=ops,
+        vmem_limit=cfg.vmem(ops.token_major)[1],
+        write_lse=write_lse,
         count_tiles=count_tiles,
         classify=classify,
     )
-    out, lse = res[0][:, :, :sq, :dv].astype(out_dtype), res[1][:, :, :sq, 0]
+    out = jnp.swapaxes(res[0], 1, 2) if ops.token_major else res[0]
+    out = out[:, :, :sq, :dv].astype(out_dtype)
+    if write_lse:
+        lse, counts = res[1].reshape(b, hq, g.sqp)[:, :, :sq], res[2:]
+    else:
+        lse, counts = jnp.full((b, hq, sq), jnp.nan, jnp.float32), res[1:]
     if count_tiles:
-        return out, lse, res[2][:, :, ::8, 0], res[3][:, :, ::8, 0]
+        return out, lse, counts[0][:, :, ::8, 0], counts[1][:, :, ::8, 0]
     return out, lse
 
 
 def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds):
-    """dQ, dK, dV (and the bias gradient, or None) for one shard."""
+    """dQ, dK, dV (and the bias gradient, or None) for one shard (canonical arrays; like the forward,
+    the kernels read token-major ``swapaxes`` views when :func:`reads_bshd`)."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, bias_in, d_out = map(_loadable, (q, k, v, bias, d_out))
     sq, sk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     # dL/dlogits = P * (dP - di) with di = rowsum(dO*O) - dlse: the lse cotangent folds into di.
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    ops = Operands(
+        token_major=cfg.read_bshd and reads_bshd(cfg.spec, q, v), kv_group=q.shape[1] // k.shape[1]
+    )
+
+    def operands(g: Geometry):
+        if ops.token_major:
+            pairs = ((q, g.sqp), (k, g.skp), (v, g.skp), (d_out, g.sqp))
+            return [pad_to(jnp.swapaxes(x, 1, 2), 1, n) for x, n in pairs]
+        return [*_pad_qkv(g, q, k, v), pad_lanes(pad_to(d_out, 2, g.sqp))]
+
+    def canonical(x, s, width):
+        return (jnp.swapaxes(x, 1, 2) if ops.token_major else x)[:, :, :s, :width]
 
     results = {}
     for kind in ("dkv", "dq"):
-        g = cfg.geometry(kind)
-        qp, kp, vp = _pad_qkv(g, q, k, v)
-        dop = pad_lanes(pad_to(d_out, 2, g.sqp))
-        lse_t, di_t = _lanes(lse, g.sqp), _lanes(di, g.sqp)
+        g = cfg.geometry(kind, q, k, v, token_major=ops.token_major)
         b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
         tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"), has_mask=mask is not None)
         call = dkv_call if kind == "dkv" else dq_call
-        results[kind] = (g, _launch(cfg, call, g, [qp, kp, vp, dop, lse_t, di_t, b_, m_, qs, ks], tables))
+        arrays = [*operands(g), _rows(lse, g), _rows(di, g), b_, m_, qs, ks]
+        limit = cfg.vmem(ops.token_major)[1]
+        results[kind] = (g, _launch(cfg, call, g, arrays, tables, ops=ops, vmem_limit=limit))
     _, (dk, dv_) = results["dkv"]
     g, dq_out = results["dq"]
-    dq = dq_out[0][:, :, :sq, :d]
     dq, dk, dv_ = (
-        dq.astype(dtypes[0]),
-        dk[:, :, :sk, :d].astype(dtypes[1]),
-        dv_[:, :, :sk, :dv].astype(dtypes[2]),
+        canonical(dq_out[0], sq, d).astype(dtypes[0]),
+        canonical(dk, sk, d).astype(dtypes[1]),
+        canonical(dv_, sk, dv).astype(dtypes[2]),
     )
     dbias = None
     if bias is not None:
@@ -234,13 +311,16 @@ def _reduce_dbias(g: Geometry, tiles, bias_shape, sq, sk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, head_seeds):
-    return partitioned(functools.partial(_forward_local, cfg), "fwd")(
-        q, k, v, bias, mask, q_seg, kv_seg, head_seeds
-    )
+    # Without a gradient (this primal) the lse is written only when the caller keeps it.
+    forward = functools.partial(_forward_local, cfg, write_lse=cfg.spec.lse_used)
+    return partitioned(forward, "fwd")(q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
 
 
 def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds):
-    out, lse = _attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
+    # The forward of a gradient always writes the lse: the backward recomputes P from it.
+    out, lse = partitioned(functools.partial(_forward_local, cfg), "fwd")(
+        q, k, v, bias, mask, q_seg, kv_seg, head_seeds
+    )
     return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, out, lse, head_seeds)
 
 
@@ -259,20 +339,24 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The backend's forward ``fn`` and its residual ``backward`` (:class:`registry.BackendInfo`)."""
 
+    def config(spec: AttentionSpec, options) -> Config:
+        options = dict(options)
+        read_bshd = options.pop("read_bshd", False)
+        if not isinstance(read_bshd, bool):
+            raise ValueError(f"backend {name!r} option read_bshd={read_bshd!r} must be True or False")
+        generation, blocks = resolve_blocks(options, name)
+        return Config(spec, blocks, interpret, generation, read_bshd)
+
     def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
-        generation, blocks = resolve_blocks(dict(options), name)
         # Dropout seeds of every (batch, query head), computed before sharding so that each shard's
         # kernels hash global batch and head indices (positions are global: sequences are never split).
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
-        return _attention(
-            Config(spec, blocks, interpret, generation), q, k, v, bias, mask, q_seg, kv_seg, head_seeds
-        )
+        return _attention(config(spec, options), q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
 
     def backward(
         q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options
     ):
-        generation, blocks = resolve_blocks(dict(options), name)
-        cfg = Config(spec, blocks, interpret, generation)
+        cfg = config(spec, options)
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
         residuals = (q, k, v, bias, mask, q_seg, kv_seg, out.astype(q.dtype), lse, head_seeds)
         return _attention_bwd(cfg, residuals, (d_out.astype(q.dtype), d_lse))[:4]

@@ -9,13 +9,21 @@ With dropout both regenerate the forward's keep-mask Z from the head-seed table 
 * dK/dV: grid ``(B, Hkv, nk, G, steps_q)``. K/V blocks stay resident while the query blocks that can
   see them (and, for GQA, all G query heads of the group) stream past; dK/dV accumulate in f32 VMEM
   scratch and are written once, so K/V grads are never materialized per query head.
-* dQ: grid ``(B, Hq, nq, steps_k)`` like the forward; dQ accumulates in f32 scratch. When a bias is
-  given it also writes ``dS`` tiles (the bias gradient), row/column-summed in-kernel over broadcast
-  sequence dims, into an output aliased to zeros so that skipped tiles read as 0.
+* dQ: the forward's grouped grid ``(B, Hkv, nq, steps_k)``: one step serves the G query heads of a
+  kv head, so each K/V block is fetched once per group (not once per query head); dQ accumulates in
+  f32 scratch. When a bias is given it also writes ``dS`` tiles (the bias gradient), row/column-summed
+  in-kernel over broadcast sequence dims, into an output aliased to zeros so that skipped tiles read
+  as 0.
+
+Like the forward, both run on heads-major (BHSD) or token-major (the caller's BSHD) operands
+(:class:`~flashport.kernels.pallas_tpu.specs.Operands`); token-major steps serve every head (grid
+extent 1 along the heads, head loops unrolled), so a BSHD gradient needs no transpose either. The lse
+and ``di`` arrive as compact f32 rows ``[B, Hq, nq, 1, bq]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,9 +32,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels import dropout
-from flashport.kernels.pallas_tpu.blocks import LANES
 from flashport.kernels.pallas_tpu.classify import DROPOUT_SCOPE, bodies, tile_is_full, when_by_class
-from flashport.kernels.pallas_tpu.specs import key_major_specs, query_major_specs
+from flashport.kernels.pallas_tpu.forward import for_each_head
+from flashport.kernels.pallas_tpu.specs import Operands, grouped_specs, key_major_specs
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, tile_keep, tile_visible
 from flashport.kernels.spec import softcap_grad
 
@@ -55,7 +63,8 @@ def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, 
     vis = tile_visible(g, st_q, st_k, mask, qs, ks) if masked else None
     if vis is not None:
         s = jnp.where(vis, s, -jnp.inf)
-    lse0 = lse[:, :1]
+    # lse and di arrive as compact [1, bq] rows; the tile needs [bq, 1] columns.
+    lse0, di = lse.T, di.T
     p = jnp.exp(s - jnp.where(lse0 == -jnp.inf, 0.0, lse0))
     dp = _dot(do, v, _NT)
     p_dropped = p
@@ -64,7 +73,7 @@ def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, 
             keep = tile_keep(g, head_seed, st_q, st_k)
             rate = g.spec.dropout_rate
             p_dropped, dp = dropout.apply(p, keep, rate), dropout.apply(dp, keep, rate)
-    dlogits = p * (dp - di[:, :1])
+    dlogits = p * (dp - di)
     return p_dropped, dlogits, raw
 
 
@@ -74,6 +83,25 @@ def _dscores(g: Geometry, dlogits, raw):
     if grad is not None:
         dlogits = dlogits * grad
     return dlogits * g.spec.scale
+
+
+@dataclasses.dataclass(frozen=True)
+class GradLayout:
+    """Static facts a backward kernel body needs: operand layout, heads per step, tile classes."""
+
+    ops: Operands
+    heads: int  # query heads per grid step: 1 (dK/dV heads-major), G (dQ heads-major) or Hq
+    spec_heads: int  # Hq: the row length of the dropout head-seed table
+    bias_heads: bool  # the bias has a per-head dim (one tile per head of the step)
+    mask_heads: bool
+    classes: tuple[bool, bool]  # (full_body, partial_body)
+
+
+def _head_seed(tables, g: Geometry, lay: GradLayout, bi, head):
+    """The dropout seed ``t_bh`` of global query head ``head`` of batch row ``bi`` (``None``: no dropout)."""
+    if not g.spec.dropout_rate:
+        return None
+    return tables.head_seeds[bi * lay.spec_heads + head]
 
 
 def _dkv_kernel(
@@ -94,13 +122,14 @@ def _dkv_kernel(
     dv_scr,
     *,
     g: Geometry,
-    group: int,
-    classes: tuple[bool, bool],
+    lay: GradLayout,
 ):
-    """One grid step ``(b, hk, j, gi, i)``: add query block ``Step(...).block`` of query head
-    ``hk * G + gi`` to the resident key block j's dK/dV (absent inputs are ``None``)."""
+    """One grid step ``(b, hk, j, gi, i)``: add query block ``Step(...).block`` of the step's query
+    heads (head ``hk * G + gi``, or every head when token-major) to the resident key block j's dK/dV
+    (absent inputs are ``None``)."""
     bi, hk, j, gi, i = (pl.program_id(a) for a in range(5))
     st = Step(tables, bi, j, i, g.nk, g.nq, by_rows=False)
+    ops, group = lay.ops, lay.ops.kv_group
 
     @pl.when(jnp.logical_and(gi == 0, i == 0))
     def _init():
@@ -108,77 +137,121 @@ def _dkv_kernel(
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
     def _compute(masked):
-        q, do = q_ref[...], do_ref[...]
-        head_seed = None
-        if g.spec.dropout_rate:
-            head_seed = tables.head_seeds[bi * pl.num_programs(1) * group + hk * group + gi]
-        p, dlogits, raw = _probs_and_dlogits(
-            g,
-            st.block,
-            j,
-            q,
-            k_ref[...],
-            v_ref[...],
-            do,
-            lse_ref[...],
-            di_ref[...],
-            load(bias_ref),
-            load(mask_ref),
-            load(q_seg_ref),
-            load(kv_seg_ref),
-            head_seed,
-            masked,
-        )
-        dv_scr[...] += _dot(p, do, _TN)
-        dk_scr[...] += _dot(_dscores(g, dlogits, raw), q, _TN)
+        for h in range(lay.heads):  # one head (heads-major) or every head, unrolled (token-major)
+            kv = h // group if ops.token_major else 0
+            q, do = ops.q_rows(q_ref, h), ops.q_rows(do_ref, h)
+            p, dlogits, raw = _probs_and_dlogits(
+                g,
+                st.block,
+                j,
+                q,
+                ops.kv_rows(k_ref, h),
+                ops.kv_rows(v_ref, h),
+                do,
+                lse_ref[h],
+                di_ref[h],
+                _tile(bias_ref, h, lay.bias_heads),
+                _tile(mask_ref, h, lay.mask_heads),
+                load(q_seg_ref),
+                load(kv_seg_ref),
+                _head_seed(tables, g, lay, bi, hk * group + gi + h),
+                masked,
+            )
+            dv_scr[kv] += _dot(p, do, _TN)
+            dk_scr[kv] += _dot(_dscores(g, dlogits, raw), q, _TN)
 
     is_full = lambda: tile_is_full(tables, bi, st.block, j, g.nq, g.nk)  # noqa: E731
-    when_by_class(st.run, is_full, _compute, full_body=classes[0], partial_body=classes[1])
+    when_by_class(st.run, is_full, _compute, full_body=lay.classes[0], partial_body=lay.classes[1])
 
-    @pl.when(jnp.logical_and(gi == group - 1, i == g.steps_q - 1))
+    @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == g.steps_q - 1))
     def _finish():
-        dk_ref[...] = dk_scr[...].astype(dk_ref.dtype)
-        dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+        _write_rows(ops, dk_ref, dk_scr, dk_scr.shape[0])
+        _write_rows(ops, dv_ref, dv_scr, dv_scr.shape[0])
 
 
-def dkv_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables, *, interpret):
-    """dK/dV kernel on padded operands; returns ``(dk [B, Hkv, Skp, Dp], dv [B, Hkv, Skp, Dvp])``.
+def _write_rows(ops: Operands, ref, scratch, heads: int):
+    """Write f32 ``scratch`` [heads, rows, D] into output block ``ref`` in the operands' layout."""
+    if ops.token_major:
+        for h in range(heads):
+            ref[:, h, :] = scratch[h].astype(ref.dtype)
+    else:
+        ref[...] = scratch[...].astype(ref.dtype).reshape(ref.shape)
 
-    ``tables`` is the call's column-major :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
+
+def _tile(ref, h, per_head: bool):
+    """The bias or mask tile of head ``h`` of the step (one shared tile when broadcast over heads)."""
+    if ref is None:
+        return None
+    return ref[h] if per_head else ref[...]
+
+
+def _grad_layout(g: Geometry, ops: Operands, heads: int, hq: int, bias, mask, segmented: bool) -> GradLayout:
+    return GradLayout(
+        ops=ops,
+        heads=heads,
+        spec_heads=hq,
+        bias_heads=bias is not None and bias.shape[1] > 1,
+        mask_heads=mask is not None and mask.shape[1] > 1,
+        classes=bodies(g, has_mask=mask is not None, segmented=segmented),
+    )
+
+
+def dkv_call(
+    g: Geometry,
+    q,
+    k,
+    v,
+    do,
+    lse,
+    di,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    tables,
+    *,
+    interpret,
+    ops: Operands,
+    vmem_limit=None,
+):
+    """dK/dV kernel on padded operands in ``ops``'s layout; returns ``(dk, dv)`` in that layout.
+
+    ``lse``/``di`` are f32 rows [B, Hq, nq, 1, bq]; ``tables`` is the call's column-major
+    :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
     """
-    b, hq, _, dp = q.shape
-    hkv, dvp = k.shape[1], v.shape[3]
-    group = hq // hkv
-    maps, in_specs = key_major_specs(g, q, k, v, bias, mask, q_seg is not None)
+    b, hq, hkv = ops.batch(q), ops.heads(q), ops.heads(k)
+    dp, dvp, group = q.shape[-1], v.shape[-1], hq // hkv
+    heads, kv_heads = (hq, hkv) if ops.token_major else (1, 1)
+    maps, in_specs = key_major_specs(g, ops, q, k, v, bias, mask, q_seg is not None)
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    out_specs = [pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv), pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv)]
-
+    out_specs = [
+        ops.spec(kv_heads, g.bk, dp, maps.kv, squeeze=True),
+        ops.spec(kv_heads, g.bk, dvp, maps.kv, squeeze=True),
+    ]
     itemsize = jnp.dtype(q.dtype).itemsize
     tiles = b * hq * sum(h - l for l, h in zip(g.col_lo, g.col_hi, strict=False))
     cost = pl.CostEstimate(
         flops=int(tiles * g.bq * g.bk * (4 * dp + 4 * dvp)),
         transcendentals=int(tiles * g.bq * g.bk * (2 if g.spec.softcap is not None else 1)),
-        bytes_accessed=int(
-            (k.size + v.size) * itemsize * 2 + tiles * g.bq * ((dp + dvp) * itemsize + 2 * LANES * 4)
-        ),
+        bytes_accessed=int((k.size + v.size) * itemsize * 2 + tiles * g.bq * ((dp + dvp) * itemsize + 2 * 4)),
     )
+    lay = _grad_layout(g, ops, heads, hq, bias, mask, q_seg is not None)
     return pl.pallas_call(
-        functools.partial(
-            _dkv_kernel,
-            g=g,
-            group=group,
-            classes=bodies(g, has_mask=mask is not None, segmented=q_seg is not None),
-        ),
+        functools.partial(_dkv_kernel, g=g, lay=lay),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(b, hkv, g.nk, group, g.steps_q),
+            grid=(b, 1, g.nk, 1, g.steps_q) if ops.token_major else (b, hkv, g.nk, group, g.steps_q),
             in_specs=in_specs,
             out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((g.bk, dp), jnp.float32), pltpu.VMEM((g.bk, dvp), jnp.float32)],
+            scratch_shapes=[
+                pltpu.VMEM((kv_heads, g.bk, dp), jnp.float32),
+                pltpu.VMEM((kv_heads, g.bk, dvp), jnp.float32),
+            ],
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=vmem_limit,
         ),
         cost_estimate=cost,
         interpret=interpret,
@@ -208,10 +281,11 @@ def _dq_kernel(
     dbias_zeros_ref,
     *rest,
     g: Geometry,
+    lay: GradLayout,
     dbias_block,
-    classes: tuple[bool, bool],
 ):
-    """One grid step ``(b, h, i, j)``: add key block ``Step(...).block`` to query block i's dQ.
+    """One grid step ``(b, hk, i, j)``: add key block ``Step(...).block`` to query block i's dQ of the
+    step's heads (the G heads of kv head hk, or every head when token-major).
 
     ``rest`` is ``dq_ref, [dbias_ref,] dq_scratch``. With a bias, ``dbias_zeros_ref`` (HBM, never
     read) is the zero-filled buffer the dbias output aliases, and ``dbias_block`` its ``(rq, rk)``.
@@ -220,34 +294,34 @@ def _dq_kernel(
     has_bias = dbias_block is not None
     dq_ref, dq_scr = rest[0], rest[-1]
     db_ref = rest[1] if has_bias else None
-    bi, h, i, j = (pl.program_id(a) for a in range(4))
+    bi, hk, i, j = (pl.program_id(a) for a in range(4))
     st = Step(tables, bi, i, j, g.nq, g.nk, by_rows=True)
+    ops = lay.ops
 
     @pl.when(j == 0)
     def _init():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
-    def _compute(masked):
-        k = k_ref[...]
-        head_seed = tables.head_seeds[bi * pl.num_programs(1) + h] if g.spec.dropout_rate else None
+    def head(gi, masked):
+        k = ops.kv_rows(k_ref, gi)
         _, dlogits, raw = _probs_and_dlogits(
             g,
             i,
             st.block,
-            q_ref[...],
+            ops.q_rows(q_ref, gi),
             k,
-            v_ref[...],
-            do_ref[...],
-            lse_ref[...],
-            di_ref[...],
-            load(bias_ref),
-            load(mask_ref),
+            ops.kv_rows(v_ref, gi),
+            ops.q_rows(do_ref, gi),
+            lse_ref[gi],
+            di_ref[gi],
+            _tile(bias_ref, gi, lay.bias_heads),
+            _tile(mask_ref, gi, lay.mask_heads),
             load(q_seg_ref),
             load(kv_seg_ref),
-            head_seed,
+            _head_seed(tables, g, lay, bi, hk * lay.heads + gi),
             masked,
         )
-        dq_scr[...] += _dot(_dscores(g, dlogits, raw), k, _NN)
+        dq_scr[gi] += _dot(_dscores(g, dlogits, raw), k, _NN)
         if has_bias:
             rq, rk = dbias_block
             tile = dlogits
@@ -255,10 +329,13 @@ def _dq_kernel(
                 tile = jnp.sum(tile, axis=0, keepdims=True)
             if rk == 1:
                 tile = jnp.sum(tile, axis=1, keepdims=True)
-            db_ref[...] = tile
+            db_ref[gi] = tile
+
+    def _compute(masked):
+        for_each_head(lay.heads, lambda gi: head(gi, masked), unroll=ops.token_major)
 
     is_full = lambda: tile_is_full(tables, bi, i, st.block, g.nq, g.nk)  # noqa: E731
-    when_by_class(st.run, is_full, _compute, full_body=classes[0], partial_body=classes[1])
+    when_by_class(st.run, is_full, _compute, full_body=lay.classes[0], partial_body=lay.classes[1])
 
     if has_bias:
         # A block entered without computing (empty row, or skipped by segment ids) must still be
@@ -269,22 +346,41 @@ def _dq_kernel(
 
     @pl.when(j == g.steps_k - 1)
     def _finish():
-        dq_ref[...] = dq_scr[...].astype(dq_ref.dtype)
+        _write_rows(ops, dq_ref, dq_scr, lay.heads)
 
 
-def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables, *, interpret):
-    """dQ (+ bias gradient) kernel on padded operands.
+def dq_call(
+    g: Geometry,
+    q,
+    k,
+    v,
+    do,
+    lse,
+    di,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    tables,
+    *,
+    interpret,
+    ops: Operands,
+    vmem_limit=None,
+):
+    """dQ (+ bias gradient) kernel on padded operands in ``ops``'s layout.
 
-    Returns ``(dq [B, Hq, Sqp, Dp], dbias_tiles)`` where ``dbias_tiles`` is ``None`` without a bias,
-    else f32 [B, Hq, nq, nk, rq, rk] (see :func:`dbias_block`); the caller reduces it to the bias
-    shape. ``tables`` is the call's row-major :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
+    Returns ``(dq, [dbias_tiles])``: ``dq`` in ``q``'s layout and, with a bias, f32 tiles
+    [B, Hq, nq, nk, rq, rk] (see :func:`dbias_block`) that the caller reduces to the bias shape.
+    ``lse``/``di`` are f32 rows [B, Hq, nq, 1, bq]; ``tables`` is the call's row-major
+    :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
     """
-    b, hq, _, dp = q.shape
-    dvp = v.shape[3]
-    maps, in_specs = query_major_specs(g, q, k, v, bias, mask, q_seg is not None, grads=True)
+    b, hq, hkv = ops.batch(q), ops.heads(q), ops.heads(k)
+    dp, dvp = q.shape[-1], v.shape[-1]
+    heads = hq if ops.token_major else hq // hkv
+    maps, in_specs = grouped_specs(g, ops, q, k, v, bias, mask, q_seg is not None, grads=True)
     operands = [q, k, v, do, lse, di, bias, mask, q_seg, kv_seg]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [pl.BlockSpec((_SQ, _SQ, g.bq, dp), maps.q)]
+    out_specs = [ops.spec(heads, g.bq, dp, maps.q)]
     aliases, block, zeros = {}, None, None
     if bias is not None:
         block = rq, rk = dbias_block(g, bias.shape)
@@ -295,7 +391,7 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
         out_shape.append(jax.ShapeDtypeStruct(dshape, jnp.float32))
         out_specs.append(
             pl.BlockSpec(
-                (_SQ, _SQ, _SQ, _SQ, rq, rk),
+                (_SQ, heads, _SQ, _SQ, rq, rk),
                 lambda bi, h, i, j, t: (bi, h, i, maps.step(bi, h, i, j, t).block, 0, 0),
             )
         )
@@ -308,8 +404,8 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
         transcendentals=int(tiles * g.bq * g.bk * (2 if g.spec.softcap is not None else 1)),
         bytes_accessed=int(
             (2 * q.size + do.size) * itemsize
-            + 2 * b * hq * g.sqp * LANES * 4
-            + tiles * g.bk * (dp + dvp) * itemsize
+            + 2 * b * hq * g.sqp * 4
+            + b * hkv * g.visited_tiles * g.bk * (dp + dvp) * itemsize
             + (tiles * block[0] * block[1] * 4 * 2 if block else 0)
         ),
     )
@@ -317,20 +413,20 @@ def dq_call(g: Geometry, q, k, v, do, lse, di, bias, mask, q_seg, kv_seg, tables
         functools.partial(
             _dq_kernel,
             g=g,
+            lay=_grad_layout(g, ops, heads, hq, bias, mask, q_seg is not None),
             dbias_block=block,
-            classes=bodies(g, has_mask=mask is not None, segmented=q_seg is not None),
         ),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(b, hq, g.nq, g.steps_k),
+            grid=(b, 1 if ops.token_major else hkv, g.nq, g.steps_k),
             in_specs=in_specs,
             out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((g.bq, dp), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((heads, g.bq, dp), jnp.float32)],
         ),
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
         ),
         cost_estimate=cost,
         interpret=interpret,

@@ -104,7 +104,7 @@ _DEVICE_KINDS = {
     "TPU v6 lite": "v6e",
 }
 
-OPTION_NAMES = ("generation", *(f.name for f in dataclasses.fields(BlockSizes)))
+OPTION_NAMES = ("generation", "read_bshd", *(f.name for f in dataclasses.fields(BlockSizes)))
 
 
 def generation_of(device_kind: str | None) -> str:
@@ -129,8 +129,8 @@ def current_device_kind() -> str | None:
 def resolve_blocks(options: dict[str, Any], backend: str) -> tuple[str, BlockSizes]:
     """Validate backend options and return ``(generation, BlockSizes)`` with user overrides applied.
 
-    Options: ``generation`` (one of :data:`GENERATION_DEFAULTS`; default: detected) and any field of
-    :class:`BlockSizes`. ``block_q``/``block_k`` also set the backward blocks unless those are given.
+    Options: ``generation`` (one of :data:`GENERATION_DEFAULTS`; default: detected), ``read_bshd``
+    (read by the backend, not here) and any field of :class:`BlockSizes`. ``block_q``/``block_k`` also set the backward blocks unless those are given.
     """
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
@@ -146,7 +146,7 @@ def resolve_blocks(options: dict[str, Any], backend: str) -> tuple[str, BlockSiz
             f"{', '.join(map(repr, GENERATION_DEFAULTS))}"
         )
     base = GENERATION_DEFAULTS[generation]
-    overrides = {k: v for k, v in options.items() if k != "generation"}
+    overrides = {k: v for k, v in options.items() if k not in ("generation", "read_bshd")}
     # A user who sets only the forward blocks means "use these tiles"; mirror them into the backward.
     for fwd, bwd in (("block_q", ("block_q_dkv", "block_q_dq")), ("block_k", ("block_k_dkv", "block_k_dq"))):
         if fwd in overrides:
@@ -161,23 +161,56 @@ def resolve_blocks(options: dict[str, Any], backend: str) -> tuple[str, BlockSiz
 # for Mosaic's own temporaries.
 FORWARD_VMEM_BUDGET = 12 * 2**20
 
+# Token-major (BSHD) steps hold every head of their rows, so their blocks fit a larger budget on chips
+# with the VMEM for it: (budget the blocks fit, ``vmem_limit_bytes`` the kernels request). Physical
+# VMEM per core: 128 MiB on v5e/v6e, 64 MiB on v5p; v4 keeps the 16 MiB default scoped VMEM.
+TOKEN_MAJOR_VMEM = {
+    "v4": (FORWARD_VMEM_BUDGET, None),
+    "v5e": (48 * 2**20, 64 * 2**20),
+    "v5p": (24 * 2**20, 32 * 2**20),
+    "v6e": (48 * 2**20, 64 * 2**20),
+}
+# A token-major step unrolls its head loop, so Mosaic compiles heads x [bq, bk] score elements of
+# straight-line code per tile body; capping them keeps compile times near the heads-major kernel's
+# (one 1024 x 512 tile per body there; the cap is four of those).
+TOKEN_MAJOR_STEP_ELEMENTS = 2**21
 
-def forward_vmem_bytes(bq: int, bk: int, group: int, dp: int, dvp: int, itemsize: int) -> int:
-    """VMEM of one grouped forward step: double-buffered q/out/lse blocks of the G heads, K/V blocks,
-    the G heads' m/l (lane-replicated) and accumulator scratch, and ~4 live f32 [bq, bk] temporaries."""
-    per_row = group * (2 * dp * itemsize + 2 * dvp * itemsize + 2 * LANES * 4 + 2 * LANES * 4 + dvp * 4)
-    return bq * per_row + 2 * bk * (dp + dvp) * itemsize + 4 * bq * bk * 4
+
+def forward_vmem_bytes(
+    bq: int, bk: int, group: int, dp: int, dvp: int, itemsize: int, kv_heads: int = 1
+) -> int:
+    """VMEM of one grouped forward step: double-buffered q/out blocks and compact lse rows of the
+    step's ``group`` heads, the K/V blocks of its ``kv_heads``, the heads' m/l (lane-replicated) and
+    accumulator scratch, and ~4 live f32 [bq, bk] temporaries."""
+    per_row = group * (2 * dp * itemsize + 2 * dvp * itemsize + 2 * 4 + 2 * LANES * 4 + dvp * 4)
+    return bq * per_row + 2 * bk * (dp + dvp) * itemsize * kv_heads + 4 * bq * bk * 4
 
 
-def fit_forward_block_q(block_q: int, bk: int, group: int, dp: int, dvp: int, itemsize: int) -> int:
+def fit_forward_block_q(
+    block_q: int,
+    bk: int,
+    group: int,
+    dp: int,
+    dvp: int,
+    itemsize: int,
+    *,
+    kv_heads: int = 1,
+    budget: int = FORWARD_VMEM_BUDGET,
+    max_elements: int | None = None,
+) -> int:
     """``block_q`` halved (not below ``Q_ALIGN``) until the grouped forward fits
-    :data:`FORWARD_VMEM_BUDGET`: the G query heads of a group share each step, so their blocks
+    ``budget`` (:data:`FORWARD_VMEM_BUDGET`): the G query heads of a group share each step, so their blocks
     multiply the per-row VMEM by G. The tile still carries ``G * block_q`` query rows per K/V fetch.
-    Without GQA (G = 1) the block is the per-generation default or the user's, unchanged."""
+    Without GQA (G = 1) the block is the per-generation default or the user's, unchanged. The
+    token-major forward passes every head of a step (``group`` = Hq, ``kv_heads`` = Hkv) and
+    ``max_elements`` (:data:`TOKEN_MAJOR_STEP_ELEMENTS`), a cap on ``group * bq * bk``."""
     if group == 1:
         return block_q
     bq = block_q
-    while bq > Q_ALIGN and forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize) > FORWARD_VMEM_BUDGET:
+    while bq > Q_ALIGN and (
+        forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads) > budget
+        or (max_elements is not None and group * bq * bk > max_elements)
+    ):
         bq = max(Q_ALIGN, round_to_align(bq // 2))
     return bq
 
@@ -185,3 +218,57 @@ def fit_forward_block_q(block_q: int, bk: int, group: int, dp: int, dvp: int, it
 def round_to_align(rows: int) -> int:
     """``rows`` rounded down to a multiple of ``Q_ALIGN`` (at least ``Q_ALIGN``)."""
     return max(Q_ALIGN, rows // Q_ALIGN * Q_ALIGN)
+
+
+def backward_vmem_bytes(
+    kind: str, bq: int, bk: int, heads: int, kv_heads: int, dp: int, dvp: int, itemsize: int
+) -> int:
+    """VMEM of one backward step serving ``heads`` query heads and ``kv_heads`` kv heads.
+
+    ``kind`` ``"dq"`` (Q, dO resident; K/V streamed) or ``"dkv"`` (K/V resident; Q, dO streamed): the
+    double-buffered blocks of both sides, the compact lse/di rows, the kernel's output block and f32
+    accumulator, and ~5 live f32 [bq, bk] temporaries.
+    """
+    q_side = 2 * bq * heads * (dp + dvp) * itemsize + 2 * 2 * heads * bq * 4
+    kv_side = 2 * bk * kv_heads * (dp + dvp) * itemsize
+    if kind == "dq":
+        own = 2 * bq * heads * dp * itemsize + bq * heads * dp * 4
+    else:
+        own = 2 * bk * kv_heads * (dp + dvp) * itemsize + bk * kv_heads * (dp + dvp) * 4
+    return q_side + kv_side + own + 5 * bq * bk * 4
+
+
+def fit_backward_blocks(
+    kind: str,
+    bq: int,
+    bk: int,
+    heads: int,
+    kv_heads: int,
+    dp: int,
+    dvp: int,
+    itemsize: int,
+    budget: int = FORWARD_VMEM_BUDGET,
+    max_elements: int | None = None,
+) -> tuple[int, int]:
+    """``(bq, bk)`` of a backward kernel halved until :func:`backward_vmem_bytes` fits
+    ``budget`` (:data:`FORWARD_VMEM_BUDGET`), the side holding more VMEM rows first. One head per step
+    (heads-major dK/dV, dQ without GQA) keeps the blocks unchanged, as the forward does;
+    ``max_elements`` caps ``heads * bq * bk`` (token-major steps)."""
+    if heads == 1 and kv_heads == 1:
+        return bq, bk
+
+    def fits(rows, cols):
+        if max_elements is not None and heads * rows * cols > max_elements:
+            return False
+        return backward_vmem_bytes(kind, rows, cols, heads, kv_heads, dp, dvp, itemsize) <= budget
+
+    while not fits(bq, bk):
+        # Halve the side holding more rows of VMEM (ties: the key side), keeping the tiles square-ish.
+        can_q, can_k = bq > Q_ALIGN, bk > K_ALIGN
+        if can_k and (bk * kv_heads >= bq * heads or not can_q):
+            bk = max(K_ALIGN, bk // 2 // K_ALIGN * K_ALIGN)
+        elif can_q:
+            bq = max(Q_ALIGN, round_to_align(bq // 2))
+        else:
+            break
+    return bq, bk

@@ -14,6 +14,11 @@ Three counts, each taken from the kernel itself rather than from a formula:
   evaluates the per-query-head index map of the previous forward kernel (the dQ kernel's, grid
   ``(B, Hq, nq, steps_k)``) on the same tables: the "before" of the GQA change.
 
+* **dQ K/V block fetches** (:func:`kv_block_fetches` on :func:`dq_geometry`): the dQ kernel walks
+  the forward's grouped grid, so the same count applies with the dQ kernel's blocks;
+* **lse bytes written** (:func:`lse_bytes_written`): the forward ``pallas_call``'s f32 outputs besides
+  ``out``, read off the traced program of a ``flashport.attention`` call (inference or gradient).
+
 ``benchmarks/tpu_counts.py`` prints these next to the analytic model.
 """
 
@@ -25,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flashport.kernels import api, registry
 from flashport.kernels.pallas_tpu import backend
 from flashport.kernels.pallas_tpu.blocks import resolve_blocks
 from flashport.kernels.pallas_tpu.classify import FULL_SCOPE, PARTIAL_SCOPE, UNCOUNTED_SCOPES
@@ -84,6 +90,33 @@ def backward_kernel_jaxprs(q, k, v, *, spec: AttentionSpec, options=None, **arra
 
     closed = jax.make_jaxpr(fn)(q, k, v)
     return {kind: _kernel_jaxpr(closed, f"flashport_flash_{kind}") for kind in ("dkv", "dq")}
+
+
+def dq_geometry(spec: AttentionSpec, q, k, v, options=None) -> Geometry:
+    """The dQ kernel's geometry for canonical operands and ``options`` (its blocks fit the group's VMEM)."""
+    return _config(spec, options).geometry("dq", q, k, v)
+
+
+def lse_bytes_written(q, k, v, *, grad: bool, options=None, **kwargs) -> int:
+    """Bytes of the lse the forward kernel writes to HBM for ``flashport.attention(q, k, v, **kwargs)``.
+
+    Traced, not run: the forward ``pallas_call``'s outputs other than ``out`` (and the tile counters)
+    summed. ``grad=True`` traces ``jax.grad`` of the call (its forward must save the lse).
+    """
+    choice = registry.use("pallas_tpu_interpret", **(options or {}))
+
+    def fwd(q, k, v):
+        return api.attention(q, k, v, backend=choice, **kwargs)
+
+    def loss(q, k, v):
+        out = fwd(q, k, v)
+        return jnp.sum((out[0] if isinstance(out, tuple) else out).astype(jnp.float32))
+
+    closed = jax.make_jaxpr(jax.grad(loss) if grad else fwd)(q, k, v)
+    for eqn, _ in _walk(closed.jaxpr, ""):
+        if eqn.primitive.name == "pallas_call" and eqn.params["name"] == "flashport_flash_fwd":
+            return sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.outvars[1:])
+    raise LookupError("no flashport_flash_fwd pallas_call in the traced call")
 
 
 def _config(spec: AttentionSpec, options) -> backend.Config:

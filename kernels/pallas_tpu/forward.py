@@ -1,14 +1,24 @@
 """Forward Pallas TPU flash-attention kernel: online softmax over key/value blocks.
 
-Grid ``(B, Hkv, nq, steps_k)``: one step serves the G query heads of a GQA group (their query rows
-form one ``[G, bq, D]`` block), so every K/V block is fetched once per group rather than once per
-query head. The key axis is last and ``"arbitrary"`` (it carries the running max ``m``, sum ``l`` and
-f32 accumulator of each head in VMEM scratch), the others ``"parallel"``. Step j of query block i
-visits key block ``lo_i + j`` (see :mod:`flashport.kernels.pallas_tpu.tiling`). Each visited tile is
+Two operand layouts, one kernel body (:class:`~flashport.kernels.pallas_tpu.specs.Operands`):
+
+* heads-major (BHSD): grid ``(B, Hkv, nq, steps_k)``; one step serves the G query heads of a GQA
+  group (their query rows form one ``[G, bq, D]`` block), so every K/V block is fetched once per
+  group rather than once per query head;
+* token-major (BSHD, the contract's default layout): grid ``(B, 1, nq, steps_k)``; one step serves
+  every head: blocks ``[bq, Hq, D]`` of Q and ``[bk, Hkv, D]`` of K/V are read straight from the
+  caller's BSHD arrays (no transpose in XLA before or after the kernel), each K/V block is fetched
+  once for all heads, and the head loop is unrolled (Mosaic cannot index the packed head dim of a
+  16-bit block dynamically).
+
+The key axis is last and ``"arbitrary"`` (it carries the running max ``m``, sum ``l`` and f32
+accumulator of each head in VMEM scratch), the others ``"parallel"``. Step j of query block i visits
+key block ``lo_i + j`` (see :mod:`flashport.kernels.pallas_tpu.tiling`). Each visited tile is
 classified (:mod:`flashport.kernels.pallas_tpu.classify`): fully visible tiles run a body without
 any mask computation, partial tiles the masked body. Broadcast bias/mask dims are indexed at 0
-instead of being materialized. Outputs: ``out`` [B, Hq, Sqp, Dvp] and the log-sum-exp as
-lane-replicated f32 tiles [B, Hq, Sqp, 128] (sliced to [B, Hq, Sq] by the caller).
+instead of being materialized. Outputs: ``out`` in the operands' layout and, unless the caller needs
+neither gradient nor lse, the log-sum-exp stored compactly as f32 rows ``[B, Hq, nq, 1, bq]`` (4 bytes
+per query row; reshaped to [B, Hq, Sq] by the caller).
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from flashport.kernels.pallas_tpu.classify import (
     tile_is_full,
     when_by_class,
 )
-from flashport.kernels.pallas_tpu.specs import grouped_specs
+from flashport.kernels.pallas_tpu.specs import Operands, grouped_specs, lse_rows_spec
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, tile_keep, tile_visible
 
 _SQ = pl.Squeezed()
@@ -40,19 +50,21 @@ _SQ = pl.Squeezed()
 class Layout:
     """Static shape facts of one forward call the kernel body needs."""
 
-    group: int  # query heads per kv head (G)
+    group: int  # query heads per grid step: G (heads-major) or Hq (token-major)
+    ops: Operands  # the operands' layout and how a head's rows are read from a block
     bias_heads: bool  # the bias has a per-head dim (indexed by gi) rather than a broadcast one
     mask_heads: bool
     full_body: bool  # some tile may be fully visible: build the mask-free body
     partial_body: bool  # some tile may be partial: build the masked body
     count_tiles: bool  # instrumentation: count computed tiles per class
+    write_lse: bool  # False: inference without lse, nothing is written
 
 
 def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked: bool):
     """Fold key block ``block`` into query head ``hk * G + gi``'s running softmax."""
     q_ref, k_ref, v_ref, bias_ref, mask_ref, q_seg_ref, kv_seg_ref, m_scr, l_scr, acc_scr, hk = refs
     bias = None if bias_ref is None else (bias_ref[gi] if lay.bias_heads else bias_ref[...])
-    s, _ = scores(g, q_ref[gi], k_ref[...], bias)
+    s, _ = scores(g, lay.ops.q_rows(q_ref, gi), lay.ops.kv_rows(k_ref, gi), bias)
     if masked:
         mask = None if mask_ref is None else (mask_ref[gi] if lay.mask_heads else mask_ref[...])
         vis = tile_visible(g, i, block, mask, load(q_seg_ref), load(kv_seg_ref))
@@ -73,7 +85,7 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
         with jax.named_scope(DROPOUT_SCOPE):
             seed = tables.head_seeds[(bi * pl.num_programs(1) + hk) * lay.group + gi]
             p = dropout.apply(p, tile_keep(g, seed, i, block), rate)
-    vv = v_ref[...]
+    vv = lay.ops.kv_rows(v_ref, gi)
     with jax.named_scope(SOFTMAX_SCOPE):
         pv = jax.lax.dot_general(
             p.astype(vv.dtype), vv, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
@@ -81,10 +93,11 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
         acc_scr[gi] = acc_scr[gi] * alpha[:, :1] + pv
 
 
-def _for_each_head(group: int, fn):
-    """``fn(gi)`` for every head of the group (a loop, not unrolled, when G > 1)."""
-    if group == 1:
-        fn(0)
+def for_each_head(group: int, fn, *, unroll: bool):
+    """``fn(gi)`` for every head of the step (a loop, not unrolled, when G > 1 unless ``unroll``)."""
+    if group == 1 or unroll:
+        for gi in range(group):
+            fn(gi)
         return
 
     def body(gi, carry):
@@ -95,10 +108,11 @@ def _for_each_head(group: int, fn):
 
 
 def _forward_kernel(
-    tables, q_ref, k_ref, v_ref, bias_ref, mask_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *rest, g, lay
+    tables, q_ref, k_ref, v_ref, bias_ref, mask_ref, q_seg_ref, kv_seg_ref, o_ref, *rest, g, lay
 ):
     """One grid step ``(b, hk, i, j)``: fold key block ``Step(...).block`` into query block i of the
-    group's G heads. ``rest`` is ``[full_count_ref, partial_count_ref,] m, l, acc`` scratch."""
+    step's heads. ``rest`` is ``[lse_ref,] [full_count_ref, partial_count_ref,] m, l, acc`` scratch."""
+    lse_ref, rest = (rest[0], rest[1:]) if lay.write_lse else (None, rest)
     m_scr, l_scr, acc_scr = rest[-3:]
     bi, hk, i, j = (pl.program_id(a) for a in range(4))
     st = Step(tables, bi, i, j, g.nq, g.nk, by_rows=True)
@@ -113,7 +127,11 @@ def _forward_kernel(
             ref[...] = jnp.zeros(ref.shape, jnp.int32)
 
     def body(masked: bool):
-        _for_each_head(lay.group, lambda gi: _head_tile(g, lay, refs, tables, bi, i, st.block, gi, masked))
+        for_each_head(
+            lay.group,
+            lambda gi: _head_tile(g, lay, refs, tables, bi, i, st.block, gi, masked),
+            unroll=lay.ops.token_major,
+        )
         if lay.count_tiles:
             count_ref = rest[1 if masked else 0]
             count_ref[...] = count_ref[...] + lay.group
@@ -132,79 +150,103 @@ def _forward_kernel(
         m = m_scr[...]
         seen = l > 0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        o_ref[...] = (acc_scr[...] * inv[..., :1]).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        out = (acc_scr[...] * inv[..., :1]).astype(o_ref.dtype)
+        if lay.ops.token_major:
+            for h in range(lay.group):
+                o_ref[:, h, :] = out[h]
+        else:
+            o_ref[...] = out
+        if lse_ref is not None:
+            lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+            # [G, bq, 128] lane-replicated -> one lane-dense [G, 1, bq] row per head.
+            lse_ref[...] = jnp.swapaxes(lse, 1, 2)[:, :1, :]
 
 
 def forward_call(
-    g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, tables, *, interpret, count_tiles=False, classify=True
+    g: Geometry,
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    tables,
+    *,
+    interpret,
+    ops: Operands,
+    vmem_limit=None,
+    write_lse=True,
+    count_tiles=False,
+    classify=True,
 ):
-    """Run the forward kernel on padded operands; returns ``(out, lse128[, full_counts, partial_counts])``.
+    """Run the forward kernel on padded operands; returns ``(out[, lse_rows][, full, partial])``.
 
-    ``q`` [B, Hq, Sqp, Dp], ``k`` [B, Hkv, Skp, Dp], ``v`` [B, Hkv, Skp, Dvp] (already padded),
-    ``bias``/``mask``/segment ids prepared by :func:`prepare_operands` (or ``None``), ``tables`` the
-    call's :class:`~flashport.kernels.pallas_tpu.tiling.Tables` with the full-tile ranges
-    (``head_seeds`` set for dropout). ``count_tiles`` adds two int32 outputs [B, Hkv, nq * 8, 128]
-    counting the head tiles computed per (b, kv head, query block) through the mask-free and the
-    masked body - the instrumentation of the counting harness and the block-skipping tests.
-    ``classify=False`` runs the masked body on every tile (the previous kernel's behaviour; the
-    counting harness's "before").
+    ``q``, ``k``, ``v`` are in ``ops``'s layout (heads-major [B, H, S, D] or token-major [B, S, H, D]),
+    sequences padded to whole blocks, ``bias``/``mask``/segment ids prepared by
+    :func:`prepare_operands` (or ``None``), ``tables`` the call's
+    :class:`~flashport.kernels.pallas_tpu.tiling.Tables` with the full-tile ranges (``head_seeds`` set
+    for dropout). ``out`` has ``q``'s layout; the lse is f32 [B, Hq, nq, 1, bq] (``None`` unless
+    ``write_lse``). ``count_tiles`` adds two int32 outputs [B, Hkv or 1, nq * 8, 128] counting the head
+    tiles computed per grid row and query block through the mask-free and the masked body - the
+    instrumentation of the counting harness and the block-skipping tests. ``classify=False`` runs the
+    masked body on every tile (the previous kernel's behaviour; the counting harness's "before").
     """
-    b, hq = q.shape[:2]
-    hkv, dvp = k.shape[1], v.shape[3]
+    b, hq, hkv, dvp = ops.batch(q), ops.heads(q), ops.heads(k), v.shape[-1]
     group = hq // hkv
-    maps, in_specs = grouped_specs(g, q, k, v, bias, mask, q_seg is not None)
+    step_heads = hq if ops.token_major else group
+    maps, in_specs = grouped_specs(g, ops, q, k, v, bias, mask, q_seg is not None)
     full_body, partial_body = bodies(g, has_mask=mask is not None, segmented=q_seg is not None)
     if not classify:
         full_body, partial_body = False, True
     lay = Layout(
-        group=group,
+        group=step_heads,
+        ops=ops,
         bias_heads=bias is not None and bias.shape[1] > 1,
         mask_heads=mask is not None and mask.shape[1] > 1,
         full_body=full_body,
         partial_body=partial_body,
         count_tiles=count_tiles,
+        write_lse=write_lse,
     )
-    out_shape = [
-        jax.ShapeDtypeStruct((b, hq, g.sqp, dvp), q.dtype),
-        jax.ShapeDtypeStruct((b, hq, g.sqp, LANES), jnp.float32),
-    ]
-    out_specs = [
-        pl.BlockSpec((_SQ, group, g.bq, dvp), maps.q),
-        pl.BlockSpec((_SQ, group, g.bq, LANES), maps.q),
-    ]
+    out_shape = [jax.ShapeDtypeStruct(ops.shape(b, hq, g.sqp, dvp), q.dtype)]
+    out_specs = [ops.spec(step_heads, g.bq, dvp, maps.q)]
+    if write_lse:
+        out_shape.append(jax.ShapeDtypeStruct((b, hq, g.nq, 1, g.bq), jnp.float32))
+        out_specs.append(lse_rows_spec(g, step_heads, maps.q))
+    grid_kv = 1 if ops.token_major else hkv
     if count_tiles:
         for _ in range(2):
-            out_shape.append(jax.ShapeDtypeStruct((b, hkv, g.nq * 8, LANES), jnp.int32))
-            out_specs.append(pl.BlockSpec((_SQ, _SQ, 8, LANES), maps.q))
+            out_shape.append(jax.ShapeDtypeStruct((b, grid_kv, g.nq * 8, LANES), jnp.int32))
+            out_specs.append(pl.BlockSpec((_SQ, _SQ, 8, LANES), lambda bi, hk, i, j, t: (bi, hk, i, 0)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
-        grid=(b, hkv, g.nq, g.steps_k),
+        grid=(b, grid_kv, g.nq, g.steps_k),
         in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=[
-            pltpu.VMEM((group, g.bq, LANES), jnp.float32),
-            pltpu.VMEM((group, g.bq, LANES), jnp.float32),
-            pltpu.VMEM((group, g.bq, dvp), jnp.float32),
+            pltpu.VMEM((step_heads, g.bq, LANES), jnp.float32),
+            pltpu.VMEM((step_heads, g.bq, LANES), jnp.float32),
+            pltpu.VMEM((step_heads, g.bq, dvp), jnp.float32),
         ],
     )
-    return pl.pallas_call(
+    res = pl.pallas_call(
         functools.partial(_forward_kernel, g=g, lay=lay),
         out_shape=out_shape,
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
         ),
-        cost_estimate=_cost(g, q, k, v, bias, mask),
+        cost_estimate=_cost(g, ops, q, k, v, bias, mask, write_lse),
         interpret=interpret,
         name="flashport_flash_fwd",
     )(tables, q, k, v, bias, mask, q_seg, kv_seg)
+    return tuple(res)
 
 
-def _cost(g: Geometry, q, k, v, bias, mask):
+def _cost(g: Geometry, ops: Operands, q, k, v, bias, mask, write_lse: bool):
     """Analytic cost of the visited tiles: K/V are streamed once per kv head, not per query head."""
-    b, hq, _, dp = q.shape
-    hkv, dvp = k.shape[1], v.shape[3]
+    b, hq, hkv, dp, dvp = ops.batch(q), ops.heads(q), ops.heads(k), q.shape[-1], v.shape[-1]
     itemsize = jnp.dtype(q.dtype).itemsize
     tiles = b * hq * g.visited_tiles
     extra = 0
@@ -218,7 +260,7 @@ def _cost(g: Geometry, q, k, v, bias, mask):
         transcendentals=int(tiles * g.bq * g.bk * (2 if g.spec.softcap is not None else 1)),
         bytes_accessed=int(
             q.size * itemsize
-            + b * hq * g.sqp * (dvp * itemsize + LANES * 4)
+            + b * hq * g.sqp * (dvp * itemsize + (4 if write_lse else 0))
             + b * hkv * g.visited_tiles * g.bk * (dp + dvp) * itemsize
             + extra
         ),

@@ -1,10 +1,13 @@
 """BlockSpecs of the Pallas TPU attention kernels: one builder per grid order.
 
-The forward and dQ kernels share the query-major grid ``(B, Hq, nq, steps_k)`` and so one spec
-builder (:func:`query_major_specs`); the dK/dV kernel has the key-major grid
-``(B, Hkv, nk, G, steps_q)`` (:func:`key_major_specs`). Both return the input specs in the kernels'
-operand order ``q, k, v, [do, lse, di,] bias, mask, q_seg, kv_seg`` with ``None`` for an absent
-operand, so the kernel bodies take every ref by name (an absent one arrives as ``None``).
+The forward and dQ kernels share the grouped grid ``(B, Hkv, nq, steps_k)`` (:class:`GroupMajor`,
+:func:`grouped_specs`): a step serves the G query heads of a kv head, so K/V are fetched once per
+group. The dK/dV kernel has the key-major grid ``(B, Hkv, nk, G, steps_q)`` (:func:`key_major_specs`).
+Both return the input specs in the kernels' operand order ``q, k, v, [do, lse, di,] bias, mask, q_seg,
+kv_seg`` with ``None`` for an absent operand, so the kernel bodies take every ref by name (an absent
+one arrives as ``None``). :class:`Operands` maps the same grids onto heads-major (BHSD) or
+token-major (the caller's BSHD, every head per step) arrays. :class:`QueryMajor` is the previous
+per-query-head grid ``(B, Hq, nq, steps_k)``, kept as the counting harness's "before".
 
 Index maps receive the grid indices and the call's :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
 Step j along the streamed axis visits block ``Step(...).block``; skipped steps repeat a fetched block,
@@ -13,42 +16,84 @@ so they cost no DMA. K/V use the kv head ``h // G``, so GQA/MQA never repeats K/
 
 from __future__ import annotations
 
+import dataclasses
+
 from jax.experimental import pallas as pl
 
-from flashport.kernels.pallas_tpu.blocks import LANES
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step
 
 _SQ = pl.Squeezed()
 
 
-def bias_spec(g: Geometry, shape, index_of):
-    """BlockSpec of a rank-4 bias/mask with size-1 (broadcast) dims kept at block index 0.
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """The layout a kernel reads Q/K/V (and writes its outputs) in, and how a head's rows are read.
 
-    ``index_of(*grid_indices, tables) -> (b, h, q_block, k_block)`` gives the indices to use for the
-    non-broadcast dims.
+    Heads-major (``token_major=False``): BHSD [B, H, S, D] arrays, blocks of one head (or of the G
+    heads of a group) ``[.., rows, D]``. Token-major: the caller's BSHD [B, S, H, D] arrays, read
+    without a transpose. Mosaic needs a block's last two dims to be whole (8, 128) tiles or the array's
+    own, and XLA tiles a BSHD array over (H, D), so a token-major block holds every head of its rows:
+    ``[rows, H, D]`` (a reshape to [B, S, H*D] would be a relayout copy on TPU). ``kv_group`` is G, the
+    query heads per kv head.
     """
-    bb, hb, sqb, skb = shape
-    block = (_SQ, _SQ, g.bq if sqb > 1 else 1, g.bk if skb > 1 else 1)
+
+    token_major: bool
+    kv_group: int = 1
+
+    def heads(self, x) -> int:
+        """The head count of an operand in this layout."""
+        return x.shape[2 if self.token_major else 1]
+
+    @staticmethod
+    def batch(x) -> int:
+        """The batch size of an operand."""
+        return x.shape[0]
+
+    def shape(self, b: int, h: int, s: int, d: int) -> tuple[int, int, int, int]:
+        """The shape of a [b, h, s, d] (BHSD) array in this layout."""
+        return (b, s, h, d) if self.token_major else (b, h, s, d)
+
+    def spec(self, heads: int, rows: int, width: int, index_map, *, squeeze: bool = False):
+        """BlockSpec of ``heads`` heads x ``rows`` rows x ``width`` lanes.
+
+        ``index_map`` returns heads-major block indices ``(b, head_block, row_block, 0)``; ``squeeze``
+        drops the head dim of a one-head heads-major block (the kernel then reads ``ref[...]``).
+        """
+        if self.token_major:
+            return pl.BlockSpec((_SQ, rows, heads, width), lambda *a: _token_major(index_map(*a)))
+        return pl.BlockSpec((_SQ, _SQ if squeeze else heads, rows, width), index_map)
+
+    def q_rows(self, ref, gi):
+        """Query-side rows [rows, D] of head ``gi`` of the step's heads (``gi`` static if token-major)."""
+        return ref[:, gi, :] if self.token_major else ref[gi]
+
+    def kv_rows(self, ref, gi):
+        """K/V rows [rows, D] for query head ``gi`` of the step's heads (its kv head ``gi // G``)."""
+        return ref[:, gi // self.kv_group, :] if self.token_major else ref[...]
+
+
+def _token_major(index):
+    b, h, r, _ = index
+    return b, r, h, 0
+
+
+def lse_rows_spec(g: Geometry, heads: int | None, q_map):
+    """BlockSpec of the compact lse (or di) rows f32 [B, Hq, nq, 1, bq]: ``heads`` lane-dense rows of bq
+    (``None``: one head, squeezed; the kernel reads a [1, bq] row).
+
+    ``q_map`` returns the query-side heads-major indices ``(b, head_block, q_block, 0)``.
+    """
 
     def index_map(*args):
-        b, h, qi, kj = index_of(*args)
-        return (b if bb > 1 else 0, h if hb > 1 else 0, qi if sqb > 1 else 0, kj if skb > 1 else 0)
+        b, h, i, _ = q_map(*args)
+        return b, h, i, 0, 0
 
-    return pl.BlockSpec(block, index_map)
-
-
-def _optional_specs(g: Geometry, bias, mask, segmented, bias_index, q_seg_map, kv_seg_map):
-    """Specs of ``bias, mask, q_seg [B, Sqp, 1], kv_seg [B, 1, Skp]`` (``None`` where absent)."""
-    return [
-        None if bias is None else bias_spec(g, bias.shape, bias_index),
-        None if mask is None else bias_spec(g, mask.shape, bias_index),
-        pl.BlockSpec((_SQ, g.bq, 1), q_seg_map) if segmented else None,
-        pl.BlockSpec((_SQ, 1, g.bk), kv_seg_map) if segmented else None,
-    ]
+    return pl.BlockSpec((_SQ, _SQ if heads is None else heads, _SQ, 1, g.bq), index_map)
 
 
 class QueryMajor:
-    """Index maps of the query-major grid ``(B, Hq, nq, steps_k)`` (forward and dQ kernels)."""
+    """Index maps of the previous per-query-head grid ``(B, Hq, nq, steps_k)`` of the forward and dQ
+    kernels: the counting harness's "before" (K/V fetched once per query head)."""
 
     def __init__(self, g: Geometry, group: int):
         self.g, self.group = g, group
@@ -68,33 +113,6 @@ class QueryMajor:
     def bias(self, bi, h, i, j, tables):
         """(b, h, q block, k block) indices of bias/mask tiles (see :func:`bias_spec`)."""
         return bi, h, i, self.step(bi, h, i, j, tables).block
-
-
-def query_major_specs(g: Geometry, q, k, v, bias, mask, segmented: bool, *, grads: bool):
-    """Input specs of the forward (``grads=False``) or dQ kernel (``grads=True``: adds dO, lse, di)."""
-    maps = QueryMajor(g, q.shape[1] // k.shape[1])
-    dp, dvp = q.shape[3], v.shape[3]
-    specs = [
-        pl.BlockSpec((_SQ, _SQ, g.bq, dp), maps.q),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv),
-    ]
-    if grads:
-        specs += [
-            pl.BlockSpec((_SQ, _SQ, g.bq, dvp), maps.q),
-            pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
-            pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
-        ]
-    specs += _optional_specs(
-        g,
-        bias,
-        mask,
-        segmented,
-        maps.bias,
-        lambda bi, h, i, j, t: (bi, i, 0),
-        lambda bi, h, i, j, t: (bi, 0, maps.step(bi, h, i, j, t).block),
-    )
-    return maps, specs
 
 
 class KeyMajor:
@@ -120,27 +138,32 @@ class KeyMajor:
         return bi, hk * self.group + gi, self.step(bi, hk, j, gi, i, tables).block, j
 
 
-def key_major_specs(g: Geometry, q, k, v, bias, mask, segmented: bool):
-    """Input specs of the dK/dV kernel: ``q, k, v, do, lse, di, bias, mask, q_seg, kv_seg``."""
-    maps = KeyMajor(g, q.shape[1] // k.shape[1])
-    dp, dvp = q.shape[3], v.shape[3]
+def key_major_specs(g: Geometry, ops: Operands, q, k, v, bias, mask, segmented: bool):
+    """Input specs of the dK/dV kernel: ``q, k, v, do, lse, di, bias, mask, q_seg, kv_seg``.
+
+    Heads-major: one query head per step (grid ``(B, Hkv, nk, G, steps_q)``); token-major: every head
+    per step (grid ``(B, 1, nk, 1, steps_q)``).
+    """
+    hq, hkv = ops.heads(q), ops.heads(k)
+    maps = KeyMajor(g, hq // hkv)
+    heads, kv_heads = (hq, hkv) if ops.token_major else (1, 1)
+    dp, dvp = q.shape[-1], v.shape[-1]
     specs = [
-        pl.BlockSpec((_SQ, _SQ, g.bq, dp), maps.q),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv),
-        pl.BlockSpec((_SQ, _SQ, g.bq, dvp), maps.q),
-        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
-        pl.BlockSpec((_SQ, _SQ, g.bq, LANES), maps.q),
+        ops.spec(heads, g.bq, dp, maps.q),
+        ops.spec(kv_heads, g.bk, dp, maps.kv, squeeze=True),
+        ops.spec(kv_heads, g.bk, dvp, maps.kv, squeeze=True),
+        ops.spec(heads, g.bq, dvp, maps.q),
+        lse_rows_spec(g, heads, maps.q),
+        lse_rows_spec(g, heads, maps.q),
+        None if bias is None else grouped_bias_spec(g, bias.shape, heads, maps.bias),
+        None if mask is None else grouped_bias_spec(g, mask.shape, heads, maps.bias),
+        pl.BlockSpec(
+            (_SQ, g.bq, 1), lambda bi, hk, j, gi, i, t: (bi, maps.step(bi, hk, j, gi, i, t).block, 0)
+        )
+        if segmented
+        else None,
+        pl.BlockSpec((_SQ, 1, g.bk), lambda bi, hk, j, gi, i, t: (bi, 0, j)) if segmented else None,
     ]
-    specs += _optional_specs(
-        g,
-        bias,
-        mask,
-        segmented,
-        maps.bias,
-        lambda bi, hk, j, gi, i, t: (bi, maps.step(bi, hk, j, gi, i, t).block, 0),
-        lambda bi, hk, j, gi, i, t: (bi, 0, j),
-    )
     return maps, specs
 
 
@@ -173,9 +196,10 @@ class GroupMajor:
 
 
 def grouped_bias_spec(g: Geometry, shape, group: int, index_of):
-    """BlockSpec of a rank-4 bias/mask for the grouped grid: all G heads of the group in one block.
+    """BlockSpec of a rank-4 bias/mask holding the ``group`` heads of one grid step in one block.
 
-    A broadcast head dim stays squeezed (one tile serves every head); other size-1 dims stay at block 0.
+    ``index_of`` returns ``(b, head_block, q_block, k_block)``. A broadcast head dim stays squeezed
+    (one tile serves every head); other size-1 dims stay at block 0.
     """
     bb, hb, sqb, skb = shape
     block = (_SQ, group if hb > 1 else _SQ, g.bq if sqb > 1 else 1, g.bk if skb > 1 else 1)
@@ -187,17 +211,31 @@ def grouped_bias_spec(g: Geometry, shape, group: int, index_of):
     return pl.BlockSpec(block, index_map)
 
 
-def grouped_specs(g: Geometry, q, k, v, bias, mask, segmented: bool):
-    """Input specs of the grouped forward: ``q, k, v, bias, mask, q_seg, kv_seg`` (``None``: absent)."""
-    group = q.shape[1] // k.shape[1]
-    maps = GroupMajor(g, group)
-    dp, dvp = q.shape[3], v.shape[3]
+def grouped_specs(g: Geometry, ops: Operands, q, k, v, bias, mask, segmented: bool, *, grads=False):
+    """Input specs of the grouped forward (``q, k, v, bias, mask, q_seg, kv_seg``) or, with
+    ``grads``, of the grouped dQ kernel (``do, lse, di`` after ``v``); ``None`` where absent.
+
+    Heads-major: one step serves a GQA group; token-major: one step serves every head (grid extent 1
+    along the kv heads). Either way each K/V block is fetched once per group, not per query head.
+    """
+    hq, hkv = ops.heads(q), ops.heads(k)
+    maps = GroupMajor(g, hq // hkv)
+    step_heads = hq if ops.token_major else hq // hkv
+    dp, dvp = q.shape[-1], v.shape[-1]
     specs = [
-        pl.BlockSpec((_SQ, group, g.bq, dp), maps.q),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dp), maps.kv),
-        pl.BlockSpec((_SQ, _SQ, g.bk, dvp), maps.kv),
-        None if bias is None else grouped_bias_spec(g, bias.shape, group, maps.bias),
-        None if mask is None else grouped_bias_spec(g, mask.shape, group, maps.bias),
+        ops.spec(step_heads, g.bq, dp, maps.q),
+        ops.spec(hkv, g.bk, dp, maps.kv, squeeze=True),
+        ops.spec(hkv, g.bk, dvp, maps.kv, squeeze=True),
+    ]
+    if grads:
+        specs += [
+            ops.spec(step_heads, g.bq, dvp, maps.q),
+            lse_rows_spec(g, step_heads, maps.q),
+            lse_rows_spec(g, step_heads, maps.q),
+        ]
+    specs += [
+        None if bias is None else grouped_bias_spec(g, bias.shape, step_heads, maps.bias),
+        None if mask is None else grouped_bias_spec(g, mask.shape, step_heads, maps.bias),
         pl.BlockSpec((_SQ, g.bq, 1), lambda bi, h, i, j, t: (bi, i, 0)) if segmented else None,
         pl.BlockSpec((_SQ, 1, g.bk), lambda bi, h, i, j, t: (bi, 0, maps.step(bi, h, i, j, t).block))
         if segmented

@@ -1,0 +1,178 @@
+"""The Pallas TPU kernels on the caller's BSHD arrays (token-major), in the TPU interpreter on CPU.
+
+With the backend option ``read_bshd=True`` (off by default: the unrolled head loops make libtpu
+compiles slow), a BSHD call whose head dims are multiples of 128 runs the forward, dK/dV and dQ kernels on
+token-major blocks ``[rows, H, D]`` read from the caller's arrays (no transpose around the kernels;
+tests/test_tpu_compile.py checks the compiled HLO). Here: the values against the float64 reference
+of tests/reference.py (forward, lse and gradients, with GQA, per-head bias, segment ids and dropout),
+and the structure the kernels are given, read from the traced program: operand shapes per layout,
+the compact lse rows, and no lse output at all in an inference forward that does not return it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import reduce_to_shape, reference_attention, reference_attention_vjp
+
+import flashport
+from flashport.kernels import registry
+
+SMALL = registry.use("pallas_tpu_interpret", block_q=32, block_k=128, read_bshd=True)
+DEFAULT = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)  # read_bshd off
+SEED = 5
+WORDS = (SEED >> 32, SEED & 0xFFFFFFFF)  # the seed words of jax.random.key(SEED)
+
+
+def _inputs(b=2, sq=40, sk=200, hq=4, hkv=2, d=128, seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    shapes = ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d))
+    return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+
+
+def _close(got, want, tol, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(1.0, float(np.max(np.abs(want))))
+    err = float(np.max(np.abs(got - want)))
+    assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol * scale:.3g}"
+
+
+CASES = {
+    # GQA 4/2, per-head bias (its gradient too), segment ids, causal bottom-right with Sq < Sk.
+    "gqa_bias_segments_causal": dict(
+        kwargs=dict(causal=True), bias=(2, 4, 40, 200), segments=True, dropout=0.0
+    ),
+    # MQA 4/1, window + softcap, dropout (the kernels hash global query heads from the token-major loop).
+    "mqa_window_softcap_dropout": dict(
+        kwargs=dict(window=(30, 10), softcap=4.0), hkv=1, bias=None, segments=False, dropout=0.3
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bshd_forward_and_grads_match_reference(name):
+    case = CASES[name]
+    q, k, v, do = _inputs(hkv=case.get("hkv", 2))
+    rng = np.random.default_rng(1)
+    kwargs = dict(case["kwargs"])
+    if case["segments"]:
+        kwargs["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (2, 40)), axis=1), jnp.int32)
+        kwargs["kv_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (2, 200)), axis=1), jnp.int32)
+    bias = None if case["bias"] is None else jnp.asarray(rng.standard_normal(case["bias"]), jnp.float32)
+    rate = case["dropout"]
+    drop = dict(dropout_rate=rate, dropout_rng=jax.random.key(SEED)) if rate else {}
+    ref_drop = dict(dropout_rate=rate, dropout_seed=WORDS) if rate else {}
+
+    def f(q, k, v, bias):
+        return flashport.attention(q, k, v, bias=bias, backend=SMALL, return_lse=True, **kwargs, **drop)
+
+    (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+    grads = vjp((do, jnp.zeros_like(lse)))
+    want_out, want_lse = reference_attention(q, k, v, bias=bias, **kwargs, **ref_drop)
+    want = reference_attention_vjp(q, k, v, do, bias=bias, **kwargs, **ref_drop)
+    _close(out, want_out, 2e-5, "out")
+    finite = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    _close(np.asarray(lse)[finite], want_lse[finite], 2e-5, "lse")
+    for what, got, ref in zip("qkv", grads[:3], want[:3], strict=True):
+        _close(got, ref, 1e-4, f"d{what}")
+    if bias is not None:
+        _close(grads[3], reduce_to_shape(want[3], bias.shape), 1e-4, "dbias")
+
+
+def test_bfloat16_bshd_matches_reference():
+    q, k, v, do = _inputs(b=1, hq=2, hkv=1, dtype=jnp.bfloat16)
+
+    def f(q, k, v):
+        return flashport.attention(q, k, v, causal=True, backend=SMALL)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    grads = vjp(do)
+    want_out, _ = reference_attention(q, k, v, causal=True)
+    want = reference_attention_vjp(q, k, v, do, causal=True)
+    _close(out, want_out, 3e-2, "out")
+    for what, got, ref in zip("qkv", grads, want[:3], strict=True):
+        _close(got, ref, 6e-2, f"d{what}")
+
+
+def test_inference_without_lse_matches_reference():
+    # The forward that writes no lse: its output alone must still be right.
+    q, k, v, _ = _inputs()
+    out = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True, backend=SMALL))(q, k, v)
+    _close(out, reference_attention(q, k, v, causal=True)[0], 2e-5, "out")
+
+
+def _kernel_calls(fn, *args):
+    """``{name: (operand shapes, output shapes)}`` of the pallas_calls in ``fn``'s jaxpr."""
+    calls = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                shapes = lambda vs: [tuple(v.aval.shape) for v in vs]  # noqa: E731
+                calls[eqn.params["name"]] = (shapes(eqn.invars), shapes(eqn.outvars))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return calls
+
+
+def _grad_fn(layout, backend=SMALL):
+    def loss(q, k, v):
+        return jnp.sum(flashport.attention(q, k, v, causal=True, backend=backend, layout=layout))
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def test_bshd_call_gives_the_kernels_bshd_operands_and_compact_lse():
+    q, k, v, _ = _inputs(b=1, sq=64, sk=256)  # whole blocks: no padding
+    calls = _kernel_calls(_grad_fn("BSHD"), q, k, v)
+    for name in ("flashport_flash_fwd", "flashport_flash_dkv", "flashport_flash_dq"):
+        ins = calls[name][0]
+        # q, k, v are the caller's [B, S, H, D] arrays (after the scalar-prefetch tables).
+        assert (1, 64, 4, 128) in ins and (1, 256, 2, 128) in ins, (name, ins)
+        assert not any(s[-1] == 128 and len(s) == 4 and s[1] in (4, 2) for s in ins), (name, ins)
+    fwd_out = calls["flashport_flash_fwd"][1]
+    # out in BSHD, lse as compact rows [B, Hq, nq, 1, bq] (not [B, Hq, Sq, 128]).
+    assert fwd_out == [(1, 64, 4, 128), (1, 4, 2, 1, 32)]
+    assert calls["flashport_flash_dq"][1] == [(1, 64, 4, 128)]
+    assert calls["flashport_flash_dkv"][1] == [(1, 256, 2, 128), (1, 256, 2, 128)]
+
+
+def test_bhsd_call_keeps_heads_major_operands():
+    q, k, v, _ = (jnp.swapaxes(x, 1, 2) for x in _inputs(b=1, sq=64, sk=256))
+    calls = _kernel_calls(_grad_fn("BHSD"), q, k, v)
+    assert (1, 4, 64, 128) in calls["flashport_flash_fwd"][0]
+    assert calls["flashport_flash_dq"][1] == [(1, 4, 64, 128)]
+
+
+def test_bshd_call_without_the_option_transposes_to_heads_major():
+    q, k, v, _ = _inputs(b=1, sq=64, sk=256)
+    calls = _kernel_calls(_grad_fn("BSHD", DEFAULT), q, k, v)
+    assert (1, 4, 64, 128) in calls["flashport_flash_fwd"][0]
+    assert calls["flashport_flash_dq"][1] == [(1, 4, 64, 128)]
+    # The compact lse rows do not depend on the option.
+    assert calls["flashport_flash_fwd"][1] == [(1, 4, 64, 128), (1, 4, 2, 1, 32)]
+
+
+def test_read_bshd_option_must_be_a_bool():
+    q, k, v, _ = _inputs(b=1, sq=64, sk=256)
+    bad = registry.use("pallas_tpu_interpret", read_bshd="yes")
+    with pytest.raises(ValueError, match="read_bshd"):
+        flashport.attention(q, k, v, backend=bad)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_inference_forward_writes_lse_only_when_returned(return_lse):
+    q, k, v, _ = _inputs(b=1, sq=64, sk=256)
+
+    def fwd(q, k, v):
+        return flashport.attention(q, k, v, causal=True, backend=SMALL, return_lse=return_lse)
+
+    outs = _kernel_calls(fwd, q, k, v)["flashport_flash_fwd"][1]
+    assert outs == ([(1, 64, 4, 128), (1, 4, 2, 1, 32)] if return_lse else [(1, 64, 4, 128)])
+    # A gradient's forward writes it whatever return_lse says.
+    assert len(_kernel_calls(_grad_fn("BSHD"), q, k, v)["flashport_flash_fwd"][1]) == 2
