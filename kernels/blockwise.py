@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -126,9 +126,9 @@ class _Tiling:
 
 
 class _Blk(NamedTuple):
-    """Block ``index`` of ``size`` positions along one axis (positions ``index*size`` onwards)."""
+    """Block ``number`` of ``size`` positions along one axis (positions ``number*size`` onwards)."""
 
-    index: object
+    number: Any  # a traced loop index
     size: int
 
 
@@ -187,11 +187,11 @@ def _slice(x, axis, blk: _Blk):
     """Block ``blk`` of ``x`` along ``axis``, or ``x`` itself where that axis is broadcast (1)."""
     if x is None or x.shape[axis] == 1:
         return x
-    return jax.lax.dynamic_slice_in_dim(x, blk.index * blk.size, blk.size, axis)
+    return jax.lax.dynamic_slice_in_dim(x, blk.number * blk.size, blk.size, axis)
 
 
 def _positions(blk: _Blk):
-    return blk.index * blk.size + jnp.arange(blk.size)
+    return blk.number * blk.size + jnp.arange(blk.size)
 
 
 class _Inputs:
@@ -407,7 +407,7 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
             dv = dv + keys_product(p, d_out_i.astype(jnp.float32), prec)
             dk = dk + keys_product(ds, _slice(x.q, 3, qb).astype(jnp.float32), prec)
             # dQ accumulates in place in the loop-carried buffer.
-            start = qb.index * qb.size
+            start = qb.number * qb.size
             row = jax.lax.dynamic_slice_in_dim(dq_acc, start, qb.size, axis=3)
             dq_i = rows_product(ds, k_j.astype(jnp.float32), prec)
             return dk, dv, jax.lax.dynamic_update_slice_in_dim(dq_acc, row + dq_i, start, axis=3)
@@ -430,7 +430,7 @@ def _accumulate_bias(dbias, dlogits, kb: _Blk):
     contrib = jnp.sum(dlogits, axis=axes, keepdims=True) if axes else dlogits
     if dbias.shape[4] == 1:
         return dbias + contrib
-    start = kb.index * kb.size
+    start = kb.number * kb.size
     return jax.lax.dynamic_update_slice_in_dim(dbias, _slice(dbias, 4, kb) + contrib, start, axis=4)
 
 
