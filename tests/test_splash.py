@@ -3,7 +3,7 @@
 ``splash_interpret`` runs the very kernels ``backend="splash"`` runs on TPU (Pallas interpreter on
 CPU): forward and the gradients of splash's own custom_vjp for every feature it claims, and a
 refusal, naming its reason, for every call it cannot serve exactly. The real TPU compile of the
-forward and gradient is in ``tests/test_tpu_compile.py``.
+forward and gradient is in ``tests/test_splash_tpu_compile.py``.
 """
 
 from __future__ import annotations
