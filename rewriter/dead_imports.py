@@ -23,7 +23,8 @@ What goes:
   (``HAS_FA = True``): the imports' names now come from flashport, so the import can no longer
   fail, and keeping the guard would send the ported code down the fallback path on a host without
   the GPU library. Only when the block holds nothing but dead imports, constant flags, fallbacks,
-  ``pass``, warnings/log calls and ``raise``;
+  ``pass``, warnings/log calls and ``raise``, and the file has no other GPU import (the flag may
+  gate it);
 * likewise a whole ``if available(): <GPU imports> else: <fallbacks>`` whose condition is a
   plain probe (names, attributes, ``is_*_available()`` / ``find_spec`` calls, comparisons of those).
 
@@ -56,6 +57,7 @@ class _Plan:
     before: collections.Counter
     after: collections.Counter
     gpu_modules: tuple[str, ...]
+    gpu_import_count: int = 0  # GPU imports in the rewritten file that keep a name still read
     edits: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)  # 1-based inclusive lines
     removed: list[str] = dataclasses.field(default_factory=list)
 
@@ -83,6 +85,7 @@ def remove_dead(
       The new text and the dotted names removed.
     """
     plan = _Plan(split_lines(text), before, after, gpu_modules)
+    plan.gpu_import_count = _count_gpu_imports(tree, plan)
     _body(tree.body, plan, public=True, drop_aliases=drop_aliases)
     lines = plan.lines
     for start, end, new in sorted(plan.edits, reverse=True):
@@ -106,6 +109,16 @@ def _gpu_import(node: ast.stmt, plan: _Plan) -> _Import | None:
     if isinstance(node, ast.Import):
         return node if any(_is_gpu(a.name, plan.gpu_modules) for a in node.names) else None
     return None
+
+
+def _count_gpu_imports(node: ast.AST, plan: _Plan) -> int:
+    """How many GPU import statements ``node`` holds, at any depth, that keep a name still read
+    (dead ones go in this pass)."""
+    return sum(
+        (imp := _gpu_import(n, plan)) is not None and len(_dead_aliases(imp, plan)) < len(imp.names)
+        for n in ast.walk(node)
+        if isinstance(n, ast.stmt)
+    )
 
 
 def _gpu_imports(body: list[ast.stmt], plan: _Plan) -> list[_Import]:
@@ -295,6 +308,10 @@ def _collapsed(stmt: ast.Try | ast.TryStar, plan: _Plan) -> list[ast.Assign] | N
     None when the block holds anything else (module doc)."""
     imports = _gpu_imports(stmt.body, plan)
     if not imports or stmt.finalbody:
+        return None
+    # Another GPU import left in the file may sit behind the flag (``if HAS_FA: from flash_attn...``):
+    # forcing the flag on would make a host without the library fail where the original fell back.
+    if plan.gpu_import_count:
         return None
     if any(
         len(_dead_aliases(s, plan)) != len(s.names) or (isinstance(s, ast.ImportFrom) and s.level)

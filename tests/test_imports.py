@@ -434,3 +434,31 @@ def test_a_handler_function_read_elsewhere_keeps_the_guard():
         CHECKS = [_unsupported]
     """)
     assert "from flash_attn import flash_attn_func" in text and "def _unsupported" in text
+
+
+def test_a_guard_stays_when_other_gpu_imports_remain_in_the_file():
+    # The flag also gates a flash-attn import the codemod does not port (the rotary kernel): forcing
+    # it to True would make a host without flash-attn import it and fail where the original took
+    # its fallback; the guard stays exactly as it was.
+    guard = textwrap.dedent("""\
+        try:
+            from flash_attn import flash_attn_func
+            HAS_FLASH_ATTN = True
+        except ImportError:
+            flash_attn_func = None
+            HAS_FLASH_ATTN = False
+    """)
+    text = port(
+        guard
+        + textwrap.dedent("""
+
+        def f(q, k, v):
+            if HAS_FLASH_ATTN:
+                from flash_attn.layers.rotary import apply_rotary_emb
+                q = apply_rotary_emb(q)
+                return flash_attn_func(q, k, v)
+            return None
+    """)
+    )
+    assert "flashport.torch.attention(" in text
+    assert guard in text and "HAS_FLASH_ATTN = True\n\n\ndef" not in text
