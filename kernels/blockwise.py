@@ -12,45 +12,33 @@ and five matmuls. With a bias, the FA2 split: a dQ pass (map over query blocks, 
 blocks) that also produces the bias gradient block by block, and a dK/dV pass. Dropout (:mod:`flashport.kernels.dropout`)
 hashes each tile's positions, so the backward regenerates the forward's mask instead of storing it.
 
-Loops: each block's visited range runs as three ``fori_loop`` runs (masked tiles, fully visible
-tiles without the positional mask, masked tiles), the masked ones in finer blocks when the looped
-block is the larger one; every tile product is a rank-3 batched matmul (``scores.py``). See
-``kernels/README.md`` (*The blockwise loop*) for what XLA:CPU makes of it.
-
-Options: ``block_q`` and ``block_k`` (defaults 256 and 256; ``flashport.kernels.registry.use(
+Options: ``block_q`` and ``block_k`` (defaults 256 and 512; ``flashport.kernels.registry.use(
 "blockwise", block_q=128)``).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flashport.kernels import dropout, registry
-from flashport.kernels.block_ranges import block_tables, full_query_blocks, key_blocks, query_blocks
+from flashport.kernels.block_ranges import block_tables
 from flashport.kernels.padding import pad_broadcastable, pad_to
 from flashport.kernels.scores import (
     group_broadcastable,
     group_heads,
-    keys_product,
     matmul_precision,
-    rows_product,
-    scores_product,
     tile_logits,
 )
 from flashport.kernels.spec import FEATURES, AttentionSpec, softcap_grad
 
-# Measured on a 2-core XLA:CPU host (causal, H=8, D=64, f32, single-threaded CPU time against torch
-# SDPA in the same process): 256x256 tiles match 256x512 forward at S=4096 and 8192 (0.96x / 0.88x
-# SDPA against 0.88x / 0.88x) and beat them forward+backward (0.98x / 0.92x against 0.84x / 0.82x);
-# 512x512 is slower both ways.
+# Measured on a 2-core XLA:CPU host at S=4096, D=64 (causal): 256x512 tiles beat 512x512 by ~1.5x
+# (less wasted work on diagonal blocks, scores tile stays in L2).
 DEFAULT_BLOCK_Q = 256
-DEFAULT_BLOCK_K = 256
+DEFAULT_BLOCK_K = 512
 # auto on CPU: below this many keys the materialized xla path is faster and small enough.
 MIN_KEYS_FOR_BLOCKWISE = 1024
 
@@ -98,16 +86,10 @@ class _Tiling:
         self.kv_lo, self.kv_hi = np.array(t.row_lo, np.int32), np.array(t.row_hi, np.int32)
         self.q_lo, self.q_hi = np.array(t.col_lo, np.int32), np.array(t.col_hi, np.int32)
         self.full_lo, self.full_hi = np.array(t.full_lo, np.int32), np.array(t.full_hi, np.int32)
-        col_full = [full_query_blocks(spec, j, block_q, block_k) for j in range(self.nk)]
-        self.fq_lo = np.array([c[0] for c in col_full], np.int32)
-        self.fq_hi = np.array([c[1] for c in col_full], np.int32)
-        # Per query block (row_runs) / key block (col_runs): its visited range as three runs, the
-        # masked ones in finer blocks where the other side's block is smaller.
-        bkf, bqf = _fine_block(block_k, block_q), _fine_block(block_q, block_k)
-        fine_rows = [key_blocks(spec, i, block_q, bkf) for i in range(self.nq)]
-        fine_cols = [query_blocks(spec, j, bqf, block_k) for j in range(self.nk)]
-        self.row_runs = _runs(fine_rows, self.full_lo, self.full_hi, block_k, bkf)
-        self.col_runs = _runs(fine_cols, self.fq_lo, self.fq_hi, block_q, bqf)
+
+    def is_full(self, i, j):
+        """Traced bool: tile (i, j) needs no positional masking."""
+        return (j >= jnp.asarray(self.full_lo)[i]) & (j < jnp.asarray(self.full_hi)[i])
 
     def __hash__(self):
         return hash((self.spec, self.bq, self.bk))
@@ -125,73 +107,11 @@ class _Tiling:
         return int(np.sum(self.kv_hi - self.kv_lo))
 
 
-class _Blk(NamedTuple):
-    """Block ``number`` of ``size`` positions along one axis (positions ``number*size`` onwards)."""
-
-    number: Any  # a traced loop index
-    size: int
-
-
-class _Run(NamedTuple):
-    """One loop over a block's visited range: blocks ``[lo[n], hi[n])`` of ``size``, with or without
-    the positional (causal/window/length) mask."""
-
-    lo: np.ndarray
-    hi: np.ndarray
-    positional: bool
-    size: int
-
-
-def _fine_block(inner: int, outer: int) -> int:
-    """Block size along the inner (looped) axis for masked tiles: ``gcd(inner, outer)`` when the
-    inner block is the larger one, so a diagonal tile spans no more than the outer block (a
-    256-query block against 512-key tiles computes half a tile of invisible scores otherwise);
-    ``inner`` itself where that would split it more than 8 ways."""
-    fine = math.gcd(inner, outer)
-    return fine if fine * 8 >= inner else inner
-
-
-def _runs(fine, full_lo, full_hi, coarse: int, fine_size: int) -> tuple[_Run, ...]:
-    """A block's visited range as three runs, in order: masked tiles (``fine_size`` blocks) before
-    the full ones, the full tiles (``coarse`` blocks, no positional mask: no iota compares, no
-    select pass over the scores), masked tiles after. ``fine`` holds each block's visited range in
-    ``fine_size`` blocks; without full tiles it is all the first run."""
-    r = coarse // fine_size
-    lo, hi = (np.array([f[n] for f in fine], np.int32) for n in (0, 1))
-    has_full = full_lo < full_hi
-    a_hi = np.where(has_full, full_lo * r, hi)
-    c_lo = np.where(has_full, full_hi * r, hi)
-    if not np.all((lo <= a_hi) & (c_lo <= hi)):
-        raise AssertionError("full tiles must lie inside the visited range")
-    return (
-        _Run(lo, a_hi, True, fine_size),
-        _Run(np.where(has_full, full_lo, 0), np.where(has_full, full_hi, 0), False, coarse),
-        _Run(c_lo, hi, True, fine_size),
-    )
-
-
-def _run_loops(runs, n, step, carry):
-    """``carry`` through ``step(positional, block, carry)`` over every tile of block ``n`` (``block``
-    a :class:`_Blk` along the looped axis): one ``fori_loop`` per run, so full tiles run code without
-    the positional mask and no tile branches."""
-    for run in runs:
-
-        def body(index, carry, run=run):
-            return step(run.positional, _Blk(index, run.size), carry)
-
-        carry = jax.lax.fori_loop(jnp.asarray(run.lo)[n], jnp.asarray(run.hi)[n], body, carry)
-    return carry
-
-
-def _slice(x, axis, blk: _Blk):
-    """Block ``blk`` of ``x`` along ``axis``, or ``x`` itself where that axis is broadcast (1)."""
+def _slice(x, axis, start, size):
+    """Block ``start*size`` of ``x`` along ``axis``, or ``x`` itself where that axis is broadcast (1)."""
     if x is None or x.shape[axis] == 1:
         return x
-    return jax.lax.dynamic_slice_in_dim(x, blk.number * blk.size, blk.size, axis)
-
-
-def _positions(blk: _Blk):
-    return blk.number * blk.size + jnp.arange(blk.size)
+    return jax.lax.dynamic_slice_in_dim(x, start * size, size, axis)
 
 
 class _Inputs:
@@ -217,28 +137,39 @@ class _Inputs:
                 ..., None, None
             ]
 
-    def dropped(self, qb: _Blk, kb: _Blk, p):
-        """``p`` of tile (qb, kb) with the contract's dropout applied (``p`` itself without dropout)."""
+    def dropped(self, i, j, p):
+        """``p`` of tile (i, j) with the contract's dropout applied (``p`` itself without dropout)."""
         if self.head_seeds is None:
             return p
-        rate = self.t.spec.dropout_rate
-        keep = dropout.keep_mask(rate, self.head_seeds, _positions(qb)[:, None], _positions(kb))
-        return dropout.apply(p, keep, rate)
+        t = self.t
+        q_pos = (i * t.bq + jnp.arange(t.bq))[:, None]
+        k_pos = j * t.bk + jnp.arange(t.bk)
+        keep = dropout.keep_mask(t.spec.dropout_rate, self.head_seeds, q_pos, k_pos)
+        return dropout.apply(p, keep, t.spec.dropout_rate)
 
-    def logits(self, qb: _Blk, kb: _Blk, positional=True):
-        """``(logits, visible, raw)`` of tile (qb, kb) (:func:`tile_logits`)."""
+    def logits(self, i, j, positional=True):
+        t = self.t
         return tile_logits(
-            self.t.spec,
-            _slice(self.q, 3, qb),
-            _slice(self.k, 2, kb),
-            _positions(qb),
-            _positions(kb),
-            _slice(_slice(self.bias, 3, qb), 4, kb),
-            _slice(_slice(self.mask, 3, qb), 4, kb),
-            _slice(self.q_seg, 1, qb),
-            _slice(self.kv_seg, 1, kb),
+            t.spec,
+            _slice(self.q, 3, i, t.bq),
+            _slice(self.k, 2, j, t.bk),
+            i * t.bq + jnp.arange(t.bq),
+            j * t.bk + jnp.arange(t.bk),
+            _slice(_slice(self.bias, 3, i, t.bq), 4, j, t.bk),
+            _slice(_slice(self.mask, 3, i, t.bq), 4, j, t.bk),
+            _slice(self.q_seg, 1, i, t.bq),
+            _slice(self.kv_seg, 1, j, t.bk),
             positional=positional,
             q_prescaled=self.prescaled,
+        )
+
+    def tile(self, i, j, fn):
+        """``fn(logits, visible, raw)`` for tile (i, j), skipping the positional mask when the tile is
+        fully visible (both branches are traced; one runs)."""
+        return jax.lax.cond(
+            self.t.is_full(i, j),
+            lambda: fn(*self.logits(i, j, positional=False)),
+            lambda: fn(*self.logits(i, j, positional=True)),
         )
 
 
@@ -260,20 +191,26 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
     x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, seed, prescale=True)
     b, hkv, g = x.q.shape[:3]
     dv = v.shape[-1]
+    kv_lo, kv_hi = jnp.asarray(t.kv_lo), jnp.asarray(t.kv_hi)
 
     def q_block(i):
-        qb = _Blk(i, t.bq)
+        def kv_step(j, carry):
+            return x.tile(i, j, lambda logits, visible, raw: update(j, carry, logits))
 
-        def update(positional, kb, carry):
-            logits = x.logits(qb, kb, positional)[0]
+        def update(j, carry, logits):
             m, l, acc = carry
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp(m - m_safe)
             p = jnp.exp(logits - m_safe[..., None])
             l = alpha * l + jnp.sum(p, axis=-1)  # the normalizer counts dropped entries too
-            p_v = x.dropped(qb, kb, p).astype(v.dtype)
-            pv = rows_product(p_v, _slice(x.v, 2, kb), matmul_precision(v.dtype))
+            pv = jnp.einsum(
+                "bhgqk,bhkd->bhgqd",
+                x.dropped(i, j, p).astype(v.dtype),
+                _slice(x.v, 2, j, t.bk),
+                preferred_element_type=jnp.float32,
+                precision=matmul_precision(v.dtype),
+            )
             return m_new, l, alpha[..., None] * acc + pv
 
         init = (
@@ -281,7 +218,7 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
             jnp.zeros((b, hkv, g, t.bq), jnp.float32),
             jnp.zeros((b, hkv, g, t.bq, dv), jnp.float32),
         )
-        m, l, acc = _run_loops(t.row_runs, i, update, init)
+        m, l, acc = jax.lax.fori_loop(kv_lo[i], kv_hi[i], kv_step, init)
         l_safe = jnp.where(l > 0, l, 1.0)
         out = (acc / l_safe[..., None]).astype(q.dtype)
         lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
@@ -311,20 +248,25 @@ def _backward(t: _Tiling, residuals, cotangents):
     delta_g = pad_to(group_heads(delta[..., None], hkv)[..., 0], 3, sqp)
     lse_g = pad_to(group_heads(lse[..., None], hkv)[..., 0], 3, sqp, -jnp.inf)
 
-    def probs_and_dlogits(qb, kb, positional):
-        """Recompute P and dL/dlogits of tile (qb, kb); P comes back with dropout applied (for dV).
+    def probs_and_dlogits(i, j, logits, visible, raw):
+        """Recompute P and dL/dlogits of tile (i, j); P comes back with dropout applied (for dV).
 
         With dropout, out = (P∘Z/(1-r))·V: dP picks up Z/(1-r) and delta = rowsum(dO∘O) still holds.
         """
-        logits, visible, raw = x.logits(qb, kb, positional)
-        lse_i = _slice(lse_g, 3, qb)[..., None]
+        lse_i = _slice(lse_g, 3, i, t.bq)[..., None]
         p = jnp.where(
             visible & (lse_i > -jnp.inf), jnp.exp(logits - jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), 0.0
         )
-        d_out_i = _slice(d_out_g, 3, qb)
-        dp = scores_product(d_out_i, _slice(x.v, 2, kb), matmul_precision(d_out_i.dtype))
-        dlogits = p * (x.dropped(qb, kb, dp) - _slice(delta_g, 3, qb)[..., None])
-        return x.dropped(qb, kb, p), dlogits, raw, d_out_i
+        d_out_i = _slice(d_out_g, 3, i, t.bq)
+        dp = jnp.einsum(
+            "bhgqd,bhkd->bhgqk",
+            d_out_i,
+            _slice(x.v, 2, j, t.bk),
+            preferred_element_type=jnp.float32,
+            precision=matmul_precision(d_out_i.dtype),
+        )
+        dlogits = p * (x.dropped(i, j, dp) - _slice(delta_g, 3, i, t.bq)[..., None])
+        return x.dropped(i, j, p), dlogits, raw, d_out_i
 
     # The f32-upcast gradient products: float32 math for float32 inputs; for bf16/f16 inputs the
     # platform default (TF32 on CUDA) is as precise as the inputs.
@@ -340,25 +282,29 @@ def _backward(t: _Tiling, residuals, cotangents):
 
     # ---- dQ (and dbias) pass: map over query blocks, loop over their key blocks.
     def dq_block(i):
-        qb = _Blk(i, t.bq)
+        def kv_step(j, carry):
+            return x.tile(i, j, lambda *tile: dq_update(j, carry, *tile))
 
-        def dq_update(positional, kb, carry):
+        def dq_update(j, carry, *tile):
             dq, dbias = carry
-            _, dlogits, raw, _ = probs_and_dlogits(qb, kb, positional)
+            _, dlogits, raw, _ = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dq = dq + rows_product(ds, _slice(x.k, 2, kb).astype(jnp.float32), prec)
+            dq = dq + jnp.einsum(
+                "bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32), precision=prec
+            )
             if dbias is not None:
-                dbias = _accumulate_bias(dbias, dlogits, kb)
+                dbias = _accumulate_bias(dbias, dlogits, j, t.bk)
             return dq, dbias
 
-        q_i = _slice(x.q, 3, qb)
+        q_i = _slice(x.q, 3, i, t.bq)
         dbias0 = None
         if bias_g is not None:
             shape = list(bias_g.shape)
             shape[3] = t.bq if shape[3] > 1 else 1
             dbias0 = jnp.zeros(shape, jnp.float32)
-        return _run_loops(t.row_runs, i, dq_update, (jnp.zeros(q_i.shape, jnp.float32), dbias0))
+        return jax.lax.fori_loop(t_kv_lo[i], t_kv_hi[i], kv_step, (jnp.zeros(q_i.shape, jnp.float32), dbias0))
 
+    t_kv_lo, t_kv_hi = jnp.asarray(t.kv_lo), jnp.asarray(t.kv_hi)
     dq, dbias = jax.lax.map(dq_block, jnp.arange(t.nq))
     b, hq, sq, d = q.shape
     dq = _unblock(dq, 3, sq).reshape(b, hq, sq, d).astype(q.dtype)
@@ -368,20 +314,25 @@ def _backward(t: _Tiling, residuals, cotangents):
         dbias = dbias.reshape(bias.shape).astype(bias.dtype)
 
     # ---- dK/dV pass: map over key blocks, loop over the query blocks that see them.
-    def dkv_block(j):
-        kb = _Blk(j, t.bk)
+    t_q_lo, t_q_hi = jnp.asarray(t.q_lo), jnp.asarray(t.q_hi)
 
-        def dkv_update(positional, qb, carry):
+    def dkv_block(j):
+        def q_step(i, carry):
+            return x.tile(i, j, lambda *tile: dkv_update(i, carry, *tile))
+
+        def dkv_update(i, carry, *tile):
             dk, dv = carry
-            p, dlogits, raw, d_out_i = probs_and_dlogits(qb, kb, positional)
+            p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dv = dv + keys_product(p, d_out_i.astype(jnp.float32), prec)
-            dk = dk + keys_product(ds, _slice(x.q, 3, qb).astype(jnp.float32), prec)
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
+            dk = dk + jnp.einsum(
+                "bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32), precision=prec
+            )
             return dk, dv
 
-        k_j, v_j = _slice(x.k, 2, kb), _slice(x.v, 2, kb)
+        k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)
         init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
-        return _run_loops(t.col_runs, j, dkv_update, init)
+        return jax.lax.fori_loop(t_q_lo[j], t_q_hi[j], q_step, init)
 
     dk, dv = jax.lax.map(dkv_block, jnp.arange(t.nk))
     sk = k.shape[2]
@@ -395,25 +346,29 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
     them; each tile's probabilities are recomputed once (one exp, five matmuls per tile instead of
     two exps and seven in the split passes), and dQ accumulates in place in an O(S) f32 buffer."""
     b, hq, sq, d = q.shape
+    t_q_lo, t_q_hi = jnp.asarray(t.q_lo), jnp.asarray(t.q_hi)
 
     def kv_block(dq_acc, j):
-        kb = _Blk(j, t.bk)
-        k_j, v_j = _slice(x.k, 2, kb), _slice(x.v, 2, kb)
+        k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)
 
-        def q_step(positional, qb, carry):
-            dk, dv, dq_acc = carry
-            p, dlogits, raw, d_out_i = probs_and_dlogits(qb, kb, positional)
+        def tile_grads(i, dk, dv, *tile):
+            p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dv = dv + keys_product(p, d_out_i.astype(jnp.float32), prec)
-            dk = dk + keys_product(ds, _slice(x.q, 3, qb).astype(jnp.float32), prec)
-            # dQ accumulates in place in the loop-carried buffer.
-            start = qb.number * qb.size
-            row = jax.lax.dynamic_slice_in_dim(dq_acc, start, qb.size, axis=3)
-            dq_i = rows_product(ds, k_j.astype(jnp.float32), prec)
-            return dk, dv, jax.lax.dynamic_update_slice_in_dim(dq_acc, row + dq_i, start, axis=3)
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
+            dk = dk + jnp.einsum(
+                "bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32), precision=prec
+            )
+            return dk, dv, jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_j.astype(jnp.float32), precision=prec)
+
+        def q_step(i, carry):
+            dk, dv, dq_acc = carry
+            dk, dv, dq_i = x.tile(i, j, lambda *tile: tile_grads(i, dk, dv, *tile))
+            # Outside the cond, so the update stays in place in the loop-carried buffer.
+            row = jax.lax.dynamic_slice_in_dim(dq_acc, i * t.bq, t.bq, axis=3)
+            return dk, dv, jax.lax.dynamic_update_slice_in_dim(dq_acc, row + dq_i, i * t.bq, axis=3)
 
         init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32), dq_acc)
-        dk, dv, dq_acc = _run_loops(t.col_runs, j, q_step, init)
+        dk, dv, dq_acc = jax.lax.fori_loop(t_q_lo[j], t_q_hi[j], q_step, init)
         return dq_acc, (dk, dv)
 
     dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros(x.q.shape, jnp.float32), jnp.arange(t.nk))
@@ -424,14 +379,13 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
     return dq, dk, dv, None, None, None, None, None
 
 
-def _accumulate_bias(dbias, dlogits, kb: _Blk):
+def _accumulate_bias(dbias, dlogits, j, bk):
     """Add tile ``dlogits`` [B, Hkv, G, bq, bk] into the row block ``dbias`` of the bias's shape."""
     axes = tuple(a for a in range(5) if dbias.shape[a] == 1 and dlogits.shape[a] != 1)
     contrib = jnp.sum(dlogits, axis=axes, keepdims=True) if axes else dlogits
     if dbias.shape[4] == 1:
         return dbias + contrib
-    start = kb.number * kb.size
-    return jax.lax.dynamic_update_slice_in_dim(dbias, _slice(dbias, 4, kb) + contrib, start, axis=4)
+    return jax.lax.dynamic_update_slice_in_dim(dbias, _slice(dbias, 4, j, bk) + contrib, j * bk, axis=4)
 
 
 _attention.defvjp(_forward_vjp, _backward)

@@ -42,49 +42,6 @@ def group_broadcastable(x, hkv):
     return x.reshape(b, hkv, h // hkv, sq, sk)
 
 
-def _flat(x):
-    """[B, Hkv, (G,) n, d] -> [B·Hkv, (G·)n, d]: a bitcast for contiguous tiles."""
-    return x.reshape(x.shape[0] * x.shape[1], -1, x.shape[-1])
-
-
-def _batched(a, b, contract_a: int, contract_b: int, precision):
-    dims = (((contract_a,), (contract_b,)), ((0,), (0,)))
-    return jax.lax.dot_general(
-        _flat(a), _flat(b), dims, precision=precision, preferred_element_type=jnp.float32
-    )
-
-
-# The three tile products of flash attention, each one rank-3 batched matmul per (batch, kv head)
-# with the G query heads of a group stacked as rows. XLA:CPU hands such canonical dots to its fast
-# matmul library (YNNPACK) and fuses the reductions around them; the rank-5 einsums they replace
-# ("bhgqd,bhkd->bhgqk") were lowered as generic dots with a transposed copy of K per tile.
-
-
-def scores_product(q, k, precision=None):
-    """Q·Kᵀ of grouped tiles: q [B, Hkv, G, bq, D], k [B, Hkv, bk, D] -> float32 [B, Hkv, G, bq, bk]."""
-    return _batched(q, k, 2, 2, precision).reshape(*q.shape[:-1], k.shape[2])
-
-
-def rows_product(p, v, precision=None):
-    """P·V of grouped tiles: p [B, Hkv, G, bq, bk], v [B, Hkv, bk, D] -> float32 [B, Hkv, G, bq, D]."""
-    return _batched(p, v, 2, 1, precision).reshape(*p.shape[:-1], v.shape[-1])
-
-
-def keys_product(p, x, precision=None):
-    """Pᵀ·X summed over the group: p [B, Hkv, G, bq, bk], x [B, Hkv, G, bq, D] -> float32
-    [B, Hkv, bk, D] (dV = Pᵀ·dO and dK = dSᵀ·Q).
-
-    Computed as (Xᵀ·P)ᵀ: the small X tile is transposed instead of the scores tile, which keeps the
-    big operand in the layout XLA:CPU's matmul library takes (a dot contracting both operands' row
-    axis is lowered as a generic dot)."""
-    xt = jax.lax.optimization_barrier(jnp.swapaxes(_flat(x), 1, 2))  # or XLA folds it into the dot
-    dims = (((2,), (1,)), ((0,), (0,)))
-    out = jax.lax.dot_general(xt, _flat(p), dims, precision=precision, preferred_element_type=jnp.float32)
-    return jnp.swapaxes(jax.lax.optimization_barrier(out), 1, 2).reshape(
-        *p.shape[:2], p.shape[-1], x.shape[-1]
-    )
-
-
 def tile_logits(
     spec: AttentionSpec,
     q,
@@ -114,7 +71,9 @@ def tile_logits(
       ``(logits, visible, raw)``: float32 logits with hidden entries at -inf, the boolean visibility,
       and the pre-softcap scaled scores (backward passes need them for the tanh derivative).
     """
-    raw = scores_product(q, k, matmul_precision(q.dtype))
+    raw = jnp.einsum(
+        "bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32, precision=matmul_precision(q.dtype)
+    )
     if not q_prescaled:
         raw = raw * spec.scale
     logits = apply_softcap(spec, raw, jnp)

@@ -150,36 +150,6 @@ def test_block_tables_skip_only_invisible_tiles(kw, bq, bk):
     _assert_tables(t, want, tiling.bq, tiling.bk)
 
 
-def _run_cover(runs, n, block, seq_inner):
-    """Per inner position: how many runs of block ``n`` cover it, and whether an unmasked one does."""
-    count, unmasked = np.zeros(seq_inner, int), np.zeros(seq_inner, bool)
-    for run in runs:
-        for b in range(run.lo[n], run.hi[n]):
-            span = slice(b * run.size, min((b + 1) * run.size, seq_inner))
-            count[span] += 1
-            unmasked[span] |= not run.positional
-    return count, unmasked
-
-
-@settings(max_examples=150, **SETTINGS)
-@given(calls(max_len=70, segments=False), st.integers(1, 24), st.integers(1, 24))
-def test_blockwise_runs_cover_each_visible_pair_once(kw, bq, bk):
-    """The blockwise loops (masked runs in finer blocks, full run unmasked) visit every visible
-    (query, key) pair exactly once, and only fully visible tiles run without the positional mask."""
-    want = _want(kw)
-    t = _Tiling(_spec(kw), min(bq, kw["sq"]), min(bk, kw["sk"]))
-    for i in range(t.nq):
-        rows = want[i * t.bq : (i + 1) * t.bq]
-        count, unmasked = _run_cover(t.row_runs, i, t.bk, kw["sk"])
-        assert np.all(count[rows.any(axis=0)] == 1) and np.all(count <= 1)
-        assert (np.all(rows[:, unmasked]) and (i + 1) * t.bq <= kw["sq"]) or not unmasked.any()
-    for j in range(t.nk):
-        cols = want[:, j * t.bk : (j + 1) * t.bk]
-        count, unmasked = _run_cover(t.col_runs, j, t.bq, kw["sq"])
-        assert np.all(count[cols.any(axis=1)] == 1) and np.all(count <= 1)
-        assert (np.all(cols[unmasked]) and (j + 1) * t.bk <= kw["sk"]) or not unmasked.any()
-
-
 @settings(max_examples=40, **SETTINGS)
 @given(calls(max_len=90, segments=False), st.sampled_from([16, 32]), st.sampled_from([16, 64]))
 def test_traced_block_bounds_match_the_tables(kw, bq, bk):
