@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from band_spec import band_spec
 from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
@@ -30,7 +31,6 @@ from flashport.kernels.pallas_gpu_tile import (
     key_block_bounds,
     query_block_bounds,
 )
-from flashport.kernels.spec import AttentionSpec
 
 SMALL = registry.use("pallas_gpu_interpret", block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=32)
 TOL = {"float32": (2e-5, 1e-4), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 1e-2)}
@@ -229,17 +229,6 @@ def test_vmap_and_jit():
 # ------------------------------------------------------------------------------ block skipping
 
 
-def _spec(sq, sk, causal=False, left=None, right=None, align="bottom_right"):
-    return AttentionSpec(
-        scale=1.0,
-        causal=causal,
-        window_left=left,
-        window_right=right,
-        offset=sk - sq if align == "bottom_right" else 0,
-        softcap=None,
-        seq_q=sq,
-        seq_k=sk,
-    )
 
 
 def _visible_blocks(spec, bq, bk, every=False):
@@ -273,15 +262,15 @@ def _visible_blocks(spec, bq, bk, every=False):
 @pytest.mark.parametrize(
     "spec",
     [
-        _spec(40, 72),
-        _spec(40, 72, causal=True),
-        _spec(72, 40, causal=True),
-        _spec(72, 40, causal=True, align="top_left"),
-        _spec(300, 300, causal=True, left=50),
-        _spec(100, 260, left=30, right=10),
-        _spec(260, 100, left=0, right=0),
-        _spec(1, 72, causal=True),
-        _spec(64, 64, left=5, right=None, align="top_left"),
+        band_spec(40, 72),
+        band_spec(40, 72, causal=True),
+        band_spec(72, 40, causal=True),
+        band_spec(72, 40, causal=True, align="top_left"),
+        band_spec(300, 300, causal=True, left=50),
+        band_spec(100, 260, left=30, right=10),
+        band_spec(260, 100, left=0, right=0),
+        band_spec(1, 72, causal=True),
+        band_spec(64, 64, left=5, right=None, align="top_left"),
     ],
     ids=lambda s: f"{s.seq_q}x{s.seq_k}_c{int(s.causal)}_w{s.window_left},{s.window_right}_o{s.offset}",
 )

@@ -19,6 +19,7 @@ from reference import reduce_to_shape, reference_attention, reference_attention_
 
 import flashport
 from flashport.kernels import registry
+from flashport.kernels.pallas_tpu import counting
 
 SMALL = registry.use("pallas_tpu_interpret", block_q=32, block_k=128, read_bshd=True)
 DEFAULT = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)  # read_bshd off
@@ -107,16 +108,10 @@ def test_inference_without_lse_matches_reference():
 def _kernel_calls(fn, *args):
     """``{name: (operand shapes, output shapes)}`` of the pallas_calls in ``fn``'s jaxpr."""
     calls = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                shapes = lambda vs: [tuple(v.aval.shape) for v in vs]  # noqa: E731
-                calls[eqn.params["name"]] = (shapes(eqn.invars), shapes(eqn.outvars))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for eqn, _ in counting._walk(jax.make_jaxpr(fn)(*args).jaxpr, ""):
+        if eqn.primitive.name == "pallas_call":
+            shapes = lambda vs: [tuple(v.aval.shape) for v in vs]  # noqa: E731
+            calls[eqn.params["name"]] = (shapes(eqn.invars), shapes(eqn.outvars))
     return calls
 
 

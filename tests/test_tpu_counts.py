@@ -13,22 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from band_spec import band_spec
 
 from flashport.kernels.pallas_tpu import backend, counting
-from flashport.kernels.spec import AttentionSpec
-
-
-def _spec(sq, sk, causal=False, left=None, right=None, align="bottom_right"):
-    return AttentionSpec(
-        scale=1.0,
-        causal=causal,
-        window_left=left,
-        window_right=right,
-        offset=sk - sq if align == "bottom_right" else 0,
-        softcap=None,
-        seq_q=sq,
-        seq_k=sk,
-    )
 
 
 def _keep(spec, q_seg=None, kv_seg=None):
@@ -102,7 +89,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_full_tiles_evaluate_no_mask_op(name):
     lengths, kw, hq, hkv = CASES[name]
-    spec = _spec(lengths["sq"], lengths["sk"], **kw)
+    spec = band_spec(lengths["sq"], lengths["sk"], **kw)
     q, k, v = _arrays(1, lengths["sq"], lengths["sk"], hq, hkv, 128)
     counts = counting.tile_counts(q, k, v, spec=spec, options=BLOCKS)
     full, partial = model_classes(spec, 128, 128)
@@ -120,7 +107,7 @@ def test_segment_ids_classify_uniform_tiles_as_full():
     seg = np.repeat(np.array([[0, 0, 1, 1, 1, 2, 2, 2]]), 64, axis=1).astype(
         np.int32
     )  # blocks 0, 1|mixed, ...
-    spec = _spec(sq, sk)
+    spec = band_spec(sq, sk)
     q, k, v = _arrays(1, sq, sk, 2, 1, 128)
     counts = counting.tile_counts(
         q, k, v, spec=spec, options=BLOCKS, q_seg=jnp.asarray(seg), kv_seg=jnp.asarray(seg)
@@ -131,7 +118,7 @@ def test_segment_ids_classify_uniform_tiles_as_full():
 
 
 def test_gqa_group_fetches_kv_group_times_less():
-    spec = _spec(512, 512, causal=True)
+    spec = band_spec(512, 512, causal=True)
     for hq, hkv in ((4, 2), (8, 1), (8, 2)):
         q, k, v = _arrays(1, 512, 512, hq, hkv, 128)
         g = counting.forward_geometry(spec, q, k, v, BLOCKS)
@@ -147,7 +134,7 @@ def test_gqa_group_fetches_kv_group_times_less():
 @pytest.mark.parametrize("sk", [1000, 4096])
 def test_decode_computes_a_quarter_of_the_padded_work(sk):
     hq, hkv, d = 4, 1, 128
-    spec = _spec(1, sk, causal=True)
+    spec = band_spec(1, sk, causal=True)
     q, k, v = _arrays(1, 1, sk, hq, hkv, d)
     opts = dict(block_k=512)
     counts = counting.tile_counts(q, k, v, spec=spec, options=opts)
@@ -160,7 +147,7 @@ def test_decode_computes_a_quarter_of_the_padded_work(sk):
 
 
 def test_backward_kernels_have_mask_free_full_bodies():
-    spec = _spec(512, 512, causal=True)
+    spec = band_spec(512, 512, causal=True)
     q, k, v = _arrays(1, 512, 512, 4, 2, 128)
     kernels = counting.backward_kernel_jaxprs(q, k, v, spec=spec, options=BLOCKS)
     for kind in ("dkv", "dq"):
@@ -171,17 +158,14 @@ def test_backward_kernels_have_mask_free_full_bodies():
 
 def _grid(fn, args, name):
     """The grid of the ``pallas_call`` named ``name`` in ``fn``'s traced program."""
-    stack = [jax.make_jaxpr(fn)(*args).jaxpr]
-    while stack:
-        for eqn in stack.pop().eqns:
-            if eqn.primitive.name == "pallas_call" and eqn.params["name"] == name:
-                return tuple(eqn.params["grid_mapping"].grid)
-            stack.extend(jax.extend.core.jaxprs_in_params(eqn.params))
+    for eqn, _ in counting._walk(jax.make_jaxpr(fn)(*args).jaxpr, ""):
+        if eqn.primitive.name == "pallas_call" and eqn.params["name"] == name:
+            return tuple(eqn.params["grid_mapping"].grid)
     raise LookupError(name)
 
 
 def test_dq_fetches_kv_once_per_group():
-    spec = _spec(512, 512, causal=True)
+    spec = band_spec(512, 512, causal=True)
     for hq, hkv in ((4, 2), (8, 1), (8, 2)):
         q, k, v = _arrays(1, 512, 512, hq, hkv, 128)
         g = counting.dq_geometry(spec, q, k, v, BLOCKS)
