@@ -229,8 +229,6 @@ def test_vmap_and_jit():
 # ------------------------------------------------------------------------------ block skipping
 
 
-
-
 def _visible_blocks(spec, bq, bk, every=False):
     """Brute force: the (query block, key block) pairs holding at least one visible pair, or with
     ``every`` the unpadded pairs whose every entry is visible (they need no position mask)."""
