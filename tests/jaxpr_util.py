@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend
 import numpy as np
 
 import flashport
@@ -14,14 +15,21 @@ def count_sites(fn, *args) -> int:
 
 
 def _count(jaxpr) -> int:
-    n = 0
+    return len(attention_calls(jaxpr))
+
+
+def attention_calls(jaxpr, *, nested=False) -> list:
+    """The ``flashport_attention`` call equations of ``jaxpr``, searched through sub-jaxprs; with
+    ``nested`` also inside such a call (the fused program never nests them)."""
+    calls = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == "flashport_attention":
-            n += 1
-            continue
+            calls.append(eqn)
+            if not nested:
+                continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _count(sub)
-    return n
+            calls.extend(attention_calls(sub, nested=nested))
+    return calls
 
 
 def assert_fused(fn, args, sites, *, grad=True, atol=2e-5, rtol=2e-5, argnums=None, backend="auto"):

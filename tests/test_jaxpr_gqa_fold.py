@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_util import assert_fused
+from jaxpr_util import assert_fused, attention_calls
 from reference import reference_attention
 
 import flashport
@@ -69,17 +69,7 @@ def with_tile_as_broadcast(q, k, v):
 
 def _kv_heads_of_call(fn, args):
     """Head counts of K and V (BSHD) as the fused program's flashport.attention call receives them."""
-    calls = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == "flashport_attention":
-                calls.append(eqn)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(flashport.fuse_attention(fn))(*args).jaxpr)
-    (call,) = calls
+    (call,) = attention_calls(jax.make_jaxpr(flashport.fuse_attention(fn))(*args).jaxpr, nested=True)
     q, k, v = (x.aval.shape for x in call.invars[:3])
     heads = [dim for dim in q if dim == HQ]
     assert heads, q

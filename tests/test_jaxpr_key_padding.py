@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_util import assert_fused
+from jaxpr_util import assert_fused, attention_calls
 from reference import reference_attention
 
 import flashport
@@ -51,17 +51,7 @@ def additive_padding(q, k, v, pad):
 
 def _call_kwargs(fn, args):
     """The operands of the fused program's flashport.attention call: (q, k, v, bias, mask, q_seg, kv_seg)."""
-    calls = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == "flashport_attention":
-                calls.append(eqn)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(flashport.fuse_attention(fn))(*args).jaxpr)
-    (call,) = calls
+    (call,) = attention_calls(jax.make_jaxpr(flashport.fuse_attention(fn))(*args).jaxpr, nested=True)
     return [x.aval for x in call.invars]
 
 

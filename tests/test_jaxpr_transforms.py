@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
