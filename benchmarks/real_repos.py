@@ -17,6 +17,8 @@ Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *
 * refusals by reason (model code);
 * checks on every changed file: it compiles, a second run changes nothing, every changed line is in
   a rewritten site, an import, or a guard/alias the import clean-up removed ("stray" otherwise);
+* dead GPU imports: a name bound from a GPU module that the original file read and the ported file
+  no longer reads (the port should have removed the import);
 * *fully ported* files (every site rewritten or run as is): how many still import a GPU module (``flash_attn``,
   ``xformers``, ...) statically, and - unless ``--no-import-check`` - whether their module imports
   in a subprocess where GPU modules are blocked (``ok``, ``gpu`` = a GPU import was attempted,
@@ -91,6 +93,7 @@ class Result:
     syntax_errors: int = 0
     fully_ported: list = dataclasses.field(default_factory=list)  # (root, relative path, new bytes)
     still_gpu: list = dataclasses.field(default_factory=list)
+    dead_gpu: list = dataclasses.field(default_factory=list)  # GPU imports the port left unread
     imports: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     gpu_on_import: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
@@ -133,6 +136,48 @@ def gpu_imports(data: bytes, gpu_modules: tuple[str, ...]) -> list[str]:
             if any(name == m or name.startswith(m + ".") for m in gpu_modules):
                 found.append(f"{name}{' (guarded)' if node.lineno in guarded_lines else ''}")
     return found
+
+
+def _loaded_names(tree: ast.AST) -> set[str]:
+    """Names a module reads: loaded identifiers, plus the strings of an ``__all__`` list."""
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            names.update(
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            )
+    return names
+
+
+def dead_gpu_imports(old: bytes, new: bytes, gpu_modules: tuple[str, ...]) -> list[str]:
+    """GPU imports the port left dead: names bound from a GPU module that the original file read and the
+    ported file no longer reads (``from m import *`` cannot be judged and is skipped)."""
+    read_before, tree = _loaded_names(ast.parse(old)), ast.parse(new)
+    read_after = _loaded_names(tree)
+    dead = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            module, bound = node.module or "", [a.asname or a.name for a in node.names if a.name != "*"]
+        elif isinstance(node, ast.Import):
+            module, bound = "", []
+            for alias in node.names:
+                if any(alias.name == m or alias.name.startswith(m + ".") for m in gpu_modules):
+                    module = alias.name
+                    bound.append(alias.asname or alias.name.split(".")[0])
+        else:
+            continue
+        if not any(module == m or module.startswith(m + ".") for m in gpu_modules):
+            continue
+        dead.extend(
+            f"{module}: {name} (line {node.lineno})"
+            for name in bound
+            if name in read_before and name not in read_after
+        )
+    return dead
 
 
 def _allowed_lines(old: bytes, sites, gpu_modules) -> set[int]:
@@ -235,6 +280,7 @@ def run_package(name: str, version: str, cache: str) -> Result:
             if transform_source(result.new, relative, rules, options).new is not None:
                 out.not_idempotent.append(relative)
             out.stray += check_changes(relative, data, result.new, result.sites, gpu_modules)
+            out.dead_gpu += [f"{relative}: {d}" for d in dead_gpu_imports(data, result.new, gpu_modules)]
             if counted and len(ported) + len(as_is) == len(counted) and not is_test(relative):
                 out.fully_ported.append((root, relative, result.new))
                 left = gpu_imports(result.new, gpu_modules)
@@ -343,6 +389,7 @@ def report(results: list[Result]) -> None:
         "changed",
         "compile/idem",
         "stray",
+        "dead GPU import",
         "crashes",
         "fully ported",
         "still GPU import",
@@ -367,6 +414,7 @@ def report(results: list[Result]) -> None:
                 if not (r.not_compiling or r.not_idempotent)
                 else f"{len(r.not_compiling)}/{len(r.not_idempotent)}",
                 len(r.stray),
+                len(r.dead_gpu),
                 len(r.crashes),
                 len(r.fully_ported),
                 len(r.still_gpu),
@@ -390,6 +438,7 @@ def report(results: list[Result]) -> None:
             sum(r.changed for r in results),
             "",
             sum(len(r.stray) for r in results),
+            sum(len(r.dead_gpu) for r in results),
             sum(len(r.crashes) for r in results),
             sum(len(r.fully_ported) for r in results),
             sum(len(r.still_gpu) for r in results),
@@ -421,6 +470,7 @@ def report(results: list[Result]) -> None:
         for label, items in (
             ("crashes", r.crashes),
             ("stray changes", r.stray),
+            ("dead GPU imports (read before the port, unread after)", r.dead_gpu),
             ("not compiling", r.not_compiling),
             ("not idempotent", r.not_idempotent),
             ("fully ported, still importing GPU modules", r.still_gpu),

@@ -62,3 +62,17 @@ def test_test_code_is_told_apart_by_path():
         and bench.is_test("benchmarks/b.py")
     )
     assert not bench.is_test("pkg/models/attention.py") and not bench.is_test("pkg/testing_utils.py")
+
+
+def test_a_gpu_import_the_port_left_unread_is_counted_dead():
+    bench = _bench()
+    old = b"from flash_attn import flash_attn_func, flash_attn_varlen_func\nimport xformers.ops as xops\n"
+    old += b"y = flash_attn_func(q, k, v)\nz = xops\n"
+    new = b"from flash_attn import flash_attn_func, flash_attn_varlen_func\nimport xformers.ops as xops\n"
+    new += b"y = flashport_call(q, k, v)\nz = xops\n"
+    # flash_attn_func was read and no longer is; flash_attn_varlen_func was never read (not the
+    # port's doing); xops is still read.
+    assert bench.dead_gpu_imports(old, new, GPU) == ["flash_attn: flash_attn_func (line 1)"]
+    assert bench.dead_gpu_imports(old, old, GPU) == []
+    exported = new + b"__all__ = ['flash_attn_func']\n"
+    assert bench.dead_gpu_imports(old, exported, GPU) == []
