@@ -466,6 +466,11 @@ def report(results: list[Result]) -> None:
     print("\nTop refusal reasons in model code (all packages):")
     for reason, count in reasons.most_common(15):
         print(f"  {count:4d}  {reason}")
+    print("\nRefusals in model code by package (rule and kind: count):")
+    for r in results:
+        if r.refusals:
+            by_rule = collections.Counter(reason.split(":", 1)[0] for reason in r.refusals.elements())
+            print(f"  {r.name}: " + ", ".join(f"{k} {n}" for k, n in sorted(by_rule.items())))
     for r in results:
         for label, items in (
             ("crashes", r.crashes),
