@@ -11,10 +11,12 @@ its meaning could change: feature probes (``callable(f)``, ``inspect.signature(f
 ...)``), ``isinstance``/``issubclass``, identity or equality comparisons, lookups by identity
 (``target=``), monkeypatches (``F.x = wrap(F.x)``), ``__all__``, references inside an import guard
 (``try: ... except ImportError``), a flash-attn version whose signature differs from the drop-in's,
-and APIs whose drop-in does not replicate every call (FA3's return type changed -- except for a value
-passed to ``@functools.wraps``, which only copies its name, docstring and signature --, FA4's drop-in lacks
-mask mods and block sparsity, SDPA's takes rank 4 only) or that have none. Local aliases whose calls can be resolved are ported call by call by the engine
-(:mod:`flashport.rewriter.aliases`).
+and APIs whose drop-in does not replicate every use (FA3's return type changed -- except for a value
+passed to ``@functools.wraps``, which only copies its name, docstring and signature --, FA4's drop-in
+lacks mask mods and block sparsity, SDPA values are wrapped, patched or compared) or that have none.
+Local aliases whose calls can be resolved are ported call by call by the engine
+(:mod:`flashport.rewriter.aliases`; a module-level SDPA alias whose every read is a ported call gets
+the SDPA drop-in: :func:`call_drop_in`).
 """
 
 from __future__ import annotations
@@ -100,10 +102,26 @@ _INEXACT = {  # drop-ins that serve explicit calls but do not replicate every ca
         "moved between releases; the callers of a value are out of sight"
     ),
     SDPA: (
-        "the SDPA drop-in takes rank-4 inputs only, and SDPA values are mostly wrapped, patched or "
-        "looked up by identity (SDPA itself runs on every host)"
+        "SDPA values are mostly wrapped, patched or looked up by identity, which the drop-in would "
+        "change (SDPA itself runs on every host)"
     ),
 }
+_EXACT_FOR_CALLS = (SDPA,)  # of those, drop-ins that do replicate every call (not identity or patching)
+
+
+def call_drop_in(api: str, alias: str) -> Rewrite | None:
+    """The drop-in for a module-level alias ``alias = <api>`` whose every read in its file is a call
+    that was ported, when flashport's drop-in replicates every *call* of ``api`` (SDPA's, at every
+    rank) though values of ``api`` stay (:data:`_INEXACT`): the alias is then only reached by the
+    modules that import it, and they call it. None otherwise."""
+    module, name = family(api), api.rsplit(".", 1)[-1]
+    if module not in _EXACT_FOR_CALLS or name not in _PROVIDES[module]:
+        return None
+    note = (
+        f"module-level alias {alias}: every read of it in this file is a ported call; modules that "
+        f"import it now call flashport's drop-in {module}.{name} (same signature and semantics)"
+    )
+    return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
 
 
 FA3 = "flashport.integrations.flash_attn3_compat"
