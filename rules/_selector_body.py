@@ -92,6 +92,11 @@ def _bound_with(node: cst.CSTNode, ctx) -> cst.With | str:
     up = _node_context.parent(node, ctx)
     if isinstance(up, cst.IfExp) and node is not up.test:
         node, up = up, _node_context.parent(up, ctx)
+    if isinstance(up, cst.Return):
+        return (
+            "returned by its function, not used as a `with` item here: the `with` statements of its "
+            "callers (other functions or modules) and what runs under them are out of sight"
+        )
     if not (
         isinstance(up, cst.Assign)
         and up.value is node
