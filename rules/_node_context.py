@@ -116,9 +116,9 @@ def _reads(node: cst.CSTNode, name: str) -> int:
 
 def _normalizes(guard: cst.BaseStatement, name: str) -> bool:
     """True when ``guard`` (the statement right after ``name = <call>``) turns a tuple in ``name``
-    into one of its items and leaves a non-tuple alone, so the code after it never sees a tuple:
+    into its first item and leaves a non-tuple alone, so the code after it never sees a tuple:
     ``return name[0] if isinstance(name, tuple) else name``, or ``if isinstance(name, tuple):``
-    (no ``else``) whose body ends in ``return ...`` or ``name = name[<i>]``."""
+    (no ``else``) whose body ends in ``return name[0]`` or ``name = name[0]``."""
     if isinstance(guard, cst.SimpleStatementLine) and len(guard.body) == 1:
         ret = guard.body[0]
         value = ret.value if isinstance(ret, cst.Return) else None
@@ -148,14 +148,22 @@ def _normalizes(guard: cst.BaseStatement, name: str) -> bool:
 
 
 def _item_of(node: cst.BaseExpression | None, name: str) -> bool:
-    """True for ``name[<i>]``."""
-    return isinstance(node, cst.Subscript) and isinstance(node.value, cst.Name) and node.value.value == name
+    """True for ``name[0]`` (the attention output of an ``(out, lse, ...)`` tuple)."""
+    return (
+        isinstance(node, cst.Subscript)
+        and isinstance(node.value, cst.Name)
+        and node.value.value == name
+        and len(node.slice) == 1
+        and isinstance(node.slice[0].slice, cst.Index)
+        and isinstance(node.slice[0].slice.value, cst.Integer)
+        and node.slice[0].slice.value.value == "0"
+    )
 
 
 def tuple_normalized(call: cst.Call, ctx: RuleContext) -> bool:
     """True when the call's result works the same whether the call returns a tensor or a tuple:
-    it is assigned to a plain name (``out = f(...)``) whose next statement keeps only an item of a
-    tuple (:func:`_normalizes`, e.g. ``if isinstance(out, tuple): return out[0]``). Code written
+    it is assigned to a plain name (``out = f(...)``) whose next statement keeps only the first item
+    of a tuple (:func:`_normalizes`, e.g. ``if isinstance(out, tuple): return out[0]``). Code written
     for both of an API's return conventions (FA3 before and after 2025-07-11) does this."""
     node = locate(call, ctx)
     assign = parent(node, ctx) if node is not None else None

@@ -102,3 +102,18 @@ def test_wrappers_that_do_not_normalize_stay():
     assert "no drop-in for FA3's flash_attn_with_kvcache" in sites[(14, "refused")]
     assert "return_softmax_lse= is not a parameter" in sites[(18, "refused")]
     assert not [key for key in sites if key[1] == "rewrite"]
+
+
+def test_a_wrapper_that_keeps_another_item_stays():
+    sites = _sites(
+        """
+        from flash_attn_interface import flash_attn_func
+
+        def lse_only(*args, **kwargs):
+            out = flash_attn_func(*args, **kwargs)
+            if isinstance(out, tuple):
+                out = out[1]
+            return out
+        """
+    )
+    assert "does not normalize the result" in sites[(5, "refused")]
