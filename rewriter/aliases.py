@@ -15,7 +15,8 @@ Otherwise it stays (module-level aliases always do: another module may import th
 this file are still ported), and where the rule has a drop-in that replicates the API exactly its
 value becomes that drop-in (``attn = flashport.integrations.flash_attn_compat.flash_attn_func``), so
 the calls that were not ported and every importer run on flashport too -- unless a call through it
-was suppressed. Attributes (``self.fn = flash_attn_func``), dispatch tables and
+was suppressed. A module-level alias whose every read is a ported call also gets a drop-in that
+only replicates calls (SDPA's: :func:`flashport.rules._values.call_drop_in`), for its importers. Attributes (``self.fn = flash_attn_func``), dispatch tables and
 ``functools.partial`` are not aliases: their calls cannot be resolved, so the value itself goes to
 the drop-in or is reported with the reason (:mod:`flashport.rules._values`).
 """
@@ -72,12 +73,27 @@ class Alias:
         """Every read of a function-local alias is a call that was rewritten."""
         return self.local and self.uses > 0 and self.rewritten == self.uses
 
+    def only_ported_calls(self) -> bool:
+        """A module-level alias whose every read in the file is a call that was ported (none
+        suppressed): only importers in other modules still reach its value."""
+        return (
+            not self.local
+            and self.uses > 0
+            and self.calls == self.uses == self.rewritten
+            and not self.suppressed
+        )
+
     def reason(self) -> str:
         """Why the alias statement stays (for its site)."""
         if not self.local:
+            values = (
+                f"; {self.uses - self.calls} of its {self.uses} reads here are not calls"
+                if self.calls < self.uses
+                else ""
+            )
             return (
                 f"module-level alias {self.name} = {self.api.rsplit('.', 1)[-1]} kept: another module may import it "
-                f"({self.rewritten} of {self.calls} calls through it in this file were ported)"
+                f"({self.rewritten} of {self.calls} calls through it in this file were ported{values})"
             )
         if self.calls < self.uses:
             return (

@@ -38,6 +38,7 @@ from flashport.rewriter import aliases, newsyntax, suppress
 from flashport.rewriter.names import Names
 from flashport.rewriter.positions import Span, line_positions
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
+from flashport.rules._values import call_drop_in
 from flashport.rules.base import (
     Outcome,
     Refusal,
@@ -462,6 +463,8 @@ class SiteTransformer(cst.CSTTransformer):
             outcome: Outcome = Report(alias.own_reason or alias.reason())
             dropped = _drop_alias(original, updated, alias.statement) if alias.removable() else None
             swapped = None
+            if dropped is None and alias.drop_in is None and alias.only_ported_calls():
+                alias.drop_in = call_drop_in(alias.api, alias.name)
             if dropped is None and alias.drop_in is not None and not alias.suppressed:
                 swapped = _drop_alias(original, updated, alias.statement, alias.drop_in.node)
             if dropped is not None:

@@ -17,6 +17,8 @@ from flashport.rules import _flash_attn as fa
 from flashport.rules import _node_context
 from flashport.rules.base import (
     Refuse,
+    Rewrite,
+    dotted,
     is_none,
     is_zero,
     literal_bool,
@@ -107,4 +109,47 @@ def returns_tuple(call: cst.Call, ctx, flag: cst.BaseExpression | None, flag_nam
     return usage == "tuple"
 
 
-__all__ = ["common", "dropped_notes", "fa4_window", "is_zero", "refuse_set", "returns_tuple"]
+FA3_COMPAT = "flashport.integrations.flash_attn3_compat"
+
+
+def fa3_splat_drop_in(call: cst.Call, ctx, function: str) -> Rewrite | None:
+    """A FA3 call with a ``*args``/``**kwargs`` splat (a thin wrapper ``def f(*args, **kwargs):
+    out = fa3(*args, **kwargs)``) on flashport's FA3 drop-in of the same name, which binds the
+    arguments at run time; None without a splat.
+
+    The drop-in takes FA3's signature after 2025-07-11. Arguments bound by an older release's
+    positions land on the drop-in's FP8/``qv``/``seqused`` parameters (which raise
+    ``NotImplementedError``) or keep their meaning; older keyword names raise ``TypeError``. The
+    return type is the one thing a splat cannot tell (``(out, lse)`` before 2025-07-11, ``out``
+    after), so the result must be normalized right after the call
+    (:func:`flashport.rules._node_context.tuple_normalized`).
+
+    Raises:
+      Refuse: for a splat whose result is used in any other way.
+    """
+    if not any(arg.star for arg in call.args):
+        return None
+    if not _node_context.tuple_normalized(call, ctx):
+        raise Refuse(
+            "*args/**kwargs splat: flashport's FA3 drop-in would bind it at run time, but FA3 returned "
+            "(out, lse) before 2025-07-11 and out after, and the code does not normalize the result "
+            "(`out = f(*args, **kwargs)` then `if isinstance(out, tuple): return out[0]`)"
+        )
+    note = (
+        f"drop-in {function} (FA3's signature): a *args/**kwargs splat is bound at run time; the result "
+        "is normalized with isinstance(..., tuple), so FA3's return-type change does not matter"
+    )
+    return Rewrite(
+        call.with_changes(func=dotted(f"{FA3_COMPAT}.{function}")), imports=(FA3_COMPAT,), notes=(note,)
+    )
+
+
+__all__ = [
+    "common",
+    "dropped_notes",
+    "fa3_splat_drop_in",
+    "fa4_window",
+    "is_zero",
+    "refuse_set",
+    "returns_tuple",
+]

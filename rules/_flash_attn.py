@@ -241,15 +241,17 @@ COMPAT = "flashport.integrations.flash_attn_compat"
 def varlen_drop_in(
     call: cst.Call, bound: dict[str, cst.Arg], ctx: RuleContext, leading: int
 ) -> Rewrite | None:
-    """A varlen call whose dropout may be non-zero, or that reads a paged KV cache (``block_table``),
-    on flashport's drop-in of the same name (``flash_attn_compat.flash_attn_varlen_func``...,
-    flash-attn's signature, dropout passed to the contract, pages gathered through
-    ``block_table``): ``flashport.varlen_attention`` has neither. The call keeps its arguments, so
-    evaluation order and comments are unchanged.
+    """A varlen call whose dropout may be non-zero, that reads a paged KV cache (``block_table``) or
+    adds ALiBi (``alibi_slopes``), on flashport's drop-in of the same name
+    (``flash_attn_compat.flash_attn_varlen_func``..., flash-attn's signature, dropout passed to the
+    contract, pages gathered through ``block_table``, ALiBi added per sequence as flash-attn's
+    kernel adds it): ``flashport.varlen_attention`` has none of them. The call keeps its arguments,
+    so evaluation order and comments are unchanged.
 
     Returns None when the usual rewrite applies (no dropout or dropped by ``--inference``, no
-    ``block_table``) or when the usual refusal should name the blocker (ALiBi,
-    ``return_attn_probs``, flash-attn 2.0's top-left causal, which the 2.x drop-ins do not follow).
+    ``block_table``, no ALiBi) or when the usual refusal should name the blocker
+    (``return_attn_probs`` with dropout, flash-attn 2.0's top-left causal, which the 2.x drop-ins
+    do not follow).
 
     Raises:
       Refuse: for 2.x positional arguments after ``dropout_p`` (their order changed between releases).
@@ -257,16 +259,18 @@ def varlen_drop_in(
     node = bound["dropout_p"].value if "dropout_p" in bound else None
     live = not (node is None or is_zero(node) or (training_gated_zero(node) and ctx.options.inference))
     paged = "block_table" in bound and not is_none(bound["block_table"].value)
-    if not (live or paged):
+    alibi = "alibi_slopes" in bound and not is_none(bound["alibi_slopes"].value)
+    if not (live or paged or alibi):
         return None
     probs = bound["return_attn_probs"].value if "return_attn_probs" in bound else None
-    if "alibi_slopes" in bound and not is_none(bound["alibi_slopes"].value):
-        return None
-    if probs is not None and literal_bool(probs) is not False:
-        return None
+    if probs is not None and literal_bool(probs) is not False and (live or not alibi):
+        return None  # S_dmask with dropout is not reproduced; without dropout probs_drop_in takes it
     if not is_fa1(ctx.qualified_name) and ctx.options.flash_attn_version < (2, 1):
         return None
-    what = f"dropout_p={ctx.code(node)}" if live and node is not None else "block_table (paged KV cache)"
+    if live and node is not None:
+        what = f"dropout_p={ctx.code(node)}"
+    else:
+        what = "alibi_slopes (ALiBi)" if alibi else "block_table (paged KV cache)"
     positional = sum(1 for arg in call.args if arg.keyword is None)
     if not is_fa1(ctx.qualified_name) and positional > leading + 1:
         raise Refuse(
@@ -274,7 +278,14 @@ def varlen_drop_in(
             "2.8's argument order; pass the arguments after dropout_p by keyword"
         )
     function = ctx.qualified_name.rsplit(".", 1)[-1]
-    passed = "dropout_p passed to the contract" if live else "pages gathered through block_table"
+    if live:
+        passed = "dropout_p passed to the contract"
+    else:
+        passed = (
+            "ALiBi added per sequence as flash-attn's kernel adds it"
+            if alibi
+            else "pages gathered through block_table"
+        )
     note = f"drop-in {function} (flash-attn's signature; {passed}): flashport.varlen_attention does not take {what.split('=')[0]}"
     return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
 
@@ -351,8 +362,8 @@ def probs_drop_in(
     (its kernel refuses the probabilities otherwise and the Python wrapper returns an empty tensor),
     so without dropout its ``(out, softmax_lse, S_dmask)`` is reproduced exactly: the drop-in returns
     the same empty tensor. None when the flag is absent or literally False, when ``dropout_p`` may be
-    non-zero (the refusal stands), for ALiBi on a varlen call (its drop-in has none) and for the
-    flash-attn 1.x names."""
+    non-zero (the refusal stands), for ALiBi on a varlen call (:func:`varlen_drop_in` decides those)
+    and for the flash-attn 1.x names."""
     probs = bound["return_attn_probs"].value if "return_attn_probs" in bound else None
     dropout = bound["dropout_p"].value if "dropout_p" in bound else None
     if probs is None or literal_bool(probs) is False or is_fa1(ctx.qualified_name):

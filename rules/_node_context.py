@@ -86,6 +86,108 @@ def result_usage(call: cst.Call, ctx: RuleContext) -> str:
     return _usage_of(node, ctx) if node is not None else "unknown"
 
 
+def _tuple_test(test: cst.BaseExpression, name: str) -> bool:
+    """True for ``isinstance(<name>, tuple)``."""
+    return (
+        isinstance(test, cst.Call)
+        and isinstance(test.func, cst.Name)
+        and test.func.value == "isinstance"
+        and len(test.args) == 2
+        and not any(a.star or a.keyword for a in test.args)
+        and isinstance(test.args[0].value, cst.Name)
+        and test.args[0].value.value == name
+        and isinstance(test.args[1].value, cst.Name)
+        and test.args[1].value.value == "tuple"
+    )
+
+
+def _reads(node: cst.CSTNode, name: str) -> int:
+    """How many times ``name`` occurs in ``node`` (any context)."""
+    found: list[cst.Name] = []
+
+    class _Names(cst.CSTVisitor):
+        def visit_Name(self, inner: cst.Name) -> None:
+            if inner.value == name:
+                found.append(inner)
+
+    node.visit(_Names())
+    return len(found)
+
+
+def _normalizes(guard: cst.BaseStatement, name: str) -> bool:
+    """True when ``guard`` (the statement right after ``name = <call>``) turns a tuple in ``name``
+    into its first item and leaves a non-tuple alone, so the code after it never sees a tuple:
+    ``return name[0] if isinstance(name, tuple) else name``, or ``if isinstance(name, tuple):``
+    (no ``else``) whose body ends in ``return name[0]`` or ``name = name[0]``."""
+    if isinstance(guard, cst.SimpleStatementLine) and len(guard.body) == 1:
+        ret = guard.body[0]
+        value = ret.value if isinstance(ret, cst.Return) else None
+        return (
+            isinstance(value, cst.IfExp)
+            and _tuple_test(value.test, name)
+            and isinstance(value.orelse, cst.Name)
+            and value.orelse.value == name
+            and _item_of(value.body, name)
+        )
+    if not (isinstance(guard, cst.If) and guard.orelse is None and _tuple_test(guard.test, name)):
+        return False
+    body = guard.body.body
+    last = body[-1] if body else None
+    if not (isinstance(last, cst.SimpleStatementLine) and len(last.body) == 1):
+        return False
+    small = last.body[0]
+    if isinstance(small, cst.Return):
+        return small.value is not None and _item_of(small.value, name)
+    return (
+        isinstance(small, cst.Assign)
+        and len(small.targets) == 1
+        and isinstance(small.targets[0].target, cst.Name)
+        and small.targets[0].target.value == name
+        and _item_of(small.value, name)
+    )
+
+
+def _item_of(node: cst.BaseExpression | None, name: str) -> bool:
+    """True for ``name[0]`` (the attention output of an ``(out, lse, ...)`` tuple)."""
+    return (
+        isinstance(node, cst.Subscript)
+        and isinstance(node.value, cst.Name)
+        and node.value.value == name
+        and len(node.slice) == 1
+        and isinstance(node.slice[0].slice, cst.Index)
+        and isinstance(node.slice[0].slice.value, cst.Integer)
+        and node.slice[0].slice.value.value == "0"
+    )
+
+
+def tuple_normalized(call: cst.Call, ctx: RuleContext) -> bool:
+    """True when the call's result works the same whether the call returns a tensor or a tuple:
+    it is assigned to a plain name (``out = f(...)``) whose next statement keeps only the first item
+    of a tuple (:func:`_normalizes`, e.g. ``if isinstance(out, tuple): return out[0]``). Code written
+    for both of an API's return conventions (FA3 before and after 2025-07-11) does this."""
+    node = locate(call, ctx)
+    assign = parent(node, ctx) if node is not None else None
+    if not (
+        isinstance(assign, cst.Assign)
+        and assign.value is node
+        and len(assign.targets) == 1
+        and isinstance(assign.targets[0].target, cst.Name)
+    ):
+        return False
+    name = assign.targets[0].target.value
+    line = parent(assign, ctx)
+    block = parent(line, ctx)
+    if not (isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1):
+        return False
+    if not isinstance(block, (cst.IndentedBlock, cst.Module)):
+        return False
+    statements = list(block.body)
+    index = next((i for i, s in enumerate(statements) if s is line), None)
+    if index is None or index + 1 >= len(statements) or _reads(assign.value, name):
+        return False
+    return _normalizes(statements[index + 1], name)
+
+
 def simple(node: cst.BaseExpression) -> bool:
     """True for expressions that are cheap and side-effect free to evaluate twice (names,
     attributes, subscripts of those with literal/name indices)."""

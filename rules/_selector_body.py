@@ -87,10 +87,16 @@ def _qualified(func, bindings) -> str:
 def _bound_with(node: cst.CSTNode, ctx) -> cst.With | str:
     """The ``with`` statement that uses a selector bound to a local name first:
     ``context = sdpa_kernel(...) [if c else nullcontext()]`` then ``with context:``. The name must be
-    assigned once in the enclosing function and read once, as that ``with``'s only item; else why not."""
+    assigned once in the enclosing function and read once, as that ``with``'s only item (a nested
+    ``def`` with its own variable of that name does not count: :func:`_binds_locally`); else why not."""
     up = _node_context.parent(node, ctx)
     if isinstance(up, cst.IfExp) and node is not up.test:
         node, up = up, _node_context.parent(up, ctx)
+    if isinstance(up, cst.Return):
+        return (
+            "returned by its function, not used as a `with` item here: the `with` statements of its "
+            "callers (other functions or modules) and what runs under them are out of sight"
+        )
     if not (
         isinstance(up, cst.Assign)
         and up.value is node
@@ -110,6 +116,9 @@ def _bound_with(node: cst.CSTNode, ctx) -> cst.With | str:
             if inner.value == name:
                 names.append(inner)
 
+        def visit_FunctionDef(self, inner: cst.FunctionDef) -> bool:
+            return not _binds_locally(inner, name)  # its own variable of that name is another one
+
         def visit_With(self, inner: cst.With) -> None:
             if len(inner.items) == 1 and isinstance(inner.items[0].item, cst.Name):
                 if inner.items[0].item.value == name and inner.items[0].asname is None:
@@ -119,6 +128,48 @@ def _bound_with(node: cst.CSTNode, ctx) -> cst.With | str:
     if len(names) != 2 or len(withs) != 1:
         return f"bound to {name}, which is not used exactly once as a `with` item in this function"
     return withs[0]
+
+
+def _binds_locally(function: cst.FunctionDef, name: str) -> bool:
+    """True when a nested ``def`` has its own local ``name``: a parameter of that name, or a plain
+    assignment ``name = ...`` in its own body (not in a deeper ``def``/``lambda``/``class``), and no
+    ``nonlocal name`` / ``global name`` in it. Its reads of ``name`` are then not the enclosing
+    function's variable. Any other binding form counts as not local (the caller then stays
+    conservative and counts the nested reads)."""
+    params = function.params
+    every = [
+        *params.posonly_params,
+        *params.params,
+        *params.kwonly_params,
+        params.star_arg,
+        params.star_kwarg,
+    ]
+    found = {"param": any(isinstance(p, cst.Param) and p.name.value == name for p in every)}
+
+    class _Own(cst.CSTVisitor):
+        def visit_FunctionDef(self, inner: cst.FunctionDef) -> bool:
+            return False
+
+        def visit_Lambda(self, inner: cst.Lambda) -> bool:
+            return False
+
+        def visit_ClassDef(self, inner: cst.ClassDef) -> bool:
+            return False
+
+        def visit_Assign(self, inner: cst.Assign) -> None:
+            if any(isinstance(t.target, cst.Name) and t.target.value == name for t in inner.targets):
+                found["assign"] = True
+
+        def visit_Nonlocal(self, inner: cst.Nonlocal) -> None:
+            if any(n.name.value == name for n in inner.names):
+                found["shared"] = True
+
+        def visit_Global(self, inner: cst.Global) -> None:
+            if any(n.name.value == name for n in inner.names):
+                found["shared"] = True
+
+    function.body.visit(_Own())
+    return (found["param"] or found.get("assign", False)) and not found.get("shared", False)
 
 
 def neutral_selector(call: cst.Call, ctx, sdpa_rule) -> Rewrite | str:

@@ -11,9 +11,12 @@ its meaning could change: feature probes (``callable(f)``, ``inspect.signature(f
 ...)``), ``isinstance``/``issubclass``, identity or equality comparisons, lookups by identity
 (``target=``), monkeypatches (``F.x = wrap(F.x)``), ``__all__``, references inside an import guard
 (``try: ... except ImportError``), a flash-attn version whose signature differs from the drop-in's,
-and APIs whose drop-in does not replicate every call (FA3's return type changed, FA4's drop-in lacks
-mask mods and block sparsity, SDPA's takes rank 4 only) or that have none. Local aliases whose calls can be resolved are ported call by call by the engine
-(:mod:`flashport.rewriter.aliases`).
+and APIs whose drop-in does not replicate every use (FA3's return type changed -- except for a value
+passed to ``@functools.wraps``, which only copies its name, docstring and signature --, FA4's drop-in
+lacks mask mods and block sparsity, SDPA values are wrapped, patched or compared) or that have none.
+Local aliases whose calls can be resolved are ported call by call by the engine
+(:mod:`flashport.rewriter.aliases`; a module-level SDPA alias whose every read is a ported call gets
+the SDPA drop-in: :func:`call_drop_in`).
 """
 
 from __future__ import annotations
@@ -99,16 +102,45 @@ _INEXACT = {  # drop-ins that serve explicit calls but do not replicate every ca
         "moved between releases; the callers of a value are out of sight"
     ),
     SDPA: (
-        "the SDPA drop-in takes rank-4 inputs only, and SDPA values are mostly wrapped, patched or "
-        "looked up by identity (SDPA itself runs on every host)"
+        "SDPA values are mostly wrapped, patched or looked up by identity, which the drop-in would "
+        "change (SDPA itself runs on every host)"
     ),
 }
+_EXACT_FOR_CALLS = (SDPA,)  # of those, drop-ins that do replicate every call (not identity or patching)
 
 
-def drop_in(api: str, ctx: RuleContext) -> tuple[str, str] | str:
-    """``(module, function)`` of the drop-in that replicates ``api`` at the configured versions,
-    or why there is none."""
+def call_drop_in(api: str, alias: str) -> Rewrite | None:
+    """The drop-in for a module-level alias ``alias = <api>`` whose every read in its file is a call
+    that was ported, when flashport's drop-in replicates every *call* of ``api`` (SDPA's, at every
+    rank) though values of ``api`` stay (:data:`_INEXACT`): the alias is then only reached by the
+    modules that import it, and they call it. None otherwise."""
     module, name = family(api), api.rsplit(".", 1)[-1]
+    if module not in _EXACT_FOR_CALLS or name not in _PROVIDES[module]:
+        return None
+    note = (
+        f"module-level alias {alias}: every read of it in this file is a ported call; modules that "
+        f"import it now call flashport's drop-in {module}.{name} (same signature and semantics)"
+    )
+    return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
+
+
+FA3 = "flashport.integrations.flash_attn3_compat"
+_FA3_NAMES = ("flash_attn_func", "flash_attn_varlen_func")
+
+
+def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[str, str] | str:
+    """``(module, function)`` of the drop-in that replicates ``api`` at the configured versions,
+    or why there is none. ``metadata_only``: the value is only read for its name, docstring and
+    signature (``functools.wraps``), so FA3's return-type change does not matter."""
+    module, name = family(api), api.rsplit(".", 1)[-1]
+    if (
+        metadata_only
+        and api.startswith(("flash_attn_interface", "flash_attn_3", "hopper"))
+        and name in _FA3_NAMES
+    ):
+        return FA3, name
+    if api.startswith(("flash_attn_interface", "flash_attn_3", "hopper")) and name not in _FA3_NAMES:
+        return f"flashport has no drop-in for FA3's {name}"
     if api.startswith(("flash_attn_interface", "flash_attn_3", "hopper")):
         return (
             "FlashAttention-3 changed its return type on 2025-07-11 (out vs (out, lse)) and the "
@@ -178,7 +210,7 @@ def _catches_import_error(handler: cst.ExceptHandler) -> bool:
 def answer(node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
     """The outcome for a source API used as a value: a rewrite to its drop-in (the note says how the
     value is used), or a report saying why it stays."""
-    found = drop_in(ctx.qualified_name, ctx)
+    found = drop_in(ctx.qualified_name, ctx, metadata_only=copied_by_wraps(ctx))
     why = probe(ctx)
     if why is not None:
         return Report(f"{why}: not a call to port; kept")
@@ -189,10 +221,30 @@ def answer(node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
     return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
 
 
+def copied_by_wraps(ctx: RuleContext) -> bool:
+    """True when the value is the only argument of a ``@functools.wraps(<value>)`` decorator: wraps
+    never calls it, it copies its name, docstring, module and ``__wrapped__`` (the signature
+    ``inspect.signature`` shows) onto the decorated wrapper."""
+    path = list(ctx.ancestors)
+    if len(path) < 3 or not isinstance(path[0], cst.Arg) or path[0].keyword is not None or path[0].star:
+        return False
+    call, decorator = path[1], path[2]
+    return (
+        isinstance(call, cst.Call)
+        and len(call.args) == 1
+        and _callee(call.func) in ("functools.wraps", "wraps")
+        and isinstance(decorator, cst.Decorator)
+    )
+
+
 def describe(node: cst.BaseExpression, ctx: RuleContext) -> str:
     """A few words on how ``node`` (a source API as a value) is used."""
     path = list(ctx.ancestors)
     up = path[0] if path else None
+    if copied_by_wraps(ctx):
+        return (
+            "copied by @functools.wraps(...) (its name, docstring and signature only; wraps never calls it)"
+        )
     if isinstance(up, cst.DictElement):
         return "entry of a dispatch table"
     if isinstance(up, cst.Element):

@@ -24,13 +24,14 @@ Dropout:
   is not a training-gated one dropped by ``--inference``) keeps its arguments and calls the drop-in
   of the same name, ``flashport.integrations.flash_attn_compat.<function>`` (flash-attn's signature
   and semantics; ``dropout_p`` goes to ``flashport.torch.attention``). Not with flash-attn 2.0
-  (top-left causal), ALiBi or ``return_attn_probs``; 2.x positional arguments after ``dropout_p``
-  are refused (their order changed between releases). A paged KV cache (``block_table``) and a
+  (top-left causal) or ``return_attn_probs``; 2.x positional arguments after ``dropout_p``
+  are refused (their order changed between releases). ALiBi (``alibi_slopes``; the drop-in adds
+  flash-attn's bias per sequence, one dense call each), a paged KV cache (``block_table``) and a
   ``*args``/``**kwargs`` splat (``flash_attn_varlen_func(**flash_kwargs)``, bound at run time) go to
   the same drop-in (it gathers the pages through ``block_table``).
 
 What it refuses:
-  dropout the drop-in cannot take (see Dropout), ALiBi, ``return_attn_probs`` with a dropout that
+  dropout the drop-in cannot take (see Dropout), ``return_attn_probs`` with a dropout that
   may be non-zero (without dropout the call goes to the drop-in, as in FPA001), unknown arguments.
 
 Example::

@@ -16,8 +16,8 @@ Semantics mapping:
   name gets ``align="top_left"`` (1.x causal is top-left, as FPA004).
 
 What it refuses:
-  as FPA004 (dropout and splats go to the drop-in as there; ALiBi,
-  ``return_attn_probs``, unknown arguments), and a ``cu_seqlens``
+  as FPA004 (dropout, ALiBi and splats go to the drop-in as there;
+  ``return_attn_probs`` with dropout, unknown arguments), and a ``cu_seqlens``
   expression that is not a plain name/attribute/subscript (it would be evaluated twice).
 
 Example::

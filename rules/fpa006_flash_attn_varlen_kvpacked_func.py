@@ -17,8 +17,8 @@ Semantics mapping:
   name gets ``align="top_left"``.
 
 What it refuses:
-  as FPA004 (dropout and splats go to the drop-in as there): ALiBi,
-  ``return_attn_probs``, unknown arguments.
+  as FPA004 (dropout, ALiBi and splats go to the drop-in as there): ``return_attn_probs`` with
+  dropout, unknown arguments.
 
 Example::
 

@@ -181,6 +181,13 @@ def cache_is_dead(call: cst.Call, names: list[str], ctx) -> str | None:
     return None
 
 
+NO_FA3_DROP_IN = (
+    "flashport has no drop-in for FA3's flash_attn_with_kvcache (page_table, varlen decode and qv "
+    "have no portable equivalent, and releases differ in what return_softmax_lse=True returns), so "
+    "arguments known only at run time cannot be checked"
+)
+
+
 @register
 class FlashAttnWithKVCache(Rule):
     """Rewrite ``flash_attn_with_kvcache`` to a functional call where the in-place update is not relied on."""
@@ -205,6 +212,8 @@ class FlashAttnWithKVCache(Rule):
             splat = fa.splat_drop_in(call, ctx)
             if splat is not None:
                 return splat
+        elif any(arg.star for arg in call.args):
+            raise Refuse(f"*args/**kwargs splat: {NO_FA3_DROP_IN}")
         if sum(1 for a in call.args if a.keyword is None and not a.star) > len(POSITIONAL):
             raise Refuse(
                 "arguments after v must be passed by keyword: their positions changed between releases"

@@ -17,10 +17,16 @@ Semantics mapping:
   ``False`` or the result is only used as a tensor. ``num_splits``, ``pack_gqa``, ``sm_margin``,
   ``deterministic``, ``gqa_parallel`` are dropped (kernel tuning).
 
+  A call with a ``*args``/``**kwargs`` splat (a thin wrapper ``def f(*args, **kwargs)``) goes to the
+  drop-in ``flashport.integrations.flash_attn3_compat.flash_attn_func`` (FA3's signature, bound at
+  run time) when the wrapper normalizes the result right after the call (``out = f(*args,
+  **kwargs)`` then ``return out[0] if isinstance(out, tuple) else out``, or ``if isinstance(out,
+  tuple):`` ending in ``return out[0]`` / ``out = out[0]``): it then works with either return type.
+
 What it refuses:
   ``qv``, FP8 ``*_descale`` arguments, non-zero ``attention_chunk``, ``sink_token_length``,
   positional arguments after ``causal``, a result whose expected type cannot be told (e.g.
-  ``return flash_attn_func(...)``), splats, unknown arguments.
+  ``return flash_attn_func(...)``), splats whose result is not normalized, unknown arguments.
 
 Example::
 
@@ -100,6 +106,9 @@ class FA3FlashAttnFunc(Rule):
 
     def check_call(self, call, ctx):
         """Bind the stable prefix, refuse FA3-only features, pick the return type from the use."""
+        splat = _fa3_fa4_common.fa3_splat_drop_in(call, ctx, "flash_attn_func")
+        if splat is not None:
+            return splat
         _fa3_fa4_common.positional_limit(
             call,
             len(POSITIONAL),

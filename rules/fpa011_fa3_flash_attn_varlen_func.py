@@ -10,11 +10,18 @@ Semantics mapping:
   window bottom-right **per sequence**; ``max_seqlen_*`` and tuning arguments are dropped. Only the
   seven leading parameters may be positional (``seqused_q/k`` were inserted after them later).
 
+  A thin wrapper's splat call (``out = f(*args, **kwargs)`` normalized by ``isinstance(out,
+  tuple)`` right after it, as FPA010) goes to the drop-in
+  ``flashport.integrations.flash_attn3_compat.flash_attn_varlen_func``, and the function passed to
+  ``@functools.wraps(...)`` (only its name, docstring and signature are copied) becomes that drop-in.
+
 What it refuses:
   ``seqused_q``/``seqused_k`` (per-sequence used lengths inside padded buffers), ``qv``, FP8
   descales, non-zero ``attention_chunk``, a result used as ``(out, lse)`` or
   ``return_attn_probs`` that is not literally False (``varlen_attention`` has no lse), a result whose
-  type cannot be told, positional arguments after ``max_seqlen_k``, splats, unknown arguments.
+  type cannot be told, positional arguments after ``max_seqlen_k``, splats whose result is not
+  normalized, ``return_softmax_lse=`` (a parameter of sgl-kernel's and other vendors' builds of
+  ``flash_attn_interface``, not of FA3's), unknown arguments.
 
 Example::
 
@@ -51,6 +58,15 @@ class FA3FlashAttnVarlenFunc(Rule):
 
     def check_call(self, call, ctx):
         """Bind the stable prefix, refuse seqused/lse uses, map like FPA004."""
+        if any(arg.keyword is not None and arg.keyword.value == "return_softmax_lse" for arg in call.args):
+            raise Refuse(
+                "return_softmax_lse= is not a parameter of FlashAttention-3's flash_attn_varlen_func "
+                "(sgl-kernel's and other vendors' builds of flash_attn_interface take it and return "
+                "(out, lse, *rest)): another API, not ported"
+            )
+        splat = _fa3_fa4_common.fa3_splat_drop_in(call, ctx, "flash_attn_varlen_func")
+        if splat is not None:
+            return splat
         signature = Signature(POSITIONAL, ("seqused_q", "seqused_k", "softmax_scale", "causal") + KEYWORDS)
         _fa3_fa4_common.positional_limit(
             call,

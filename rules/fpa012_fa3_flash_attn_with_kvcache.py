@@ -16,8 +16,9 @@ What it refuses:
   everything FPA007 ports to its FA2 drop-in instead (in-place update that may be relied on, rotary,
   ``cache_batch_idx``, ``cache_leftpad``, non-literal ``return_softmax_lse``: FA3's signature
   differs, so there is no drop-in here), everything FPA007 refuses, plus FA3's ``page_table`` (paged cache), ``qv``, FP8 descales,
-  ``cu_seqlens_q`` / ``cu_seqlens_k_new`` / ``max_seqlen_q`` / ``rotary_seqlens`` (varlen decode) and
-  non-zero ``attention_chunk``.
+  ``cu_seqlens_q`` / ``cu_seqlens_k_new`` / ``max_seqlen_q`` / ``rotary_seqlens`` (varlen decode),
+  non-zero ``attention_chunk``, and ``*args``/``**kwargs`` splats and values (there is no FA3 cache
+  drop-in to bind them at run time).
 
 Example::
 

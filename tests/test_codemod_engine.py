@@ -171,7 +171,7 @@ def test_imports_partial_removal_dead_guard_removed_and_flashport_added_once():
 
         def f(q, k, v, kv, kw):
             a = flash_attn_func(q, k, v)
-            b = flash_attn_varlen_func(q, k, v, kw, kw, 1, 1, alibi_slopes=kw)  # refused: varlen ALiBi
+            b = flash_attn_varlen_func(q, k, v, kw, kw, 1, 1, kw, return_attn_probs=True)  # refused: S_dmask of dropout
             c = flash_attn_kvpacked_func(q, kv)
             return a, b, c
     """)

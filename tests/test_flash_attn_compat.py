@@ -144,6 +144,47 @@ def varlen_reference(q, k, v, cu_q, cu_k, top_left=False, **kwargs):
 CU_Q, CU_K = torch.tensor([0, 2, 5, 6], dtype=torch.int32), torch.tensor([0, 4, 7, 11], dtype=torch.int32)
 
 
+def varlen_alibi_reference(q, k, v, slopes, causal):
+    """flash-attn's varlen ALiBi: ``-slope * |i + Sk_b - Sq_b - j|`` within each sequence (positions
+    restart per sequence); ``slopes`` [H] or [B, H]."""
+    want = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+    want_lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float64)
+    for b in range(len(CU_Q) - 1):
+        qs, ks = slice(int(CU_Q[b]), int(CU_Q[b + 1])), slice(int(CU_K[b]), int(CU_K[b + 1]))
+        sq, sk = qs.stop - qs.start, ks.stop - ks.start
+        slope = slopes[b] if slopes.ndim == 2 else slopes
+        o, s = reference(
+            q[None, qs],
+            k[None, ks],
+            v[None, ks],
+            allowed=band(sq, sk, causal),
+            bias=lambda _b, h, i, j, sq=sq, sk=sk, slope=slope: -float(slope[h]) * abs(i + sk - sq - j),
+        )
+        want[qs], want_lse[:, qs] = o[0], s[0]
+    return want, want_lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_varlen_alibi_per_sequence(causal, per_batch):
+    """The varlen drop-ins add ALiBi per sequence, as flash-attn's kernel does."""
+    q, k, v = rand(7, 2, 8), rand(11, 2, 8, seed=1), rand(11, 2, 8, seed=2)
+    slopes = torch.tensor([[0.5, 0.25], [1.0, 0.125], [0.75, 2.0]])
+    slopes = slopes if per_batch else slopes[1]
+    want, want_lse = varlen_alibi_reference(q, k, v, slopes, causal)
+    out, lse, _ = fa.flash_attn_varlen_func(
+        q, k, v, CU_Q, CU_K, 3, 4, causal=causal, alibi_slopes=slopes, return_attn_probs=True
+    )
+    close(out, want)
+    if not causal:  # causal: the kernel adds slope * j, the same softmax with a per-row shifted lse
+        close(lse[:, :6], want_lse[:, :6])
+    assert bool(torch.isinf(lse[:, 6]).all()) and not out[6].any()  # the padding row past cu_q[-1]
+    packed = fa.flash_attn_varlen_kvpacked_func(
+        q, torch.stack([k, v], 1), CU_Q, CU_K, 3, 4, causal=causal, alibi_slopes=slopes
+    )
+    close(packed, want)
+
+
 @pytest.mark.parametrize(
     "kwargs", [dict(causal=True), dict(window_size=(1, 0), softmax_scale=0.5), dict()], ids=str
 )
@@ -496,6 +537,34 @@ def test_varlen_call_with_dropout_is_ported_to_the_drop_in():
     a, b = namespace["attend"](q, k, v, CU_Q, CU_K, False, 0.3)
     close(a, varlen_reference(q, k, v, CU_Q, CU_K, causal=True)[0])
     close(b, varlen_reference(q, k, v, CU_Q, CU_K)[0])
+
+
+def test_varlen_alibi_call_is_ported_to_the_drop_in():
+    """FPA004 sends a varlen call with ALiBi (colossalai's inference prefill) to the drop-in."""
+    import textwrap
+
+    from flashport import rules as registry
+    from flashport.rewriter.engine import transform_source
+    from flashport.rules.base import RuleOptions
+
+    source = textwrap.dedent("""
+        from flash_attn import flash_attn_varlen_func
+
+        def prefill(q, k, v, cu_q, cu_k, slopes):
+            return flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=4,
+                dropout_p=0.0, softmax_scale=None, causal=True, alibi_slopes=slopes,
+            )
+    """)
+    result = transform_source(source.encode(), "alibi.py", registry.all_rules(), RuleOptions())
+    assert [s.status for s in result.sites] == ["rewrite"], result.sites
+    code = result.new.decode()
+    assert "flash_attn_compat.flash_attn_varlen_func(" in code and "from flash_attn" not in code
+    namespace: dict = {}
+    exec(compile(code, "alibi.py", "exec"), namespace)
+    q, k, v = rand(7, 2, 8), rand(11, 2, 8, seed=1), rand(11, 2, 8, seed=2)
+    slopes = torch.tensor([0.5, 0.25])
+    close(namespace["prefill"](q, k, v, CU_Q, CU_K, slopes), varlen_alibi_reference(q, k, v, slopes, True)[0])
 
 
 def test_alibi_and_out_of_order_dropout_calls_are_ported_to_the_drop_in():

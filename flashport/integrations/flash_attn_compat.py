@@ -399,6 +399,43 @@ def varlen_core(
     return (result[0][0], result[1][0]) if return_lse else result[0]
 
 
+def _varlen_alibi(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *, block_table, return_lse, **options):
+    """:func:`varlen_core` with flash-attn's ALiBi (``alibi_slopes`` [H] or [B, H]): one dense call
+    per sequence with its own bias (:func:`_alibi_bias` over that sequence's S_q, S_k), so memory
+    stays O(sum of S_q * S_k), never total_q x total_k. Rows past ``cu_seqlens_q[-1]`` are 0 (lse -inf)."""
+    import torch
+
+    import flashport.torch
+
+    if block_table is not None:
+        k, v = _paged(k, block_table, cu_seqlens_k), _paged(v, block_table, cu_seqlens_k)
+    cu_q, cu_k = (c.tolist() for c in (cu_seqlens_q, cu_seqlens_k))
+    out = q.new_zeros(*q.shape[:2], v.shape[-1])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    causal = options.pop("causal")
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.start == rows.stop:
+            continue
+        slopes = alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
+        bias = _alibi_bias(slopes, rows.stop - rows.start, keys.stop - keys.start, causal, q.device)
+        result = flashport.torch.attention(
+            q[None, rows],
+            k[None, keys],
+            v[None, keys],
+            causal=causal,
+            bias=bias,
+            layout="BSHD",
+            return_lse=return_lse,
+            **{name: value for name, value in options.items() if name != "dropout_p"},
+            **_dropout(options["dropout_p"]),
+        )
+        out[rows] = (result[0] if return_lse else result)[0]
+        if return_lse:
+            lse[:, rows] = result[1][0]
+    return (out, lse) if return_lse else out
+
+
 def _varlen(
     q,
     k,
@@ -416,14 +453,7 @@ def _varlen(
     align="bottom_right",
 ):
     """The flash-attn 1/2 varlen functions' common body (flash-attn's lse convention)."""
-    if alibi_slopes is not None:
-        raise NotImplementedError("flash_attn_varlen_*: alibi_slopes is not supported by flashport's drop-in")
-    result = varlen_core(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
+    options = dict(
         scale=softmax_scale,
         causal=causal,
         window=_window(window_size),
@@ -433,6 +463,12 @@ def _varlen(
         return_lse=bool(return_attn_probs),
         block_table=block_table,
     )
+    if alibi_slopes is not None:
+        if align != "bottom_right":
+            raise NotImplementedError("flash_attn_unpadded_*: alibi_slopes did not exist in flash-attn 1.x")
+        result = _varlen_alibi(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, **options)
+    else:
+        result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
     if return_attn_probs:
         return result[0], _lse_like_flash_attn(result[1]), _s_dmask(q, dropout_p)
     return result

@@ -6,7 +6,10 @@ The codemod (FPA101) rewrites an SDPA call whose arguments it can see into an ex
 :func:`scaled_dot_product_attention` here, which takes SDPA's signature (torch 2.5+) and applies the
 same mapping when it runs:
 
-* layout ``[B, H, S, E]`` -> ``layout="BHSD"`` (rank 4 only: the contract has no extra batch dims);
+* layout ``[B, H, S, E]`` -> ``layout="BHSD"``; SDPA's other ranks ``(..., L, E)`` (every dim before
+  ``L`` a batch dim, ``-3`` the one ``enable_gqa`` groups) are brought to rank 4 around the call --
+  leading dims of size 1 added (rank 2, 3), or the dims before ``-3`` flattened into one (rank 5+,
+  key/value/mask broadcast to the query's batch dims first) -- and the output gets the query's;
 * ``is_causal`` is top-left (``tril(ones(L, S))``) -> ``causal=True, align="top_left"``;
 * ``attn_mask``: boolean (True = attend) -> ``mask``, float (additive) -> ``bias``;
 * ``scale`` (None = ``1/sqrt(E)``) -> ``scale``; ``dropout_p`` -> ``dropout_p`` (same meaning,
@@ -48,7 +51,14 @@ def scaled_dot_product_attention(
             f"scaled_dot_product_attention: query has {query.shape[-3]} heads and key {key.shape[-3]}; "
             "pass enable_gqa=True for grouped-query attention"
         )
-    return flashport.torch.attention(
+    if query.ndim < 2 or key.ndim != query.ndim or value.ndim != query.ndim:
+        raise RuntimeError(
+            "scaled_dot_product_attention: query, key and value must have the same rank (>= 2), got "
+            f"{query.ndim}, {key.ndim} and {value.ndim}"
+        )
+    rank, rows = query.ndim, tuple(query.shape[:-1])
+    query, key, value, attn_mask = _rank4(query, key, value, attn_mask)
+    out = flashport.torch.attention(
         query,
         key,
         value,
@@ -59,3 +69,20 @@ def scaled_dot_product_attention(
         **sdpa_mask(attn_mask),
         **({"dropout_p": dropout_p} if dropout_p else {}),
     )
+    return out if rank == 4 else out.reshape(*rows, out.shape[-1])
+
+
+def _rank4(query, key, value, attn_mask):
+    """SDPA inputs of any rank as ``[B, H, S, E]`` (and a mask that broadcasts to the scores)."""
+    rank = query.ndim
+    if rank == 4:
+        return query, key, value, attn_mask
+    if rank < 4:
+        pad = (1,) * (4 - rank)
+        return (*(x.reshape(*pad, *x.shape) for x in (query, key, value)), attn_mask)
+    lead = tuple(query.shape[:-3])
+    key, value = (x.expand(*lead, *x.shape[-3:]) for x in (key, value))
+    if attn_mask is not None and attn_mask.ndim > 3:
+        attn_mask = attn_mask.reshape(*(1,) * (rank - attn_mask.ndim), *attn_mask.shape)
+        attn_mask = attn_mask.expand(*lead, *attn_mask.shape[-3:]).reshape(-1, *attn_mask.shape[-3:])
+    return (*(x.reshape(-1, *x.shape[-3:]) for x in (query, key, value)), attn_mask)

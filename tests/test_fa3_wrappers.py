@@ -1,0 +1,119 @@
+"""Thin FlashAttention-3 wrappers (``def f(*args, **kwargs): out = fa3(*args, **kwargs)``) port to
+flashport's FA3 drop-in only when the wrapper normalizes FA3's two return conventions itself; the
+ported wrapper is executed against float64 references of the FA3 API (FA2 semantics, FA3's
+argument order)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from flashport import rules as registry
+from flashport.rewriter.engine import transform_source
+from flashport.rules.base import RuleOptions
+
+torch = pytest.importorskip("torch")
+
+from ported_code import port_and_run, rand  # noqa: E402
+from torch_semantics_reference import flash_attn_ref, flash_attn_varlen_ref  # noqa: E402
+
+WRAPPERS = """
+import functools
+
+from flash_attn_interface import flash_attn_func as _fa3_func
+from flash_attn_interface import flash_attn_varlen_func as _fa3_varlen
+
+
+@functools.wraps(_fa3_varlen)
+def flash_attn_varlen_func(*args, **kwargs):
+    output = _fa3_varlen(*args, **kwargs)
+    if isinstance(output, tuple):
+        # for FA3 before 2025-07-11
+        return output[0]
+    return output
+
+
+def flash_attn_func(*args, **kwargs):
+    out = _fa3_func(*args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+"""
+
+
+def close(got, want, atol=2e-5):
+    assert torch.allclose(got.double(), want, atol=atol), float((got.double() - want).abs().max())
+
+
+def test_normalizing_wrappers_port_and_compute_fa3():
+    namespace, code = port_and_run(WRAPPERS, "call")
+    assert "flash_attn3_compat.flash_attn_varlen_func(*args, **kwargs)" in code
+    assert "@functools.wraps(flashport.integrations.flash_attn3_compat.flash_attn_varlen_func)" in code
+    q, k, v = rand(2, 5, 4, 8), rand(2, 7, 2, 8, seed=1), rand(2, 7, 2, 8, seed=2)
+    want = flash_attn_ref(q, k, v, causal=True, softmax_scale=0.3)
+    # FA3's 4th positional is softmax_scale; the wrapper returns out even when lse is asked for
+    close(namespace["flash_attn_func"](q, k, v, 0.3, True), want)
+    close(namespace["flash_attn_func"](q, k, v, softmax_scale=0.3, causal=True, return_attn_probs=True), want)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    qp, kp, vp = rand(5, 4, 8, seed=3), rand(9, 2, 8, seed=4), rand(9, 2, 8, seed=5)
+    want = flash_attn_varlen_ref(qp, kp, vp, cu_q, cu_k, causal=True, window_size=(2, -1))
+    got = namespace["flash_attn_varlen_func"](qp, kp, vp, cu_q, cu_k, 3, 5, causal=True, window_size=(2, -1))
+    close(got, want)
+    got = namespace["flash_attn_varlen_func"](
+        q=qp, k=kp, v=vp, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=5,
+        causal=True, window_size=(2, -1), return_attn_probs=True,
+    )  # fmt: skip
+    close(got, want)
+    # an older release's positions land on FA3-only parameters of the drop-in: loud, not silent
+    with pytest.raises(NotImplementedError):
+        namespace["flash_attn_func"](q, k, v, 0.3, True, None, None, None, (-1, -1))
+
+
+def _sites(source: str):
+    result = transform_source(
+        textwrap.dedent(source).encode(), "case.py", registry.all_rules(), RuleOptions()
+    )
+    return {(s.line, s.status): s.reason for s in result.sites}
+
+
+def test_wrappers_that_do_not_normalize_stay():
+    sites = _sites(
+        """
+        from flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        def passthrough(*args, **kwargs):
+            return flash_attn_varlen_func(*args, **kwargs)
+
+        def keeps_tuple(*args, **kwargs):
+            out = flash_attn_varlen_func(*args, **kwargs)
+            if isinstance(out, tuple):
+                return out
+            return out
+
+        def cache(*args, **kwargs):
+            out = flash_attn_with_kvcache(*args, **kwargs)
+            return out[0] if isinstance(out, tuple) else out
+
+        def vendor(q, k, v, cu, m, **kwargs):
+            return flash_attn_varlen_func(q, k, v, cu, cu, m, m, return_softmax_lse=True, **kwargs)
+        """
+    )
+    assert "does not normalize the result" in sites[(5, "refused")]
+    assert "does not normalize the result" in sites[(8, "refused")]
+    assert "no drop-in for FA3's flash_attn_with_kvcache" in sites[(14, "refused")]
+    assert "return_softmax_lse= is not a parameter" in sites[(18, "refused")]
+    assert not [key for key in sites if key[1] == "rewrite"]
+
+
+def test_a_wrapper_that_keeps_another_item_stays():
+    sites = _sites(
+        """
+        from flash_attn_interface import flash_attn_func
+
+        def lse_only(*args, **kwargs):
+            out = flash_attn_func(*args, **kwargs)
+            if isinstance(out, tuple):
+                out = out[1]
+            return out
+        """
+    )
+    assert "does not normalize the result" in sites[(5, "refused")]
