@@ -247,9 +247,22 @@ def run_package(name: str, version: str, cache: str) -> Result:
 _IMPORT_CHECK = r"""
 import importlib, importlib.abc, json, sys, traceback
 GPU = set(sys.argv[2].split(","))  # top-level module names
+def probing():
+    # importlib.util.find_spec up the stack: an availability probe (is_flash_attn_3_available()...)
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "find_spec" and "importlib" in code.co_filename and "util" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 class Blocker(importlib.abc.MetaPathFinder):
+    # A probe gets "not installed" (None: the GPU libraries are absent where this runs, as on a TPU
+    # host); an import gets an error that names the module.
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in GPU:
+        if name.split(".")[0] in GPU and not probing():
             raise ImportError(f"GPU module {name} is blocked")
         return None
 sys.meta_path.insert(0, Blocker())
@@ -261,7 +274,14 @@ for module in sys.argv[3:]:
         out[module] = "ok"
     except BaseException as err:  # noqa: BLE001
         text = "".join(traceback.format_exception_only(type(err), err))
-        out[module] = "gpu" if "is blocked" in text else "dep"
+        if "is blocked" not in text:
+            out[module] = "dep"
+            continue
+        # where the GPU import was attempted: the innermost frame outside importlib
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if "importlib" not in f.filename and f.filename != "<string>"]
+        where = frames[-1] if frames else None
+        place = f"{where.filename.replace(sys.argv[1] + '/', '')}:{where.lineno}" if where else "?"
+        out[module] = f"gpu {place}"
 print(json.dumps(out))
 """
 
@@ -302,8 +322,10 @@ def import_check(result: Result, gpu_modules: tuple[str, ...]) -> None:
         )
         try:
             outcomes = json.loads(done.stdout.strip().splitlines()[-1])
-            result.imports.update(outcomes.values())
-            result.gpu_on_import += [m for m, how in outcomes.items() if how == "gpu"]
+            result.imports.update(how.split()[0] for how in outcomes.values())
+            result.gpu_on_import += [
+                f"{m} (at {how.split(' ', 1)[1]})" for m, how in outcomes.items() if how.startswith("gpu ")
+            ]
         except (json.JSONDecodeError, IndexError):
             result.imports["crash"] += len(modules)
 

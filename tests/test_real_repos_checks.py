@@ -62,3 +62,23 @@ def test_test_code_is_told_apart_by_path():
         and bench.is_test("benchmarks/b.py")
     )
     assert not bench.is_test("pkg/models/attention.py") and not bench.is_test("pkg/testing_utils.py")
+
+
+def test_the_import_check_tells_an_availability_probe_from_an_import_and_says_where(tmp_path):
+    import json
+    import subprocess
+
+    bench = _bench()
+    (tmp_path / "probe.py").write_text(
+        "import importlib.util\n\nHAS_FA3 = importlib.util.find_spec('flash_attn_3') is not None\n"
+    )
+    (tmp_path / "needs.py").write_text("import os\n\nif os.sep:\n    import flash_attn\n")
+    done = subprocess.run(
+        [sys.executable, "-c", bench._IMPORT_CHECK, str(tmp_path), ",".join(bench.BLOCKED), "probe", "needs"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+    # a probe is answered "not installed", as on a host without the GPU libraries; an import is caught
+    assert outcomes == {"probe": "ok", "needs": "gpu needs.py:4"}, done.stderr
