@@ -186,7 +186,9 @@ def _transform(
     for start, end, new_chunk in sorted(replacements, reverse=True):
         lines[start - 1 : end] = [new_chunk]
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
-    new_text = _fix_imports(result, "".join(lines), tree, gpu_modules, transformer.imports, newline)
+    new_text = _fix_imports(
+        result, "".join(lines), tree, gpu_modules, transformer.imports, newline, options.flash_attn_version
+    )
     compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
     if masks:
         try:
@@ -373,12 +375,13 @@ def _fix_imports(
     gpu_modules: tuple[str, ...],
     needed: Iterable[str],
     newline: str,
+    version: tuple[int, ...],
 ) -> str:
     """Drop GPU imports a rewrite made unused and add the imports rewrites need."""
     before = import_edits.name_uses(tree)
     parsed_text = new_text
     parsed: ast.Module | None = ast.parse(new_text)  # one parse for both edits while the text stays
-    new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules, parsed)
+    new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules, parsed, version)
     for module_name in sorted(needed):
         current = parsed if new_text == parsed_text else None
         new_text, added = import_edits.ensure_import(new_text, module_name, newline, current)
