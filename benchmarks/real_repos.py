@@ -16,9 +16,11 @@ Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *
   the share counts ported + as is, and the line under the table gives the ported share alone;
 * refusals by reason (model code);
 * checks on every changed file: it compiles, a second run changes nothing, every changed line is in
-  a rewritten site, an import, or a guard/alias the import clean-up removed ("stray" otherwise);
+  a rewritten site, an import, a guard/alias the import clean-up removed or a ``__version__`` read it
+  pinned ("stray" otherwise);
 * *fully ported* files (every site rewritten or run as is): how many still import a GPU module (``flash_attn``,
-  ``xformers``, ...) statically, and - unless ``--no-import-check`` - whether their module imports
+  ``xformers``, ...) statically, with the codemod's reason for keeping each import (availability
+  probes, code that inspects the installed library, ...: ``FileResult.imports_kept``), and - unless ``--no-import-check`` - whether their module imports
   in a subprocess where GPU modules are blocked (``ok``, ``gpu`` = a GPU import was attempted,
   ``dep`` = another dependency of the package is missing here, so nothing is known);
 * crashes (internal engine errors).
@@ -152,6 +154,12 @@ def _allowed_lines(old: bytes, sites, gpu_modules) -> set[int]:
             allowed.update(span)
         elif isinstance(node, ast.Assign) and node.lineno in alias_lines:
             allowed.update(span)
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "__version__"
+            and isinstance(node.value, ast.Name)
+        ):
+            allowed.update(span)  # a flash-attn version read the import clean-up pins
     return allowed
 
 
@@ -239,7 +247,8 @@ def run_package(name: str, version: str, cache: str) -> Result:
                 out.fully_ported.append((root, relative, result.new))
                 left = gpu_imports(result.new, gpu_modules)
                 if left:
-                    out.still_gpu.append(f"{relative}: {', '.join(sorted(set(left)))}")
+                    why = "".join(f"\n      kept {line}" for line in result.imports_kept)
+                    out.still_gpu.append(f"{relative}: {', '.join(sorted(set(left)))}{why}")
     out.seconds = time.perf_counter() - start
     return out
 

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from flashport.rewriter import astindex, newsyntax, prune, suppress
+from flashport.rewriter import astindex, kept_imports, newsyntax, prune, suppress
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -377,7 +377,8 @@ def _fix_imports(
     newline: str,
     version: tuple[int, ...],
 ) -> str:
-    """Drop GPU imports a rewrite made unused and add the imports rewrites need."""
+    """Drop GPU imports a rewrite made unused, add the imports rewrites need, and say why each GPU
+    import left in place stays (``result.imports_kept``)."""
     before = import_edits.name_uses(tree)
     parsed_text = new_text
     parsed: ast.Module | None = ast.parse(new_text)  # one parse for both edits while the text stays
@@ -388,7 +389,25 @@ def _fix_imports(
         if added:
             result.imports_added.append(module_name)
     result.imports_removed = removed
+    if _imports_any(new_text, gpu_modules):
+        left = ast.parse(new_text)
+        result.imports_kept = kept_imports.explain(
+            left, before, import_edits.name_uses(left), gpu_modules, version
+        )
     return new_text
+
+
+def _imports_any(text: str, modules: tuple[str, ...]) -> bool:
+    """A line of ``text`` may import one of ``modules`` (a cheap test before parsing)."""
+    if not modules:
+        return False
+    names = "|".join(re.escape(m) for m in modules)
+    return (
+        re.search(
+            rf"^[ \t]*(from|import)[ \t]+({names})\b|^[ \t]*import[ \t].*,[ \t]*({names})\b", text, re.M
+        )
+        is not None
+    )
 
 
 def _aliases(header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:

@@ -187,3 +187,32 @@ def test_an_unread_import_under_a_flag_moves_and_lets_the_guard_below_collapse()
         "if HAS_SOFTCAP:\n    from flashport.integrations.flash_attn_compat import flash_attn_func\n" in text
     )
     assert "if USE_DECODE:\n    pass\n" in text and "from flash_attn" not in text
+
+
+def test_every_gpu_import_left_in_place_comes_with_its_reason():
+    source = textwrap.dedent("""\
+        import torch
+
+        def fingerprint():
+            try:
+                import flash_attn as fa
+                return fa.__file__
+            except ImportError:
+                return None
+
+        def installed():
+            try:
+                import flash_attn.cute.interface  # noqa: F401
+            except ImportError:
+                return False
+            return True
+
+        def f(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    """)
+    result = transform_source(source.encode(), "m.py", registry.all_rules(), RuleOptions())
+    assert result.status == "changed"
+    kept = result.imports_kept
+    assert len(kept) == 2, kept
+    assert kept[0].startswith("flash_attn (line 6): reads `fa` itself (fa.__file__)"), kept
+    assert kept[1].startswith("flash_attn.cute.interface (line 13): an availability probe"), kept
