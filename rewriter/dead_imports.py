@@ -252,7 +252,12 @@ def _body(
         elif (imp := _gpu_import(stmt, plan)) is not None:
             dead = _dead_aliases(imp, plan)
             moved = plan.moved(imp)
-            if moved and len(dead) + len(moved) == len(imp.names) and _alone(imp, plan):
+            if (
+                moved
+                and isinstance(imp, ast.ImportFrom)
+                and len(dead) + len(moved) == len(imp.names)
+                and _alone(imp, plan)
+            ):
                 plan.edits.append((imp.lineno, imp.end_lineno or imp.lineno, _moved_lines(imp, moved, plan)))
                 plan.removed.extend(_dotted(imp, a) for a in imp.names)
                 dropped.update(_bound(a) for a in dead)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import ast
 import collections
 
+from flashport.rewriter.source import split_lines
+
 FA2 = "flashport.integrations.flash_attn_compat"
 BERT_PADDING = "flashport.integrations.bert_padding"
 _PUBLIC = frozenset(
@@ -159,26 +161,24 @@ def pin_versions(
         n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
     ]
     up = parents(tree)
-    spans = [up.get(id(n)) for n in reads]
+    spans = [s for n in reads if isinstance(s := up.get(id(n)), ast.Attribute)]
     if (
         not reads
         or not before[name]
-        or not all(
-            isinstance(s, ast.Attribute) and s.attr == "__version__" and s.lineno == s.end_lineno
-            for s in spans
-        )
+        or len(spans) != len(reads)
+        or not all(s.attr == "__version__" and s.lineno == s.end_lineno for s in spans)
     ):
         return text
     probes, exports = probe_reads(tree, up), exported(tree)
     for node in imports:
         if not _gone_or_moved(node, name, before, after, (probes, exports), gpu_modules, version):
             return text  # a GPU import stays: it may depend on the version the host really has
-    lines = text.splitlines(keepends=True)
+    lines = split_lines(text)
     literal = '"' + ".".join(map(str, version)) + '"'
     for span in sorted(spans, key=lambda s: (s.lineno, s.col_offset), reverse=True):
         raw = lines[span.lineno - 1].encode("utf-8")
         lines[span.lineno - 1] = (
-            raw[: span.col_offset] + literal.encode() + raw[span.end_col_offset :]
+            raw[: span.col_offset] + literal.encode() + raw[span.end_col_offset or span.col_offset :]
         ).decode("utf-8")
     return "".join(lines)
 
@@ -196,8 +196,9 @@ def _gone_or_moved(node, pinned, before, after, seen, gpu_modules, version) -> b
             continue
         if bound == pinned or (before[bound] and not after[bound]):
             continue
+        probes, exports = seen
         if isinstance(node, ast.ImportFrom) and target(
-            module, alias.name, bound, before, after, *seen, True, version
+            module, alias.name, bound, before, after, probes, exports, True, version
         ):
             continue
         return False

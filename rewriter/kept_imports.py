@@ -47,7 +47,9 @@ def explain(
     }
     out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "level", 0):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or (
+            isinstance(node, ast.ImportFrom) and node.level
+        ):
             continue
         for alias in node.names:
             if isinstance(node, ast.Import):
