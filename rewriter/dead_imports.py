@@ -40,7 +40,7 @@ import collections
 import dataclasses
 import re
 
-from flashport.rewriter import drop_in_imports
+from flashport.rewriter import astindex, drop_in_imports
 from flashport.rewriter.source import split_lines
 
 _PROBE_CALL = re.compile(r"(available|find_spec|^is_|^has_)", re.I)
@@ -114,9 +114,9 @@ def remove_dead(
       The new text and the dotted names removed.
     """
     plan = _Plan(split_lines(text), before, after, gpu_modules, version)
-    plan.probes = drop_in_imports.probe_reads(tree, drop_in_imports.parents(tree))
+    plan.probes = drop_in_imports.probe_reads(tree)
     plan.exports = drop_in_imports.exported(tree)
-    plan.in_try = {id(s) for n in ast.walk(tree) if isinstance(n, _TRY) for s in n.body}
+    plan.in_try = {id(s) for n in astindex.of_type(tree, *_TRY) if isinstance(n, _TRY) for s in n.body}
     plan.gpu_import_count = _count_gpu_imports(tree, plan)
     _body(tree.body, plan, public=True, drop_aliases=drop_aliases)
     lines = plan.lines
@@ -166,13 +166,13 @@ def _gpu_import(node: ast.stmt, plan: _Plan) -> _Import | None:
     return None
 
 
-def _count_gpu_imports(node: ast.AST, plan: _Plan) -> int:
-    """How many GPU import statements ``node`` holds, at any depth, that keep a name still read
-    (dead ones go in this pass)."""
+def _count_gpu_imports(node: ast.Module, plan: _Plan) -> int:
+    """How many GPU import statements the file ``node`` holds, at any depth, that keep a name still
+    read (dead ones go in this pass, moved ones become flashport imports)."""
     return sum(
         (imp := _gpu_import(n, plan)) is not None
         and len(_dead_aliases(imp, plan)) + len(plan.moved(imp)) < len(imp.names)
-        for n in ast.walk(node)
+        for n in astindex.of_type(node, ast.Import, ast.ImportFrom)
         if isinstance(n, ast.stmt)
     )
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import collections
 
+from flashport.rewriter import astindex
 from flashport.rewriter.source import split_lines
 
 FA2 = "flashport.integrations.flash_attn_compat"
@@ -62,7 +63,6 @@ DROP_INS: dict[str, tuple[str, frozenset[str]]] = {
 }
 _SIGNATURE_FROM = (2, 6)  # the drop-ins' public signatures are flash-attn's from 2.6 on (2.8.3's)
 _UNPAD_FROM = (2, 7)  # unpad_input returns five values from 2.7 on (the drop-in's)
-_TESTS = (ast.If, ast.While, ast.IfExp, ast.Assert)
 
 
 def parents(tree: ast.AST) -> dict[int, ast.AST]:
@@ -70,30 +70,28 @@ def parents(tree: ast.AST) -> dict[int, ast.AST]:
     return {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
 
 
-def probe_reads(tree: ast.AST, up: dict[int, ast.AST]) -> collections.Counter:
+def probe_reads(tree: ast.AST) -> collections.Counter:
     """How often each name is read only to test whether it is there: ``name is None`` / ``is not
     None``, or its truth in an ``if``/``while``/``assert`` test (through ``not``, ``and``, ``or``)."""
     probes: collections.Counter = collections.Counter()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and _probed(node, up):
-            probes[node.id] += 1
+    for node in astindex.of_type(tree, ast.Compare, ast.If, ast.While, ast.IfExp, ast.Assert):
+        if isinstance(node, ast.Compare):
+            if len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)):
+                pair = (node.left, node.comparators[0])
+                for this, other in (pair, pair[::-1]):
+                    if isinstance(this, ast.Name) and isinstance(other, ast.Constant) and other.value is None:
+                        probes[this.id] += 1
+            continue
+        tests = [node.test]  # type: ignore[attr-defined]
+        while tests:
+            test = tests.pop()
+            if isinstance(test, ast.Name):
+                probes[test.id] += 1
+            elif isinstance(test, ast.BoolOp):
+                tests.extend(test.values)
+            elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+                tests.append(test.operand)
     return probes
-
-
-def _probed(node: ast.expr, up: dict[int, ast.AST]) -> bool:
-    parent = up.get(id(node))
-    if (
-        isinstance(parent, ast.Compare)
-        and len(parent.ops) == 1
-        and isinstance(parent.ops[0], (ast.Is, ast.IsNot))
-    ):
-        other = parent.comparators[0] if parent.left is node else parent.left
-        return isinstance(other, ast.Constant) and other.value is None
-    while isinstance(parent, (ast.BoolOp, ast.UnaryOp)):
-        if isinstance(parent, ast.UnaryOp) and not isinstance(parent.op, ast.Not):
-            return False
-        node, parent = parent, up.get(id(parent))
-    return isinstance(parent, _TESTS) and getattr(parent, "test", None) is node
 
 
 def target(
@@ -126,7 +124,7 @@ def target(
 def exported(tree: ast.Module) -> collections.Counter:
     """The names listed in ``__all__`` (as :func:`flashport.rewriter.imports.name_uses` counts them)."""
     names: collections.Counter = collections.Counter()
-    for node in ast.walk(tree):
+    for node in astindex.of_type(tree, ast.Assign):
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
         ):
@@ -146,7 +144,11 @@ def pin_versions(
 ) -> str:
     """``text`` with every ``flash_attn.__version__`` read replaced by the release the port was
     written for, where that makes ``import flash_attn`` dead (module doc); else ``text`` itself."""
-    imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    imports = [
+        n
+        for n in astindex.of_type(tree, ast.Import, ast.ImportFrom)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    ]
     bound = {
         a.asname or a.name
         for n in imports
@@ -157,19 +159,23 @@ def pin_versions(
     if len(bound) != 1:
         return text
     (name,) = bound
-    reads = [
-        n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+    reads = sum(
+        isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+        for n in astindex.of_type(tree, ast.Name)
+    )
+    spans = [
+        n
+        for n in astindex.of_type(tree, ast.Attribute)
+        if isinstance(n, ast.Attribute)
+        and n.attr == "__version__"
+        and isinstance(n.value, ast.Name)
+        and n.value.id == name
+        and isinstance(n.ctx, ast.Load)
+        and n.lineno == n.end_lineno
     ]
-    up = parents(tree)
-    spans = [s for n in reads if isinstance(s := up.get(id(n)), ast.Attribute)]
-    if (
-        not reads
-        or not before[name]
-        or len(spans) != len(reads)
-        or not all(s.attr == "__version__" and s.lineno == s.end_lineno for s in spans)
-    ):
+    if not reads or not before[name] or len(spans) != reads:
         return text
-    probes, exports = probe_reads(tree, up), exported(tree)
+    probes, exports = probe_reads(tree), exported(tree)
     for node in imports:
         if not _gone_or_moved(node, name, before, after, (probes, exports), gpu_modules, version):
             return text  # a GPU import stays: it may depend on the version the host really has

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 import collections
 
-from flashport.rewriter import drop_in_imports
+from flashport.rewriter import astindex, drop_in_imports
 
 
 def explain(
@@ -36,17 +36,16 @@ def explain(
     ``before``/``after``: name reads of the original and the rewritten file
     (:func:`flashport.rewriter.imports.name_uses`); ``version``: the flash-attn release ported for.
     """
-    up = drop_in_imports.parents(tree)
-    probes = drop_in_imports.probe_reads(tree, up)
+    probes = drop_in_imports.probe_reads(tree)
     in_try = {  # statements inside a try body, at any depth
         id(inner)
-        for n in ast.walk(tree)
+        for n in astindex.of_type(tree, ast.Try, ast.TryStar)
         if isinstance(n, (ast.Try, ast.TryStar))
         for s in n.body
         for inner in ast.walk(s)
     }
     out: list[tuple[int, str]] = []
-    for node in ast.walk(tree):
+    for node in astindex.of_type(tree, ast.Import, ast.ImportFrom):
         if not isinstance(node, (ast.Import, ast.ImportFrom)) or (
             isinstance(node, ast.ImportFrom) and node.level
         ):
@@ -60,18 +59,18 @@ def explain(
                 continue
             bound = alias.asname or alias.name.split(".")[0]
             if isinstance(node, ast.Import):
-                why = _module_reason(bound, after, id(node) in in_try, tree, up)
+                why = _module_reason(bound, after, id(node) in in_try, tree)
             else:
                 why = _name_reason(bound, (before, after, probes), id(node) in in_try, version)
             out.append((node.lineno, f"{shown} (line {node.lineno}): {why}"))
     return [line for _, line in sorted(out)]
 
 
-def _module_reason(bound, after, in_try, tree, up) -> str:
+def _module_reason(bound, after, in_try, tree) -> str:
     if not after[bound]:
         return _unread(in_try, "the module")
     return (
-        f"reads `{bound}` itself ({_how(bound, tree, up)}): it inspects the installed library, which has"
+        f"reads `{bound}` itself ({_how(bound, tree)}): it inspects the installed library, which has"
         " no flashport counterpart"
     )
 
@@ -98,8 +97,9 @@ def _unread(in_try: bool, what: str) -> str:
     return f"{what} is read nowhere here (imported for its side effects, or re-exported)"
 
 
-def _how(bound: str, tree: ast.Module, up: dict[int, ast.AST]) -> str:
+def _how(bound: str, tree: ast.Module) -> str:
     """A few of the ways ``bound`` is read, as source text."""
+    up = drop_in_imports.parents(tree)
     seen: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id == bound and isinstance(node.ctx, ast.Load):
