@@ -129,15 +129,21 @@ def remove_dead(
 
 
 def _moved_lines(node: ast.ImportFrom, moved: list[tuple[ast.alias, str]], plan: _Plan) -> str:
-    """``from <drop-in> import ...`` for the moved aliases, at ``node``'s indentation."""
+    """``from <drop-in> import ...`` for the moved aliases, at ``node``'s indentation; a comment
+    after the import (``# noqa: F401``) stays on each new line."""
     line = plan.lines[node.lineno - 1]
     indent, newline = line[: node.col_offset], line[len(line.rstrip("\r\n")) :] or "\n"
+    last = plan.lines[(node.end_lineno or node.lineno) - 1].encode("utf-8")
+    comment = last[node.end_col_offset or 0 :].decode("utf-8", "replace").strip()
+    comment = f"  {comment}" if comment.startswith("#") else ""
     by_module: dict[str, list[str]] = {}
     for alias, module in moved:
         by_module.setdefault(module, []).append(
             alias.name if alias.asname in (None, alias.name) else f"{alias.name} as {alias.asname}"
         )
-    return "".join(f"{indent}from {m} import {', '.join(names)}{newline}" for m, names in by_module.items())
+    return "".join(
+        f"{indent}from {m} import {', '.join(names)}{comment}{newline}" for m, names in by_module.items()
+    )
 
 
 def _merged(edits: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
