@@ -16,11 +16,13 @@ Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *
   the share counts ported + as is, and the line under the table gives the ported share alone;
 * refusals by reason (model code);
 * checks on every changed file: it compiles, a second run changes nothing, every changed line is in
-  a rewritten site, an import, or a guard/alias the import clean-up removed ("stray" otherwise);
+  a rewritten site, an import, a guard/alias the import clean-up removed or a ``__version__`` read it
+  pinned ("stray" otherwise);
 * dead GPU imports: a name bound from a GPU module that the original file read and the ported file
   no longer reads (the port should have removed the import);
 * *fully ported* files (every site rewritten or run as is): how many still import a GPU module (``flash_attn``,
-  ``xformers``, ...) statically, and - unless ``--no-import-check`` - whether their module imports
+  ``xformers``, ...) statically, with the codemod's reason for keeping each import (availability
+  probes, code that inspects the installed library, ...: ``FileResult.imports_kept``), and - unless ``--no-import-check`` - whether their module imports
   in a subprocess where GPU modules are blocked (``ok``, ``gpu`` = a GPU import was attempted,
   ``dep`` = another dependency of the package is missing here, so nothing is known);
 * crashes (internal engine errors).
@@ -197,6 +199,12 @@ def _allowed_lines(old: bytes, sites, gpu_modules) -> set[int]:
             allowed.update(span)
         elif isinstance(node, ast.Assign) and node.lineno in alias_lines:
             allowed.update(span)
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "__version__"
+            and isinstance(node.value, ast.Name)
+        ):
+            allowed.update(span)  # a flash-attn version read the import clean-up pins
     return allowed
 
 
@@ -285,7 +293,8 @@ def run_package(name: str, version: str, cache: str) -> Result:
                 out.fully_ported.append((root, relative, result.new))
                 left = gpu_imports(result.new, gpu_modules)
                 if left:
-                    out.still_gpu.append(f"{relative}: {', '.join(sorted(set(left)))}")
+                    why = "".join(f"\n      kept {line}" for line in result.imports_kept)
+                    out.still_gpu.append(f"{relative}: {', '.join(sorted(set(left)))}{why}")
     out.seconds = time.perf_counter() - start
     return out
 
@@ -293,9 +302,22 @@ def run_package(name: str, version: str, cache: str) -> Result:
 _IMPORT_CHECK = r"""
 import importlib, importlib.abc, json, sys, traceback
 GPU = set(sys.argv[2].split(","))  # top-level module names
+def probing():
+    # importlib.util.find_spec up the stack: an availability probe (is_flash_attn_3_available()...)
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "find_spec" and "importlib" in code.co_filename and "util" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 class Blocker(importlib.abc.MetaPathFinder):
+    # A probe gets "not installed" (None: the GPU libraries are absent where this runs, as on a TPU
+    # host); an import gets an error that names the module.
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in GPU:
+        if name.split(".")[0] in GPU and not probing():
             raise ImportError(f"GPU module {name} is blocked")
         return None
 sys.meta_path.insert(0, Blocker())
@@ -307,7 +329,14 @@ for module in sys.argv[3:]:
         out[module] = "ok"
     except BaseException as err:  # noqa: BLE001
         text = "".join(traceback.format_exception_only(type(err), err))
-        out[module] = "gpu" if "is blocked" in text else "dep"
+        if "is blocked" not in text:
+            out[module] = "dep"
+            continue
+        # where the GPU import was attempted: the innermost frame outside importlib
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if "importlib" not in f.filename and f.filename != "<string>"]
+        where = frames[-1] if frames else None
+        place = f"{where.filename.replace(sys.argv[1] + '/', '')}:{where.lineno}" if where else "?"
+        out[module] = f"gpu {place}"
 print(json.dumps(out))
 """
 
@@ -348,8 +377,10 @@ def import_check(result: Result, gpu_modules: tuple[str, ...]) -> None:
         )
         try:
             outcomes = json.loads(done.stdout.strip().splitlines()[-1])
-            result.imports.update(outcomes.values())
-            result.gpu_on_import += [m for m, how in outcomes.items() if how == "gpu"]
+            result.imports.update(how.split()[0] for how in outcomes.values())
+            result.gpu_on_import += [
+                f"{m} (at {how.split(' ', 1)[1]})" for m, how in outcomes.items() if how.startswith("gpu ")
+            ]
         except (json.JSONDecodeError, IndexError):
             result.imports["crash"] += len(modules)
 

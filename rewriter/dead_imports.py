@@ -40,6 +40,7 @@ import collections
 import dataclasses
 import re
 
+from flashport.rewriter import astindex, drop_in_imports
 from flashport.rewriter.source import split_lines
 
 _PROBE_CALL = re.compile(r"(available|find_spec|^is_|^has_)", re.I)
@@ -57,12 +58,38 @@ class _Plan:
     before: collections.Counter
     after: collections.Counter
     gpu_modules: tuple[str, ...]
+    version: tuple[int, ...] = (2, 8, 3)  # the flash-attn release the port was written for
+    probes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    exports: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    in_try: set[int] = dataclasses.field(default_factory=set)  # ids of statements directly in a try body
     gpu_import_count: int = 0  # GPU imports in the rewritten file that keep a name still read
     edits: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)  # 1-based inclusive lines
     removed: list[str] = dataclasses.field(default_factory=list)
 
     def dead(self, name: str) -> bool:
         return bool(self.before[name]) and not self.after[name]
+
+    def moved(self, node: _Import) -> list[tuple[ast.alias, str]]:
+        """The aliases of ``node`` that can come from a flashport drop-in instead, with its module
+        (:func:`flashport.rewriter.drop_in_imports.target`)."""
+        if not isinstance(node, ast.ImportFrom) or node.level:
+            return []
+        found = []
+        for alias in node.names:
+            drop_in = drop_in_imports.target(
+                node.module or "",
+                alias.name,
+                _bound(alias),
+                self.before,
+                self.after,
+                self.probes,
+                self.exports,
+                id(node) in self.in_try,
+                self.version,
+            )
+            if drop_in is not None:
+                found.append((alias, drop_in))
+        return found
 
 
 def remove_dead(
@@ -72,6 +99,7 @@ def remove_dead(
     after: collections.Counter,
     gpu_modules: tuple[str, ...],
     drop_aliases,
+    version: tuple[int, ...] = (2, 8, 3),
 ) -> tuple[str, list[str]]:
     """Drop GPU imports (and their fallbacks) that became dead; see the module docstring.
 
@@ -80,20 +108,53 @@ def remove_dead(
       before, after: name read counts of the original and the rewritten file.
       gpu_modules: module prefixes whose imports may go.
       drop_aliases: ``f(statement_text, names) -> new text | None`` removing aliases from one import.
+      version: the flash-attn release the port was written for (which drop-ins replicate it).
 
     Returns:
       The new text and the dotted names removed.
     """
-    plan = _Plan(split_lines(text), before, after, gpu_modules)
+    plan = _Plan(split_lines(text), before, after, gpu_modules, version)
+    plan.probes = drop_in_imports.probe_reads(tree)
+    plan.exports = drop_in_imports.exported(tree)
+    plan.in_try = {id(s) for n in astindex.of_type(tree, *_TRY) if isinstance(n, _TRY) for s in n.body}
     plan.gpu_import_count = _count_gpu_imports(tree, plan)
     _body(tree.body, plan, public=True, drop_aliases=drop_aliases)
     lines = plan.lines
-    for start, end, new in sorted(plan.edits, reverse=True):
+    for start, end, new in sorted(_merged(plan.edits), reverse=True):
         if new == "" and _blank(lines, start - 2) and _blank(lines, end):
             while start > 1 and _blank(lines, start - 2):  # keep only the blank run below the block
                 start -= 1
         lines[start - 1 : end] = [new] if new else []
     return "".join(lines), plan.removed
+
+
+def _moved_lines(node: ast.ImportFrom, moved: list[tuple[ast.alias, str]], plan: _Plan) -> str:
+    """``from <drop-in> import ...`` for the moved aliases, at ``node``'s indentation; a comment
+    after the import (``# noqa: F401``) stays on each new line."""
+    line = plan.lines[node.lineno - 1]
+    indent, newline = line[: node.col_offset], line[len(line.rstrip("\r\n")) :] or "\n"
+    last = plan.lines[(node.end_lineno or node.lineno) - 1].encode("utf-8")
+    comment = last[node.end_col_offset or 0 :].decode("utf-8", "replace").strip()
+    comment = f"  {comment}" if comment.startswith("#") else ""
+    by_module: dict[str, list[str]] = {}
+    for alias, module in moved:
+        by_module.setdefault(module, []).append(
+            alias.name if alias.asname in (None, alias.name) else f"{alias.name} as {alias.asname}"
+        )
+    return "".join(
+        f"{indent}from {m} import {', '.join(names)}{comment}{newline}" for m, names in by_module.items()
+    )
+
+
+def _merged(edits: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """``edits`` with removals of adjacent lines joined (their blank lines around collapse as one)."""
+    out: list[tuple[int, int, str]] = []
+    for start, end, new in sorted(edits):
+        if out and new == "" and out[-1][2] == "" and out[-1][1] + 1 == start:
+            out[-1] = (out[-1][0], end, "")
+        else:
+            out.append((start, end, new))
+    return out
 
 
 def _blank(lines: list[str], index: int) -> bool:
@@ -111,12 +172,13 @@ def _gpu_import(node: ast.stmt, plan: _Plan) -> _Import | None:
     return None
 
 
-def _count_gpu_imports(node: ast.AST, plan: _Plan) -> int:
-    """How many GPU import statements ``node`` holds, at any depth, that keep a name still read
-    (dead ones go in this pass)."""
+def _count_gpu_imports(node: ast.Module, plan: _Plan) -> int:
+    """How many GPU import statements the file ``node`` holds, at any depth, that keep a name still
+    read (dead ones go in this pass, moved ones become flashport imports)."""
     return sum(
-        (imp := _gpu_import(n, plan)) is not None and len(_dead_aliases(imp, plan)) < len(imp.names)
-        for n in ast.walk(node)
+        (imp := _gpu_import(n, plan)) is not None
+        and len(_dead_aliases(imp, plan)) + len(plan.moved(imp)) < len(imp.names)
+        for n in astindex.of_type(node, ast.Import, ast.ImportFrom)
         if isinstance(n, ast.stmt)
     )
 
@@ -176,8 +238,9 @@ def _body(
     """Plan the removals in one statement list; returns the names whose imports it dropped.
 
     ``pad``: the list must not become empty; ``guarded``: the body of a ``try`` that stays, whose
-    imports may raise on purpose (they lose dead names only); ``fallbacks``: names such a body
-    dropped, whose ``name = None`` style fallbacks in the handlers go too.
+    wholly dead imports must stay (their failure may matter: another GPU import of the file may
+    still fail, or a handler binds a name read elsewhere that only it binds); ``fallbacks``: names
+    such a body dropped, whose ``name = None`` style fallbacks in the handlers go too.
     """
     whole: list[ast.stmt] = []
     dropped: set[str] = set()
@@ -194,6 +257,19 @@ def _body(
             whole.append(stmt)
         elif (imp := _gpu_import(stmt, plan)) is not None:
             dead = _dead_aliases(imp, plan)
+            moved = plan.moved(imp)
+            if (
+                moved
+                and isinstance(imp, ast.ImportFrom)
+                and len(dead) + len(moved) == len(imp.names)
+                and _alone(imp, plan)
+            ):
+                plan.edits.append((imp.lineno, imp.end_lineno or imp.lineno, _moved_lines(imp, moved, plan)))
+                plan.removed.extend(_dotted(imp, a) for a in imp.names)
+                dropped.update(_bound(a) for a in dead)
+                continue
+            # a dead import in a try body that stays: it can no longer fail (flashport stands in for
+            # it), unless another GPU import of the file may still fail there
             if not dead or not _alone(imp, plan) or (guarded and len(dead) == len(imp.names)):
                 continue
             if len(dead) == len(imp.names):
@@ -238,13 +314,44 @@ def _inner(stmt: ast.stmt, plan: _Plan, public: bool, drop_aliases) -> None:
     for field in ("body", "orelse", "finalbody"):
         inner = getattr(stmt, field, None)
         if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-            guarded = field == "body" and isinstance(stmt, _TRY)
+            in_try = field == "body" and isinstance(stmt, _TRY)
+            # a dead import in a try body that stays can no longer fail (flashport stands in for it)
+            guarded = in_try and (bool(plan.gpu_import_count) or not _handlers_idle(stmt, plan))
             found = _body(inner, plan, scope_public, drop_aliases, pad=True, guarded=guarded)
-            dropped.update(found if guarded else ())
+            dropped.update(found if in_try else ())
     for handler in getattr(stmt, "handlers", []) or []:
         _body(handler.body, plan, scope_public, drop_aliases, pad=True, fallbacks=frozenset(dropped))
     for case in getattr(stmt, "cases", []) or []:
         _body(case.body, plan, scope_public, drop_aliases, pad=True)
+
+
+def _handlers_idle(stmt: ast.stmt, plan: _Plan) -> bool:
+    """No handler of ``stmt`` binds a name the rewritten file reads that the ``try`` body (or
+    ``else``) does not bind too: with the import unable to fail, such a name could stay unbound."""
+    success = _names_bound([*getattr(stmt, "body", []), *getattr(stmt, "orelse", [])])
+    handled = _names_bound([s for h in getattr(stmt, "handlers", []) for s in h.body])
+    return all(not plan.after[name] for name in handled - success)
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.comprehension)
+
+
+def _names_bound(body: list[ast.stmt]) -> set[str]:
+    """Names the statements bind in their own scope (not inside a nested def, class, lambda or
+    comprehension)."""
+    names: set[str] = set()
+    stack: list[ast.AST] = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(_bound(a) for a in node.names)
+        if not isinstance(node, _SCOPES):
+            stack.extend(ast.iter_child_nodes(node))
+    return names
 
 
 # ----------------------------------------------------------------------- guarded import blocks

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from flashport.rewriter import astindex, newsyntax, prune, suppress
+from flashport.rewriter import astindex, kept_imports, newsyntax, prune, suppress
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -186,7 +186,9 @@ def _transform(
     for start, end, new_chunk in sorted(replacements, reverse=True):
         lines[start - 1 : end] = [new_chunk]
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
-    new_text = _fix_imports(result, "".join(lines), tree, gpu_modules, transformer.imports, newline)
+    new_text = _fix_imports(
+        result, "".join(lines), tree, gpu_modules, transformer.imports, newline, options.flash_attn_version
+    )
     compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
     if masks:
         try:
@@ -373,19 +375,39 @@ def _fix_imports(
     gpu_modules: tuple[str, ...],
     needed: Iterable[str],
     newline: str,
+    version: tuple[int, ...],
 ) -> str:
-    """Drop GPU imports a rewrite made unused and add the imports rewrites need."""
+    """Drop GPU imports a rewrite made unused, add the imports rewrites need, and say why each GPU
+    import left in place stays (``result.imports_kept``)."""
     before = import_edits.name_uses(tree)
     parsed_text = new_text
     parsed: ast.Module | None = ast.parse(new_text)  # one parse for both edits while the text stays
-    new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules, parsed)
+    new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules, parsed, version)
     for module_name in sorted(needed):
         current = parsed if new_text == parsed_text else None
         new_text, added = import_edits.ensure_import(new_text, module_name, newline, current)
         if added:
             result.imports_added.append(module_name)
     result.imports_removed = removed
+    if _imports_any(new_text, gpu_modules):
+        left = ast.parse(new_text)
+        result.imports_kept = kept_imports.explain(
+            left, before, import_edits.name_uses(left), gpu_modules, version
+        )
     return new_text
+
+
+def _imports_any(text: str, modules: tuple[str, ...]) -> bool:
+    """A line of ``text`` may import one of ``modules`` (a cheap test before parsing)."""
+    if not modules:
+        return False
+    names = "|".join(re.escape(m) for m in modules)
+    return (
+        re.search(
+            rf"^[ \t]*(from|import)[ \t]+({names})\b|^[ \t]*import[ \t].*,[ \t]*({names})\b", text, re.M
+        )
+        is not None
+    )
 
 
 def _aliases(header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:

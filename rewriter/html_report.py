@@ -128,7 +128,9 @@ def _summary(info: dict, shown: Sequence[FileResult], anchors: dict, written) ->
         counts = {s: sum(site.status == s for site in result.sites) for s in SITE_STATUSES}
         status = result.status + (" (written)" if result.path in written else "")
         imports = ", ".join(
-            [f"+{m}" for m in result.imports_added] + [f"-{m}" for m in result.imports_removed]
+            [f"+{m}" for m in result.imports_added]
+            + [f"-{m}" for m in result.imports_removed]
+            + [f"kept {m}" for m in result.imports_kept]
         )
         out.append(
             f'<tr><td><a href="#{anchors[result.path]}">{_e(result.path)}</a></td>'

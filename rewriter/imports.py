@@ -17,7 +17,7 @@ import sys
 
 import libcst as cst
 
-from flashport.rewriter import astindex, dead_imports
+from flashport.rewriter import astindex, dead_imports, drop_in_imports
 from flashport.rewriter.source import split_lines
 
 
@@ -41,17 +41,26 @@ def remove_unused(
     before: collections.Counter,
     gpu_modules: tuple[str, ...],
     tree: ast.Module | None = None,
+    version: tuple[int, ...] = (2, 8, 3),
 ) -> tuple[str, list[str]]:
     """Drop GPU imports whose bound names were read in ``before`` and are unread now, at every
     scope, with the ``try``/``if`` guards and fallbacks that only existed for them
-    (:mod:`flashport.rewriter.dead_imports`). ``tree``: ``ast.parse(text)`` when the caller has it.
+    (:mod:`flashport.rewriter.dead_imports`); pin ``flash_attn.__version__`` reads to ``version``
+    (the flash-attn release the port was written for) and point imports whose names are only
+    probed or re-exported at flashport's drop-ins where that frees the file of the GPU library
+    (:mod:`flashport.rewriter.drop_in_imports`). ``tree``: ``ast.parse(text)`` when the caller has it.
 
-    Returns the new text and the dotted names removed.
+    Returns the new text and the dotted names removed (or moved to a drop-in).
     """
     if not gpu_modules:
         return text, []
     tree = tree if tree is not None else ast.parse(text)
-    return dead_imports.remove_dead(text, tree, before, name_uses(tree), gpu_modules, _drop_aliases)
+    after = name_uses(tree)
+    pinned = drop_in_imports.pin_versions(text, tree, before, after, gpu_modules, version)
+    if pinned != text:
+        text, tree = pinned, ast.parse(pinned)
+        after = name_uses(tree)
+    return dead_imports.remove_dead(text, tree, before, after, gpu_modules, _drop_aliases, version)
 
 
 def _drop_aliases(stmt_text: str, names: set[str]) -> str | None:

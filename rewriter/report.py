@@ -21,6 +21,7 @@ version)::
       "files": [                                  # files that were parsed, changed or failed
         {"path": str, "status": "unchanged" | "changed" | "error", "error": str | null,
          "written": bool, "imports_added": [str], "imports_removed": [str],
+         "imports_kept": [str],                   # GPU imports left in place, "<module> (line N): <why>"
          "diff": str | null}                      # unified diff (rewrite only), a/ b/ prefixes
       ],
       "summary": {"files_scanned": int, "files_parsed": int, "files_changed": int,
@@ -109,6 +110,7 @@ def to_json(
                 "written": result.path in written,
                 "imports_added": list(result.imports_added),
                 "imports_removed": list(result.imports_removed),
+                "imports_kept": list(result.imports_kept),
                 "diff": (unified_diff(result) or None) if command == "rewrite" else None,
             }
         )

@@ -61,6 +61,9 @@ class FileResult:
       error: one-line error for ``status == "error"`` (syntax error, undecodable, internal).
       parsed: whether the file passed the byte prefilter and was parsed.
       imports_added / imports_removed: import edits made (for the report).
+      imports_kept: ``"<module> (line N): <reason>"`` for each GPU import a rewrite left in place (N:
+        its line in the rewritten file)
+        (:mod:`flashport.rewriter.kept_imports`).
     """
 
     path: str
@@ -72,4 +75,5 @@ class FileResult:
     parsed: bool = False
     imports_added: list[str] = dataclasses.field(default_factory=list)
     imports_removed: list[str] = dataclasses.field(default_factory=list)
+    imports_kept: list[str] = dataclasses.field(default_factory=list)
     size: int = 0

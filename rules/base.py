@@ -11,7 +11,10 @@ the engine asks about each libcst node whose *qualified name* (resolved by libcs
 * :meth:`Rule.check_string` for string literals listed in :attr:`Rule.STRINGS` (config switches).
 
 Rules never touch imports or files themselves; the engine adds ``import flashport`` once, drops GPU
-imports that became unused (:attr:`Rule.GPU_MODULES`) and keeps guarded imports.
+imports that became unused (:attr:`Rule.GPU_MODULES`, :mod:`flashport.rewriter.dead_imports`),
+points names left only probed or re-exported at flashport's drop-ins and pins ``flash_attn.__version__``
+reads (:mod:`flashport.rewriter.drop_in_imports`), and reports why each GPU import it keeps stays
+(:mod:`flashport.rewriter.kept_imports`).
 
 Adding a rule::
 

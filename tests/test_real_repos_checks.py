@@ -76,3 +76,23 @@ def test_a_gpu_import_the_port_left_unread_is_counted_dead():
     assert bench.dead_gpu_imports(old, old, GPU) == []
     exported = new + b"__all__ = ['flash_attn_func']\n"
     assert bench.dead_gpu_imports(old, exported, GPU) == []
+
+
+def test_the_import_check_tells_an_availability_probe_from_an_import_and_says_where(tmp_path):
+    import json
+    import subprocess
+
+    bench = _bench()
+    (tmp_path / "probe.py").write_text(
+        "import importlib.util\n\nHAS_FA3 = importlib.util.find_spec('flash_attn_3') is not None\n"
+    )
+    (tmp_path / "needs.py").write_text("import os\n\nif os.sep:\n    import flash_attn\n")
+    done = subprocess.run(
+        [sys.executable, "-c", bench._IMPORT_CHECK, str(tmp_path), ",".join(bench.BLOCKED), "probe", "needs"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+    # a probe is answered "not installed", as on a host without the GPU libraries; an import is caught
+    assert outcomes == {"probe": "ok", "needs": "gpu needs.py:4"}, done.stderr
