@@ -54,9 +54,11 @@ import libcst as cst
 
 from flashport.rules import _node_context
 from flashport.rules.base import (
+    Patch,
     Refuse,
     Rewrite,
     Rule,
+    RuleContext,
     Signature,
     build_call,
     carry_dropout,
@@ -112,6 +114,9 @@ class TorchSDPA(Rule):
                 f"backend probe: {probe}, so it tests whether that SDPA kernel runs here; "
                 "rewritten, the probe would always succeed (port the code that uses its answer by hand)"
             )
+        patch = ctx.options.patch_of(self.API)
+        if patch is not None:
+            return _patch_aware(call, patch, ctx)
         if any(arg.star for arg in call.args):
             return Rewrite(
                 call.with_changes(func=dotted(f"{DROP_IN}.scaled_dot_product_attention")),
@@ -145,3 +150,29 @@ class TorchSDPA(Rule):
         for entry in dropout:
             keywords = insert_in_source_order(call, positional, keywords, entry, "dropout_p", ctx)
         return Rewrite(build_call(self.TARGET, positional, keywords, call), notes=tuple(notes))
+
+
+def _patch_aware(call: cst.Call, patch: Patch, ctx: RuleContext) -> Rewrite:
+    """The run replaces SDPA at run time (``patch``): a call through the module attribute goes to the
+    patch-aware drop-in with its arguments verbatim (the drop-in runs whatever is installed when it
+    is called, as the attribute lookup did); a call through a name bound earlier is kept."""
+    more = [p.where() for p in ctx.options.patches if p.api == patch.api and p is not patch]
+    also = f"; also {', '.join(more[:3])}{' ...' if len(more) > 3 else ''}" if more else ""
+    where = (
+        f"{patch.where()} replaces torch.nn.functional.scaled_dot_product_attention at run time "
+        f"({patch.how}{also})"
+    )
+    if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "scaled_dot_product_attention"):
+        raise Refuse(
+            f"calls {ctx.code(call.func)}, bound to SDPA when that binding ran, and {where}: whether "
+            f"{ctx.code(call.func)} holds torch's SDPA or the patch depends on the order the program runs "
+            "in; call F.scaled_dot_product_attention(...) through the module to have it ported"
+        )
+    return Rewrite(
+        call.with_changes(func=dotted(f"{DROP_IN}.scaled_dot_product_attention")),
+        imports=(DROP_IN,),
+        notes=(
+            f"patch-aware drop-in, arguments verbatim: {where}; the drop-in runs that patch when it is "
+            "installed, flashport's SDPA otherwise",
+        ),
+    )
