@@ -27,7 +27,23 @@ What it refuses:
   takes its backends from a variable (``with sdpa_kernel([backend]): F.scaled_dot_product_attention(q,
   q, q)`` asks whether that kernel runs; rewritten, it would always succeed);
   a dropout expression with side effects (a call) that the rewrite would evaluate out of its
-  source order (bind it to a name first), unknown arguments.
+  source order (bind it to a name first), unknown arguments; in a run whose files patch SDPA at
+  run time, a call through a name bound to SDPA earlier (``from torch.nn.functional import
+  scaled_dot_product_attention``, ``original = F.scaled_dot_product_attention``): whether it holds
+  torch's SDPA or the patch depends on import order (the reason names the patch).
+
+Run-time patches:
+  a run whose files replace ``torch.nn.functional.scaled_dot_product_attention`` (``F.scaled_dot_product_attention =
+  cp_sdpa``, ``setattr(F, "scaled_dot_product_attention", ...)``, ``mock.patch(...)``, any alias of
+  the module, or torch's own ``context_parallel``, which patches it while active) expects every
+  ``F.scaled_dot_product_attention(...)`` call to reach the patch. The CLI finds these before it
+  rewrites anything (``flashport.rewriter.run_context``; every file of the run sees the patches of
+  the others) and then sends every SDPA call made through the module attribute to
+  ``flashport.integrations.sdpa_compat.scaled_dot_product_attention`` with its arguments verbatim
+  (not to ``flashport.torch.attention``, which cannot forward to a patch): that drop-in calls the
+  installed patch when there is one and runs flashport's SDPA otherwise, or when called from inside
+  the patch (a thread-local re-entrancy guard). The rewrite's note names the patch's file:line. The
+  patch statement itself is kept. A run without an SDPA patch is rewritten as before.
 
 Drop-in:
   a call with a ``*args``/``**kwargs`` splat (its arguments are only known at run time) keeps its

@@ -39,7 +39,7 @@ call of a run whose files patch SDPA (:mod:`flashport.rewriter.run_context`).
 
 from __future__ import annotations
 
-import inspect
+import functools
 import threading
 
 __all__ = ["scaled_dot_product_attention"]
@@ -118,7 +118,8 @@ def flashport_sdpa(
     return out if rank == 4 else out.reshape(*rows, out.shape[-1])
 
 
-scaled_dot_product_attention.__signature__ = inspect.signature(flashport_sdpa)  # type: ignore[attr-defined]
+# inspect.signature(scaled_dot_product_attention) shows SDPA's (flashport_sdpa's) through __wrapped__
+functools.update_wrapper(scaled_dot_product_attention, flashport_sdpa, assigned=(), updated=())
 
 
 def _rank4(query, key, value, attn_mask):
