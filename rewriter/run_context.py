@@ -43,7 +43,12 @@ SDPA = "torch.nn.functional.scaled_dot_product_attention"
 PATCH_AWARE = frozenset((SDPA,))
 _FUNCTIONAL = "torch.nn.functional"
 _CONTEXT_PARALLEL = "torch.distributed.tensor.experimental"
-_TRIGGER = re.compile(rb"scaled_dot_product_attention|flash_attn_|context_parallel")
+# A file can only patch when a patchable name is followed by what an assignment target, a setattr /
+# mock.patch name or a tuple target has after it (or it mentions context_parallel): a cheap byte
+# filter before parsing; calls (`F.scaled_dot_product_attention(`) never match it.
+_SHAPE = r"""(?:scaled_dot_product_attention|flash_attn_\w+)['"]?\s*(?:[,):]|=(?!=))|context_parallel"""
+_TRIGGER = re.compile(_SHAPE.encode())
+_TEXT_TRIGGER = re.compile(_SHAPE)
 
 
 def for_paths(paths: Iterable[str], options: RuleOptions) -> RuleOptions:
@@ -73,7 +78,7 @@ def find_patches(data: bytes, path: str) -> list[Patch]:
 
 def with_file_patches(options: RuleOptions, tree: ast.Module, path: str, text: str) -> RuleOptions:
     """``options`` plus the patches of the file being transformed (``tree`` parsed from ``text``)."""
-    if not _TRIGGER.search(text.encode("utf-8", "surrogatepass")):
+    if not _TEXT_TRIGGER.search(text):
         return options
     return _merged(options, file_patches(tree, path))
 
