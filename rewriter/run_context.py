@@ -43,10 +43,13 @@ SDPA = "torch.nn.functional.scaled_dot_product_attention"
 PATCH_AWARE = frozenset((SDPA,))
 _FUNCTIONAL = "torch.nn.functional"
 _CONTEXT_PARALLEL = "torch.distributed.tensor.experimental"
-# A file can only patch when a patchable name is followed by what an assignment target, a setattr /
-# mock.patch name or a tuple target has after it (or it mentions context_parallel): a cheap byte
-# filter before parsing; calls (`F.scaled_dot_product_attention(`) never match it.
-_SHAPE = r"""(?:scaled_dot_product_attention|flash_attn_\w+)['"]?\s*(?:[,):]|=(?!=))|context_parallel"""
+# A file can only patch when a patchable name is an attribute followed by what an assignment target
+# or a tuple target has after it, or sits in a string (setattr / mock.patch), or it mentions
+# torch's experimental context parallelism: a cheap filter before parsing (calls and imports of the
+# names never match it), after a plain substring test that most files already fail.
+_NAMES = r"(?:scaled_dot_product_attention|flash_attn_\w+)"
+_SHAPE = rf"""\.{_NAMES}\s*(?:[,:]|=(?!=))|{_NAMES}['"]|tensor\.experimental"""
+_LITERALS = ("scaled_dot_product_attention", "flash_attn_", "tensor.experimental")
 _TRIGGER = re.compile(_SHAPE.encode())
 _TEXT_TRIGGER = re.compile(_SHAPE)
 
@@ -67,7 +70,7 @@ def for_paths(paths: Iterable[str], options: RuleOptions) -> RuleOptions:
 
 def find_patches(data: bytes, path: str) -> list[Patch]:
     """The patches in one file's bytes (none when it does not parse)."""
-    if not _TRIGGER.search(data):
+    if not any(word.encode() in data for word in _LITERALS) or not _TRIGGER.search(data):
         return []
     try:
         tree = ast.parse(data, filename=path)
@@ -78,7 +81,7 @@ def find_patches(data: bytes, path: str) -> list[Patch]:
 
 def with_file_patches(options: RuleOptions, tree: ast.Module, path: str, text: str) -> RuleOptions:
     """``options`` plus the patches of the file being transformed (``tree`` parsed from ``text``)."""
-    if not _TEXT_TRIGGER.search(text):
+    if not any(word in text for word in _LITERALS) or not _TEXT_TRIGGER.search(text):
         return options
     return _merged(options, file_patches(tree, path))
 
