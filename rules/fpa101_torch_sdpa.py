@@ -49,7 +49,8 @@ Drop-in:
   a call with a ``*args``/``**kwargs`` splat (its arguments are only known at run time) keeps its
   arguments and calls ``flashport.integrations.sdpa_compat.scaled_dot_product_attention``, SDPA's
   signature with the mapping above applied when it runs (SDPA's error for unequal head counts
-  without ``enable_gqa`` kept).
+  without ``enable_gqa`` kept); like every SDPA call, it runs a patch of
+  ``F.scaled_dot_product_attention`` installed when it is called (Run-time patches, below).
 
 Known problems:
   SDPA accepts any number of batch dims (``(N, ..., H, L, E)``); the contract needs rank 4.
