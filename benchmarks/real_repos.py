@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus
 
 from flashport import rules as registry
+from flashport.rewriter import run_context
 from flashport.rewriter.engine import transform_source
 from flashport.rules.base import RUNS_AS_IS, RuleOptions
 
@@ -98,6 +99,7 @@ class Result:
     dead_gpu: list = dataclasses.field(default_factory=list)  # GPU imports the port left unread
     imports: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     gpu_on_import: list = dataclasses.field(default_factory=list)
+    patches: list = dataclasses.field(default_factory=list)  # run-time patches of source APIs (run_context)
     seconds: float = 0.0
 
     @property
@@ -244,57 +246,63 @@ def run_package(name: str, version: str, cache: str) -> Result:
     root = corpus.fetch(name, version, cache)
     rules = registry.all_rules()
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
-    options = RuleOptions()
     start = time.perf_counter()
-    for directory, dirs, files in os.walk(root):
-        dirs.sort()
-        for filename in sorted(files):
-            if not filename.endswith(".py"):
-                continue
-            path = os.path.join(directory, filename)
-            relative = os.path.relpath(path, root)
-            data = open(path, "rb").read()
-            out.files += 1
-            result = transform_source(data, relative, rules, options)
-            if result.status == "error":
-                if "internal error" in (result.error or ""):
-                    out.crashes.append(f"{relative}: {result.error}")
-                else:
-                    out.syntax_errors += 1
-                continue
-            counted = [s for s in result.sites if s.kind in ("call", "reference")]
-            ported = [s for s in counted if s.status == "rewrite"]
-            as_is = [s for s in counted if s.status != "rewrite" and s.reason.startswith(RUNS_AS_IS)]
-            if is_test(relative):
-                out.test_sites += len(counted)
-                out.test_ported += len(ported)
+    paths = [
+        os.path.join(directory, filename)
+        for directory, dirs, files in sorted(os.walk(root))
+        for filename in sorted(files)
+        if filename.endswith(".py")
+    ]
+    options = run_context.for_paths(paths, RuleOptions())  # the CLI's run-level context, per package
+    options = dataclasses.replace(
+        options,
+        patches=tuple(dataclasses.replace(p, path=os.path.relpath(p.path, root)) for p in options.patches),
+    )
+    out.patches = [f"{p.where()}: {p.how}" for p in options.patches]
+    for path in paths:
+        relative = os.path.relpath(path, root)
+        data = open(path, "rb").read()
+        out.files += 1
+        result = transform_source(data, relative, rules, options)
+        if result.status == "error":
+            if "internal error" in (result.error or ""):
+                out.crashes.append(f"{relative}: {result.error}")
             else:
-                out.model_sites += len(counted)
-                out.model_ported += len(ported)
-                out.model_as_is += len(as_is)
-                out.refusals.update(
-                    f"{s.rule} {s.kind}: {normalize(s.reason)}"
-                    for s in counted
-                    if s.status != "rewrite" and s not in as_is
-                )
-            if result.new is None:
-                continue
-            out.changed += 1
-            try:
-                compile(result.new, relative, "exec", dont_inherit=True)
-            except SyntaxError as err:
-                out.not_compiling.append(f"{relative}: {err}")
-                continue
-            if transform_source(result.new, relative, rules, options).new is not None:
-                out.not_idempotent.append(relative)
-            out.stray += check_changes(relative, data, result.new, result.sites, gpu_modules)
-            out.dead_gpu += [f"{relative}: {d}" for d in dead_gpu_imports(data, result.new, gpu_modules)]
-            if counted and len(ported) + len(as_is) == len(counted) and not is_test(relative):
-                out.fully_ported.append((root, relative, result.new))
-                left = gpu_imports(result.new, gpu_modules)
-                if left:
-                    why = "".join(f"\n      kept {line}" for line in result.imports_kept)
-                    out.still_gpu.append(f"{relative}: {', '.join(sorted(set(left)))}{why}")
+                out.syntax_errors += 1
+            continue
+        counted = [s for s in result.sites if s.kind in ("call", "reference")]
+        ported = [s for s in counted if s.status == "rewrite"]
+        as_is = [s for s in counted if s.status != "rewrite" and s.reason.startswith(RUNS_AS_IS)]
+        if is_test(relative):
+            out.test_sites += len(counted)
+            out.test_ported += len(ported)
+        else:
+            out.model_sites += len(counted)
+            out.model_ported += len(ported)
+            out.model_as_is += len(as_is)
+            out.refusals.update(
+                f"{s.rule} {s.kind}: {normalize(s.reason)}"
+                for s in counted
+                if s.status != "rewrite" and s not in as_is
+            )
+        if result.new is None:
+            continue
+        out.changed += 1
+        try:
+            compile(result.new, relative, "exec", dont_inherit=True)
+        except SyntaxError as err:
+            out.not_compiling.append(f"{relative}: {err}")
+            continue
+        if transform_source(result.new, relative, rules, options).new is not None:
+            out.not_idempotent.append(relative)
+        out.stray += check_changes(relative, data, result.new, result.sites, gpu_modules)
+        out.dead_gpu += [f"{relative}: {d}" for d in dead_gpu_imports(data, result.new, gpu_modules)]
+        if counted and len(ported) + len(as_is) == len(counted) and not is_test(relative):
+            out.fully_ported.append((root, relative, result.new))
+            left = gpu_imports(result.new, gpu_modules)
+            if left:
+                why = "".join(f"\n      kept {line}" for line in result.imports_kept)
+                out.still_gpu.append(f"{relative}: {', '.join(sorted(set(left)))}{why}")
     out.seconds = time.perf_counter() - start
     return out
 
@@ -504,6 +512,7 @@ def report(results: list[Result]) -> None:
             print(f"  {r.name}: " + ", ".join(f"{k} {n}" for k, n in sorted(by_rule.items())))
     for r in results:
         for label, items in (
+            ("run-time patches of source APIs (SDPA calls go to the patch-aware drop-in)", r.patches),
             ("crashes", r.crashes),
             ("stray changes", r.stray),
             ("dead GPU imports (read before the port, unread after)", r.dead_gpu),

@@ -180,6 +180,7 @@ def _color(args) -> bool:
 def _settings(args):
     from flashport import rules as registry
     from flashport.rewriter import config as cfg
+    from flashport.rewriter import run_context
     from flashport.rewriter.discover import discover
     from flashport.rules.base import RuleOptions
 
@@ -214,6 +215,7 @@ def _settings(args):
     exclude = tuple((args.exclude or []) + list(table.get("exclude", [])))
     gitignore = not args.no_gitignore and table.get("respect-gitignore", True)
     files = discover(args.paths, exclude=exclude, respect_gitignore=gitignore)
+    options = run_context.for_paths(files, options)  # run-time patches of source APIs, run-wide
     return files, chosen, options, jobs
 
 

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from flashport.rewriter import astindex, kept_imports, newsyntax, prune, suppress
+from flashport.rewriter import astindex, kept_imports, newsyntax, prune, run_context, suppress
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -91,6 +91,9 @@ def transform_source(
     if isinstance(parsed, str):
         return _error(result, parsed)
     tree, text, masks = parsed
+    options = run_context.with_file_patches(
+        options, tree, path, text
+    )  # the run's pre-pass may lack this file
     collecting = gc.isenabled()
     gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
     try:

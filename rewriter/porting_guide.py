@@ -37,6 +37,7 @@ _SECTIONS = (
     ("Semantics mapping (for the manual port)", "Semantics mapping (for a manual port)"),
     ("What it refuses", "Refuses"),
     ("Known problems", "Known problems"),
+    ("Run-time patches", "Run-time patches"),
 )
 
 

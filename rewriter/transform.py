@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ScopeProvider
 
-from flashport.rewriter import aliases, newsyntax, suppress
+from flashport.rewriter import aliases, newsyntax, run_context, suppress
 from flashport.rewriter.names import Names
 from flashport.rewriter.positions import Span, line_positions
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
@@ -346,6 +346,7 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = rule.check_call(updated_node, self._context(where[0], api, original_node))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
+        outcome = run_context.refuse_patched(outcome, api, self.options)
         if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:
             outcome = Refusal(self.vetoes[rule.CODE])
         if isinstance(outcome, Rewrite) and self._has_comment(
@@ -527,7 +528,9 @@ class SiteTransformer(cst.CSTTransformer):
         if rule.CODE in self.vetoes:
             return Refusal(self.vetoes[rule.CODE])
         why = self._value_may_differ(value)
-        return Report(f"{why}: not rewritten") if why else outcome
+        return (
+            Report(f"{why}: not rewritten") if why else run_context.refuse_patched(outcome, api, self.options)
+        )
 
     def _value_may_differ(self, value: cst.BaseExpression) -> str | None:
         """Why replacing ``value`` by the drop-in could change what the program does: its name may

@@ -102,6 +102,28 @@ class Refuse(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
+class Patch:
+    """A run-time replacement of a source API found in the files of a run
+    (:mod:`flashport.rewriter.run_context`): ``F.scaled_dot_product_attention = wrapper``.
+
+    Attributes:
+      api: the qualified name replaced (``torch.nn.functional.scaled_dot_product_attention``).
+      path: the file that replaces it (as the run names it).
+      line: 1-based line of the statement.
+      how: a few words on how (the statement, shortened).
+    """
+
+    api: str
+    path: str
+    line: int
+    how: str
+
+    def where(self) -> str:
+        """``path:line`` of the patch."""
+        return f"{self.path}:{self.line}"
+
+
+@dataclasses.dataclass(frozen=True)
 class RuleOptions:
     """Options every rule may read (CLI flags and ``[tool.flashport]``).
 
@@ -112,12 +134,20 @@ class RuleOptions:
         arguments are bound against that version's signature and ``causal`` is top-left before 2.1.
       torch_version: (major, minor) of torch for SDPA's signature.
       jax_version: (major, minor, patch) of jax for ``jax.nn.dot_product_attention``'s signature.
+      patches: run-level context: the source APIs the run's files replace at run time
+        (:class:`Patch`; found by :mod:`flashport.rewriter.run_context` before any file is
+        transformed, so every file of the run sees the patches of the others).
     """
 
     inference: bool = False
     flash_attn_version: tuple[int, ...] = (2, 8, 3)
     torch_version: tuple[int, ...] = (2, 5)
     jax_version: tuple[int, ...] = (0, 10, 2)
+    patches: tuple[Patch, ...] = ()
+
+    def patch_of(self, api: str) -> Patch | None:
+        """The first :class:`Patch` of ``api`` (a qualified name) in this run, or None."""
+        return next((p for p in self.patches if p.api == api), None)
 
 
 @dataclasses.dataclass

@@ -27,13 +27,30 @@ What it refuses:
   takes its backends from a variable (``with sdpa_kernel([backend]): F.scaled_dot_product_attention(q,
   q, q)`` asks whether that kernel runs; rewritten, it would always succeed);
   a dropout expression with side effects (a call) that the rewrite would evaluate out of its
-  source order (bind it to a name first), unknown arguments.
+  source order (bind it to a name first), unknown arguments; in a run whose files patch SDPA at
+  run time, a call through a name bound to SDPA earlier (``from torch.nn.functional import
+  scaled_dot_product_attention``, ``original = F.scaled_dot_product_attention``): whether it holds
+  torch's SDPA or the patch depends on import order (the reason names the patch).
+
+Run-time patches:
+  a run whose files replace ``torch.nn.functional.scaled_dot_product_attention`` (``F.scaled_dot_product_attention =
+  cp_sdpa``, ``setattr(F, "scaled_dot_product_attention", ...)``, ``mock.patch(...)``, any alias of
+  the module, or torch's own ``context_parallel``, which patches it while active) expects every
+  ``F.scaled_dot_product_attention(...)`` call to reach the patch. The CLI finds these before it
+  rewrites anything (``flashport.rewriter.run_context``; every file of the run sees the patches of
+  the others) and then sends every SDPA call made through the module attribute to
+  ``flashport.integrations.sdpa_compat.scaled_dot_product_attention`` with its arguments verbatim
+  (not to ``flashport.torch.attention``, which cannot forward to a patch): that drop-in calls the
+  installed patch when there is one and runs flashport's SDPA otherwise, or when called from inside
+  the patch (a thread-local re-entrancy guard). The rewrite's note names the patch's file:line. The
+  patch statement itself is kept. A run without an SDPA patch is rewritten as before.
 
 Drop-in:
   a call with a ``*args``/``**kwargs`` splat (its arguments are only known at run time) keeps its
   arguments and calls ``flashport.integrations.sdpa_compat.scaled_dot_product_attention``, SDPA's
   signature with the mapping above applied when it runs (SDPA's error for unequal head counts
-  without ``enable_gqa`` kept).
+  without ``enable_gqa`` kept); like every SDPA call, it runs a patch of
+  ``F.scaled_dot_product_attention`` installed when it is called (Run-time patches, below).
 
 Known problems:
   SDPA accepts any number of batch dims (``(N, ..., H, L, E)``); the contract needs rank 4.
@@ -54,9 +71,11 @@ import libcst as cst
 
 from flashport.rules import _node_context
 from flashport.rules.base import (
+    Patch,
     Refuse,
     Rewrite,
     Rule,
+    RuleContext,
     Signature,
     build_call,
     carry_dropout,
@@ -112,6 +131,9 @@ class TorchSDPA(Rule):
                 f"backend probe: {probe}, so it tests whether that SDPA kernel runs here; "
                 "rewritten, the probe would always succeed (port the code that uses its answer by hand)"
             )
+        patch = ctx.options.patch_of(self.API)
+        if patch is not None:
+            return _patch_aware(call, patch, ctx)
         if any(arg.star for arg in call.args):
             return Rewrite(
                 call.with_changes(func=dotted(f"{DROP_IN}.scaled_dot_product_attention")),
@@ -145,3 +167,29 @@ class TorchSDPA(Rule):
         for entry in dropout:
             keywords = insert_in_source_order(call, positional, keywords, entry, "dropout_p", ctx)
         return Rewrite(build_call(self.TARGET, positional, keywords, call), notes=tuple(notes))
+
+
+def _patch_aware(call: cst.Call, patch: Patch, ctx: RuleContext) -> Rewrite:
+    """The run replaces SDPA at run time (``patch``): a call through the module attribute goes to the
+    patch-aware drop-in with its arguments verbatim (the drop-in runs whatever is installed when it
+    is called, as the attribute lookup did); a call through a name bound earlier is kept."""
+    more = [p.where() for p in ctx.options.patches if p.api == patch.api and p is not patch]
+    also = f"; also {', '.join(more[:3])}{' ...' if len(more) > 3 else ''}" if more else ""
+    where = (
+        f"{patch.where()} replaces torch.nn.functional.scaled_dot_product_attention at run time "
+        f"({patch.how}{also})"
+    )
+    if not (isinstance(call.func, cst.Attribute) and call.func.attr.value == "scaled_dot_product_attention"):
+        raise Refuse(
+            f"calls {ctx.code(call.func)}, bound to SDPA when that binding ran, and {where}: whether "
+            f"{ctx.code(call.func)} holds torch's SDPA or the patch depends on the order the program runs "
+            "in; call F.scaled_dot_product_attention(...) through the module to have it ported"
+        )
+    return Rewrite(
+        call.with_changes(func=dotted(f"{DROP_IN}.scaled_dot_product_attention")),
+        imports=(DROP_IN,),
+        notes=(
+            f"patch-aware drop-in, arguments verbatim: {where}; the drop-in runs that patch when it is "
+            "installed, flashport's SDPA otherwise",
+        ),
+    )

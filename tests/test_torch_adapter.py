@@ -195,12 +195,8 @@ def check_empty_rows(case, x, out):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_float32_forward_lse_and_grads(path, case, monkeypatch):
     sdpa_calls = []
-    real_sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(
-        torch.nn.functional,
-        "scaled_dot_product_attention",
-        lambda *a, **k: sdpa_calls.append(k) or real_sdpa(*a, **k),
-    )
+    real_sdpa = _native.TORCH_SDPA  # flashport's own calls of torch SDPA (never a patch of F's)
+    monkeypatch.setattr(_native, "TORCH_SDPA", lambda *a, **k: sdpa_calls.append(k) or real_sdpa(*a, **k))
     x = torch_inputs(case)
     want_out, want_lse = reference(case, numpy_inputs(case))
     # The CUDA path's SDPA branch has no lse; its lse (math branch) is checked without gradients.
@@ -274,13 +270,9 @@ SDPA_CPU_CASES = {
 def spy_paths(monkeypatch):
     """Record which implementation ``auto`` ran: ``"sdpa"`` (torch SDPA) or ``"jax"`` (DLPack)."""
     paths = []
-    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    real_sdpa = _native.TORCH_SDPA
     real_forward = _jax.DLPackRunner.forward
-    monkeypatch.setattr(
-        torch.nn.functional,
-        "scaled_dot_product_attention",
-        lambda *a, **k: paths.append("sdpa") or real_sdpa(*a, **k),
-    )
+    monkeypatch.setattr(_native, "TORCH_SDPA", lambda *a, **k: paths.append("sdpa") or real_sdpa(*a, **k))
     monkeypatch.setattr(
         _jax.DLPackRunner, "forward", lambda self, *a: paths.append("jax") or real_forward(self, *a)
     )

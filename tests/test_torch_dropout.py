@@ -293,9 +293,7 @@ def test_auto_on_cuda_and_other_devices_runs_the_contract_mask_not_flash_or_sdpa
     want = ft.attention(**t, backend="torch", dropout_p=RATE, generator=torch.Generator().manual_seed(2))
     fake = FakeFlashAttn()
     monkeypatch.setattr(_native, "import_flash_attn", lambda: fake)
-    monkeypatch.setattr(
-        _native.F, "scaled_dot_product_attention", lambda *a, **k: pytest.fail("SDPA ran a dropout call")
-    )
+    monkeypatch.setattr(_native, "TORCH_SDPA", lambda *a, **k: pytest.fail("SDPA ran a dropout call"))
     for kind in ("cuda", "mps"):
         monkeypatch.setattr(ft, "device_kind", lambda _t, kind=kind: kind)
         got = ft.attention(

@@ -21,14 +21,59 @@ same mapping when it runs:
 does this; its CUDA kernels reject the pair). Unequal head counts without ``enable_gqa`` raise
 ``RuntimeError`` as SDPA does. Rows whose mask hides every key give 0 (SDPA >= 2.5 on its fused
 kernels).
+
+**Run-time patches are honoured.** Code that replaces ``torch.nn.functional.scaled_dot_product_attention``
+(a context-parallel SDPA, torch's own ``context_parallel``, a wrapper that picks kernels) expects
+every ``F.scaled_dot_product_attention(...)`` call to reach its replacement. So, per call, when that
+attribute is not torch's own function, the drop-in calls it with the arguments exactly as given
+(positional stays positional, nothing added). torch's own function is recognised by identity with
+``torch._C._nn.scaled_dot_product_attention``, the builtin ``torch.nn.functional`` binds when torch
+is imported; that holds whatever is imported first, so a patch installed before flashport is
+imported is still seen as a patch (a reference saved at flashport's import would take it for
+torch's). A thread-local re-entrancy guard makes a ported call made *inside* the patch (the patch
+delegating to "the real SDPA" through a ported call) run flashport's SDPA instead of calling the
+patch again. flashport's own use of torch SDPA (:mod:`flashport.torch` on CPU) calls torch's
+function directly, never a patch. The codemod uses this drop-in, arguments verbatim, for every SDPA
+call of a run whose files patch SDPA (:mod:`flashport.rewriter.run_context`).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+
 __all__ = ["scaled_dot_product_attention"]
 
+_GUARD = threading.local()  # .active: this thread runs inside a patch the drop-in delegated to
 
-def scaled_dot_product_attention(
+
+def scaled_dot_product_attention(*args, **kwargs):
+    """torch SDPA: query [B, H, L, E], key/value [B, Hk, S, E] -> [B, H, L, Ev] (module docstring).
+
+    Runs the patch installed as ``torch.nn.functional.scaled_dot_product_attention`` when there is
+    one (outside a call it made), flashport's SDPA otherwise. Signature: :func:`flashport_sdpa`'s.
+
+    Raises:
+      RuntimeError: unequal query/key heads without ``enable_gqa`` (SDPA's own error).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    current = F.scaled_dot_product_attention
+    if (
+        current is torch._C._nn.scaled_dot_product_attention
+        or current is scaled_dot_product_attention
+        or getattr(_GUARD, "active", False)
+    ):
+        return flashport_sdpa(*args, **kwargs)
+    _GUARD.active = True
+    try:
+        return current(*args, **kwargs)
+    finally:
+        _GUARD.active = False
+
+
+def flashport_sdpa(
     query,
     key,
     value,
@@ -38,7 +83,8 @@ def scaled_dot_product_attention(
     scale=None,
     enable_gqa=False,
 ):
-    """torch SDPA: query [B, H, L, E], key/value [B, Hk, S, E] -> [B, H, L, Ev] (module docstring).
+    """flashport's torch SDPA, whatever is patched in: query [B, H, L, E], key/value [B, Hk, S, E]
+    -> [B, H, L, Ev] (module docstring).
 
     Raises:
       RuntimeError: unequal query/key heads without ``enable_gqa`` (SDPA's own error).
@@ -70,6 +116,10 @@ def scaled_dot_product_attention(
         **({"dropout_p": dropout_p} if dropout_p else {}),
     )
     return out if rank == 4 else out.reshape(*rows, out.shape[-1])
+
+
+# inspect.signature(scaled_dot_product_attention) shows SDPA's (flashport_sdpa's) through __wrapped__
+functools.update_wrapper(scaled_dot_product_attention, flashport_sdpa, assigned=(), updated=())
 
 
 def _rank4(query, key, value, attn_mask):

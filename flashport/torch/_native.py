@@ -12,7 +12,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flashport.kernels.block_ranges import reach
 from flashport.kernels.spec import apply_softcap, positional_visible
@@ -24,6 +23,10 @@ log = logging.getLogger("flashport")
 # flash-attn 2 limits (flash_api.cpp): half precision only, head_dim <= 256.
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
+# torch's own SDPA (what torch.nn.functional binds at torch's import), never a run-time patch of
+# F.scaled_dot_product_attention: flashport's paths compute the contract themselves, and the SDPA
+# drop-in (flashport.integrations.sdpa_compat) is where a patch is honoured.
+TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
 # SDPA takes enable_gqa from torch 2.5; older versions get K/V repeated.
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -211,7 +214,7 @@ def sdpa_attention(call: CanonicalCall) -> tuple[torch.Tensor, None]:
         attn_mask = call.bias.to(q.dtype)
         if keep is not None:
             attn_mask = attn_mask.masked_fill(~keep, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    out = TORCH_SDPA(q, k, v, attn_mask=attn_mask, **kwargs)
     if rows is not None:
         out = out * rows.to(out.dtype)
     return _to_layout(out, call.layout), None
