@@ -22,7 +22,6 @@ from flashport.kernels.pallas_tpu.blocks import (
     FORWARD_VMEM_BUDGET,
     GENERATION_DEVICE_KINDS,
     LANES,
-    TOKEN_MAJOR_STEP_ELEMENTS,
     TOKEN_MAJOR_VMEM,
     BlockSizes,
     fit_backward_blocks,
@@ -77,17 +76,16 @@ class Config:
         dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
         kv_heads = hkv if token_major else 1
         budget = self.vmem(token_major)[0]
-        cap = TOKEN_MAJOR_STEP_ELEMENTS if token_major else None
         if kind == "fwd":
             heads = hq if token_major else hq // hkv
             bq = fit_forward_block_q(
-                bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget, max_elements=cap
+                bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget, staged=token_major
             )
         else:
             heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
             clipped = Geometry.make(self.spec, bq, bk)  # fit the blocks the sequences actually use
             bq, bk = fit_backward_blocks(
-                kind, clipped.bq, clipped.bk, heads, kv_heads, dp, dvp, itemsize, budget, max_elements=cap
+                kind, clipped.bq, clipped.bk, heads, kv_heads, dp, dvp, itemsize, budget, staged=token_major
             )
         return Geometry.make(self.spec, bq, bk)
 
@@ -96,6 +94,15 @@ class Config:
         budget (:data:`~flashport.kernels.pallas_tpu.blocks.TOKEN_MAJOR_VMEM`), heads-major ones the
         default scoped VMEM."""
         return TOKEN_MAJOR_VMEM[self.generation] if token_major else (FORWARD_VMEM_BUDGET, None)
+
+    def operands(self, q, k, v) -> Operands:
+        """The kernels' operand layout for canonical ``q, k, v``: token-major when :func:`reads_bshd`
+        (and the ``read_bshd`` option is on), else heads-major."""
+        return Operands(
+            token_major=self.read_bshd and reads_bshd(self.spec, q, v),
+            kv_group=q.shape[1] // k.shape[1],
+            strided=not isinstance(self.interpret_mode, pltpu.InterpretParams),
+        )
 
     @property
     def interpret_mode(self):
@@ -221,7 +228,7 @@ def _forward_local(
     q, k, v, bias = map(_loadable, (q, k, v, bias))
     b, hq, sq, _ = q.shape
     dv = v.shape[3]
-    ops = Operands(token_major=cfg.read_bshd and reads_bshd(cfg.spec, q, v), kv_group=hq // k.shape[1])
+    ops = cfg.operands(q, k, v)
     g = cfg.geometry("fwd", q, k, v, token_major=ops.token_major)
     if ops.token_major:
         qp, kp, vp = (pad_to(jnp.swapaxes(x, 1, 2), 1, n) for x, n in ((q, g.sqp), (k, g.skp), (v, g.skp)))
@@ -260,9 +267,7 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
     sq, sk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     # dL/dlogits = P * (dP - di) with di = rowsum(dO*O) - dlse: the lse cotangent folds into di.
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    ops = Operands(
-        token_major=cfg.read_bshd and reads_bshd(cfg.spec, q, v), kv_group=q.shape[1] // k.shape[1]
-    )
+    ops = cfg.operands(q, k, v)
 
     def operands(g: Geometry):
         if ops.token_major:

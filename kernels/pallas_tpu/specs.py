@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step
 
@@ -39,6 +41,9 @@ class Operands:
 
     token_major: bool
     kv_group: int = 1
+    # Token-major blocks are copied with strided loads/stores of reshaped (and, bf16, uint32) views of
+    # the block; False copies head by head (the TPU interpreter's memory model has no reshaped refs).
+    strided: bool = True
 
     def heads(self, x) -> int:
         """The head count of an operand in this layout."""
@@ -64,12 +69,100 @@ class Operands:
         return pl.BlockSpec((_SQ, _SQ if squeeze else heads, rows, width), index_map)
 
     def q_rows(self, ref, gi):
-        """Query-side rows [rows, D] of head ``gi`` of the step's heads (``gi`` static if token-major)."""
-        return ref[:, gi, :] if self.token_major else ref[gi]
+        """Query-side rows [rows, D] of head ``gi`` (a traced index) of the step's heads.
+
+        ``ref`` is a heads-major block, or a token-major block's heads-major VMEM copy (:meth:`stage`).
+        """
+        return ref[gi]
 
     def kv_rows(self, ref, gi):
-        """K/V rows [rows, D] for query head ``gi`` of the step's heads (its kv head ``gi // G``)."""
-        return ref[:, gi // self.kv_group, :] if self.token_major else ref[...]
+        """K/V rows [rows, D] for query head ``gi`` of the step's heads (its kv head ``gi // G``).
+
+        ``ref`` is a heads-major one-head block, or a token-major block's VMEM copy (:meth:`stage`).
+        """
+        return ref[gi // self.kv_group] if self.token_major else ref[...]
+
+    def stage(self, ref, scratch) -> None:
+        """Copy a token-major block ``ref`` [rows, H, D] into heads-major VMEM ``scratch`` [H, rows, D].
+
+        Mosaic reads one head's rows of a 16-bit block only at a static head index, so the tile
+        bodies loop over heads (``fori_loop``: one compiled body, as heads-major) on this copy. The
+        copy is one sublane-strided load per head of the block viewed as [rows * H, D] (f32), or per
+        pair of heads of its 32-bit view (bf16: a word holds heads 2p and 2p + 1 of a row; a bf16 in
+        the high half of a word is that value as an f32); other blocks (and ``strided=False``) copy
+        ``ref[:, h, :]``.
+        """
+        rows, heads, width = ref.shape
+        view = self._view(ref)
+        if view == "words":
+            flat = ref.reshape(rows * heads, width)
+            for h in range(heads):
+                scratch[h] = flat[pl.ds(h, rows, stride=heads), :]
+        elif view == "pairs":
+            words = ref.reshape(rows * heads, width).bitcast(jnp.uint32)
+            for p in range(heads // 2):
+                pair = words[pl.ds(p, rows, stride=heads // 2), :]
+                scratch[2 * p] = _high_half(pair << 16, ref.dtype)
+                scratch[2 * p + 1] = _high_half(pair & jnp.uint32(0xFFFF0000), ref.dtype)
+        else:
+            for h in range(heads):
+                scratch[h] = ref[:, h, :]
+
+    def _view(self, ref) -> str | None:
+        """How :meth:`stage`/:meth:`write_rows` copy block ``ref``: ``"words"`` (32-bit: strided rows
+        of [rows * H, D]), ``"pairs"`` (bf16, even H: strided uint32 words of two heads) or ``None``
+        (head by head)."""
+        if not self.strided:
+            return None
+        if jnp.dtype(ref.dtype).itemsize == 4:
+            return "words"
+        return "pairs" if ref.dtype == jnp.bfloat16 and ref.shape[1] % 2 == 0 else None
+
+    def write_rows(self, ref, scratch) -> None:
+        """Write f32 ``scratch`` [H, rows, D] into output block ``ref`` in the operands' layout
+        (token-major: the inverse of :meth:`stage`, one sublane-strided store per head or bf16 pair)."""
+        if not self.token_major:
+            ref[...] = scratch[...].astype(ref.dtype).reshape(ref.shape)
+            return
+        rows, heads, width = ref.shape
+        view = self._view(ref)
+        if view == "words":
+            flat = ref.reshape(rows * heads, width)
+            for h in range(heads):
+                flat[pl.ds(h, rows, stride=heads), :] = scratch[h].astype(ref.dtype)
+        elif view == "pairs":
+            words = ref.reshape(rows * heads, width).bitcast(jnp.uint32)
+            for p in range(heads // 2):
+                low, high = (_in_high_half(scratch[h], ref.dtype) for h in (2 * p, 2 * p + 1))
+                words[pl.ds(p, rows, stride=heads // 2), :] = high | (low >> 16)
+        else:
+            for h in range(heads):
+                ref[:, h, :] = scratch[h].astype(ref.dtype)
+
+    def stage_when(self, cond, pairs) -> None:
+        """Under ``cond``, :meth:`stage` each ``(block ref, scratch)`` pair."""
+
+        @pl.when(cond)
+        def _stage():
+            for ref, scratch in pairs:
+                self.stage(ref, scratch)
+
+    def stage_shapes(self, heads: int, rows: int, widths_dtypes) -> list:
+        """VMEM scratch of :meth:`stage`: one ``[heads, rows, width]`` buffer per ``(width, dtype)``
+        (none when heads-major)."""
+        if not self.token_major:
+            return []
+        return [pltpu.VMEM((heads, rows, width), dtype) for width, dtype in widths_dtypes]
+
+
+def _high_half(words, dtype):
+    """The 16-bit float in the high half of each uint32 word (low half zero), in ``dtype``."""
+    return pltpu.bitcast(words, jnp.float32).astype(dtype)
+
+
+def _in_high_half(values, dtype):
+    """f32 ``values`` rounded to the 16-bit float ``dtype``, its bits in the high half of uint32 words."""
+    return pltpu.bitcast(values.astype(dtype).astype(jnp.float32), jnp.uint32)
 
 
 def _token_major(index):
