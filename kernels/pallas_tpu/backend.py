@@ -53,10 +53,10 @@ class Config:
     blocks: BlockSizes
     interpret: bool
     generation: str = "v6e"  # the chip Mosaic lowers for when the computation names none
-    # Opt-in (option ``read_bshd=True``): BSHD calls read/write the caller's arrays directly (no
-    # transposes around the kernels). Off by default: its unrolled head loops make libtpu compiles
-    # take minutes (about 10 for forward + gradient at S=4096, H=8 on a CPU host).
-    read_bshd: bool = False
+    # BSHD calls whose head dims are multiples of 128 read/write the caller's arrays directly (no
+    # transposes around the kernels, :func:`reads_bshd`); option ``read_bshd=False`` transposes them
+    # to heads-major instead.
+    read_bshd: bool = True
 
     def geometry(self, kind: str, q, k, v, *, token_major: bool = False) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``).
@@ -102,6 +102,7 @@ class Config:
             token_major=self.read_bshd and reads_bshd(self.spec, q, v),
             kv_group=q.shape[1] // k.shape[1],
             strided=not isinstance(self.interpret_mode, pltpu.InterpretParams),
+            strided_stores=not self.interpret,
         )
 
     @property
@@ -346,7 +347,7 @@ def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], C
 
     def config(spec: AttentionSpec, options) -> Config:
         options = dict(options)
-        read_bshd = options.pop("read_bshd", False)
+        read_bshd = options.pop("read_bshd", True)
         if not isinstance(read_bshd, bool):
             raise ValueError(f"backend {name!r} option read_bshd={read_bshd!r} must be True or False")
         generation, blocks = resolve_blocks(options, name)

@@ -41,9 +41,11 @@ class Operands:
 
     token_major: bool
     kv_group: int = 1
-    # Token-major blocks are copied with strided loads/stores of reshaped (and, bf16, uint32) views of
-    # the block; False copies head by head (the TPU interpreter's memory model has no reshaped refs).
+    # Token-major blocks are read (``strided``) and written (``strided_stores``) with sublane-strided
+    # accesses of reshaped (bf16: uint32) views of the block; False copies head by head (the TPU
+    # interpreter has no reshaped refs; the plain interpreter cannot store through one).
     strided: bool = True
+    strided_stores: bool = True
 
     def heads(self, x) -> int:
         """The head count of an operand in this layout."""
@@ -102,8 +104,7 @@ class Operands:
             words = ref.reshape(rows * heads, width).bitcast(jnp.uint32)
             for p in range(heads // 2):
                 pair = words[pl.ds(p, rows, stride=heads // 2), :]
-                scratch[2 * p] = _high_half(pair << 16, ref.dtype)
-                scratch[2 * p + 1] = _high_half(pair & jnp.uint32(0xFFFF0000), ref.dtype)
+                scratch[2 * p], scratch[2 * p + 1] = unpack_pair(pair, ref.dtype)
         else:
             for h in range(heads):
                 scratch[h] = ref[:, h, :]
@@ -125,7 +126,7 @@ class Operands:
             ref[...] = scratch[...].astype(ref.dtype).reshape(ref.shape)
             return
         rows, heads, width = ref.shape
-        view = self._view(ref)
+        view = self._view(ref) if self.strided_stores else None
         if view == "words":
             flat = ref.reshape(rows * heads, width)
             for h in range(heads):
@@ -133,8 +134,7 @@ class Operands:
         elif view == "pairs":
             words = ref.reshape(rows * heads, width).bitcast(jnp.uint32)
             for p in range(heads // 2):
-                low, high = (_in_high_half(scratch[h], ref.dtype) for h in (2 * p, 2 * p + 1))
-                words[pl.ds(p, rows, stride=heads // 2), :] = high | (low >> 16)
+                words[pl.ds(p, rows, stride=heads // 2), :] = pack_pair(scratch[2 * p], scratch[2 * p + 1])
         else:
             for h in range(heads):
                 ref[:, h, :] = scratch[h].astype(ref.dtype)
@@ -155,14 +155,19 @@ class Operands:
         return [pltpu.VMEM((heads, rows, width), dtype) for width, dtype in widths_dtypes]
 
 
-def _high_half(words, dtype):
-    """The 16-bit float in the high half of each uint32 word (low half zero), in ``dtype``."""
-    return pltpu.bitcast(words, jnp.float32).astype(dtype)
+def unpack_pair(words, dtype=jnp.bfloat16):
+    """uint32 ``words`` of a bf16 block's 32-bit view -> its ``(even, odd)`` rows: a word holds the even
+    row in its low half, the odd row in its high half (:func:`pltpu.bitcast`'s packing), and a bf16's
+    bits in the high half of a word with a zero low half are that value as an f32."""
+    even = pltpu.bitcast(words << 16, jnp.float32).astype(dtype)
+    odd = pltpu.bitcast(words & jnp.uint32(0xFFFF0000), jnp.float32).astype(dtype)
+    return even, odd
 
 
-def _in_high_half(values, dtype):
-    """f32 ``values`` rounded to the 16-bit float ``dtype``, its bits in the high half of uint32 words."""
-    return pltpu.bitcast(values.astype(dtype).astype(jnp.float32), jnp.uint32)
+def pack_pair(even, odd):
+    """The inverse of :func:`unpack_pair`: f32 rows rounded to bf16, packed two to a uint32 word."""
+    bits = [pltpu.bitcast(x.astype(jnp.bfloat16).astype(jnp.float32), jnp.uint32) for x in (even, odd)]
+    return bits[1] | (bits[0] >> 16)
 
 
 def _token_major(index):
