@@ -13,6 +13,8 @@ the compact lse rows, and no lse output at all in an inference forward that does
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +26,10 @@ from reference import reduce_to_shape, reference_attention, reference_attention_
 import flashport
 from flashport.kernels import registry
 from flashport.kernels.pallas_tpu import backend as pallas_backend
-from flashport.kernels.pallas_tpu import counting, specs
+from flashport.kernels.pallas_tpu import counting, layout, specs
+from flashport.kernels.pallas_tpu.blocks import resolve_blocks
 from flashport.kernels.pallas_tpu.specs import Operands
+from flashport.kernels.spec import make_spec
 
 SMALL = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)  # read_bshd on by default
 HEADS_MAJOR = registry.use("pallas_tpu_interpret", block_q=32, block_k=128, read_bshd=False)
@@ -241,3 +245,52 @@ def test_strided_copies_in_the_kernels_match_reference(monkeypatch):
     want = reference_attention_vjp(q, k, v, do, causal=True)
     for what, got, ref in zip("qkv", grads, want[:3], strict=True):
         _close(got, ref, 6e-2, f"d{what}")
+
+
+def _config(gen, hq, hkv, s, **options):
+    spec = make_spec(
+        (1, hq, s, 128),
+        (1, hkv, s, 128),
+        scale=None,
+        causal=True,
+        window=None,
+        align="top_left",
+        softcap=None,
+    )
+    _, blocks = resolve_blocks(dict(options, generation=gen), "pallas_tpu")
+    q, kv = jnp.zeros((1, hq, s, 128), jnp.bfloat16), jnp.zeros((1, hkv, s, 128), jnp.bfloat16)
+    cfg = pallas_backend.Config(
+        dataclasses.replace(spec, layout="BSHD"), blocks, False, gen, options.get("read_bshd")
+    )
+    return cfg, q, kv
+
+
+def test_layout_byte_model_matches_the_hand_count():
+    # v6e, S = 4096, H = 8, D = 128 bf16, causal: Q, K, V, O are 8 MiB each, so the forward's
+    # transposes move 64 MiB (read + write); heads-major 1024 x 512 tiles visit 20 key blocks per
+    # query-block row set: K/V (8 MiB + 8 MiB per 4096 rows) stream 20 x 512 rows x 8 heads = 40 MiB.
+    cfg, q, kv = _config("v6e", 8, 8, 4096)
+    g = cfg.geometry("fwd", q, kv, kv, token_major=False)
+    assert (g.bq, g.bk, g.visited_tiles) == (1024, 512, 20)
+    assert layout.transposed_bytes(("fwd",), q, kv, kv) == 64 * 2**20
+    assert layout.streamed_bytes("fwd", g, q, kv, kv) == 40 * 2**20
+    # The backward: Q, K, V, dO in and dQ, dK, dV out, 7 operands of 8 MiB read and written.
+    assert layout.transposed_bytes(("dkv", "dq"), q, kv, kv) == 112 * 2**20
+
+
+@pytest.mark.parametrize(
+    "gen,hq,hkv,s,option,token_major",
+    [
+        ("v6e", 8, 8, 4096, None, True),  # the shape: same tiles either way, no transposes
+        ("v5e", 8, 2, 2048, None, True),
+        # 32 heads share a step's VMEM: 16 MiB of v4 VMEM leaves token-major 32-row query blocks,
+        # re-streaming K/V far more than the transposes move.
+        ("v4", 32, 32, 4096, None, False),
+        ("v4", 32, 32, 4096, True, True),
+        ("v6e", 8, 8, 4096, False, False),
+    ],
+)
+def test_default_layout_follows_the_byte_model(gen, hq, hkv, s, option, token_major):
+    cfg, q, kv = _config(gen, hq, hkv, s, **({} if option is None else {"read_bshd": option}))
+    for kinds in (("fwd",), ("dkv", "dq")):
+        assert cfg.operands(q, kv, kv, kinds).token_major is token_major, kinds
