@@ -109,8 +109,6 @@ class Config:
         return Operands(
             token_major=token_major,
             kv_group=q.shape[1] // k.shape[1],
-            strided=not isinstance(self.interpret_mode, pltpu.InterpretParams),
-            strided_stores=not self.interpret,
         )
 
     @property
@@ -147,7 +145,8 @@ def _launch(cfg: Config, call_fn, g: Geometry, operands, tables: Tables, **kwarg
             it = iter(flat[:n])
             ops = [next(it) if p else None for p in present]
             tabs = jax.tree_util.tree_unflatten(table_tree, flat[n:])
-            return tuple(call_fn(g, *ops, tabs, interpret=interpret, **kwargs))
+            kw = dict(kwargs, ops=kwargs["ops"].for_interpret(interpret))
+            return tuple(call_fn(g, *ops, tabs, interpret=interpret, **kw))
 
         return run
 

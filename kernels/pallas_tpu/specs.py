@@ -47,6 +47,13 @@ class Operands:
     strided: bool = True
     strided_stores: bool = True
 
+    def for_interpret(self, interpret) -> Operands:
+        """This layout as ``pallas_call(interpret=interpret)`` can run it: the TPU interpreter
+        (``InterpretParams``) has no reshaped refs, the plain one (``True``) cannot store through one."""
+        if not interpret:
+            return self
+        return dataclasses.replace(self, strided=interpret is True, strided_stores=False)
+
     def heads(self, x) -> int:
         """The head count of an operand in this layout."""
         return x.shape[2 if self.token_major else 1]
