@@ -21,10 +21,10 @@ Implementations (all bf16; every one gets its inputs in its own layout, so no tr
 except where a layout is the point):
 
 * ``flashport``: ``flashport.attention(layout="BHSD", backend=use("pallas_tpu", generation=...))``;
-* ``flashport_bshd``: the same on BSHD inputs (the contract's default layout and flash-attn's):
-  transposed to BHSD around the kernels;
-* ``flashport_bshd_direct``: BSHD inputs with the option ``read_bshd=True`` (the kernels read and
-  write the caller's arrays; slow to compile);
+* ``flashport_bshd``: the same on BSHD inputs (the contract's default layout and flash-attn's) with
+  the option ``read_bshd=False``: transposed to BHSD around the kernels;
+* ``flashport_bshd_direct``: BSHD inputs with the default options (the kernels read and write the
+  caller's arrays, token-major);
 * ``splash``: ``flashport.attention(layout="BHSD", backend="splash")``, JAX's splash attention
   (``kernels/splash.py``), default 512 blocks;
 * ``jax_flash``: ``jax.experimental.pallas.ops.tpu.flash_attention`` with 512 blocks (its 128
@@ -118,7 +118,7 @@ def shapes(impl: str, cfg: Config) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def attention_fn(impl: str, cfg: Config, gen: str):
     """``fn(q, k, v) -> out`` of one implementation for ``cfg``."""
     if impl in ("flashport", "flashport_bshd", "flashport_bshd_direct"):
-        backend = registry.use("pallas_tpu", generation=gen, read_bshd=impl == "flashport_bshd_direct")
+        backend = registry.use("pallas_tpu", generation=gen, read_bshd=impl != "flashport_bshd")
         layout = "BHSD" if impl == "flashport" else "BSHD"
         return lambda q, k, v: flashport.attention(q, k, v, causal=cfg.causal, layout=layout, backend=backend)
     if impl == "splash":

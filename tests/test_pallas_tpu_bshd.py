@@ -1,9 +1,11 @@
 """The Pallas TPU kernels on the caller's BSHD arrays (token-major), in the TPU interpreter on CPU.
 
-With the backend option ``read_bshd=True`` (off by default: the unrolled head loops make libtpu
-compiles slow), a BSHD call whose head dims are multiples of 128 runs the forward, dK/dV and dQ kernels on
-token-major blocks ``[rows, H, D]`` read from the caller's arrays (no transpose around the kernels;
-tests/test_tpu_compile.py checks the compiled HLO). Here: the values against the float64 reference
+By default (backend option ``read_bshd``, on unless set to False), a BSHD call whose head dims are
+multiples of 128 runs the forward, dK/dV and dQ kernels on token-major blocks ``[rows, H, D]`` read
+from the caller's arrays (no transpose around the kernels; tests/test_tpu_compile.py checks the
+compiled HLO). The kernels copy the blocks heads-major into VMEM (``Operands.stage``): head by head
+in the TPU interpreter, with strided loads/stores of reshaped (bf16: uint32) views of the block in
+the plain interpreter and on a TPU; both are checked here. Here: the values against the float64 reference
 of tests/reference.py (forward, lse and gradients, with GQA, per-head bias, segment ids and dropout),
 and the structure the kernels are given, read from the traced program: operand shapes per layout,
 the compact lse rows, and no lse output at all in an inference forward that does not return it.
@@ -11,18 +13,26 @@ the compact lse rows, and no lse output at all in an inference forward that does
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
 from flashport.kernels import registry
-from flashport.kernels.pallas_tpu import counting
+from flashport.kernels.pallas_tpu import backend as pallas_backend
+from flashport.kernels.pallas_tpu import counting, layout, specs
+from flashport.kernels.pallas_tpu.blocks import resolve_blocks
+from flashport.kernels.pallas_tpu.specs import Operands
+from flashport.kernels.spec import make_spec
 
-SMALL = registry.use("pallas_tpu_interpret", block_q=32, block_k=128, read_bshd=True)
-DEFAULT = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)  # read_bshd off
+SMALL = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)  # read_bshd on by default
+HEADS_MAJOR = registry.use("pallas_tpu_interpret", block_q=32, block_k=128, read_bshd=False)
 SEED = 5
 WORDS = (SEED >> 32, SEED & 0xFFFFFFFF)  # the seed words of jax.random.key(SEED)
 
@@ -144,9 +154,9 @@ def test_bhsd_call_keeps_heads_major_operands():
     assert calls["flashport_flash_dq"][1] == [(1, 4, 64, 128)]
 
 
-def test_bshd_call_without_the_option_transposes_to_heads_major():
+def test_bshd_call_with_read_bshd_off_transposes_to_heads_major():
     q, k, v, _ = _inputs(b=1, sq=64, sk=256)
-    calls = _kernel_calls(_grad_fn("BSHD", DEFAULT), q, k, v)
+    calls = _kernel_calls(_grad_fn("BSHD", HEADS_MAJOR), q, k, v)
     assert (1, 4, 64, 128) in calls["flashport_flash_fwd"][0]
     assert calls["flashport_flash_dq"][1] == [(1, 4, 64, 128)]
     # The compact lse rows do not depend on the option.
@@ -171,3 +181,116 @@ def test_inference_forward_writes_lse_only_when_returned(return_lse):
     assert outs == ([(1, 64, 4, 128), (1, 4, 2, 1, 32)] if return_lse else [(1, 64, 4, 128)])
     # A gradient's forward writes it whatever return_lse says.
     assert len(_kernel_calls(_grad_fn("BSHD"), q, k, v)["flashport_flash_fwd"][1]) == 2
+
+
+@pytest.mark.parametrize("dtype,heads", [("bfloat16", 6), ("bfloat16", 3), ("float32", 4)])
+@pytest.mark.parametrize("strided", [True, False])
+def test_stage_and_write_rows_move_heads_between_layouts(dtype, heads, strided):
+    # Operands.stage copies a token-major block [rows, H, D] heads-major ([H, rows, D]): strided, bf16
+    # with an even head count as uint32 pairs of heads, f32 as strided rows; an odd bf16 head count
+    # (and strided=False) head by head. write_rows writes heads-major f32 rows back token-major (head
+    # by head here: the interpreters cannot store through a reshaped ref; see the next test). Checked
+    # against numpy's swapaxes in the plain interpreter (the TPU interpreter has no reshaped refs).
+    ops = Operands(token_major=True, strided=strided, strided_stores=False)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, heads, 128)), dtype)
+
+    def kernel(x_ref, staged_ref, back_ref, scratch):
+        ops.stage(x_ref, scratch)
+        staged_ref[...] = scratch[...]
+        ops.write_rows(back_ref, scratch[...].astype(jnp.float32))
+
+    staged, back = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((heads, 64, 128), x.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype)],
+        scratch_shapes=[pltpu.VMEM((heads, 64, 128), x.dtype)],
+        interpret=True,
+    )(x)
+    np.testing.assert_array_equal(np.asarray(staged), np.swapaxes(np.asarray(x), 0, 1))
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+
+
+def test_packed_pairs_are_the_bf16_blocks_32_bit_view():
+    # The strided bf16 stores write pack_pair(even head, odd head) words: they must be exactly what
+    # pltpu.bitcast (Mosaic's packing of a bf16 [2n, m] block into uint32 [n, m]) makes of the two
+    # rows, and unpack_pair must give the rows back.
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((64, 128)), jnp.bfloat16)
+
+    def kernel(x_ref, words_ref, packed_ref, even_ref, odd_ref):
+        words = pltpu.bitcast(x_ref[...], jnp.uint32)
+        words_ref[...] = words
+        rows = x_ref[...].astype(jnp.float32).reshape(32, 2, 128)
+        packed_ref[...] = specs.pack_pair(rows[:, 0], rows[:, 1])
+        even_ref[...], odd_ref[...] = specs.unpack_pair(words)
+
+    u32 = jax.ShapeDtypeStruct((32, 128), jnp.uint32)
+    half = jax.ShapeDtypeStruct((32, 128), jnp.bfloat16)
+    words, packed, even, odd = pl.pallas_call(kernel, out_shape=[u32, u32, half, half], interpret=True)(x)
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(words))
+    np.testing.assert_array_equal(np.asarray(even), np.asarray(x)[0::2])
+    np.testing.assert_array_equal(np.asarray(odd), np.asarray(x)[1::2])
+
+
+def test_strided_copies_in_the_kernels_match_reference(monkeypatch):
+    # The whole BSHD gradient with the strided copies (the plain interpreter, as on a TPU): bf16 GQA
+    # 8/2 (uint32 head pairs) against the float64 reference.
+    monkeypatch.setattr(pallas_backend.Config, "interpret_mode", property(lambda self: self.interpret))
+    q, k, v, do = _inputs(b=1, sq=64, sk=160, hq=8, hkv=2, dtype=jnp.bfloat16)
+
+    def f(q, k, v):
+        return flashport.attention(q, k, v, causal=True, backend=SMALL)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    grads = vjp(do)
+    _close(out, reference_attention(q, k, v, causal=True)[0], 3e-2, "out")
+    want = reference_attention_vjp(q, k, v, do, causal=True)
+    for what, got, ref in zip("qkv", grads, want[:3], strict=True):
+        _close(got, ref, 6e-2, f"d{what}")
+
+
+def _config(gen, hq, hkv, s, **options):
+    spec = make_spec(
+        (1, hq, s, 128),
+        (1, hkv, s, 128),
+        scale=None,
+        causal=True,
+        window=None,
+        align="top_left",
+        softcap=None,
+    )
+    _, blocks = resolve_blocks(dict(options, generation=gen), "pallas_tpu")
+    q, kv = jnp.zeros((1, hq, s, 128), jnp.bfloat16), jnp.zeros((1, hkv, s, 128), jnp.bfloat16)
+    cfg = pallas_backend.Config(
+        dataclasses.replace(spec, layout="BSHD"), blocks, False, gen, options.get("read_bshd")
+    )
+    return cfg, q, kv
+
+
+def test_layout_byte_model_matches_the_hand_count():
+    # v6e, S = 4096, H = 8, D = 128 bf16, causal: Q, K, V, O are 8 MiB each, so the forward's
+    # transposes move 64 MiB (read + write); heads-major 1024 x 512 tiles visit 20 key blocks per
+    # query-block row set: K/V (8 MiB + 8 MiB per 4096 rows) stream 20 x 512 rows x 8 heads = 40 MiB.
+    cfg, q, kv = _config("v6e", 8, 8, 4096)
+    g = cfg.geometry("fwd", q, kv, kv, token_major=False)
+    assert (g.bq, g.bk, g.visited_tiles) == (1024, 512, 20)
+    assert layout.transposed_bytes(("fwd",), q, kv, kv) == 64 * 2**20
+    assert layout.streamed_bytes("fwd", g, q, kv, kv) == 40 * 2**20
+    # The backward: Q, K, V, dO in and dQ, dK, dV out, 7 operands of 8 MiB read and written.
+    assert layout.transposed_bytes(("dkv", "dq"), q, kv, kv) == 112 * 2**20
+
+
+@pytest.mark.parametrize(
+    "gen,hq,hkv,s,option,token_major",
+    [
+        ("v6e", 8, 8, 4096, None, True),  # the issue's shape: same tiles either way, no transposes
+        ("v5e", 8, 2, 2048, None, True),
+        # 32 heads share a step's VMEM: 16 MiB of v4 VMEM leaves token-major 32-row query blocks,
+        # re-streaming K/V far more than the transposes move.
+        ("v4", 32, 32, 4096, None, False),
+        ("v4", 32, 32, 4096, True, True),
+        ("v6e", 8, 8, 4096, False, False),
+    ],
+)
+def test_default_layout_follows_the_byte_model(gen, hq, hkv, s, option, token_major):
+    cfg, q, kv = _config(gen, hq, hkv, s, **({} if option is None else {"read_bshd": option}))
+    for kinds in (("fwd",), ("dkv", "dq")):
+        assert cfg.operands(q, kv, kv, kinds).token_major is token_major, kinds

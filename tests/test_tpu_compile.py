@@ -193,11 +193,12 @@ def _hlo_lines(text, pattern):
 
 
 def _compile_bshd(gen, b, s, hq, hkv, d=128, **kwargs):
-    """The optimized HLO of a BSHD bf16 call, inference forward and gradient, for chip ``gen``."""
+    """The optimized HLO of a BSHD bf16 call with the default options (the chip from the devices),
+    inference forward and gradient, for chip ``gen``."""
     sharding = one_chip(gen)
     q = jax.ShapeDtypeStruct((b, s, hq, d), jnp.bfloat16, sharding=sharding)
     kv = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16, sharding=sharding)
-    backend = registry.use("pallas_tpu", generation=gen, read_bshd=True)
+    backend = "pallas_tpu"
 
     def fwd(q, k, v):
         return flashport.attention(q, k, v, backend=backend, **kwargs)
@@ -221,8 +222,9 @@ def _assert_no_relayout(text, b, s, hq, hkv, d=128):
 
 
 def test_bshd_call_has_no_transposes_around_the_kernel_and_inference_writes_no_lse():
-    # The issue's shape: S=4096, H=8, D=128 bf16 on a v6e. Before: three copy_bitcast_fusion
-    # transposes of Q, K, V to BHSD, one copy of the output back, and an f32 [B, H, S, 128] lse.
+    # The issue's shape: S=4096, H=8, D=128 bf16 on a v6e, default options. Before: three
+    # copy_bitcast_fusion transposes of Q, K, V to BHSD, one copy of the output back, and an f32
+    # [B, H, S, 128] lse.
     fwd, grad = _compile_bshd("v6e", 1, 4096, 8, 8, causal=True)
     _assert_no_relayout(fwd, 1, 4096, 8, 8)
     _assert_no_relayout(grad, 1, 4096, 8, 8)
@@ -232,3 +234,29 @@ def test_bshd_call_has_no_transposes_around_the_kernel_and_inference_writes_no_l
     fwd_in_grad = _hlo_lines(grad, r"%flashport_flash_fwd\S* = ")
     assert fwd_in_grad and re.search(r"f32\[1,8,\d+,1,\d+\]", fwd_in_grad[0]), fwd_in_grad
     assert "flashport_flash_dkv" in grad and "flashport_flash_dq" in grad
+
+
+def test_bshd_gqa_call_has_no_transposes_around_the_kernels():
+    # GQA 8/2 on a v5e at B = 2, S = 2048, default options: the token-major kernels read the
+    # caller's Q [B, S, 8, D] and K/V [B, S, 2, D] and write out, dQ, dK, dV in BSHD.
+    fwd, grad = _compile_bshd("v5e", 2, 2048, 8, 2, causal=True)
+    _assert_no_relayout(fwd, 2, 2048, 8, 2)
+    _assert_no_relayout(grad, 2, 2048, 8, 2)
+    for name in ("flashport_flash_fwd", "flashport_flash_dkv", "flashport_flash_dq"):
+        calls = _hlo_lines(grad, rf"%{name}\S* = ")
+        assert calls and "[2,2048," in calls[0], (name, calls)
+
+
+def test_bshd_call_with_read_bshd_off_transposes():
+    # The opt-out keeps the heads-major kernels: their BHSD operands are transposes of the caller's.
+    sharding = one_chip("v6e")
+    q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16, sharding=sharding)
+    backend = registry.use("pallas_tpu", read_bshd=False)
+    text = (
+        jax.jit(lambda q: flashport.attention(q, q, q, backend=backend))
+        .trace(q)
+        .lower(lowering_platforms=("tpu",))
+        .compile()
+        .as_text()
+    )
+    assert _hlo_lines(text, r"\[1,8,1024,128\]")

@@ -16,14 +16,16 @@ What the package adds around the kernels:
   ``custom_partitioning`` that runs it per shard over the batch and head dims (sequence and head_dim
   are gathered). Users pass sharded arrays and never write a ``shard_map``.
 
-Options (``registry.use("pallas_tpu", block_q=512, ...)``): ``generation`` and the fields of
+Options (``registry.use("pallas_tpu", block_q=512, ...)``): ``generation``, ``read_bshd`` (BSHD
+callers: ``True`` always / ``False`` never read the caller's arrays directly; default: the byte model
+of :mod:`~flashport.kernels.pallas_tpu.layout`) and the fields of
 :class:`~flashport.kernels.pallas_tpu.blocks.BlockSizes`; see ``kernels/README.md``.
 
 Modules: ``backend`` (padding, ``custom_vjp``, registration), ``forward`` and ``backward`` (the
 kernels), ``specs`` (their BlockSpecs: one builder per grid order), ``tiling`` (geometry, the
 scalar-prefetch ``Tables``, in-tile masks and dropout), ``classify`` (per-tile classes: fully visible
 tiles skip the mask), ``counting`` (instrumentation: tiles per class, mask ops, K/V fetches),
-``blocks`` (block sizes per generation),
+``blocks`` (block sizes per generation), ``layout`` (token-major or heads-major operands by default),
 ``sharding`` (per-shard ``custom_partitioning``), ``platform`` (TPU-only lowering for multi-platform
 export).
 """

@@ -22,7 +22,6 @@ from flashport.kernels.pallas_tpu.blocks import (
     FORWARD_VMEM_BUDGET,
     GENERATION_DEVICE_KINDS,
     LANES,
-    TOKEN_MAJOR_STEP_ELEMENTS,
     TOKEN_MAJOR_VMEM,
     BlockSizes,
     fit_backward_blocks,
@@ -31,6 +30,7 @@ from flashport.kernels.pallas_tpu.blocks import (
 )
 from flashport.kernels.pallas_tpu.classify import with_full_ranges
 from flashport.kernels.pallas_tpu.forward import forward_call
+from flashport.kernels.pallas_tpu.layout import token_major_pays
 from flashport.kernels.pallas_tpu.platform import tpu_only
 from flashport.kernels.pallas_tpu.sharding import partitioned
 from flashport.kernels.pallas_tpu.specs import Operands
@@ -54,10 +54,12 @@ class Config:
     blocks: BlockSizes
     interpret: bool
     generation: str = "v6e"  # the chip Mosaic lowers for when the computation names none
-    # Opt-in (option ``read_bshd=True``): BSHD calls read/write the caller's arrays directly (no
-    # transposes around the kernels). Off by default: its unrolled head loops make libtpu compiles
-    # take minutes (about 10 for forward + gradient at S=4096, H=8 on a CPU host).
-    read_bshd: bool = False
+    # BSHD calls whose head dims are multiples of 128 (:func:`reads_bshd`) read/write the caller's
+    # arrays directly (token-major, no transposes around the kernels): by default (None) unless the
+    # HBM byte model finds their smaller all-head blocks re-stream more than the transposes move
+    # (:func:`~flashport.kernels.pallas_tpu.layout.token_major_pays`); option ``read_bshd=True``
+    # always, ``False`` never.
+    read_bshd: bool | None = None
 
     def geometry(self, kind: str, q, k, v, *, token_major: bool = False) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``).
@@ -77,17 +79,16 @@ class Config:
         dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
         kv_heads = hkv if token_major else 1
         budget = self.vmem(token_major)[0]
-        cap = TOKEN_MAJOR_STEP_ELEMENTS if token_major else None
         if kind == "fwd":
             heads = hq if token_major else hq // hkv
             bq = fit_forward_block_q(
-                bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget, max_elements=cap
+                bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget, staged=token_major
             )
         else:
             heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
             clipped = Geometry.make(self.spec, bq, bk)  # fit the blocks the sequences actually use
             bq, bk = fit_backward_blocks(
-                kind, clipped.bq, clipped.bk, heads, kv_heads, dp, dvp, itemsize, budget, max_elements=cap
+                kind, clipped.bq, clipped.bk, heads, kv_heads, dp, dvp, itemsize, budget, staged=token_major
             )
         return Geometry.make(self.spec, bq, bk)
 
@@ -96,6 +97,19 @@ class Config:
         budget (:data:`~flashport.kernels.pallas_tpu.blocks.TOKEN_MAJOR_VMEM`), heads-major ones the
         default scoped VMEM."""
         return TOKEN_MAJOR_VMEM[self.generation] if token_major else (FORWARD_VMEM_BUDGET, None)
+
+    def operands(self, q, k, v, kinds) -> Operands:
+        """The operand layout of kernels ``kinds`` for canonical ``q, k, v``: token-major when
+        :func:`reads_bshd` and the ``read_bshd`` option (default: the byte model) allow it."""
+        token_major = reads_bshd(self.spec, q, v) and self.read_bshd is not False
+        if token_major and self.read_bshd is None:
+            token_major = token_major_pays(
+                lambda kind, tm: self.geometry(kind, q, k, v, token_major=tm), kinds, q, k, v
+            )
+        return Operands(
+            token_major=token_major,
+            kv_group=q.shape[1] // k.shape[1],
+        )
 
     @property
     def interpret_mode(self):
@@ -131,7 +145,8 @@ def _launch(cfg: Config, call_fn, g: Geometry, operands, tables: Tables, **kwarg
             it = iter(flat[:n])
             ops = [next(it) if p else None for p in present]
             tabs = jax.tree_util.tree_unflatten(table_tree, flat[n:])
-            return tuple(call_fn(g, *ops, tabs, interpret=interpret, **kwargs))
+            kw = dict(kwargs, ops=kwargs["ops"].for_interpret(interpret))
+            return tuple(call_fn(g, *ops, tabs, interpret=interpret, **kw))
 
         return run
 
@@ -221,7 +236,7 @@ def _forward_local(
     q, k, v, bias = map(_loadable, (q, k, v, bias))
     b, hq, sq, _ = q.shape
     dv = v.shape[3]
-    ops = Operands(token_major=cfg.read_bshd and reads_bshd(cfg.spec, q, v), kv_group=hq // k.shape[1])
+    ops = cfg.operands(q, k, v, ("fwd",))
     g = cfg.geometry("fwd", q, k, v, token_major=ops.token_major)
     if ops.token_major:
         qp, kp, vp = (pad_to(jnp.swapaxes(x, 1, 2), 1, n) for x, n in ((q, g.sqp), (k, g.skp), (v, g.skp)))
@@ -260,9 +275,7 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
     sq, sk, d, dv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     # dL/dlogits = P * (dP - di) with di = rowsum(dO*O) - dlse: the lse cotangent folds into di.
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    ops = Operands(
-        token_major=cfg.read_bshd and reads_bshd(cfg.spec, q, v), kv_group=q.shape[1] // k.shape[1]
-    )
+    ops = cfg.operands(q, k, v, ("dkv", "dq"))
 
     def operands(g: Geometry):
         if ops.token_major:
@@ -341,9 +354,11 @@ def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], C
 
     def config(spec: AttentionSpec, options) -> Config:
         options = dict(options)
-        read_bshd = options.pop("read_bshd", False)
-        if not isinstance(read_bshd, bool):
-            raise ValueError(f"backend {name!r} option read_bshd={read_bshd!r} must be True or False")
+        read_bshd = options.pop("read_bshd", None)
+        if read_bshd is not None and not isinstance(read_bshd, bool):
+            raise ValueError(
+                f"backend {name!r} option read_bshd={read_bshd!r} must be True, False or None (the default)"
+            )
         generation, blocks = resolve_blocks(options, name)
         return Config(spec, blocks, interpret, generation, read_bshd)
 

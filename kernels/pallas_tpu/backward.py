@@ -17,7 +17,8 @@ With dropout both regenerate the forward's keep-mask Z from the head-seed table 
 
 Like the forward, both run on heads-major (BHSD) or token-major (the caller's BSHD) operands
 (:class:`~flashport.kernels.pallas_tpu.specs.Operands`); token-major steps serve every head (grid
-extent 1 along the heads, head loops unrolled), so a BSHD gradient needs no transpose either. The lse
+extent 1 along the heads; the blocks are copied heads-major into VMEM scratch and the heads looped
+over, as in the forward), so a BSHD gradient needs no transpose either. The lse
 and ``di`` arrive as compact f32 rows ``[B, Hq, nq, 1, bq]``.
 """
 
@@ -120,62 +121,61 @@ def _dkv_kernel(
     dv_ref,
     dk_scr,
     dv_scr,
-    *,
+    *staged,
     g: Geometry,
     lay: GradLayout,
 ):
     """One grid step ``(b, hk, j, gi, i)``: add query block ``Step(...).block`` of the step's query
     heads (head ``hk * G + gi``, or every head when token-major) to the resident key block j's dK/dV
-    (absent inputs are ``None``)."""
+    (absent inputs are ``None``). Token-major, ``staged`` are the heads-major VMEM copies of the
+    K, V, Q, dO blocks (:meth:`Operands.stage`)."""
     bi, hk, j, gi, i = (pl.program_id(a) for a in range(5))
     st = Step(tables, bi, j, i, g.nk, g.nq, by_rows=False)
     ops, group = lay.ops, lay.ops.kv_group
+    if ops.token_major:
+        # K/V are resident (copied once per key block), Q/dO stream (copied on computed steps).
+        ops.stage_when(jnp.logical_and(gi == 0, i == 0), [(k_ref, staged[0]), (v_ref, staged[1])])
+        ops.stage_when(st.run, [(q_ref, staged[2]), (do_ref, staged[3])])
+        k_ref, v_ref, q_ref, do_ref = staged
 
     @pl.when(jnp.logical_and(gi == 0, i == 0))
     def _init():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-    def _compute(masked):
-        for h in range(lay.heads):  # one head (heads-major) or every head, unrolled (token-major)
-            kv = h // group if ops.token_major else 0
-            q, do = ops.q_rows(q_ref, h), ops.q_rows(do_ref, h)
-            p, dlogits, raw = _probs_and_dlogits(
-                g,
-                st.block,
-                j,
-                q,
-                ops.kv_rows(k_ref, h),
-                ops.kv_rows(v_ref, h),
-                do,
-                lse_ref[h],
-                di_ref[h],
-                _tile(bias_ref, h, lay.bias_heads),
-                _tile(mask_ref, h, lay.mask_heads),
-                load(q_seg_ref),
-                load(kv_seg_ref),
-                _head_seed(tables, g, lay, bi, hk * group + gi + h),
-                masked,
-            )
-            dv_scr[kv] += _dot(p, do, _TN)
-            dk_scr[kv] += _dot(_dscores(g, dlogits, raw), q, _TN)
+    def head(h, masked):
+        kv = h // group if ops.token_major else 0
+        q, do = ops.q_rows(q_ref, h), ops.q_rows(do_ref, h)
+        p, dlogits, raw = _probs_and_dlogits(
+            g,
+            st.block,
+            j,
+            q,
+            ops.kv_rows(k_ref, h),
+            ops.kv_rows(v_ref, h),
+            do,
+            lse_ref[h],
+            di_ref[h],
+            _tile(bias_ref, h, lay.bias_heads),
+            _tile(mask_ref, h, lay.mask_heads),
+            load(q_seg_ref),
+            load(kv_seg_ref),
+            _head_seed(tables, g, lay, bi, hk * group + gi + h),
+            masked,
+        )
+        dv_scr[kv] += _dot(p, do, _TN)
+        dk_scr[kv] += _dot(_dscores(g, dlogits, raw), q, _TN)
+
+    def _compute(masked):  # one head (heads-major) or a loop over every head (token-major)
+        for_each_head(lay.heads, lambda h: head(h, masked))
 
     is_full = lambda: tile_is_full(tables, bi, st.block, j, g.nq, g.nk)  # noqa: E731
     when_by_class(st.run, is_full, _compute, full_body=lay.classes[0], partial_body=lay.classes[1])
 
     @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == g.steps_q - 1))
     def _finish():
-        _write_rows(ops, dk_ref, dk_scr, dk_scr.shape[0])
-        _write_rows(ops, dv_ref, dv_scr, dv_scr.shape[0])
-
-
-def _write_rows(ops: Operands, ref, scratch, heads: int):
-    """Write f32 ``scratch`` [heads, rows, D] into output block ``ref`` in the operands' layout."""
-    if ops.token_major:
-        for h in range(heads):
-            ref[:, h, :] = scratch[h].astype(ref.dtype)
-    else:
-        ref[...] = scratch[...].astype(ref.dtype).reshape(ref.shape)
+        ops.write_rows(dk_ref, dk_scr)
+        ops.write_rows(dv_ref, dv_scr)
 
 
 def _tile(ref, h, per_head: bool):
@@ -247,6 +247,8 @@ def dkv_call(
             scratch_shapes=[
                 pltpu.VMEM((kv_heads, g.bk, dp), jnp.float32),
                 pltpu.VMEM((kv_heads, g.bk, dvp), jnp.float32),
+                *ops.stage_shapes(hkv, g.bk, [(dp, k.dtype), (dvp, v.dtype)]),
+                *ops.stage_shapes(hq, g.bq, [(dp, q.dtype), (dvp, do.dtype)]),
             ],
         ),
         compiler_params=pltpu.CompilerParams(
@@ -287,16 +289,23 @@ def _dq_kernel(
     """One grid step ``(b, hk, i, j)``: add key block ``Step(...).block`` to query block i's dQ of the
     step's heads (the G heads of kv head hk, or every head when token-major).
 
-    ``rest`` is ``dq_ref, [dbias_ref,] dq_scratch``. With a bias, ``dbias_zeros_ref`` (HBM, never
+    ``rest`` is ``dq_ref, [dbias_ref,] dq_scratch`` and, token-major, the heads-major VMEM copies of
+    the Q, dO, K, V blocks (:meth:`Operands.stage`). With a bias, ``dbias_zeros_ref`` (HBM, never
     read) is the zero-filled buffer the dbias output aliases, and ``dbias_block`` its ``(rq, rk)``.
     """
     del dbias_zeros_ref
     has_bias = dbias_block is not None
-    dq_ref, dq_scr = rest[0], rest[-1]
-    db_ref = rest[1] if has_bias else None
     bi, hk, i, j = (pl.program_id(a) for a in range(4))
     st = Step(tables, bi, i, j, g.nq, g.nk, by_rows=True)
     ops = lay.ops
+    if ops.token_major:
+        # Q/dO are resident (copied when the query block is entered), K/V stream.
+        rest, staged = rest[:-4], rest[-4:]
+        ops.stage_when(j == 0, [(q_ref, staged[0]), (do_ref, staged[1])])
+        ops.stage_when(st.run, [(k_ref, staged[2]), (v_ref, staged[3])])
+        q_ref, do_ref, k_ref, v_ref = staged
+    dq_ref, dq_scr = rest[0], rest[-1]
+    db_ref = rest[1] if has_bias else None
 
     @pl.when(j == 0)
     def _init():
@@ -332,7 +341,7 @@ def _dq_kernel(
             db_ref[gi] = tile
 
     def _compute(masked):
-        for_each_head(lay.heads, lambda gi: head(gi, masked), unroll=ops.token_major)
+        for_each_head(lay.heads, lambda gi: head(gi, masked))
 
     is_full = lambda: tile_is_full(tables, bi, i, st.block, g.nq, g.nk)  # noqa: E731
     when_by_class(st.run, is_full, _compute, full_body=lay.classes[0], partial_body=lay.classes[1])
@@ -346,7 +355,7 @@ def _dq_kernel(
 
     @pl.when(j == g.steps_k - 1)
     def _finish():
-        _write_rows(ops, dq_ref, dq_scr, lay.heads)
+        ops.write_rows(dq_ref, dq_scr)
 
 
 def dq_call(
@@ -422,7 +431,11 @@ def dq_call(
             grid=(b, 1 if ops.token_major else hkv, g.nq, g.steps_k),
             in_specs=in_specs,
             out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((heads, g.bq, dp), jnp.float32)],
+            scratch_shapes=[
+                pltpu.VMEM((heads, g.bq, dp), jnp.float32),
+                *ops.stage_shapes(hq, g.bq, [(dp, q.dtype), (dvp, do.dtype)]),
+                *ops.stage_shapes(hkv, g.bk, [(dp, k.dtype), (dvp, v.dtype)]),
+            ],
         ),
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(

@@ -170,20 +170,18 @@ TOKEN_MAJOR_VMEM = {
     "v5p": (24 * 2**20, 32 * 2**20),
     "v6e": (48 * 2**20, 64 * 2**20),
 }
-# A token-major step unrolls its head loop, so Mosaic compiles heads x [bq, bk] score elements of
-# straight-line code per tile body; capping them keeps compile times near the heads-major kernel's
-# (one 1024 x 512 tile per body there; the cap is four of those).
-TOKEN_MAJOR_STEP_ELEMENTS = 2**21
 
 
 def forward_vmem_bytes(
-    bq: int, bk: int, group: int, dp: int, dvp: int, itemsize: int, kv_heads: int = 1
+    bq: int, bk: int, group: int, dp: int, dvp: int, itemsize: int, kv_heads: int = 1, staged: bool = False
 ) -> int:
     """VMEM of one grouped forward step: double-buffered q/out blocks and compact lse rows of the
     step's ``group`` heads, the K/V blocks of its ``kv_heads``, the heads' m/l (lane-replicated) and
-    accumulator scratch, and ~4 live f32 [bq, bk] temporaries."""
-    per_row = group * (2 * dp * itemsize + 2 * dvp * itemsize + 2 * 4 + 2 * LANES * 4 + dvp * 4)
-    return bq * per_row + 2 * bk * (dp + dvp) * itemsize * kv_heads + 4 * bq * bk * 4
+    accumulator scratch, ~4 live f32 [bq, bk] temporaries (the heads run one after another) and,
+    ``staged`` (token-major), the heads-major copies of the Q and K/V blocks."""
+    copies = 1 if staged else 0
+    per_row = group * ((2 + copies) * dp * itemsize + 2 * dvp * itemsize + 2 * 4 + 2 * LANES * 4 + dvp * 4)
+    return bq * per_row + (2 + copies) * bk * (dp + dvp) * itemsize * kv_heads + 4 * bq * bk * 4
 
 
 def fit_forward_block_q(
@@ -196,21 +194,17 @@ def fit_forward_block_q(
     *,
     kv_heads: int = 1,
     budget: int = FORWARD_VMEM_BUDGET,
-    max_elements: int | None = None,
+    staged: bool = False,
 ) -> int:
     """``block_q`` halved (not below ``Q_ALIGN``) until the grouped forward fits
     ``budget`` (:data:`FORWARD_VMEM_BUDGET`): the G query heads of a group share each step, so their blocks
     multiply the per-row VMEM by G. The tile still carries ``G * block_q`` query rows per K/V fetch.
     Without GQA (G = 1) the block is the per-generation default or the user's, unchanged. The
-    token-major forward passes every head of a step (``group`` = Hq, ``kv_heads`` = Hkv) and
-    ``max_elements`` (:data:`TOKEN_MAJOR_STEP_ELEMENTS`), a cap on ``group * bq * bk``."""
+    token-major forward passes every head of a step (``group`` = Hq, ``kv_heads`` = Hkv, ``staged``)."""
     if group == 1:
         return block_q
     bq = block_q
-    while bq > Q_ALIGN and (
-        forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads) > budget
-        or (max_elements is not None and group * bq * bk > max_elements)
-    ):
+    while bq > Q_ALIGN and forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads, staged) > budget:
         bq = max(Q_ALIGN, round_to_align(bq // 2))
     return bq
 
@@ -221,16 +215,26 @@ def round_to_align(rows: int) -> int:
 
 
 def backward_vmem_bytes(
-    kind: str, bq: int, bk: int, heads: int, kv_heads: int, dp: int, dvp: int, itemsize: int
+    kind: str,
+    bq: int,
+    bk: int,
+    heads: int,
+    kv_heads: int,
+    dp: int,
+    dvp: int,
+    itemsize: int,
+    staged: bool = False,
 ) -> int:
     """VMEM of one backward step serving ``heads`` query heads and ``kv_heads`` kv heads.
 
     ``kind`` ``"dq"`` (Q, dO resident; K/V streamed) or ``"dkv"`` (K/V resident; Q, dO streamed): the
     double-buffered blocks of both sides, the compact lse/di rows, the kernel's output block and f32
-    accumulator, and ~5 live f32 [bq, bk] temporaries.
+    accumulator, ~5 live f32 [bq, bk] temporaries and, ``staged`` (token-major), the heads-major
+    copies of both sides' blocks.
     """
-    q_side = 2 * bq * heads * (dp + dvp) * itemsize + 2 * 2 * heads * bq * 4
-    kv_side = 2 * bk * kv_heads * (dp + dvp) * itemsize
+    buffers = 3 if staged else 2
+    q_side = buffers * bq * heads * (dp + dvp) * itemsize + 2 * 2 * heads * bq * 4
+    kv_side = buffers * bk * kv_heads * (dp + dvp) * itemsize
     if kind == "dq":
         own = 2 * bq * heads * dp * itemsize + bq * heads * dp * 4
     else:
@@ -248,19 +252,17 @@ def fit_backward_blocks(
     dvp: int,
     itemsize: int,
     budget: int = FORWARD_VMEM_BUDGET,
-    max_elements: int | None = None,
+    staged: bool = False,
 ) -> tuple[int, int]:
     """``(bq, bk)`` of a backward kernel halved until :func:`backward_vmem_bytes` fits
     ``budget`` (:data:`FORWARD_VMEM_BUDGET`), the side holding more VMEM rows first. One head per step
     (heads-major dK/dV, dQ without GQA) keeps the blocks unchanged, as the forward does;
-    ``max_elements`` caps ``heads * bq * bk`` (token-major steps)."""
+    ``staged``: token-major steps (see :func:`backward_vmem_bytes`)."""
     if heads == 1 and kv_heads == 1:
         return bq, bk
 
     def fits(rows, cols):
-        if max_elements is not None and heads * rows * cols > max_elements:
-            return False
-        return backward_vmem_bytes(kind, rows, cols, heads, kv_heads, dp, dvp, itemsize) <= budget
+        return backward_vmem_bytes(kind, rows, cols, heads, kv_heads, dp, dvp, itemsize, staged) <= budget
 
     while not fits(bq, bk):
         # Halve the side holding more rows of VMEM (ties: the key side), keeping the tiles square-ish.

@@ -8,8 +8,11 @@ Two operand layouts, one kernel body (:class:`~flashport.kernels.pallas_tpu.spec
 * token-major (BSHD, the contract's default layout): grid ``(B, 1, nq, steps_k)``; one step serves
   every head: blocks ``[bq, Hq, D]`` of Q and ``[bk, Hkv, D]`` of K/V are read straight from the
   caller's BSHD arrays (no transpose in XLA before or after the kernel), each K/V block is fetched
-  once for all heads, and the head loop is unrolled (Mosaic cannot index the packed head dim of a
-  16-bit block dynamically).
+  once for all heads. Mosaic cannot index the packed head dim of a 16-bit block dynamically, so the
+  blocks are first copied heads-major into VMEM scratch (a short static loop of loads and stores,
+  :meth:`~flashport.kernels.pallas_tpu.specs.Operands.stage`: Q when the query block is entered,
+  K/V on every computed step) and the tile body runs in a ``fori_loop`` over the heads on the copies,
+  so Mosaic compiles one tile body, as heads-major.
 
 The key axis is last and ``"arbitrary"`` (it carries the running max ``m``, sum ``l`` and f32
 accumulator of each head in VMEM scratch), the others ``"parallel"``. Step j of query block i visits
@@ -93,11 +96,10 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
         acc_scr[gi] = acc_scr[gi] * alpha[:, :1] + pv
 
 
-def for_each_head(group: int, fn, *, unroll: bool):
-    """``fn(gi)`` for every head of the step (a loop, not unrolled, when G > 1 unless ``unroll``)."""
-    if group == 1 or unroll:
-        for gi in range(group):
-            fn(gi)
+def for_each_head(group: int, fn):
+    """``fn(gi)`` for every head of the step: a ``fori_loop`` (one compiled tile body) when G > 1."""
+    if group == 1:
+        fn(0)
         return
 
     def body(gi, carry):
@@ -111,11 +113,17 @@ def _forward_kernel(
     tables, q_ref, k_ref, v_ref, bias_ref, mask_ref, q_seg_ref, kv_seg_ref, o_ref, *rest, g, lay
 ):
     """One grid step ``(b, hk, i, j)``: fold key block ``Step(...).block`` into query block i of the
-    step's heads. ``rest`` is ``[lse_ref,] [full_count_ref, partial_count_ref,] m, l, acc`` scratch."""
+    step's heads. ``rest`` is ``[lse_ref,] [full_count_ref, partial_count_ref,] m, l, acc`` scratch
+    and, token-major, the heads-major copies of the Q, K, V blocks (:meth:`Operands.stage`)."""
     lse_ref, rest = (rest[0], rest[1:]) if lay.write_lse else (None, rest)
-    m_scr, l_scr, acc_scr = rest[-3:]
     bi, hk, i, j = (pl.program_id(a) for a in range(4))
     st = Step(tables, bi, i, j, g.nq, g.nk, by_rows=True)
+    if lay.ops.token_major:
+        rest, (q_ref, k_ref, v_ref) = (
+            rest[:-3],
+            _staged(lay.ops, rest[-3:], (q_ref, k_ref, v_ref), j == 0, st.run),
+        )
+    m_scr, l_scr, acc_scr = rest[-3:]
     refs = (q_ref, k_ref, v_ref, bias_ref, mask_ref, q_seg_ref, kv_seg_ref, m_scr, l_scr, acc_scr, hk)
 
     @pl.when(j == 0)
@@ -130,7 +138,6 @@ def _forward_kernel(
         for_each_head(
             lay.group,
             lambda gi: _head_tile(g, lay, refs, tables, bi, i, st.block, gi, masked),
-            unroll=lay.ops.token_major,
         )
         if lay.count_tiles:
             count_ref = rest[1 if masked else 0]
@@ -146,20 +153,29 @@ def _forward_kernel(
 
     @pl.when(j == g.steps_k - 1)
     def _finish():
-        l = l_scr[...]
-        m = m_scr[...]
-        seen = l > 0
-        inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-        out = (acc_scr[...] * inv[..., :1]).astype(o_ref.dtype)
-        if lay.ops.token_major:
-            for h in range(lay.group):
-                o_ref[:, h, :] = out[h]
-        else:
-            o_ref[...] = out
-        if lse_ref is not None:
-            lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-            # [G, bq, 128] lane-replicated -> one lane-dense [G, 1, bq] row per head.
-            lse_ref[...] = jnp.swapaxes(lse, 1, 2)[:, :1, :]
+        for_each_head(lay.group, lambda h: _normalize_head(acc_scr, m_scr, l_scr, lse_ref, h))
+        lay.ops.write_rows(o_ref, acc_scr)
+
+
+def _normalize_head(acc_scr, m_scr, l_scr, lse_ref, h):
+    """Divide head ``h``'s accumulator by its sum in place (0 for rows that saw nothing) and write its
+    lse row (``m + log l``, ``-inf`` for rows that saw nothing) unless ``lse_ref`` is ``None``."""
+    l, m = l_scr[h], m_scr[h]
+    seen = l > 0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    acc_scr[h] = acc_scr[h] * inv[:, :1]
+    if lse_ref is not None:
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        # [bq, 128] lane-replicated -> one lane-dense [1, bq] row.
+        lse_ref[h] = lse.T[:1, :]
+
+
+def _staged(ops: Operands, scratch, blocks, resident, streamed):
+    """Copy token-major Q (when ``resident``: the step that enters a query block) and K/V (when
+    ``streamed``: every computed step) into their heads-major ``scratch``; returns the copies."""
+    ops.stage_when(resident, [(blocks[0], scratch[0])])
+    ops.stage_when(streamed, list(zip(blocks[1:], scratch[1:], strict=True)))
+    return scratch
 
 
 def forward_call(
@@ -228,6 +244,8 @@ def forward_call(
             pltpu.VMEM((step_heads, g.bq, LANES), jnp.float32),
             pltpu.VMEM((step_heads, g.bq, LANES), jnp.float32),
             pltpu.VMEM((step_heads, g.bq, dvp), jnp.float32),
+            *ops.stage_shapes(hq, g.bq, [(q.shape[-1], q.dtype)]),
+            *ops.stage_shapes(hkv, g.bk, [(k.shape[-1], k.dtype), (dvp, v.dtype)]),
         ],
     )
     res = pl.pallas_call(

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step
 
@@ -39,6 +41,18 @@ class Operands:
 
     token_major: bool
     kv_group: int = 1
+    # Token-major blocks are read (``strided``) and written (``strided_stores``) with sublane-strided
+    # accesses of reshaped (bf16: uint32) views of the block; False copies head by head (the TPU
+    # interpreter has no reshaped refs; the plain interpreter cannot store through one).
+    strided: bool = True
+    strided_stores: bool = True
+
+    def for_interpret(self, interpret) -> Operands:
+        """This layout as ``pallas_call(interpret=interpret)`` can run it: the TPU interpreter
+        (``InterpretParams``) has no reshaped refs, the plain one (``True``) cannot store through one."""
+        if not interpret:
+            return self
+        return dataclasses.replace(self, strided=interpret is True, strided_stores=False)
 
     def heads(self, x) -> int:
         """The head count of an operand in this layout."""
@@ -64,12 +78,103 @@ class Operands:
         return pl.BlockSpec((_SQ, _SQ if squeeze else heads, rows, width), index_map)
 
     def q_rows(self, ref, gi):
-        """Query-side rows [rows, D] of head ``gi`` of the step's heads (``gi`` static if token-major)."""
-        return ref[:, gi, :] if self.token_major else ref[gi]
+        """Query-side rows [rows, D] of head ``gi`` (a traced index) of the step's heads.
+
+        ``ref`` is a heads-major block, or a token-major block's heads-major VMEM copy (:meth:`stage`).
+        """
+        return ref[gi]
 
     def kv_rows(self, ref, gi):
-        """K/V rows [rows, D] for query head ``gi`` of the step's heads (its kv head ``gi // G``)."""
-        return ref[:, gi // self.kv_group, :] if self.token_major else ref[...]
+        """K/V rows [rows, D] for query head ``gi`` of the step's heads (its kv head ``gi // G``).
+
+        ``ref`` is a heads-major one-head block, or a token-major block's VMEM copy (:meth:`stage`).
+        """
+        return ref[gi // self.kv_group] if self.token_major else ref[...]
+
+    def stage(self, ref, scratch) -> None:
+        """Copy a token-major block ``ref`` [rows, H, D] into heads-major VMEM ``scratch`` [H, rows, D].
+
+        Mosaic reads one head's rows of a 16-bit block only at a static head index, so the tile
+        bodies loop over heads (``fori_loop``: one compiled body, as heads-major) on this copy. The
+        copy is one sublane-strided load per head of the block viewed as [rows * H, D] (f32), or per
+        pair of heads of its 32-bit view (bf16: a word holds heads 2p and 2p + 1 of a row; a bf16 in
+        the high half of a word is that value as an f32); other blocks (and ``strided=False``) copy
+        ``ref[:, h, :]``.
+        """
+        rows, heads, width = ref.shape
+        view = self._view(ref)
+        if view == "words":
+            flat = ref.reshape(rows * heads, width)
+            for h in range(heads):
+                scratch[h] = flat[pl.ds(h, rows, stride=heads), :]
+        elif view == "pairs":
+            words = ref.reshape(rows * heads, width).bitcast(jnp.uint32)
+            for p in range(heads // 2):
+                pair = words[pl.ds(p, rows, stride=heads // 2), :]
+                scratch[2 * p], scratch[2 * p + 1] = unpack_pair(pair, ref.dtype)
+        else:
+            for h in range(heads):
+                scratch[h] = ref[:, h, :]
+
+    def _view(self, ref) -> str | None:
+        """How :meth:`stage`/:meth:`write_rows` copy block ``ref``: ``"words"`` (32-bit: strided rows
+        of [rows * H, D]), ``"pairs"`` (bf16, even H: strided uint32 words of two heads) or ``None``
+        (head by head)."""
+        if not self.strided:
+            return None
+        if jnp.dtype(ref.dtype).itemsize == 4:
+            return "words"
+        return "pairs" if ref.dtype == jnp.bfloat16 and ref.shape[1] % 2 == 0 else None
+
+    def write_rows(self, ref, scratch) -> None:
+        """Write f32 ``scratch`` [H, rows, D] into output block ``ref`` in the operands' layout
+        (token-major: the inverse of :meth:`stage`, one sublane-strided store per head or bf16 pair)."""
+        if not self.token_major:
+            ref[...] = scratch[...].astype(ref.dtype).reshape(ref.shape)
+            return
+        rows, heads, width = ref.shape
+        view = self._view(ref) if self.strided_stores else None
+        if view == "words":
+            flat = ref.reshape(rows * heads, width)
+            for h in range(heads):
+                flat[pl.ds(h, rows, stride=heads), :] = scratch[h].astype(ref.dtype)
+        elif view == "pairs":
+            words = ref.reshape(rows * heads, width).bitcast(jnp.uint32)
+            for p in range(heads // 2):
+                words[pl.ds(p, rows, stride=heads // 2), :] = pack_pair(scratch[2 * p], scratch[2 * p + 1])
+        else:
+            for h in range(heads):
+                ref[:, h, :] = scratch[h].astype(ref.dtype)
+
+    def stage_when(self, cond, pairs) -> None:
+        """Under ``cond``, :meth:`stage` each ``(block ref, scratch)`` pair."""
+
+        @pl.when(cond)
+        def _stage():
+            for ref, scratch in pairs:
+                self.stage(ref, scratch)
+
+    def stage_shapes(self, heads: int, rows: int, widths_dtypes) -> list:
+        """VMEM scratch of :meth:`stage`: one ``[heads, rows, width]`` buffer per ``(width, dtype)``
+        (none when heads-major)."""
+        if not self.token_major:
+            return []
+        return [pltpu.VMEM((heads, rows, width), dtype) for width, dtype in widths_dtypes]
+
+
+def unpack_pair(words, dtype=jnp.bfloat16):
+    """uint32 ``words`` of a bf16 block's 32-bit view -> its ``(even, odd)`` rows: a word holds the even
+    row in its low half, the odd row in its high half (:func:`pltpu.bitcast`'s packing), and a bf16's
+    bits in the high half of a word with a zero low half are that value as an f32."""
+    even = pltpu.bitcast(words << 16, jnp.float32).astype(dtype)
+    odd = pltpu.bitcast(words & jnp.uint32(0xFFFF0000), jnp.float32).astype(dtype)
+    return even, odd
+
+
+def pack_pair(even, odd):
+    """The inverse of :func:`unpack_pair`: f32 rows rounded to bf16, packed two to a uint32 word."""
+    bits = [pltpu.bitcast(x.astype(jnp.bfloat16).astype(jnp.float32), jnp.uint32) for x in (even, odd)]
+    return bits[1] | (bits[0] >> 16)
 
 
 def _token_major(index):
