@@ -4,13 +4,15 @@ rewritten files."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import textwrap
+from collections import defaultdict
 
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import engine, spans
+from flashport.rewriter import astindex, engine, spans
 from flashport.rewriter.engine import transform_source
 from flashport.rewriter.positions import line_positions
 from flashport.rules.base import RuleOptions
@@ -166,3 +168,15 @@ def test_a_render_mismatch_falls_back_to_the_whole_module(monkeypatch):
     expected = _result(LAYOUTS.encode())
     monkeypatch.setattr(spans.StatementSpans, "_matches", lambda self, start, text: False)
     assert _result(LAYOUTS.encode()) == expected
+
+
+@pytest.mark.parametrize("path", INPUTS[:20] + [pathlib.Path(__file__)], ids=str)
+def test_the_ast_index_walks_in_ast_walk_order(path):
+    tree = ast.parse(path.read_text())
+    expected = defaultdict(list)
+    for node in ast.walk(tree):
+        expected[type(node)].append(node)
+    index = astindex._walk(tree)
+    assert index.keys() == expected.keys()
+    for kind, nodes in expected.items():
+        assert [id(n) for n in index[kind]] == [id(n) for n in nodes], kind
