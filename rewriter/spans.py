@@ -73,7 +73,7 @@ class StatementSpans:
         self.lines = lines
         self.failed = False
         self._lines_of: dict[int, tuple[int, int, bool]] = {}  # id(stmt) -> (first, last, compound)
-        self._rendered: set[int] = set()
+        self._rendered: dict[int, tuple[int, int]] = {}  # id(stmt) -> (first line, lines) rendered
         self._header: set[int] = set()  # ids of the import header's statements
         self._elif: set[int] = set()  # ids of the ``If`` nodes that are an ``elif``
         self._positions = _Positions()
@@ -208,7 +208,6 @@ class StatementSpans:
 
     def _render_positions(self, statement: cst.CSTNode, indent: Sequence[str]) -> None:
         """Record the positions of ``statement``'s nodes, checking the render against the text."""
-        self._rendered.add(id(statement))
         start = self._start(statement)
         provider = _Positions()
         state = _TupleState(
@@ -219,37 +218,43 @@ class StatementSpans:
         state.indent_tokens = list(indent)
         state.line = start
         statement._codegen(state, **self._flags(statement))
-        if not self._matches(start, "".join(state.tokens)):
+        count = self._matches(start, "".join(state.tokens))
+        if not count:
             self.failed = True
             return
+        self._rendered[id(statement)] = (start, count)
         self._positions._computed.update(provider._computed)
 
-    def _matches(self, start: int, text: str) -> bool:
-        """Whether ``text`` is exactly the mini module's lines from ``start`` on."""
+    def _matches(self, start: int, text: str) -> int:
+        """How many lines ``text`` has when it is exactly the mini module's lines from ``start``
+        on, else 0."""
         count = len(split_lines(text))
-        return start >= 1 and "".join(self.lines[start - 1 : start - 1 + count]) == text
+        same = start >= 1 and "".join(self.lines[start - 1 : start - 1 + count]) == text
+        return count if same else 0
 
     def replacement(
         self, original: cst.CSTNode, updated: cst.CSTNode, indent: Sequence[str]
     ) -> tuple[int, int, str] | None:
-        """``(first, last mini-module line, new text)`` replacing ``original`` (leading lines
-        aside) by ``updated``; None when the statement cannot be spliced alone."""
-        if (
-            self.failed
-            or id(original) not in self._lines_of
-            or not isinstance(updated, cst.BaseStatement)
-            or not _same_lines(getattr(original, "leading_lines", ()), getattr(updated, "leading_lines", ()))
-        ):
+        """``(first, last mini-module line, new text)`` replacing ``original`` by ``updated``
+        (with their leading lines when ``original`` was rendered for positions, which checked
+        where it sits; else without, checking that now); None when it cannot be spliced alone."""
+        if self.failed or id(original) not in self._lines_of or not isinstance(updated, cst.BaseStatement):
+            return None
+        flags = self._flags(original)
+        known = self._rendered.get(id(original))
+        if known is not None and _sentinel(original) is None:  # a chunk's sentinel stays out
+            start, count = known
+            return start, start + count - 1, _render(updated, indent, self.module, flags)
+        if not _same_lines(getattr(original, "leading_lines", ()), getattr(updated, "leading_lines", ())):
             return None
         start = self._lines_of[id(original)][0]
         decorators = getattr(original, "decorators", ())
         if decorators:
             start -= len(decorators[0].leading_lines)
-        flags = self._flags(original)
         old = _render(original.with_changes(leading_lines=()), indent, self.module, flags)  # type: ignore[attr-defined]
-        if not self._matches(start, old):
+        count = self._matches(start, old)
+        if not count:
             return None
-        count = len(split_lines(old))
         new = _render(updated.with_changes(leading_lines=()), indent, self.module, flags)
         return start, start + count - 1, new
 
