@@ -15,8 +15,10 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    the imports alone cannot tell): rules answer per site.
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
    its own rewrites in this file (the pass is redone with them refused).
-4. Splice rewritten statement texts into the original lines (everything else is byte-identical),
-   drop GPU imports a rewrite made unused, add ``import flashport`` once.
+4. Splice rewritten statement texts into the original lines (everything else is byte-identical):
+   each changed statement rendered alone where :mod:`~flashport.rewriter.spans` can place it (the
+   same statements give the sites their positions), else every changed chunk from a render of the
+   whole mini module; drop GPU imports a rewrite made unused, add ``import flashport`` once.
 5. The new text must parse and compile (masked text: compile, and the restored text must parse
    with libcst), or the file is reported as an error and left alone.
 

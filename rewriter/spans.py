@@ -86,8 +86,8 @@ class StatementSpans:
 
     def _pair_module(self, module: cst.Module, units: Sequence[object], line_map) -> None:
         """Group the chunk statements by their sentinel comment and pair each group with its unit."""
-        groups: dict[int, list[cst.BaseStatement]] = {}
-        current: list[cst.BaseStatement] | None = None
+        groups: dict[int, list[cst.CSTNode]] = {}
+        current: list[cst.CSTNode] | None = None
         index = _first_index(module.header)
         if index is not None:  # no header imports: the first sentinel is the module's header
             current = groups.setdefault(index, [])
@@ -150,7 +150,7 @@ class StatementSpans:
             if len(handlers) != len(statement.handlers):
                 raise _Mismatch
             for handler, ast_handler in zip(statement.handlers, handlers, strict=True):
-                self._block(handler.body, ast_handler.body, shift)
+                self._block(handler.body, ast_handler.body, shift)  # type: ignore[attr-defined]
             if statement.orelse is not None:
                 self._block(statement.orelse.body, node.orelse, shift)  # type: ignore[attr-defined]
             if statement.finalbody is not None:
@@ -213,7 +213,7 @@ class StatementSpans:
         state = _TupleState(
             default_indent=self.module.default_indent,
             default_newline=self.module.default_newline,
-            provider=provider,  # type: ignore[arg-type]
+            provider=provider,
         )
         state.indent_tokens = list(indent)
         state.line = start
@@ -251,7 +251,7 @@ class StatementSpans:
         decorators = getattr(original, "decorators", ())
         if decorators:
             start -= len(decorators[0].leading_lines)
-        old = _render(original.with_changes(leading_lines=()), indent, self.module, flags)  # type: ignore[attr-defined]
+        old = _render(original.with_changes(leading_lines=()), indent, self.module, flags)
         count = self._matches(start, old)
         if not count:
             return None
@@ -263,7 +263,7 @@ def indents(path: Sequence[cst.CSTNode], module: cst.Module) -> list[str]:
     """The indentation tokens libcst's codegen holds inside the blocks of ``path`` (a ``match``
     indents its cases too)."""
     return [
-        module.default_indent if node.indent is None else node.indent  # type: ignore[attr-defined]
+        module.default_indent if node.indent is None else node.indent
         for node in path
         if isinstance(node, (cst.IndentedBlock, cst.Match))
     ]

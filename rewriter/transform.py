@@ -14,8 +14,10 @@ relies on this to be opt-in behind FPA901.
 ``vetoes`` (rule code -> reason) turn that rule's rewrites into refusals: the engine's per-file
 phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
 
-Cost: the positions are computed once per file for the whole mini module
-(:mod:`~flashport.rewriter.positions`); qualified names come from the imports
+Cost: positions come from rendering only the statement a site sits in, located by the file's
+``ast`` line numbers (:mod:`~flashport.rewriter.spans`; the whole mini module once when that cannot
+tell), and ``changed`` lists the smallest statements holding every change so the engine renders
+and splices only those; qualified names come from the imports
 (:mod:`~flashport.rewriter.names`) and libcst's scope analysis runs, once, only for a question they
 cannot answer (aliases, value uses, names bound in more than one way). The traversal does not
 descend into nodes that cannot hold a site, nor into statements whose text matches nothing of
@@ -114,8 +116,9 @@ class SiteTransformer(cst.CSTTransformer):
     # Qualified names are asked only for the nodes :meth:`_match` looks at: exactly what
     # ``QualifiedNameProvider`` would give them. :class:`~flashport.rewriter.names.Names` answers
     # from the imports where that is provably the same; the scope analysis (``ScopeProvider``) runs
-    # only when a question needs it (:meth:`_scope`), once per file. Positions come as a plain
-    # mapping (:func:`~flashport.rewriter.positions.line_positions`): declaring them as a metadata
+    # only when a question needs it (:meth:`_scope`), once per file. Positions come from
+    # ``spans`` (one statement rendered at a time), or as a plain mapping
+    # (:func:`~flashport.rewriter.positions.line_positions`): declaring them as a metadata
     # dependency would make libcst's resolver walk the whole module once more for nothing.
 
     def __init__(
