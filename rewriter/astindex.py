@@ -9,7 +9,7 @@ the tree object, and answers every later question from that.
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
+from collections import defaultdict, deque
 
 _ATTRIBUTE = "_flashport_by_type"
 
@@ -19,8 +19,26 @@ def of_type(tree: ast.AST, *kinds: type[ast.AST]) -> list[ast.AST]:
     ``ast.walk`` order within each kind. ``tree`` must not be changed afterwards."""
     index = getattr(tree, _ATTRIBUTE, None)
     if index is None:
-        index = defaultdict(list)
-        for node in ast.walk(tree):
-            index[type(node)].append(node)
+        index = _walk(tree)
         setattr(tree, _ATTRIBUTE, index)
     return [node for kind in kinds for node in index.get(kind, ())]
+
+
+def _walk(tree: ast.AST) -> dict[type, list[ast.AST]]:
+    """The nodes of ``tree`` by type, in ``ast.walk`` order (breadth first, fields in order),
+    without its two generators per node (half the time on a big file)."""
+    index: dict[type, list[ast.AST]] = defaultdict(list)
+    todo = deque([tree])
+    pop, push, node_type = todo.popleft, todo.append, ast.AST
+    while todo:
+        node = pop()
+        index[type(node)].append(node)
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if isinstance(value, node_type):
+                push(value)
+            elif isinstance(value, list):
+                for item in value:
+                    if isinstance(item, node_type):
+                        push(item)
+    return index

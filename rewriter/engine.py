@@ -15,8 +15,10 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    the imports alone cannot tell): rules answer per site.
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
    its own rewrites in this file (the pass is redone with them refused).
-4. Splice rewritten statement texts into the original lines (everything else is byte-identical),
-   drop GPU imports a rewrite made unused, add ``import flashport`` once.
+4. Splice rewritten statement texts into the original lines (everything else is byte-identical):
+   each changed statement rendered alone where :mod:`~flashport.rewriter.spans` can place it (the
+   same statements give the sites their positions), else every changed chunk from a render of the
+   whole mini module; drop GPU imports a rewrite made unused, add ``import flashport`` once.
 5. The new text must parse and compile (masked text: compile, and the restored text must parse
    with libcst), or the file is reported as an error and left alone.
 
@@ -26,6 +28,7 @@ Rules are instantiated afresh for every file.
 from __future__ import annotations
 
 import ast
+import bisect
 import dataclasses
 import gc
 import re
@@ -41,8 +44,8 @@ from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
 from flashport.rewriter.names import Names
-from flashport.rewriter.positions import line_positions
 from flashport.rewriter.results import CHANGED, ERROR, FileResult
+from flashport.rewriter.spans import StatementSpans
 from flashport.rewriter.transform import SiteTransformer
 from flashport.rules.base import Rule, RuleOptions
 
@@ -178,19 +181,25 @@ def _transform(
         return result
     mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
     relevant = _relevant_pattern(tree, text_pattern, rules)
-    transformer, new_module = _run_rules(result, mini, tree, rules, options, table, relevant)
+    transformer, new_module, spans = _run_rules(result, mini, tree, rules, options, table, relevant)
     result.sites.extend(transformer.sites)
-    replacements: list[tuple[int, int, str]] = []
+    replacements: list[tuple[int, int, str]] | None = []
     if transformer.rewrites:
-        replacements = _replacements(new_module.code, mini, lines)
+        replacements = _spliced(transformer, spans, mini, lines)
+        if replacements is None:  # a change the statement splice cannot place: render it all
+            replacements = _replacements(new_module.code, mini, lines)
     result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
     if not replacements:
         return result
-    for start, end, new_chunk in sorted(replacements, reverse=True):
-        lines[start - 1 : end] = [new_chunk]
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
     new_text = _fix_imports(
-        result, "".join(lines), tree, gpu_modules, transformer.imports, newline, options.flash_attn_version
+        result,
+        _splice(lines, replacements),
+        tree,
+        gpu_modules,
+        transformer.imports,
+        newline,
+        options.flash_attn_version,
     )
     compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
     if masks:
@@ -205,6 +214,19 @@ def _transform(
         result.old = data
         result.new = new_data
     return result
+
+
+def _splice(lines: list[str], replacements: list[tuple[int, int, str]]) -> str:
+    """``lines`` joined, with each (disjoint) ``(first, last line, text)`` put in place of its
+    lines: in one pass (a slice assignment per statement moves the rest of the file each time)."""
+    out: list[str] = []
+    at = 0
+    for start, end, text in sorted(replacements):
+        out.extend(lines[at : start - 1])
+        out.append(text)
+        at = end
+    out.extend(lines[at:])
+    return "".join(out)
 
 
 def _site_pattern(
@@ -314,14 +336,15 @@ def _run_rules(
     options: RuleOptions,
     table: dict[int, frozenset[str]],
     relevant: re.Pattern[str] | None = None,
-) -> tuple[SiteTransformer, cst.Module]:
+) -> tuple[SiteTransformer, cst.Module, StatementSpans]:
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
     every site's final status and may veto its rewrites (the pass is redone with them refused,
-    reusing the parse and the metadata). Returns the transformer and the new module."""
+    reusing the parse and the metadata). Returns the transformer, the new module and the
+    statement spans (positions are rendered per statement, :mod:`~flashport.rewriter.spans`)."""
     module = mini_parse.parse(mini.pieces)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     names = mini.names(tree, rules)
-    positions = line_positions(module)
+    spans = StatementSpans(module, src.split_lines(mini.source), mini.ordered, mini.line_map)
     transformer = SiteTransformer(
         rules,
         options,
@@ -333,7 +356,7 @@ def _run_rules(
         relevant=relevant,
         wrapper=wrapper,
         names=names,
-        positions=positions,
+        spans=spans,
     )
     new_module = module.visit(transformer)
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
@@ -350,10 +373,37 @@ def _run_rules(
             relevant,
             wrapper=wrapper,
             names=names,
-            positions=positions,
+            spans=spans,
         )
         new_module = module.visit(transformer)
-    return transformer, new_module
+    return transformer, new_module, spans
+
+
+def _spliced(
+    transformer: SiteTransformer, spans: StatementSpans, mini: _MiniModule, lines: list[str]
+) -> list[tuple[int, int, str]] | None:
+    """(first line, last line, new text) for every statement the pass changed, each rendered
+    alone (:meth:`~flashport.rewriter.spans.StatementSpans.replacement`); None when one cannot be
+    (then :func:`_replacements` renders the whole mini module)."""
+    if transformer.whole or spans.failed:
+        return None
+    firsts = [first for first, _, _ in mini.line_map]
+    out = []
+    for original, updated, indent in transformer.changed:
+        found = spans.replacement(original, updated, indent)
+        if found is None:
+            return None
+        first, last, text = found
+        index = bisect.bisect_right(firsts, first) - 1
+        if index < 0 or last > mini.line_map[index][1]:
+            return None
+        shift = mini.line_map[index][2] - mini.line_map[index][0]
+        start, end = first + shift, last + shift
+        if not lines[end - 1].endswith(("\n", "\r")) and text.endswith("\n"):
+            text = text[:-1]  # _terminated() added it
+        if text != "".join(lines[start - 1 : end]):
+            out.append((start, end, text))
+    return out
 
 
 def _replacements(new_code: str, mini: _MiniModule, lines: list[str]) -> list[tuple[int, int, str]]:

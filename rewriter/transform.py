@@ -14,8 +14,10 @@ relies on this to be opt-in behind FPA901.
 ``vetoes`` (rule code -> reason) turn that rule's rewrites into refusals: the engine's per-file
 phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
 
-Cost: the positions are computed once per file for the whole mini module
-(:mod:`~flashport.rewriter.positions`); qualified names come from the imports
+Cost: positions come from rendering only the statement a site sits in, located by the file's
+``ast`` line numbers (:mod:`~flashport.rewriter.spans`; the whole mini module once when that cannot
+tell), and ``changed`` lists the smallest statements holding every change so the engine renders
+and splices only those; qualified names come from the imports
 (:mod:`~flashport.rewriter.names`) and libcst's scope analysis runs, once, only for a question they
 cannot answer (aliases, value uses, names bound in more than one way). The traversal does not
 descend into nodes that cannot hold a site, nor into statements whose text matches nothing of
@@ -38,6 +40,7 @@ from flashport.rewriter import aliases, newsyntax, run_context, suppress
 from flashport.rewriter.names import Names
 from flashport.rewriter.positions import Span, line_positions
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
+from flashport.rewriter.spans import StatementSpans, indents
 from flashport.rules._values import call_drop_in
 from flashport.rules.base import (
     Outcome,
@@ -114,8 +117,9 @@ class SiteTransformer(cst.CSTTransformer):
     # Qualified names are asked only for the nodes :meth:`_match` looks at: exactly what
     # ``QualifiedNameProvider`` would give them. :class:`~flashport.rewriter.names.Names` answers
     # from the imports where that is provably the same; the scope analysis (``ScopeProvider``) runs
-    # only when a question needs it (:meth:`_scope`), once per file. Positions come as a plain
-    # mapping (:func:`~flashport.rewriter.positions.line_positions`): declaring them as a metadata
+    # only when a question needs it (:meth:`_scope`), once per file. Positions come from
+    # ``spans`` (one statement rendered at a time), or as a plain mapping
+    # (:func:`~flashport.rewriter.positions.line_positions`): declaring them as a metadata
     # dependency would make libcst's resolver walk the whole module once more for nothing.
 
     def __init__(
@@ -133,9 +137,12 @@ class SiteTransformer(cst.CSTTransformer):
         wrapper: MetadataWrapper | None = None,
         names: Names | None = None,
         positions: Mapping[cst.CSTNode, Span] | None = None,
+        spans: StatementSpans | None = None,
     ):
         super().__init__()
-        self._positions = positions if positions is not None else line_positions(module)
+        self._spans = spans if spans is not None and not spans.failed and positions is None else None
+        if self._spans is None:
+            self._positions = positions if positions is not None else line_positions(module)
         self._wrapper = wrapper if wrapper is not None else MetadataWrapper(module, unsafe_skip_copy=True)
         self._names = names
         self._scopes: object = None  # ScopeProvider's mapping, computed on first use
@@ -170,6 +177,12 @@ class SiteTransformer(cst.CSTTransformer):
         self._attributes_dropped_in: set[tuple[str, str]] = set()  # every `self.fn = <source>` became one
         self._replacements: dict[int, cst.BaseExpression] = {}  # id(original value) -> its drop-in
         self._compared: dict[str, int | None] = {}  # name -> first line comparing it (``is``, ``==``)
+        # Changed statements, for splicing them alone (``changed``): per open statement on the
+        # path, [rewrites when it was entered, rewrites inside its changed child statements,
+        # len(changed) when it was entered]; ``whole``: a change outside every chunk statement.
+        self._marks: list[list[int]] = []
+        self.changed: list[tuple[cst.CSTNode, cst.CSTNode, tuple[str, ...]]] = []
+        self.whole = False
 
     # -- traversal path (what rules get as ``ctx.node`` / ``ctx.ancestors``) ------------------
 
@@ -179,6 +192,8 @@ class SiteTransformer(cst.CSTTransformer):
         text mentions nothing ``relevant`` matches."""
         self._path.append(node)
         kind = type(node)
+        if kind in _STATEMENTS or kind is cst.Module:
+            self._marks.append([self.rewrites, 0, len(self.changed)])
         visit = self._handler("visit_", kind)
         if (visit is not None and visit(self, node) is False) or kind in _NO_SITES:
             return False
@@ -195,20 +210,56 @@ class SiteTransformer(cst.CSTTransformer):
         """Whether the lines of ``statement`` (decorators and all) match the relevant pattern."""
         if getattr(statement, "decorators", ()):
             return True  # its position starts after the decorators
-        pos = self._positions.get(statement)
-        if pos is None or self._relevant is None or self._lines is None:
+        if self._spans is not None and not self._spans.failed:
+            lines = self._spans.lines_of(statement)
+        else:
+            pos = self._position(statement)
+            lines = (pos[0][0], pos[1][0]) if pos is not None else None
+        if lines is None or self._relevant is None or self._lines is None:
             return True
-        return any(self._relevant.search(line) for line in self._lines[pos[0][0] - 1 : pos[1][0]])
+        return any(self._relevant.search(line) for line in self._lines[lines[0] - 1 : lines[1]])
+
+    def _position(self, node: cst.CSTNode) -> Span | None:
+        """``node``'s span in the mini module: from its statement alone (:mod:`~flashport.rewriter.spans`),
+        or from a render of the whole module once that cannot tell."""
+        if self._spans is not None:
+            pos = self._spans.position(node, self._path)
+            if not self._spans.failed:
+                return pos
+            self._spans = None
+            self._positions = line_positions(self.module)
+        return self._positions.get(node)
 
     def on_leave(self, original_node, updated_node):
         """Dispatch to ``leave_*`` (or put in the drop-in a value use was rewritten to), then take
         ``original_node`` off the path."""
         try:
-            leave = self._handler("leave_", type(original_node))
+            kind = type(original_node)
+            leave = self._handler("leave_", kind)
             left = leave(self, original_node, updated_node) if leave is not None else updated_node
-            return self._replacements.get(id(original_node), left)
+            left = self._replacements.get(id(original_node), left)
+            if kind in _STATEMENTS or kind is cst.Module:
+                self._note_change(original_node, left)
+            return left
         finally:
             self._path.pop()
+
+    def _note_change(self, original: cst.CSTNode, updated: object) -> None:
+        """Keep ``changed`` the smallest statements that hold every change so far: a statement
+        with a change outside its changed child statements replaces their entries."""
+        entered, inside, count = self._marks.pop()
+        delta = self.rewrites - entered
+        if not delta:
+            return
+        if inside != delta:
+            del self.changed[count:]
+            if type(original) is cst.Module:
+                self.whole = True
+            else:
+                indent = tuple(indents(self._path[:-1], self.module))
+                self.changed.append((original, updated, indent))  # type: ignore[arg-type]
+        if self._marks:
+            self._marks[-1][1] += delta
 
     @classmethod
     def _handler(cls, prefix: str, kind: type) -> Callable[..., Any] | None:
@@ -229,7 +280,7 @@ class SiteTransformer(cst.CSTTransformer):
 
     def _file_lines(self, node: cst.CSTNode) -> tuple[int, int, int] | None:
         """(start line, column, end line) in the file, or None for nodes outside the chunks."""
-        pos = self._positions.get(node)
+        pos = self._position(node)
         if pos is None:
             return None
         (start, column), (end, _) = pos
@@ -244,7 +295,7 @@ class SiteTransformer(cst.CSTTransformer):
 
     def _has_comment(self, node: cst.CSTNode) -> bool:
         """Whether the source lines of ``node`` hold a ``#`` (a cheap test before looking for comments)."""
-        pos = self._positions.get(node)
+        pos = self._position(node)
         if pos is None or self._lines is None:
             return True
         return any("#" in line for line in self._lines[pos[0][0] - 1 : pos[1][0]])
