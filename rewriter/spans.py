@@ -213,7 +213,7 @@ class StatementSpans:
         state = _TupleState(
             default_indent=self.module.default_indent,
             default_newline=self.module.default_newline,
-            provider=provider,
+            provider=provider,  # type: ignore[arg-type]  # duck-typed: the state only fills _computed
         )
         state.indent_tokens = list(indent)
         state.line = start
