@@ -176,10 +176,15 @@ def reference_kernels(causal: bool, seq: int, heads: int = 8, dim: int = 128, bl
     }
 
 
+def kernel_ops(cycles: dict[str, int]) -> set[str]:
+    """The attention kernels (Mosaic custom calls) among a program's ops."""
+    names = ("flash", "splash", "flashport")
+    return {op for op in cycles if any(n in op for n in names)}
+
+
 def kernel_cycles(cycles: dict[str, int]) -> int:
     """Estimated cycles of the attention kernels (Mosaic custom calls) among a program's ops."""
-    names = ("flash", "splash", "flashport")
-    return sum(c for op, c in cycles.items() if any(n in op for n in names))
+    return sum(cycles[op] for op in kernel_ops(cycles))
 
 
 def main() -> None:

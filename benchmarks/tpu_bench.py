@@ -213,21 +213,28 @@ def run_timed(cfgs, impls, reps: int) -> None:
     Console(width=160).print(table)
 
 
-def compile_config(impl: str, cfg: Config, gen: str, sharding) -> tuple[str, ...]:
-    """(status, scratch MiB, kernel cycles, cycles around the kernel) of one deviceless compile."""
+def compile_config(impl: str, cfg: Config, gen: str, sharding) -> tuple[tuple[str, ...], dict[str, int]]:
+    """(status, scratch MiB, kernel cycles, cycles around the kernel) of one deviceless compile.
+
+    Returned with the ``{hlo op: estimated cycles}`` of the ops around the kernel (empty on failure).
+    """
     import llo_profile
 
     try:
         compiled, cycles = llo_profile.compile_profiled(program(impl, cfg, gen), *specs(impl, cfg, sharding))
     except Exception as err:  # noqa: BLE001 - report and go on (e.g. VMEM or HBM overflow)
-        return (f"{type(err).__name__}: {str(err).splitlines()[0][:70]}", "", "", "")
+        return (f"{type(err).__name__}: {str(err).splitlines()[0][:70]}", "", "", ""), {}
     scratch = compiled.memory_analysis().temp_size_in_bytes / 2**20
     kernel = llo_profile.kernel_cycles(cycles)
-    return ("ok", f"{scratch:,.0f}", f"{kernel:,}", f"{sum(cycles.values()) - kernel:,}")
+    around = {op: c for op, c in cycles.items() if c and op not in llo_profile.kernel_ops(cycles)}
+    return ("ok", f"{scratch:,.0f}", f"{kernel:,}", f"{sum(cycles.values()) - kernel:,}"), around
 
 
-def run_compile_only(cfgs, impls, gen: str) -> None:
-    """Compile every configuration for ``gen`` without a TPU; print one line per compile as it ends."""
+def run_compile_only(cfgs, impls, gen: str, ops: bool = False) -> None:
+    """Compile every configuration for ``gen`` without a TPU; print one line per compile as it ends.
+
+    With ``ops``, each line is followed by the ops around the kernel with their estimated cycles.
+    """
     import llo_profile
 
     llo_profile.enable()
@@ -243,8 +250,11 @@ def run_compile_only(cfgs, impls, gen: str) -> None:
     )
     for cfg in cfgs:
         for impl in impls:
-            status, *rest = compile_config(impl, cfg, gen, sharding)
+            (status, *rest), around = compile_config(impl, cfg, gen, sharding)
             print(row.format(cfg.name, impl, status if status == "ok" else "FAILED", *rest), flush=True)
+            if ops and around:
+                listed = ", ".join(f"{op} {c:,}" for op, c in sorted(around.items(), key=lambda x: -x[1]))
+                print(f"    around: {listed}", flush=True)
             if status != "ok":
                 print(f"    {status}", flush=True)
     print(
@@ -267,11 +277,14 @@ def main() -> None:
     parser.add_argument("--masks", nargs="+", default=["full", "causal"], choices=["full", "causal"])
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument(
+        "--ops", action="store_true", help="compile-only: list the ops around the kernel and their cycles"
+    )
     args = parser.parse_args()
     heads = [tuple(int(n) for n in h.split("/")) for h in args.heads]
     cfgs = configs(args.seqs, heads, args.masks, args.modes)
     if args.compile_only:
-        run_compile_only(cfgs, args.impls, args.gen)
+        run_compile_only(cfgs, args.impls, args.gen, args.ops)
     else:
         run_timed(cfgs, args.impls, args.reps)
 
