@@ -30,6 +30,7 @@ from flashport.kernels.padding import pad_broadcastable, pad_to
 from flashport.kernels.scores import (
     group_broadcastable,
     group_heads,
+    grouped_einsum,
     matmul_precision,
     tile_logits,
 )
@@ -74,6 +75,30 @@ def _block(value, seq, name):
     return int(min(value, seq))
 
 
+def _split_ranges(full, lo, hi):
+    """``[4, n]`` int32 bounds ``(lo, a, b, hi)`` per block: its visited range ``[lo, hi)`` split into
+    masked ``[lo, a)``, mask-free ``[a, b)`` and masked ``[b, hi)``. ``full[n, m]`` marks the tiles
+    that need no positional mask; where a block's mask-free tiles are not one run inside its range,
+    the whole range counts as masked (correct, only slower)."""
+    bounds = np.empty((4, len(lo)), np.int32)
+    for n, (l, h) in enumerate(zip(lo, hi, strict=True)):
+        runs = np.flatnonzero(full[n, l:h]) + l
+        a = b = h
+        if runs.size and runs[-1] - runs[0] + 1 == runs.size:
+            a, b = runs[0], runs[-1] + 1
+        bounds[:, n] = (l, a, b, h)
+    return bounds
+
+
+def _loop_split(split, n, step, init):
+    """``step(m, carry, positional)`` over block ``n``'s visited range as three loops (masked,
+    mask-free, masked), so no tile pays a ``cond`` and mask-free tiles skip the position mask."""
+    lo, a, b, hi = (jnp.asarray(split[r])[n] for r in range(4))
+    carry = jax.lax.fori_loop(lo, a, lambda m, c: step(m, c, True), init)
+    carry = jax.lax.fori_loop(a, b, lambda m, c: step(m, c, False), carry)
+    return jax.lax.fori_loop(b, hi, lambda m, c: step(m, c, True), carry)
+
+
 class _Tiling:
     """Static block geometry: block sizes, counts and, per block, the range of blocks it meets."""
 
@@ -86,10 +111,12 @@ class _Tiling:
         self.kv_lo, self.kv_hi = np.array(t.row_lo, np.int32), np.array(t.row_hi, np.int32)
         self.q_lo, self.q_hi = np.array(t.col_lo, np.int32), np.array(t.col_hi, np.int32)
         self.full_lo, self.full_hi = np.array(t.full_lo, np.int32), np.array(t.full_hi, np.int32)
-
-    def is_full(self, i, j):
-        """Traced bool: tile (i, j) needs no positional masking."""
-        return (j >= jnp.asarray(self.full_lo)[i]) & (j < jnp.asarray(self.full_hi)[i])
+        full = np.zeros((self.nq, self.nk), bool)
+        for i in range(self.nq):
+            full[i, self.full_lo[i] : self.full_hi[i]] = True
+        # Per block, its visited range split [lo, a) masked, [a, b) mask-free, [b, hi) masked.
+        self.row_split = _split_ranges(full, self.kv_lo, self.kv_hi)
+        self.col_split = _split_ranges(full.T, self.q_lo, self.q_hi)
 
     def __hash__(self):
         return hash((self.spec, self.bq, self.bk))
@@ -163,15 +190,6 @@ class _Inputs:
             q_prescaled=self.prescaled,
         )
 
-    def tile(self, i, j, fn):
-        """``fn(logits, visible, raw)`` for tile (i, j), skipping the positional mask when the tile is
-        fully visible (both branches are traced; one runs)."""
-        return jax.lax.cond(
-            self.t.is_full(i, j),
-            lambda: fn(*self.logits(i, j, positional=False)),
-            lambda: fn(*self.logits(i, j, positional=True)),
-        )
-
 
 def _unblock(stacked, axis_of_block, true_len):
     """[n, ..., block, ...] stacked per block -> [..., n*block, ...] cut to ``true_len``."""
@@ -191,11 +209,10 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
     x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, seed, prescale=True)
     b, hkv, g = x.q.shape[:3]
     dv = v.shape[-1]
-    kv_lo, kv_hi = jnp.asarray(t.kv_lo), jnp.asarray(t.kv_hi)
 
     def q_block(i):
-        def kv_step(j, carry):
-            return x.tile(i, j, lambda logits, visible, raw: update(j, carry, logits))
+        def kv_step(j, carry, positional):
+            return update(j, carry, x.logits(i, j, positional)[0])
 
         def update(j, carry, logits):
             m, l, acc = carry
@@ -204,7 +221,7 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
             alpha = jnp.exp(m - m_safe)
             p = jnp.exp(logits - m_safe[..., None])
             l = alpha * l + jnp.sum(p, axis=-1)  # the normalizer counts dropped entries too
-            pv = jnp.einsum(
+            pv = grouped_einsum(
                 "bhgqk,bhkd->bhgqd",
                 x.dropped(i, j, p).astype(v.dtype),
                 _slice(x.v, 2, j, t.bk),
@@ -218,7 +235,7 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
             jnp.zeros((b, hkv, g, t.bq), jnp.float32),
             jnp.zeros((b, hkv, g, t.bq, dv), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(kv_lo[i], kv_hi[i], kv_step, init)
+        m, l, acc = _loop_split(t.row_split, i, kv_step, init)
         l_safe = jnp.where(l > 0, l, 1.0)
         out = (acc / l_safe[..., None]).astype(q.dtype)
         lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
@@ -258,7 +275,7 @@ def _backward(t: _Tiling, residuals, cotangents):
             visible & (lse_i > -jnp.inf), jnp.exp(logits - jnp.where(lse_i > -jnp.inf, lse_i, 0.0)), 0.0
         )
         d_out_i = _slice(d_out_g, 3, i, t.bq)
-        dp = jnp.einsum(
+        dp = grouped_einsum(
             "bhgqd,bhkd->bhgqk",
             d_out_i,
             _slice(x.v, 2, j, t.bk),
@@ -282,14 +299,14 @@ def _backward(t: _Tiling, residuals, cotangents):
 
     # ---- dQ (and dbias) pass: map over query blocks, loop over their key blocks.
     def dq_block(i):
-        def kv_step(j, carry):
-            return x.tile(i, j, lambda *tile: dq_update(j, carry, *tile))
+        def kv_step(j, carry, positional):
+            return dq_update(j, carry, *x.logits(i, j, positional))
 
         def dq_update(j, carry, *tile):
             dq, dbias = carry
             _, dlogits, raw, _ = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dq = dq + jnp.einsum(
+            dq = dq + grouped_einsum(
                 "bhgqk,bhkd->bhgqd", ds, _slice(x.k, 2, j, t.bk).astype(jnp.float32), precision=prec
             )
             if dbias is not None:
@@ -302,9 +319,8 @@ def _backward(t: _Tiling, residuals, cotangents):
             shape = list(bias_g.shape)
             shape[3] = t.bq if shape[3] > 1 else 1
             dbias0 = jnp.zeros(shape, jnp.float32)
-        return jax.lax.fori_loop(t_kv_lo[i], t_kv_hi[i], kv_step, (jnp.zeros(q_i.shape, jnp.float32), dbias0))
+        return _loop_split(t.row_split, i, kv_step, (jnp.zeros(q_i.shape, jnp.float32), dbias0))
 
-    t_kv_lo, t_kv_hi = jnp.asarray(t.kv_lo), jnp.asarray(t.kv_hi)
     dq, dbias = jax.lax.map(dq_block, jnp.arange(t.nq))
     b, hq, sq, d = q.shape
     dq = _unblock(dq, 3, sq).reshape(b, hq, sq, d).astype(q.dtype)
@@ -314,25 +330,24 @@ def _backward(t: _Tiling, residuals, cotangents):
         dbias = dbias.reshape(bias.shape).astype(bias.dtype)
 
     # ---- dK/dV pass: map over key blocks, loop over the query blocks that see them.
-    t_q_lo, t_q_hi = jnp.asarray(t.q_lo), jnp.asarray(t.q_hi)
 
     def dkv_block(j):
-        def q_step(i, carry):
-            return x.tile(i, j, lambda *tile: dkv_update(i, carry, *tile))
+        def q_step(i, carry, positional):
+            return dkv_update(i, carry, *x.logits(i, j, positional))
 
         def dkv_update(i, carry, *tile):
             dk, dv = carry
             p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
-            dk = dk + jnp.einsum(
+            dv = dv + grouped_einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
+            dk = dk + grouped_einsum(
                 "bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32), precision=prec
             )
             return dk, dv
 
         k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)
         init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
-        return jax.lax.fori_loop(t_q_lo[j], t_q_hi[j], q_step, init)
+        return _loop_split(t.col_split, j, q_step, init)
 
     dk, dv = jax.lax.map(dkv_block, jnp.arange(t.nk))
     sk = k.shape[2]
@@ -346,7 +361,6 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
     them; each tile's probabilities are recomputed once (one exp, five matmuls per tile instead of
     two exps and seven in the split passes), and dQ accumulates in place in an O(S) f32 buffer."""
     b, hq, sq, d = q.shape
-    t_q_lo, t_q_hi = jnp.asarray(t.q_lo), jnp.asarray(t.q_hi)
 
     def kv_block(dq_acc, j):
         k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)
@@ -354,21 +368,20 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
         def tile_grads(i, dk, dv, *tile):
             p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
             ds = dscores(dlogits, raw)
-            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
-            dk = dk + jnp.einsum(
+            dv = dv + grouped_einsum("bhgqk,bhgqd->bhkd", p, d_out_i.astype(jnp.float32), precision=prec)
+            dk = dk + grouped_einsum(
                 "bhgqk,bhgqd->bhkd", ds, _slice(x.q, 3, i, t.bq).astype(jnp.float32), precision=prec
             )
-            return dk, dv, jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_j.astype(jnp.float32), precision=prec)
+            return dk, dv, grouped_einsum("bhgqk,bhkd->bhgqd", ds, k_j.astype(jnp.float32), precision=prec)
 
-        def q_step(i, carry):
+        def q_step(i, carry, positional):
             dk, dv, dq_acc = carry
-            dk, dv, dq_i = x.tile(i, j, lambda *tile: tile_grads(i, dk, dv, *tile))
-            # Outside the cond, so the update stays in place in the loop-carried buffer.
+            dk, dv, dq_i = tile_grads(i, dk, dv, *x.logits(i, j, positional))
             row = jax.lax.dynamic_slice_in_dim(dq_acc, i * t.bq, t.bq, axis=3)
             return dk, dv, jax.lax.dynamic_update_slice_in_dim(dq_acc, row + dq_i, i * t.bq, axis=3)
 
         init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32), dq_acc)
-        dk, dv, dq_acc = jax.lax.fori_loop(t_q_lo[j], t_q_hi[j], q_step, init)
+        dk, dv, dq_acc = _loop_split(t.col_split, j, q_step, init)
         return dq_acc, (dk, dv)
 
     dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros(x.q.shape, jnp.float32), jnp.arange(t.nk))

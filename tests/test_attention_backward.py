@@ -201,8 +201,10 @@ def test_backward_hlo_holds_no_forward_product(backend):
     """The residual backward's HLO has no P·V dot; the recomputing backward's has (the check can fail)."""
     residual = _backward_hlo(_residual_backward(backend), backend)
     recomputing = _backward_hlo(_recomputing_backward(backend), backend)
-    assert output_products(residual, SQ if backend == "xla" else 16, DV) == []
-    assert output_products(recomputing, SQ if backend == "xla" else 16, DV) != []
+    # blockwise tiles hold the G query heads of a kv head as rows: G * block_q query rows per dot.
+    rows = SQ if backend == "xla" else (HQ // HKV) * 16
+    assert output_products(residual, rows, DV) == []
+    assert output_products(recomputing, rows, DV) != []
     assert len(dot_shapes(residual)) < len(dot_shapes(recomputing))
 
 
