@@ -90,6 +90,18 @@ def _split_ranges(full, lo, hi):
     return bounds
 
 
+def _fine_ranges(t, spec):
+    """``[4, nq]`` bounds ``(lo, a, b, hi)`` in key blocks of ``t.fine_bk``: the fine blocks
+    ``[lo, a)`` and ``[b, hi)`` that query block i visits outside its mask-free coarse blocks (the
+    coarse ``[a, b)`` of ``t.row_split`` covers fine ``[a·r, b·r)``, r = bk / fine_bk)."""
+    fine = block_tables(spec, t.bq, t.fine_bk)
+    r = t.bk // t.fine_bk
+    lo, hi = np.array(fine.row_lo, np.int32), np.array(fine.row_hi, np.int32)
+    a = np.minimum(t.row_split[1] * r, hi)
+    b = np.maximum(np.minimum(t.row_split[2] * r, hi), a)
+    return np.stack([lo, a, b, hi])
+
+
 def _loop_split(split, n, step, init):
     """``step(m, carry, positional)`` over block ``n``'s visited range as three loops (masked,
     mask-free, masked), so no tile pays a ``cond`` and mask-free tiles skip the position mask."""
@@ -117,6 +129,10 @@ class _Tiling:
         # Per block, its visited range split [lo, a) masked, [a, b) mask-free, [b, hi) masked.
         self.row_split = _split_ranges(full, self.kv_lo, self.kv_hi)
         self.col_split = _split_ranges(full.T, self.q_lo, self.q_hi)
+        # The forward's masked tiles (the causal diagonal) use key blocks of bq when bq divides bk:
+        # a [bq, bk] tile on the diagonal computes up to bk - bq keys no query of the block sees.
+        self.fine_bk = block_q if block_k > block_q and block_k % block_q == 0 else block_k
+        self.fine_rows = _fine_ranges(self, spec) if self.fine_bk < block_k else None
 
     def __hash__(self):
         return hash((self.spec, self.bq, self.bk))
@@ -164,28 +180,32 @@ class _Inputs:
                 ..., None, None
             ]
 
-    def dropped(self, i, j, p):
-        """``p`` of tile (i, j) with the contract's dropout applied (``p`` itself without dropout)."""
+    def dropped(self, i, j, p, bk=None):
+        """``p`` of tile (i, j) with the contract's dropout applied (``p`` itself without dropout);
+        ``bk``: the tile's key block size (default the tiling's)."""
         if self.head_seeds is None:
             return p
         t = self.t
+        bk = bk or t.bk
         q_pos = (i * t.bq + jnp.arange(t.bq))[:, None]
-        k_pos = j * t.bk + jnp.arange(t.bk)
+        k_pos = j * bk + jnp.arange(bk)
         keep = dropout.keep_mask(t.spec.dropout_rate, self.head_seeds, q_pos, k_pos)
         return dropout.apply(p, keep, t.spec.dropout_rate)
 
-    def logits(self, i, j, positional=True):
+    def logits(self, i, j, positional=True, bk=None):
+        """``tile_logits`` of tile (i, j); ``bk``: its key block size (default the tiling's)."""
         t = self.t
+        bk = bk or t.bk
         return tile_logits(
             t.spec,
             _slice(self.q, 3, i, t.bq),
-            _slice(self.k, 2, j, t.bk),
+            _slice(self.k, 2, j, bk),
             i * t.bq + jnp.arange(t.bq),
-            j * t.bk + jnp.arange(t.bk),
-            _slice(_slice(self.bias, 3, i, t.bq), 4, j, t.bk),
-            _slice(_slice(self.mask, 3, i, t.bq), 4, j, t.bk),
+            j * bk + jnp.arange(bk),
+            _slice(_slice(self.bias, 3, i, t.bq), 4, j, bk),
+            _slice(_slice(self.mask, 3, i, t.bq), 4, j, bk),
             _slice(self.q_seg, 1, i, t.bq),
-            _slice(self.kv_seg, 1, j, t.bk),
+            _slice(self.kv_seg, 1, j, bk),
             positional=positional,
             q_prescaled=self.prescaled,
         )
@@ -211,10 +231,10 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
     dv = v.shape[-1]
 
     def q_block(i):
-        def kv_step(j, carry, positional):
-            return update(j, carry, x.logits(i, j, positional)[0])
+        def kv_step(j, carry, positional, bk=t.bk):
+            return update(j, carry, x.logits(i, j, positional, bk)[0], bk)
 
-        def update(j, carry, logits):
+        def update(j, carry, logits, bk):
             m, l, acc = carry
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -223,8 +243,8 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
             l = alpha * l + jnp.sum(p, axis=-1)  # the normalizer counts dropped entries too
             pv = grouped_einsum(
                 "bhgqk,bhkd->bhgqd",
-                x.dropped(i, j, p).astype(v.dtype),
-                _slice(x.v, 2, j, t.bk),
+                x.dropped(i, j, p, bk).astype(v.dtype),
+                _slice(x.v, 2, j, bk),
                 preferred_element_type=jnp.float32,
                 precision=matmul_precision(v.dtype),
             )
@@ -235,7 +255,17 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
             jnp.zeros((b, hkv, g, t.bq), jnp.float32),
             jnp.zeros((b, hkv, g, t.bq, dv), jnp.float32),
         )
-        m, l, acc = _loop_split(t.row_split, i, kv_step, init)
+        if t.fine_rows is None:
+            m, l, acc = _loop_split(t.row_split, i, kv_step, init)
+        else:  # masked tiles in fine key blocks, mask-free ones in coarse blocks
+            f_lo, f_a, f_b, f_hi = (jnp.asarray(t.fine_rows[r])[i] for r in range(4))
+            fine = functools.partial(kv_step, positional=True, bk=t.fine_bk)
+            carry = jax.lax.fori_loop(f_lo, f_a, fine, init)
+            row = t.row_split
+            carry = jax.lax.fori_loop(
+                jnp.asarray(row[1])[i], jnp.asarray(row[2])[i], lambda j, c: kv_step(j, c, False), carry
+            )
+            m, l, acc = jax.lax.fori_loop(f_b, f_hi, fine, carry)
         l_safe = jnp.where(l > 0, l, 1.0)
         out = (acc / l_safe[..., None]).astype(q.dtype)
         lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
