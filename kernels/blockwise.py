@@ -427,8 +427,8 @@ def _t(x):
 def _key_grad_t(rows, grad, prec):
     """One tile's dK or dV contribution, transposed: ``rowsᵀ · grad`` as [B, Hkv, D, bk] for rows
     [B, Hkv, G, bq, D] and grad [B, Hkv, G, bq, bk]. The key-block loops accumulate dKᵀ/dVᵀ and
-    transpose once per key block: XLA:CPU runs this form in YNNPACK, while ``gradᵀ · rows`` (the
-    [bk, D] layout) took its generic dot at ~0.4x the rate (measured, one thread)."""
+    transpose once per key block: on XLA:CPU this form ran at 77 GFLOP/s per core and
+    ``gradᵀ · rows`` (the [bk, D] layout) at 29 (both its generic dot, not YNNPACK; [8, 256, 512])."""
     return grouped_einsum("bhgqd,bhgqk->bhdk", rows.astype(jnp.float32), grad, precision=prec)
 
 
