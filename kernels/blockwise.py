@@ -102,6 +102,26 @@ def _fine_ranges(t, spec):
     return np.stack([lo, a, b, hi])
 
 
+def _fine_cols(t, spec):
+    """``[r, 4, nk]`` bounds per fine sub-block ``s`` of each coarse key block j (fine block j·r + s,
+    r = bk / fine_bk): the query blocks ``[lo, a)`` and ``[b, hi)`` of j's masked coarse ranges
+    (``t.col_split``) that the fine block meets. The backward's masked tiles use these, so a
+    diagonal [bq, bk] tile computes only its fine key blocks some query of the block sees."""
+    fine = block_tables(spec, t.bq, t.fine_bk)
+    r = t.bk // t.fine_bk
+    f_lo = np.zeros(t.nk * r, np.int32)
+    f_hi = np.zeros(t.nk * r, np.int32)  # fine blocks past seq_k (key padding) stay empty
+    f_lo[: len(fine.col_lo)], f_hi[: len(fine.col_hi)] = fine.col_lo, fine.col_hi
+    lo, a, b, hi = t.col_split
+    bounds = np.empty((r, 4, t.nk), np.int32)
+    for s in range(r):
+        fl, fh = f_lo[s::r], f_hi[s::r]
+        first_lo, first_hi = np.maximum(lo, fl), np.minimum(a, fh)
+        second_lo, second_hi = np.maximum(b, fl), np.minimum(hi, fh)
+        bounds[s] = (first_lo, np.maximum(first_hi, first_lo), second_lo, np.maximum(second_hi, second_lo))
+    return bounds
+
+
 def _loop_split(split, n, step, init):
     """``step(m, carry, positional)`` over block ``n``'s visited range as three loops (masked,
     mask-free, masked), so no tile pays a ``cond`` and mask-free tiles skip the position mask."""
@@ -133,6 +153,7 @@ class _Tiling:
         # a [bq, bk] tile on the diagonal computes up to bk - bq keys no query of the block sees.
         self.fine_bk = block_q if block_k > block_q and block_k % block_q == 0 else block_k
         self.fine_rows = _fine_ranges(self, spec) if self.fine_bk < block_k else None
+        self.fine_cols = _fine_cols(self, spec) if self.fine_bk < block_k else None
 
     def __hash__(self):
         return hash((self.spec, self.bq, self.bk))
@@ -295,8 +316,9 @@ def _backward(t: _Tiling, residuals, cotangents):
     delta_g = pad_to(group_heads(delta[..., None], hkv)[..., 0], 3, sqp)
     lse_g = pad_to(group_heads(lse[..., None], hkv)[..., 0], 3, sqp, -jnp.inf)
 
-    def probs_and_dlogits(i, j, logits, visible, raw):
-        """Recompute P and dL/dlogits of tile (i, j); P comes back with dropout applied (for dV).
+    def probs_and_dlogits(i, j, logits, visible, raw, bk=None):
+        """Recompute P and dL/dlogits of tile (i, j) (key block size ``bk``, default the tiling's);
+        P comes back with dropout applied (for dV).
 
         With dropout, out = (P∘Z/(1-r))·V: dP picks up Z/(1-r) and delta = rowsum(dO∘O) still holds.
         """
@@ -308,12 +330,12 @@ def _backward(t: _Tiling, residuals, cotangents):
         dp = grouped_einsum(
             "bhgqd,bhkd->bhgqk",
             d_out_i,
-            _slice(x.v, 2, j, t.bk),
+            _slice(x.v, 2, j, bk or t.bk),
             preferred_element_type=jnp.float32,
             precision=matmul_precision(d_out_i.dtype),
         )
-        dlogits = p * (x.dropped(i, j, dp) - _slice(delta_g, 3, i, t.bq)[..., None])
-        return x.dropped(i, j, p), dlogits, raw, d_out_i
+        dlogits = p * (x.dropped(i, j, dp, bk) - _slice(delta_g, 3, i, t.bq)[..., None])
+        return x.dropped(i, j, p, bk), dlogits, raw, d_out_i
 
     # The f32-upcast gradient products: float32 math for float32 inputs; for bf16/f16 inputs the
     # platform default (TF32 on CUDA) is as precise as the inputs.
@@ -388,27 +410,46 @@ def _backward(t: _Tiling, residuals, cotangents):
 def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscores, prec):
     """dQ, dK, dV in one pass (no bias): scan over key blocks, loop over the query blocks that see
     them; each tile's probabilities are recomputed once (one exp, five matmuls per tile instead of
-    two exps and seven in the split passes), and dQ accumulates in place in an O(S) f32 buffer."""
+    two exps and seven in the split passes), and dQ accumulates in place in an O(S) f32 buffer.
+    Where the tiling has fine key blocks, masked tiles (the causal diagonal) run per fine block and
+    skip the fine blocks no query of the tile sees."""
     b, hq, sq, d = q.shape
 
+    def tile_grads(i, j, bk, *tile):
+        """(dKᵀ, dVᵀ, dQ) contributions of tile (i, j) with key block size ``bk``."""
+        p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile, bk=bk)
+        ds = dscores(dlogits, raw)
+        k_j = _slice(x.k, 2, j, bk).astype(jnp.float32)
+        return (
+            _key_grad_t(_slice(x.q, 3, i, t.bq), ds, prec),
+            _key_grad_t(d_out_i, p, prec),
+            grouped_einsum("bhgqk,bhkd->bhgqd", ds, k_j, precision=prec),
+        )
+
+    def add_dq(dq_acc, i, dq_i):
+        row = jax.lax.dynamic_slice_in_dim(dq_acc, i * t.bq, t.bq, axis=3)
+        return jax.lax.dynamic_update_slice_in_dim(dq_acc, row + dq_i, i * t.bq, axis=3)
+
     def kv_block(dq_acc, j):
-        k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)
-
-        def tile_grads(i, dk, dv, *tile):
-            p, dlogits, raw, d_out_i = probs_and_dlogits(i, j, *tile)
-            ds = dscores(dlogits, raw)
-            dv = dv + _key_grad_t(d_out_i, p, prec)
-            dk = dk + _key_grad_t(_slice(x.q, 3, i, t.bq), ds, prec)
-            return dk, dv, grouped_einsum("bhgqk,bhkd->bhgqd", ds, k_j.astype(jnp.float32), precision=prec)
-
         def q_step(i, carry, positional):
             dk, dv, dq_acc = carry
-            dk, dv, dq_i = tile_grads(i, dk, dv, *x.logits(i, j, positional))
-            row = jax.lax.dynamic_slice_in_dim(dq_acc, i * t.bq, t.bq, axis=3)
-            return dk, dv, jax.lax.dynamic_update_slice_in_dim(dq_acc, row + dq_i, i * t.bq, axis=3)
+            ddk, ddv, dq_i = tile_grads(i, j, t.bk, *x.logits(i, j, positional))
+            return dk + ddk, dv + ddv, add_dq(dq_acc, i, dq_i)
 
-        init = (jnp.zeros(_t(k_j).shape, jnp.float32), jnp.zeros(_t(v_j).shape, jnp.float32), dq_acc)
-        dk_t, dv_t, dq_acc = _loop_split(t.col_split, j, q_step, init)
+        def fine_step(s, i, carry):
+            dk, dv, dq_acc = carry
+            jf, fb = j * (t.bk // t.fine_bk) + s, t.fine_bk
+            ddk, ddv, dq_i = tile_grads(i, jf, fb, *x.logits(i, jf, True, fb))
+            dk = dk.at[..., s * fb : (s + 1) * fb].add(ddk)
+            dv = dv.at[..., s * fb : (s + 1) * fb].add(ddv)
+            return dk, dv, add_dq(dq_acc, i, dq_i)
+
+        shape_k, shape_v = _t(_slice(x.k, 2, j, t.bk)).shape, _t(_slice(x.v, 2, j, t.bk)).shape
+        init = (jnp.zeros(shape_k, jnp.float32), jnp.zeros(shape_v, jnp.float32), dq_acc)
+        if t.fine_cols is None:
+            dk_t, dv_t, dq_acc = _loop_split(t.col_split, j, q_step, init)
+        else:
+            dk_t, dv_t, dq_acc = _fine_split(t, j, q_step, fine_step, init)
         return dq_acc, (_t(dk_t), _t(dv_t))
 
     dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros(x.q.shape, jnp.float32), jnp.arange(t.nk))
@@ -417,6 +458,18 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
     dk = _unblock(dk, 2, sk).astype(k.dtype)
     dv = _unblock(dv, 2, sk).astype(x.v.dtype)
     return dq, dk, dv, None, None, None, None, None
+
+
+def _fine_split(t: _Tiling, j, q_step, fine_step, carry):
+    """Key block ``j``'s query loops with masked tiles per fine key block: ``fine_step(s, i, carry)``
+    over each fine sub-block's masked query blocks, ``q_step(i, carry, False)`` over the mask-free
+    ones as whole [bq, bk] tiles."""
+    for s in range(t.fine_cols.shape[0]):
+        lo, a, b, hi = (jnp.asarray(t.fine_cols[s, r])[j] for r in range(4))
+        step = functools.partial(fine_step, s)
+        carry = jax.lax.fori_loop(b, hi, step, jax.lax.fori_loop(lo, a, step, carry))
+    a, b = (jnp.asarray(t.col_split[r])[j] for r in (1, 2))
+    return jax.lax.fori_loop(a, b, lambda i, c: q_step(i, c, False), carry)
 
 
 def _t(x):
