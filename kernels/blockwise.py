@@ -8,7 +8,8 @@ the log-sum-exp are saved for the backward.
 Backward (``custom_vjp``), recomputing probabilities from the saved lse, so training memory stays
 O(S) too. Without a bias: one pass (scan over key blocks, loop over the query blocks that see them)
 that accumulates dK/dV per key block and dQ in place in an O(S) buffer, so each tile costs one exp
-and five matmuls. With a bias, the FA2 split: a dQ pass (map over query blocks, loop over their key
+and five matmuls; like the forward's, its masked tiles that a query block sees only in part (the top
+of the causal diagonal) run per key block of ``block_q`` when it divides ``block_k``. With a bias, the FA2 split: a dQ pass (map over query blocks, loop over their key
 blocks) that also produces the bias gradient block by block, and a dK/dV pass. Dropout (:mod:`flashport.kernels.dropout`)
 hashes each tile's positions, so the backward regenerates the forward's mask instead of storing it.
 
@@ -103,23 +104,35 @@ def _fine_ranges(t, spec):
 
 
 def _fine_cols(t, spec):
-    """``[r, 4, nk]`` bounds per fine sub-block ``s`` of each coarse key block j (fine block j·r + s,
-    r = bk / fine_bk): the query blocks ``[lo, a)`` and ``[b, hi)`` of j's masked coarse ranges
-    (``t.col_split``) that the fine block meets. The backward's masked tiles use these, so a
-    diagonal [bq, bk] tile computes only its fine key blocks some query of the block sees."""
-    fine = block_tables(spec, t.bq, t.fine_bk)
+    """The backward's masked query ranges per coarse key block j, as ``(whole, fine)``: ``whole``
+    ``[2, 2, nk]`` (lo, hi) of the masked query blocks that see every fine sub-block of j (whole
+    [bq, bk] masked tiles), ``fine`` ``[r, 4, 2, nk]`` per fine sub-block s (fine block j·r + s,
+    r = bk / fine_bk) the other masked query blocks that see it. A diagonal query block that sees
+    only part of j so computes only the fine blocks it sees, the rest keep whole tiles."""
+    tables = block_tables(spec, t.bq, t.fine_bk)
     r = t.bk // t.fine_bk
     f_lo = np.zeros(t.nk * r, np.int32)
     f_hi = np.zeros(t.nk * r, np.int32)  # fine blocks past seq_k (key padding) stay empty
-    f_lo[: len(fine.col_lo)], f_hi[: len(fine.col_hi)] = fine.col_lo, fine.col_hi
+    f_lo[: len(tables.col_lo)], f_hi[: len(tables.col_hi)] = tables.col_lo, tables.col_hi
+    f_lo, f_hi = f_lo.reshape(t.nk, r).T, f_hi.reshape(t.nk, r).T
     lo, a, b, hi = t.col_split
-    bounds = np.empty((r, 4, t.nk), np.int32)
+    masked = ((lo, a), (b, hi))
+    c_lo, c_hi = f_lo.max(axis=0), np.maximum(f_hi.min(axis=0), f_lo.max(axis=0))
+    whole = np.array([_clip(x, y, c_lo, c_hi) for x, y in masked], np.int32)
+    fine = np.empty((r, 4, 2, t.nk), np.int32)
     for s in range(r):
-        fl, fh = f_lo[s::r], f_hi[s::r]
-        first_lo, first_hi = np.maximum(lo, fl), np.minimum(a, fh)
-        second_lo, second_hi = np.maximum(b, fl), np.minimum(hi, fh)
-        bounds[s] = (first_lo, np.maximum(first_hi, first_lo), second_lo, np.maximum(second_hi, second_lo))
-    return bounds
+        parts = []
+        for x, y in masked:
+            x, y = _clip(x, y, f_lo[s], f_hi[s])
+            parts += [_clip(x, y, x, c_lo), _clip(x, y, c_hi, y)]
+        fine[s] = parts
+    return whole, fine
+
+
+def _clip(lo, hi, at_least, below):
+    """``[lo, hi) ∩ [at_least, below)`` elementwise, as (lo, hi) with hi >= lo."""
+    lo2 = np.maximum(lo, at_least)
+    return lo2, np.maximum(np.minimum(hi, below), lo2)
 
 
 def _loop_split(split, n, step, init):
@@ -461,13 +474,18 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
 
 
 def _fine_split(t: _Tiling, j, q_step, fine_step, carry):
-    """Key block ``j``'s query loops with masked tiles per fine key block: ``fine_step(s, i, carry)``
-    over each fine sub-block's masked query blocks, ``q_step(i, carry, False)`` over the mask-free
-    ones as whole [bq, bk] tiles."""
-    for s in range(t.fine_cols.shape[0]):
-        lo, a, b, hi = (jnp.asarray(t.fine_cols[s, r])[j] for r in range(4))
-        step = functools.partial(fine_step, s)
-        carry = jax.lax.fori_loop(b, hi, step, jax.lax.fori_loop(lo, a, step, carry))
+    """Key block ``j``'s query loops: masked tiles a query block sees in part per fine key block
+    (``fine_step(s, i, carry)``), the other masked ones and the mask-free ones as whole [bq, bk]
+    tiles (``q_step(i, carry, positional)``)."""
+    whole, fine = t.fine_cols
+    for s in range(fine.shape[0]):
+        for lo, hi in fine[s]:
+            step = functools.partial(fine_step, s)
+            carry = jax.lax.fori_loop(jnp.asarray(lo)[j], jnp.asarray(hi)[j], step, carry)
+    for lo, hi in whole:
+        carry = jax.lax.fori_loop(
+            jnp.asarray(lo)[j], jnp.asarray(hi)[j], lambda i, c: q_step(i, c, True), carry
+        )
     a, b = (jnp.asarray(t.col_split[r])[j] for r in (1, 2))
     return jax.lax.fori_loop(a, b, lambda i, c: q_step(i, c, False), carry)
 
