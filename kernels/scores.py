@@ -32,6 +32,28 @@ def group_heads(x, hkv):
     return x.reshape(b, hkv, hq // hkv, s, d)
 
 
+def grouped_einsum(subscripts, *operands, **kwargs):
+    """``jnp.einsum`` over grouped operands with the group axis merged into the rows.
+
+    Operands written ``bhgq…`` ([B, Hkv, G, rows, cols]) are contracted as [B, Hkv, G·rows, cols],
+    so XLA sees one rank-4 batched matmul (on CPU: no transposed copy of the shared K/V tile, which
+    the rank-5 form costs per tile); a ``bhgq…`` output is split back. Same numbers as the einsum.
+    """
+    ins, out = subscripts.split("->")
+    merged, group = [], None
+    for term, x in zip(ins.split(","), operands, strict=True):
+        if term.startswith("bhgq"):
+            group = x.shape[2]
+            x = x.reshape(x.shape[0], x.shape[1], group * x.shape[3], *x.shape[4:])
+        merged.append(x)
+    spec = subscripts.replace("bhgq", "bhq")
+    result = jnp.einsum(spec, *merged, **kwargs)
+    if out.startswith("bhgq"):
+        b, h, rows = result.shape[:3]
+        result = result.reshape(b, h, group, rows // group, *result.shape[3:])
+    return result
+
+
 def group_broadcastable(x, hkv):
     """A rank-4 bias/mask [Bb, H|1, Sq|1, Sk|1] -> rank 5 grouped like the queries."""
     if x is None:
@@ -71,7 +93,7 @@ def tile_logits(
       ``(logits, visible, raw)``: float32 logits with hidden entries at -inf, the boolean visibility,
       and the pre-softcap scaled scores (backward passes need them for the tanh derivative).
     """
-    raw = jnp.einsum(
+    raw = grouped_einsum(
         "bhgqd,bhkd->bhgqk", q, k, preferred_element_type=jnp.float32, precision=matmul_precision(q.dtype)
     )
     if not q_prescaled:

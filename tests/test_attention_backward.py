@@ -25,6 +25,8 @@ B, SQ, SK, HQ, HKV, D, DV = 2, 40, 56, 4, 2, 16, 24
 BACKENDS = {
     "xla": "xla",
     "blockwise": registry.use("blockwise", block_q=16, block_k=8),  # ragged tiles, several blocks
+    # block_q divides block_k: masked tiles run per 8-key fine block; 56 keys leave padded fine blocks.
+    "blockwise_fine": registry.use("blockwise", block_q=8, block_k=24),
     "pallas_tpu_interpret": "pallas_tpu_interpret",
 }
 
@@ -54,6 +56,7 @@ def _cases(rng):
             "align": "top_left",
         },
         "broadcast_bias": {"bias": rng.standard_normal((B, 1, 1, SK))},
+        "softcap_window": {"softcap": 4.0, "window": (9, 3)},
     }
 
 
@@ -70,10 +73,14 @@ def _jax_kwargs(kw):
 
 
 # The Pallas interpreter is slow on CPU: two cases cover its masks, segments, bias and softcap.
-PAIRS = [(b, c) for b in ("xla", "blockwise") for c in CASE_NAMES] + [
-    ("pallas_tpu_interpret", "softcap_window_bias"),
-    ("pallas_tpu_interpret", "segments_causal_top_left"),
-]
+PAIRS = (
+    [(b, c) for b in ("xla", "blockwise") for c in CASE_NAMES]
+    + [
+        ("pallas_tpu_interpret", "softcap_window_bias"),
+        ("pallas_tpu_interpret", "segments_causal_top_left"),
+    ]
+    + [("blockwise_fine", c) for c in ("causal_gqa", "segments_causal_top_left", "softcap_window")]
+)
 
 
 @pytest.mark.parametrize(("backend", "case"), PAIRS)
@@ -119,13 +126,14 @@ def test_lse_cotangent_matches_vjp(backend):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("backend", ["xla", "blockwise", "pallas_tpu_interpret"])
+@pytest.mark.parametrize("backend", ["xla", "blockwise", "blockwise_fine", "pallas_tpu_interpret"])
 def test_dropout_matches_float64_reference(backend):
     """Each residual backward regenerates the dropout mask from the seed (same mask as the forward)."""
     q, k, v, rng = _inputs(2)
     key = jax.random.key(42)
     jq, jk, jv = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
-    kw = dict(causal=True, dropout_rate=0.25, dropout_rng=key, backend=backend)
+    kw = dict(causal=True, dropout_rate=0.25, dropout_rng=key)
+    kw["backend"] = BACKENDS[backend] if backend == "blockwise_fine" else backend
     out, lse = flashport.attention(jq, jk, jv, return_lse=True, **kw)
     d_out = rng.standard_normal(out.shape)
     grads = flashport.attention_backward(jq, jk, jv, out, lse, jnp.asarray(d_out, jnp.float32), **kw)
@@ -201,8 +209,10 @@ def test_backward_hlo_holds_no_forward_product(backend):
     """The residual backward's HLO has no P·V dot; the recomputing backward's has (the check can fail)."""
     residual = _backward_hlo(_residual_backward(backend), backend)
     recomputing = _backward_hlo(_recomputing_backward(backend), backend)
-    assert output_products(residual, SQ if backend == "xla" else 16, DV) == []
-    assert output_products(recomputing, SQ if backend == "xla" else 16, DV) != []
+    # blockwise tiles hold the G query heads of a kv head as rows: G * block_q query rows per dot.
+    rows = SQ if backend == "xla" else (HQ // HKV) * 16
+    assert output_products(residual, rows, DV) == []
+    assert output_products(recomputing, rows, DV) != []
     assert len(dot_shapes(residual)) < len(dot_shapes(recomputing))
 
 
