@@ -462,7 +462,7 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
         if t.fine_cols is None:
             dk_t, dv_t, dq_acc = _loop_split(t.col_split, j, q_step, init)
         else:
-            dk_t, dv_t, dq_acc = _fine_split(t, j, q_step, fine_step, init)
+            dk_t, dv_t, dq_acc = _fine_split(t, t.fine_cols, j, q_step, fine_step, init)
         return dq_acc, (_t(dk_t), _t(dv_t))
 
     dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros(x.q.shape, jnp.float32), jnp.arange(t.nk))
@@ -473,11 +473,11 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
     return dq, dk, dv, None, None, None, None, None
 
 
-def _fine_split(t: _Tiling, j, q_step, fine_step, carry):
+def _fine_split(t: _Tiling, fine_cols, j, q_step, fine_step, carry):
     """Key block ``j``'s query loops: masked tiles a query block sees in part per fine key block
     (``fine_step(s, i, carry)``), the other masked ones and the mask-free ones as whole [bq, bk]
-    tiles (``q_step(i, carry, positional)``)."""
-    whole, fine = t.fine_cols
+    tiles (``q_step(i, carry, positional)``); ``fine_cols``: ``t.fine_cols``, known to be set."""
+    whole, fine = fine_cols
     for s in range(fine.shape[0]):
         for lo, hi in fine[s]:
             step = functools.partial(fine_step, s)
