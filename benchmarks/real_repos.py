@@ -55,6 +55,7 @@ import corpus
 from flashport import rules as registry
 from flashport.rewriter import run_context
 from flashport.rewriter.engine import transform_source
+from flashport.rewriter.imports import name_uses
 from flashport.rules.base import RUNS_AS_IS, RuleOptions
 
 # name, version: sources or wheels that carry model code calling flash-attn / xformers / SDPA
@@ -142,26 +143,11 @@ def gpu_imports(data: bytes, gpu_modules: tuple[str, ...]) -> list[str]:
     return found
 
 
-def _loaded_names(tree: ast.AST) -> set[str]:
-    """Names a module reads: loaded identifiers, plus the strings of an ``__all__`` list."""
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store)}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
-        ):
-            names.update(
-                c.value
-                for c in ast.walk(node.value)
-                if isinstance(c, ast.Constant) and isinstance(c.value, str)
-            )
-    return names
-
-
 def dead_gpu_imports(old: bytes, new: bytes, gpu_modules: tuple[str, ...]) -> list[str]:
     """GPU imports the port left dead: names bound from a GPU module that the original file read and the
     ported file no longer reads (``from m import *`` cannot be judged and is skipped)."""
-    read_before, tree = _loaded_names(ast.parse(old)), ast.parse(new)
-    read_after = _loaded_names(tree)
+    read_before, tree = name_uses(ast.parse(old)), ast.parse(new)
+    read_after = name_uses(tree)
     dead = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and not node.level:

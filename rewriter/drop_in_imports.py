@@ -29,23 +29,8 @@ import collections
 
 from flashport.rewriter import astindex
 from flashport.rewriter.source import split_lines
+from flashport.rules._values import BERT_PADDING, FA1_NAMES, FA2, FA2_NAMES, FA2_SIGNATURE, SEQUSED
 
-FA2 = "flashport.integrations.flash_attn_compat"
-BERT_PADDING = "flashport.integrations.bert_padding"
-_PUBLIC = frozenset(
-    (
-        "flash_attn_func",
-        "flash_attn_qkvpacked_func",
-        "flash_attn_kvpacked_func",
-        "flash_attn_varlen_func",
-        "flash_attn_varlen_qkvpacked_func",
-        "flash_attn_varlen_kvpacked_func",
-        "flash_attn_with_kvcache",
-    )
-)
-_FA1 = frozenset(
-    ("flash_attn_unpadded_func", "flash_attn_unpadded_qkvpacked_func", "flash_attn_unpadded_kvpacked_func")
-)
 _PRIVATE = frozenset(
     (
         "_flash_attn_forward",
@@ -57,12 +42,10 @@ _PRIVATE = frozenset(
 _PADDING = frozenset(("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"))
 # GPU module -> (drop-in module, the names it provides under the same name and signature)
 DROP_INS: dict[str, tuple[str, frozenset[str]]] = {
-    "flash_attn": (FA2, _PUBLIC),
-    "flash_attn.flash_attn_interface": (FA2, _PUBLIC | _FA1 | _PRIVATE),
+    "flash_attn": (FA2, frozenset(FA2_NAMES)),
+    "flash_attn.flash_attn_interface": (FA2, frozenset(FA2_NAMES + FA1_NAMES) | _PRIVATE),
     "flash_attn.bert_padding": (BERT_PADDING, _PADDING),
 }
-_SIGNATURE_FROM = (2, 6)  # the drop-ins' public signatures are flash-attn's from 2.6 on (2.8.3's)
-_UNPAD_FROM = (2, 7)  # unpad_input returns five values from 2.7 on (the drop-in's)
 
 
 def parents(tree: ast.AST) -> dict[int, ast.AST]:
@@ -117,11 +100,11 @@ def target(
     if not before[bound] == after[bound] == exports[bound] or in_try or name in _PRIVATE:
         return None
     padded = tuple(version) + (0,) * (3 - len(version))
-    floor = _UNPAD_FROM if name == "unpad_input" else _SIGNATURE_FROM
+    floor = SEQUSED if name == "unpad_input" else FA2_SIGNATURE
     return drop_in if padded >= (*floor, 0) else None
 
 
-def exported(tree: ast.Module) -> collections.Counter:
+def exported(tree: ast.AST) -> collections.Counter:
     """The names listed in ``__all__`` (as :func:`flashport.rewriter.imports.name_uses` counts them)."""
     names: collections.Counter = collections.Counter()
     for node in astindex.of_type(tree, ast.Assign):

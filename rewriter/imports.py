@@ -23,16 +23,10 @@ from flashport.rewriter.source import split_lines
 
 def name_uses(tree: ast.AST) -> collections.Counter:
     """How often each name is read (``Name`` loads, plus strings listed in ``__all__``)."""
-    uses: collections.Counter = collections.Counter()
-    for node in astindex.of_type(tree, ast.Name, ast.Assign):
+    uses = drop_in_imports.exported(tree)
+    for node in astindex.of_type(tree, ast.Name):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
             uses[node.id] += 1
-        elif isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
-        ):
-            for elt in getattr(node.value, "elts", []):
-                if isinstance(elt, ast.Constant) and isinstance(elt.value, str):
-                    uses[elt.value] += 1
     return uses
 
 

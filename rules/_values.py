@@ -26,7 +26,7 @@ import libcst as cst
 from flashport.rules.base import Outcome, Report, Rewrite, RuleContext, dotted
 
 FA2 = "flashport.integrations.flash_attn_compat"
-_FA2_NAMES = (
+FA2_NAMES = (
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
@@ -35,7 +35,7 @@ _FA2_NAMES = (
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
 )
-_FA1_NAMES = (
+FA1_NAMES = (
     "flash_attn_unpadded_func",
     "flash_attn_unpadded_qkvpacked_func",
     "flash_attn_unpadded_kvpacked_func",
@@ -88,7 +88,7 @@ def family(api: str) -> str | None:
 
 
 _PROVIDES = {
-    FA2: _FA2_NAMES + _FA1_NAMES,
+    FA2: FA2_NAMES + FA1_NAMES,
     FA4: ("flash_attn_func", "flash_attn_varlen_func"),
     BERT_PADDING: ("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"),
     SDPA: ("scaled_dot_product_attention",),
@@ -152,7 +152,7 @@ def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[st
         return _INEXACT[module]
     version = ctx.options.flash_attn_version
     shown = ".".join(map(str, version))
-    if module == FA2 and name in _FA2_NAMES and version < FA2_SIGNATURE:
+    if module == FA2 and name in FA2_NAMES and version < FA2_SIGNATURE:
         return (
             f"the drop-in follows flash-attn 2.8's signature and --flash-attn-version is {shown} "
             "(parameters moved in 2.3-2.6; causal is top-left before 2.1)"
