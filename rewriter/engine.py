@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import bisect
 import dataclasses
+import functools
 import gc
 import re
 import sys
@@ -345,7 +346,8 @@ def _run_rules(
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     names = mini.names(tree, rules)
     spans = StatementSpans(module, src.split_lines(mini.source), mini.ordered, mini.line_map)
-    transformer = SiteTransformer(
+    transformer_for = functools.partial(
+        SiteTransformer,
         rules,
         options,
         result.path,
@@ -358,23 +360,11 @@ def _run_rules(
         names=names,
         spans=spans,
     )
+    transformer = transformer_for()
     new_module = module.visit(transformer)
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
     if vetoes:
-        transformer = SiteTransformer(
-            rules,
-            options,
-            result.path,
-            mini.line_map,
-            table,
-            module,
-            vetoes,
-            mini.source,
-            relevant,
-            wrapper=wrapper,
-            names=names,
-            spans=spans,
-        )
+        transformer = transformer_for(vetoes=vetoes)
         new_module = module.visit(transformer)
     return transformer, new_module, spans
 
