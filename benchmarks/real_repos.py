@@ -20,9 +20,12 @@ Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *
   pinned ("stray" otherwise);
 * dead GPU imports: a name bound from a GPU module that the original file read and the ported file
   no longer reads (the port should have removed the import);
-* *fully ported* files (every site rewritten or run as is): how many still import a GPU module (``flash_attn``,
-  ``xformers``, ...) statically, with the codemod's reason for keeping each import (availability
-  probes, code that inspects the installed library, ...: ``FileResult.imports_kept``), and - unless ``--no-import-check`` - whether their module imports
+* *fully ported* files (every site rewritten or run as is) that still import a GPU module (``flash_attn``,
+  ``xformers``, ...) statically, with the codemod's reason for keeping each import
+  (``FileResult.imports_kept``), in two columns: *needs GPU import* (an import a TPU host would trip
+  on) and *GPU probes kept* (every GPU import left is inside a ``try`` and only asks whether or which
+  library is installed - an availability probe, a ``__version__``/``__file__`` read - so the file
+  takes its fallback where the library is absent); and - unless ``--no-import-check`` - whether their module imports
   in a subprocess where GPU modules are blocked (``ok``, ``gpu`` = a GPU import was attempted,
   ``dep`` = another dependency of the package is missing here, so nothing is known);
 * crashes (internal engine errors).
@@ -96,7 +99,8 @@ class Result:
     crashes: list = dataclasses.field(default_factory=list)
     syntax_errors: int = 0
     fully_ported: list = dataclasses.field(default_factory=list)  # (root, relative path, new bytes)
-    still_gpu: list = dataclasses.field(default_factory=list)
+    still_gpu: list = dataclasses.field(default_factory=list)  # a GPU import a TPU host would trip on
+    probes_kept: list = dataclasses.field(default_factory=list)  # only guarded probes of the real library
     dead_gpu: list = dataclasses.field(default_factory=list)  # GPU imports the port left unread
     imports: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     gpu_on_import: list = dataclasses.field(default_factory=list)
@@ -123,6 +127,15 @@ def normalize(reason: str) -> str:
     return reason[:110]
 
 
+GUARDED = " (guarded)"
+# rewriter/kept_imports.py's reasons for a guarded import that only asks about the installed library
+PROBE_REASONS = (
+    "an availability probe:",
+    "it inspects the installed library",
+    "the probe asks about the real library",
+)
+
+
 def gpu_imports(data: bytes, gpu_modules: tuple[str, ...]) -> list[str]:
     """GPU modules a file still imports, at any scope (``guarded`` when inside try/if)."""
     found = []
@@ -139,7 +152,7 @@ def gpu_imports(data: bytes, gpu_modules: tuple[str, ...]) -> list[str]:
             names = [a.name for a in node.names]
         for name in names:
             if any(name == m or name.startswith(m + ".") for m in gpu_modules):
-                found.append(f"{name}{' (guarded)' if node.lineno in guarded_lines else ''}")
+                found.append(f"{name}{GUARDED if node.lineno in guarded_lines else ''}")
     return found
 
 
@@ -288,7 +301,11 @@ def run_package(name: str, version: str, cache: str) -> Result:
             left = gpu_imports(result.new, gpu_modules)
             if left:
                 why = "".join(f"\n      kept {line}" for line in result.imports_kept)
-                out.still_gpu.append(f"{relative}: {', '.join(sorted(set(left)))}{why}")
+                probes_only = all(m.endswith(GUARDED) for m in left) and all(
+                    any(p in line for p in PROBE_REASONS) for line in result.imports_kept
+                )
+                kept = out.probes_kept if probes_only and result.imports_kept else out.still_gpu
+                kept.append(f"{relative}: {', '.join(sorted(set(left)))}{why}")
     out.seconds = time.perf_counter() - start
     return out
 
@@ -417,7 +434,8 @@ def report(results: list[Result]) -> None:
         "dead GPU import",
         "crashes",
         "fully ported",
-        "still GPU import",
+        "needs GPU import",
+        "GPU probes kept",
         "import ok/gpu/dep",
         "s",
     )
@@ -443,6 +461,7 @@ def report(results: list[Result]) -> None:
                 len(r.crashes),
                 len(r.fully_ported),
                 len(r.still_gpu),
+                len(r.probes_kept),
                 f"{r.imports['ok']}/{r.imports['gpu']}/{r.imports['dep']}" if r.imports else "-",
                 f"{r.seconds:.0f}",
             )
@@ -467,6 +486,7 @@ def report(results: list[Result]) -> None:
             sum(len(r.crashes) for r in results),
             sum(len(r.fully_ported) for r in results),
             sum(len(r.still_gpu) for r in results),
+            sum(len(r.probes_kept) for r in results),
             "",
             "",
         )
@@ -504,7 +524,8 @@ def report(results: list[Result]) -> None:
             ("dead GPU imports (read before the port, unread after)", r.dead_gpu),
             ("not compiling", r.not_compiling),
             ("not idempotent", r.not_idempotent),
-            ("fully ported, still importing GPU modules", r.still_gpu),
+            ("fully ported, still importing GPU modules a TPU host lacks", r.still_gpu),
+            ("fully ported, keeping only guarded probes of the installed GPU library", r.probes_kept),
             ("fully ported modules whose import reached a GPU module", r.gpu_on_import),
         ):
             if items:
