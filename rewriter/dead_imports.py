@@ -17,6 +17,9 @@ What goes:
   the handlers. When other code is there the block
   stays exactly as it was: removing the import would change what it computes, and a guarded import
   already loads without the GPU library;
+* a dead import in a ``try`` whose handlers only raise (``except ImportError as e: raise
+  RuntimeError("pip install flash-attn") from e``): the library was required, not probed, so it
+  goes as an unguarded one does (kept, it would still raise where the library is absent);
 * a ``try`` availability guard whose GPU imports are all dead but whose flag is still read
   (``try: from flash_attn import f; HAS_FA = True`` / ``except ImportError: HAS_FA = False``)
   collapses to its success path, the flag assignments of the ``try`` body and ``else``
@@ -124,6 +127,9 @@ def remove_dead(
         if new == "" and _blank(lines, start - 2) and _blank(lines, end):
             while start > 1 and _blank(lines, start - 2):  # keep only the blank run below the block
                 start -= 1
+        elif new == "" and _opens_block(lines, start - 2):
+            while _blank(lines, end):  # the block's first statement went: no blank line may lead it
+                end += 1
         lines[start - 1 : end] = [new] if new else []
     return "".join(lines), plan.removed
 
@@ -159,6 +165,14 @@ def _merged(edits: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
 
 def _blank(lines: list[str], index: int) -> bool:
     return 0 <= index < len(lines) and not lines[index].strip()
+
+
+def _opens_block(lines: list[str], index: int) -> bool:
+    """Line ``index`` (0-based) opens a block (``try:``, ``def f():`` ...), comments aside."""
+    if not 0 <= index < len(lines):
+        return False
+    code = lines[index].split("#", 1)[0].rstrip()
+    return code.endswith(":")
 
 
 def _gpu_import(node: ast.stmt, plan: _Plan) -> _Import | None:
@@ -316,13 +330,25 @@ def _inner(stmt: ast.stmt, plan: _Plan, public: bool, drop_aliases) -> None:
         if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
             in_try = field == "body" and isinstance(stmt, _TRY)
             # a dead import in a try body that stays can no longer fail (flashport stands in for it)
-            guarded = in_try and (bool(plan.gpu_import_count) or not _handlers_idle(stmt, plan))
+            guarded = in_try and not _required(stmt, plan)
+            guarded = guarded and (bool(plan.gpu_import_count) or not _handlers_idle(stmt, plan))
             found = _body(inner, plan, scope_public, drop_aliases, pad=True, guarded=guarded)
             dropped.update(found if in_try else ())
     for handler in getattr(stmt, "handlers", []) or []:
         _body(handler.body, plan, scope_public, drop_aliases, pad=True, fallbacks=frozenset(dropped))
     for case in getattr(stmt, "cases", []) or []:
         _body(case.body, plan, scope_public, drop_aliases, pad=True)
+
+
+def _required(stmt: ast.stmt, plan: _Plan) -> bool:
+    """A ``try`` whose handlers only raise (``except ImportError as e: raise RuntimeError(...) from
+    e``) and whose GPU imports are all dead or moved: the imports were required, not probed, so the
+    dead ones go as unguarded ones do (kept, they would still raise where the library is absent)."""
+    handlers = getattr(stmt, "handlers", None) or []
+    if not handlers or not all(all(isinstance(s, ast.Raise) for s in h.body) for h in handlers):
+        return False
+    imports = _gpu_imports(getattr(stmt, "body", []), plan)
+    return all(len(_dead_aliases(i, plan)) + len(plan.moved(i)) == len(i.names) for i in imports)
 
 
 def _handlers_idle(stmt: ast.stmt, plan: _Plan) -> bool:

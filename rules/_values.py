@@ -10,7 +10,7 @@ name, so every later call runs on flashport whatever its arguments. The value st
 its meaning could change: feature probes (``callable(f)``, ``inspect.signature(f)``, ``getattr(f,
 ...)``), ``isinstance``/``issubclass``, identity or equality comparisons, lookups by identity
 (``target=``), monkeypatches (``F.x = wrap(F.x)``), ``__all__``, references inside an import guard
-(``try: ... except ImportError``), a flash-attn version whose signature differs from the drop-in's,
+(``try: ... except ImportError`` with a fallback; a handler that only raises is no fallback), a flash-attn version whose signature differs from the drop-in's,
 and APIs whose drop-in does not replicate every use (FA3's return type changed -- except for a value
 passed to ``@functools.wraps``, which only copies its name, docstring and signature --, FA4's drop-in
 lacks mask mods and block sparsity, SDPA values are wrapped, patched or compared) or that have none.
@@ -193,9 +193,21 @@ def probe(ctx: RuleContext) -> str | None:
             here = ctx.code(ctx.node)
             if any(ctx.code(t.target) == here for t in up.targets):
                 return f"wrapped and assigned back to {here} (a monkeypatch of the library function)"
-        if isinstance(up, cst.Try) and any(_catches_import_error(h) for h in up.handlers):
+        if isinstance(up, cst.Try) and any(
+            _catches_import_error(h) and not _only_raises(h) for h in up.handlers
+        ):
             return "inside an import guard (try/except ImportError), which decides between flash-attn and a fallback"
     return None
+
+
+def _only_raises(handler: cst.ExceptHandler) -> bool:
+    """The handler's body is nothing but ``raise`` statements: no fallback, the library is required
+    (``except ImportError as e: raise RuntimeError("install flash-attn") from e``)."""
+    body = handler.body.body if isinstance(handler.body, cst.IndentedBlock) else [handler.body]
+    return all(
+        isinstance(stmt, cst.SimpleStatementLine) and all(isinstance(s, cst.Raise) for s in stmt.body)
+        for stmt in body
+    )
 
 
 def _catches_import_error(handler: cst.ExceptHandler) -> bool:

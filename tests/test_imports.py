@@ -479,3 +479,47 @@ def test_a_guard_stays_when_other_gpu_imports_remain_in_the_file():
     )
     assert "flashport.torch.attention(" in text
     assert guard in text and "HAS_FLASH_ATTN = True\n\n\ndef" not in text
+
+
+def test_a_dead_import_in_a_try_whose_handler_only_raises_goes_even_with_other_gpu_imports():
+    # `except ImportError: raise RuntimeError(...)` requires the library; kept, the dead import would
+    # still raise on a host without flash-attn although the ported code no longer needs it. Another
+    # GPU import elsewhere in the file (kept: its call is not ported) does not change that.
+    text = port("""
+        from flash_attn.layers.rotary import apply_rotary_emb
+
+        def load():
+            try:
+                from flash_attn import flash_attn_func
+
+                return lambda q, k, v: flash_attn_func(q, k, v, causal=True)
+            except ImportError as e:
+                raise RuntimeError("pip install flash-attn") from e
+
+        def other(x):
+            return apply_rotary_emb(x)
+    """)
+    assert "from flash_attn import flash_attn_func" not in text
+    assert (
+        "    try:\n        return lambda q, k, v: flashport.torch.attention(" in text
+    )  # no blank line leads the block
+    assert "from flash_attn.layers.rotary import apply_rotary_emb" in text
+
+
+def test_a_dead_import_stays_in_a_try_whose_handler_also_falls_back():
+    text = port("""
+        from flash_attn.layers.rotary import apply_rotary_emb
+
+        def load():
+            try:
+                from flash_attn import flash_attn_func
+
+                return lambda q, k, v: flash_attn_func(q, k, v, causal=True)
+            except ImportError:
+                warn_once()
+                return None
+
+        def other(x):
+            return apply_rotary_emb(x)
+    """)
+    assert "from flash_attn import flash_attn_func" in text
