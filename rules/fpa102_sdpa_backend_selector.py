@@ -20,7 +20,8 @@ Runs as is:
   switches), the selector of a kernel probe (FPA101's "runs as is" probes, plus tensor methods,
   in its body), and every selector whose backends statically include ``SDPBackend.MATH``
   (``sdpa_kernel([SDPBackend.CUDNN_ATTENTION, ..., SDPBackend.MATH], set_priority=True)``, also
-  through a module-level constant the file only passes to ``sdpa_kernel``, and ``sdp_kernel(...)``
+  through a module-level constant the file binds once and only passes to ``sdpa_kernel``, with
+  imports at module level, in module-level ``try`` blocks or in the function, and ``sdp_kernel(...)``
   unless ``enable_math`` may be false; ``rules/_selector_backends.py``) wherever it is used --
   returned by a helper, bound to a name, over a body that calls other functions: the math kernel
   runs every input on every host, so torch SDPA calls under it keep a kernel and their meaning.
