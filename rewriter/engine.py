@@ -14,7 +14,8 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    node libcst's qualified names (:mod:`~flashport.rewriter.names`, libcst's scope analysis where
    the imports alone cannot tell): rules answer per site.
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
-   its own rewrites in this file (the pass is redone with them refused).
+   its own rewrites in this file, and a rewrite whose required calls (``Rewrite.requires``) did
+   not all end rewritten is vetoed (the pass is redone with them refused, until no veto is added).
 4. Splice rewritten statement texts into the original lines (everything else is byte-identical):
    each changed statement rendered alone where :mod:`~flashport.rewriter.spans` can place it (the
    same statements give the sites their positions), else every changed chunk from a render of the
@@ -339,9 +340,11 @@ def _run_rules(
     relevant: re.Pattern[str] | None = None,
 ) -> tuple[SiteTransformer, cst.Module, StatementSpans]:
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
-    every site's final status and may veto its rewrites (the pass is redone with them refused,
-    reusing the parse and the metadata). Returns the transformer, the new module and the
-    statement spans (positions are rendered per statement, :mod:`~flashport.rewriter.spans`)."""
+    every site's final status and may veto its rewrites, and a rewrite whose required calls
+    (``Rewrite.requires``) did not all end rewritten is vetoed; the pass is redone with the vetoes
+    (reusing the parse and the metadata) until none is added. Returns the transformer, the new
+    module and the statement spans (positions are rendered per statement,
+    :mod:`~flashport.rewriter.spans`)."""
     module = mini_parse.parse(mini.pieces)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     names = mini.names(tree, rules)
@@ -359,14 +362,23 @@ def _run_rules(
         wrapper=wrapper,
         names=names,
         spans=spans,
+        tree=tree,
     )
     transformer = transformer_for()
     new_module = module.visit(transformer)
-    vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
-    if vetoes:
-        transformer = transformer_for(vetoes=vetoes)
+    vetoes: dict[str, str] = {}
+    site_vetoes: dict[tuple[str, int, int], str] = {}
+    while True:  # vetoes only grow, so this ends (at most one pass more per rule and per site)
+        more = {
+            r.CODE: why for r in rules if r.CODE not in vetoes and (why := r.settle(transformer.sites, tree))
+        }
+        more_sites = {key: why for key, why in transformer.unmet().items() if key not in site_vetoes}
+        if not more and not more_sites:
+            return transformer, new_module, spans
+        vetoes.update(more)
+        site_vetoes.update(more_sites)
+        transformer = transformer_for(vetoes=vetoes, site_vetoes=site_vetoes)
         new_module = module.visit(transformer)
-    return transformer, new_module, spans
 
 
 def _spliced(

@@ -15,8 +15,8 @@ with the declined sites suppressed (``transform_source(..., skip=...)``), so imp
 exactly what was accepted (a GPU import stays while a declined call still uses it). If a declined
 site cannot be separated from an accepted one (same rule on a shared line), the file is not written
 and the review says so. An accepted site that the engine's per-file phase then refuses (an xformers
-bias constructor whose ``memory_efficient_attention`` was declined) is kept as it was, counted as
-declined, and the review prints why.
+bias constructor whose ``memory_efficient_attention`` was declined, an SDPA backend selector one of
+whose SDPA calls was declined) is kept as it was, counted as declined, and the review prints why.
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ When several selected rules watch the same qualified name or string, the one wit
 answers and the others are shadowed (``--ignore`` the first to let the next one answer); FPA905
 relies on this to be opt-in behind FPA901.
 
-``vetoes`` (rule code -> reason) turn that rule's rewrites into refusals: the engine's per-file
-phase (:meth:`flashport.rules.base.Rule.settle`) sets them after a first pass.
+``vetoes`` (rule code -> reason) turn that rule's rewrites into refusals, ``site_vetoes`` ((rule
+code, line, column) -> reason) one site's: the engine's per-file phase sets them after a pass, from
+:meth:`flashport.rules.base.Rule.settle` and from :meth:`SiteTransformer.unmet` (rewrites whose
+:attr:`~flashport.rules.base.Rewrite.requires` calls did not end rewritten).
 
 Cost: positions come from rendering only the statement a site sits in, located by the file's
 ``ast`` line numbers (:mod:`~flashport.rewriter.spans`; the whole mini module once when that cannot
@@ -27,6 +29,7 @@ every original ancestor and sibling: skipping only saves the visit.
 
 from __future__ import annotations
 
+import ast
 import bisect
 import dataclasses
 import re
@@ -138,6 +141,8 @@ class SiteTransformer(cst.CSTTransformer):
         names: Names | None = None,
         positions: Mapping[cst.CSTNode, Span] | None = None,
         spans: StatementSpans | None = None,
+        site_vetoes: Mapping[tuple[str, int, int], str] | None = None,
+        tree: ast.Module | None = None,
     ):
         super().__init__()
         self._spans = spans if spans is not None and not spans.failed and positions is None else None
@@ -149,6 +154,8 @@ class SiteTransformer(cst.CSTTransformer):
         self._relevant = relevant if source is not None else None
         self._lines = source.splitlines() if source is not None else None  # the mini module's text
         self.vetoes = vetoes or {}
+        self.site_vetoes = site_vetoes or {}
+        self.tree = tree  # the whole file's ast (RuleContext.tree)
         self.options = options
         self.path = path
         self.line_map = line_map
@@ -163,6 +170,8 @@ class SiteTransformer(cst.CSTTransformer):
             for value in rule.STRINGS:
                 self.by_string.setdefault(value, rule)
         self.sites: list[Site] = []
+        self._site_of: dict[int, Site] = {}  # id(original call node) -> its site (Rewrite.requires)
+        self._requirements: list[tuple[Site, Rewrite]] = []  # rewritten sites that require others
         self.imports: set[str] = set()
         self.rewrites = 0
         self._path: list[cst.CSTNode] = []  # original nodes from the module down to the current one
@@ -333,8 +342,18 @@ class SiteTransformer(cst.CSTTransformer):
         *_, name, rule = min(found, key=lambda item: item[:2])
         return rule, name
 
+    def _vetoed(self, rule: Rule, where: tuple[int, int, int]) -> str | None:
+        """The per-file phase's reason to refuse this rule's rewrite at ``where`` (None: none)."""
+        return self.vetoes.get(rule.CODE) or self.site_vetoes.get((rule.CODE, where[0], where[1]))
+
     def _record(
-        self, rule: Rule, api: str, kind: str, where: tuple[int, int, int], outcome: Outcome
+        self,
+        rule: Rule,
+        api: str,
+        kind: str,
+        where: tuple[int, int, int],
+        outcome: Outcome,
+        node: cst.CSTNode | None = None,
     ) -> Site | None:
         line, column, end = where
         status, reason = None, ""
@@ -349,7 +368,35 @@ class SiteTransformer(cst.CSTTransformer):
             return None
         site = Site(self.path, line, column, end, rule.CODE, api, kind, status, reason, tuple(notes))
         self.sites.append(site)
+        if node is not None:
+            self._site_of[id(node)] = site
+        if status == REWRITE and isinstance(outcome, Rewrite) and outcome.requires:
+            self._requirements.append((site, outcome))
         return site
+
+    def unmet(self) -> dict[tuple[str, int, int], str]:
+        """After the pass: (rule code, line, column) -> reason for every rewritten site whose
+        :attr:`~flashport.rules.base.Rewrite.requires` calls did not all end rewritten (refused,
+        suppressed by a comment or the interactive review, or without a site: no selected rule
+        answered for them)."""
+        out: dict[tuple[str, int, int], str] = {}
+        for site, rewrite in self._requirements:
+            for node in rewrite.requires:
+                other = self._site_of.get(id(node))
+                if other is not None and other.status == REWRITE:
+                    continue
+                if other is None:
+                    why = "no selected rule answered for it: its rule is left out by --select/--ignore"
+                elif other.status == SUPPRESSED:
+                    why = (
+                        f"line {other.line}: {other.rule} suppressed by a # flashport: ignore comment "
+                        "or declined in --interactive review"
+                    )
+                else:
+                    why = f"line {other.line}: {other.reason}"
+                out[(site.rule, site.line, site.column)] = f"{rewrite.otherwise} ({why})"
+                break
+        return out
 
     def _context(self, line: int, api: str, node: cst.CSTNode) -> RuleContext:
         """The rule's view of the site: ``node`` is original, its ancestors come from the path."""
@@ -366,6 +413,7 @@ class SiteTransformer(cst.CSTTransformer):
             node=node,
             ancestors=ancestors,
             module=self.module,
+            tree=self.tree,
         )
 
     # -- calls -------------------------------------------------------------------------------
@@ -391,15 +439,15 @@ class SiteTransformer(cst.CSTTransformer):
         if suppress.is_suppressed(self.suppressions, rule.CODE, where[0], where[2]):
             if alias is not None:
                 alias.suppressed += 1
-            self._record(rule, api, "call", where, None)
+            self._record(rule, api, "call", where, None, original_node)
             return updated_node
         try:
             outcome = rule.check_call(updated_node, self._context(where[0], api, original_node))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
         outcome = run_context.refuse_patched(outcome, api, self.options)
-        if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:
-            outcome = Refusal(self.vetoes[rule.CODE])
+        if isinstance(outcome, Rewrite) and (veto := self._vetoed(rule, where)):
+            outcome = Refusal(veto)
         if isinstance(outcome, Rewrite) and self._has_comment(
             original_node
         ):  # comments are kept, never a reason to refuse
@@ -415,7 +463,7 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = dataclasses.replace(
                 outcome, notes=(f"called through alias {alias.name} (line {alias.where[0]})", *outcome.notes)
             )
-        self._record(rule, api, "call", where, outcome)
+        self._record(rule, api, "call", where, outcome, original_node)
         if isinstance(outcome, Rewrite):
             self.imports.update(outcome.imports)
             self.rewrites += 1
@@ -489,7 +537,7 @@ class SiteTransformer(cst.CSTTransformer):
         if assignment is None:
             return False
         rule, api = matched
-        answer = self._value_outcome(rule, api, node.value, where[0])
+        answer = self._value_outcome(rule, api, node.value, where)
         own_reason = ""
         if type(rule).check_reference is not Rule.check_reference:  # the rule says why its values stay
             own_reason = answer.reason if isinstance(answer, (Refusal, Report)) else ""
@@ -558,8 +606,8 @@ class SiteTransformer(cst.CSTTransformer):
         if where is None:
             return False
         rule, api = matched
-        outcome = self._value_outcome(rule, api, value, where[0])
-        site = self._record(rule, api, "reference", where, outcome)
+        outcome = self._value_outcome(rule, api, value, where)
+        site = self._record(rule, api, "reference", where, outcome, value)
         if site is None or site.status != REWRITE or not isinstance(outcome, Rewrite):
             return False
         self._replacements[id(value)] = outcome.node
@@ -567,17 +615,19 @@ class SiteTransformer(cst.CSTTransformer):
         self.rewrites += 1
         return True
 
-    def _value_outcome(self, rule: Rule, api: str, value: cst.BaseExpression, line: int) -> Outcome:
+    def _value_outcome(
+        self, rule: Rule, api: str, value: cst.BaseExpression, where: tuple[int, int, int]
+    ) -> Outcome:
         """The rule's answer for ``value`` (a source API not called), its rewrite turned into a
         report where the name may hold something else or the file compares it."""
         try:
-            outcome = rule.check_reference(value, self._context(line, api, value))
+            outcome = rule.check_reference(value, self._context(where[0], api, value))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
         if not isinstance(outcome, Rewrite):
             return outcome
-        if rule.CODE in self.vetoes:
-            return Refusal(self.vetoes[rule.CODE])
+        if veto := self._vetoed(rule, where):
+            return Refusal(veto)
         why = self._value_may_differ(value)
         return (
             Report(f"{why}: not rewritten") if why else run_context.refuse_patched(outcome, api, self.options)
@@ -696,8 +746,8 @@ class SiteTransformer(cst.CSTTransformer):
             outcome = rule.check_string(original_node, value, self._context(where[0], value, original_node))
         except Refuse as refusal:
             outcome = Refusal(refusal.reason)
-        if isinstance(outcome, Rewrite) and rule.CODE in self.vetoes:
-            outcome = Refusal(self.vetoes[rule.CODE])
+        if isinstance(outcome, Rewrite) and (veto := self._vetoed(rule, where)):
+            outcome = Refusal(veto)
         self._record(rule, value, "string", where, outcome)
         if isinstance(outcome, Rewrite):
             self.imports.update(outcome.imports)

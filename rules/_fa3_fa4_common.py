@@ -144,10 +144,120 @@ def fa3_splat_drop_in(call: cst.Call, ctx, function: str) -> Rewrite | None:
     )
 
 
+# ----------------------------------------------------------------------------------- FA3 (FPA010-FPA012)
+
+FA3_MODULES = ("flash_attn_interface.", "flash_attn_3.flash_attn_interface.", "hopper.flash_attn_interface.")
+FA3_KEYWORDS = (
+    "qv",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+    "descale_q",
+    "descale_k",
+    "descale_v",
+    "window_size",
+    "attention_chunk",
+    "softcap",
+    "num_splits",
+    "pack_gqa",
+    "deterministic",
+    "sm_margin",
+    "return_attn_probs",
+    "sink_token_length",
+    "gqa_parallel",
+)
+"""FA3 ``flash_attn_func``'s keyword parameters (FPA010; FPA011 adds its varlen ones)."""
+FA3_UNSUPPORTED = {
+    "qv": "qv (extra query projection for MLA) has no portable equivalent",
+    **{
+        name: "FP8 descale factors: flashport.attention has no FP8 path"
+        for name in ("q_descale", "k_descale", "v_descale", "descale_q", "descale_k", "descale_v")
+    },
+}
+FA3_TUNING = ("num_splits", "pack_gqa", "sm_margin", "deterministic", "gqa_parallel")
+FA3_HISTORY = "FA3 flash_attn_func returned (out, lse) before 2025-07-11 and out after"
+
+
+def fa3_sources(function: str) -> tuple[str, ...]:
+    """Every import path of an FA3 function."""
+    return tuple(m + function for m in FA3_MODULES)
+
+
+def fa3_check_extras(value: dict, ctx) -> list[str]:
+    """Refuse FA3-only features; return notes for dropped tuning arguments."""
+    refuse_set(value, FA3_UNSUPPORTED)
+    for name in ("attention_chunk", "sink_token_length"):
+        if name in value and not is_zero(value[name]):
+            raise Refuse(f"{name}={ctx.code(value[name])}: no portable equivalent (only 0 is accepted)")
+    return dropped_notes(value, FA3_TUNING)
+
+
+# ----------------------------------------------------------------------------------- FA4 (FPA013, FPA014)
+
+FA4_MODULES = ("flash_attn.cute.", "flash_attn.cute.interface.")
+FA4_KEYWORDS = (
+    "qv",
+    "gather_kv_indices",
+    "softmax_scale",
+    "causal",
+    "window_size",
+    "learnable_sink",
+    "softcap",
+    "num_splits",
+    "pack_gqa",
+    "deterministic",
+    "score_mod",
+    "score_mod_bwd",
+    "mask_mod",
+    "aux_tensors",
+    "aux_scalars",
+    "block_sparse_tensors",
+    "block_sparse_tensors_bwd",
+    "return_lse",
+)
+"""FA4 ``flash_attn_func``'s keyword parameters (FPA013; FPA014 adds its varlen ones)."""
+FA4_UNSUPPORTED = {
+    "qv": "qv (extra query projection for MLA) has no portable equivalent",
+    "gather_kv_indices": "gather_kv_indices (sparse KV gather) has no portable equivalent",
+    "learnable_sink": "learnable_sink (attention sinks) has no portable equivalent",
+    "score_mod": "score_mod callables have no portable equivalent",
+    "score_mod_bwd": "score_mod callables have no portable equivalent",
+    "mask_mod": "mask_mod callables have no portable equivalent",
+    "aux_tensors": "aux_tensors (for score_mod/mask_mod) have no portable equivalent",
+    "aux_scalars": "aux_scalars (for score_mod/mask_mod) have no portable equivalent",
+    "block_sparse_tensors": "block-sparse attention has no portable equivalent",
+    "block_sparse_tensors_bwd": "block-sparse attention has no portable equivalent",
+}
+FA4_TUNING = ("num_splits", "pack_gqa", "deterministic")
+
+
+def fa4_sources(function: str) -> tuple[str, ...]:
+    """Every import path of an FA4 function."""
+    return tuple(m + function for m in FA4_MODULES)
+
+
+def fa4_keywords(bound, value, ctx, api) -> tuple[list, list[str]]:
+    """Refuse FA4-only features; map scale/causal/window/softcap (FA4 window conventions)."""
+    refuse_set(value, FA4_UNSUPPORTED)
+    notes = dropped_notes(value, FA4_TUNING)
+    plain = {n: bound[n] for n in ("softmax_scale", "causal", "softcap") if n in bound}
+    keywords, more = common(plain, ctx, api)
+    window = value.get("window_size")
+    if not is_none(window):
+        mapped = fa4_window(window)
+        if mapped is not None:
+            keywords.insert(2, ("window", mapped))
+    return keywords, notes + more
+
+
 __all__ = [
     "common",
     "dropped_notes",
+    "fa3_check_extras",
+    "fa3_sources",
     "fa3_splat_drop_in",
+    "fa4_keywords",
+    "fa4_sources",
     "fa4_window",
     "is_zero",
     "refuse_set",

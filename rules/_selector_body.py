@@ -2,9 +2,12 @@
 
 A selector only picks CUDA kernels for the SDPA calls that run inside it. It may be replaced by
 ``contextlib.nullcontext()`` only when every call in its body is either a direct
-``torch.nn.functional.scaled_dot_product_attention`` call that FPA101 rewrites (resolved through
-the file's top-level imports) or a tensor method from a short list (``.transpose``, ``.view``, ...):
-any other call (``self.proj(x)``, ``model(x)``) may reach SDPA indirectly, so the selector stays.
+``torch.nn.functional.scaled_dot_product_attention`` call (resolved through the file's top-level
+imports) or a tensor method from a short list (``.transpose``, ``.view``, ...): any other call
+(``self.proj(x)``, ``model(x)``) may reach SDPA indirectly, so the selector stays. Whether those SDPA
+calls end rewritten is not asked here (no rule asks another): the rewrite names them
+(``Rewrite.requires``) and the engine's per-file phase refuses it when one of them stays torch SDPA
+(refused, suppressed, ``--ignore``d or declined in ``--interactive`` review).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import _node_context
-from flashport.rules.base import Refuse, Rewrite, callee_name
+from flashport.rules.base import Rewrite, callee_name
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 TENSOR_METHODS = frozenset(
@@ -41,7 +44,7 @@ TENSOR_METHODS = frozenset(
 )
 
 
-def _bindings(module: cst.Module) -> dict[str, str]:
+def import_bindings(module: cst.Module) -> dict[str, str]:
     """Top-level import bindings: local name -> qualified module or object name."""
     out: dict[str, str] = {}
     for statement in module.body:
@@ -74,7 +77,9 @@ def _dotted_text(node: cst.BaseExpression) -> str:
     return ""
 
 
-def _qualified(func, bindings) -> str:
+def qualified(func: cst.BaseExpression, bindings: dict[str, str]) -> str:
+    """The qualified name of a Name/Attribute chain through ``bindings`` (:func:`import_bindings`);
+    "" when its first name is not imported at the top of the file."""
     text = _dotted_text(func)
     if not text:
         return ""
@@ -172,9 +177,11 @@ def _binds_locally(function: cst.FunctionDef, name: str) -> bool:
     return (found["param"] or found.get("assign", False)) and not found.get("shared", False)
 
 
-def neutral_selector(call: cst.Call, ctx, sdpa_rule) -> Rewrite | str:
-    """``contextlib.nullcontext()`` when the selector's body is provably all rewritten SDPA, else why
-    not. The selector is a ``with`` item, or bound to a local name that one ``with`` uses (:func:`_bound_with`)."""
+def neutral_selector(call: cst.Call, ctx, otherwise: str) -> Rewrite | str:
+    """``contextlib.nullcontext()`` requiring the SDPA calls of the selector's body when that body
+    is only SDPA calls and tensor methods, else why not. The selector is a ``with`` item, or bound
+    to a local name that one ``with`` uses (:func:`_bound_with`). ``otherwise``: the reason when one
+    of those SDPA calls does not end rewritten (``Rewrite.otherwise``)."""
     node = _node_context.locate(call, ctx)
     item = _node_context.parent(node, ctx) if node is not None else None
     if node is None:
@@ -190,12 +197,12 @@ def neutral_selector(call: cst.Call, ctx, sdpa_rule) -> Rewrite | str:
     module = ctx.module
     if not isinstance(with_node, cst.With) or module is None:
         return "its `with` statement could not be located"
-    return _neutral_body(with_node, ctx, sdpa_rule, _bindings(module))
+    return _neutral_body(with_node, ctx, import_bindings(module), otherwise)
 
 
-def _neutral_body(with_node: cst.With, ctx, sdpa_rule, bindings: dict[str, str]) -> Rewrite | str:
-    """The nullcontext rewrite when every call in the ``with`` body is a rewritten SDPA call or a
-    tensor method, else why not."""
+def _neutral_body(with_node: cst.With, ctx, bindings: dict[str, str], otherwise: str) -> Rewrite | str:
+    """The nullcontext rewrite, requiring every SDPA call of the ``with`` body, when every call in
+    it is an SDPA call or a tensor method, else why not."""
     calls: list[cst.CSTNode] = []
 
     class _Calls(cst.CSTVisitor):
@@ -211,18 +218,12 @@ def _neutral_body(with_node: cst.With, ctx, sdpa_rule, bindings: dict[str, str])
             return False
 
     with_node.body.visit(_Calls())
-    sdpa_calls = 0
+    sdpa_calls: list[cst.Call] = []
     for inner in calls:
         if not isinstance(inner, cst.Call):
             return "its body defines a function or lambda"
-        if _qualified(inner.func, bindings) == SDPA:
-            try:
-                outcome = sdpa_rule.check_call(inner, ctx)
-            except Refuse as refusal:
-                return f"an SDPA call in its body is not rewritten ({refusal.reason})"
-            if not isinstance(outcome, Rewrite):
-                return "an SDPA call in its body is not rewritten"
-            sdpa_calls += 1
+        if qualified(inner.func, bindings) == SDPA:
+            sdpa_calls.append(inner)
         elif not (isinstance(inner.func, cst.Attribute) and inner.func.attr.value in TENSOR_METHODS):
             return f"its body calls {ctx.code(inner.func)}(...), which may run SDPA under this selector"
     if not sdpa_calls:
@@ -231,6 +232,8 @@ def _neutral_body(with_node: cst.With, ctx, sdpa_rule, bindings: dict[str, str])
         cst.parse_expression("contextlib.nullcontext()"),
         imports=("contextlib",),
         notes=("every SDPA call in the body is rewritten: selector made neutral (contextlib.nullcontext())",),
+        requires=tuple(sdpa_calls),
+        otherwise=otherwise,
     )
 
 

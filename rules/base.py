@@ -10,6 +10,11 @@ the engine asks about each libcst node whose *qualified name* (resolved by libcs
 * :meth:`Rule.check_reference` for a source passed as a value (``attention_fn=flash_attn_func``).
 * :meth:`Rule.check_string` for string literals listed in :attr:`Rule.STRINGS` (config switches).
 
+A decision that spans sites is made in the engine's per-file phase, from every site's *final*
+status (rewritten, refused, suppressed, left out by ``--ignore``, declined interactively): a rewrite
+names the other calls it is only correct with (:attr:`Rewrite.requires`), and :meth:`Rule.settle`
+may refuse all of a rule's rewrites in a file. No rule asks or imports another rule.
+
 Rules never touch imports or files themselves; the engine adds ``import flashport`` once, drops GPU
 imports that became unused (:attr:`Rule.GPU_MODULES`, :mod:`flashport.rewriter.dead_imports`),
 points names left only probed or re-exported at flashport's drop-ins and pins ``flash_attn.__version__``
@@ -57,11 +62,25 @@ class Rewrite:
       imports: top-level modules the replacement needs (``"flashport"``); the engine adds
         ``import <module>`` once per file.
       notes: human notes shown in the report and JSON (e.g. "dropped dropout_p (--inference)").
+      requires: the original nodes (``ctx.node`` and its relatives: nodes of the parsed chunk, not
+        rebuilt ones) of other calls this rewrite is only correct with when they are rewritten too
+        (the SDPA calls under a backend selector made neutral). The engine's per-file phase refuses
+        this rewrite when one of them does not end rewritten: refused, suppressed by a comment,
+        declined in ``--interactive`` review, left out by ``--select``/``--ignore`` (then it has no
+        site at all) or itself refused by the per-file phase.
+      otherwise: the reason of that refusal; the engine adds which required call is not rewritten
+        and why (``"<otherwise> (line N: <its reason>)"``). Required with ``requires``.
     """
 
     node: cst.BaseExpression
     imports: tuple[str, ...] = ("flashport",)
     notes: tuple[str, ...] = ()
+    requires: tuple[cst.CSTNode, ...] = ()
+    otherwise: str = ""
+
+    def __post_init__(self) -> None:
+        if self.requires and not self.otherwise:
+            raise ValueError("Rewrite(requires=...) needs otherwise=: the reason when a required call stays")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +184,8 @@ class RuleContext:
       ancestors: the original parents of :attr:`node`, nearest first, up to the module (the
         engine's traversal path: the links libcst's ``ParentNodeProvider`` would give).
       module: the parsed chunk module the nodes belong to (None outside the engine).
+      tree: the whole file's ``ast.Module`` (None outside the engine): what lies outside the parsed
+        chunks, such as module-level constants (read only).
     """
 
     path: str
@@ -175,6 +196,7 @@ class RuleContext:
     node: cst.CSTNode | None = None
     ancestors: tuple[cst.CSTNode, ...] = ()
     module: cst.Module | None = None
+    tree: ast.Module | None = None
 
     def code(self, node: cst.CSTNode) -> str:
         """Source text of ``node`` (best effort)."""
@@ -235,6 +257,11 @@ class Rule:
         suppressed by a comment or by the interactive review; rules left out by ``--ignore`` have
         no sites). Return a reason to refuse *all* of this rule's rewrites in the file (their
         meaning depends on other sites), or None to keep them.
+
+        A rewrite that depends on particular other calls names them instead (:attr:`Rewrite.requires`):
+        the engine then refuses that one site when one of them is not rewritten. Both run in the
+        same phase, repeated until no new refusal appears (a refusal may break another rewrite's
+        requirement or change what a ``settle`` sees); a rule never asks another rule, nor imports it.
 
         Args:
           sites: every :class:`~flashport.rewriter.results.Site` of the file, all rules.

@@ -41,52 +41,10 @@ import libcst as cst
 
 from flashport.rules import _fa3_fa4_common
 from flashport.rules import _flash_attn as fa
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_zero, register, string
+from flashport.rules._fa3_fa4_common import FA3_HISTORY, FA3_KEYWORDS, fa3_check_extras, fa3_sources
+from flashport.rules.base import Rewrite, Rule, Signature, build_call, register, string
 
-MODULES = ("flash_attn_interface.", "flash_attn_3.flash_attn_interface.", "hopper.flash_attn_interface.")
 POSITIONAL = ("q", "k", "v", "softmax_scale", "causal")
-KEYWORDS = (
-    "qv",
-    "q_descale",
-    "k_descale",
-    "v_descale",
-    "descale_q",
-    "descale_k",
-    "descale_v",
-    "window_size",
-    "attention_chunk",
-    "softcap",
-    "num_splits",
-    "pack_gqa",
-    "deterministic",
-    "sm_margin",
-    "return_attn_probs",
-    "sink_token_length",
-    "gqa_parallel",
-)
-UNSUPPORTED = {
-    "qv": "qv (extra query projection for MLA) has no portable equivalent",
-    **{
-        name: "FP8 descale factors: flashport.attention has no FP8 path"
-        for name in ("q_descale", "k_descale", "v_descale", "descale_q", "descale_k", "descale_v")
-    },
-}
-TUNING = ("num_splits", "pack_gqa", "sm_margin", "deterministic", "gqa_parallel")
-HISTORY = "FA3 flash_attn_func returned (out, lse) before 2025-07-11 and out after"
-
-
-def fa3_sources(function: str) -> tuple[str, ...]:
-    """Every import path of an FA3 function."""
-    return tuple(m + function for m in MODULES)
-
-
-def check_extras(value: dict, ctx) -> list[str]:
-    """Refuse FA3-only features; return notes for dropped tuning arguments."""
-    _fa3_fa4_common.refuse_set(value, UNSUPPORTED)
-    for name in ("attention_chunk", "sink_token_length"):
-        if name in value and not is_zero(value[name]):
-            raise Refuse(f"{name}={ctx.code(value[name])}: no portable equivalent (only 0 is accepted)")
-    return _fa3_fa4_common.dropped_notes(value, TUNING)
 
 
 # The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
@@ -114,14 +72,14 @@ class FA3FlashAttnFunc(Rule):
             len(POSITIONAL),
             "arguments after causal must be passed by keyword: FA3 inserted and renamed parameters between releases",
         )
-        bound = Signature(POSITIONAL, KEYWORDS).bind(call, self.API)
+        bound = Signature(POSITIONAL, FA3_KEYWORDS).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
-        notes = check_extras(value, ctx)
+        notes = fa3_check_extras(value, ctx)
         keywords, more = _fa3_fa4_common.common(bound, ctx, self.API)
         keywords.append(("layout", string("BSHD")))
         if _fa3_fa4_common.returns_tuple(
-            call, ctx, value.get("return_attn_probs"), "return_attn_probs", HISTORY
+            call, ctx, value.get("return_attn_probs"), "return_attn_probs", FA3_HISTORY
         ):
             keywords.append(("return_lse", cst.Name("True")))
             notes.append("returns (out, lse) like the FA3 call it replaces")

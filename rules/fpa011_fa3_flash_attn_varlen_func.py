@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from flashport.rules import _fa3_fa4_common
 from flashport.rules import _flash_attn as fa
+from flashport.rules._fa3_fa4_common import FA3_HISTORY, FA3_KEYWORDS, fa3_check_extras, fa3_sources
 from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, register, string
-from flashport.rules.fpa010_fa3_flash_attn_func import HISTORY, KEYWORDS, check_extras, fa3_sources
 
 POSITIONAL = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
@@ -67,7 +67,9 @@ class FA3FlashAttnVarlenFunc(Rule):
         splat = _fa3_fa4_common.fa3_splat_drop_in(call, ctx, "flash_attn_varlen_func")
         if splat is not None:
             return splat
-        signature = Signature(POSITIONAL, ("seqused_q", "seqused_k", "softmax_scale", "causal") + KEYWORDS)
+        signature = Signature(
+            POSITIONAL, ("seqused_q", "seqused_k", "softmax_scale", "causal") + FA3_KEYWORDS
+        )
         _fa3_fa4_common.positional_limit(
             call,
             len(POSITIONAL),
@@ -81,9 +83,9 @@ class FA3FlashAttnVarlenFunc(Rule):
                 raise Refuse(
                     f"{name} (used lengths inside padded per-sequence buffers) has no portable equivalent"
                 )
-        notes = check_extras(value, ctx)
+        notes = fa3_check_extras(value, ctx)
         if _fa3_fa4_common.returns_tuple(
-            call, ctx, value.get("return_attn_probs"), "return_attn_probs", HISTORY
+            call, ctx, value.get("return_attn_probs"), "return_attn_probs", FA3_HISTORY
         ):
             raise Refuse("the caller expects (out, lse); flashport.varlen_attention returns no lse")
         keywords, more = _fa3_fa4_common.common(bound, ctx, self.API)

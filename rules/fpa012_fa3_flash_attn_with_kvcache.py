@@ -29,9 +29,9 @@ Example::
 
 from __future__ import annotations
 
+from flashport.rules._fa3_fa4_common import fa3_sources
 from flashport.rules.base import Refuse, is_zero, register
 from flashport.rules.fpa007_flash_attn_with_kvcache import UNSUPPORTED, FlashAttnWithKVCache
-from flashport.rules.fpa010_fa3_flash_attn_func import fa3_sources
 
 FA3_UNSUPPORTED = {
     **{k: v for k, v in UNSUPPORTED.items() if k not in ("block_table", "alibi_slopes")},

@@ -33,62 +33,10 @@ import libcst as cst
 
 from flashport.rules import _fa3_fa4_common
 from flashport.rules import _flash_attn as fa
-from flashport.rules.base import Rewrite, Rule, Signature, build_call, is_none, register, string
+from flashport.rules._fa3_fa4_common import FA4_KEYWORDS, fa4_keywords, fa4_sources
+from flashport.rules.base import Rewrite, Rule, Signature, build_call, register, string
 
-MODULES = ("flash_attn.cute.", "flash_attn.cute.interface.")
-KEYWORDS = (
-    "qv",
-    "gather_kv_indices",
-    "softmax_scale",
-    "causal",
-    "window_size",
-    "learnable_sink",
-    "softcap",
-    "num_splits",
-    "pack_gqa",
-    "deterministic",
-    "score_mod",
-    "score_mod_bwd",
-    "mask_mod",
-    "aux_tensors",
-    "aux_scalars",
-    "block_sparse_tensors",
-    "block_sparse_tensors_bwd",
-    "return_lse",
-)
-UNSUPPORTED = {
-    "qv": "qv (extra query projection for MLA) has no portable equivalent",
-    "gather_kv_indices": "gather_kv_indices (sparse KV gather) has no portable equivalent",
-    "learnable_sink": "learnable_sink (attention sinks) has no portable equivalent",
-    "score_mod": "score_mod callables have no portable equivalent",
-    "score_mod_bwd": "score_mod callables have no portable equivalent",
-    "mask_mod": "mask_mod callables have no portable equivalent",
-    "aux_tensors": "aux_tensors (for score_mod/mask_mod) have no portable equivalent",
-    "aux_scalars": "aux_scalars (for score_mod/mask_mod) have no portable equivalent",
-    "block_sparse_tensors": "block-sparse attention has no portable equivalent",
-    "block_sparse_tensors_bwd": "block-sparse attention has no portable equivalent",
-}
-TUNING = ("num_splits", "pack_gqa", "deterministic")
 TUPLE_NOTE = "returns (out, lse): FA4 flash_attn_func always returns the tuple, whatever return_lse says"
-
-
-def fa4_sources(function: str) -> tuple[str, ...]:
-    """Every import path of an FA4 function."""
-    return tuple(m + function for m in MODULES)
-
-
-def fa4_keywords(bound, value, ctx, api) -> tuple[list, list[str]]:
-    """Refuse FA4-only features; map scale/causal/window/softcap (FA4 window conventions)."""
-    _fa3_fa4_common.refuse_set(value, UNSUPPORTED)
-    notes = _fa3_fa4_common.dropped_notes(value, TUNING)
-    plain = {n: bound[n] for n in ("softmax_scale", "causal", "softcap") if n in bound}
-    keywords, more = _fa3_fa4_common.common(plain, ctx, api)
-    window = value.get("window_size")
-    if not is_none(window):
-        mapped = _fa3_fa4_common.fa4_window(window)
-        if mapped is not None:
-            keywords.insert(2, ("window", mapped))
-    return keywords, notes + more
 
 
 @register
@@ -111,7 +59,7 @@ class FA4FlashAttnFunc(Rule):
             3,
             "arguments after v must be passed by keyword: FA4's 4th parameter is qv and its tail changed across betas",
         )
-        bound = Signature(("q", "k", "v"), KEYWORDS).bind(call, self.API)
+        bound = Signature(("q", "k", "v"), FA4_KEYWORDS).bind(call, self.API)
         q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         keywords, notes = fa4_keywords(bound, value, ctx, self.API)

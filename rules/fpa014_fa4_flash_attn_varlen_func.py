@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from flashport.rules import _fa3_fa4_common
 from flashport.rules import _flash_attn as fa
+from flashport.rules._fa3_fa4_common import FA4_KEYWORDS, fa4_keywords, fa4_sources
 from flashport.rules.base import Refuse, Rule, Signature, is_none, register
-from flashport.rules.fpa013_fa4_flash_attn_func import KEYWORDS, fa4_keywords, fa4_sources
 
 VARLEN = (
     "cu_seqlens_q",
@@ -61,7 +61,7 @@ class FA4FlashAttnVarlenFunc(Rule):
             3,
             "arguments after v must be passed by keyword: FA4's varlen signature changed across betas",
         )
-        bound = Signature(("q", "k", "v"), VARLEN + KEYWORDS).bind(call, self.API)
+        bound = Signature(("q", "k", "v"), VARLEN + FA4_KEYWORDS).bind(call, self.API)
         fa.required(bound, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         for name in ("seqused_q", "seqused_k", "page_table"):

@@ -106,3 +106,66 @@ def test_ported_file_keeps_switches_and_probe_and_runs(restore_flags):
         0
     ]
     np.testing.assert_allclose(namespace["attend"](q, k, v).numpy(), want, atol=2e-5)
+
+
+MATH_SOURCE = """
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+DEFAULT_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def default_backends():
+    return sdpa_kernel(DEFAULT_BACKENDS, set_priority=True)
+
+
+def attend(q, k, v, mask):
+    with default_backends():
+        kept = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # flashport: ignore[FPA101]
+    with sdpa_kernel(SDPBackend.MATH):
+        ported = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        also_kept = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flashport: ignore[FPA101]
+    return kept, ported, also_kept
+"""
+
+
+def test_selectors_keeping_the_math_kernel_run_as_is():
+    """A selector whose backends include SDPBackend.MATH is kept wherever it is used; torch SDPA calls
+    left under it still find a kernel on a CPU host and compute the float64 reference."""
+    result = transform_source(
+        textwrap.dedent(MATH_SOURCE).encode(), "case.py", registry.all_rules(), RuleOptions()
+    )
+    selectors = [s for s in result.sites if s.rule == "FPA102"]
+    assert [s.line for s in selectors] == [14, 20] and all(s.status == "refused" for s in selectors)
+    assert all(s.reason.startswith(RUNS_AS_IS) for s in selectors), [s.reason for s in selectors]
+    code = result.new.decode()
+    assert "return sdpa_kernel(DEFAULT_BACKENDS, set_priority=True)" in code
+    assert "with sdpa_kernel(SDPBackend.MATH):" in code and "ported = flashport.torch.attention(" in code
+    namespace: dict = {}
+    exec(compile(code, "ported.py", "exec"), namespace)
+    q, k, v = rand(1, 2, 6, 8), rand(1, 2, 6, 8, seed=1), rand(1, 2, 6, 8, seed=2)
+    mask = torch.rand(6, 6, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[:, 0] = True
+    masked = reference_attention(q.numpy(), k.numpy(), v.numpy(), mask=mask.numpy(), layout="BHSD")[0]
+    causal = reference_attention(
+        q.numpy(), k.numpy(), v.numpy(), causal=True, align="top_left", layout="BHSD"
+    )[0]
+    kept, ported, also_kept = namespace["attend"](q, k, v, mask)
+    np.testing.assert_allclose(kept.numpy(), masked, atol=2e-5)
+    np.testing.assert_allclose(ported.numpy(), masked, atol=2e-5)
+    np.testing.assert_allclose(also_kept.numpy(), causal, atol=2e-5)
+
+
+def test_selectors_without_the_math_kernel_may_leave_cpu_sdpa_without_a_kernel():
+    """Why a selector without SDPBackend.MATH stays refused when torch SDPA may run under it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = rand(1, 2, 6, 8)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
