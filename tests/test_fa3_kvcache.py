@@ -259,3 +259,89 @@ def test_rejects_what_fa3_rejects_or_flashport_cannot_do():
         fa3.flash_attn_with_kvcache(q, cache, cache, cache[:, :2], cache[:, :2], cache_seqlens=3)
     with pytest.raises(ValueError, match="cache_seqlens"):
         fa3.flash_attn_with_kvcache(q, cache, cache, cache[:, :1], cache[:, :1])
+
+
+# ----------------------------------------------------------------------------------- through the codemod
+
+PORTED = """
+import functools
+
+import torch
+from flash_attn_interface import flash_attn_with_kvcache as _flash_attn_with_kvcache
+from flash_attn_3.flash_attn_interface import flash_attn_with_kvcache as flash_attn3_with_kvcache
+
+
+@functools.wraps(_flash_attn_with_kvcache)
+def flash_attn_with_kvcache(*args, **kwargs):
+    output = _flash_attn_with_kvcache(*args, **kwargs)
+    return output
+
+
+KERNELS = {"fa3": _flash_attn_with_kvcache}
+
+
+class Decoder:
+    def __init__(self, pages, page, heads_k, dim):
+        self.k_pages = torch.zeros(pages, page, heads_k, dim)
+        self.v_pages = torch.zeros(pages, page, heads_k, dim)
+
+    def step(self, q, k, v, lengths, table):
+        flash_attn_args = {
+            "q": q,
+            "k_cache": self.k_pages,
+            "v_cache": self.v_pages,
+            "k": k,
+            "v": v,
+            "cache_seqlens": lengths,
+            "causal": True,
+            "page_table": table,
+            "num_splits": 0,
+        }
+        return flash_attn3_with_kvcache(**flash_attn_args)
+
+    def explicit(self, q, k, v, lengths, table):
+        return _flash_attn_with_kvcache(
+            q, self.k_pages, self.v_pages, k, v, cache_seqlens=lengths, page_table=table, causal=True
+        )
+"""
+
+
+def test_ported_wrappers_and_paged_decoder_fill_the_cache_in_place():
+    """megatron-style ``f(**flash_attn_args)`` with a page table, an lmdeploy-style ``@functools.wraps``
+    splat wrapper, a dispatch-table value and an explicit paged call: all ported to the FA3 drop-in;
+    step after step the caller's pages fill in place and each output matches the reference."""
+    from ported_code import port_and_run
+
+    namespace, code = port_and_run(PORTED, "call")
+    assert "flash_attn_interface" not in code and "flash_attn_3" not in code, code
+    assert code.count("flash_attn3_compat.flash_attn_with_kvcache") == 5  # wraps, splat, table, dict, call
+    page, table = 2, torch.tensor([[3, 0, 5], [1, 4, 2]], dtype=torch.int32)
+    decoder = namespace["Decoder"](6, page, 1, 8)
+    want_k, want_v = (
+        torch.zeros(2, 6, 1, 8, dtype=torch.float64),
+        torch.zeros(2, 6, 1, 8, dtype=torch.float64),
+    )
+    calls = [
+        decoder.step,
+        decoder.explicit,
+        lambda q, k, v, n, t: namespace["flash_attn_with_kvcache"](
+            q, decoder.k_pages, decoder.v_pages, k, v, cache_seqlens=n, page_table=t, causal=True
+        ),
+        lambda q, k, v, n, t: namespace["KERNELS"]["fa3"](
+            q, decoder.k_pages, decoder.v_pages, k, v, cache_seqlens=n, page_table=t, causal=True
+        ),
+    ]
+    for step, call in enumerate(calls):
+        q, k, v = (
+            rand(2, 1, 2, 8, seed=step),
+            rand(2, 1, 1, 8, seed=10 + step),
+            rand(2, 1, 1, 8, seed=20 + step),
+        )
+        lengths = torch.tensor([step, step + 1], dtype=torch.int32)
+        out = call(q, k, v, lengths, table)
+        want, _, want_k, want_v = reference(q, want_k, want_v, k, v, lengths=lengths.tolist(), causal=True)
+        close(out, want)
+        for b in range(2):
+            for r in range(6):
+                close(decoder.k_pages[table[b, r // page], r % page], want_k[b, r])
+                close(decoder.v_pages[table[b, r // page], r % page], want_v[b, r])
