@@ -19,7 +19,7 @@ fused rotary) and adds:
 
 from __future__ import annotations
 
-from flashport.integrations._fa_kvcache import _check_arguments, apply_rotary
+from flashport.integrations._fa_kvcache import _Cache, _check_arguments, _lengths, apply_rotary
 
 NAME = "flash_attn_with_kvcache"
 
@@ -103,6 +103,25 @@ def check(k, v, rotary, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, cache_seql
         raise ValueError(f"{NAME}: cu_seqlens_k_new describes the new k/v rows; pass k and v")
     if k is not None and cache_seqlens is None:
         raise ValueError(f"{NAME}: new k/v rows need cache_seqlens (where to write them)")
+
+
+def cache_view(k_cache, q, cu_seqlens_q, cache_seqlens, cache_batch_idx, page_table):
+    """(:class:`_Cache` over the caches, rows already cached per sequence [B]); with both a page
+    table and ``cache_batch_idx``, sequence ``b`` uses page-table row ``cache_batch_idx[b]`` (FA3)."""
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    if page_table is not None and cache_batch_idx is not None:
+        page_table, cache_batch_idx = page_table[cache_batch_idx.long()], None
+    cache = _Cache(k_cache, batch, cache_batch_idx, page_table)
+    return cache, _lengths(cache_seqlens, batch, cache.length, q.device)
+
+
+def returned(out, lse):
+    """FA3's ``return_softmax_lse=True`` result ``(out, softmax_lse, *rest)``: ``rest`` is its two
+    split-KV accumulators, empty tensors when it does not split (flashport never does)."""
+    import torch
+
+    empty = torch.tensor([], device=out.device)
+    return out, lse, empty, empty
 
 
 def queries(q, qv, cu_seqlens_q, max_seqlen_q):

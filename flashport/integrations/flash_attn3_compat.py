@@ -189,20 +189,14 @@ def flash_attn_with_kvcache(
         ``max_seqlen_q``, new rows without ``cache_seqlens`` or that do not fit the cache.
       NotImplementedError: FP8 descales, a non-zero ``attention_chunk``.
     """
-    import torch
-
     from flashport.integrations import _fa3_kvcache as impl
-    from flashport.integrations._fa_kvcache import _Cache, _lengths
 
     _unsupported(
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk
     )
     varlen = (cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
     impl.check(k, v, (rotary_cos, rotary_sin), *varlen, cache_seqlens)
-    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-    if page_table is not None and cache_batch_idx is not None:  # FA3: the batch index picks page-table rows
-        page_table, cache_batch_idx = page_table[cache_batch_idx.long()], None
-    cache = _Cache(k_cache, batch, cache_batch_idx, page_table)
+    cache, lengths = impl.cache_view(k_cache, q, cu_seqlens_q, cache_seqlens, cache_batch_idx, page_table)
     options = dict(
         scale=softmax_scale,
         causal=causal,
@@ -216,14 +210,11 @@ def flash_attn_with_kvcache(
         (k, v),
         qv,
         cache=cache,
-        lengths=_lengths(cache_seqlens, batch, cache.length, q.device),
+        lengths=lengths,
         rotary=None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved),
         varlen=varlen,
         rotary_seqlens=rotary_seqlens,
         leftpad=cache_leftpad,
         options=options,
     )
-    if not return_softmax_lse:
-        return out
-    empty = torch.tensor([], device=out.device)
-    return out, lse, empty, empty
+    return impl.returned(out, lse) if return_softmax_lse else out
