@@ -10,9 +10,11 @@ name, so every later call runs on flashport whatever its arguments. The value st
 its meaning could change: feature probes (``callable(f)``, ``inspect.signature(f)``, ``getattr(f,
 ...)``), ``isinstance``/``issubclass``, identity or equality comparisons, lookups by identity
 (``target=``), monkeypatches (``F.x = wrap(F.x)``), ``__all__``, references inside an import guard
-(``try: ... except ImportError`` with a fallback; a handler that only raises is no fallback), a flash-attn version whose signature differs from the drop-in's,
-and APIs whose drop-in does not replicate every use (FA3's return type changed -- except for a value
-passed to ``@functools.wraps``, which only copies its name, docstring and signature --, FA4's drop-in
+(``try: ... except ImportError`` with a fallback; a handler that only raises is no fallback), a
+flash-attn version whose signature differs from the drop-in's, and APIs whose drop-in does not
+replicate every use (FA3's ``flash_attn_func``/``flash_attn_varlen_func`` changed their return type
+-- except for a value passed to ``@functools.wraps``, which only copies its name, docstring and
+signature; FA3's ``flash_attn_with_kvcache`` did not and gets its drop-in --, FA4's drop-in
 lacks mask mods and block sparsity, SDPA values are wrapped, patched or compared) or that have none.
 Local aliases whose calls can be resolved are ported call by call by the engine
 (:mod:`flashport.rewriter.aliases`; a module-level SDPA alias whose every read is a ported call gets
@@ -126,6 +128,9 @@ def call_drop_in(api: str, alias: str) -> Rewrite | None:
 
 FA3 = "flashport.integrations.flash_attn3_compat"
 _FA3_NAMES = ("flash_attn_func", "flash_attn_varlen_func")
+# FA3 drop-ins that replicate every use of a value: the cache call returns out unless
+# return_softmax_lse=True before and after 2025-07-11 (only flash_attn_func/varlen changed theirs).
+_FA3_EXACT = ("flash_attn_with_kvcache",)
 
 
 def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[str, str] | str:
@@ -138,6 +143,8 @@ def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[st
         and api.startswith(("flash_attn_interface", "flash_attn_3", "hopper"))
         and name in _FA3_NAMES
     ):
+        return FA3, name
+    if api.startswith(("flash_attn_interface", "flash_attn_3", "hopper")) and name in _FA3_EXACT:
         return FA3, name
     if api.startswith(("flash_attn_interface", "flash_attn_3", "hopper")) and name not in _FA3_NAMES:
         return f"flashport has no drop-in for FA3's {name}"

@@ -8,15 +8,24 @@ semantics are FA2's: ``[B, S, H, D]``, ``1/sqrt(D)`` default scale, bottom-right
 inclusive window (-1 = unbounded), softcap 0.0 = off, contiguous GQA; lse is float32 ``[B, H, Sq]``
 (``[H, total_q]`` for varlen) and +inf for a row that sees no key, as FA3's kernel writes it.
 FA3 has no dropout. Tuning arguments (``num_splits``, ``pack_gqa``, ``deterministic``,
-``sm_margin``) are ignored; ``qv``, FP8 descales, ``attention_chunk`` and ``seqused_*`` raise
-``NotImplementedError``.
+``sm_margin``, ``scheduler_metadata``) are ignored; FP8 descales, ``attention_chunk`` and
+``seqused_*`` raise ``NotImplementedError``, and so does ``qv`` in ``flash_attn_func`` /
+``flash_attn_varlen_func``.
+
+:func:`flash_attn_with_kvcache` is FA3's KV-cache call with its full behaviour
+(:mod:`flashport.integrations._fa3_kvcache`): the new rows are written **in place** into the
+caches (rotated, at ``cache_seqlens``, through ``cache_batch_idx`` or the pages of ``page_table``),
+varlen decode (``cu_seqlens_q``, ``cu_seqlens_k_new``), ``rotary_seqlens``, ``cache_leftpad`` and
+the MLA ``qv``. It returns ``out``, or with ``return_softmax_lse=True`` FA3's ``(out, softmax_lse,
+*rest)``: ``rest`` is FA3's two split-KV accumulators, empty tensors here as in FA3 when it does
+not split.
 """
 
 from __future__ import annotations
 
 from flashport.integrations.flash_attn_compat import _lse_like_flash_attn, _window, varlen_core
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
 def _unsupported(**given):
@@ -117,3 +126,95 @@ def flash_attn_varlen_func(
         return_lse=bool(return_attn_probs),
     )
     return (result[0], _lse_like_flash_attn(result[1])) if return_attn_probs else result
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    qv=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    page_table=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    max_seqlen_q=None,
+    rotary_seqlens=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+    return_softmax_lse=False,
+):
+    """FA3 ``flash_attn_with_kvcache`` (module docstring), updating the caches in place.
+
+    Args:
+      q: [B, S_q, H, D], or [total_q, H, D] with ``cu_seqlens_q`` [B + 1] and ``max_seqlen_q``.
+      k_cache, v_cache: [B_cache, S_cache, Hk, D / Dv], or [num_pages, page, Hk, D / Dv] with
+        ``page_table`` [B, max_pages] (int). k, v: optional new rows [B, S_new, Hk, D / Dv], or
+        [total_new, Hk, D / Dv] with ``cu_seqlens_k_new``.
+      qv: optional [.., H, Dv]: adds ``qv . v`` to the scores (MLA).
+      rotary_cos, rotary_sin: optional [seqlen_ro, rotary_dim / 2] (only with ``k``/``v``);
+        ``rotary_seqlens``: optional int [B], their start position (default ``cache_seqlens``).
+      cache_seqlens: int or int [B]: rows already in the cache (None = the whole cache).
+      cache_batch_idx: optional int [B]: cache row (or page-table row) of each sequence.
+      cache_leftpad: optional int [B]: first valid row of each sequence.
+      softmax_scale, causal, window_size, softcap: as FA2 (bottom-right, -1 = unbounded, 0 = off);
+        the default scale is ``(D + Dv) ** -0.5`` with ``qv``, else ``D ** -0.5``.
+      rotary_interleaved: pair dims (0, 1), (2, 3)... else GPT-NeoX halves.
+      scheduler_metadata, num_splits, pack_gqa, sm_margin: ignored (kernel tuning).
+      q_descale, k_descale, v_descale, attention_chunk: FP8 / chunked attention, not supported.
+      return_softmax_lse: also return lse [B, H, S_q] ([H, total_q] for varlen; float32, +inf for a
+        row that sees no key) and FA3's two split-KV accumulators (empty).
+
+    Returns:
+      ``out`` [B, S_q, H, Dv] (or [total_q, H, Dv]), or ``(out, softmax_lse, out_accum, lse_accum)``.
+
+    Raises:
+      ValueError: ``k`` without ``v``, rotary without new rows, ``cu_seqlens_q`` without
+        ``max_seqlen_q``, new rows without ``cache_seqlens`` or that do not fit the cache.
+      NotImplementedError: FP8 descales, a non-zero ``attention_chunk``.
+    """
+    from flashport.integrations import _fa3_kvcache as impl
+
+    _unsupported(
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk
+    )
+    varlen = (cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
+    impl.check(k, v, (rotary_cos, rotary_sin), *varlen, cache_seqlens)
+    cache, lengths = impl.cache_view(k_cache, q, cu_seqlens_q, cache_seqlens, cache_batch_idx, page_table)
+    options = dict(
+        scale=softmax_scale,
+        causal=causal,
+        window=_window(window_size),
+        softcap=softcap or None,
+        return_lse=bool(return_softmax_lse),
+    )
+    out, lse = impl.run(
+        q,
+        (k_cache, v_cache),
+        (k, v),
+        qv,
+        cache=cache,
+        lengths=lengths,
+        rotary=None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved),
+        varlen=varlen,
+        rotary_seqlens=rotary_seqlens,
+        leftpad=cache_leftpad,
+        options=options,
+    )
+    return impl.returned(out, lse) if return_softmax_lse else out
