@@ -15,13 +15,6 @@ import pytest
 RULES = pathlib.Path(__file__).resolve().parent.parent / "rules"
 RULE_MODULES = sorted(RULES.glob("fpa*.py"))
 
-# (importing module, imported rule module) pairs still present on purpose; each names why.
-KNOWN = {
-    # removed by the FA3 KV-cache drop-in work
-    ("fpa012_fa3_flash_attn_with_kvcache", "fpa007_flash_attn_with_kvcache"),
-}
-
-
 def rule_imports(source: str) -> set[str]:
     """The rule modules (``fpa*`` stems) that ``source`` imports, in any spelling: ``import
     flashport.rules.fpaX``, ``from flashport.rules.fpaX import ...``, ``from flashport.rules import
@@ -73,9 +66,8 @@ def test_rule_modules_are_found():
 @pytest.mark.parametrize("path", RULE_MODULES, ids=lambda p: p.stem)
 def test_no_rule_module_imports_another(path: pathlib.Path):
     imported = rule_imports(path.read_text(encoding="utf-8")) - {path.stem}
-    unexpected = {name for name in imported if (path.stem, name) not in KNOWN}
-    assert not unexpected, (
-        f"{path.name} imports rule module(s) {sorted(unexpected)}: move what they share into a "
+    assert not imported, (
+        f"{path.name} imports rule module(s) {sorted(imported)}: move what they share into a "
         "rules/_*.py helper module, and make decisions that depend on another rule's sites in the "
         "engine's per-file phase (Rule.settle, Rewrite.requires)"
     )
