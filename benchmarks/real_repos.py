@@ -19,7 +19,9 @@ Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *
   a rewritten site, an import, a guard/alias the import clean-up removed or a ``__version__`` read it
   pinned ("stray" otherwise);
 * dead GPU imports: a name bound from a GPU module that the original file read and the ported file
-  no longer reads (the port should have removed the import);
+  no longer reads (the port should have removed the import); listed apart, not counted, when the
+  codemod kept it as part of an availability probe (a ``try`` whose other GPU import or flag is still
+  read: removing it could flip the flag where only this import would fail);
 * *fully ported* files (every site rewritten or run as is) that still import a GPU module (``flash_attn``,
   ``xformers``, ...) statically, with the codemod's reason for keeping each import
   (``FileResult.imports_kept``), in two columns: *needs GPU import* (an import a TPU host would trip
@@ -102,6 +104,7 @@ class Result:
     still_gpu: list = dataclasses.field(default_factory=list)  # a GPU import a TPU host would trip on
     probes_kept: list = dataclasses.field(default_factory=list)  # only guarded probes of the real library
     dead_gpu: list = dataclasses.field(default_factory=list)  # GPU imports the port left unread
+    dead_probes: list = dataclasses.field(default_factory=list)  # ... kept: their try is a probe still read
     imports: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     gpu_on_import: list = dataclasses.field(default_factory=list)
     patches: list = dataclasses.field(default_factory=list)  # run-time patches of source APIs (run_context)
@@ -134,6 +137,16 @@ PROBE_REASONS = (
     "it inspects the installed library",
     "the probe asks about the real library",
 )
+
+
+def probe_lines(imports_kept: list[str]) -> set[int]:
+    """Lines of the GPU imports the codemod kept as probes (``FileResult.imports_kept`` reasons)."""
+    found = set()
+    for line in imports_kept:
+        where = re.search(r"\(line (\d+)\)", line)
+        if where and any(p in line for p in PROBE_REASONS):
+            found.add(int(where.group(1)))
+    return found
 
 
 def gpu_imports(data: bytes, gpu_modules: tuple[str, ...]) -> list[str]:
@@ -295,7 +308,11 @@ def run_package(name: str, version: str, cache: str) -> Result:
         if transform_source(result.new, relative, rules, options).new is not None:
             out.not_idempotent.append(relative)
         out.stray += check_changes(relative, data, result.new, result.sites, gpu_modules)
-        out.dead_gpu += [f"{relative}: {d}" for d in dead_gpu_imports(data, result.new, gpu_modules)]
+        probes = probe_lines(result.imports_kept)
+        for dead in dead_gpu_imports(data, result.new, gpu_modules):
+            line = re.search(r"\(line (\d+)\)", dead)
+            kept = out.dead_probes if line and int(line.group(1)) in probes else out.dead_gpu
+            kept.append(f"{relative}: {dead}")
         if counted and len(ported) + len(as_is) == len(counted) and not is_test(relative):
             out.fully_ported.append((root, relative, result.new))
             left = gpu_imports(result.new, gpu_modules)
@@ -522,6 +539,10 @@ def report(results: list[Result]) -> None:
             ("crashes", r.crashes),
             ("stray changes", r.stray),
             ("dead GPU imports (read before the port, unread after)", r.dead_gpu),
+            (
+                "unread GPU imports kept in a try that still probes the library (its flag is read)",
+                r.dead_probes,
+            ),
             ("not compiling", r.not_compiling),
             ("not idempotent", r.not_idempotent),
             ("fully ported, still importing GPU modules a TPU host lacks", r.still_gpu),

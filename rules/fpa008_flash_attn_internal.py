@@ -35,7 +35,11 @@ What it refuses:
     signature -- the 4th positional argument is an additive ``bias``, not ``dropout_p`` -- so
     rewriting them as the CUDA function would change the meaning. Port by hand to
     ``flashport.torch.attention(q, k, v, bias=bias, causal=causal, scale=softmax_scale)`` once its
-    causal alignment is checked.
+    causal alignment is checked;
+  * FlashAttention-3's private ``_flash_attn_forward`` / ``_flash_attn_backward`` (``flash_attn_interface``,
+    ``flash_attn_3.flash_attn_interface``, ``hopper.flash_attn_interface``): reported, calls and values,
+    so a file that still needs them is never counted as ported (their arguments and results change
+    between FA3 builds; there is no drop-in).
 
 Example::
 
@@ -49,6 +53,7 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import _private_kernels
+from flashport.rules._fa3_fa4_common import fa3_sources
 from flashport.rules._flash_attn import COMPAT
 from flashport.rules.base import Refusal, Refuse, Rewrite, Rule, dotted, is_none, literal_bool, register
 
@@ -62,6 +67,8 @@ PRIVATE = tuple(
     for kind in ("", "_varlen")
     for step in ("forward", "backward")
 )
+# FlashAttention-3's private kernels (megatron-core calls them through inspect-driven argument lists)
+FA3_PRIVATE = tuple(name for step in ("forward", "backward") for name in fa3_sources(f"_flash_attn_{step}"))
 _UNSUPPORTED_VARLEN = ("alibi_slopes", "block_table", "leftpad_k", "seqused_k")
 
 
@@ -73,9 +80,9 @@ class FlashAttnTritonAndInternals(Rule):
     NAME = "flash-attn-triton-and-internals"
     API = "flash_attn.flash_attn_interface._flash_attn_forward"
     FRAMEWORK = "torch"
-    SOURCES = TRITON + PRIVATE
+    SOURCES = TRITON + PRIVATE + FA3_PRIVATE
     TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
+    GPU_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper")
     TARGET = "flashport.integrations.flash_attn_compat._flash_attn_* (drop-ins)"
 
     def check_call(self, call, ctx):
@@ -83,6 +90,8 @@ class FlashAttnTritonAndInternals(Rule):
         calls are refused."""
         if ctx.qualified_name in TRITON:
             return Refusal(_triton_reason(ctx.qualified_name))
+        if ctx.qualified_name in FA3_PRIVATE:
+            return Refusal(_fa3_reason(ctx.qualified_name))
         function = ctx.qualified_name.rsplit(".", 1)[-1].replace("_wrapped", "", 1)
         convention, bound = _private_kernels.convention_for(call, function, ctx)
         _check_bound(bound, function)
@@ -97,6 +106,8 @@ class FlashAttnTritonAndInternals(Rule):
         """Value uses are reported: the callers of a value are out of sight."""
         if ctx.qualified_name in TRITON:
             return Refusal(f"used as a value: {_triton_reason(ctx.qualified_name)}")
+        if ctx.qualified_name in FA3_PRIVATE:
+            return Refusal(f"used as a value: {_fa3_reason(ctx.qualified_name)}")
         return Refusal(
             "used as a value: a private flash-attn kernel whose signature and return convention "
             "changed between releases; call flashport.integrations.flash_attn_compat's drop-in of the "
@@ -115,6 +126,15 @@ def _check_bound(bound: dict[str, cst.Arg], function: str) -> None:
         for name in _UNSUPPORTED_VARLEN:
             if name in bound and not is_none(bound[name].value):
                 raise Refuse(f"{function}({name}=...): not supported by flashport's varlen drop-in")
+
+
+def _fa3_reason(name: str) -> str:
+    short = name.rsplit(".", 1)[-1]
+    return (
+        f"{short} is FlashAttention-3's private kernel: its arguments and results change between FA3 "
+        "builds and flashport has no drop-in of it; port the code around it by hand "
+        "(flashport.torch.attention(..., return_lse=True) computes the same attention and lse)"
+    )
 
 
 def _triton_reason(name: str) -> str:

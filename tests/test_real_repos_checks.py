@@ -96,3 +96,33 @@ def test_the_import_check_tells_an_availability_probe_from_an_import_and_says_wh
     outcomes = json.loads(done.stdout.strip().splitlines()[-1])
     # a probe is answered "not installed", as on a host without the GPU libraries; an import is caught
     assert outcomes == {"probe": "ok", "needs": "gpu needs.py:4"}, done.stderr
+
+
+def test_probe_lines_are_the_kept_imports_whose_reason_is_a_probe_of_the_library():
+    bench = _bench()
+    kept = [
+        "flash_attn_3.flash_attn_interface._flash_attn_forward (line 64): `_flash_attn_forward` is still "
+        "read (5x): a use left as it was (refused, suppressed or not covered)",
+        "flash_attn_3.flash_attn_interface.flash_attn_with_kvcache (line 65): an availability probe: "
+        "`f3` is read nowhere, the try answers whether the library is installed",
+        "flash_attn (line 9): reads `fa` itself (fa.__file__): it inspects the installed library, which "
+        "has no flashport counterpart",
+    ]
+    assert bench.probe_lines(kept) == {65, 9}
+    assert bench.probe_lines([]) == set()
+
+
+def test_a_fa3_private_kernel_keeps_its_file_from_counting_as_ported():
+    source = textwrap.dedent("""\
+        try:
+            from flash_attn_3.flash_attn_interface import _flash_attn_forward
+            HAVE_FA3 = True
+        except ImportError:
+            HAVE_FA3 = False
+
+        def f(**kw):
+            return _flash_attn_forward(**kw)
+    """).encode()
+    result = transform_source(source, "m.py", registry.all_rules(), RuleOptions())
+    [site] = result.sites
+    assert site.status == "refused" and "private kernel" in site.reason and result.new is None
