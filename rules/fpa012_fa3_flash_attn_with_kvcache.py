@@ -12,8 +12,9 @@ What it rewrites:
     ``flashport.integrations.flash_attn_compat.kvcache_attention(...)``;
   * every other call -- an in-place update that may be relied on, ``rotary_cos``/``rotary_sin``,
     ``rotary_seqlens``, ``cache_batch_idx``, ``cache_leftpad``, ``page_table`` (paged cache),
-    varlen decode (``cu_seqlens_q``, ``cu_seqlens_k_new``, ``max_seqlen_q``), ``qv`` (MLA), a
-    non-literal ``return_softmax_lse``, a ``*args``/``**kwargs`` splat -- keeps its arguments and
+    varlen decode (``cu_seqlens_q``, ``cu_seqlens_k_new``, ``max_seqlen_q``), ``qv`` (MLA),
+    ``return_softmax_lse`` that is not literally false (FA3 returns ``(out, softmax_lse, *rest)``,
+    the functional form ``(out, lse)``), a ``*args``/``**kwargs`` splat -- keeps its arguments and
     becomes a call of the drop-in ``flashport.integrations.flash_attn3_compat.flash_attn_with_kvcache``,
     which has FA3's signature and full behaviour (the new rows are written **in place** into the
     caches the caller holds).
@@ -24,8 +25,7 @@ What it rewrites:
   they got.
 
 Semantics mapping:
-  as FPA007 (per-sequence bottom-right causal/window over ``cache_seqlens[b] (+ S_new)`` keys;
-  ``return_softmax_lse=True`` -> ``(out, lse)`` in the functional form). The drop-in returns FA3's
+  as FPA007 (per-sequence bottom-right causal/window over ``cache_seqlens[b] (+ S_new)`` keys). The drop-in returns FA3's
   ``(out, softmax_lse, *rest)`` (``rest``: FA3's two split-KV accumulators, empty) and follows
   FA3's semantics for what FA2 lacks: ``page_table`` with ``cache_batch_idx`` picks page-table rows,
   varlen decode is bottom-right on each sequence's own query count (lse ``[H, total_q]``),
@@ -120,6 +120,7 @@ class FA3FlashAttnWithKVCache(KVCacheRule):
     DROPPED = ("scheduler_metadata", "num_splits", "pack_gqa", "sm_margin", "rotary_interleaved")
     DROP_IN_MODULE = DROP_IN_MODULE
     DROP_IN = DROP_IN_MODULE + ".flash_attn_with_kvcache"
+    LSE_TUPLE_LONGER = True
 
     def splat(self, call, ctx):
         """A ``*args``/``**kwargs`` splat on the FA3 drop-in, which binds it at run time with FA3's

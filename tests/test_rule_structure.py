@@ -15,6 +15,7 @@ import pytest
 RULES = pathlib.Path(__file__).resolve().parent.parent / "rules"
 RULE_MODULES = sorted(RULES.glob("fpa*.py"))
 
+
 def rule_imports(source: str) -> set[str]:
     """The rule modules (``fpa*`` stems) that ``source`` imports, in any spelling: ``import
     flashport.rules.fpaX``, ``from flashport.rules.fpaX import ...``, ``from flashport.rules import
