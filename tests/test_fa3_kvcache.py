@@ -31,8 +31,11 @@ def close(got, want, atol=ATOL):
 
 
 def close_lse(got, want):
-    """lse: +inf where a row sees no key (flash-attn's value), else close."""
+    """lse: the same infinities, sign included (FA3 writes -inf for a row that sees no key:
+    ``hopper/softmax.h`` ``finalize``, ``epilogue_fwd.hpp`` ``store_zero``), else close."""
+    assert got.dtype == torch.float32, got.dtype
     assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[torch.isinf(got)].double(), want[torch.isinf(want)])
     close(torch.where(torch.isinf(got), 0, got), torch.where(torch.isinf(want), 0, want))
 
 
@@ -68,7 +71,12 @@ def reference(q, k_cache, v_cache, k=None, v=None, *, lengths, **kw):
     if kw.get("rotary") is not None:
         cos, sin, interleaved = kw["rotary"]
         starts = kw.get("rotary_starts") or lengths
-        local = causal or window != (-1, -1)
+        # flash_api.cpp mha_fwd normalises the window first (an edge past every key: unbounded, then
+        # causal sets right = 0); the kernel rotates the queries per row only if it is then causal or
+        # local, else all at the start position (rotary.h FixedPosition).
+        left = -1 if window[0] >= kc.shape[1] - 1 else window[0]
+        right = -1 if window[1] >= sq - 1 else window[1]
+        local = causal or left >= 0 or right >= 0
         k = rotate(k, cos, sin, [[n + t for t in range(s_new)] for n in starts], interleaved)
         q = rotate(q, cos, sin, [[n + (i if local else 0) for i in range(sq)] for n in starts], interleaved)
     for b, n in enumerate(lengths):
@@ -87,7 +95,7 @@ def _attend(q, keys, values, ends, kw):
     right = 0 if kw.get("causal") else right
     start = [0] * batch if kw.get("leftpad") is None else [int(x) for x in kw["leftpad"]]
     out = torch.zeros(batch, sq, heads, dv, dtype=torch.float64)
-    lse = torch.full((batch, heads, sq), math.inf, dtype=torch.float64)
+    lse = torch.full((batch, heads, sq), -math.inf, dtype=torch.float64)  # FA3: -inf for no key
     for b in range(batch):
         for h in range(heads):
             kh = h // (heads // hk)
@@ -243,6 +251,130 @@ def test_qv_adds_its_scores_with_the_combined_default_scale():
     close_lse(lse, want_lse)
     close(k_cache, want_k)
     close(v_cache, want_v)
+
+
+# FA3's signature, parameter by parameter (hopper/flash_attn_interface.py flash_attn_with_kvcache).
+FA3_SIGNATURE = [
+    ("q", None), ("k_cache", None), ("v_cache", None), ("k", None), ("v", None), ("qv", None),
+    ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None), ("cache_batch_idx", None),
+    ("cache_leftpad", None), ("page_table", None), ("cu_seqlens_q", None), ("cu_seqlens_k_new", None),
+    ("max_seqlen_q", None), ("rotary_seqlens", None), ("q_descale", None), ("k_descale", None),
+    ("v_descale", None), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+    ("attention_chunk", 0), ("softcap", 0.0), ("rotary_interleaved", True),
+    ("scheduler_metadata", None), ("num_splits", 0), ("pack_gqa", None), ("sm_margin", 0),
+    ("return_softmax_lse", False),
+]  # fmt: skip
+
+
+def test_positional_call_binds_like_fa3():
+    """Same names, order and defaults as FA3; a positional call puts qv 6th and rotary_cos 7th."""
+    import inspect
+
+    params = inspect.signature(fa3.flash_attn_with_kvcache).parameters.values()
+    got = [(p.name, None if p.default is inspect.Parameter.empty else p.default) for p in params]
+    assert got == FA3_SIGNATURE
+    q, qv = rand(1, 2, 2, 16), rand(1, 2, 2, 16, seed=5)
+    k, v = rand(1, 2, 2, 16, seed=1), rand(1, 2, 2, 16, seed=2)
+    k_cache, v_cache = rand(1, 6, 2, 16, seed=3), rand(1, 6, 2, 16, seed=4)
+    cos, sin = rotary_tables(8, 16)
+    want, _, want_k, _ = reference(q, k_cache, v_cache, k, v, lengths=[3], qv=qv, rotary=(cos, sin, True))
+    out = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, qv, cos, sin, torch.tensor([3]))
+    close(out, want)
+    close(k_cache, want_k)
+
+
+def test_lse_of_a_row_that_sees_no_key_is_minus_inf_and_plus_inf_without_any_key():
+    """FA3 writes -inf (softmax.h finalize / store_zero) with out 0; only with no key row at all
+    (an empty cache and no new rows) does mha_fwd skip the kernel and fill lse with +inf."""
+    q = rand(2, 3, 2, 8)
+    k_cache, v_cache = rand(2, 5, 1, 8, seed=3), rand(2, 5, 1, 8, seed=4)
+    leftpad = torch.tensor([0, 2], dtype=torch.int32)  # sequence 1: no valid key at all
+    want, want_lse, _, _ = reference(q, k_cache, v_cache, lengths=[1, 2], causal=True, leftpad=leftpad)
+    assert bool((want_lse[0, :, :2] == -math.inf).all()) and bool((want_lse[1] == -math.inf).all())
+    out, lse, *_ = fa3.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=torch.tensor([1, 2]), cache_leftpad=leftpad, causal=True,
+        return_softmax_lse=True,
+    )  # fmt: skip
+    close(out, want)
+    close_lse(lse, want_lse)
+    out, lse, *_ = fa3.flash_attn_with_kvcache(q, k_cache[:, :0], v_cache[:, :0], return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert lse.shape == (2, 2, 3) and bool((lse == math.inf).all())
+
+
+@pytest.mark.parametrize(
+    "causal, window, per_row",
+    [
+        (False, (8, 2), False),  # left >= S_cache - 1 and right >= S_q - 1: no window for FA3
+        (False, (-1, 5), False),
+        (False, (7, 2), True),  # the left edge can cut: local
+        (False, (8, 1), True),  # the right edge can cut: local
+        (True, (8, 2), True),  # causal
+    ],
+)
+def test_rotary_query_positions_follow_fa3s_normalised_window(causal, window, per_row):
+    """Queries rotate at start + i only when FA3 runs causal or local after normalising the window."""
+    q, k, v = rand(2, 3, 2, 16), rand(2, 3, 1, 16, seed=1), rand(2, 3, 1, 16, seed=2)
+    k_cache, v_cache = rand(2, 9, 1, 16, seed=3), rand(2, 9, 1, 16, seed=4)
+    cos, sin = rotary_tables(9, 8)
+    want, want_lse, want_k, _ = reference(
+        q, k_cache, v_cache, k, v, lengths=[2, 4], causal=causal, window=window, rotary=(cos, sin, False)
+    )
+    out, lse, *_ = fa3.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=torch.tensor([2, 4]),
+        causal=causal, window_size=window, rotary_interleaved=False, return_softmax_lse=True,
+    )  # fmt: skip
+    close(out, want)
+    close_lse(lse, want_lse)
+    close(k_cache, want_k)
+    starts = [[n + (i if per_row else 0) for i in range(3)] for n in (2, 4)]
+    other = [[n + (0 if per_row else i) for i in range(3)] for n in (2, 4)]
+    qr = rotate(q, cos, sin, starts, False)
+    assert not torch.allclose(qr, rotate(q, cos, sin, other, False))  # the choice matters here
+
+
+def test_leftpad_window_and_rotary_offsets_follow_fa3s_test_reference():
+    """FA3's own reference (test_util.attention_ref / construct_local_mask): with cache_leftpad the
+    key columns count from leftpad, ``sk`` is the number of valid keys, causal/window are
+    bottom-right on (sk, sq); the new rows land at cache_seqlens and rotate from cache_seqlens."""
+    q, k, v = rand(2, 2, 2, 16), rand(2, 2, 2, 16, seed=1), rand(2, 2, 2, 16, seed=2)
+    k_cache, v_cache = rand(2, 10, 2, 16, seed=3), rand(2, 10, 2, 16, seed=4)
+    lengths, leftpad = [5, 3], [2, 1]
+    cos, sin = rotary_tables(12, 16)
+    out = fa3.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=torch.tensor(lengths),
+        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32), causal=True, window_size=(2, 5),
+    )  # fmt: skip
+    qr = rotate(q, cos, sin, [[n + i for i in range(2)] for n in lengths], True)
+    kr = rotate(k, cos, sin, [[n + t for t in range(2)] for n in lengths], True)
+    want = torch.zeros(2, 2, 2, 16, dtype=torch.float64)
+    for b in range(2):
+        keys, values = k_cache[b].double().clone(), v_cache[b].double().clone()
+        keys[lengths[b] : lengths[b] + 2], values[lengths[b] : lengths[b] + 2] = kr[b], v[b].double()
+        close(k_cache[b, lengths[b] : lengths[b] + 2], kr[b])  # written in place at cache_seqlens
+        sk = lengths[b] + 2 - leftpad[b]  # valid keys
+        for i in range(2):
+            centre = i + sk - 2  # causal: right = 0; window left 2, relative to leftpad
+            cols = [c for c in range(sk) if centre - 2 <= c <= centre]
+            s = torch.stack([qr[b, i, h] @ keys[leftpad[b] + c, h] for h in range(2) for c in cols])
+            s = (s / 4.0).reshape(2, len(cols))
+            p = torch.softmax(s, -1)
+            for h in range(2):
+                want[b, i, h] = p[h] @ values[[leftpad[b] + c for c in cols], h]
+    close(out, want)
+
+
+def test_qv_softcap_gqa_and_window():
+    """MLA ``qv`` with softcap: FA3 caps ``scale * (q.k + qv.v)`` (attention_ref: qv is added before
+    the tanh), GQA heads grouped contiguously, window bottom-right."""
+    q, qv = rand(1, 3, 4, 8), rand(1, 3, 4, 16, seed=5)
+    k_cache, v_cache = rand(1, 7, 2, 8, seed=3), rand(1, 7, 2, 16, seed=4)
+    want, want_lse, _, _ = reference(q, k_cache, v_cache, lengths=[6], qv=qv, softcap=0.5, window=(2, 0))
+    out, lse, *_ = fa3.flash_attn_with_kvcache(
+        q, k_cache, v_cache, qv=qv, cache_seqlens=6, softcap=0.5, window_size=(2, 0), return_softmax_lse=True
+    )
+    close(out, want)
+    close_lse(lse, want_lse)
 
 
 def test_rejects_what_fa3_rejects_or_flashport_cannot_do():

@@ -427,13 +427,27 @@ def test_fa3_return_type_and_semantics():
     close(out, want)
     out, lse = fa3.flash_attn_func(q, k, v, 0.4, True, window_size=(1, -1), return_attn_probs=True)
     close(out, want)
-    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and bool((lse[torch.isinf(lse)] > 0).all())
+    # FA3 writes -inf for a row that sees no key (hopper/softmax.h finalize, epilogue_fwd.hpp
+    # store_zero), not FA2's +inf; the reference's +inf rows are those rows
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and bool(torch.isinf(lse).any())
+    assert bool((lse[torch.isinf(lse)] == -math.inf).all())
     close(torch.where(torch.isinf(lse), 0, lse), torch.where(torch.isinf(want_lse), 0, want_lse))
+    _, lse = fa3.flash_attn_func(q, k[:, :0], v[:, :0], return_attn_probs=True)  # no key row at all:
+    assert bool((lse == math.inf).all())  # mha_fwd skips the kernel and fills lse with +inf
     qp, kp, vp = rand(7, 2, 8), rand(11, 1, 8, seed=1), rand(11, 1, 8, seed=2)
     want, want_lse = varlen_reference(qp, kp, vp, CU_Q, CU_K, causal=True)
     out, lse = fa3.flash_attn_varlen_func(qp, kp, vp, CU_Q, CU_K, 3, 4, causal=True, return_attn_probs=True)
     close(out, want)
     close(lse[:, :6], want_lse[:, :6])
+    cu_q, cu_k = torch.tensor([0, 4, 6], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+    want, want_lse = varlen_reference(qp, kp, vp, cu_q, cu_k, causal=True)  # rows 0-2 see no key
+    out, lse = fa3.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 4, 2, causal=True, return_attn_probs=True)
+    close(out[:6], want[:6])
+    assert torch.equal(lse[:, :6] == -math.inf, torch.isinf(want_lse[:, :6])) and bool(torch.isinf(lse).any())
+    close(
+        torch.where(torch.isinf(lse[:, :6]), 0, lse[:, :6]),
+        torch.where(torch.isinf(want_lse), 0, want_lse)[:, :6],
+    )
     with pytest.raises(NotImplementedError, match="seqused_k"):
         fa3.flash_attn_varlen_func(qp, kp, vp, CU_Q, CU_K, 3, 4, seqused_k=torch.tensor([1, 2, 3]))
     with pytest.raises(NotImplementedError, match="qv"):

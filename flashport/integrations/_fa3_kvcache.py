@@ -12,7 +12,12 @@ fused rotary) and adds:
   on each sequence's own query count; ``out`` is [total_q, H, Dv] and lse [H, total_q];
 * ``rotary_seqlens`` [B]: the rotary position of the first new row (default ``cache_seqlens``): new
   key ``t`` is rotated at ``rotary_seqlens[b] + t`` and query ``i`` at ``rotary_seqlens[b] + i``
-  (causal or local) or ``rotary_seqlens[b]``, whatever row the key is written to;
+  (causal or local) or ``rotary_seqlens[b]``, whatever row the key is written to. "Local" is decided
+  on the window as ``flash_api.cpp`` normalises it (:func:`rotates_per_row`): a window that covers
+  every key counts as none, so its queries all sit at ``rotary_seqlens[b]``;
+* lse is FA3's (``softmax.h`` ``finalize``, ``epilogue_fwd.hpp`` ``store_zero``): natural log,
+  float32, **-inf** for a row that sees no key (FA2 writes +inf there), and +inf on every row only
+  when there is no key row at all (an empty cache and no new rows: ``mha_fwd``'s early exit);
 * ``qv`` [.., H, Dv] (MLA): scores ``q·k + qv·v`` with the default scale ``(D + Dv) ** -0.5``,
   computed exactly as attention of ``[q, qv]`` over ``[k, v]`` (concatenated on the last axis).
 """
@@ -43,6 +48,22 @@ def unpad_varlen(x, valid, cu_seqlens, total):
     out = x.new_zeros(total, *x.shape[2:])
     out[int(cu_seqlens[0]) : int(cu_seqlens[-1])] = x[valid]
     return out
+
+
+def rotates_per_row(causal, window_size, seqlen_q, seqlen_k):
+    """Whether FA3 rotates query ``i`` at ``start + i`` (True) or every query at ``start`` (False).
+
+    FA3's kernel picks the fixed position unless it runs causal or local, and it decides that after
+    ``flash_api.cpp`` normalises the window: a left edge ``>= seqlen_k - 1`` and a right edge
+    ``>= seqlen_q - 1`` (``seqlen_q``: ``max_seqlen_q`` for varlen, ``seqlen_k``: the cache length)
+    become unbounded, then ``causal`` sets the right edge to 0. The mask is the same either way; only
+    the rotary position of the queries depends on it.
+    """
+    left, right = (int(w) for w in window_size)
+    left = -1 if left >= seqlen_k - 1 else left
+    right = -1 if right >= seqlen_q - 1 else right
+    right = 0 if causal else right
+    return left >= 0 or right >= 0
 
 
 def _positions(start, count, steps, local):
@@ -115,6 +136,12 @@ def cache_view(k_cache, q, cu_seqlens_q, cache_seqlens, cache_batch_idx, page_ta
     return cache, _lengths(cache_seqlens, batch, cache.length, q.device)
 
 
+def no_key_rows(k_cache, k):
+    """True when FA3 sees no key row at all: an empty cache (``k_cache.shape[1] == 0``: rows, or the
+    page size) and no new rows. ``mha_fwd`` then skips the kernel and returns out 0, lse +inf."""
+    return k_cache.shape[1] == 0 and (k is None or k.shape[:-2].numel() == 0)
+
+
 def returned(out, lse):
     """FA3's ``return_softmax_lse=True`` result ``(out, softmax_lse, *rest)``: ``rest`` is its two
     split-KV accumulators, empty tensors when it does not split (flashport never does)."""
@@ -156,20 +183,20 @@ def run(q, caches, new, qv, *, cache, lengths, rotary, varlen, rotary_seqlens, l
         (None, None). qv: optional MLA query. cache: the :class:`_Cache` view of the caches.
       lengths: rows already in each sequence's cache [B]. rotary: (cos, sin, interleaved) or None.
       varlen: (cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q). rotary_seqlens: optional [B].
-      leftpad: optional [B]. options: scale, causal, window, softcap, return_lse.
+      leftpad: optional [B]. options: scale, causal, window, softcap, return_lse, and
+      rotate_per_row (:func:`rotates_per_row`).
 
     Returns:
-      ``(out, lse)`` in FA3's layouts (lse None unless asked for; +inf for a row that sees no key).
+      ``(out, lse)`` in FA3's layouts (lse None unless asked for; -inf for a row that sees no key).
     """
     import torch
 
     import flashport.torch
-    from flashport.integrations.flash_attn_compat import _lse_like_flash_attn
 
     cu_q, cu_k_new, max_q = varlen
     total_q = q.shape[0]
     q, qv, q_counts, q_valid = queries(q, qv, cu_q, max_q)
-    local = options["causal"] or options["window"] is not None
+    local = options["rotate_per_row"]
     if new[0] is not None:
         k, v, counts = new_rows(*new, cu_k_new, lengths)
         if rotary is not None:
@@ -193,7 +220,6 @@ def run(q, caches, new, qv, *, cache, lengths, rotary, varlen, rotary_seqlens, l
         return_lse=options["return_lse"],
     )
     out, lse = result if options["return_lse"] else (result, None)
-    lse = None if lse is None else _lse_like_flash_attn(lse)
     if q_valid is not None:
         out = unpad_varlen(out, q_valid, cu_q, total_q)
         lse = None if lse is None else unpad_varlen(lse.transpose(1, 2), q_valid, cu_q, total_q).T

@@ -6,7 +6,10 @@
 always returned ``(out, lse)``; code written against it must pass ``return_attn_probs=True``). The
 semantics are FA2's: ``[B, S, H, D]``, ``1/sqrt(D)`` default scale, bottom-right causal and
 inclusive window (-1 = unbounded), softcap 0.0 = off, contiguous GQA; lse is float32 ``[B, H, Sq]``
-(``[H, total_q]`` for varlen) and +inf for a row that sees no key, as FA3's kernel writes it.
+(``[H, total_q]`` for varlen), natural log, and **-inf** for a row that sees no key, as FA3's
+kernel writes it (``hopper/softmax.h`` ``finalize`` and ``epilogue_fwd.hpp`` ``store_zero``; FA2
+writes +inf there). Only when there is no key row at all (``total_k == 0``) does FA3 skip the kernel
+and fill lse with +inf (``mha_fwd``); the drop-ins do the same.
 FA3 has no dropout. Tuning arguments (``num_splits``, ``pack_gqa``, ``deterministic``,
 ``sm_margin``, ``scheduler_metadata``) are ignored; FP8 descales, ``attention_chunk`` and
 ``seqused_*`` raise ``NotImplementedError``, and so does ``qv`` in ``flash_attn_func`` /
@@ -23,9 +26,16 @@ not split.
 
 from __future__ import annotations
 
-from flashport.integrations.flash_attn_compat import _lse_like_flash_attn, _window, varlen_core
+from flashport.integrations.flash_attn_compat import _window, varlen_core
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+
+def _fa3_lse(lse, no_keys):
+    """FA3's lse from the contract's: -inf for a row that sees no key (the contract's value too), but
+    +inf on every row when ``no_keys`` (FA3's ``mha_fwd`` skips the kernel when ``total_k == 0`` and
+    fills lse with +inf)."""
+    return lse.new_full(lse.shape, float("inf")) if no_keys else lse
 
 
 def _unsupported(**given):
@@ -75,7 +85,7 @@ def flash_attn_func(
         layout="BSHD",
         return_lse=bool(return_attn_probs),
     )
-    return (result[0], _lse_like_flash_attn(result[1])) if return_attn_probs else result
+    return (result[0], _fa3_lse(result[1], k.shape[:2].numel() == 0)) if return_attn_probs else result
 
 
 def flash_attn_varlen_func(
@@ -125,7 +135,7 @@ def flash_attn_varlen_func(
         softcap=softcap or None,
         return_lse=bool(return_attn_probs),
     )
-    return (result[0], _lse_like_flash_attn(result[1])) if return_attn_probs else result
+    return (result[0], _fa3_lse(result[1], k.shape[0] == 0)) if return_attn_probs else result
 
 
 def flash_attn_with_kvcache(
@@ -178,8 +188,9 @@ def flash_attn_with_kvcache(
       rotary_interleaved: pair dims (0, 1), (2, 3)... else GPT-NeoX halves.
       scheduler_metadata, num_splits, pack_gqa, sm_margin: ignored (kernel tuning).
       q_descale, k_descale, v_descale, attention_chunk: FP8 / chunked attention, not supported.
-      return_softmax_lse: also return lse [B, H, S_q] ([H, total_q] for varlen; float32, +inf for a
-        row that sees no key) and FA3's two split-KV accumulators (empty).
+      return_softmax_lse: also return lse [B, H, S_q] ([H, total_q] for varlen; float32, -inf for a
+        row that sees no key, +inf everywhere for an empty cache without new rows) and FA3's two
+        split-KV accumulators (empty).
 
     Returns:
       ``out`` [B, S_q, H, Dv] (or [total_q, H, Dv]), or ``(out, softmax_lse, out_accum, lse_accum)``.
@@ -203,6 +214,9 @@ def flash_attn_with_kvcache(
         window=_window(window_size),
         softcap=softcap or None,
         return_lse=bool(return_softmax_lse),
+        rotate_per_row=impl.rotates_per_row(
+            causal, window_size, q.shape[1] if cu_seqlens_q is None else int(max_seqlen_q), cache.length
+        ),
     )
     out, lse = impl.run(
         q,
@@ -217,4 +231,6 @@ def flash_attn_with_kvcache(
         leftpad=cache_leftpad,
         options=options,
     )
-    return impl.returned(out, lse) if return_softmax_lse else out
+    if not return_softmax_lse:
+        return out
+    return impl.returned(out, _fa3_lse(lse, impl.no_key_rows(k_cache, k)))
