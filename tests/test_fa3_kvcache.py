@@ -236,6 +236,19 @@ def test_varlen_decode():
     close_lse(lse, torch.cat(lses, dim=1))  # FA3's varlen lse is [H, total_q]
     close(k_cache, want_k)
     close(v_cache, want_v)
+    # no new rows: FA3's mha_fwd reads cu_seqlens_k_new only with k_new, so it is ignored
+    before = k_cache.clone()
+    out = fa3.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=torch.tensor([4, 5]), cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_new,
+        max_seqlen_q=3, causal=True,
+    )  # fmt: skip
+    assert torch.equal(k_cache, before)
+    for b, n in enumerate([4, 5]):
+        qs = q[int(cu_q[b]) : int(cu_q[b + 1])][None]
+        close(
+            out[int(cu_q[b]) : int(cu_q[b + 1])],
+            reference(qs, k_cache[b : b + 1], v_cache[b : b + 1], lengths=[n], causal=True)[0][0],
+        )
 
 
 def test_qv_adds_its_scores_with_the_combined_default_scale():

@@ -116,12 +116,11 @@ def visible(length, lengths, q_lengths, s_q, causal, window, leftpad):
 
 
 def check(k, v, rotary, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, cache_seqlens):
-    """Raise ValueError for the combinations FA3 rejects or leaves undefined."""
+    """Raise ValueError for the combinations FA3 rejects or leaves undefined. ``cu_seqlens_k_new``
+    without new rows is ignored, as ``mha_fwd`` reads it only inside its ``k_new`` branch."""
     _check_arguments(k, v, *rotary, None)
     if cu_seqlens_q is not None and max_seqlen_q is None:
         raise ValueError(f"{NAME}: cu_seqlens_q needs max_seqlen_q (as FlashAttention-3 requires)")
-    if cu_seqlens_k_new is not None and k is None:
-        raise ValueError(f"{NAME}: cu_seqlens_k_new describes the new k/v rows; pass k and v")
     if k is not None and cache_seqlens is None:
         raise ValueError(f"{NAME}: new k/v rows need cache_seqlens (where to write them)")
 
