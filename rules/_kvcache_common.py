@@ -133,9 +133,9 @@ class KVCacheRule(Rule):
     DROPPED: ClassVar[tuple[str, ...]] = ()
     DROP_IN_MODULE: ClassVar[str] = MODULE
     DROP_IN: ClassVar[str | None] = None
-    # The API returns more than (out, lse) for return_softmax_lse=True (FA3: (out, lse, *rest)), so
-    # only the drop-in keeps the tuple.
-    LSE_TUPLE_LONGER: ClassVar[bool] = False
+    # Why return_softmax_lse=True needs the drop-in (the functional form returns the contract's
+    # (out, lse), lse -inf for a row that sees no key), or None when the functional form matches.
+    LSE_DROP_IN: ClassVar[str | None] = None
 
     def splat(self, call: cst.Call, ctx) -> Rewrite | None:
         """The call on the drop-in when it has a ``*args``/``**kwargs`` splat, else None."""
@@ -181,10 +181,8 @@ class KVCacheRule(Rule):
             )
         if lse is not None and literal_bool(lse) is None:
             raise Refuse(f"return_softmax_lse={ctx.code(lse)} is not a literal: the return type is unknown")
-        if literal_bool(lse) and self.LSE_TUPLE_LONGER and self.DROP_IN:
-            return self.drop_in(
-                call, value, "return_softmax_lse=True returns (out, softmax_lse, *rest), not (out, lse)"
-            )
+        if literal_bool(lse) and self.LSE_DROP_IN and self.DROP_IN:
+            return self.drop_in(call, value, self.LSE_DROP_IN)
         keywords, more = self.keywords(bound, value, ctx)
         node = build_call(self.TARGET, [q, k_cache, v_cache, *new_rows], keywords, call)
         return Rewrite(node, imports=(MODULE,), notes=tuple(notes + more))

@@ -14,7 +14,8 @@ What it rewrites:
 
   Every other call -- new ``k``/``v`` whose in-place update may be relied on (caches that are
   attributes, parameters, aliases, updated in a loop), ``rotary_cos``/``rotary_sin``,
-  ``cache_batch_idx``, ``cache_leftpad``, ``block_table``, a non-literal ``return_softmax_lse``, a
+  ``cache_batch_idx``, ``cache_leftpad``, ``block_table``, ``return_softmax_lse`` that is not
+  literally false (flash-attn's lse is +inf for a row that sees no key, the contract's -inf), a
   ``*args``/``**kwargs`` splat --
   keeps its arguments and becomes a call of the drop-in
   ``flashport.integrations.flash_attn_compat.flash_attn_with_kvcache``, which has flash-attn's
@@ -26,7 +27,6 @@ Semantics mapping:
   layout ``[B, S, H, D]`` kept; keys ``j < cache_seqlens[b] (+ S_new)`` are valid; causal/window are
   bottom-right **per sequence** (offset ``L_b - S_q``), built as a boolean mask; ``softmax_scale`` ->
   ``scale``; ``window_size`` (-1 = unbounded) -> ``window`` (None); ``softcap`` 0.0 -> off;
-  ``return_softmax_lse=True`` -> ``return_lse=True`` (the same ``(out, lse[B, H, Sq])``);
   ``num_splits`` / ``rotary_interleaved`` are dropped (kernel tuning / unused without rotary).
   Only ``q, k_cache, v_cache, k, v`` may be positional (the rest moved between 2.2 and 2.6).
 
@@ -97,6 +97,10 @@ class FlashAttnWithKVCache(KVCacheRule):
     DROP_IN_ONLY = DROP_IN_ONLY
     DROPPED = ("num_splits", "rotary_interleaved")
     DROP_IN = MODULE + ".flash_attn_with_kvcache"
+    LSE_DROP_IN = (
+        "return_softmax_lse=True: flash-attn's lse is +inf for a row that sees no key (an empty cache), "
+        "the contract's -inf"
+    )
 
     def splat(self, call, ctx):
         """A ``*args``/``**kwargs`` splat on the FA2 drop-in (bound at run time; see ``_flash_attn``)."""

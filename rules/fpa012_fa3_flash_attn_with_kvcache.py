@@ -120,7 +120,7 @@ class FA3FlashAttnWithKVCache(KVCacheRule):
     DROPPED = ("scheduler_metadata", "num_splits", "pack_gqa", "sm_margin", "rotary_interleaved")
     DROP_IN_MODULE = DROP_IN_MODULE
     DROP_IN = DROP_IN_MODULE + ".flash_attn_with_kvcache"
-    LSE_TUPLE_LONGER = True
+    LSE_DROP_IN = "return_softmax_lse=True returns (out, softmax_lse, *rest), not (out, lse)"
 
     def splat(self, call, ctx):
         """A ``*args``/``**kwargs`` splat on the FA3 drop-in, which binds it at run time with FA3's

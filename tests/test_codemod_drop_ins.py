@@ -167,3 +167,27 @@ def test_bert_padding_helpers_run_on_the_drop_ins(version, extra):
     if extra:
         assert rest[0].tolist() == want_used
     torch.testing.assert_close(padded, 2 * hidden * mask[..., None])
+
+
+@pytest.mark.parametrize("api", ["flash_attn", "flash_attn_interface"])
+def test_kvcache_lse_of_an_empty_cache_row_keeps_each_release_convention(api):
+    # flash-attn 2 reports lse = +inf for a row that sees no key, FA3 -inf; the contract's functional
+    # form says -inf, so a call asking for lse must keep the API's own drop-in.
+    import torch
+
+    source = f"""
+        from {api} import flash_attn_with_kvcache
+
+        def decode(q, k_cache, v_cache, lengths):
+            out, lse, *rest = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True, return_softmax_lse=True)
+            return out, lse
+    """
+    namespace, _ = port_and_run(source, "call")
+    torch.manual_seed(0)
+    q, k_cache, v_cache = torch.randn(2, 1, 2, 8), torch.randn(2, 5, 2, 8), torch.randn(2, 5, 2, 8)
+    lengths = torch.tensor([0, 3], dtype=torch.int32)
+    out, lse = namespace["decode"](q, k_cache, v_cache, lengths)
+    empty = float("inf") if api == "flash_attn" else float("-inf")
+    assert torch.all(lse[0] == empty) and torch.all(out[0] == 0)
+    scores = torch.einsum("qhd,khd->hqk", q[1].double(), k_cache[1, :3].double()) * 8**-0.5
+    torch.testing.assert_close(lse[1].double(), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
