@@ -40,7 +40,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from flashport.rewriter import astindex, kept_imports, newsyntax, prune, run_context, suppress
+from flashport.rewriter import astindex, newsyntax, prune, run_context, suppress
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -421,36 +421,15 @@ def _fix_imports(
     version: tuple[int, ...],
 ) -> str:
     """Drop GPU imports a rewrite made unused, add the imports rewrites need, and say why each GPU
-    import left in place stays (``result.imports_kept``)."""
+    import left in place stays (``result.imports_kept``); :func:`~flashport.rewriter.imports.edit_imports`."""
     before = import_edits.name_uses(tree)
-    parsed_text = new_text
-    parsed: ast.Module | None = ast.parse(new_text)  # one parse for both edits while the text stays
-    new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules, parsed, version)
-    for module_name in sorted(needed):
-        current = parsed if new_text == parsed_text else None
-        new_text, added = import_edits.ensure_import(new_text, module_name, newline, current)
-        if added:
-            result.imports_added.append(module_name)
-    result.imports_removed = removed
-    if _imports_any(new_text, gpu_modules):
-        left = ast.parse(new_text)
-        result.imports_kept = kept_imports.explain(
-            left, before, import_edits.name_uses(left), gpu_modules, version
-        )
-    return new_text
-
-
-def _imports_any(text: str, modules: tuple[str, ...]) -> bool:
-    """A line of ``text`` may import one of ``modules`` (a cheap test before parsing)."""
-    if not modules:
-        return False
-    names = "|".join(re.escape(m) for m in modules)
-    return (
-        re.search(
-            rf"^[ \t]*(from|import)[ \t]+({names})\b|^[ \t]*import[ \t].*,[ \t]*({names})\b", text, re.M
-        )
-        is not None
+    edits = import_edits.edit_imports(
+        new_text, ast.parse(new_text), before, gpu_modules, needed, newline, version
     )
+    result.imports_added.extend(edits.added)
+    result.imports_removed = edits.removed
+    result.imports_kept = edits.kept
+    return edits.text
 
 
 def _aliases(header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:
