@@ -90,7 +90,8 @@ def edit_imports(
     are counted, and no name is read in an import)."""
     cleaned, removed = remove_unused(text, before, gpu_modules, tree, version)
     cleaned_tree = tree if cleaned == text else None
-    new_text, added, shift = cleaned, [], LineShift()
+    new_text, shift = cleaned, LineShift()
+    added: list[str] = []
     modules = sorted(needed)
     if modules:
         cleaned_tree = cleaned_tree or ast.parse(cleaned)
