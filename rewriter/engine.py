@@ -35,12 +35,12 @@ import gc
 import re
 import sys
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from flashport.rewriter import astindex, newsyntax, prune, run_context, suppress
+from flashport.rewriter import astindex, newsyntax, prune, run_context, suppress, thin
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -182,13 +182,13 @@ def _transform(
         return result
     mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
     relevant = _relevant_pattern(tree, text_pattern, rules)
-    transformer, new_module, spans = _run_rules(result, mini, tree, rules, options, table, relevant)
+    ported = _thin_pass(result, lines, tree, mini, rules, options, table, relevant, attributes)
+    if ported is None:
+        ported = _port(result, lines, tree, mini, rules, options, table, relevant)
+    if ported is None:
+        raise RuntimeError("the pass over the whole chunks was given up")  # only a thin one can be
+    transformer, replacements = ported
     result.sites.extend(transformer.sites)
-    replacements: list[tuple[int, int, str]] | None = []
-    if transformer.rewrites:
-        replacements = _spliced(transformer, spans, mini, lines)
-        if replacements is None:  # a change the statement splice cannot place: render it all
-            replacements = _replacements(new_module.code, mini, lines)
     result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
     if not replacements:
         return result
@@ -262,17 +262,30 @@ def _select_chunks(
     (before pruning: the header stays as it was)."""
     chunks = list(_chunks(units, lines, text_pattern))
     chunk_ids = {id(c.parent or c) for c in chunks}
-    watch = prune.watch_of(rules)
-    watch = dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
+    watch = _watch(rules, attributes)
     flags = prune.keep([c.nodes for c in chunks], tree, watch)
     return [c for c, kept in zip(chunks, flags, strict=False) if kept], chunk_ids
 
 
+def _watch(rules: list[Rule], attributes: frozenset[str]) -> prune.Watch:
+    """What the rules can match (:func:`~flashport.rewriter.prune.watch_of`), with the attribute
+    names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
+    watch = prune.watch_of(rules)
+    return dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
+
+
 def _mini_module(
-    lines: list[str], header_units: list[src.Unit], chunks: list[src.Unit], chunk_ids: set[int], newline: str
+    lines: list[str],
+    header_units: list[src.Unit],
+    chunks: list[src.Unit],
+    chunk_ids: set[int],
+    newline: str,
+    thinning: tuple[re.Pattern[str], Callable[[Sequence[ast.AST]], bool]] | None = None,
 ) -> _MiniModule:
     """Header imports, then each chunk after a sentinel comment (class members inside a stand-in
-    class), with the map from mini-module lines back to file lines."""
+    class), with the map from mini-module lines back to file lines. ``thinning``: (relevant
+    pattern, site test) to thin the function chunks with
+    (:func:`~flashport.rewriter.thin.thin_text`; same lines)."""
     in_header = [h for h in header_units if id(h) not in chunk_ids]
     header = "".join(_terminated(src.unit_text(lines, h)) for h in in_header)
     pieces: list[list[str]] = [[header]]  # a top-level chunk, or a stand-in class with its members
@@ -289,7 +302,10 @@ def _mini_module(
             mini_line += 1
         pieces[-1].append(f"# flashport-chunk-{index}{newline}")
         mini_line += 1
-        body = _terminated(src.unit_text(lines, unit))
+        if thinning is not None:
+            body = _terminated(thin.thin_text(lines, unit.start, unit.end, unit.nodes, *thinning))
+        else:
+            body = _terminated(src.unit_text(lines, unit))
         count = len(src.split_lines(body))
         line_map.append((mini_line + 1, mini_line + count, unit.start))
         pieces[-1].append(body)
@@ -329,6 +345,75 @@ def _relevant_pattern(tree: ast.Module, text_pattern: re.Pattern[str], rules: li
     return re.compile("|".join(parts))
 
 
+# A first pass over thin chunks (rewriter/thin.py) when they are at most this share of the whole
+# chunks' text: it is given up (and the whole chunks parsed) on about half of the files, so it
+# pays only where the placeholders leave out most of the text.
+_THIN_ENOUGH = 0.5
+_SPACE = re.compile(r"\s+")
+
+
+def _weight(text: str) -> int:
+    """What libcst's parse of ``text`` costs, roughly: its characters other than whitespace."""
+    return len(text) - sum(len(m) for m in _SPACE.findall(text))
+
+
+def _thin_pass(
+    result: FileResult,
+    lines: list[str],
+    tree: ast.Module,
+    mini: _MiniModule,
+    rules: list[Rule],
+    options: RuleOptions,
+    table: dict[int, frozenset[str]],
+    relevant: re.Pattern[str] | None,
+    attributes: frozenset[str],
+) -> tuple[SiteTransformer, list[tuple[int, int, str]]] | None:
+    """:func:`_port` over the thin chunks of ``mini`` (rewriter/thin.py) when they leave out
+    enough of its text; None when not tried or given up."""
+    if relevant is None:
+        return None
+    watch = _watch(rules, attributes)
+    may_hold = functools.partial(prune.may_hold_site, watch=watch, aliases=prune.import_aliases(tree, watch))
+    newline = src.newline_of(lines)  # the same header and chunks in the same order, thinned
+    thinned = _mini_module(lines, mini.header_units, mini.ordered, set(), newline, (relevant, may_hold))
+    if _weight(thinned.source) > _THIN_ENOUGH * _weight(mini.source):
+        return None
+    return _port(result, lines, tree, thinned, rules, options, table, relevant, watch=True)
+
+
+def _port(
+    result: FileResult,
+    lines: list[str],
+    tree: ast.Module,
+    mini: _MiniModule,
+    rules: list[Rule],
+    options: RuleOptions,
+    table: dict[int, frozenset[str]],
+    relevant: re.Pattern[str] | None,
+    watch: bool = False,
+) -> tuple[SiteTransformer, list[tuple[int, int, str]]] | None:
+    """The transformer of :func:`_run_rules` and the ``(first, last line, text)`` replacements
+    of the statements it changed. ``watch``: ``mini`` holds thin chunks; None when that pass may
+    have seen a placeholder (a rule read above a site's statement or the module, the scope
+    analysis ran, or a change cannot be placed statement by statement)."""
+    try:
+        transformer, new_module, spans, beyond = _run_rules(
+            result, mini, tree, rules, options, table, relevant, watch
+        )
+    except thin.Abandoned:
+        return None
+    if watch and (beyond or spans.failed or transformer.whole):
+        return None
+    if not transformer.rewrites:
+        return transformer, []
+    spliced = _spliced(transformer, spans, mini, lines)
+    if spliced is not None:
+        return transformer, spliced
+    if watch:
+        return None
+    return transformer, _replacements(new_module.code, mini, lines)  # render it all
+
+
 def _run_rules(
     result: FileResult,
     mini: _MiniModule,
@@ -337,11 +422,13 @@ def _run_rules(
     options: RuleOptions,
     table: dict[int, frozenset[str]],
     relevant: re.Pattern[str] | None = None,
-) -> tuple[SiteTransformer, cst.Module, StatementSpans]:
+    watch: bool = False,
+) -> tuple[SiteTransformer, cst.Module, StatementSpans, bool]:
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
     every site's final status and may veto its rewrites (the pass is redone with them refused,
-    reusing the parse and the metadata). Returns the transformer, the new module and the
-    statement spans (positions are rendered per statement, :mod:`~flashport.rewriter.spans`)."""
+    reusing the parse and the metadata). Returns the transformer, the new module, the
+    statement spans (positions are rendered per statement, :mod:`~flashport.rewriter.spans`) and,
+    with ``watch`` (thin chunks), whether a pass read beyond the sites' statements."""
     module = mini_parse.parse(mini.pieces)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     names = mini.names(tree, rules)
@@ -359,14 +446,17 @@ def _run_rules(
         wrapper=wrapper,
         names=names,
         spans=spans,
+        watch_reads=watch,
     )
     transformer = transformer_for()
     new_module = module.visit(transformer)
+    beyond = transformer.read_beyond or transformer.used_scopes
     vetoes = {r.CODE: why for r in rules if (why := r.settle(transformer.sites, tree))}
     if vetoes:
         transformer = transformer_for(vetoes=vetoes)
         new_module = module.visit(transformer)
-    return transformer, new_module, spans
+        beyond = beyond or transformer.read_beyond or transformer.used_scopes
+    return transformer, new_module, spans, beyond
 
 
 def _spliced(
