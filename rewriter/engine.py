@@ -14,7 +14,10 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    node libcst's qualified names (:mod:`~flashport.rewriter.names`, libcst's scope analysis where
    the imports alone cannot tell): rules answer per site.
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
-   its own rewrites in this file (the pass is redone with them refused).
+   its own rewrites in this file (the pass is redone with them refused). Where most of the
+   chunks' text mentions nothing relevant (long test functions), a first pass parses them thin,
+   those statements as placeholders (:mod:`~flashport.rewriter.thin`), and is given up for the
+   whole chunks at the first read a placeholder could answer.
 4. Splice rewritten statement texts into the original lines (everything else is byte-identical):
    each changed statement rendered alone where :mod:`~flashport.rewriter.spans` can place it (the
    same statements give the sites their positions), else every changed chunk from a render of the
