@@ -16,6 +16,9 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
    its own rewrites in this file, and a rewrite whose required calls (``Rewrite.requires``) did
    not all end rewritten is vetoed (the pass is redone with them refused, until no veto is added).
+   Where most of the chunks' text mentions nothing relevant (long test functions), a first pass
+   parses them thin, those statements as placeholders (:mod:`~flashport.rewriter.thin`), and is
+   given up for the whole chunks at the first read a placeholder could answer.
 4. Splice rewritten statement texts into the original lines (everything else is byte-identical):
    each changed statement rendered alone where :mod:`~flashport.rewriter.spans` can place it (the
    same statements give the sites their positions), else every changed chunk from a render of the
@@ -36,12 +39,12 @@ import gc
 import re
 import sys
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from flashport.rewriter import astindex, kept_imports, newsyntax, prune, run_context, suppress
+from flashport.rewriter import astindex, newsyntax, prune, run_context, suppress, thin
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -183,13 +186,13 @@ def _transform(
         return result
     mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
     relevant = _relevant_pattern(tree, text_pattern, rules)
-    transformer, new_module, spans = _run_rules(result, mini, tree, rules, options, table, relevant)
+    ported = _thin_pass(result, lines, tree, mini, rules, options, table, relevant, attributes)
+    if ported is None:
+        ported = _port(result, lines, tree, mini, rules, options, table, relevant)
+    if ported is None:
+        raise RuntimeError("the pass over the whole chunks was given up")  # only a thin one can be
+    transformer, replacements = ported
     result.sites.extend(transformer.sites)
-    replacements: list[tuple[int, int, str]] | None = []
-    if transformer.rewrites:
-        replacements = _spliced(transformer, spans, mini, lines)
-        if replacements is None:  # a change the statement splice cannot place: render it all
-            replacements = _replacements(new_module.code, mini, lines)
     result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
     if not replacements:
         return result
@@ -263,17 +266,30 @@ def _select_chunks(
     (before pruning: the header stays as it was)."""
     chunks = list(_chunks(units, lines, text_pattern))
     chunk_ids = {id(c.parent or c) for c in chunks}
-    watch = prune.watch_of(rules)
-    watch = dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
+    watch = _watch(rules, attributes)
     flags = prune.keep([c.nodes for c in chunks], tree, watch)
     return [c for c, kept in zip(chunks, flags, strict=False) if kept], chunk_ids
 
 
+def _watch(rules: list[Rule], attributes: frozenset[str]) -> prune.Watch:
+    """What the rules can match (:func:`~flashport.rewriter.prune.watch_of`), with the attribute
+    names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
+    watch = prune.watch_of(rules)
+    return dataclasses.replace(watch, lasts=watch.lasts | attributes) if attributes else watch
+
+
 def _mini_module(
-    lines: list[str], header_units: list[src.Unit], chunks: list[src.Unit], chunk_ids: set[int], newline: str
+    lines: list[str],
+    header_units: list[src.Unit],
+    chunks: list[src.Unit],
+    chunk_ids: set[int],
+    newline: str,
+    thinning: tuple[re.Pattern[str], Callable[[Sequence[ast.AST]], bool]] | None = None,
 ) -> _MiniModule:
     """Header imports, then each chunk after a sentinel comment (class members inside a stand-in
-    class), with the map from mini-module lines back to file lines."""
+    class), with the map from mini-module lines back to file lines. ``thinning``: (relevant
+    pattern, site test) to thin the function chunks with
+    (:func:`~flashport.rewriter.thin.thin_text`; same lines)."""
     in_header = [h for h in header_units if id(h) not in chunk_ids]
     header = "".join(_terminated(src.unit_text(lines, h)) for h in in_header)
     pieces: list[list[str]] = [[header]]  # a top-level chunk, or a stand-in class with its members
@@ -290,7 +306,10 @@ def _mini_module(
             mini_line += 1
         pieces[-1].append(f"# flashport-chunk-{index}{newline}")
         mini_line += 1
-        body = _terminated(src.unit_text(lines, unit))
+        if thinning is not None:
+            body = _terminated(thin.thin_text(lines, unit.start, unit.end, unit.nodes, *thinning))
+        else:
+            body = _terminated(src.unit_text(lines, unit))
         count = len(src.split_lines(body))
         line_map.append((mini_line + 1, mini_line + count, unit.start))
         pieces[-1].append(body)
@@ -330,6 +349,75 @@ def _relevant_pattern(tree: ast.Module, text_pattern: re.Pattern[str], rules: li
     return re.compile("|".join(parts))
 
 
+# A first pass over thin chunks (rewriter/thin.py) when they are at most this share of the whole
+# chunks' text: it is given up (and the whole chunks parsed) on about half of the files, so it
+# pays only where the placeholders leave out most of the text.
+_THIN_ENOUGH = 0.5
+_SPACE = re.compile(r"\s+")
+
+
+def _weight(text: str) -> int:
+    """What libcst's parse of ``text`` costs, roughly: its characters other than whitespace."""
+    return len(text) - sum(len(m) for m in _SPACE.findall(text))
+
+
+def _thin_pass(
+    result: FileResult,
+    lines: list[str],
+    tree: ast.Module,
+    mini: _MiniModule,
+    rules: list[Rule],
+    options: RuleOptions,
+    table: dict[int, frozenset[str]],
+    relevant: re.Pattern[str] | None,
+    attributes: frozenset[str],
+) -> tuple[SiteTransformer, list[tuple[int, int, str]]] | None:
+    """:func:`_port` over the thin chunks of ``mini`` (rewriter/thin.py) when they leave out
+    enough of its text; None when not tried or given up."""
+    if relevant is None:
+        return None
+    watch = _watch(rules, attributes)
+    may_hold = functools.partial(prune.may_hold_site, watch=watch, aliases=prune.import_aliases(tree, watch))
+    newline = src.newline_of(lines)  # the same header and chunks in the same order, thinned
+    thinned = _mini_module(lines, mini.header_units, mini.ordered, set(), newline, (relevant, may_hold))
+    if _weight(thinned.source) > _THIN_ENOUGH * _weight(mini.source):
+        return None
+    return _port(result, lines, tree, thinned, rules, options, table, relevant, watch=True)
+
+
+def _port(
+    result: FileResult,
+    lines: list[str],
+    tree: ast.Module,
+    mini: _MiniModule,
+    rules: list[Rule],
+    options: RuleOptions,
+    table: dict[int, frozenset[str]],
+    relevant: re.Pattern[str] | None,
+    watch: bool = False,
+) -> tuple[SiteTransformer, list[tuple[int, int, str]]] | None:
+    """The transformer of :func:`_run_rules` and the ``(first, last line, text)`` replacements
+    of the statements it changed. ``watch``: ``mini`` holds thin chunks; None when that pass may
+    have seen a placeholder (a rule read above a site's statement or the module, the scope
+    analysis ran, or a change cannot be placed statement by statement)."""
+    try:
+        transformer, new_module, spans, beyond = _run_rules(
+            result, mini, tree, rules, options, table, relevant, watch
+        )
+    except thin.Abandoned:
+        return None
+    if watch and (beyond or spans.failed or transformer.whole):
+        return None
+    if not transformer.rewrites:
+        return transformer, []
+    spliced = _spliced(transformer, spans, mini, lines)
+    if spliced is not None:
+        return transformer, spliced
+    if watch:
+        return None
+    return transformer, _replacements(new_module.code, mini, lines)  # render it all
+
+
 def _run_rules(
     result: FileResult,
     mini: _MiniModule,
@@ -338,13 +426,15 @@ def _run_rules(
     options: RuleOptions,
     table: dict[int, frozenset[str]],
     relevant: re.Pattern[str] | None = None,
-) -> tuple[SiteTransformer, cst.Module, StatementSpans]:
+    watch: bool = False,
+) -> tuple[SiteTransformer, cst.Module, StatementSpans, bool]:
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
     every site's final status and may veto its rewrites, and a rewrite whose required calls
     (``Rewrite.requires``) did not all end rewritten is vetoed; the pass is redone with the vetoes
     (reusing the parse and the metadata) until none is added. Returns the transformer, the new
-    module and the statement spans (positions are rendered per statement,
-    :mod:`~flashport.rewriter.spans`)."""
+    module, the statement spans (positions are rendered per statement,
+    :mod:`~flashport.rewriter.spans`) and, with ``watch`` (thin chunks), whether a pass read beyond
+    the sites' statements."""
     module = mini_parse.parse(mini.pieces)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     names = mini.names(tree, rules)
@@ -363,9 +453,11 @@ def _run_rules(
         names=names,
         spans=spans,
         tree=tree,
+        watch_reads=watch,
     )
     transformer = transformer_for()
     new_module = module.visit(transformer)
+    beyond = transformer.read_beyond or transformer.used_scopes
     vetoes: dict[str, str] = {}
     site_vetoes: dict[tuple[str, int, int], str] = {}
     while True:  # vetoes only grow, so this ends (at most one pass more per rule and per site)
@@ -374,11 +466,12 @@ def _run_rules(
         }
         more_sites = {key: why for key, why in transformer.unmet().items() if key not in site_vetoes}
         if not more and not more_sites:
-            return transformer, new_module, spans
+            return transformer, new_module, spans, beyond
         vetoes.update(more)
         site_vetoes.update(more_sites)
         transformer = transformer_for(vetoes=vetoes, site_vetoes=site_vetoes)
         new_module = module.visit(transformer)
+        beyond = beyond or transformer.read_beyond or transformer.used_scopes
 
 
 def _spliced(
@@ -433,36 +526,15 @@ def _fix_imports(
     version: tuple[int, ...],
 ) -> str:
     """Drop GPU imports a rewrite made unused, add the imports rewrites need, and say why each GPU
-    import left in place stays (``result.imports_kept``)."""
+    import left in place stays (``result.imports_kept``); :func:`~flashport.rewriter.imports.edit_imports`."""
     before = import_edits.name_uses(tree)
-    parsed_text = new_text
-    parsed: ast.Module | None = ast.parse(new_text)  # one parse for both edits while the text stays
-    new_text, removed = import_edits.remove_unused(new_text, before, gpu_modules, parsed, version)
-    for module_name in sorted(needed):
-        current = parsed if new_text == parsed_text else None
-        new_text, added = import_edits.ensure_import(new_text, module_name, newline, current)
-        if added:
-            result.imports_added.append(module_name)
-    result.imports_removed = removed
-    if _imports_any(new_text, gpu_modules):
-        left = ast.parse(new_text)
-        result.imports_kept = kept_imports.explain(
-            left, before, import_edits.name_uses(left), gpu_modules, version
-        )
-    return new_text
-
-
-def _imports_any(text: str, modules: tuple[str, ...]) -> bool:
-    """A line of ``text`` may import one of ``modules`` (a cheap test before parsing)."""
-    if not modules:
-        return False
-    names = "|".join(re.escape(m) for m in modules)
-    return (
-        re.search(
-            rf"^[ \t]*(from|import)[ \t]+({names})\b|^[ \t]*import[ \t].*,[ \t]*({names})\b", text, re.M
-        )
-        is not None
+    edits = import_edits.edit_imports(
+        new_text, ast.parse(new_text), before, gpu_modules, needed, newline, version
     )
+    result.imports_added.extend(edits.added)
+    result.imports_removed = edits.removed
+    result.imports_kept = edits.kept
+    return edits.text
 
 
 def _aliases(header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import ast
 import collections
+import copy as copy_module
+import dataclasses
+import re
 import sys
+from collections.abc import Iterable
 
 import libcst as cst
 
-from flashport.rewriter import astindex, dead_imports, drop_in_imports
+from flashport.rewriter import astindex, dead_imports, drop_in_imports, kept_imports
 from flashport.rewriter.source import split_lines
 
 
@@ -55,6 +59,62 @@ def remove_unused(
         text, tree = pinned, ast.parse(pinned)
         after = name_uses(tree)
     return dead_imports.remove_dead(text, tree, before, after, gpu_modules, _drop_aliases, version)
+
+
+@dataclasses.dataclass
+class ImportEdits:
+    """The import edits of one rewritten file: its new text, the modules added, the dotted names
+    removed (or moved to a drop-in) and why each GPU import left stays
+    (:func:`flashport.rewriter.kept_imports.explain`)."""
+
+    text: str
+    added: list[str]
+    removed: list[str]
+    kept: list[str]
+
+
+def edit_imports(
+    text: str,
+    tree: ast.Module,
+    before: collections.Counter,
+    gpu_modules: tuple[str, ...],
+    needed: Iterable[str],
+    newline: str,
+    version: tuple[int, ...] = (2, 8, 3),
+) -> ImportEdits:
+    """Drop GPU imports a rewrite made unused (:func:`remove_unused`), add ``import <module>`` for
+    each module in ``needed`` (:func:`ensure_imports`, in sorted order) and say why each GPU import
+    left stays. ``text``: the rewritten file, ``tree``: ``ast.parse(text)``, ``before``: the
+    original file's :func:`name_uses`. The text is parsed again only when the clean-up changed it
+    and an import is added or a GPU import is left (the added imports need no parse: their lines
+    are counted, and no name is read in an import)."""
+    cleaned, removed = remove_unused(text, before, gpu_modules, tree, version)
+    cleaned_tree = tree if cleaned == text else None
+    new_text, shift = cleaned, LineShift()
+    added: list[str] = []
+    modules = sorted(needed)
+    if modules:
+        cleaned_tree = cleaned_tree or ast.parse(cleaned)
+        new_text, added, shift = ensure_imports(cleaned, modules, newline, cleaned_tree)
+    kept: list[str] = []
+    if imports_any(new_text, gpu_modules):
+        cleaned_tree = cleaned_tree or ast.parse(cleaned)
+        after = name_uses(cleaned_tree)
+        kept = kept_imports.explain(cleaned_tree, before, after, gpu_modules, version, shift)
+    return ImportEdits(new_text, added, removed, kept)
+
+
+def imports_any(text: str, modules: tuple[str, ...]) -> bool:
+    """A line of ``text`` may import one of ``modules`` (a cheap test before parsing)."""
+    if not modules:
+        return False
+    names = "|".join(re.escape(m) for m in modules)
+    return (
+        re.search(
+            rf"^[ \t]*(from|import)[ \t]+({names})\b|^[ \t]*import[ \t].*,[ \t]*({names})\b", text, re.M
+        )
+        is not None
+    )
 
 
 def _drop_aliases(stmt_text: str, names: set[str]) -> str | None:
@@ -118,7 +178,11 @@ def _closing_comma(own, last):
 
 def has_import(tree: ast.Module, module: str) -> bool:
     """True when the module has an unguarded top-level ``import <module>`` (or a submodule)."""
-    for node in tree.body:
+    return _has_import(tree.body, module)
+
+
+def _has_import(body: list[ast.stmt], module: str) -> bool:
+    for node in body:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.asname is None and (alias.name == module or alias.name.startswith(module + ".")):
@@ -137,17 +201,104 @@ def ensure_import(text: str, module: str, newline: str, tree: ast.Module | None 
     library group or before the local (relative) one; without imports, it goes after the module
     docstring and ``from __future__`` imports. ``tree``: ``ast.parse(text)`` when the caller has it.
     """
+    text, added, _ = ensure_imports(text, [module], newline, tree)
+    return text, bool(added)
+
+
+def ensure_imports(
+    text: str, modules: Iterable[str], newline: str, tree: ast.Module | None = None
+) -> tuple[str, list[str], LineShift]:
+    """Add ``import <module>`` for each of ``modules`` in turn, each placed as :func:`ensure_import`
+    places it in the text the earlier ones left, in one edit from one parse: the top-level
+    statements' line numbers are moved past each inserted line instead of parsing the new text
+    again. ``tree``: ``ast.parse(text)`` when the caller has it.
+
+    Returns the new text, the modules added and the :class:`LineShift` from lines of ``text`` to
+    lines of the new text.
+    """
     tree = tree if tree is not None else ast.parse(text)
-    if has_import(tree, module):
-        return text, False
-    lines = split_lines(text)
+    layout = _Layout(split_lines(text), [_moved_copy(node) for node in tree.body], LineShift())
+    added = []
+    for module in modules:
+        if not _has_import(layout.body, module):
+            _add(layout, module, newline)
+            added.append(module)
+    return "".join(layout.lines), added, layout.shift
+
+
+@dataclasses.dataclass
+class LineShift:
+    """Where the lines of a text went after lines were inserted into it (and blank leading lines
+    dropped): ``edits`` holds ``(after, delta)``, applied in order; a line number above ``after``
+    moves by ``delta``."""
+
+    edits: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def __call__(self, line: int) -> int:
+        """The new number of (1-based) ``line``."""
+        for after, delta in self.edits:
+            if line > after:
+                line += delta
+        return line
+
+
+@dataclasses.dataclass
+class _Layout:
+    """The text being edited, one entry a line, its top-level statements (copies whose line
+    numbers follow the edits) and the line shift so far."""
+
+    lines: list[str]
+    body: list[ast.stmt]
+    shift: LineShift
+
+    def insert(self, index: int, text: str, statement: str | None = None) -> None:
+        """Put ``text`` before ``lines[index]``; ``statement``: the module of the ``import`` line
+        it holds (it joins ``body``)."""
+        new = split_lines(text)
+        self.lines[index:index] = new
+        self.move(index, len(new))
+        if statement is not None:
+            at = index + 1 + next(i for i, line in enumerate(new) if line.startswith("import "))
+            node = ast.Import(names=[ast.alias(name=statement)], lineno=at, end_lineno=at, col_offset=0)
+            self.body.insert(sum(1 for n in self.body if n.lineno < at), node)
+
+    def move(self, after: int, delta: int) -> None:
+        """Line numbers above ``after`` move by ``delta``."""
+        self.shift.edits.append((after, delta))
+        for node in self.body:
+            _shift(node, after, delta)
+            for decorator in getattr(node, "decorator_list", ()):
+                _shift(decorator, after, delta)
+
+
+def _moved_copy(node: ast.stmt) -> ast.stmt:
+    """A shallow copy of a top-level statement whose line numbers (and its decorators') may move."""
+    copy = copy_module.copy(node)
+    if getattr(node, "decorator_list", None):
+        copy.decorator_list = [copy_module.copy(d) for d in node.decorator_list]  # type: ignore[attr-defined]
+    return copy
+
+
+def _shift(node: ast.AST, after: int, delta: int) -> None:
+    if node.lineno > after:  # type: ignore[attr-defined]
+        node.lineno += delta  # type: ignore[attr-defined]
+    end = getattr(node, "end_lineno", None)
+    if end is not None and end > after:
+        node.end_lineno = end + delta  # type: ignore[attr-defined]
+
+
+def _add(layout: _Layout, module: str, newline: str) -> None:
+    """Insert ``import <module>`` into ``layout`` (see :func:`ensure_import`)."""
+    lines = layout.lines
     statement = f"import {module}{newline}"
-    groups = _import_groups(tree, lines)
+    groups = _import_groups(layout.body, lines)
     third = next((g for g in groups if any(_section(n) == "third" for n in g)), None)
     if third is not None:
         line = _sorted_position(third, module, lines)
-        lines.insert(line - 1, statement)
-        return "".join(lines), True
+        if line > len(lines):  # after the group ending the file: the last line may lack its newline
+            _terminate(lines, len(lines), newline)
+        layout.insert(line - 1, statement, module)
+        return
     std = [
         g
         for g in groups
@@ -157,15 +308,12 @@ def ensure_import(text: str, module: str, newline: str, tree: ast.Module | None 
     if std and (not local or std[-1][-1].lineno < local[0][0].lineno):
         end = std[-1][-1].end_lineno or std[-1][-1].lineno
         _terminate(lines, end, newline)
-        below = (
-            newline if end < len(lines) and lines[end].strip() else ""
-        )  # keep the group apart from what follows
-        lines.insert(end, newline + statement + below)
-        return "".join(lines), True
-    if local:
-        lines.insert(_above_comments(lines, local[0][0].lineno) - 1, statement + newline)
-        return "".join(lines), True
-    return _after_header(tree, lines, statement, newline), True
+        below = newline if end < len(lines) and lines[end].strip() else ""  # keep the group apart
+        layout.insert(end, newline + statement + below, module)
+    elif local:
+        layout.insert(_above_comments(lines, local[0][0].lineno) - 1, statement + newline, module)
+    else:
+        _after_header(layout, statement, module, newline)
 
 
 def _terminate(lines: list[str], line: int, newline: str) -> None:
@@ -173,10 +321,10 @@ def _terminate(lines: list[str], line: int, newline: str) -> None:
         lines[line - 1] += newline
 
 
-def _after_header(tree: ast.Module, lines: list[str], statement: str, newline: str) -> str:
+def _after_header(layout: _Layout, statement: str, module: str, newline: str) -> None:
     """``statement`` after the docstring and ``__future__`` imports (a file without other imports)."""
+    lines, body = layout.lines, layout.body
     index = 0
-    body = tree.body
     first = body[0] if body else None
     if (
         isinstance(first, ast.Expr)
@@ -189,19 +337,19 @@ def _after_header(tree: ast.Module, lines: list[str], statement: str, newline: s
     if index > 0:  # right after the docstring / __future__ imports
         last_line = body[index - 1].end_lineno or len(lines)
         _terminate(lines, last_line, newline)
-        lines.insert(last_line, statement)
+        layout.insert(last_line, statement, module)
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
         at = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
         definition = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-        lines.insert(at, statement + newline * (2 if definition else 1))  # PEP 8 spacing below it
+        layout.insert(at, statement + newline * (2 if definition else 1), module)  # PEP 8 spacing
         if not any(line.strip() for line in lines[:at]):
             del lines[:at]  # only blank lines above (left by removed imports): the import leads the file
+            layout.move(at, -at)
     else:
         if lines and not lines[-1].endswith(("\n", "\r")):
             lines[-1] += newline
-        lines.append(statement)
-    return "".join(lines)
+        layout.insert(len(lines), statement, module)
 
 
 def _is_future(node: ast.stmt) -> bool:
@@ -224,7 +372,7 @@ def _section(node: ast.stmt) -> str:
     return "stdlib" if top in sys.stdlib_module_names else "third"
 
 
-def _import_groups(tree: ast.Module, lines: list[str]) -> list[list[ast.stmt]]:
+def _import_groups(body: list[ast.stmt], lines: list[str]) -> list[list[ast.stmt]]:
     """Top-level, one-per-line import statements of the leading import region, split at blank lines.
 
     A guarded import block (``try: from typing import Literal`` / ``except ImportError: ...``,
@@ -232,7 +380,7 @@ def _import_groups(tree: ast.Module, lines: list[str]) -> list[list[ast.stmt]]:
     """
     groups: list[list[ast.stmt]] = []
     previous = None
-    for node in tree.body:
+    for node in body:
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
             if (
                 previous is None

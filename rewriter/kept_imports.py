@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import collections
+from collections.abc import Callable
 
 from flashport.rewriter import astindex, drop_in_imports
 
@@ -29,9 +30,11 @@ def explain(
     after: collections.Counter,
     gpu_modules: tuple[str, ...],
     version: tuple[int, ...],
+    line_of: Callable[[int], int] | None = None,
 ) -> list[str]:
     """``"<module> (line N): <reason>"`` for every GPU import left in the rewritten ``tree`` (N: its
-    line there), in line order.
+    line there, or ``line_of(line)`` when imports were added to the text after ``tree`` was
+    parsed), in line order.
 
     ``before``/``after``: name reads of the original and the rewritten file
     (:func:`flashport.rewriter.imports.name_uses`); ``version``: the flash-attn release ported for.
@@ -62,7 +65,8 @@ def explain(
                 why = _module_reason(bound, after, id(node) in in_try, tree)
             else:
                 why = _name_reason(bound, (before, after, probes), id(node) in in_try, version)
-            out.append((node.lineno, f"{shown} (line {node.lineno}): {why}"))
+            line = line_of(node.lineno) if line_of is not None else node.lineno
+            out.append((line, f"{shown} (line {line}): {why}"))
     return [line for _, line in sorted(out)]
 
 

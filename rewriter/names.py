@@ -16,8 +16,9 @@ Why the answers are libcst's (``Scope.get_qualified_names_for``, ``ImportAssignm
   (a local binding), ``builtins.<root>`` (a builtin), or an import's name: the imported path with
   the part of ``F`` after the import's bound name appended (so it ends with ``F``'s last
   component), or the imported path itself when ``F`` *is* a name bound by an import. A node whose
-  last component is no source's last component and whose full name no import binds has none of
-  the rules' ``SOURCES`` (no source starts with ``builtins.``): **no match**.
+  last component is no source's last component has a source among them only when some import
+  binds ``F`` itself to that source (no source starts with ``builtins.``); otherwise **no match**
+  (``_flash_attention_forward`` imported from a model library, next to methods of that name).
 * When no import anywhere binds the root of ``F``, only local and builtin names remain: no source
   equal to ``F`` or ending in ``.F`` means **no match**.
 * When every binding of the root in the mini module is an import at module level in the header
@@ -105,6 +106,7 @@ class Names:
         self._enabled = not any(s.startswith("builtins.") for s in self._sources)
         self._header_imports: dict[str, list[_Import]] = defaultdict(list)  # bound name -> statements
         self._import_bound: set[str] = set()  # every name any import binds (dotted prefixes too)
+        self._source_bound: set[str] = set()  # names an import binds to a source itself
         self._other: set[str] = set(wrappers)  # roots with any binding that is not a header import
         in_header = self._header(header)
         for node in astindex.of_type(tree, ast.Import, ast.ImportFrom):
@@ -147,6 +149,8 @@ class Names:
         for dotted, asname in aliases:
             for name in _bound_names(dotted, asname):
                 self._import_bound.add(name)
+                if _import_qualified(statement, name) & self._sources:
+                    self._source_bound.add(name)
                 if in_header_scope:
                     self._header_imports[name].append(statement)
                 else:
@@ -167,7 +171,7 @@ class Names:
         full_name = get_full_name_for_node(node)
         if full_name is None:
             return None
-        if last not in self._lasts and full_name not in self._import_bound:
+        if last not in self._lasts and full_name not in self._source_bound:
             return set()
         root = full_name.split(".", 1)[0]
         if root not in self._import_bound and not any(

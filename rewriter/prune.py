@@ -188,3 +188,9 @@ def keep(chunk_nodes: Sequence[Sequence[ast.stmt]], tree: ast.Module, watch: Wat
         return [True] * len(infos)
     roots = set().union(*(info.roots for info in infos)) if infos else set()
     return [info.candidate or bool(info.binds & roots) for info in infos]
+
+
+def may_hold_site(nodes: Sequence[ast.AST], watch: Watch, aliases: frozenset[str]) -> bool:
+    """Whether ``nodes`` (any ``ast`` nodes) hold a candidate (see the module doc): a site can
+    only sit where there is one."""
+    return analyse(nodes, watch, aliases).candidate  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ScopeProvider
 
-from flashport.rewriter import aliases, newsyntax, run_context, suppress
+from flashport.rewriter import aliases, newsyntax, run_context, suppress, thin
 from flashport.rewriter.names import Names
 from flashport.rewriter.positions import Span, line_positions
 from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
@@ -143,8 +143,13 @@ class SiteTransformer(cst.CSTTransformer):
         spans: StatementSpans | None = None,
         site_vetoes: Mapping[tuple[str, int, int], str] | None = None,
         tree: ast.Module | None = None,
+        watch_reads: bool = False,
     ):
         super().__init__()
+        # a thin pass: rules get watched ancestors, and ``read_beyond`` says whether one read
+        # above the site's innermost statement or the module (rewriter/thin.py)
+        self.watch_reads = watch_reads
+        self.read_beyond = False
         self._spans = spans if spans is not None and not spans.failed and positions is None else None
         if self._spans is None:
             self._positions = positions if positions is not None else line_positions(module)
@@ -313,6 +318,8 @@ class SiteTransformer(cst.CSTTransformer):
         """``ScopeProvider``'s scope of ``node`` (None outside any); the analysis of the whole mini
         module runs on the first call and is reused (the wrapper caches it for a second pass)."""
         if self._scopes is None:
+            if self.watch_reads:  # the analysis would see the placeholders of a thin pass
+                raise thin.Abandoned("the scope analysis is needed")
             self._scopes = self._wrapper.resolve(ScopeProvider)
         return self._scopes.get(node)  # type: ignore[attr-defined]
 
@@ -404,7 +411,14 @@ class SiteTransformer(cst.CSTTransformer):
             ancestors = tuple(reversed(self._path[:-1]))
         else:  # a child of the node being visited (a value under an Arg/Assign/...)
             ancestors = tuple(reversed(self._path))
-        return RuleContext(
+        kind = RuleContext
+        if self.watch_reads:  # a thin pass (rewriter/thin.py): note reads above the statement
+            statement = type(node) in _STATEMENTS
+            limit = (
+                -1 if statement else next((i for i, a in enumerate(ancestors) if type(a) in _STATEMENTS), -1)
+            )
+            ancestors, kind = thin.Watched(ancestors, limit, self._note_read), thin.WatchedContext
+        return kind(
             self.path,
             line,
             api,
@@ -415,6 +429,17 @@ class SiteTransformer(cst.CSTTransformer):
             module=self.module,
             tree=self.tree,
         )
+
+    def _note_read(self) -> None:
+        """A rule read beyond the site's innermost statement (see ``watch_reads``): the thin pass
+        is given up."""
+        self.read_beyond = True
+        raise thin.Abandoned("a rule read beyond the statement of a site")
+
+    @property
+    def used_scopes(self) -> bool:
+        """Whether libcst's scope analysis ran (it saw the whole mini module)."""
+        return self._scopes is not None
 
     # -- calls -------------------------------------------------------------------------------
 

@@ -68,6 +68,16 @@ SHAPES = {
         out = flash_attn_func(q)
         self.flash_attn_func(q)
     """,
+    "imported_helpers": """
+        from .modeling_utils import _flash_attention_forward
+        from flash_attn import flash_attn_func as fa
+        import flash_attn.flash_attn_interface as fai
+        class Attn:
+            def _flash_attention_forward(self, q):
+                return _flash_attention_forward(q) + fa(q) + fai.flash_attn_func(q) + fai(q)
+        def g(fai):
+            return fai
+    """,
     "local_import": """
         import torch
         def f(q):
@@ -146,6 +156,32 @@ def test_dense_file_runs_no_scope_analysis(monkeypatch):
     result = engine.transform_source(text.encode(), "dense.py", RULES)
     assert result.status == "changed" and len(result.sites) == 30
     assert ScopeProvider not in calls
+
+
+def test_a_helper_imported_under_a_name_bound_otherwise_needs_no_scope_analysis(monkeypatch):
+    """transformers' models import ``_flash_attention_forward`` and define methods of that name:
+    no import binds that name to a source, so it cannot be one whatever its bindings."""
+    calls = []
+    real = MetadataWrapper.resolve
+    monkeypatch.setattr(MetadataWrapper, "resolve", lambda self, p: calls.append(p) or real(self, p))
+    text = textwrap.dedent("""\
+        from flash_attn import flash_attn_func
+        from .modeling_flash_attention_utils import _flash_attention_forward
+
+        class FlashAttention2:
+            def _flash_attention_forward(self, q, k, v):
+                return _flash_attention_forward(q, k, v)
+
+            def forward(self, q, k, v):
+                return flash_attn_func(q, k, v, causal=True)
+    """)
+    result = engine.transform_source(text.encode(), "m.py", RULES)
+    assert result.status == "changed" and [s.status for s in result.sites] == ["rewrite"]
+    assert ScopeProvider not in calls
+    helpers = [
+        (ours, theirs) for code, ours, theirs in _answers(text, 2) if code == "_flash_attention_forward"
+    ]
+    assert helpers and all(ours == set() and not theirs & set(SOURCES) for ours, theirs in helpers)
 
 
 def _mini_modules(path: pathlib.Path, monkeypatch) -> list[list[str]]:
