@@ -337,7 +337,8 @@ def _after_header(layout: _Layout, statement: str, module: str, newline: str) ->
     if index > 0:  # right after the docstring / __future__ imports
         last_line = body[index - 1].end_lineno or len(lines)
         _terminate(lines, last_line, newline)
-        layout.insert(last_line, statement, module)
+        gap = _gap_below(lines, last_line, body[index] if index < len(body) else None)
+        layout.insert(last_line, statement + newline * gap, module)
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
         at = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
@@ -350,6 +351,22 @@ def _after_header(layout: _Layout, statement: str, module: str, newline: str) ->
         if lines and not lines[-1].endswith(("\n", "\r")):
             lines[-1] += newline
         layout.insert(len(lines), statement, module)
+
+
+def _gap_below(lines: list[str], line: int, following: ast.stmt | None) -> int:
+    """Blank lines to add below an import inserted after (1-based) ``line``, as isort leaves them:
+    2 above a def/class, else 1, counting the blank lines already there (none at the end of file)."""
+    blank = 0
+    while line + blank < len(lines) and not lines[line + blank].strip():
+        blank += 1
+    if line + blank >= len(lines):
+        return 0
+    first = None
+    if following is not None:
+        first = min([following.lineno] + [d.lineno for d in getattr(following, "decorator_list", [])])
+    definition = isinstance(following, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    wanted = 2 if definition and first == line + blank + 1 else 1
+    return max(0, wanted - blank)
 
 
 def _is_future(node: ast.stmt) -> bool:

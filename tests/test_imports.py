@@ -523,3 +523,20 @@ def test_a_dead_import_stays_in_a_try_whose_handler_also_falls_back():
             return apply_rotary_emb(x)
     """)
     assert "from flash_attn import flash_attn_func" in text
+
+
+@pytest.mark.parametrize(
+    ("below", "gap"),
+    [
+        ("x = 1\n", "\n"),  # isort leaves one blank line between the imports and code
+        ("# note\nx = 1\n", "\n"),
+        ("def f():\n    pass\n", "\n\n"),  # two above a definition
+        ("\ndef f():\n    pass\n", "\n\n"),  # one blank line already there: one more
+        ("\n\n\nx = 1\n", "\n\n\n"),  # enough blank lines already: none added
+    ],
+)
+def test_an_import_after_the_docstring_keeps_isorts_blank_lines_below_it(below, gap):
+    text, added = imports.ensure_import('"""Doc."""\n' + below, "flashport", "\n")
+    assert added
+    expected_below = below.lstrip("\n") if gap != "\n\n\n" else "x = 1\n"
+    assert text == '"""Doc."""\nimport flashport\n' + gap + expected_below
