@@ -342,8 +342,7 @@ def _after_header(layout: _Layout, statement: str, module: str, newline: str) ->
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
         at = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-        definition = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-        layout.insert(at, statement + newline * (2 if definition else 1), module)  # PEP 8 spacing
+        layout.insert(at, statement + newline * _gap_below(lines, at, node), module)
         if not any(line.strip() for line in lines[:at]):
             del lines[:at]  # only blank lines above (left by removed imports): the import leads the file
             layout.move(at, -at)
