@@ -209,7 +209,8 @@ def probe(ctx: RuleContext) -> str | None:
 
 def _only_raises(handler: cst.ExceptHandler) -> bool:
     """The handler's body is nothing but ``raise`` statements: no fallback, the library is required
-    (``except ImportError as e: raise RuntimeError("install flash-attn") from e``)."""
+    (``except ImportError as e: raise RuntimeError("install flash-attn") from e``). The import
+    clean-up reads the same shape from the ``ast`` (``flashport.rewriter.dead_imports._required``)."""
     body = handler.body.body if isinstance(handler.body, cst.IndentedBlock) else [handler.body]
     return all(
         isinstance(stmt, cst.SimpleStatementLine) and all(isinstance(s, cst.Raise) for s in stmt.body)
