@@ -8,6 +8,7 @@ rewritten statement texts back in, so every byte outside a rewritten statement s
 from __future__ import annotations
 
 import ast
+import codecs
 import dataclasses
 import io
 import re
@@ -25,6 +26,26 @@ def decode(source: bytes) -> tuple[str, str]:
     """
     encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
     return source.decode(encoding), encoding
+
+
+_FOREIGN_BOMS = (  # longest first: the UTF-32-LE mark starts with the UTF-16-LE one
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
+
+
+def foreign_encoding(source: bytes) -> str | None:
+    """Why ``source`` cannot be a Python file, for a UTF-16/32 byte-order mark (Python reads only
+    ASCII-compatible encodings, and the engine's byte prefilter would not see its text); else None."""
+    for bom, name in _FOREIGN_BOMS:
+        if source.startswith(bom):
+            return (
+                f"encoded as {name} (byte-order mark); Python source must use an ASCII-compatible "
+                "encoding such as UTF-8, so the file is left untouched"
+            )
+    return None
 
 
 def encode(text: str, encoding: str) -> bytes:
