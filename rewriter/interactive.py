@@ -34,9 +34,9 @@ from typing import TextIO
 
 from flashport.rewriter import source as src
 from flashport.rewriter.engine import transform_source
-from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult, Site
 from flashport.rewriter.interrupts import Interrupted
-from flashport.rewriter.writes import StaleFile, WriteLog, reason, write_in_place
+from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult, Site
+from flashport.rewriter.writes import StaleFile, WriteLog, write_in_place
 from flashport.rules.base import Rule, RuleOptions
 
 HELP = (
