@@ -9,8 +9,9 @@ skipped and why.
 - **Excludes.** The default excludes (VCS, virtualenv, cache and build folders) and ``--exclude``
   globs (matched against the path relative to the given folder and every trailing part of it, so
   ``sub/*`` and ``*_pb2.py`` match at any depth) apply to every file found in a folder.
-- **Links.** Every file is resolved to its real file and listed once, under its own path when the
-  walk meets it and otherwise under the link's (a write goes through the link). A link whose real
+- **Links.** Every file is resolved to its real file and listed once (symbolic and hard links alike),
+  under its own path when the walk meets it and otherwise under the link's (a write goes through the
+  link). A link whose real
   file lies outside the paths given, a broken link and a link loop are skipped with a notice;
   symlinked folders are not followed (their files are reached through the real folder, if given).
 - **Odd files.** Only regular files are read: a FIFO, socket or device named ``*.py`` is skipped
@@ -31,7 +32,7 @@ import stat
 import subprocess
 from collections.abc import Iterator
 
-from flashport.rewriter.writes import kind_of
+from flashport.rewriter.writes import BACKUP_SUFFIX, kind_of
 
 # Why a path was skipped (the summary counts each; a folder skipped as a whole counts once).
 IGNORED = "ignored (.gitignore)"
@@ -215,26 +216,30 @@ def find_files(paths: list[str], exclude: tuple[str, ...] = (), respect_gitignor
             walk = _git_listing(given, found) if respect_gitignore else None
             if walk is None:
                 walk = _walk_tree(given, exclude, respect_gitignore, roots, found)
-            candidates.extend(_checked(path, given, exclude, roots, found) for path in walk)
+            for path in walk:
+                checked = _checked(path, given, exclude, roots, found)
+                if checked is not None:
+                    candidates.append(checked)
         elif os.path.lexists(given):
-            candidates.append((given, False))
+            candidates.append((given, os.path.islink(given)))
         else:
             raise FileNotFoundError(f"no such file or directory: {given}")
-    found.files = _once_per_real_file([c for c in candidates if c is not None])
+    found.files = _once_per_real_file(candidates)
     return found
 
 
-def _once_per_real_file(candidates: list[tuple[str, bool] | None]) -> list[str]:
-    """One path per real file: the first one that is not a link, else the first link; in the order
-    the chosen paths were found."""
-    chosen: dict[str, tuple[int, str, bool]] = {}
-    for index, item in enumerate(candidates):
-        if item is None:
-            continue
-        path, linked = item
-        real = os.path.realpath(path)
-        if real not in chosen or (chosen[real][2] and not linked):
-            chosen[real] = (index, path, linked)
+def _once_per_real_file(candidates: list[tuple[str, bool]]) -> list[str]:
+    """One path per real file (same device and inode: symbolic and hard links alike): the first one
+    that is not a symbolic link, else the first link; in the order the chosen paths were found."""
+    chosen: dict[object, tuple[int, str, bool]] = {}
+    for index, (path, linked) in enumerate(candidates):
+        try:
+            info = os.stat(path)
+            key: object = (info.st_dev, info.st_ino)
+        except OSError:  # the read will report it
+            key = os.path.realpath(path)
+        if key not in chosen or (chosen[key][2] and not linked):
+            chosen[key] = (index, path, linked)
     return [path for _, path, _ in sorted(chosen.values())]
 
 
@@ -297,8 +302,20 @@ def _git_listing(folder: str, found: Discovery) -> list[str] | None:
             sub = _git_listing(path, found)
             out.extend(sub if sub is not None else [])
         else:
-            found.skip(NOT_PYTHON)
+            _not_python(path, found)
     return out
+
+
+def _not_python(path: str, found: Discovery) -> None:
+    """Count a file that is not Python; name a backup an interrupted write left behind."""
+    if path.endswith(BACKUP_SUFFIX):
+        found.skip(
+            NOT_PYTHON,
+            path,
+            "the original of a file whose write was killed (see docs/cli.md); compare, then delete it",
+        )
+    else:
+        found.skip(NOT_PYTHON)
 
 
 def _git(folder: str, *flags: str) -> list[str]:
@@ -370,7 +387,7 @@ def _walk_tree(
         for name in sorted(filenames):
             full = os.path.join(directory, name)
             if not name.endswith(".py"):
-                found.skip(NOT_PYTHON)
+                _not_python(full, found)
             elif ignore is not None and ignore.ignored(_abs(full, root, root_real), False):
                 found.skip(IGNORED)
             else:

@@ -32,11 +32,12 @@ import difflib
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
+from flashport.rewriter import interrupts
 from flashport.rewriter import source as src
 from flashport.rewriter.engine import transform_source
 from flashport.rewriter.interrupts import Interrupted
 from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult, Site
-from flashport.rewriter.writes import StaleFile, WriteLog, write_in_place
+from flashport.rewriter.writes import StaleFile, WriteLog, reason, write_in_place
 from flashport.rules.base import Rule, RuleOptions
 
 HELP = (
@@ -193,11 +194,9 @@ def _apply(result, sites, accepted, rules, options, outcome: Outcome, console, l
         # constructor whose consuming call was declined. That is sound; say so and write the rest.
         vetoed = [s for s in partial.sites if s.status == REFUSED and _key(s) in {_key(a) for a in accepted}]
         if partial.status == ERROR or done | {_key(s) for s in vetoed} != {_key(s) for s in accepted}:
-            reason = (
-                partial.error or "an accepted site shares a line and rule with a declined one; not written"
-            )
-            outcome.failed.append((result.path, reason))
-            console.print(f"[red]not written[/] {result.path}: {reason}")
+            why = partial.error or "an accepted site shares a line and rule with a declined one; not written"
+            outcome.failed.append((result.path, why))
+            console.print(f"[red]not written[/] {result.path}: {why}")
             return
         for site in vetoed:
             outcome.accepted.remove(next(a for a in outcome.accepted if _key(a) == _key(site)))
@@ -206,14 +205,15 @@ def _apply(result, sites, accepted, rules, options, outcome: Outcome, console, l
         new = partial.new
     if new is None or new == result.old:
         return
-    try:
-        write_in_place(result.path, result.old, new)
-    except (OSError, StaleFile) as err:
-        outcome.failed.append((result.path, f"write failed: {reason(err)}"))
-        console.print(f"[red]not written[/] {result.path}: {reason(err)}", highlight=False)
-        return
-    outcome.written.append(result.path)
-    log.written.append(result.path)
+    with interrupts.held():  # a signal during the write waits until the log says so
+        try:
+            write_in_place(result.path, result.old, new)
+        except (OSError, StaleFile) as err:
+            outcome.failed.append((result.path, f"write failed: {reason(err)}"))
+            console.print(f"[red]not written[/] {result.path}: {reason(err)}", highlight=False)
+            return
+        outcome.written.append(result.path)
+        log.written.append(result.path)
 
 
 def _key(site: Site) -> tuple:

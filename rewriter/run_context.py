@@ -36,6 +36,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
+from flashport.rewriter.writes import read_regular
 from flashport.rules.base import Outcome, Patch, Refusal, Rewrite, RuleOptions
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
@@ -60,8 +61,7 @@ def for_paths(paths: Iterable[str], options: RuleOptions) -> RuleOptions:
     found: list[Patch] = []
     for path in paths:
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
+            data = read_regular(path)  # never blocks on a FIFO
         except OSError:
             continue
         found += find_patches(data, path)

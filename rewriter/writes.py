@@ -62,7 +62,7 @@ def write_in_place(path: str, old: bytes, new: bytes) -> None:
     """
     fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        _require_regular(fd, path)
+        mode = _require_regular(fd, path)
         if _read_all(fd) != old:
             raise StaleFile("changed on disk since it was read; not written")
         backup = _backup(path, old)
@@ -78,8 +78,18 @@ def write_in_place(path: str, old: bytes, new: bytes) -> None:
                 _remove(backup)
                 raise
             _remove(backup)
+            _keep_mode(fd, mode)
     finally:
         os.close(fd)
+
+
+def _keep_mode(fd: int, mode: int) -> None:
+    """Put back setuid/setgid bits the kernel clears when someone without CAP_FSETID writes a file."""
+    if os.fstat(fd).st_mode != mode:
+        try:
+            os.fchmod(fd, stat.S_IMODE(mode))
+        except OSError:
+            pass
 
 
 def kind_of(mode: int) -> str:
@@ -96,10 +106,12 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
-def _require_regular(fd: int, path: str) -> None:
+def _require_regular(fd: int, path: str) -> int:
+    """The file's ``st_mode``; OSError unless it is a regular file."""
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         raise OSError(errno.EINVAL, f"not a regular file ({kind_of(mode)})", path)
+    return mode
 
 
 def _read_all(fd: int) -> bytes:
@@ -196,12 +208,13 @@ def write_results(results: Sequence[FileResult], log: WriteLog) -> None:
     log.stage = "write"
     for result in todo:
         assert result.old is not None and result.new is not None
-        try:
-            write_in_place(result.path, result.old, result.new)
-        except (OSError, StaleFile) as err:
-            result.status, result.error = ERROR, f"write failed: {reason(err)}"
-            continue
-        log.written.append(result.path)
+        with interrupts.held():  # a signal during the write waits until the log says so
+            try:
+                write_in_place(result.path, result.old, result.new)
+            except (OSError, StaleFile) as err:
+                result.status, result.error = ERROR, f"write failed: {reason(err)}"
+                continue
+            log.written.append(result.path)
 
 
 def reason(err: Exception) -> str:

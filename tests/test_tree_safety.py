@@ -227,7 +227,7 @@ def test_disk_full_part_way_through_a_write_puts_the_original_back(tmp_path, cap
     assert sorted(p.name for p in root.iterdir()) == ["a.py", "b.py", "c.py"]
 
 
-def test_when_even_the_rollback_fails_the_backup_is_kept_and_named(tmp_path, monkeypatch):
+def test_when_even_the_rollback_fails_the_backup_is_kept_and_named(tmp_path, capsys, monkeypatch):
     path = tmp_path / "a.py"
     path.write_text(FA)
     inode = os.stat(path).st_ino
@@ -244,6 +244,9 @@ def test_when_even_the_rollback_fails_the_backup_is_kept_and_named(tmp_path, mon
         writes.write_in_place(str(path), FA.encode(), PORTED)
     backup = str(caught.value).split("the original is kept in ")[1]
     assert backup.endswith(writes.BACKUP_SUFFIX) and open(backup).read() == FA
+    monkeypatch.undo()
+    _, doc, _ = main(capsys, "scan", tmp_path)  # the next run names the backup
+    assert [p["path"] for p in doc["summary"]["skipped_paths"]] == [backup]
 
 
 def test_a_file_changed_after_the_interactive_diff_is_refused(tmp_path):
