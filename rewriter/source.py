@@ -24,8 +24,40 @@ def decode(source: bytes) -> tuple[str, str]:
       SyntaxError: an unknown encoding cookie (from ``tokenize.detect_encoding``).
       UnicodeDecodeError: bytes that do not decode.
     """
-    encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
-    return source.decode(encoding), encoding
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
+    except SyntaxError as err:
+        if "invalid or missing encoding declaration" not in str(err):
+            raise
+        # the first lines are not UTF-8: say where, below
+        encoding = "utf-8-sig" if source.startswith(codecs.BOM_UTF8) else "utf-8"
+    try:
+        return source.decode(encoding), encoding
+    except UnicodeDecodeError as err:
+        declared = encoding == "utf-8-sig" or any(_COOKIE.match(line) for line in source.split(b"\n", 2)[:2])
+        raise Undecodable(err, declared) from err
+
+
+_COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=]")
+
+
+class Undecodable(UnicodeDecodeError):
+    """A :class:`UnicodeDecodeError` whose message says where, and what to do about a missing cookie."""
+
+    def __init__(self, err: UnicodeDecodeError, declared: bool):
+        super().__init__(err.encoding, err.object, err.start, err.end, err.reason)
+        self.declared = declared
+
+    def __str__(self) -> str:
+        data = bytes(self.object)
+        line = data.count(b"\n", 0, self.start) + 1
+        column = self.start - (data.rfind(b"\n", 0, self.start) + 1)
+        where = f"not valid {self.encoding} at line {line}, column {column} (byte 0x{data[self.start]:02x})"
+        if self.declared:
+            return where
+        return (
+            where + "; the file declares no encoding: add a `# -*- coding: NAME -*-` line if it is not UTF-8"
+        )
 
 
 _FOREIGN_BOMS = (  # longest first: the UTF-32-LE mark starts with the UTF-16-LE one

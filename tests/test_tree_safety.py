@@ -337,7 +337,11 @@ LATIN1 = "# -*- coding: latin-1 -*-\n# Autor: José\n" + FA
         ("crlf.py", FA.replace("\n", "\r\n").encode(), True),
         ("form_feed.py", (FA + "\x0c\n\ndef g():\n    return 2\n").encode(), True),
         ("long_line.py", (FA + "X = '" + "a" * 50_000 + "'\n").encode(), True),
-        ("latin1_no_cookie.py", ("# José\n" + FA).encode("latin-1"), "cannot decode"),
+        (
+            "latin1_no_cookie.py",
+            ("# José\n" + FA).encode("latin-1"),
+            "cannot decode: not valid utf-8 at line 1, column 5 (byte 0xe9); the file declares no encoding",
+        ),
         ("utf16.py", FA.encode("utf-16"), "encoded as UTF-16 (byte-order mark)"),
         ("utf32.py", FA.encode("utf-32"), "encoded as UTF-32 (byte-order mark)"),
         ("nul.py", FA.encode() + b"X = 1\x00\n", "null bytes"),
