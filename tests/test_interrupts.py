@@ -245,3 +245,33 @@ def _quiet_console():
     from rich.console import Console
 
     return Console(file=io.StringIO(), no_color=True)
+
+
+def test_ctrl_c_at_an_interactive_prompt_of_the_real_cli(tmp_path):
+    """Two answers, then Ctrl-C at the third prompt: exit 130, no traceback, the two accepted sites
+    are written and the message says the answers were applied."""
+    original = make_tree(tmp_path / "t", files=1, sites=4, pads=0)
+    path = tmp_path / "t" / "m000.py"
+    proc = start(cli("rewrite", path, "--interactive", jobs=1))
+    shown = b""
+    os.set_blocking(proc.stdout.fileno(), False)
+    answered = 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        shown += proc.stdout.read() or b""
+        prompts = shown.count(interactive.PROMPT.encode())
+        if prompts == 3:
+            break
+        if prompts > answered:
+            proc.stdin.write(b"y\n")
+            proc.stdin.flush()
+            answered += 1
+        time.sleep(0.01)
+    assert shown.count(interactive.PROMPT.encode()) == 3, shown.decode()
+    took, err = stop(proc, signal.SIGINT, whole_group=True)
+    assert proc.returncode == 130 and took < 2.0 and "Traceback" not in err, err
+    assert "the answers given so far were applied" in err and f"written: {path}" in err
+    now = path.read_text()
+    assert now != original["m000.py"].decode()
+    assert now.count("flash_attn_func(q, k, v") == 2  # two accepted, two left as they were
+    compile(now, str(path), "exec")
