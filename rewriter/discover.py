@@ -4,8 +4,8 @@ skipped and why.
 - **Ignore rules, git's meaning.** Inside a git work tree the files come from git itself
   (``git ls-files --cached --others --exclude-standard``): tracked files are processed even under a
   folder ``.gitignore`` lists (ignore rules concern untracked files only), untracked ones unless
-  ignored. Outside one (or without git), ``.gitignore`` files met on the way down are applied (git's
-  pattern syntax: ``*``, ``?``, ``**``, ``[...]``, anchoring ``/``, trailing ``/``, ``!``).
+  ignored. Outside one (or without git), ``.gitignore`` files met on the way down are applied, with
+  git's pattern rules (``pathspec``).
 - **Excludes.** The default excludes (VCS, virtualenv, cache and build folders) and ``--exclude``
   globs (matched against the path relative to the given folder and every trailing part of it, so
   ``sub/*`` and ``*_pb2.py`` match at any depth) apply to every file found in a folder.
@@ -27,10 +27,11 @@ import dataclasses
 import errno
 import fnmatch
 import os
-import re
 import stat
 import subprocess
 from collections.abc import Iterator
+
+import pathspec
 
 from flashport.rewriter.writes import BACKUP_SUFFIX, kind_of
 
@@ -66,10 +67,11 @@ DEFAULT_EXCLUDES = (
 
 
 class GitIgnore:
-    """Patterns of the ``.gitignore`` files met on the way down (later files win, like git)."""
+    """The ``.gitignore`` files met on the way down, matched with git's own rules (``pathspec``); a
+    deeper file's matching pattern wins, like git."""
 
     def __init__(self):
-        self.rules: list[tuple[str, re.Pattern[str], bool, bool]] = []  # (base, regex, negate, dir_only)
+        self.specs: list[tuple[str, pathspec.GitIgnoreSpec]] = []  # (folder, its patterns)
 
     def add_file(self, directory: str) -> None:
         """Read ``directory/.gitignore`` if present."""
@@ -79,72 +81,19 @@ class GitIgnore:
                 lines = handle.read().splitlines()
         except OSError:
             return
-        for raw in lines:
-            line = raw.rstrip()
-            if not line or line.startswith("#"):
-                continue
-            negate = line.startswith("!")
-            if negate:
-                line = line[1:]
-            dir_only = line.endswith("/")
-            line = line.rstrip("/")
-            if not line:
-                continue
-            anchored = "/" in line
-            line = line.lstrip("/")
-            regex = _glob_regex(line)
-            if not anchored:
-                regex = r"(?:.*/)?" + regex
-            self.rules.append((directory, re.compile(regex + r"\Z"), negate, dir_only))
+        self.specs.append((directory, pathspec.GitIgnoreSpec.from_lines(lines)))
 
     def ignored(self, path: str, is_dir: bool) -> bool:
         """True when the last matching pattern ignores ``path``."""
         verdict = False
-        for base, regex, negate, dir_only in self.rules:
-            if dir_only and not is_dir:
-                continue
+        for base, spec in self.specs:
             rel = os.path.relpath(path, base).replace(os.sep, "/")
             if rel.startswith("../"):
                 continue
-            if regex.match(rel):
-                verdict = not negate
+            include = spec.check_file(rel + "/" if is_dir else rel).include
+            if include is not None:
+                verdict = include
         return verdict
-
-
-def _glob_regex(pattern: str) -> str:
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append(r"(?:.*/)?")
-            i += 3
-        elif pattern.startswith("/**", i) and i + 3 == len(pattern):
-            out.append(r"/.*")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(r".*")
-            i += 2
-        elif c == "*":
-            out.append(r"[^/]*")
-            i += 1
-        elif c == "?":
-            out.append(r"[^/]")
-            i += 1
-        elif c == "[":
-            end = pattern.find("]", i + 1)
-            if end == -1:
-                out.append(re.escape(c))
-                i += 1
-            else:
-                body = pattern[i + 1 : end].replace("\\", "\\\\")
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = end + 1
-        else:
-            out.append(re.escape(c))
-            i += 1
-    return "".join(out)
 
 
 def _excluded(rel: str, name: str, globs: tuple[str, ...]) -> bool:
