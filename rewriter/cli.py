@@ -167,22 +167,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.command == "rules":
         return _rules(args)
-    from flashport.rewriter.interrupts import Interrupted, stop_on_signals
+    from flashport.rewriter.interrupts import stoppable
     from flashport.rewriter.writes import WriteLog
 
-    log = WriteLog()
+    log = WriteLog()  # what an interrupted run reports
+    return stoppable(lambda: _settings_and_run(args, log), lambda stop: log.interrupted(stop.name))
+
+
+def _settings_and_run(args, log) -> int:
     try:
-        with stop_on_signals():
-            try:
-                settings = _settings(args)
-            except (ValueError, FileNotFoundError) as err:
-                print(f"flashport: error: {err}", file=sys.stderr)
-                return EXIT_USAGE
-            return _run(args, log, *settings)
-    except Interrupted as stop:
-        sys.stdout.flush()
-        sys.stderr.write(log.interrupted(stop.name))
-        return stop.exit_code
+        settings = _settings(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"flashport: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    return _run(args, log, *settings)
 
 
 def _color(args) -> bool:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -63,6 +64,34 @@ def stop_on_signals() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _State.pending = None
+
+
+def stoppable(body: Callable[[], int], summary: Callable[[Interrupted], str]) -> int:
+    """``body()``'s exit code, or, when SIGINT/SIGTERM stops it, ``128 + signum`` after writing
+    ``summary(stop)`` to stderr (further signals are ignored while it is written)."""
+    with stop_on_signals():
+        try:
+            return body()
+        except Interrupted as stop:
+            with _ignoring():
+                with contextlib.suppress(OSError):  # a closed pipe must not hide the summary
+                    sys.stdout.flush()
+                sys.stderr.write(summary(stop))
+                sys.stderr.flush()
+            return stop.exit_code
+
+
+@contextlib.contextmanager
+def _ignoring() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextlib.contextmanager

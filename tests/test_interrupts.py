@@ -22,29 +22,55 @@ SITE = "def f{i}_{j}(q, k, v):\n    return flash_attn_func(q, k, v, causal=True,
 PAD = "def pad{i}_{j}(x):\n    return x + {j}\n\n\n"
 
 
-def make_tree(root, files: int, sites: int = 6, pads: int = 40):
-    """``files`` modules, each with ``sites`` flash-attn calls and ``pads`` plain functions."""
+def make_tree(root, files: int, sites: int = 6, pads: int = 40, dense: int = 0):
+    """``files`` modules, each with ``sites`` flash-attn calls and ``pads`` plain functions, and
+    with ``dense`` > 0 one more module holding that many calls (slow to port whatever the core count)."""
     root.mkdir()
     for i in range(files):
         body = "from flash_attn import flash_attn_func\n\n\n"
         body += "".join(SITE.format(i=i, j=j) for j in range(sites))
         body += "".join(PAD.format(i=i, j=j) for j in range(pads))
         (root / f"m{i:03d}.py").write_text(body)
+    if dense:
+        body = "from flash_attn import flash_attn_func\n\n\n"
+        body += "".join(SITE.format(i="dense", j=j) for j in range(dense))
+        (root / "dense.py").write_text(body)
     return {p.name: p.read_bytes() for p in root.glob("*.py")}
 
 
 @pytest.fixture(scope="module")
-def ported_tree(tmp_path_factory):
-    """A generated tree and, per file, its original bytes and its full port (a --write run on a copy)."""
+def trees(tmp_path_factory):
+    """Two generated trees: one slow to scan (the scan is interrupted), one with many small files
+    (the writes are interrupted)."""
     base = tmp_path_factory.mktemp("interrupts")
-    original = make_tree(base / "original", files=90)
-    full = base / "full"
-    shutil.copytree(base / "original", full)
-    done = subprocess.run(cli("rewrite", full, "--write"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    ported = {p.name: p.read_bytes() for p in full.glob("*.py")}
-    assert all(ported[name] != data for name, data in original.items())
-    return base / "original", original, ported
+    return {
+        "scan": (base / "scan", make_tree(base / "scan", files=60, dense=5000)),
+        "write": (base / "write", make_tree(base / "write", files=300, sites=1, pads=0)),
+    }
+
+
+def fresh_copy(tmp_path, trees, which):
+    source, original = trees[which]
+    root = tmp_path / which
+    shutil.copytree(source, root)
+    return root, original
+
+
+class Ports:
+    """The full port of each file (the engine's output for the original bytes), computed when needed."""
+
+    def __init__(self, root, original):
+        self.root, self.original, self.cache = root, original, {}
+
+    def __getitem__(self, name):
+        if name not in self.cache:
+            from flashport import rules as registry
+            from flashport.rewriter.engine import transform_source
+
+            done = transform_source(self.original[name], str(self.root / name), registry.all_rules())
+            assert done.new is not None
+            self.cache[name] = done.new
+        return self.cache[name]
 
 
 def cli(*args, jobs: int = 2):
@@ -93,23 +119,22 @@ def stop(proc, signum, whole_group: bool):
     return time.monotonic() - sent, err.decode()
 
 
-def check_tree(root, original, ported):
-    """Every file is the original or the full port; no stray files; returns the ported names."""
-    done = set()
+def check_tree(root, original):
+    """Every file is the original or its full port, and nothing else is there; returns the names
+    of the ported files."""
+    ports, done = Ports(root, original), set()
     for path in root.iterdir():
         assert path.name in original, f"stray file {path.name}"
         data = path.read_bytes()
-        assert data in (original[path.name], ported[path.name]), f"{path.name} is half-written"
-        if data == ported[path.name]:
+        if data != original[path.name]:
+            assert data == ports[path.name], f"{path.name} is half-written"
             done.add(path.name)
     return done
 
 
-def fresh_copy(tmp_path, ported_tree):
-    source, original, ported = ported_tree
-    root = tmp_path / "tree"
-    shutil.copytree(source, root)
-    return root, original, ported
+def listed(err: str, label: str) -> set[str]:
+    """The file names the interrupted run's summary lists after ``label:``."""
+    return {os.path.basename(line.split(": ", 1)[1]) for line in err.splitlines() if f"  {label}: " in line}
 
 
 def wait_for(predicate, proc, limit=120.0):
@@ -121,21 +146,29 @@ def wait_for(predicate, proc, limit=120.0):
     return False
 
 
-def test_ctrl_c_during_the_scan_stops_fast_and_writes_nothing(tmp_path, ported_tree):
-    root, original, ported = fresh_copy(tmp_path, ported_tree)
-    proc = start(cli("rewrite", root, "--write"))
-    time.sleep(2.0)  # imports done, workers busy parsing
+def interrupt_the_scan(tmp_path, trees, argv, signum, whole_group):
+    root, original = fresh_copy(tmp_path, trees, "scan")
+    proc = start(cli(*argv(root)))
+    time.sleep(1.5)  # imports done, the workers busy porting
     assert proc.poll() is None, "the run ended before it could be interrupted; make the tree larger"
-    took, err = stop(proc, signal.SIGINT, whole_group=True)
-    assert proc.returncode == 130, err
+    took, err = stop(proc, signum, whole_group)
+    assert proc.returncode == 128 + signum, err
     assert took < 2.0, f"took {took:.2f} s to stop"
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert "interrupted by SIGINT during the scan; no file was written" in err
-    assert check_tree(root, original, ported) == set()
+    assert f"interrupted by {signal.Signals(signum).name} during the scan; no file was written" in err
+    assert check_tree(root, original) == set()
 
 
-def test_ctrl_c_during_the_write_names_written_and_not_reached(tmp_path, ported_tree):
-    root, original, ported = fresh_copy(tmp_path, ported_tree)
+def test_ctrl_c_during_the_scan_stops_fast_and_writes_nothing(tmp_path, trees):
+    interrupt_the_scan(tmp_path, trees, lambda root: ("rewrite", root, "--write"), signal.SIGINT, True)
+
+
+def test_sigterm_to_the_main_process_stops_the_workers_too(tmp_path, trees):
+    interrupt_the_scan(tmp_path, trees, lambda root: ("scan", root), signal.SIGTERM, False)
+
+
+def test_ctrl_c_during_the_write_names_written_and_not_reached(tmp_path, trees):
+    root, original = fresh_copy(tmp_path, trees, "write")
     first = root / "m000.py"
     proc = start(cli("rewrite", root, "--write"))
     assert wait_for(lambda: first.read_bytes() != original["m000.py"], proc), "no write seen"
@@ -143,55 +176,39 @@ def test_ctrl_c_during_the_write_names_written_and_not_reached(tmp_path, ported_
     assert "Traceback" not in err, err
     assert proc.returncode == 130, err
     assert took < 2.0, f"took {took:.2f} s to stop"
-    done = check_tree(root, original, ported)
-    written = {os.path.basename(line.split(": ", 1)[1]) for line in err.splitlines() if "  written: " in line}
-    not_reached = {
-        os.path.basename(line.split(": ", 1)[1]) for line in err.splitlines() if "  not reached: " in line
-    }
-    assert written == done and "m000.py" in done
+    done = check_tree(root, original)
+    assert listed(err, "written") == done and "m000.py" in done
+    not_reached = listed(err, "not reached")
     assert not_reached == set(original) - done and not_reached, "the write was not interrupted"
-
-
-def test_sigterm_to_the_main_process_stops_the_workers_too(tmp_path, ported_tree):
-    root, original, ported = fresh_copy(tmp_path, ported_tree)
-    proc = start(cli("scan", root, jobs=2))
-    time.sleep(2.0)
-    assert proc.poll() is None
-    took, err = stop(proc, signal.SIGTERM, whole_group=False)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert took < 2.0 and "Traceback" not in err, err
-    assert "interrupted by SIGTERM during the scan" in err
-    assert check_tree(root, original, ported) == set()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(12))
-def test_interrupt_write_at_random_points(tmp_path, ported_tree, seed):
+def test_interrupt_write_at_random_points(tmp_path, trees, seed):
     """SIGINT or SIGTERM at a random moment of a --write run (scan or write): each file old or new,
     and the summary's list of written files is exactly the files that changed."""
     rng = random.Random(seed)
-    root, original, ported = fresh_copy(tmp_path, ported_tree)
+    root, original = fresh_copy(tmp_path, trees, "write")
     signum = rng.choice([signal.SIGINT, signal.SIGTERM])
     proc = start(cli("rewrite", root, "--write", jobs=rng.choice([1, 2])))
     first = root / "m000.py"
-    if rng.random() < 0.5:
+    if rng.random() < 0.3:
         time.sleep(rng.uniform(0.5, 3.0))
     else:
         wait_for(lambda: first.read_bytes() != original["m000.py"], proc)
-        time.sleep(rng.uniform(0, 0.05))
+        time.sleep(rng.uniform(0, 2.0))
     if proc.poll() is not None:
         proc.communicate()
-        assert check_tree(root, original, ported) == set(original)
+        assert check_tree(root, original) == set(original)
         return
     took, err = stop(proc, signum, whole_group=signum == signal.SIGINT)
     assert "Traceback" not in err, err
-    done = check_tree(root, original, ported)
+    done = check_tree(root, original)
     if proc.returncode == 0:  # the signal came after the last write
         assert done == set(original)
         return
     assert proc.returncode == 128 + signum and took < 2.0, (proc.returncode, took, err)
-    written = {os.path.basename(line.split(": ", 1)[1]) for line in err.splitlines() if "  written: " in line}
-    assert written == done
+    assert listed(err, "written") == done
 
 
 def test_interactive_interrupt_applies_the_answers_given_so_far(tmp_path):
