@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import pathspec
 
-from flashport.rewriter.writes import BACKUP_SUFFIX, kind_of
+from flashport.rewriter.writes import BACKUP_SUFFIX, kind_of, read_regular
 
 # Why a path was skipped (the summary counts each; a folder skipped as a whole counts once).
 IGNORED = "ignored (.gitignore)"
@@ -77,8 +77,7 @@ class GitIgnore:
         """Read ``directory/.gitignore`` if present."""
         path = os.path.join(directory, ".gitignore")
         try:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                lines = handle.read().splitlines()
+            lines = read_regular(path).decode("utf-8", "replace").splitlines()  # a FIFO never blocks
         except OSError:
             return
         self.specs.append((directory, pathspec.GitIgnoreSpec.from_lines(lines)))
