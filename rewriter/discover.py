@@ -161,9 +161,10 @@ def find_files(paths: list[str], exclude: tuple[str, ...] = (), respect_gitignor
     candidates: list[tuple[str, bool]] = []  # (path, reached through a link)
     for given in paths:
         if os.path.isdir(given):
-            walk = _git_listing(given, found) if respect_gitignore else None
-            if walk is None:
-                walk = _walk_tree(given, exclude, respect_gitignore, roots, found)
+            listed = _git_listing(given, found) if respect_gitignore else None
+            walk = (
+                listed if listed is not None else _walk_tree(given, exclude, respect_gitignore, roots, found)
+            )
             for path in walk:
                 checked = _checked(path, given, exclude, roots, found)
                 if checked is not None:
