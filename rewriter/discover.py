@@ -11,9 +11,9 @@ skipped and why.
   ``sub/*`` and ``*_pb2.py`` match at any depth) apply to every file found in a folder.
 - **Links.** Every file is resolved to its real file and listed once (symbolic and hard links alike),
   under its own path when the walk meets it and otherwise under the link's (a write goes through the
-  link). A link whose real
-  file lies outside the paths given, a broken link and a link loop are skipped with a notice;
-  symlinked folders are not followed (their files are reached through the real folder, if given).
+  link). A link whose real file lies outside the paths given, a broken link and a link loop are
+  skipped with a notice; symlinked folders are not followed (their files are reached through the
+  real folder, if given).
 - **Odd files.** Only regular files are read: a FIFO, socket or device named ``*.py`` is skipped
   with a notice (nothing blocks on it); a folder named ``x.py`` is walked like any folder.
 
