@@ -99,9 +99,8 @@ def transform_source(
     if isinstance(parsed, str):
         return _error(result, parsed)
     tree, text, masks = parsed
-    options = run_context.with_file_patches(
-        options, tree, path, text
-    )  # the run's pre-pass may lack this file
+    # the patches of this file's project; its own ones too (the run's pre-pass may lack this file)
+    options = run_context.with_file_patches(run_context.scoped(options, path), tree, path, text)
     collecting = gc.isenabled()
     gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
     try:
