@@ -26,6 +26,7 @@ from flashport.rules.base import (
     literal_number,
     no_dropout,
     number,
+    parenthesized,
     string,
     training_gated_zero,
     tuple_of,
@@ -121,7 +122,7 @@ def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
             return tuple_of(*[cst.Name("None") if v < 0 else number(v) for v in values])
     # Dynamic: convert at run time, once (the iterable of a generator is evaluated in this scope).
     template = cst.parse_expression("tuple(None if w is None or w < 0 else w for w in __window__)")
-    converted = template.visit(_Substitute("__window__", node))
+    converted = template.visit(_Substitute("__window__", parenthesized(node)))
     if not isinstance(converted, cst.BaseExpression):  # the substitution replaces one name by one expression
         raise TypeError(f"window conversion produced {type(converted).__name__}, not an expression")
     return converted
@@ -408,10 +409,9 @@ def dropout_or_drop_in(
 
 def unbind(node: cst.BaseExpression, dim: int) -> cst.Arg:
     """``*node.unbind(dim)``: split a packed qkv/kv tensor, evaluating ``node`` once."""
-    if not isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) and not node.lpar:
-        node = node.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
     call = cst.Call(
-        func=cst.Attribute(value=node, attr=cst.Name("unbind")), args=[cst.Arg(value=cst.Integer(str(dim)))]
+        func=cst.Attribute(value=parenthesized(node), attr=cst.Name("unbind")),
+        args=[cst.Arg(value=cst.Integer(str(dim)))],
     )
     return cst.Arg(value=call, star="*")
 

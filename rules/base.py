@@ -785,6 +785,15 @@ def tuple_of(*items: cst.BaseExpression) -> cst.Tuple:
     return cst.Tuple(elements=elements)
 
 
+def parenthesized(node: cst.BaseExpression) -> cst.BaseExpression:
+    """``node`` in parentheses unless it is a name, attribute, call or subscript or has them already:
+    an operand that keeps its meaning wherever a template puts it (``(a if c else b)[0]``,
+    ``for w in (x if c else y)``, ``(q := x).unbind(0)``)."""
+    if isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) or node.lpar:
+        return node
+    return node.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+
+
 def number(value: int | float) -> cst.BaseExpression:
     """An int or float literal (negative values get a unary minus)."""
     node: cst.BaseExpression = (
