@@ -39,7 +39,7 @@ from flashport.rewriter.results import CHANGED, REWRITE, UNCHANGED
 from flashport.rules.base import RuleOptions
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "codemod"
-QUICK = dict(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+QUICK = dict(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 THOROUGH = dict(max_examples=600, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 # Shapes an argument value ``x`` takes in real code; each keeps the value (``_fz_flag`` is true,
@@ -96,39 +96,46 @@ def _call_at(source: str, line: int, column: int) -> ast.Call:
     raise AssertionError(f"no call at {line}:{column}")
 
 
-@st.composite
-def arguments(draw, texts: list[tuple[str | None, str]], star_ok: bool = True) -> str:
+def compose(
+    texts: list[tuple[str | None, str]],
+    shapes: list[str],
+    star_from: int | None = None,
+    double_star: bool = False,
+    separators: list[str] | None = None,
+) -> str:
     """An argument list for ``texts`` (``(keyword or None, value text)``; keyword ``"*"``/``"**"``
-    for starred ones) with shapes drawn for each value, positional runs packed into ``*(...)``
-    and keywords into ``**{...}`` at times, and separators with comments and line breaks."""
-    parts = []
-    positional = [value for keyword, value in texts if keyword is None]
-    keywords = [(keyword, value) for keyword, value in texts if keyword is not None]
-    everywhere = draw(st.sampled_from([None, *sorted(SHAPES)]))  # one shape for all, or one each
-    shaped = []
-    for n, (keyword, value) in enumerate(texts):
-        shape = everywhere or draw(st.sampled_from(sorted(SHAPES)))
-        shaped.append((keyword, SHAPES[shape].format(x=value, n=n)))
-    pack_positional = star_ok and positional and draw(st.booleans())
-    pack_keywords = star_ok and any(k not in ("*", "**") for k, _ in keywords) and draw(st.booleans())
-    plain = [(k, v) for k, v in shaped if k is None]
+    for starred ones): value ``i`` in ``SHAPES[shapes[i]]``, the positional values from
+    ``star_from`` on packed into ``*(...)``, the keywords into ``**{...}`` with ``double_star``,
+    and ``separators[i]`` before part ``i + 1`` (default ``", "``)."""
+    shaped = [
+        (keyword, SHAPES[shape].format(x=value, n=n))
+        for n, ((keyword, value), shape) in enumerate(zip(texts, shapes, strict=True))
+    ]
+    plain = [v for k, v in shaped if k is None]
     named = [(k, v) for k, v in shaped if k is not None]
-    if pack_positional:
-        cut = draw(st.integers(0, len(plain) - 1))
-        packed = ", ".join(v for _, v in plain[cut:])
-        parts += [v for _, v in plain[:cut]] + [f"*({packed},)"]
+    parts = plain if star_from is None else plain[:star_from] + ["*(" + ", ".join(plain[star_from:]) + ",)"]
+    parts = parts + [f"*{v}" for k, v in named if k == "*"] + [f"**{v}" for k, v in named if k == "**"]
+    keywords = [(k, v) for k, v in named if k not in ("*", "**")]
+    if double_star and keywords:
+        parts.append("**{" + ", ".join(f'"{k}": {v}' for k, v in keywords) + "}")
     else:
-        parts += [v for _, v in plain]
-    if pack_keywords:
-        entries = [f'"{k}": {v}' for k, v in named if k not in ("*", "**")]
-        parts += [f"*{v}" if k == "*" else f"**{v}" for k, v in named if k in ("*", "**")]
-        parts.append("**{" + ", ".join(entries) + "}")
-    else:
-        parts += [f"*{v}" if k == "*" else f"**{v}" if k == "**" else f"{k}={v}" for k, v in named]
-    text = ""
-    for index, part in enumerate(parts):
-        text += part if index == 0 else draw(st.sampled_from(SEPARATORS)) + part
-    return text
+        parts += [f"{k}={v}" for k, v in keywords]
+    separators = separators or []
+    return "".join(
+        part if i == 0 else (separators[i - 1] if i - 1 < len(separators) else ", ") + part
+        for i, part in enumerate(parts)
+    )
+
+
+@st.composite
+def arguments(draw, texts: list[tuple[str | None, str]]) -> str:
+    """:func:`compose` with shapes (one for all, or one each), packing and separators drawn."""
+    everywhere = draw(st.sampled_from([None, *sorted(SHAPES)]))
+    shapes = [everywhere or draw(st.sampled_from(sorted(SHAPES))) for _ in texts]
+    positional = sum(1 for keyword, _ in texts if keyword is None)
+    star_from = draw(st.none() | st.integers(0, positional - 1)) if positional else None
+    separators = draw(st.lists(st.sampled_from(SEPARATORS), max_size=len(texts)))
+    return compose(texts, shapes, star_from, draw(st.booleans()), separators)
 
 
 def _argument_texts(source: str, call: ast.Call) -> list[tuple[str | None, str]]:
@@ -143,18 +150,38 @@ def _argument_texts(source: str, call: ast.Call) -> list[tuple[str | None, str]]
     return texts
 
 
-@st.composite
-def fixture_variants(draw) -> tuple[str, str]:
-    """(source, new call text) of a fixture whose one reported call has new argument shapes."""
-    rule = draw(st.sampled_from(sorted({seed.rule for seed in seeds()})))  # every rule alike
-    seed = draw(st.sampled_from([seed for seed in seeds() if seed.rule == rule]))
+def with_arguments(seed: Seed, args: str) -> str:
+    """The fixture of ``seed`` with its call's arguments replaced by ``args``."""
     call = _call_at(seed.source, seed.line, seed.column)
-    args = draw(arguments(_argument_texts(seed.source, call)))
-    new_call = f"{_text(seed.source, call.func)}({args})"
     lines = seed.source.splitlines(keepends=True)
     start = sum(len(line) for line in lines[: call.lineno - 1]) + call.col_offset
-    end = sum(len(line) for line in lines[: call.end_lineno - 1]) + call.end_col_offset
-    return seed.source[:start] + new_call + seed.source[end:], new_call
+    end = sum(len(line) for line in lines[: (call.end_lineno or call.lineno) - 1]) + (
+        call.end_col_offset or 0
+    )
+    return seed.source[:start] + f"{_text(seed.source, call.func)}({args})" + seed.source[end:]
+
+
+def seed_texts(seed: Seed) -> list[tuple[str | None, str]]:
+    """The arguments of the call of ``seed`` (see :func:`compose`)."""
+    return _argument_texts(seed.source, _call_at(seed.source, seed.line, seed.column))
+
+
+@functools.cache
+def richest() -> dict[str, Seed]:
+    """Per rule, its call with the most arguments (the first one of the fixtures' order)."""
+    best: dict[str, Seed] = {}
+    for seed in seeds():
+        if seed.rule not in best or len(seed_texts(seed)) > len(seed_texts(best[seed.rule])):
+            best[seed.rule] = seed
+    return best
+
+
+@st.composite
+def fixture_variants(draw) -> str:
+    """A fixture whose one reported call has new argument shapes."""
+    rule = draw(st.sampled_from(sorted({seed.rule for seed in seeds()})))  # every rule alike
+    seed = draw(st.sampled_from([seed for seed in seeds() if seed.rule == rule]))
+    return with_arguments(seed, draw(arguments(seed_texts(seed))))
 
 
 def _compiles(source: str) -> bool:
@@ -191,18 +218,39 @@ def check_port(source: str, path: str = "case.py"):
     return result
 
 
+def _check_variant(source: str) -> None:
+    if _compiles(source):  # a walrus in a class body's comprehension is not Python, for one
+        check_port(source)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_rule_with_every_argument_in_one_shape(shape):
+    for seed in richest().values():
+        texts = seed_texts(seed)
+        _check_variant(with_arguments(seed, compose(texts, [shape] * len(texts))))
+
+
 @given(fixture_variants())
 @settings(**QUICK)
-def test_call_sites_of_every_rule_in_every_shape(case):
-    source, _ = case
-    assume(_compiles(source))  # not every composition is Python (a walrus in a class body's comprehension)
+def test_call_sites_of_every_rule_in_mixed_shapes(source):
+    assume(_compiles(source))
     check_port(source)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_call_of_the_fixtures_with_every_argument_in_one_shape(shape):
+    for seed in seeds():
+        texts = seed_texts(seed)
+        _check_variant(with_arguments(seed, compose(texts, [shape] * len(texts))))
+        positional = sum(1 for keyword, _ in texts if keyword is None)
+        packed = compose(texts, [shape] * len(texts), 0 if positional else None, True, list(SEPARATORS) * 9)
+        _check_variant(with_arguments(seed, packed))
 
 
 @pytest.mark.slow
 @given(fixture_variants())
 @settings(**THOROUGH)
-def test_call_sites_of_every_rule_in_every_shape_thorough(case):
-    source, _ = case
+def test_call_sites_of_every_rule_in_mixed_shapes_thorough(source):
     assume(_compiles(source))
     check_port(source)
