@@ -23,6 +23,7 @@ import ast
 import dataclasses
 import functools
 import pathlib
+import types
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from ported_code import reference_torch_attention
-from torch_semantics_reference import flash_attn_ref
+from torch_semantics_reference import flash_attn_ref, sdpa_ref
 
 import flashport.torch
 from flashport import rules as registry
@@ -254,3 +255,147 @@ def test_every_call_of_the_fixtures_with_every_argument_in_one_shape(shape):
 def test_call_sites_of_every_rule_in_mixed_shapes_thorough(source):
     assume(_compiles(source))
     check_port(source)
+
+
+# ---------------------------------------------------------------- the port computes what the original did
+
+
+def _flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn 2.x ``flash_attn_func``, its signature over the float64 stand-in."""
+    assert dropout_p == 0 and alibi_slopes is None and not return_attn_probs
+    return flash_attn_ref(
+        q, k, v, causal=causal, window_size=tuple(window_size), softmax_scale=softmax_scale, softcap=softcap
+    )
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch's ``scaled_dot_product_attention``, its signature over the float64 stand-in."""
+    assert dropout_p == 0
+    return sdpa_ref(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+PROGRAM = """\
+import torch.nn.functional as F
+from flash_attn import flash_attn_func
+
+_fz_flag = True
+
+
+def _fz_id(x):
+    return x
+
+
+def run(q, k, v, mask):
+    return {call}
+"""
+
+# Per API: (callee, positional parameters after q/k/v in signature order, and the values each takes).
+APIS = {
+    "flash_attn_func": (
+        "flash_attn_func",
+        [
+            ("dropout_p", ["0.0"]),
+            ("softmax_scale", ["None", "0.3"]),
+            ("causal", ["True", "False"]),
+            ("window_size", ["(-1, -1)", "(2, 0)", "(1, 2)", "[3, -1]", "(-1, 1)"]),
+            ("softcap", ["0.0", "5.0"]),
+            ("alibi_slopes", ["None"]),
+            ("deterministic", ["False", "True"]),
+        ],
+    ),
+    "sdpa": (
+        "F.scaled_dot_product_attention",
+        [
+            ("attn_mask", ["None", "mask", "mask.logical_not()"]),
+            ("dropout_p", ["0.0"]),
+            ("is_causal", ["False", "True"]),
+            ("scale", ["None", "0.3"]),
+        ],
+    ),
+}
+
+
+@st.composite
+def api_calls(draw, api: str) -> str:
+    """A call of ``api`` with drawn values, some passed by position (in signature order), the
+    rest by keyword, each in drawn shapes (:func:`compose`)."""
+    callee, parameters = APIS[api]
+    chosen = [(name, draw(st.none() | st.sampled_from(values))) for name, values in parameters]
+    if api == "sdpa" and dict(chosen).get("attn_mask") not in (None, "None"):
+        chosen = [
+            (n, "False" if n == "is_causal" and v is not None else v) for n, v in chosen
+        ]  # torch: not both
+    leading = next((i for i, (_, value) in enumerate(chosen) if value is None), len(chosen))
+    by_position = draw(st.integers(0, leading))
+    texts: list[tuple[str | None, str]] = [(None, "q"), (None, "k"), (None, "v")]
+    texts += [(None, value) for _, value in chosen[:by_position]]
+    texts += [(name, value) for name, value in chosen[by_position:] if value is not None]
+    args = draw(arguments(texts))
+    return f"{callee}({args})"
+
+
+def _inputs(api: str):
+    gen = torch.Generator().manual_seed(0)
+    if api == "sdpa":  # BHSD
+        q, k, v = (torch.randn(1, 2, n, 8, generator=gen, dtype=torch.float64) for n in (5, 6, 6))
+    else:  # BSHD, grouped query heads
+        q = torch.randn(1, 5, 4, 8, generator=gen, dtype=torch.float64)
+        k, v = (torch.randn(1, 6, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(5, 6, generator=gen) > 0.3
+    return q, k, v, mask
+
+
+def check_semantics(api: str, call: str) -> None:
+    """Port :data:`PROGRAM` around ``call`` (the general properties: :func:`check_port`); where the
+    call was rewritten, run the original on the stand-ins and the port on the contract's float64
+    reference and compare."""
+    source = PROGRAM.format(call=call)
+    if not _compiles(source):
+        return
+    result = check_port(source)
+    (site,) = [s for s in result.sites if s.kind == "call"]
+    if site.status != REWRITE:
+        return
+    original: dict = {
+        "F": types.SimpleNamespace(scaled_dot_product_attention=_sdpa),
+        "flash_attn_func": _flash_attn_func,
+    }
+    body = "".join(
+        line for line in source.splitlines(keepends=True) if not line.startswith(("import", "from"))
+    )
+    exec(compile(body, "original.py", "exec"), original)
+    ported: dict = {}
+    exec(compile(result.new, "ported.py", "exec"), ported)
+    inputs = _inputs(api)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flashport.torch, "attention", reference_torch_attention)
+        got = ported["run"](*inputs)
+    want = original["run"](*inputs)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-9, err_msg=result.new.decode())
+
+
+@pytest.mark.parametrize("api", sorted(APIS))
+@given(data=st.data())
+@settings(**QUICK)
+def test_ported_calls_compute_what_the_original_did(api, data):
+    check_semantics(api, data.draw(api_calls(api)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", sorted(APIS))
+@given(data=st.data())
+@settings(**THOROUGH)
+def test_ported_calls_compute_what_the_original_did_thorough(api, data):
+    check_semantics(api, data.draw(api_calls(api)))
