@@ -132,7 +132,9 @@ def attention(
         from flashport.kernels import ring_partition
 
         if ring_partition.wanted(query, key):  # sharding known only when partitioning: decide then
-            return ring_partition.attention(query, key, value, backend=backend, return_lse=return_lse, **contract)
+            return ring_partition.attention(
+                query, key, value, backend=backend, return_lse=return_lse, **contract
+            )
     arrays, call = prepare(
         query,
         key,

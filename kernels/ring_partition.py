@@ -188,11 +188,12 @@ def _partitioned(op, kind, *args):
 def _wrapper(op, kind, present, structs):
     """The custom_partitioning op of one static call (cached: the partitioner looks its callbacks up)."""
     x_rule = "b s h d", "b t g d", "b t g e"
-    roles = {"fwd": (*x_rule, "b s", "b t"), "bwd": (*x_rule, "b s", "b t", "b s h e", "b h s", "b s h e", "b h s")}
+    roles = {
+        "fwd": (*x_rule, "b s", "b t"),
+        "bwd": (*x_rule, "b s", "b t", "b s h e", "b h s", "b s h e", "b h s"),
+    }
     if op.layout == "BHSD":  # the same factors, heads before sequence
-        roles = {
-            kind_: tuple(_bhsd(r) for r in rules) for kind_, rules in roles.items()
-        }
+        roles = {kind_: tuple(_bhsd(r) for r in rules) for kind_, rules in roles.items()}
     out_rules = {"fwd": ("b s h e", "b h s"), "bwd": x_rule}
     if op.layout == "BHSD":
         out_rules = {kind_: tuple(_bhsd(r) for r in rules) for kind_, rules in out_rules.items()}
