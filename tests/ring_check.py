@@ -266,7 +266,7 @@ def auto_axes_jit():
         seg_shard = NamedSharding(mesh, P(spec[0], spec[1]))
         ids = {key: contract.pop(key) for key in ("q_segment_ids", "kv_segment_ids") if key in contract}
 
-        def to_layout(x):
+        def to_layout(x, bhsd=bhsd):
             return np.swapaxes(x, 1, 2) if bhsd else x
 
         def loss(q, k, v, d_out, d_lse, ids, contract=contract, layout=layout):
