@@ -71,6 +71,7 @@ class ImportEdits:
     added: list[str]
     removed: list[str]
     kept: list[str]
+    starts: list[int] = dataclasses.field(default_factory=list)  # first lines of its top-level statements
 
 
 def edit_imports(
@@ -86,22 +87,26 @@ def edit_imports(
     each module in ``needed`` (:func:`ensure_imports`, in sorted order) and say why each GPU import
     left stays. ``text``: the rewritten file, ``tree``: ``ast.parse(text)``, ``before``: the
     original file's :func:`name_uses`. The text is parsed again only when the clean-up changed it
-    and an import is added or a GPU import is left (the added imports need no parse: their lines
-    are counted, and no name is read in an import)."""
+    (the added imports need no parse: their lines are counted, and no name is read in an import);
+    ``starts`` gives the first line of each top-level statement of the new text."""
     cleaned, removed = remove_unused(text, before, gpu_modules, tree, version)
-    cleaned_tree = tree if cleaned == text else None
+    cleaned_tree = tree if cleaned == text else ast.parse(cleaned)
     new_text, shift = cleaned, LineShift()
     added: list[str] = []
     modules = sorted(needed)
     if modules:
-        cleaned_tree = cleaned_tree or ast.parse(cleaned)
         new_text, added, shift = ensure_imports(cleaned, modules, newline, cleaned_tree)
     kept: list[str] = []
     if imports_any(new_text, gpu_modules):
-        cleaned_tree = cleaned_tree or ast.parse(cleaned)
         after = name_uses(cleaned_tree)
         kept = kept_imports.explain(cleaned_tree, before, after, gpu_modules, version, shift)
-    return ImportEdits(new_text, added, removed, kept)
+    starts = [shift(_first_line(node)) for node in cleaned_tree.body]
+    return ImportEdits(new_text, added, removed, kept, starts)
+
+
+def _first_line(node: ast.stmt) -> int:
+    """The first line of a statement, its decorators included."""
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
 
 
 def imports_any(text: str, modules: tuple[str, ...]) -> bool:
