@@ -40,6 +40,7 @@ import os
 import re
 from collections.abc import Iterable
 
+from flashport.rewriter.writes import read_regular
 from flashport.rules.base import Outcome, Patch, Refusal, Rewrite, RuleOptions
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
@@ -70,8 +71,7 @@ def for_paths(paths: Iterable[str], options: RuleOptions) -> RuleOptions:
     found: list[Patch] = []
     for path in paths:
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
+            data = read_regular(path)  # never blocks on a FIFO
         except OSError:
             continue
         patches = find_patches(data, path)
