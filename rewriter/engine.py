@@ -262,10 +262,7 @@ def check_compiles(text: str, path: str, starts: Sequence[int] | None = None) ->
     still an error; the error's line numbers are the file's.
     """
     if starts is None:
-        starts = [
-            min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", [])])
-            for n in ast.parse(text, filename=path).body
-        ]
+        starts = [src.first_line(n) for n in ast.parse(text, filename=path).body]
     lines = src.split_lines(text)
     cuts = [1, *starts[_COMPILE_GROUP::_COMPILE_GROUP], len(lines) + 1]
     for first, end in itertools.pairwise(cuts):

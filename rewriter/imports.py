@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import libcst as cst
 
 from flashport.rewriter import astindex, dead_imports, drop_in_imports, kept_imports
-from flashport.rewriter.source import split_lines
+from flashport.rewriter.source import first_line, split_lines
 
 
 def name_uses(tree: ast.AST) -> collections.Counter:
@@ -100,13 +100,8 @@ def edit_imports(
     if imports_any(new_text, gpu_modules):
         after = name_uses(cleaned_tree)
         kept = kept_imports.explain(cleaned_tree, before, after, gpu_modules, version, shift)
-    starts = [shift(_first_line(node)) for node in cleaned_tree.body]
+    starts = [shift(first_line(node)) for node in cleaned_tree.body]
     return ImportEdits(new_text, added, removed, kept, starts)
-
-
-def _first_line(node: ast.stmt) -> int:
-    """The first line of a statement, its decorators included."""
-    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
 
 
 def imports_any(text: str, modules: tuple[str, ...]) -> bool:
@@ -333,7 +328,7 @@ def _leading_statement(body: list[ast.stmt]) -> int:
             and isinstance(node.value.value, str)
         )
         if not docstring and not _is_future(node):
-            return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            return first_line(node)
     return 0
 
 
@@ -366,7 +361,7 @@ def _after_header(layout: _Layout, statement: str, module: str, newline: str) ->
         layout.insert(last_line, above + statement + newline * gap, module)
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
-        at = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        at = first_line(node) - 1
         layout.insert(at, statement + newline * _gap_below(lines, at, node), module)
         if not any(line.strip() for line in lines[:at]):
             del lines[:at]  # only blank lines above (left by removed imports): the import leads the file
@@ -387,7 +382,7 @@ def _gap_below(lines: list[str], line: int, following: ast.stmt | None) -> int:
         return 0
     first = None
     if following is not None:
-        first = min([following.lineno] + [d.lineno for d in getattr(following, "decorator_list", [])])
+        first = first_line(following)
     definition = isinstance(following, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
     wanted = 2 if definition and first == line + blank + 1 else 1
     return max(0, wanted - blank)
