@@ -27,6 +27,16 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    with libcst), or the file is reported as an error and left alone.
 
 Rules are instantiated afresh for every file.
+
+**Reference mode** (``transform_source(..., reference=True)``, or the environment variable
+``FLASHPORT_REFERENCE=1``) turns every speed layer off: every chunk is kept (no
+:mod:`~flashport.rewriter.prune`), there is no thin pass (:mod:`~flashport.rewriter.thin`), the mini
+module is parsed in one piece by ``cst.parse_module`` (no :mod:`~flashport.rewriter.pieces`), names
+come from libcst's ``ScopeProvider``/qualified names alone (no :mod:`~flashport.rewriter.names`),
+positions from libcst's ``PositionProvider`` (no :mod:`~flashport.rewriter.positions` or
+:mod:`~flashport.rewriter.spans`), the traversal visits every statement (no ``relevant`` skip) and
+the whole mini module is rendered and spliced chunk by chunk. Its output bytes and per-site results
+must equal the fast mode's (``tests/test_reference_mode.py``); a difference is a speed-layer bug.
 """
 
 from __future__ import annotations
@@ -37,13 +47,14 @@ import dataclasses
 import functools
 import gc
 import itertools
+import os
 import re
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from flashport.rewriter import astindex, newsyntax, prune, run_context, suppress, thin
 from flashport.rewriter import imports as import_edits
@@ -71,6 +82,7 @@ def transform_source(
     options: RuleOptions | None = None,
     pattern: re.Pattern[bytes] | None = None,
     skip: dict[int, frozenset[str]] | None = None,
+    reference: bool | None = None,
 ) -> FileResult:
     """Find and rewrite GPU attention sites in one file's bytes.
 
@@ -82,11 +94,15 @@ def transform_source(
       pattern: a precompiled :func:`trigger_pattern` (computed when omitted).
       skip: extra suppressions, 1-based line -> rule codes, merged with the file's
         ``# flashport: ignore`` comments (the interactive review leaves declined sites this way).
+      reference: run with every speed layer off (module docstring); None: the environment
+        variable ``FLASHPORT_REFERENCE`` (set and not ``0``) decides.
 
     Returns:
       A :class:`FileResult`; ``new`` holds the rewritten bytes when something changed.
     """
     options = options or RuleOptions()
+    if reference is None:
+        reference = reference_mode()
     pattern = pattern or trigger_pattern(rules)
     result = FileResult(path, size=len(data))
     if not pattern.search(data):
@@ -106,7 +122,18 @@ def transform_source(
     gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
     try:
         return _as_done(
-            _transform(result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks)
+            _transform(
+                result,
+                data,
+                text,
+                encoding,
+                tree,
+                [rule() for rule in rules],
+                options,
+                skip,
+                masks,
+                reference,
+            )
         )
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
@@ -114,6 +141,11 @@ def transform_source(
     finally:
         if collecting:
             gc.enable()
+
+
+def reference_mode() -> bool:
+    """Whether the environment asks for the reference mode (``FLASHPORT_REFERENCE`` set, not ``0``)."""
+    return os.environ.get("FLASHPORT_REFERENCE", "0") not in ("", "0")
 
 
 def _as_done(result: FileResult) -> FileResult:
@@ -191,6 +223,7 @@ def _transform(
     options: RuleOptions,
     skip: dict[int, frozenset[str]] | None = None,
     masks: dict[str, str] | None = None,
+    reference: bool = False,
 ) -> FileResult:
     lines = src.split_lines(text)
     units = src.top_level_units(tree)
@@ -200,14 +233,19 @@ def _transform(
         table[line] = table.get(line, frozenset()) | frozenset(codes)
     newline = src.newline_of(lines)
     text_pattern, attributes = _site_pattern(tree, units, header_units, rules)
-    chunks, chunk_ids = _select_chunks(tree, units, lines, rules, text_pattern, attributes)
+    chunks, chunk_ids = _select_chunks(
+        tree, units, lines, rules, text_pattern, attributes, prune_chunks=not reference
+    )
     if not chunks:
         return result
     mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
-    relevant = _relevant_pattern(tree, text_pattern, rules)
-    ported = _thin_pass(result, lines, tree, mini, rules, options, table, relevant, attributes)
-    if ported is None:
-        ported = _port(result, lines, tree, mini, rules, options, table, relevant)
+    if reference:
+        ported = _port(result, lines, tree, mini, rules, options, table, None, reference=True)
+    else:
+        relevant = _relevant_pattern(tree, text_pattern, rules)
+        ported = _thin_pass(result, lines, tree, mini, rules, options, table, relevant, attributes)
+        if ported is None:
+            ported = _port(result, lines, tree, mini, rules, options, table, relevant)
     if ported is None:
         raise RuntimeError("the pass over the whole chunks was given up")  # only a thin one can be
     transformer, replacements = ported
@@ -316,11 +354,14 @@ def _select_chunks(
     rules: list[Rule],
     text_pattern: re.Pattern[str],
     attributes: frozenset[str],
+    prune_chunks: bool = True,
 ) -> tuple[list[src.Unit], set[int]]:
-    """The units to parse (after pruning) and the ids of every unit that mentions a site name
-    (before pruning: the header stays as it was)."""
+    """The units to parse (after pruning, unless ``prune_chunks`` is off) and the ids of every unit that
+    mentions a site name (before pruning: the header stays as it was)."""
     chunks = list(_chunks(units, lines, text_pattern))
     chunk_ids = {id(c.parent or c) for c in chunks}
+    if not prune_chunks:
+        return chunks, chunk_ids
     watch = _watch(rules, attributes)
     flags = prune.keep([c.nodes for c in chunks], tree, watch)
     return [c for c, kept in zip(chunks, flags, strict=False) if kept], chunk_ids
@@ -450,22 +491,24 @@ def _port(
     table: dict[int, frozenset[str]],
     relevant: re.Pattern[str] | None,
     watch: bool = False,
+    reference: bool = False,
 ) -> tuple[SiteTransformer, list[tuple[int, int, str]]] | None:
     """The transformer of :func:`_run_rules` and the ``(first, last line, text)`` replacements
     of the statements it changed. ``watch``: ``mini`` holds thin chunks; None when that pass may
     have seen a placeholder (a rule read above a site's statement or the module, the scope
-    analysis ran, or a change cannot be placed statement by statement)."""
+    analysis ran, or a change cannot be placed statement by statement). ``reference``: the
+    reference mode (module docstring)."""
     try:
         transformer, new_module, spans, beyond = _run_rules(
-            result, mini, tree, rules, options, table, relevant, watch
+            result, mini, tree, rules, options, table, relevant, watch, reference
         )
     except thin.Abandoned:
         return None
-    if watch and (beyond or spans.failed or transformer.whole):
+    if watch and (beyond or spans is None or spans.failed or transformer.whole):
         return None
     if not transformer.rewrites:
         return transformer, []
-    spliced = _spliced(transformer, spans, mini, lines)
+    spliced = None if spans is None else _spliced(transformer, spans, mini, lines)
     if spliced is not None:
         return transformer, spliced
     if watch:
@@ -482,18 +525,27 @@ def _run_rules(
     table: dict[int, frozenset[str]],
     relevant: re.Pattern[str] | None = None,
     watch: bool = False,
-) -> tuple[SiteTransformer, cst.Module, StatementSpans, bool]:
+    reference: bool = False,
+) -> tuple[SiteTransformer, cst.Module, StatementSpans | None, bool]:
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
     every site's final status and may veto its rewrites, and a rewrite whose required calls
     (``Rewrite.requires``) did not all end rewritten is vetoed; the pass is redone with the vetoes
     (reusing the parse and the metadata) until none is added. Returns the transformer, the new
     module, the statement spans (positions are rendered per statement,
-    :mod:`~flashport.rewriter.spans`) and, with ``watch`` (thin chunks), whether a pass read beyond
-    the sites' statements."""
-    module = mini_parse.parse(mini.pieces)
+    :mod:`~flashport.rewriter.spans`; None in the reference mode) and, with ``watch`` (thin chunks),
+    whether a pass read beyond the sites' statements."""
+    module = cst.parse_module(mini.source) if reference else mini_parse.parse(mini.pieces)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    names = mini.names(tree, rules)
-    spans = StatementSpans(module, src.split_lines(mini.source), mini.ordered, mini.line_map)
+    if reference:  # libcst's own analyses only
+        names, spans = None, None
+        positions = {
+            node: ((r.start.line, r.start.column), (r.end.line, r.end.column))
+            for node, r in wrapper.resolve(PositionProvider).items()
+        }
+    else:
+        names = mini.names(tree, rules)
+        spans = StatementSpans(module, src.split_lines(mini.source), mini.ordered, mini.line_map)
+        positions = None
     transformer_for = functools.partial(
         SiteTransformer,
         rules,
@@ -506,6 +558,7 @@ def _run_rules(
         relevant=relevant,
         wrapper=wrapper,
         names=names,
+        positions=positions,
         spans=spans,
         tree=tree,
         watch_reads=watch,

@@ -145,8 +145,9 @@ def _ending(line: str) -> str:
 
 
 class Abandoned(Exception):
-    """Raised in a thin pass at the first read that a placeholder may answer (the engine then
-    parses the whole chunks)."""
+    """Raised in a thin pass once a rule has returned after a read that a placeholder may answer
+    (the engine then parses the whole chunks). Never raised through rule code: the watchers below
+    only record the read (a rule's own ``except Exception`` could swallow an exception)."""
 
 
 class Watched(tuple):
