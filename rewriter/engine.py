@@ -244,7 +244,8 @@ def _transform(
     else:
         relevant = _relevant_pattern(tree, text_pattern, rules)
         ported = _thin_pass(result, lines, tree, mini, rules, options, table, relevant, attributes)
-        if ported is None:
+        if ported is None:  # rules afresh: a given-up thin pass leaves no state in them
+            rules = [type(rule)() for rule in rules]
             ported = _port(result, lines, tree, mini, rules, options, table, relevant)
     if ported is None:
         raise RuntimeError("the pass over the whole chunks was given up")  # only a thin one can be

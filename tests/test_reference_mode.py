@@ -1,0 +1,175 @@
+"""The reference mode (:func:`flashport.rewriter.engine.transform_source` with ``reference=True``,
+or ``FLASHPORT_REFERENCE=1``) runs with every speed layer off; the fast mode must give the same
+bytes and the same per-site results on every golden fixture, every example and (slow tier) the
+real-repository corpus. A difference is a bug in a speed layer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import textwrap
+from typing import ClassVar
+
+import libcst as cst
+import pytest
+
+from flashport import rules as registry
+from flashport.rewriter import engine, transform
+from flashport.rewriter.results import FileResult
+from flashport.rules.base import Rewrite, Rule, RuleContext, RuleOptions
+
+RULES = registry.all_rules()
+ROOT = pathlib.Path(__file__).parent
+INPUTS = sorted((ROOT / "fixtures").glob("*/*/*.py")) + sorted((ROOT.parent / "examples").glob("*.py"))
+
+
+def outcome(result: FileResult) -> dict:
+    """Everything a run reports about one file: bytes, status, sites and import edits."""
+    return {
+        "status": result.status,
+        "error": result.error,
+        "new": result.new,
+        "sites": [dataclasses.astuple(site) for site in result.sites],
+        "imports_added": list(result.imports_added),
+        "imports_removed": result.imports_removed,
+        "imports_kept": result.imports_kept,
+    }
+
+
+def both_modes(data: bytes, path: str, rules=RULES, options: RuleOptions | None = None) -> tuple[dict, dict]:
+    """The outcomes of the fast and the reference mode on ``data``."""
+    fast = engine.transform_source(data, path, rules, options, reference=False)
+    reference = engine.transform_source(data, path, rules, options, reference=True)
+    return outcome(fast), outcome(reference)
+
+
+def variants(data: bytes) -> list[tuple[str, bytes]]:
+    """``data`` as written, and with CRLF line endings (a different newline for every layer)."""
+    crlf = data.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
+    return [("lf", data), ("crlf", crlf)]
+
+
+@pytest.mark.parametrize("case", INPUTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_fixtures_and_examples_same_in_both_modes(case: pathlib.Path):
+    for name, data in variants(case.read_bytes()):
+        fast, reference = both_modes(data, case.name)
+        assert fast == reference, name
+    assert fast["sites"] or case.stem.startswith("no_change") or case.parent.name == "examples"
+
+
+def test_reference_mode_uses_no_speed_layer(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a speed layer ran in the reference mode")
+
+    for owner, name in [
+        (engine.prune, "keep"),
+        (engine, "_thin_pass"),
+        (engine, "_relevant_pattern"),
+        (engine, "_spliced"),
+        (engine.mini_parse, "parse"),
+        (engine, "Names"),
+        (engine, "StatementSpans"),
+        (transform, "line_positions"),
+    ]:
+        monkeypatch.setattr(owner, name, forbidden)
+    data = (ROOT.parent / "examples" / "torch_flash_attn_model.py").read_bytes()
+    result = engine.transform_source(data, "model.py", RULES, reference=True)
+    assert result.status == "changed" and result.sites, result.error
+
+
+def test_environment_variable_selects_the_reference_mode(monkeypatch):
+    monkeypatch.setenv("FLASHPORT_REFERENCE", "1")
+    assert engine.reference_mode()
+    monkeypatch.setenv("FLASHPORT_REFERENCE", "0")
+    assert not engine.reference_mode()
+    monkeypatch.delenv("FLASHPORT_REFERENCE")
+    assert not engine.reference_mode()
+
+
+# A function long enough for the thin pass (its setup statements mention nothing relevant): a rule
+# reading the enclosing function sees placeholders there unless the engine gives that pass up.
+_LONG_FUNCTION = textwrap.dedent("""\
+    from flash_attn import flash_attn_func
+
+    def forward(q, k, v):
+        a = torch.randn(2, 3)
+        b = torch.randn(2, 3)
+        c = torch.randn(2, 3)
+        d = torch.randn(2, 3)
+        e = torch.randn(2, 3)
+        marker_statement_the_rule_looks_for = 1
+        f = torch.randn(2, 3)
+        g = torch.randn(2, 3)
+        h = torch.randn(2, 3)
+        return flash_attn_func(q, k, v)
+""")
+
+
+class _Swallowing(Rule):
+    """Reads the whole enclosing function (beyond the site's statement) inside a broad
+    ``except Exception`` that logs what it swallowed (``SWALLOWED``: a side effect outside the
+    rule, like a warning), and counts its calls on the instance: its notes say what it saw."""
+
+    SWALLOWED: ClassVar[list[str]] = []
+
+    CODE = "FPA990"
+    SOURCES = ("flash_attn.flash_attn_func",)
+    TRIGGERS = (b"flash_attn_func",)
+
+    def __init__(self):
+        self.calls = 0
+
+    def check_call(self, node, ctx: RuleContext):
+        """A rewrite noting whether the marker statement was seen, and the counts."""
+        self.calls += 1
+        try:
+            seen = any("marker_statement" in ctx.module.code_for_node(a) for a in ctx.ancestors)
+        except Exception as err:  # noqa: BLE001 - the point of the test: a rule that swallows everything
+            self.SWALLOWED.append(repr(err))
+            seen = False
+        notes = (f"seen: {seen}", f"calls: {self.calls}")
+        return Rewrite(node.with_changes(func=cst.Name("ported")), imports=(), notes=notes)
+
+
+def test_thin_pass_is_safe_against_rules_catching_exception():
+    data = _LONG_FUNCTION.encode()
+    thinned = []
+    real = engine._thin_pass
+
+    def thin_pass(*args):
+        thinned.append(real(*args))
+        return thinned[-1]
+
+    with pytest.MonkeyPatch.context() as patch:  # the thin pass is tried here, and given up
+        patch.setattr(engine, "_thin_pass", thin_pass)
+        fast, reference = both_modes(data, "m.py", [_Swallowing])
+    assert thinned == [None]
+    assert _Swallowing.SWALLOWED == []  # nothing was raised through the rule
+    notes = [site[-1] for site in fast["sites"]]
+    assert notes == [("seen: True", "calls: 1")], notes  # a fresh rule for the whole chunks
+    assert fast == reference
+
+
+def _corpus_files() -> list[pathlib.Path]:
+    """Every ``.py`` file of the cached real-repository corpus (benchmarks/real_repos.py)."""
+    base = os.environ.get("FLASHPORT_BENCH_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "flashport-bench"
+    )
+    return sorted(pathlib.Path(base, "real_repos").rglob("*.py"))
+
+
+@pytest.mark.slow
+def test_real_repository_corpus_same_in_both_modes():
+    files = _corpus_files()
+    assert files, "the real-repository corpus is not cached: run python -m benchmarks.real_repos first"
+    pattern = engine.trigger_pattern(RULES)
+    differ = []
+    for path in files:
+        data = path.read_bytes()
+        if not pattern.search(data):
+            continue
+        fast, reference = both_modes(data, str(path))
+        if fast != reference:
+            differ.append(str(path))
+    assert not differ, differ
