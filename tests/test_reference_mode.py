@@ -6,8 +6,10 @@ real-repository corpus. A difference is a bug in a speed layer."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import pathlib
+import sys
 import textwrap
 from typing import ClassVar
 
@@ -15,7 +17,7 @@ import libcst as cst
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import engine, transform
+from flashport.rewriter import engine, run_context, transform
 from flashport.rewriter.results import FileResult
 from flashport.rules.base import Rewrite, Rule, RuleContext, RuleOptions
 
@@ -151,25 +153,39 @@ def test_thin_pass_is_safe_against_rules_catching_exception():
     assert fast == reference
 
 
-def _corpus_files() -> list[pathlib.Path]:
-    """Every ``.py`` file of the cached real-repository corpus (benchmarks/real_repos.py)."""
-    base = os.environ.get("FLASHPORT_BENCH_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "flashport-bench"
+def _real_repos():
+    """benchmarks/real_repos.py, loaded as a module (its pinned packages and fetcher)."""
+    sys.path.insert(0, str(ROOT.parent / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "flashport_real_repos", ROOT.parent / "benchmarks" / "real_repos.py"
     )
-    return sorted(pathlib.Path(base, "real_repos").rglob("*.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["flashport_real_repos"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def package_differences(root: str) -> list[str]:
+    """The files under ``root`` whose outcome differs between the modes, with the run-level
+    context the CLI builds (run-time patches found in the package)."""
+    paths = sorted(str(p) for p in pathlib.Path(root).rglob("*.py"))
+    options = run_context.for_paths(paths, RuleOptions())
+    pattern = engine.trigger_pattern(RULES)
+    differ = []
+    for path in paths:
+        data = pathlib.Path(path).read_bytes()
+        if pattern.search(data):
+            fast, reference = both_modes(data, path, RULES, options)
+            if fast != reference:
+                differ.append(path)
+    return differ
 
 
 @pytest.mark.slow
-def test_real_repository_corpus_same_in_both_modes():
-    files = _corpus_files()
-    assert files, "the real-repository corpus is not cached: run python -m benchmarks.real_repos first"
-    pattern = engine.trigger_pattern(RULES)
-    differ = []
-    for path in files:
-        data = path.read_bytes()
-        if not pattern.search(data):
-            continue
-        fast, reference = both_modes(data, str(path))
-        if fast != reference:
-            differ.append(str(path))
-    assert not differ, differ
+@pytest.mark.parametrize("package", [f"{n}=={v}" for n, v in _real_repos().PACKAGES])
+def test_real_repository_corpus_same_in_both_modes(package: str):
+    bench = _real_repos()
+    name, version = package.split("==")
+    cache = os.path.join(os.path.dirname(bench.corpus.cache_dir()), "real_repos")
+    root = bench.corpus.fetch(name, version, cache)  # no network and no cache: an error, not a skip
+    assert package_differences(root) == []
