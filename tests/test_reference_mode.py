@@ -15,6 +15,8 @@ from typing import ClassVar
 
 import libcst as cst
 import pytest
+import test_codemod_fuzz as fuzz
+from hypothesis import given, settings
 
 from flashport import rules as registry
 from flashport.rewriter import engine, run_context, transform
@@ -58,6 +60,21 @@ def test_fixtures_and_examples_same_in_both_modes(case: pathlib.Path):
         fast, reference = both_modes(data, case.name)
         assert fast == reference, name
     assert fast["sites"] or case.stem.startswith("no_change") or case.parent.name == "examples"
+
+
+@given(fuzz.fixture_variants())
+@settings(**fuzz.QUICK)
+def test_fuzzed_call_sites_same_in_both_modes(source):
+    fast, reference = both_modes(source.encode(), "case.py")
+    assert fast == reference
+
+
+@pytest.mark.slow
+@given(fuzz.fixture_variants())
+@settings(**fuzz.THOROUGH)
+def test_fuzzed_call_sites_same_in_both_modes_thorough(source):
+    fast, reference = both_modes(source.encode(), "case.py")
+    assert fast == reference
 
 
 def test_reference_mode_uses_no_speed_layer(monkeypatch):
