@@ -18,7 +18,9 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    not all end rewritten is vetoed (the pass is redone with them refused, until no veto is added).
    Where most of the chunks' text mentions nothing relevant (long test functions), a first pass
    parses them thin, those statements as placeholders (:mod:`~flashport.rewriter.thin`), and is
-   given up for the whole chunks at the first read a placeholder could answer.
+   given up for the whole chunks after a rule's read a placeholder could answer; a pass over
+   pruned chunks (:mod:`~flashport.rewriter.prune`) is redone over every chunk when a rule read
+   the module. Both reads are recorded, never raised through rule code.
 4. Splice rewritten statement texts into the original lines (everything else is byte-identical):
    each changed statement rendered alone where :mod:`~flashport.rewriter.spans` can place it (the
    same statements give the sites their positions), else every changed chunk from a render of the
@@ -233,9 +235,8 @@ def _transform(
         table[line] = table.get(line, frozenset()) | frozenset(codes)
     newline = src.newline_of(lines)
     text_pattern, attributes = _site_pattern(tree, units, header_units, rules)
-    chunks, chunk_ids = _select_chunks(
-        tree, units, lines, rules, text_pattern, attributes, prune_chunks=not reference
-    )
+    every, chunk_ids = _select_chunks(units, lines, text_pattern)
+    chunks = every if reference else _pruned(every, tree, rules, attributes)
     if not chunks:
         return result
     mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
@@ -244,11 +245,16 @@ def _transform(
     else:
         relevant = _relevant_pattern(tree, text_pattern, rules)
         ported = _thin_pass(result, lines, tree, mini, rules, options, table, relevant, attributes)
-        if ported is None:  # rules afresh: a given-up thin pass leaves no state in them
+        if ported is None:  # rules afresh: a given-up pass leaves no state in them
             rules = [type(rule)() for rule in rules]
+            pruned = len(chunks) < len(every)
+            ported = _port(result, lines, tree, mini, rules, options, table, relevant, watch_module=pruned)
+        if ported is None:  # a rule read the module, which pruning left incomplete: every chunk
+            rules = [type(rule)() for rule in rules]
+            mini = _mini_module(lines, header_units, every, chunk_ids, newline)
             ported = _port(result, lines, tree, mini, rules, options, table, relevant)
     if ported is None:
-        raise RuntimeError("the pass over the whole chunks was given up")  # only a thin one can be
+        raise RuntimeError("the pass over every chunk was given up")  # only a watched one can be
     transformer, replacements = ported
     result.sites.extend(transformer.sites)
     result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
@@ -349,23 +355,20 @@ def _site_pattern(
 
 
 def _select_chunks(
-    tree: ast.Module,
-    units: list[src.Unit],
-    lines: list[str],
-    rules: list[Rule],
-    text_pattern: re.Pattern[str],
-    attributes: frozenset[str],
-    prune_chunks: bool = True,
+    units: list[src.Unit], lines: list[str], text_pattern: re.Pattern[str]
 ) -> tuple[list[src.Unit], set[int]]:
-    """The units to parse (after pruning, unless ``prune_chunks`` is off) and the ids of every unit that
-    mentions a site name (before pruning: the header stays as it was)."""
+    """The units that mention a site name (:func:`_chunks`) and their ids (the header leaves them
+    out, pruned or not)."""
     chunks = list(_chunks(units, lines, text_pattern))
-    chunk_ids = {id(c.parent or c) for c in chunks}
-    if not prune_chunks:
-        return chunks, chunk_ids
-    watch = _watch(rules, attributes)
-    flags = prune.keep([c.nodes for c in chunks], tree, watch)
-    return [c for c, kept in zip(chunks, flags, strict=False) if kept], chunk_ids
+    return chunks, {id(c.parent or c) for c in chunks}
+
+
+def _pruned(
+    chunks: list[src.Unit], tree: ast.Module, rules: list[Rule], attributes: frozenset[str]
+) -> list[src.Unit]:
+    """The ``chunks`` that :func:`~flashport.rewriter.prune.keep` keeps."""
+    flags = prune.keep([c.nodes for c in chunks], tree, _watch(rules, attributes))
+    return [c for c, kept in zip(chunks, flags, strict=False) if kept]
 
 
 def _watch(rules: list[Rule], attributes: frozenset[str]) -> prune.Watch:
@@ -493,15 +496,17 @@ def _port(
     relevant: re.Pattern[str] | None,
     watch: bool = False,
     reference: bool = False,
+    watch_module: bool = False,
 ) -> tuple[SiteTransformer, list[tuple[int, int, str]]] | None:
     """The transformer of :func:`_run_rules` and the ``(first, last line, text)`` replacements
     of the statements it changed. ``watch``: ``mini`` holds thin chunks; None when that pass may
     have seen a placeholder (a rule read above a site's statement or the module, the scope
-    analysis ran, or a change cannot be placed statement by statement). ``reference``: the
-    reference mode (module docstring)."""
+    analysis ran, or a change cannot be placed statement by statement). ``watch_module``: ``mini``
+    holds pruned chunks; None when a rule read the module. ``reference``: the reference mode
+    (module docstring)."""
     try:
         transformer, new_module, spans, beyond = _run_rules(
-            result, mini, tree, rules, options, table, relevant, watch, reference
+            result, mini, tree, rules, options, table, relevant, watch, reference, watch_module
         )
     except thin.Abandoned:
         return None
@@ -527,6 +532,7 @@ def _run_rules(
     relevant: re.Pattern[str] | None = None,
     watch: bool = False,
     reference: bool = False,
+    watch_module: bool = False,
 ) -> tuple[SiteTransformer, cst.Module, StatementSpans | None, bool]:
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
     every site's final status and may veto its rewrites, and a rewrite whose required calls
@@ -563,6 +569,7 @@ def _run_rules(
         spans=spans,
         tree=tree,
         watch_reads=watch,
+        watch_module=watch_module,
     )
     transformer = transformer_for()
     new_module = module.visit(transformer)

@@ -210,7 +210,8 @@ for _name in (
 
 class WatchedContext(RuleContext):
     """A :class:`~flashport.rules.base.RuleContext` whose ``module`` read is noted (through its
-    :class:`Watched` ancestors): the module of a thin pass holds placeholders."""
+    :class:`Watched` ancestors): the module of a thin pass holds placeholders, that of a pruned pass
+    leaves chunks out."""
 
     def __getattribute__(self, name: str):
         """Attribute access; ``module`` is noted."""

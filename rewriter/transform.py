@@ -144,11 +144,14 @@ class SiteTransformer(cst.CSTTransformer):
         site_vetoes: Mapping[tuple[str, int, int], str] | None = None,
         tree: ast.Module | None = None,
         watch_reads: bool = False,
+        watch_module: bool = False,
     ):
         super().__init__()
         # a thin pass: rules get watched ancestors, and ``read_beyond`` says whether one read
-        # above the site's innermost statement or the module (rewriter/thin.py)
+        # above the site's innermost statement or the module (rewriter/thin.py); a pass over pruned
+        # chunks (rewriter/prune.py): whether one read the module
         self.watch_reads = watch_reads
+        self.watch_module = watch_module
         self.read_beyond = False
         self._spans = spans if spans is not None and not spans.failed and positions is None else None
         if self._spans is None:
@@ -418,6 +421,9 @@ class SiteTransformer(cst.CSTTransformer):
                 -1 if statement else next((i for i, a in enumerate(ancestors) if type(a) in _STATEMENTS), -1)
             )
             ancestors, kind = thin.Watched(ancestors, limit, self._note_read), thin.WatchedContext
+        elif self.watch_module:  # pruned chunks: note reads of the module (its last ancestor)
+            ancestors = thin.Watched(ancestors, len(ancestors) - 2, self._note_read)
+            kind = thin.WatchedContext
         return kind(
             self.path,
             line,
@@ -431,9 +437,9 @@ class SiteTransformer(cst.CSTTransformer):
         )
 
     def _note_read(self) -> None:
-        """A rule read beyond the site's innermost statement (see ``watch_reads``): only recorded
-        here, in rule code (a rule's own ``except Exception`` must not swallow it); :meth:`_ask`
-        gives the thin pass up once the rule has returned."""
+        """A rule read beyond what a watched pass holds whole (``watch_reads``, ``watch_module``):
+        only recorded here, in rule code (a rule's own ``except Exception`` must not swallow it);
+        :meth:`_ask` gives the pass up once the rule has returned."""
         self.read_beyond = True
 
     def _ask(self, check: Callable[..., Outcome], *args: Any) -> Outcome:

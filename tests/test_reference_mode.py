@@ -170,6 +170,37 @@ def test_thin_pass_is_safe_against_rules_catching_exception():
     assert fast == reference
 
 
+_TWO_FUNCTIONS = textwrap.dedent("""\
+    from flash_attn import flash_attn_func
+
+    def forward(q, k, v):
+        return flash_attn_func(q, k, v)
+
+    def helper():
+        return is_flash_attn_available()
+""")
+
+
+class _ModuleReader(Rule):
+    """Reads the whole module (the chunk of ``helper`` holds no site, so pruning leaves it out)."""
+
+    CODE = "FPA991"
+    SOURCES = ("flash_attn.flash_attn_func",)
+    TRIGGERS = (b"flash_attn",)
+
+    def check_call(self, node, ctx: RuleContext):
+        """A rewrite noting whether the module holds ``helper``."""
+        seen = "def helper" in ctx.module.code
+        return Rewrite(node.with_changes(func=cst.Name("ported")), imports=(), notes=(f"helper: {seen}",))
+
+
+def test_a_rule_reading_the_module_sees_the_chunks_pruning_leaves_out():
+    data = _TWO_FUNCTIONS.encode()
+    fast, reference = both_modes(data, "m.py", [_ModuleReader])
+    assert [site[-1] for site in fast["sites"]] == [("helper: True",)]
+    assert fast == reference
+
+
 def _real_repos():
     """benchmarks/real_repos.py, loaded as a module (its pinned packages and fetcher)."""
     sys.path.insert(0, str(ROOT.parent / "benchmarks"))
