@@ -70,8 +70,14 @@ def attention(query, key, value, *, backend, return_lse, **contract):
     if q_seg is not None:
         q_seg, kv_seg = jnp.broadcast_to(q_seg, (b, sq)), jnp.broadcast_to(kv_seg, (b, sk))
     op = _Op(call, backend, layout)
-    out, lse = _attention(op, q, k, v, q_seg, kv_seg)
+    # Without return_lse a forward that no gradient follows may skip writing the lse (spec.lse_used).
+    primal = op if return_lse else dataclasses.replace(op, call=_without_lse(call))
+    out, lse = _attention(primal, op, q, k, v, q_seg, kv_seg)
     return (out, lse) if return_lse else out
+
+
+def _without_lse(call: api.Call) -> api.Call:
+    return dataclasses.replace(call, features=call.features - {"return_lse"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,13 +162,16 @@ class _Op:
         return ring.mesh_axes(mesh, specs[0], specs[1], shapes[0], shapes[1], self.layout)
 
 
-def _attention(op, q, k, v, q_seg, kv_seg):
+def _attention(primal, op, q, k, v, q_seg, kv_seg):
+    """``(out, lse)``: ``primal`` runs when nothing is differentiated, ``op`` (with its lse) and the
+    residual backward otherwise."""
+
     @jax.custom_vjp
     def core(q, k, v, q_seg, kv_seg):
-        return _partitioned(op, "fwd", q, k, v, q_seg, kv_seg)
+        return _partitioned(primal, "fwd", q, k, v, q_seg, kv_seg)
 
     def core_fwd(q, k, v, q_seg, kv_seg):
-        out, lse = core(q, k, v, q_seg, kv_seg)
+        out, lse = _partitioned(op, "fwd", q, k, v, q_seg, kv_seg)
         return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
     def core_bwd(res, cotangents):

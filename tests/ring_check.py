@@ -290,6 +290,17 @@ def auto_axes_jit():
         np.testing.assert_allclose(np.asarray(lse, np.float64)[fin], want_lse[fin], atol=2e-5)
         for g, w in zip(grads, want_g, strict=True):
             np.testing.assert_allclose(to_layout(np.asarray(g, np.float64)), w, atol=1e-4)
+        # inference (no gradient, no lse asked): the primal path of the partitioned op
+        infer = jax.jit(
+            lambda q, k, v, ids, contract=contract, layout=layout: flashport.attention(
+                q, k, v, layout=layout, **contract, **ids
+            ),
+            in_shardings=(x_shard,) * 3 + ({key: seg_shard for key in ids},),
+        )
+        hlo = infer.lower(*args[:3], args[-1]).compile().as_text()
+        assert "all-gather" not in hlo and ("collective-permute" in hlo) is ring_expected, (mshape, spec)
+        out = infer(*args[:3], args[-1])
+        np.testing.assert_allclose(to_layout(np.asarray(out, np.float64)), want_out, atol=2e-5)
     print("auto_axes_jit ok", flush=True)
 
 
