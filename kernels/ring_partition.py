@@ -17,8 +17,9 @@ is the residual backward from the forward's ``out`` and ``lse`` (the ring backwa
 :func:`~flashport.kernels.backward.flashport_attention_backward`), so nothing is recomputed.
 
 With one device, or inside a ``shard_map`` over every mesh axis, the wrapper lowers to the plain
-call. ``custom_partitioning`` has no batching rule, so :func:`wanted` leaves batched (``vmap``)
-calls on the plain path.
+call. ``custom_partitioning`` has no batching rule: under ``vmap`` the mapped axis is folded into
+the batch dim (:func:`_batchable`); a call whose own arguments are batched tracers stays on the
+plain path (:func:`wanted`).
 """
 
 from __future__ import annotations
@@ -188,9 +189,35 @@ def _partitioned(op, kind, *args):
     """Run ``kind`` (``"fwd"``: q, k, v, q_seg, kv_seg -> out, lse; ``"bwd"``: those, out, lse,
     d_out, d_lse -> dq, dk, dv) through custom_partitioning. ``None`` segment ids are left out."""
     present = tuple(a is not None for a in args)
-    arrays = [a for a in args if a is not None]
-    structs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    return _wrapper(op, kind, present, structs)(*arrays)
+    return _batchable(op, kind, present)(*[a for a in args if a is not None])
+
+
+@functools.cache
+def _batchable(op, kind, present):
+    """The partitioned op with a batching rule: custom_partitioning has none, so under ``vmap`` the
+    mapped axis is folded into the batch dim (every operand has the batch first) and the op runs on
+    the flattened batch."""
+
+    @jax.custom_batching.custom_vmap
+    def run(*arrays):
+        structs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+        return _wrapper(op, kind, present, structs)(*arrays)
+
+    @run.def_vmap
+    def rule(axis_size, in_batched, *arrays):
+        arrays = [
+            x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, b in zip(arrays, in_batched, strict=True)
+        ]
+        flat = [x.reshape(-1, *x.shape[2:]) for x in arrays]
+        b = axis_size * op.call.q_shape[0]
+        call = dataclasses.replace(
+            op.call, q_shape=(b, *op.call.q_shape[1:]), kv_shape=(b, *op.call.kv_shape[1:])
+        )
+        outs = _batchable(dataclasses.replace(op, call=call), kind, present)(*flat)
+        return tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs), (True,) * len(outs)
+
+    return run
 
 
 @functools.cache

@@ -301,6 +301,22 @@ def auto_axes_jit():
         assert "all-gather" not in hlo and ("collective-permute" in hlo) is ring_expected, (mshape, spec)
         out = infer(*args[:3], args[-1])
         np.testing.assert_allclose(to_layout(np.asarray(out, np.float64)), want_out, atol=2e-5)
+    # vmap over a jitted call on a multi-device host: the partitioned op folds the mapped axis into
+    # the batch (custom_partitioning itself has no batching rule)
+    v_, b, s, h, d = 3, 2, 32, 2, 16
+    q, k, v, d_out = (rng.standard_normal((v_, b, s, h, d)) for _ in range(4))
+    attend = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True))
+    out = jax.vmap(attend)(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+    grads = jax.vmap(jax.grad(lambda q, k, v, g: jnp.sum(attend(q, k, v) * g), argnums=(0, 1, 2)))(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v, d_out))
+    )
+    for i in range(v_):
+        np.testing.assert_allclose(
+            np.asarray(out[i], np.float64), reference_attention(q[i], k[i], v[i], causal=True)[0], atol=2e-5
+        )
+        want_g = reference_attention_vjp(q[i], k[i], v[i], d_out[i], causal=True)[:3]
+        for g, w in zip(grads, want_g, strict=True):
+            np.testing.assert_allclose(np.asarray(g[i], np.float64), w, atol=1e-4)
     print("auto_axes_jit ok", flush=True)
 
 
