@@ -18,8 +18,7 @@ is the residual backward from the forward's ``out`` and ``lse`` (the ring backwa
 
 With one device, or inside a ``shard_map`` over every mesh axis, the wrapper lowers to the plain
 call. ``custom_partitioning`` has no batching rule: under ``vmap`` the mapped axis is folded into
-the batch dim (:func:`_batchable`); a call whose own arguments are batched tracers stays on the
-plain path (:func:`wanted`).
+the batch dim (:func:`_batchable`).
 """
 
 from __future__ import annotations
@@ -40,14 +39,12 @@ def wanted(query, key) -> bool:
     """True when the sequence sharding of a call can only be known at partition time.
 
     That is: more than one device, traced (not concrete) arrays whose abstract value names no
-    explicit mesh axis, outside a ``shard_map`` (manual axes) and outside ``vmap``.
+    explicit mesh axis, outside a ``shard_map`` (manual axes).
     """
     if jax.device_count() < 2:
         return False
     for x in (query, key):
         if not isinstance(x, jax.core.Tracer) or getattr(x, "ndim", 0) != 4:
-            return False
-        if type(x).__name__ == "BatchTracer":  # custom_partitioning cannot be batched
             return False
         aval = jax.typeof(x)
         if getattr(aval, "vma", None):

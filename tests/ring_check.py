@@ -307,6 +307,10 @@ def auto_axes_jit():
     q, k, v, d_out = (rng.standard_normal((v_, b, s, h, d)) for _ in range(4))
     attend = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True))
     out = jax.vmap(attend)(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+    out_eager = jax.vmap(lambda q, k, v: flashport.attention(q, k, v, causal=True))(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    )
+    np.testing.assert_allclose(np.asarray(out_eager), np.asarray(out), atol=1e-6)
     grads = jax.vmap(jax.grad(lambda q, k, v, g: jnp.sum(attend(q, k, v) * g), argnums=(0, 1, 2)))(
         *(jnp.asarray(x, jnp.float32) for x in (q, k, v, d_out))
     )
