@@ -46,10 +46,7 @@ def wanted(query, key) -> bool:
     for x in (query, key):
         if not isinstance(x, jax.core.Tracer) or getattr(x, "ndim", 0) != 4:
             return False
-        aval = jax.typeof(x)
-        if getattr(aval, "vma", None):
-            return False
-        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if mesh is not None and any(
             t in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Manual)
             for t in getattr(mesh, "axis_types", ())

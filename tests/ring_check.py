@@ -321,6 +321,40 @@ def auto_axes_jit():
         want_g = reference_attention_vjp(q[i], k[i], v[i], d_out[i], causal=True)[:3]
         for g, w in zip(grads, want_g, strict=True):
             np.testing.assert_allclose(np.asarray(g[i], np.float64), w, atol=1e-4)
+    # inside a shard_map over the sequence axis (check_vma=False), ring_attention takes the shard's pieces
+    mesh = Mesh(np.array(jax.devices()), ("sp",))
+    q, k, v, d_out = (rng.standard_normal((2, 64, 4, 16)) for _ in range(4))
+    for layout in ("contiguous", "zigzag"):
+
+        def to(x, layout=layout):
+            return flashport.seq_layout.to_zigzag(x, 8, axis=1) if layout == "zigzag" else x
+
+        def shard_loss(q, k, v, g, layout=layout):
+            ring = jax.shard_map(
+                lambda q, k, v: flashport.ring_attention(
+                    q, k, v, mesh=mesh, axis_name="sp", causal=True, window=(40, None), seq_layout=layout
+                ),
+                mesh=mesh,
+                in_specs=P(None, "sp"),
+                out_specs=P(None, "sp"),
+                check_vma=False,
+            )
+            out = ring(q, k, v)
+            return jnp.sum(out * g), out
+
+        step = jax.jit(jax.value_and_grad(shard_loss, argnums=(0, 1, 2), has_aux=True))
+        (_, out), grads = step(*(jnp.asarray(to(x), jnp.float32) for x in (q, k, v, d_out)))
+        back = (
+            (lambda x: flashport.seq_layout.from_zigzag(np.asarray(x, np.float64), 8, axis=1))
+            if layout == "zigzag"
+            else (lambda x: np.asarray(x, np.float64))
+        )
+        np.testing.assert_allclose(
+            back(out), reference_attention(q, k, v, causal=True, window=(40, None))[0], atol=2e-5
+        )
+        want_g = reference_attention_vjp(q, k, v, d_out, causal=True, window=(40, None))[:3]
+        for g, w in zip(grads, want_g, strict=True):
+            np.testing.assert_allclose(back(g), w, atol=1e-4)
     print("auto_axes_jit ok", flush=True)
 
 
