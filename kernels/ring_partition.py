@@ -245,7 +245,7 @@ def _wrapper(op, kind, present, structs):
             "b s": P(batch, axis),
             "b h s": P(batch, heads, axis),
         }
-        spec_of = {r: specs[_canon(r, op.layout)] for r in (*roles[kind], *out_rules[kind])}
+        spec_of = {r: specs[_role(r)] for r in (*roles[kind], *out_rules[kind])}
         args = [NamedSharding(mesh, spec_of[r]) for r in in_rules]
         outs = [NamedSharding(mesh, spec_of[r]) for r in out_rules[kind]]
         return axis, args, outs
@@ -284,7 +284,7 @@ def _bhsd(rule: str) -> str:
     return " ".join((dims[0], dims[2], dims[1], dims[3])) if len(dims) == 4 else rule
 
 
-def _canon(rule: str, layout: str) -> str:
+def _role(rule: str) -> str:
     """The role of a factor rule: a 4-d array (``"b s h d"``), segment ids or an lse."""
     dims = rule.split()
     if len(dims) == 4:
