@@ -22,6 +22,7 @@ import sys
 from typing import Literal
 
 import flashport
+from flashport.rewriter.output_formats import ALIASES, FORMATS
 
 EXIT_OK = 0
 EXIT_CHANGES = 1
@@ -63,6 +64,18 @@ def _add_subcommands(sub, common: argparse.ArgumentParser) -> None:
     mode.add_argument("--write", action="store_true", help="apply the rewrites (atomic per file)")
     mode.add_argument("--check", action="store_true", help="exit 1 when any file would change (CI)")
     mode.add_argument(
+        "--diff",
+        action="store_true",
+        help="print only a unified patch on stdout (for `git apply`; notes go to stderr); exit 1 when "
+        "there are changes",
+    )
+    mode.add_argument(
+        "--add-ignore",
+        action="store_true",
+        help="add a `# flashport: ignore[CODE] -- reason` comment to every refused site (a baseline); "
+        "rewrites nothing",
+    )
+    mode.add_argument(
         "--interactive",
         action="store_true",
         help="review the rewrites one site at a time (y/n/a/d/q), then write only the accepted ones",
@@ -75,7 +88,7 @@ def _add_subcommands(sub, common: argparse.ArgumentParser) -> None:
 
     rules = sub.add_parser("rules", help="list the rules, or print one rule's documentation")
     rules.add_argument("rule", nargs="?", help="rule code or name, e.g. FPA001")
-    rules.add_argument("--format", choices=("text", "json"), default="text")
+    rules.add_argument("--output-format", "--format", dest="format", choices=("text", "json"), default="text")
     rules.add_argument("--no-color", action="store_true")
 
 
@@ -106,10 +119,13 @@ def _add_file_arguments(common: argparse.ArgumentParser) -> None:
 def _add_output_arguments(common: argparse.ArgumentParser) -> None:
     """Output format, colour, result cache and configuration file."""
     common.add_argument(
+        "--output-format",
         "--format",
-        choices=("text", "json"),
-        default="text",
-        help="output format (json: schema flashport.report/1)",
+        dest="output_format",
+        choices=(*FORMATS, *ALIASES),
+        default="full",
+        help="full (tables and diffs), concise (path:line:col: CODE message), json (schema "
+        "flashport.report/1), github (workflow annotations) or sarif (SARIF 2.1.0); --format is an alias",
     )
     common.add_argument(
         "--cache",
@@ -170,14 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"flashport: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    return _run(args, *settings)
+    return _run(args, settings)
 
 
 def _color(args) -> bool:
     return not args.no_color and "NO_COLOR" not in os.environ and sys.stdout.isatty()
 
 
-def _settings(args):
+def _settings(args) -> Settings:
     from flashport import rules as registry
     from flashport.rewriter import config as cfg
     from flashport.rewriter import run_context
@@ -185,12 +201,15 @@ def _settings(args):
     from flashport.rules.base import RuleOptions
 
     table: dict = {}
+    root = os.getcwd()
     if args.config:
         table = cfg.load(args.config)
+        root = os.path.dirname(os.path.abspath(args.config))
     elif not args.isolated:
         found = cfg.find_pyproject(args.paths[0] if args.paths else ".")
         if found:
             table = cfg.load(found)
+            root = os.path.dirname(found)
     select = args.select or table.get("select")
     ignore = (args.ignore or []) + list(table.get("ignore", []))
     chosen = registry.select(select, ignore)
@@ -212,11 +231,37 @@ def _settings(args):
     jobs = args.jobs if args.jobs is not None else table.get("jobs")
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    exclude = tuple((args.exclude or []) + list(table.get("exclude", [])))
+    exclude = tuple(
+        (args.exclude or []) + list(table.get("exclude", [])) + list(table.get("extend-exclude", []))
+    )
     gitignore = not args.no_gitignore and table.get("respect-gitignore", True)
     files = discover(args.paths, exclude=exclude, respect_gitignore=gitignore)
     options = run_context.for_paths(files, options)  # run-time patches of source APIs, run-wide
-    return files, chosen, options, jobs
+    per_file = cfg.per_file_rules(files, chosen, table.get("per-file-ignores", {}), root)
+    return Settings(files, chosen, per_file, options, jobs)
+
+
+@dataclasses.dataclass
+class Settings:
+    """What a ``scan``/``rewrite`` run covers.
+
+    Attributes:
+      files: the discovered files, in output order.
+      chosen: the rules selected for the run.
+      per_file: path -> its rules, for the files ``per-file-ignores`` gives fewer rules.
+      options: what the rules read.
+      jobs: worker processes (None: CPU count).
+    """
+
+    files: list[str]
+    chosen: list
+    per_file: dict[str, list]
+    options: object
+    jobs: int | None
+
+    def rules_of(self, path: str) -> list:
+        """The rules that run on ``path``."""
+        return self.per_file.get(path, self.chosen)
 
 
 def _version(text, default, flag):
@@ -225,79 +270,234 @@ def _version(text, default, flag):
     return default if text is None else parse_version(str(text), flag)
 
 
-def _run(args, files, chosen, options, jobs) -> int:
-    from flashport.rewriter import report as rep
-    from flashport.rewriter.cache import ResultCache
+def _run(args, settings: Settings) -> int:
+    from flashport.rewriter import progress as prog
     from flashport.rewriter.results import CHANGED, ERROR
-    from flashport.rewriter.runner import StaleFile, atomic_write, run
 
-    cache: ResultCache | Literal[False] | None = None  # None: FLASHPORT_CACHE decides
-    if args.cache is not None:
-        cache = ResultCache.for_run(chosen, options) if args.cache else False
-    results = _collect(run(files, chosen, options, jobs, cache=cache), len(files), args.format == "text")
-    written: set[str] = set()
-    if args.command == "rewrite" and args.write:
-        for result in results:
-            if result.status != CHANGED:
-                continue
-            try:
-                atomic_write(result.path, result.old, result.new)
-                written.add(result.path)
-            except (OSError, StaleFile) as err:
-                result.status, result.error = ERROR, f"write failed: {err}"
-    interactive = args.command == "rewrite" and args.interactive
-    if interactive:
-        written.update(_interactive(args, results, chosen, options))
+    fmt = ALIASES.get(args.output_format, args.output_format)
+    rewrite = args.command == "rewrite"
+    diff_only = rewrite and args.diff
+    shown = fmt == "full" and not diff_only  # progress only under the human-readable report
+    with prog.Progress(enabled=shown and sys.stderr.isatty()) as progress:
+        results = _analyse(args, settings, progress)
+        findings = _suppression_findings(results, settings)
+        if rewrite and not args.add_ignore:
+            _remove_unused_suppressions(results, findings, settings)
+        written: set[str] = set()
+        if rewrite and args.add_ignore:
+            written = _add_ignores(results, progress)
+        elif rewrite and args.write:
+            written = _write(results, progress)
+        interactive = rewrite and args.interactive
+        if interactive:
+            progress.stop()
+            written.update(_interactive(args, results, settings.chosen, settings.options))
     failed = any(r.status == ERROR for r in results)
     changed = any(r.status == CHANGED for r in results)
     code = (
         EXIT_ERRORS
         if failed
         else EXIT_CHANGES
-        if (args.command == "rewrite" and args.check and changed)
+        if (rewrite and (args.check or diff_only) and changed)
         else EXIT_OK
     )
     mode = (
         "scan"
-        if args.command == "scan"
+        if not rewrite
+        else "add-ignore"
+        if args.add_ignore
         else "write"
         if args.write or interactive
         else "check"
         if args.check
+        else "diff"
+        if diff_only
         else "dry-run"
     )
     if getattr(args, "report", None):
         code = _html_report(args.report, results, written, "interactive" if interactive else mode) or code
-    if args.format == "json":
-        json.dump(rep.to_json(args.command, mode, results, written, code), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return code
-    text = rep.TextReport(_color(args))
-    if args.command == "scan":
-        text.scan(results)
-    else:
-        if not interactive:
-            text.diffs(results)
-        text.refusals(results)
-        text.errors(results)
-        text.summary(results, written=len(written) if args.write or interactive else None)
+    _emit(args, fmt, mode, results, findings, written, code, progress)
     return code
 
 
-def _collect(stream, total: int, text: bool):
-    """Drain the runner, with a rich progress bar on stderr when it is a terminal."""
-    if not (text and sys.stderr.isatty() and total > 20):
-        return list(stream)
-    from rich.console import Console
-    from rich.progress import Progress
+def _analyse(args, settings: Settings, progress):
+    """Run the engine over every file (each group of files that share rules in one runner pass),
+    results in the order of ``settings.files``."""
+    from flashport.rewriter.cache import ResultCache
+    from flashport.rewriter.runner import run
 
-    results = []
-    with Progress(console=Console(file=sys.stderr), transient=True) as progress:
-        task = progress.add_task("scanning", total=total)
-        for result in stream:
-            results.append(result)
-            progress.advance(task)
-    return results
+    groups: dict[tuple[str, ...], list[str]] = {}
+    rules_of: dict[tuple[str, ...], list] = {}
+    for path in settings.files:
+        rules = settings.rules_of(path)
+        key = tuple(rule.CODE for rule in rules)
+        groups.setdefault(key, []).append(path)
+        rules_of[key] = rules
+    progress.start("scanning", len(settings.files))
+    found = {}
+    for key, paths in groups.items():
+        cache: ResultCache | Literal[False] | None = None  # None: FLASHPORT_CACHE decides
+        if args.cache is not None:
+            cache = ResultCache.for_run(rules_of[key], settings.options) if args.cache else False
+        stream = run(paths, rules_of[key], settings.options, settings.jobs, cache=cache, done=progress.done)
+        found.update((result.path, result) for result in stream)
+    progress.finish()
+    return [found[path] for path in settings.files]
+
+
+def _suppression_findings(results, settings: Settings) -> list:
+    """Unused suppression comments and unknown codes in them, for every file that has one."""
+    from flashport import rules as registry
+    from flashport.rewriter import source as src
+    from flashport.rewriter import suppression_comments as comments
+
+    known = {rule.CODE for rule in registry.all_rules()}
+    findings = []
+    for result in results:
+        data = result.old if result.old is not None else _read(result.path)
+        if data is None or b"flashport" not in data:
+            continue
+        try:
+            text = src.decode(data)[0]
+        except (SyntaxError, UnicodeDecodeError, LookupError):
+            continue
+        selected = {rule.CODE for rule in settings.rules_of(result.path)}
+        findings += comments.audit(result.path, text, result.sites, selected, known)
+    return findings
+
+
+def _read(path: str) -> bytes | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def _remove_unused_suppressions(results, findings, settings: Settings) -> None:
+    """Make the rewrite of each file with unused suppression comments also remove them: the engine
+    runs again on the file without them (their removal moves no line; nothing they covered changes)."""
+    from flashport.rewriter import source as src
+    from flashport.rewriter import suppression_comments as comments
+    from flashport.rewriter.engine import transform_source
+    from flashport.rewriter.results import CHANGED, ERROR
+
+    by_path: dict[str, list] = {}
+    for finding in findings:
+        if finding.code == comments.UNUSED:
+            by_path.setdefault(finding.path, []).append(finding)
+    for result in results:
+        if result.path not in by_path or result.status == ERROR:
+            continue
+        data = result.old if result.old is not None else _read(result.path)
+        if data is None:
+            continue
+        text, encoding = src.decode(data)
+        cleaned = src.encode(comments.remove_unused(text, by_path[result.path]), encoding)
+        again = transform_source(cleaned, result.path, settings.rules_of(result.path), settings.options)
+        if again.status == ERROR:
+            continue  # the comments stay; the file's first result stands
+        result.sites = again.sites
+        result.imports_added, result.imports_removed = again.imports_added, again.imports_removed
+        result.imports_kept = again.imports_kept
+        result.status, result.old, result.new = CHANGED, data, again.new or cleaned
+
+
+def _write(results, progress) -> set[str]:
+    """Write every changed file atomically; a failure marks its result as an error."""
+    from flashport.rewriter.results import CHANGED, ERROR
+    from flashport.rewriter.runner import StaleFile, atomic_write
+
+    written: set[str] = set()
+    changed = [result for result in results if result.status == CHANGED]
+    progress.start("writing", len(changed))
+    for result in changed:
+        try:
+            atomic_write(result.path, result.old, result.new)
+            written.add(result.path)
+        except (OSError, StaleFile) as err:
+            result.status, result.error = ERROR, f"write failed: {err}"
+        progress.done(result.path)
+    progress.finish()
+    return written
+
+
+def _add_ignores(results, progress) -> set[str]:
+    """``--add-ignore``: a suppression comment on every refused site, written atomically."""
+    from flashport.rewriter import source as src
+    from flashport.rewriter import suppression_comments as comments
+    from flashport.rewriter.results import ERROR, REFUSED, UNCHANGED
+    from flashport.rewriter.runner import StaleFile, atomic_write
+
+    written: set[str] = set()
+    todo = [r for r in results if r.status != ERROR and any(s.status == REFUSED for s in r.sites)]
+    progress.start("adding ignores", len(todo))
+    for result in results:
+        result.status, result.new = (result.status if result.status == ERROR else UNCHANGED), None
+    for result in todo:
+        data = result.old if result.old is not None else _read(result.path)
+        try:
+            if data is None:
+                raise OSError("cannot read it again")
+            text, encoding = src.decode(data)
+            marked, missed = comments.add_ignores(text, result.sites)
+            atomic_write(result.path, data, src.encode(marked, encoding))
+            written.add(result.path)
+            for site in missed:
+                print(
+                    f"flashport: {site.path}:{site.line}: no comment can end either line of this "
+                    f"{site.rule} site (a string or a backslash continues it); add one by hand",
+                    file=sys.stderr,
+                )
+        except (OSError, StaleFile, UnicodeError, SyntaxError) as err:
+            result.status, result.error = ERROR, f"write failed: {err}"
+        progress.done(result.path)
+    progress.finish()
+    return written
+
+
+def _emit(args, fmt, mode, results, findings, written, code, progress) -> None:
+    """Print the run's results in the chosen format (``--diff``: only the patch on stdout)."""
+    from flashport.rewriter import output_formats as out
+    from flashport.rewriter import report as rep
+
+    if fmt == "json":
+        doc = rep.to_json(args.command, mode, results, written, code)
+        doc["suppression_findings"] = [dataclasses.asdict(f) for f in findings]
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    elif fmt == "concise":
+        sys.stdout.write(out.concise(results, findings))
+    elif fmt == "github":
+        sys.stdout.write(out.github(results, findings))
+    elif fmt == "sarif":
+        from flashport import rules as registry
+
+        log = out.sarif(
+            results, findings, registry.all_rules(), flashport.__version__, rep.summarize(results)
+        )
+        json.dump(log, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    if fmt != "full":
+        return
+    diff_only = args.command == "rewrite" and args.diff
+    if diff_only:
+        sys.stdout.write("".join(rep.unified_diff(result) for result in results))
+    text = rep.TextReport(_color(args) and not diff_only, file=sys.stderr if diff_only else None)
+    if args.command == "scan":
+        text.scan(results)
+    else:
+        if not (args.interactive or diff_only or args.add_ignore):
+            text.diffs(results)
+        text.refusals(results)
+        text.errors(results)
+        text.summary(
+            results, written=len(written) if args.write or args.interactive or args.add_ignore else None
+        )
+    text.findings(findings)
+    progress.report(results)
 
 
 def _rules(args) -> int:
@@ -364,17 +564,13 @@ def _rule_json(rule) -> dict:
 def _interactive(args, results, chosen, options) -> set[str]:
     """Run the one-site-at-a-time review (:mod:`flashport.rewriter.interactive`); return written paths."""
     from flashport.rewriter import report as rep
-    from flashport.rewriter.interactive import review, stdin_asker
-    from flashport.rewriter.results import ERROR
+    from flashport.rewriter.interactive import record, review, stdin_asker
 
     out = sys.stderr if args.format == "json" else sys.stdout  # keep a JSON document on stdout clean
     console = rep.TextReport(_color(args)).console
     console.file = out
     outcome = review(results, chosen, options, ask=stdin_asker(sys.stdin, out), console=console)
-    failed = dict(outcome.failed)
-    for result in results:
-        if result.path in failed:
-            result.status, result.error = ERROR, failed[result.path]
+    record(results, outcome)
     return set(outcome.written)
 
 

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Literal
@@ -31,9 +32,15 @@ def _init_worker(codes: tuple[str, ...], options: RuleOptions) -> None:
 
 def _work(item: tuple[str, bytes]) -> FileResult:
     path, data = item
-    return transform_source(
-        data, path, _WORKER_STATE["rules"], _WORKER_STATE["options"], _WORKER_STATE["pattern"]
-    )
+    return _timed(data, path, _WORKER_STATE["rules"], _WORKER_STATE["options"], _WORKER_STATE["pattern"])
+
+
+def _timed(data, path, rules, options, pattern) -> FileResult:
+    """:func:`transform_source`, with its duration in ``seconds`` (for the slowest-files summary)."""
+    started = time.perf_counter()
+    result = transform_source(data, path, rules, options, pattern)
+    result.seconds = time.perf_counter() - started
+    return result
 
 
 def run(
@@ -43,6 +50,7 @@ def run(
     jobs: int | None = None,
     progress: Callable[[FileResult], None] | None = None,
     cache: ResultCache | Literal[False] | None = None,
+    done: Callable[[str], None] | None = None,
 ) -> Iterator[FileResult]:
     """Yield one :class:`FileResult` per path, in the order of ``paths``.
 
@@ -53,7 +61,10 @@ def run(
     Args:
       cache: a :class:`~flashport.rewriter.cache.ResultCache` to reuse and fill; None: the one the
         ``FLASHPORT_CACHE`` environment variable asks for (default: none); False: no cache.
+      done: called with each path as soon as its result is known, in completion order (from the
+        pool's result thread when there are workers), for a progress bar.
     """
+    done = done or (lambda path: None)
     pattern = trigger_pattern(rules)
     jobs = max(1, jobs or os.cpu_count() or 1)
     if cache is None:
@@ -69,19 +80,22 @@ def run(
             continue
         if not pattern.search(data):
             slots.append(FileResult(path, size=len(data)))
+            done(path)
             continue
         cached = cache.get(path, data) if cache else None
         slots.append(cached)
         if cached is None:
             todo.append((index, path, data))
+        else:
+            done(path)
     try:
-        yield from _compute(slots, todo, rules, options, pattern, jobs, cache, progress)
+        yield from _compute(slots, todo, rules, options, pattern, jobs, cache, progress, done)
     finally:
         if cache:
             cache.save()
 
 
-def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Iterator[FileResult]:
+def _compute(slots, todo, rules, options, pattern, jobs, cache, progress, done) -> Iterator[FileResult]:
     def remember(computed):
         for (_, path, data), result in zip(todo, computed, strict=False):
             if cache:
@@ -89,7 +103,7 @@ def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Ite
             yield result
 
     if jobs == 1 or len(todo) <= 1:
-        computed = (transform_source(data, path, rules, options, pattern) for _, path, data in todo)
+        computed = (_inline(data, path, rules, options, pattern, done) for _, path, data in todo)
         yield from _merge(slots, todo, remember(computed), progress)
         return
     codes = tuple(rule.CODE for rule in rules)
@@ -107,8 +121,15 @@ def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Ite
         for position in sorted(range(len(todo)), key=lambda i: -len(todo[i][2])):
             _, path, data = todo[position]
             futures[position] = pool.submit(_work, (path, data))
+            futures[position].add_done_callback(lambda _future, path=path: done(path))
         computed = (futures[position].result() for position in range(len(todo)))
         yield from _merge(slots, todo, remember(computed), progress)
+
+
+def _inline(data, path, rules, options, pattern, done) -> FileResult:
+    result = _timed(data, path, rules, options, pattern)
+    done(path)
+    return result
 
 
 def _merge(slots, todo, computed, progress) -> Iterator[FileResult]:
