@@ -235,7 +235,10 @@ def _settings(args) -> Settings:
         (args.exclude or []) + list(table.get("exclude", [])) + list(table.get("extend-exclude", []))
     )
     gitignore = not args.no_gitignore and table.get("respect-gitignore", True)
-    files = discover(args.paths, exclude=exclude, respect_gitignore=gitignore)
+    # normpath: paths print the way the user would type them (``pkg/x.py``, never ``./pkg/x.py``)
+    files = [
+        os.path.normpath(path) for path in discover(args.paths, exclude=exclude, respect_gitignore=gitignore)
+    ]
     options = run_context.for_paths(files, options)  # run-time patches of source APIs, run-wide
     per_file = cfg.per_file_rules(files, chosen, table.get("per-file-ignores", {}), root)
     return Settings(files, chosen, per_file, options, jobs)
@@ -520,26 +523,15 @@ def _rules(args) -> int:
         json.dump([_rule_json(rule) for rule in all_rules], sys.stdout, indent=1)
         sys.stdout.write("\n")
         return EXIT_OK
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="flashport rules")
-    from flashport.rules.coverage import coverage
-
-    for column in (
-        "code",
-        "name",
-        "source API",
-        "framework",
-        "fix",
-        "rewrites to",
-        "rewritten",
-        "refused (why)",
-    ):
-        table.add_column(column, overflow="fold")
-    for rule in all_rules:
-        table.add_row(*dataclasses.astuple(coverage(rule)))  # the README table's row, field by field
-    Console(no_color=not _color(args), highlight=False).print(table)
+    rows = [("code", "name", "source API", "becomes")]
+    rows += [
+        (rule.CODE, rule.NAME, rule.API, rule.TARGET or "(reported, not rewritten)") for rule in all_rules
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:  # one line a rule, never wrapped: grep-able; `flashport rules CODE` has the docs
+        sys.stdout.write(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + f"  {row[3]}\n"
+        )
     return EXIT_OK
 
 
@@ -566,7 +558,7 @@ def _interactive(args, results, chosen, options) -> set[str]:
     from flashport.rewriter import report as rep
     from flashport.rewriter.interactive import record, review, stdin_asker
 
-    out = sys.stderr if args.format == "json" else sys.stdout  # keep a JSON document on stdout clean
+    out = sys.stdout if args.output_format in ("full", "text") else sys.stderr  # keep stdout parseable
     console = rep.TextReport(_color(args)).console
     console.file = out
     outcome = review(results, chosen, options, ask=stdin_asker(sys.stdin, out), console=console)

@@ -194,7 +194,7 @@ def add_ignores(text: str, sites: Sequence[Site]) -> tuple[str, list[Site]]:
         else:
             reason = "; ".join(dict.fromkeys(by_code.values()))
             if len(reason) > _REASON_CHARS:
-                reason = reason[: _REASON_CHARS - 3].rstrip() + "..."
+                reason = reason[: _REASON_CHARS - 3].rsplit(" ", 1)[0] + "..."
             body += f"  # flashport: ignore[{', '.join(sorted(by_code))}] -- {reason}"
         lines[number - 1] = body + ending
     return "".join(lines), missed
