@@ -320,6 +320,13 @@ def _run(args, settings: Settings) -> int:
     if getattr(args, "report", None):
         code = _html_report(args.report, results, written, "interactive" if interactive else mode) or code
     _emit(args, fmt, mode, results, findings, written, code, progress)
+    if code == EXIT_CHANGES and args.check:
+        count = sum(r.status == CHANGED for r in results)
+        print(
+            f"flashport: {count} file(s) would change; run `flashport rewrite --write` to apply the "
+            "rewrites (`flashport rewrite --diff` shows them as a patch)",
+            file=sys.stderr,
+        )
     return code
 
 
