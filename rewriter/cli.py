@@ -81,6 +81,12 @@ def _add_subcommands(sub, common: argparse.ArgumentParser) -> None:
         help="review the rewrites one site at a time (y/n/a/d/q), then write only the accepted ones",
     )
     rewrite.add_argument(
+        "--no-format",
+        action="store_true",
+        help="leave rewritten statements as generated (default: formatted with ruff, when installed, at "
+        "the project's line length from [tool.ruff]/[tool.black], default 88)",
+    )
+    rewrite.add_argument(
         "--report",
         metavar="PATH",
         help="also write a self-contained HTML report (summary, diffs, refused sites) to PATH",
@@ -227,6 +233,7 @@ def _settings(args) -> Settings:
         jax_version=_version(
             args.jax_version or table.get("jax-version"), defaults.jax_version, "--jax-version"
         ),
+        format_rewrites=not getattr(args, "no_format", False),
     )
     jobs = args.jobs if args.jobs is not None else table.get("jobs")
     if jobs is not None and jobs < 1:
