@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -313,3 +314,58 @@ def test_the_cli_import_path_never_imports_jax():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------- progress
+
+
+def test_progress_advances_in_completion_order_results_in_path_order(tmp_path):
+    from flashport.rewriter.runner import run
+    from flashport.rules.base import RuleOptions
+
+    big = tmp_path / "a_big.py"
+    big.write_text(
+        FA + "".join(f"\n\ndef f{i}(q, k, v):\n    return flash_attn_func(q, k, v)\n" for i in range(400))
+    )
+    small = tmp_path / "b_small.py"
+    small.write_text(FA)
+    plain = tmp_path / "c_plain.py"
+    plain.write_text("x = 1\n")
+    finished: list[str] = []
+    paths = [str(big), str(small), str(plain)]
+    results = list(run(paths, registry.all_rules(), RuleOptions(), jobs=2, cache=False, done=finished.append))
+    assert [r.path for r in results] == paths
+    assert sorted(finished) == sorted(paths) and len(finished) == 3
+    assert finished.index(str(small)) < finished.index(str(big))  # the small file finished first
+    assert results[0].seconds > results[1].seconds > 0 and results[2].seconds == 0
+
+
+def test_progress_and_timings_only_on_a_terminal(repo):
+    import pty
+    import select
+
+    plain = flashport(repo, "rewrite", ".")
+    assert "done in" not in plain.stderr and "scanning" not in plain.stderr
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashport", "rewrite", ".", "--isolated", "--jobs", "1"],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    os.close(slave)
+    out = proc.stdout.read()
+    proc.wait(timeout=60)
+    seen = b""
+    while select.select([master], [], [], 1)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    assert b"scanning" in seen and re.search(rb"done in \d+\.\d s", seen)
+    assert b"done in" not in out and b"scanning" not in out
