@@ -236,7 +236,7 @@ def test_site_hunk_shows_only_its_site(tree):
     hunk = interactive.site_hunk(result, second)
     assert "-    return flash_attn_func(q, k, v, softmax_scale=0.5)" in hunk
     assert "+    return flashport.torch.attention(q, k, v, scale=0.5" in hunk
-    assert "scale=None, causal=True" not in hunk  # the other site's rewrite is not part of this hunk
+    assert "causal=True" not in hunk  # the other site's rewrite is not part of this hunk
     assert "+import flashport" not in hunk
 
 
@@ -294,7 +294,7 @@ def test_interactive_cli_through_a_pseudo_terminal(tree):
         os.close(fd)
     assert status == 0
     text = target.read_text()
-    assert "flashport.torch.attention(q, k, v, scale=None, causal=True" in text
+    assert "flashport.torch.attention( q, k, v, causal=True" in " ".join(text.split())
     assert "return flash_attn_func(q, k, v, softmax_scale=0.5)" in text
     assert "from flash_attn import flash_attn_func" in text
 
