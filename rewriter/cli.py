@@ -2,14 +2,15 @@
 
 Exit codes:
   0  success (``scan``: even with findings; ``rewrite``: dry run shown or files written)
-  1  ``rewrite --check``: some file would change
+  1  ``rewrite --check`` or ``rewrite --diff``: some file would change
   2  usage or configuration error (bad flag, unknown rule, missing path, bad [tool.flashport])
   3  some file could not be processed (undecodable, syntax error, write failure); it is reported,
      left untouched, and the other files are still processed
 
-Results go to stdout (rich tables and diffs, or ``--format json``, schema in
-:mod:`flashport.rewriter.report`); progress goes to stderr (a progress bar only when stderr is a
-terminal). The CLI never imports jax or torch.
+Results go to stdout in the ``--output-format`` asked for (rich tables and diffs; concise, JSON,
+GitHub or SARIF: :mod:`flashport.rewriter.output_formats`, :mod:`flashport.rewriter.report`), or only
+a patch with ``rewrite --diff`` (everything else then goes to stderr); progress goes to stderr, only
+when it is a terminal (:mod:`flashport.rewriter.progress`). The CLI never imports jax or torch.
 """
 
 from __future__ import annotations
@@ -282,6 +283,7 @@ def _version(text, default, flag):
 
 def _run(args, settings: Settings) -> int:
     from flashport.rewriter import progress as prog
+    from flashport.rewriter import suppression_comments as comments
     from flashport.rewriter.results import CHANGED, ERROR
 
     fmt = ALIASES.get(args.output_format, args.output_format)
@@ -290,12 +292,12 @@ def _run(args, settings: Settings) -> int:
     shown = fmt == "full" and not diff_only  # progress only under the human-readable report
     with prog.Progress(enabled=shown and sys.stderr.isatty()) as progress:
         results = _analyse(args, settings, progress)
-        findings = _suppression_findings(results, settings)
+        findings = comments.audit_run(results, settings.rules_of)
         if rewrite and not args.add_ignore:
-            _remove_unused_suppressions(results, findings, settings)
+            comments.remove_unused_in_run(results, findings, settings.rules_of, settings.options)
         written: set[str] = set()
         if rewrite and args.add_ignore:
-            written = _add_ignores(results, progress)
+            written = comments.add_ignores_in_run(results, progress)
         elif rewrite and args.write:
             written = _write(results, progress)
         interactive = rewrite and args.interactive
@@ -362,66 +364,6 @@ def _analyse(args, settings: Settings, progress):
     return [found[path] for path in settings.files]
 
 
-def _suppression_findings(results, settings: Settings) -> list:
-    """Unused suppression comments and unknown codes in them, for every file that has one."""
-    from flashport import rules as registry
-    from flashport.rewriter import source as src
-    from flashport.rewriter import suppression_comments as comments
-
-    known = {rule.CODE for rule in registry.all_rules()}
-    findings = []
-    for result in results:
-        data = result.old if result.old is not None else _read(result.path)
-        if data is None or b"flashport" not in data:
-            continue
-        try:
-            text = src.decode(data)[0]
-        except (SyntaxError, UnicodeDecodeError, LookupError):
-            continue
-        selected = {rule.CODE for rule in settings.rules_of(result.path)}
-        findings += comments.audit(result.path, text, result.sites, selected, known)
-    return findings
-
-
-def _read(path: str) -> bytes | None:
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError:
-        return None
-
-
-def _remove_unused_suppressions(results, findings, settings: Settings) -> None:
-    """Make the rewrite of each file with unused suppression comments also remove them: the engine
-    runs again on the file without them (their removal moves no line; nothing they covered changes)."""
-    from flashport.rewriter import source as src
-    from flashport.rewriter import suppression_comments as comments
-    from flashport.rewriter.engine import transform_source
-    from flashport.rewriter.results import CHANGED, ERROR
-
-    by_path: dict[str, list] = {}
-    for finding in findings:
-        if finding.code == comments.UNUSED:
-            by_path.setdefault(finding.path, []).append(finding)
-    for result in results:
-        if result.path not in by_path or result.status == ERROR:
-            continue
-        data = result.old if result.old is not None else _read(result.path)
-        if data is None:
-            continue
-        text, encoding = src.decode(data)
-        cleaned = src.encode(comments.remove_unused(text, by_path[result.path]), encoding)
-        again = transform_source(cleaned, result.path, settings.rules_of(result.path), settings.options)
-        if again.status == ERROR:
-            continue  # the comments stay; the file's first result stands
-        result.sites = again.sites
-        result.imports_added, result.imports_removed = again.imports_added, again.imports_removed
-        result.imports_kept = again.imports_kept
-        result.status, result.old, result.new = CHANGED, data, again.new or cleaned
-
-
 def _write(results, progress) -> set[str]:
     """Write every changed file atomically; a failure marks its result as an error."""
     from flashport.rewriter.results import CHANGED, ERROR
@@ -435,40 +377,6 @@ def _write(results, progress) -> set[str]:
             atomic_write(result.path, result.old, result.new)
             written.add(result.path)
         except (OSError, StaleFile) as err:
-            result.status, result.error = ERROR, f"write failed: {err}"
-        progress.done(result.path)
-    progress.finish()
-    return written
-
-
-def _add_ignores(results, progress) -> set[str]:
-    """``--add-ignore``: a suppression comment on every refused site, written atomically."""
-    from flashport.rewriter import source as src
-    from flashport.rewriter import suppression_comments as comments
-    from flashport.rewriter.results import ERROR, REFUSED, UNCHANGED
-    from flashport.rewriter.runner import StaleFile, atomic_write
-
-    written: set[str] = set()
-    todo = [r for r in results if r.status != ERROR and any(s.status == REFUSED for s in r.sites)]
-    progress.start("adding ignores", len(todo))
-    for result in results:
-        result.status, result.new = (result.status if result.status == ERROR else UNCHANGED), None
-    for result in todo:
-        data = result.old if result.old is not None else _read(result.path)
-        try:
-            if data is None:
-                raise OSError("cannot read it again")
-            text, encoding = src.decode(data)
-            marked, missed = comments.add_ignores(text, result.sites)
-            atomic_write(result.path, data, src.encode(marked, encoding))
-            written.add(result.path)
-            for site in missed:
-                print(
-                    f"flashport: {site.path}:{site.line}: no comment can end either line of this "
-                    f"{site.rule} site (a string or a backslash continues it); add one by hand",
-                    file=sys.stderr,
-                )
-        except (OSError, StaleFile, UnicodeError, SyntaxError) as err:
             result.status, result.error = ERROR, f"write failed: {err}"
         progress.done(result.path)
     progress.finish()

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import sys
 import tokenize
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from flashport.rewriter import source as src
 from flashport.rewriter import suppress
-from flashport.rewriter.results import REFUSED, SUPPRESSED, Site
+from flashport.rewriter.results import CHANGED, ERROR, REFUSED, SUPPRESSED, UNCHANGED, FileResult, Site
 
 UNUSED = "unused-suppression"
 UNKNOWN = "unknown-rule-code"
@@ -211,3 +213,99 @@ def _commentable_lines(text: str) -> set[int]:
     except (tokenize.TokenError, SyntaxError):
         return set()
     return out
+
+
+# ----------------------------------------------------------------------------------- over a run
+
+
+def audit_run(results: Sequence[FileResult], rules_of: Callable[[str], Sequence]) -> list[Finding]:
+    """:func:`audit` for every file of a run that holds a suppression comment (``rules_of(path)``:
+    the rules that ran on it)."""
+    from flashport import rules as registry
+
+    known = {rule.CODE for rule in registry.all_rules()}
+    findings = []
+    for result in results:
+        data = result.old if result.old is not None else _read(result.path)
+        if data is None or b"flashport" not in data:
+            continue
+        try:
+            text = src.decode(data)[0]
+        except (SyntaxError, UnicodeDecodeError, LookupError):
+            continue
+        selected = {rule.CODE for rule in rules_of(result.path)}
+        findings += audit(result.path, text, result.sites, selected, known)
+    return findings
+
+
+def _read(path: str) -> bytes | None:
+    """The bytes of a regular file, or None (gone, unreadable, not a regular file)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def remove_unused_in_run(
+    results: Sequence[FileResult], findings: Sequence[Finding], rules_of: Callable[[str], Sequence], options
+) -> None:
+    """Make the rewrite of each file with unused suppression comments also remove them: the engine
+    runs again on the file without them (removing them moves no line and changes no site)."""
+    from flashport.rewriter.engine import transform_source
+
+    by_path: dict[str, list[Finding]] = {}
+    for finding in findings:
+        if finding.code == UNUSED:
+            by_path.setdefault(finding.path, []).append(finding)
+    for result in results:
+        if result.path not in by_path or result.status == ERROR:
+            continue
+        data = result.old if result.old is not None else _read(result.path)
+        if data is None:
+            continue
+        text, encoding = src.decode(data)
+        cleaned = src.encode(remove_unused(text, by_path[result.path]), encoding)
+        again = transform_source(cleaned, result.path, list(rules_of(result.path)), options)
+        if again.status == ERROR:
+            continue  # the comments stay; the file's first result stands
+        result.sites = again.sites
+        result.imports_added, result.imports_removed = again.imports_added, again.imports_removed
+        result.imports_kept = again.imports_kept
+        result.status, result.old, result.new = CHANGED, data, again.new or cleaned
+
+
+def add_ignores_in_run(results: Sequence[FileResult], progress) -> set[str]:
+    """``rewrite --add-ignore``: :func:`add_ignores` on every file with a refused site, written
+    atomically; returns the paths written. Nothing is rewritten: every other file reads unchanged,
+    and a file that cannot be marked is an error result."""
+    from flashport.rewriter.runner import StaleFile, atomic_write
+
+    written: set[str] = set()
+    todo = [r for r in results if r.status != ERROR and any(s.status == REFUSED for s in r.sites)]
+    progress.start("adding ignores", len(todo))
+    for result in results:
+        if result.status != ERROR:
+            result.status, result.new = UNCHANGED, None
+    for result in todo:
+        data = result.old if result.old is not None else _read(result.path)
+        try:
+            if data is None:
+                raise OSError("cannot read it again")
+            text, encoding = src.decode(data)
+            marked, missed = add_ignores(text, result.sites)
+            atomic_write(result.path, data, src.encode(marked, encoding))
+            written.add(result.path)
+            for site in missed:
+                print(
+                    f"flashport: {site.path}:{site.line}: no comment can end either line of this "
+                    f"{site.rule} site (a string or a backslash continues it); add one by hand",
+                    file=sys.stderr,
+                )
+        except (OSError, StaleFile, UnicodeError, SyntaxError) as err:
+            result.status, result.error = ERROR, f"write failed: {err}"
+        progress.done(result.path)
+    progress.finish()
+    return written
