@@ -675,7 +675,6 @@ def _layout(
 
 # The entry points that take the contract's keywords with their defaults (flashport.kernels.keywords).
 CONTRACT_TARGETS = ("flashport.attention", "flashport.torch.attention", "flashport.varlen_attention")
-_DEFAULT_LITERALS = {None: "None", False: "False", True: "True"}
 
 
 def _is_default(keyword: tuple[str, cst.BaseExpression] | cst.Arg) -> bool:
@@ -687,12 +686,8 @@ def _is_default(keyword: tuple[str, cst.BaseExpression] | cst.Arg) -> bool:
         return False
     name, value = keyword
     default = dict(CONTRACT_KEYWORDS).get(name, ...)
-    return (
-        isinstance(value, cst.Name)
-        and default in _DEFAULT_LITERALS
-        and value.value == _DEFAULT_LITERALS[default]
-        and type(default) is not int
-    )
+    spelled = "None" if default is None else "False" if default is False else None
+    return spelled is not None and isinstance(value, cst.Name) and value.value == spelled
 
 
 def build_call(
