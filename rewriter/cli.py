@@ -20,10 +20,14 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import flashport
 from flashport.rewriter.output_formats import ALIASES, FORMATS
+
+if TYPE_CHECKING:
+    from flashport.rewriter.results import FileResult
+    from flashport.rules.base import RuleOptions
 
 EXIT_OK = 0
 EXIT_CHANGES = 1
@@ -267,7 +271,7 @@ class Settings:
     files: list[str]
     chosen: list
     per_file: dict[str, list]
-    options: object
+    options: RuleOptions
     jobs: int | None
 
     def rules_of(self, path: str) -> list:
@@ -353,7 +357,7 @@ def _analyse(args, settings: Settings, progress):
         groups.setdefault(key, []).append(path)
         rules_of[key] = rules
     progress.start("scanning", len(settings.files))
-    found = {}
+    found: dict[str, FileResult] = {}
     for key, paths in groups.items():
         cache: ResultCache | Literal[False] | None = None  # None: FLASHPORT_CACHE decides
         if args.cache is not None:

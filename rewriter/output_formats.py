@@ -123,7 +123,7 @@ def sarif(
     index = {rule.CODE: i for i, rule in enumerate(rules)}
     out = []
     for site in (site for result in results for site in result.sites):
-        entry = {
+        entry: dict[str, object] = {
             "ruleId": site.rule,
             "message": {"text": message(site)},
             "locations": [_location(site.path, site.line, site.column, site.end_line)],

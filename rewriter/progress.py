@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from flashport.rewriter.results import FileResult
 
@@ -26,8 +27,8 @@ class Progress:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.started = time.perf_counter()
-        self._bar = None
-        self._task = None
+        self._bar: Any = None  # a rich Progress while shown
+        self._task: Any = None
 
     def __enter__(self) -> Progress:
         if self.enabled:

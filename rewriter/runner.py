@@ -4,6 +4,7 @@ results in input order (deterministic output), and atomic writes.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import sys
@@ -121,9 +122,13 @@ def _compute(slots, todo, rules, options, pattern, jobs, cache, progress, done) 
         for position in sorted(range(len(todo)), key=lambda i: -len(todo[i][2])):
             _, path, data = todo[position]
             futures[position] = pool.submit(_work, (path, data))
-            futures[position].add_done_callback(lambda _future, path=path: done(path))
+            futures[position].add_done_callback(functools.partial(_finished, done, path))
         computed = (futures[position].result() for position in range(len(todo)))
         yield from _merge(slots, todo, remember(computed), progress)
+
+
+def _finished(done: Callable[[str], None], path: str, _future: Future) -> None:
+    done(path)
 
 
 def _inline(data, path, rules, options, pattern, done) -> FileResult:

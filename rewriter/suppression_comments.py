@@ -115,6 +115,7 @@ def audit(
                     tuple(unknown),
                 )
             )
+        unused: tuple[str, ...]
         if suppress.ALL in directive.codes:
             unused = () if here or not every_rule else (suppress.ALL,)
         else:
@@ -182,9 +183,9 @@ def add_ignores(text: str, sites: Sequence[Site]) -> tuple[str, list[Site]]:
         wanted.setdefault(line, {}).setdefault(site.rule, site.reason)
     existing = {d.line: d for d in _directives(text)}
     for number, by_code in sorted(wanted.items()):
-        line = lines[number - 1]
-        body = line.rstrip("\r\n")
-        ending = line[len(body) :] or ("\n" if number < len(lines) else "")
+        text_line = lines[number - 1]
+        body = text_line.rstrip("\r\n")
+        ending = text_line[len(body) :] or ("\n" if number < len(lines) else "")
         directive = existing.get(number)
         if directive is not None:
             if suppress.ALL in directive.codes:
