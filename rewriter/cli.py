@@ -6,6 +6,8 @@ Exit codes:
   2  usage or configuration error (bad flag, unknown rule, missing path, bad [tool.flashport])
   3  some file could not be processed (undecodable, syntax error, write failure); it is reported,
      left untouched, and the other files are still processed
+  130, 143  interrupted by SIGINT (Ctrl-C) or SIGTERM (128 + the signal number); a summary on
+     stderr names the files written and those not reached (:mod:`flashport.rewriter.interrupts`)
 
 Results go to stdout in the ``--output-format`` asked for (rich tables and diffs; concise, JSON,
 GitHub or SARIF: :mod:`flashport.rewriter.output_formats`, :mod:`flashport.rewriter.report`), or only
@@ -26,6 +28,7 @@ import flashport
 from flashport.rewriter.output_formats import ALIASES, FORMATS
 
 if TYPE_CHECKING:
+    from flashport.rewriter.discover import Discovery
     from flashport.rewriter.results import FileResult
     from flashport.rules.base import RuleOptions
 
@@ -192,12 +195,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.command == "rules":
         return _rules(args)
+    from flashport.rewriter.interrupts import stoppable
+    from flashport.rewriter.writes import WriteLog
+
+    log = WriteLog()  # what an interrupted run reports
+    return stoppable(lambda: _settings_and_run(args, log), lambda stop: log.interrupted(stop.name))
+
+
+def _settings_and_run(args, log) -> int:
     try:
         settings = _settings(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"flashport: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    return _run(args, settings)
+    return _run(args, log, settings)
 
 
 def _color(args) -> bool:
@@ -208,7 +219,7 @@ def _settings(args) -> Settings:
     from flashport import rules as registry
     from flashport.rewriter import config as cfg
     from flashport.rewriter import run_context
-    from flashport.rewriter.discover import discover
+    from flashport.rewriter.discover import find_files
     from flashport.rules.base import RuleOptions
 
     table: dict = {}
@@ -247,13 +258,12 @@ def _settings(args) -> Settings:
         (args.exclude or []) + list(table.get("exclude", [])) + list(table.get("extend-exclude", []))
     )
     gitignore = not args.no_gitignore and table.get("respect-gitignore", True)
+    found = find_files(args.paths, exclude=exclude, respect_gitignore=gitignore)
     # normpath: paths print the way the user would type them (``pkg/x.py``, never ``./pkg/x.py``)
-    files = [
-        os.path.normpath(path) for path in discover(args.paths, exclude=exclude, respect_gitignore=gitignore)
-    ]
+    files = [os.path.normpath(path) for path in found.files]
     options = run_context.for_paths(files, options)  # run-time patches of source APIs, run-wide
     per_file = cfg.per_file_rules(files, chosen, table.get("per-file-ignores", {}), root)
-    return Settings(files, chosen, per_file, options, jobs)
+    return Settings(files, chosen, per_file, options, jobs, found)
 
 
 @dataclasses.dataclass
@@ -266,6 +276,7 @@ class Settings:
       per_file: path -> its rules, for the files ``per-file-ignores`` gives fewer rules.
       options: what the rules read.
       jobs: worker processes (None: CPU count).
+      found: discovery's account (:class:`~flashport.rewriter.discover.FoundFiles`: what it skipped).
     """
 
     files: list[str]
@@ -273,6 +284,7 @@ class Settings:
     per_file: dict[str, list]
     options: RuleOptions
     jobs: int | None
+    found: Discovery
 
     def rules_of(self, path: str) -> list:
         """The rules that run on ``path``."""
@@ -285,10 +297,12 @@ def _version(text, default, flag):
     return default if text is None else parse_version(str(text), flag)
 
 
-def _run(args, settings: Settings) -> int:
+def _run(args, log, settings: Settings) -> int:
     from flashport.rewriter import progress as prog
     from flashport.rewriter import suppression_comments as comments
     from flashport.rewriter.results import CHANGED, ERROR
+    from flashport.rewriter.runner import CANNOT_READ
+    from flashport.rewriter.writes import write_results
 
     fmt = ALIASES.get(args.output_format, args.output_format)
     rewrite = args.command == "rewrite"
@@ -299,15 +313,18 @@ def _run(args, settings: Settings) -> int:
         findings = comments.audit_run(results, settings.rules_of)
         if rewrite and not args.add_ignore:
             comments.remove_unused_in_run(results, findings, settings.rules_of, settings.options)
-        written: set[str] = set()
         if rewrite and args.add_ignore:
-            written = comments.add_ignores_in_run(results, progress)
+            comments.add_ignores_in_run(results, log, progress)
         elif rewrite and args.write:
-            written = _write(results, progress)
+            progress.start("writing", sum(r.status == CHANGED for r in results))
+            write_results(results, log, done=progress.done)
+            progress.finish()
         interactive = rewrite and args.interactive
         if interactive:
             progress.stop()
-            written.update(_interactive(args, results, settings.chosen, settings.options))
+            _interactive(args, results, settings.chosen, settings.options, log)
+    written = set(log.written)
+    unreadable = sum(1 for r in results if r.status == ERROR and (r.error or "").startswith(CANNOT_READ))
     failed = any(r.status == ERROR for r in results)
     changed = any(r.status == CHANGED for r in results)
     code = (
@@ -332,7 +349,7 @@ def _run(args, settings: Settings) -> int:
     )
     if getattr(args, "report", None):
         code = _html_report(args.report, results, written, "interactive" if interactive else mode) or code
-    _emit(args, fmt, mode, results, findings, written, code, progress)
+    _emit(args, fmt, mode, results, findings, written, code, progress, settings.found, unreadable)
     if code == EXIT_CHANGES and args.check:
         count = sum(r.status == CHANGED for r in results)
         print(
@@ -368,32 +385,19 @@ def _analyse(args, settings: Settings, progress):
     return [found[path] for path in settings.files]
 
 
-def _write(results, progress) -> set[str]:
-    """Write every changed file atomically; a failure marks its result as an error."""
-    from flashport.rewriter.results import CHANGED, ERROR
-    from flashport.rewriter.runner import StaleFile, atomic_write
-
-    written: set[str] = set()
-    changed = [result for result in results if result.status == CHANGED]
-    progress.start("writing", len(changed))
-    for result in changed:
-        try:
-            atomic_write(result.path, result.old, result.new)
-            written.add(result.path)
-        except (OSError, StaleFile) as err:
-            result.status, result.error = ERROR, f"write failed: {err}"
-        progress.done(result.path)
-    progress.finish()
-    return written
-
-
-def _emit(args, fmt, mode, results, findings, written, code, progress) -> None:
-    """Print the run's results in the chosen format (``--diff``: only the patch on stdout)."""
+def _emit(args, fmt, mode, results, findings, written, code, progress, found, unreadable) -> None:
+    """Print the run's results in the chosen format (``--diff``: only the patch on stdout); what
+    discovery skipped goes with the summary (JSON, SARIF, text; stderr for the line formats)."""
     from flashport.rewriter import output_formats as out
     from flashport.rewriter import report as rep
 
+    skipped = {
+        "skipped": dict(found.counts(unreadable)),
+        "skipped_paths": [{"path": p, "reason": m} for p, m in found.notices],
+    }
     if fmt == "json":
         doc = rep.to_json(args.command, mode, results, written, code)
+        doc["summary"] |= skipped
         doc["suppression_findings"] = [dataclasses.asdict(f) for f in findings]
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -404,11 +408,12 @@ def _emit(args, fmt, mode, results, findings, written, code, progress) -> None:
     elif fmt == "sarif":
         from flashport import rules as registry
 
-        log = out.sarif(
-            results, findings, registry.all_rules(), flashport.__version__, rep.summarize(results)
-        )
-        json.dump(log, sys.stdout, indent=1)
+        summary = rep.summarize(results) | skipped
+        sarif = out.sarif(results, findings, registry.all_rules(), flashport.__version__, summary)
+        json.dump(sarif, sys.stdout, indent=1)
         sys.stdout.write("\n")
+    if fmt in ("concise", "github"):
+        _skipped_lines(found, unreadable, sys.stderr)
     if fmt != "full":
         return
     diff_only = args.command == "rewrite" and args.diff
@@ -426,7 +431,15 @@ def _emit(args, fmt, mode, results, findings, written, code, progress) -> None:
             results, written=len(written) if args.write or args.interactive or args.add_ignore else None
         )
     text.findings(findings)
+    _skipped_lines(found, unreadable, text.console.file)
     progress.report(results)
+
+
+def _skipped_lines(found, unreadable: int, stream) -> None:
+    """How many paths discovery skipped and why, then the ones it names."""
+    stream.write(found.skipped_line(unreadable) + "\n")
+    for path, message in found.notices:
+        stream.write(f"skipped {path}: {message}\n")
 
 
 def _rules(args) -> int:
@@ -479,17 +492,17 @@ def _rule_json(rule) -> dict:
     }
 
 
-def _interactive(args, results, chosen, options) -> set[str]:
-    """Run the one-site-at-a-time review (:mod:`flashport.rewriter.interactive`); return written paths."""
+def _interactive(args, results, chosen, options, log) -> None:
+    """Run the one-site-at-a-time review (:mod:`flashport.rewriter.interactive`); ``log`` records
+    the files written."""
     from flashport.rewriter import report as rep
     from flashport.rewriter.interactive import record, review, stdin_asker
 
     out = sys.stdout if args.output_format in ("full", "text") else sys.stderr  # keep stdout parseable
     console = rep.TextReport(_color(args)).console
     console.file = out
-    outcome = review(results, chosen, options, ask=stdin_asker(sys.stdin, out), console=console)
+    outcome = review(results, chosen, options, ask=stdin_asker(sys.stdin, out), console=console, log=log)
     record(results, outcome)
-    return set(outcome.written)
 
 
 def _html_report(path, results, written, mode) -> int:

@@ -278,13 +278,14 @@ def remove_unused_in_run(
         result.status, result.old, result.new = CHANGED, data, again.new or cleaned
 
 
-def add_ignores_in_run(results: Sequence[FileResult], progress) -> set[str]:
-    """``rewrite --add-ignore``: :func:`add_ignores` on every file with a refused site, written
-    atomically; returns the paths written. Nothing is rewritten: every other file reads unchanged,
-    and a file that cannot be marked is an error result."""
-    from flashport.rewriter.runner import StaleFile, atomic_write
+def add_ignores_in_run(results: Sequence[FileResult], log, progress) -> None:
+    """``rewrite --add-ignore``: :func:`add_ignores` on every file with a refused site, written in
+    place (the paths go to ``log.written``, a :class:`~flashport.rewriter.writes.WriteLog`).
+    Nothing is rewritten: every other file reads unchanged, and a file that cannot be marked is an
+    error result."""
+    from flashport.rewriter import interrupts
+    from flashport.rewriter.writes import StaleFile, reason, write_in_place
 
-    written: set[str] = set()
     todo = [r for r in results if r.status != ERROR and any(s.status == REFUSED for s in r.sites)]
     progress.start("adding ignores", len(todo))
     for result in results:
@@ -297,8 +298,9 @@ def add_ignores_in_run(results: Sequence[FileResult], progress) -> set[str]:
                 raise OSError("cannot read it again")
             text, encoding = src.decode(data)
             marked, missed = add_ignores(text, result.sites)
-            atomic_write(result.path, data, src.encode(marked, encoding))
-            written.add(result.path)
+            with interrupts.held():  # a signal during the write waits until the log says so
+                write_in_place(result.path, data, src.encode(marked, encoding))
+                log.written.append(result.path)
             for site in missed:
                 print(
                     f"flashport: {site.path}:{site.line}: no comment can end either line of this "
@@ -306,7 +308,6 @@ def add_ignores_in_run(results: Sequence[FileResult], progress) -> set[str]:
                     file=sys.stderr,
                 )
         except (OSError, StaleFile, UnicodeError, SyntaxError) as err:
-            result.status, result.error = ERROR, f"write failed: {err}"
+            result.status, result.error = ERROR, f"write failed: {reason(err)}"
         progress.done(result.path)
     progress.finish()
-    return written
