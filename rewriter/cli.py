@@ -228,10 +228,10 @@ def _settings(args) -> Settings:
         table = cfg.load(args.config)
         root = os.path.dirname(os.path.abspath(args.config))
     elif not args.isolated:
-        found = cfg.find_pyproject(args.paths[0] if args.paths else ".")
-        if found:
-            table = cfg.load(found)
-            root = os.path.dirname(found)
+        pyproject = cfg.find_pyproject(args.paths[0] if args.paths else ".")
+        if pyproject:
+            table = cfg.load(pyproject)
+            root = os.path.dirname(pyproject)
     select = args.select or table.get("select")
     ignore = (args.ignore or []) + list(table.get("ignore", []))
     chosen = registry.select(select, ignore)
