@@ -250,12 +250,21 @@ def check_changes(path: str, old: bytes, new: bytes, sites, gpu_modules) -> list
     old_lines = old.decode("utf-8", "replace").splitlines()
     new_lines = new.decode("utf-8", "replace").splitlines()
     stray = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
-        None, old_lines, new_lines, autojunk=False
-    ).get_opcodes():
+    opcodes = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes()
+    # an old line the diff removed and added back elsewhere (aligned around a rewrite), not changed
+    added = collections.Counter(
+        line for tag, _, _, j1, j2 in opcodes if tag != "equal" for line in new_lines[j1:j2]
+    )
+    for tag, i1, i2, j1, j2 in opcodes:
         if tag == "equal":
             continue
-        stray += [f"{path}:{i + 1}" for i in range(i1, i2) if i + 1 not in allowed and old_lines[i].strip()]
+        for i in range(i1, i2):
+            if i + 1 in allowed or not old_lines[i].strip():
+                continue
+            if added[old_lines[i]]:
+                added[old_lines[i]] -= 1
+            else:
+                stray.append(f"{path}:{i + 1}")
         extra = (
             new_lines[j1 + (i2 - i1) : j2]
             if tag == "replace"
