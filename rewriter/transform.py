@@ -731,6 +731,21 @@ class SiteTransformer(cst.CSTTransformer):
                         self._attributes_dropped_in.discard(key)
                     self._attributes[key] = (*matched, where[0])
 
+    def visit_Annotation(self, node: cst.Annotation) -> None:
+        """``mask: AttentionBias | None``, ``-> Optional[BlockDiagonalMask]``: a class named in an
+        annotation is a value too (it moves with the constructors and type checks of its rule)."""
+        pending: list[cst.BaseExpression] = [node.annotation]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, cst.BinaryOperation):
+                pending += [value.left, value.right]
+            elif isinstance(value, cst.Subscript):
+                pending += [value.value] + [
+                    e.slice.value for e in value.slice if isinstance(e.slice, cst.Index)
+                ]
+            elif isinstance(value, (cst.Name, cst.Attribute)):
+                self._reference(value)
+
     def visit_DictElement(self, node: cst.DictElement) -> None:
         """``{"flash_attention_2": flash_attn_func}``."""
         self._reference(node.value)
