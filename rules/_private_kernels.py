@@ -191,14 +191,47 @@ def release_range(ctx: RuleContext) -> tuple[tuple[int, ...], tuple[int, ...] | 
     return lo, hi
 
 
-def _unpacked(ctx: RuleContext) -> int | None:
-    """How many names the call's result is unpacked into (None when it is not unpacked)."""
+def _unpacked(ctx: RuleContext) -> tuple[int, bool] | None:
+    """How many names the call's result is unpacked into, and whether one of them is starred
+    (``out, *_ = ...`` takes any number of values from one on); None when it is not unpacked."""
     up = ctx.ancestors[0] if ctx.ancestors else None
     if isinstance(up, cst.Assign) and up.value is ctx.node:
         for target in up.targets:
             if isinstance(target.target, (cst.Tuple, cst.List)):
-                return len(target.target.elements)
+                elements = target.target.elements
+                return len(elements), any(isinstance(e, cst.StarredElement) for e in elements)
     return None
+
+
+def _unpack_fits(unpacked: tuple[int, bool] | None, returns: int) -> bool:
+    if unpacked is None:
+        return True
+    names, starred = unpacked
+    return returns >= names - 1 if starred else names == returns
+
+
+def value_convention(function: str, ctx: RuleContext) -> Convention:
+    """The one convention of the site's release range that has ``function`` (for a value: its
+    callers are out of sight, so the range alone must decide).
+
+    Raises:
+      Refuse: when the range spans conventions with different signatures, or the one has no drop-in.
+    """
+    lo, hi = release_range(ctx)
+    found = [
+        c
+        for c in CONVENTIONS
+        if not ((c.end is not None and c.end <= lo) or (hi is not None and hi <= c.start))
+        and function in c.tails
+    ]
+    span = f"flash-attn {_text(lo)} to {_text(hi) if hi else 'latest'}"
+    if len({c.signature(function) for c in found}) != 1 or len({c.returns for c in found}) != 1:
+        raise Refuse(f"{function}'s signature differs between the releases of {span}: ambiguous for a value")
+    if found[0].suffix is None:
+        raise Refuse(
+            f"{function} of flash-attn before 2.4 ({span}): flashport has no drop-in with its signature"
+        )
+    return found[0]
 
 
 def _fits(convention: Convention, call: cst.Call, function: str, ctx: RuleContext) -> dict[str, cst.Arg]:
@@ -207,10 +240,12 @@ def _fits(convention: Convention, call: cst.Call, function: str, ctx: RuleContex
     Raises:
       Refuse: when it does not fit (arguments, required ones missing, unpacked names).
     """
-    names = _unpacked(ctx)
-    if function.endswith("_forward") and names is not None and names != convention.returns:
+    unpacked = _unpacked(ctx)
+    if function.endswith("_forward") and not _unpack_fits(unpacked, convention.returns):
+        assert unpacked is not None
         raise Refuse(
-            f"{function}'s result is unpacked into {names} names, not the {convention.returns} it returns"
+            f"{function}'s result is unpacked into {unpacked[0]}{' or more' if unpacked[1] else ''} names, "
+            f"not the {convention.returns} it returns"
         )
     signature = convention.signature(function)
     if signature is None or any(arg.star for arg in call.args):

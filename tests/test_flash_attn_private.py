@@ -287,3 +287,37 @@ def test_version_branches_port_to_each_releases_drop_in_and_agree(installed):
     close(dq, gq)
     close(dk, gk)
     close(dv, gv)
+
+
+RING_VALUES = """
+import inspect
+
+from flash_attn.flash_attn_interface import _flash_attn_forward
+
+
+def get_default_args(func):
+    spec = inspect.signature(func)
+    return {k: v.default for k, v in spec.parameters.items() if v.default is not inspect.Parameter.empty}
+
+
+def block(q, k, v, scale, causal, dropout_p=0.0):
+    # ring-attention style: the kernel's defaults read from its signature, then called with **params
+    params = get_default_args(_flash_attn_forward).copy()
+    params.update({"q": q, "k": k, "v": v, "dropout_p": dropout_p, "softmax_scale": scale, "causal": causal,
+                   "window_size_left": -1, "window_size_right": -1, "softcap": 0.0, "alibi_slopes": None,
+                   "return_softmax": True and dropout_p > 0})
+    out, lse, *_ = _flash_attn_forward(**params)
+    return out, lse
+"""
+
+
+def test_kernel_values_read_for_their_signature_and_starred_results_run_on_the_drop_in():
+    namespace, code = port_and_run(RING_VALUES, "reference")
+    assert "get_default_args(flashport.integrations.flash_attn_compat._flash_attn_forward)" in code
+    q, k, v = rand(2, 5, 2, 8, seed=1), rand(2, 7, 2, 8, seed=2), rand(2, 7, 2, 8, seed=3)
+    out, lse = namespace["block"](q, k, v, 0.3, True)
+    want_out, want_lse = reference_attention(q.numpy(), k.numpy(), v.numpy(), scale=0.3, causal=True)
+    close(out, want_out)
+    close(lse, flash_lse(want_lse))
+    with pytest.raises(ValueError, match="return_softmax"):  # flash-attn's S_dmask is not produced
+        namespace["block"](q, k, v, 0.3, True, dropout_p=0.1)
