@@ -12,6 +12,8 @@
   when there is one (arguments verbatim), flashport's SDPA otherwise.
 * :mod:`flashport.integrations.xformers_compat` -- xformers' ``memory_efficient_attention`` and its
   ``attn_bias`` classes on the flashport contract.
+* :mod:`flashport.integrations.jax_cudnn_compat` -- JAX's private cuDNN ``dot_product_attention``
+  (padding lengths, lse residual, seed dropout) on the contract.
 * :mod:`flashport.integrations.transformers` -- registers ``attn_implementation="flashport"`` with
   Hugging Face transformers' attention-function registry.
 
