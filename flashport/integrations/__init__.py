@@ -14,6 +14,8 @@
   ``attn_bias`` classes on the flashport contract.
 * :mod:`flashport.integrations.jax_cudnn_compat` -- JAX's private cuDNN ``dot_product_attention``
   (padding lengths, lse residual, seed dropout) on the contract.
+* :mod:`flashport.integrations.jax_nn_compat` -- ``jax.nn.dot_product_attention`` whose
+  ``implementation`` is known at run time ("xla" stays XLA; None/"cudnn" on the contract).
 * :mod:`flashport.integrations.transformers` -- registers ``attn_implementation="flashport"`` with
   Hugging Face transformers' attention-function registry.
 
