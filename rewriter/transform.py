@@ -746,6 +746,11 @@ class SiteTransformer(cst.CSTTransformer):
             elif isinstance(value, (cst.Name, cst.Attribute)):
                 self._reference(value)
 
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        """``MaskType.CAUSAL if causal else MaskType.NO_MASK``: both branches are values."""
+        self._reference(node.body)
+        self._reference(node.orelse)
+
     def visit_DictElement(self, node: cst.DictElement) -> None:
         """``{"flash_attention_2": flash_attn_func}``."""
         self._reference(node.value)

@@ -116,7 +116,7 @@ class CudnnFusedAttention(Rule):
         f"{PRIVATE}.MaskType",
         *(f"{PRIVATE}.MaskType.{member}" for member in MASK_TYPES),
     )
-    TRIGGERS = (b"dot_product_attention",)
+    TRIGGERS = (b"dot_product_attention", b"fused_attention_stablehlo")  # the module binds MaskType too
     GPU_MODULES = ("jax._src.cudnn",)
     TARGET = "flashport.attention"
 
