@@ -701,7 +701,9 @@ def build_call(
         if i < len(args) - 1:
             between = between_ws if between_ws is not None else cst.SimpleWhitespace(" ")
             comma = cst.Comma(whitespace_after=kept or between)
-        elif multiline or kept is not None:
+        elif (multiline and isinstance(closing, cst.ParenthesizedWhitespace)) or kept is not None:
+            # the closing paren on a line of its own: a trailing comma, as black/ruff write it;
+            # a paren right after the last argument takes none (never ``x="BHSD",)``)
             comma = cst.Comma(whitespace_after=kept or closing)
         else:
             comma = cst.MaybeSentinel.DEFAULT
