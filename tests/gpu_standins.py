@@ -32,7 +32,7 @@ CALLS: collections.Counter = collections.Counter()
 
 def _dense(q, k, v, scale, causal, window, softcap, align="bottom_right", visible=None):
     """(out [B, Sq, H, Dv], lse [B, H, Sq]) of softmax attention on [B, S, H, D] tensors."""
-    b, sq, hq, d = q.shape
+    _b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     qh = q.transpose(1, 2)
     kh = k.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
