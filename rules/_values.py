@@ -94,7 +94,7 @@ def family(api: str) -> str | None:
 _PROVIDES = {
     FA2: FA2_NAMES + FA1_NAMES,
     FA4: ("flash_attn_func", "flash_attn_varlen_func"),
-    BERT_PADDING: ("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"),
+    BERT_PADDING: ("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input", "rearrange"),
     SDPA: ("scaled_dot_product_attention",),
     XFORMERS: ("memory_efficient_attention",),
 }
