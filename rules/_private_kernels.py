@@ -78,6 +78,21 @@ CONVENTIONS = (
         {
             "_flash_attn_forward": (*_HEAD, "window_size", "alibi_slopes", "return_softmax"),
             "_flash_attn_backward": (*_HEAD, "window_size", "alibi_slopes", "deterministic", "rng_state"),
+            # flash-attn 2.4.2 / 2.5.9 (block_table from 2.5.7)
+            "_flash_attn_varlen_forward": (
+                *_HEAD,
+                "window_size",
+                "alibi_slopes",
+                "return_softmax",
+                "block_table",
+            ),
+            "_flash_attn_varlen_backward": (
+                *_HEAD,
+                "window_size",
+                "alibi_slopes",
+                "deterministic",
+                "rng_state",
+            ),
         },
         8,
     ),
@@ -88,6 +103,25 @@ CONVENTIONS = (
         {
             "_flash_attn_forward": (*_HEAD, "window_size", "softcap", "alibi_slopes", "return_softmax"),
             "_flash_attn_backward": (
+                *_HEAD,
+                "window_size",
+                "softcap",
+                "alibi_slopes",
+                "deterministic",
+                "rng_state",
+            ),
+            # flash-attn 2.6.3's lists; 2.6.0 had no leftpad_k/seqused_k and no defaults
+            "_flash_attn_varlen_forward": (
+                *_HEAD,
+                "window_size",
+                "softcap",
+                "alibi_slopes",
+                "return_softmax",
+                "block_table",
+                "leftpad_k",
+                "seqused_k",
+            ),
+            "_flash_attn_varlen_backward": (
                 *_HEAD,
                 "window_size",
                 "softcap",
@@ -115,6 +149,7 @@ CONVENTIONS = (
 # parameters with a default (every other one is required in these releases)
 OPTIONAL = {"rng_state", "zero_tensors", "block_table", "leftpad_k", "seqused_k"}
 OPTIONAL_VARLEN_FORWARD = {
+    "window_size",
     "window_size_left",
     "window_size_right",
     "softcap",
@@ -258,27 +293,35 @@ def _fits(convention: Convention, call: cst.Call, function: str, ctx: RuleContex
     return bound
 
 
-def convention_for(call: cst.Call, function: str, ctx: RuleContext) -> tuple[Convention, dict[str, cst.Arg]]:
-    """The one convention of the site's release range that the call fits, with its bound arguments.
+def convention_for(
+    call: cst.Call, function: str, ctx: RuleContext
+) -> tuple[Convention, dict[str, cst.Arg], str | None]:
+    """The one convention of the site's release range that the call fits, with its bound arguments
+    and, when the range came from ``--flash-attn-version`` alone and the call fits none of it but
+    exactly one other release's (its arguments or unpacked names would raise under the configured
+    version, so the code was written for that release), a note saying so.
 
     Raises:
       Refuse: when none fits, more than one does (ambiguous), or the one that fits has no drop-in.
     """
     lo, hi = release_range(ctx)
-    fits, reasons = [], []
-    for convention in CONVENTIONS:
-        if (convention.end is not None and convention.end <= lo) or (
-            hi is not None and hi <= convention.start
-        ):
-            continue
-        try:
-            fits.append((convention, _fits(convention, call, function, ctx)))
-        except Refuse as refusal:
-            reasons.append(refusal.reason)
+    fits, reasons = _fitting(call, function, ctx, lo, hi)
     single = hi is not None and hi == (*lo[:-1], lo[-1] + 1)
     span = (
         f"flash-attn {_text(lo)}" if single else f"flash-attn {_text(lo)} to {_text(hi) if hi else 'latest'}"
     )
+    inferred = None
+    if not fits and single and not _has_version_test(ctx):
+        anywhere, _ = _fitting(call, function, ctx, (0, 0, 0), None, known_only=True)
+        if len(anywhere) == 1 and anywhere[0][0].suffix is not None:
+            fits = anywhere
+            convention = anywhere[0][0]
+            inferred = (
+                f"fits only the private signature of flash-attn {_text(convention.start)} to "
+                f"{_text(convention.end) if convention.end else 'latest'} (under the configured {span} "
+                f"it would raise: {reasons[-1] if reasons else 'no known signature'}): ported to that "
+                "release's drop-in"
+            )
     if not fits:
         raise Refuse(f"{reasons[-1] if reasons else 'no known signature'} ({span})")
     if len(fits) > 1:
@@ -291,7 +334,35 @@ def convention_for(call: cst.Call, function: str, ctx: RuleContext) -> tuple[Con
         raise Refuse(
             f"{function} of flash-attn before 2.4 ({span}): flashport has no drop-in with its signature"
         )
-    return convention, bound
+    return convention, bound, inferred
+
+
+def _fitting(call, function, ctx, lo, hi, known_only=False) -> tuple[list, list[str]]:
+    """The conventions of releases ``[lo, hi)`` the call fits (with its bound arguments), and why
+    the others do not; ``known_only``: only those whose signature of ``function`` is known."""
+    fits, reasons = [], []
+    for convention in CONVENTIONS:
+        if (convention.end is not None and convention.end <= lo) or (
+            hi is not None and hi <= convention.start
+        ):
+            continue
+        if known_only and function not in convention.tails:
+            continue
+        try:
+            fits.append((convention, _fits(convention, call, function, ctx)))
+        except Refuse as refusal:
+            reasons.append(refusal.reason)
+    return fits, reasons
+
+
+def _has_version_test(ctx: RuleContext) -> bool:
+    """Whether an ``if`` around the site tests a flash-attn version (then its range is the code's)."""
+    child = ctx.node
+    for up in ctx.ancestors:
+        if isinstance(up, cst.If) and child is not up.test and _bound(up.test, negated=False) is not None:
+            return True
+        child = up
+    return False
 
 
 def _text(version: tuple[int, ...]) -> str:

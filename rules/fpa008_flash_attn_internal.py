@@ -28,7 +28,8 @@ Semantics mapping:
 What it refuses:
   * a call that fits no release's signature in its range, or several with different conventions
     (ambiguous), releases before 2.4 and varlen before 2.7 (no drop-in), ``return_softmax=True``,
-    varlen ``alibi_slopes``/``block_table``/``leftpad_k``/``seqused_k``, value uses in a range whose
+    varlen ``alibi_slopes``/``block_table``/``leftpad_k``/``seqused_k`` given by an expression (a
+    forwarded name is checked at run time: the drop-in raises when it is not None), value uses in a range whose
     releases differ, and values that are compared, listed in ``__all__`` or inside an import guard;
   * the Triton implementation ``flash_attn.flash_attn_triton.flash_attn_func(q, k, v, bias=None,
     causal=False, softmax_scale=None)`` and its ``flash_attn_kvpacked_func`` /
@@ -104,14 +105,15 @@ class FlashAttnTritonAndInternals(Rule):
         if ctx.qualified_name in FA3_PRIVATE:
             return Refusal(_fa3_reason(ctx.qualified_name))
         function = ctx.qualified_name.rsplit(".", 1)[-1].replace("_wrapped", "", 1)
-        convention, bound = _private_kernels.convention_for(call, function, ctx)
+        convention, bound, inferred = _private_kernels.convention_for(call, function, ctx)
         _check_bound(bound, function)
         releases = "2.7+" if not convention.suffix else convention.suffix[2:].replace("_", ".") + ".x"
         target = function + convention.suffix
         note = (
             f"drop-in {target} (flash-attn {releases}'s signature, return convention and in-place gradients)"
         )
-        return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{target}")), imports=(COMPAT,), notes=(note,))
+        notes = (note,) if inferred is None else (note, inferred)
+        return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{target}")), imports=(COMPAT,), notes=notes)
 
     def check_reference(self, node, ctx):
         """Value uses are reported: the callers of a value are out of sight."""
@@ -141,7 +143,9 @@ def _check_bound(bound: dict[str, cst.Arg], function: str) -> None:
         )
     if "varlen" in function:
         for name in _UNSUPPORTED_VARLEN:
-            if name in bound and not is_none(bound[name].value):
+            value = bound[name].value if name in bound else None
+            # a forwarded name (often None at run time) is checked by the drop-in, which raises
+            if value is not None and not is_none(value) and not isinstance(value, (cst.Name, cst.Attribute)):
                 raise Refuse(f"{function}({name}=...): not supported by flashport's varlen drop-in")
 
 

@@ -8,6 +8,8 @@ backwards on the merged residuals add up to the full attention's float64 gradien
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -321,3 +323,47 @@ def test_kernel_values_read_for_their_signature_and_starred_results_run_on_the_d
     close(lse, flash_lse(want_lse))
     with pytest.raises(ValueError, match="return_softmax"):  # flash-attn's S_dmask is not produced
         namespace["block"](q, k, v, 0.3, True, dropout_p=0.1)
+
+
+def test_varlen_kernels_written_for_2_6_run_on_their_drop_ins():
+    source = (
+        __import__("pathlib").Path(__file__).parent
+        / "fixtures"
+        / "codemod"
+        / "FPA008"
+        / "varlen_written_for_2_6.py"
+    ).read_text()
+    namespace, code = port_and_run(source.split("\n\ndef written_for_2_5")[0], "call")
+    assert "_flash_attn_varlen_forward_v2_6(" in code and "_flash_attn_varlen_backward_v2_6(" in code
+    lengths = [3, 5]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q, k, v = rand(8, 4, 8, seed=1), rand(8, 2, 8, seed=2), rand(8, 2, 8, seed=3)
+    out, lse = namespace["ring_step"](q, k, v, cu, 5, 0.0, 0.4, True, (-1, -1), 0.0, None)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        want_out, want_lse = reference_attention(
+            q[part][None].numpy(), k[part][None].numpy(), v[part][None].numpy(), scale=0.4, causal=True
+        )
+        close(out[part], want_out[0])
+        close(lse[:, part], want_lse[0])
+        start += n
+    dout = rand(8, 4, 8, seed=4)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    namespace["ring_grad"](
+        dout, q, k, v, out, lse, dq, dk, dv, cu, 5, 0.0, 0.4, True, (-1, -1), 0.0, None, False, None
+    )
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        grads = reference_attention_vjp(
+            q[part][None].numpy(),
+            k[part][None].numpy(),
+            v[part][None].numpy(),
+            dout[part][None].numpy(),
+            scale=0.4,
+            causal=True,
+        )
+        for got, want in zip((dq, dk, dv), grads[:3], strict=True):
+            close(got[part], want[0])
+        start += n
