@@ -17,7 +17,7 @@ import re
 
 import libcst as cst
 
-from flashport.rules.base import Refuse, RuleContext, Signature, literal_string
+from flashport.rules.base import Refuse, RuleContext, RuleOptions, Signature, literal_string
 
 _VARLEN = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 _BACKWARD = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv")
@@ -297,7 +297,8 @@ def convention_for(
     call: cst.Call, function: str, ctx: RuleContext
 ) -> tuple[Convention, dict[str, cst.Arg], str | None]:
     """The one convention of the site's release range that the call fits, with its bound arguments
-    and, when the range came from ``--flash-attn-version`` alone and the call fits none of it but
+    and, when the range came from the default ``--flash-attn-version`` alone (a version the user
+    names is kept) and the call fits none of it but
     exactly one other release's (its arguments or unpacked names would raise under the configured
     version, so the code was written for that release), a note saying so.
 
@@ -311,7 +312,8 @@ def convention_for(
         f"flash-attn {_text(lo)}" if single else f"flash-attn {_text(lo)} to {_text(hi) if hi else 'latest'}"
     )
     inferred = None
-    if not fits and single and not _has_version_test(ctx):
+    default = RuleOptions.__dataclass_fields__["flash_attn_version"].default
+    if not fits and single and not _has_version_test(ctx) and ctx.options.flash_attn_version == default:
         anywhere, _ = _fitting(call, function, ctx, (0, 0, 0), None, known_only=True)
         if len(anywhere) == 1 and anywhere[0][0].suffix is not None:
             fits = anywhere

@@ -327,11 +327,7 @@ def test_kernel_values_read_for_their_signature_and_starred_results_run_on_the_d
 
 def test_varlen_kernels_written_for_2_6_run_on_their_drop_ins():
     source = (
-        __import__("pathlib").Path(__file__).parent
-        / "fixtures"
-        / "codemod"
-        / "FPA008"
-        / "varlen_written_for_2_6.py"
+        pathlib.Path(__file__).parent / "fixtures" / "codemod" / "FPA008" / "varlen_written_for_2_6.py"
     ).read_text()
     namespace, code = port_and_run(source.split("\n\ndef written_for_2_5")[0], "call")
     assert "_flash_attn_varlen_forward_v2_6(" in code and "_flash_attn_varlen_backward_v2_6(" in code
