@@ -73,7 +73,7 @@ def cuda_only_lines(tree: ast.Module) -> dict[int, list[int]]:
     """Per top-level statement (its first line), the lines inside it with CUDA-only code."""
     found: dict[int, list[int]] = {}
     for top in tree.body:
-        lines = sorted({n.lineno for n in ast.walk(top) if _cuda_only(n)})
+        lines = sorted({getattr(n, "lineno", top.lineno) for n in ast.walk(top) if _cuda_only(n)})
         if lines:
             found[top.lineno] = lines
     return found
