@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from flashport.rewriter import astindex, newsyntax, prune, run_context, suppress, thin
+from flashport.rewriter import astindex, cuda_notes, formatting, newsyntax, prune, run_context, suppress, thin
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -258,6 +258,7 @@ def _transform(
     transformer, replacements = ported
     result.sites.extend(transformer.sites)
     result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
+    result.sites = cuda_notes.annotate(result.sites, tree, lines)
     if not replacements:
         return result
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
@@ -283,6 +284,8 @@ def _transform(
         except ValueError as err:
             return _error(result, f"{err}; file left unchanged")
         cst.parse_module(new_text)  # the restored text must still parse (libcst's grammar)
+    if options.format_rewrites:
+        new_text = formatting.format_changed(result.path, src.decode(data)[0], new_text)
     new_data = src.encode(new_text, encoding)
     if new_data != data:
         result.status = CHANGED

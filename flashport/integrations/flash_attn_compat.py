@@ -50,7 +50,11 @@ from flashport.integrations.flash_attn_private import (
     _flash_attn_forward_v2_4,
     _flash_attn_forward_v2_6,
     _flash_attn_varlen_backward,
+    _flash_attn_varlen_backward_v2_4,
+    _flash_attn_varlen_backward_v2_6,
     _flash_attn_varlen_forward,
+    _flash_attn_varlen_forward_v2_4,
+    _flash_attn_varlen_forward_v2_6,
 )
 from flashport.kernels.visibility import band_visible
 
@@ -62,7 +66,11 @@ __all__ = [
     "_flash_attn_forward_v2_4",
     "_flash_attn_forward_v2_6",
     "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_backward_v2_4",
+    "_flash_attn_varlen_backward_v2_6",
     "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_forward_v2_4",
+    "_flash_attn_varlen_forward_v2_6",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

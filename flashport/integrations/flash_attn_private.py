@@ -40,7 +40,11 @@ __all__ = [
     "_flash_attn_forward_v2_4",
     "_flash_attn_forward_v2_6",
     "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_backward_v2_4",
+    "_flash_attn_varlen_backward_v2_6",
     "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_forward_v2_4",
+    "_flash_attn_varlen_forward_v2_6",
 ]
 
 
@@ -416,3 +420,187 @@ def _flash_attn_backward_v2_6(
         rng_state,
     )
     return dq, dk, dv, softmax_d
+
+
+def _flash_attn_varlen_forward_v2_6(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+    leftpad_k=None,
+    seqused_k=None,
+):
+    """flash-attn 2.6 ``_flash_attn_varlen_forward`` (2.6.2's defaults; 2.6.0 required them):
+    ``(out, q, k, v, out, softmax_lse, None, rng_state)``."""
+    left, right = window_size
+    out, lse, s_dmask, rng_state = _flash_attn_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+        block_table,
+        leftpad_k,
+        seqused_k,
+    )
+    return out, q, k, v, out, lse, s_dmask, rng_state
+
+
+def _flash_attn_varlen_backward_v2_6(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    """flash-attn 2.6 ``_flash_attn_varlen_backward``: writes dq, dk, dv into the given buffers;
+    returns ``(dq, dk, dv, softmax_d)``."""
+    left, right = window_size
+    softmax_d = _flash_attn_varlen_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
+    return dq, dk, dv, softmax_d
+
+
+def _flash_attn_varlen_forward_v2_4(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    return_softmax,
+    block_table=None,
+):
+    """flash-attn 2.4-2.5 ``_flash_attn_varlen_forward`` (``block_table`` from 2.5.7):
+    ``(out, q, k, v, out, softmax_lse, None, rng_state)``."""
+    return _flash_attn_varlen_forward_v2_6(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        0.0,
+        alibi_slopes,
+        return_softmax,
+        block_table,
+    )
+
+
+def _flash_attn_varlen_backward_v2_4(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    """flash-attn 2.4-2.5 ``_flash_attn_varlen_backward``: writes dq, dk, dv into the given buffers;
+    returns ``(dq, dk, dv, softmax_d)``."""
+    return _flash_attn_varlen_backward_v2_6(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        0.0,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )

@@ -37,6 +37,7 @@ from flashport.kernels.varlen import is_torch_tensor
 
 __all__ = [
     "AttentionBias",
+    "AttentionMask",
     "BlockDiagonalCausalFromBottomRightMask",
     "BlockDiagonalCausalLocalAttentionFromBottomRightMask",
     "BlockDiagonalCausalLocalAttentionMask",
@@ -52,7 +53,22 @@ __all__ = [
 ]
 
 
-class AttentionBias:
+class _BiasType(type):
+    """The bias classes' metaclass: ``isinstance(b, <class>)`` also holds for a real xformers bias of
+    the class of that name or a subclass of it, so code whose checks and annotations were ported
+    keeps its meaning for biases still built by xformers elsewhere (``memory_efficient_attention``
+    here takes both)."""
+
+    def __instancecheck__(cls, instance):
+        if type.__instancecheck__(cls, instance):
+            return True
+        names = {cls.__name__} | ({"AttentionMask"} if cls.__name__ == "AttentionBias" else set())
+        return any(
+            c.__module__.startswith("xformers.") and c.__name__ in names for c in type(instance).__mro__
+        )
+
+
+class AttentionBias(metaclass=_BiasType):
     """Base class of the bias objects (``xformers.ops.AttentionBias``)."""
 
     def _contract(self, total_q, total_k, device):
@@ -300,6 +316,9 @@ class BlockDiagonalCausalLocalAttentionFromBottomRightMask(BlockDiagonalCausalFr
     """Bottom-right causal blocks limited to the last ``window_size`` keys."""
 
 
+AttentionMask = AttentionBias  # xformers.ops' alias
+
+
 def _from_xformers(bias):
     """A real xformers bias object of a supported class as the flashport mirror (by class name)."""
     name = type(bias).__name__
@@ -335,7 +354,7 @@ def contract_kwargs(attn_bias, total_q, total_k, device):
         return {}
     if is_torch_tensor(attn_bias):  # torchax / torch_xla tensors too (torch.Tensor subclasses)
         return {"bias": attn_bias}
-    if not isinstance(attn_bias, AttentionBias):
+    if not type.__instancecheck__(AttentionBias, attn_bias):  # a real xformers bias
         attn_bias = _from_xformers(attn_bias)
     return attn_bias._contract(total_q, total_k, device)
 
