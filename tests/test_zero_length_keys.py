@@ -89,9 +89,9 @@ def test_torch_adapter_with_no_keys(backend):
     k, v = torch.zeros(B, 0, HKV, D, requires_grad=True), torch.zeros(B, 0, HKV, DV, requires_grad=True)
     want_out, want_lse = expected()
     if backend == "sdpa":  # SDPA has no lse
-        out, lse = ft.attention(q, k, v, backend=backend), torch.from_numpy(want_lse)
+        out, lse = ft.attention(q, k, v, backend=backend, layout="BSHD"), torch.from_numpy(want_lse)
     else:
-        out, lse = ft.attention(q, k, v, backend=backend, return_lse=True)
+        out, lse = ft.attention(q, k, v, backend=backend, return_lse=True, layout="BSHD")
     np.testing.assert_array_equal(out.detach().numpy(), want_out)
     np.testing.assert_array_equal(lse.detach().numpy(), want_lse)
     out.sum().backward()
