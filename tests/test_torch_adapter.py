@@ -428,10 +428,14 @@ def test_cpu_auto_validates_each_call_once(monkeypatch):
     q, kv = torch.randn(1, 3, 2, 8), torch.randn(1, 5, 2, 8)
     want = ft.attention(q, kv, kv, softcap=30.0, backend="torch", layout="BSHD")
     checks_run.clear(), tensors_checked.clear()
-    np.testing.assert_allclose(ft.attention(q, kv, kv, softcap=30.0, layout="BSHD").numpy(), want.numpy(), atol=1e-5)
+    np.testing.assert_allclose(
+        ft.attention(q, kv, kv, softcap=30.0, layout="BSHD").numpy(), want.numpy(), atol=1e-5
+    )
     assert checks_run == [] and tensors_checked == ["query", "key", "value"]  # JAX path's own checks
     checks_run.clear(), tensors_checked.clear()
-    ft.attention(q, kv, kv, causal=True, layout="BSHD")  # bottom-right with Sq != Sk: validated, then the JAX path
+    ft.attention(
+        q, kv, kv, causal=True, layout="BSHD"
+    )  # bottom-right with Sq != Sk: validated, then the JAX path
     assert checks_run == [1] and tensors_checked == ["query", "key", "value"]
 
 
@@ -662,7 +666,9 @@ def test_flash_attn_varlen_for_packed_segments():
     )
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 3, 3, 9]])
     kw = dict(causal=True, window=(2, None), q_segment_ids=ids, kv_segment_ids=ids)
-    out, lse = ft.attention(q, k, v, **kw, return_lse=True, backend="torch", layout="BSHD")  # the math path, for the shape
+    out, lse = ft.attention(
+        q, k, v, **kw, return_lse=True, backend="torch", layout="BSHD"
+    )  # the math path, for the shape
     call = _checks.check(q, k, v, **kw)
     out, lse = _routing.cuda_attention(call, True, flash=fake)
     assert fake.calls[-1][0] == "varlen"

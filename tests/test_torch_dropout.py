@@ -107,7 +107,8 @@ def run_torch(x, ints, options, backend, seed, d_out):
         backend=backend,
         return_lse=True,
         dropout_p=RATE,
-        generator=torch.Generator().manual_seed(seed), layout="BSHD"
+        generator=torch.Generator().manual_seed(seed),
+        layout="BSHD",
     )
     (out * torch.tensor(d_out, dtype=torch.float32)).sum().backward()
     return out.detach().numpy(), lse.detach().numpy(), {n: v.grad.numpy() for n, v in t.items()}
@@ -189,7 +190,9 @@ def test_backward_reuses_the_forward_words():
         t = {n: torch.tensor(v, dtype=torch.float32, requires_grad=True) for n, v in x.items()}
         out = ft.attention(**t, **options, backend=backend, dropout_p=RATE, generator=g, layout="BSHD")
         torch.randint(0, 10, (5,), generator=g)
-        ft.attention(**t, **options, backend=backend, dropout_p=RATE, generator=g, layout="BSHD")  # another draw
+        ft.attention(
+            **t, **options, backend=backend, dropout_p=RATE, generator=g, layout="BSHD"
+        )  # another draw
         out.sum().backward()
         _, _, want, _ = reference_attention_vjp(
             x["query"],
@@ -254,7 +257,10 @@ def test_mean_over_draws_is_the_no_dropout_output():
     plain = ft.attention(q, k, v, backend="torch", layout="BSHD").numpy()
     g, n = torch.Generator().manual_seed(0), 400
     outs = np.stack(
-        [ft.attention(q, k, v, backend="torch", dropout_p=0.3, generator=g, layout="BSHD").numpy() for _ in range(n)]
+        [
+            ft.attention(q, k, v, backend="torch", dropout_p=0.3, generator=g, layout="BSHD").numpy()
+            for _ in range(n)
+        ]
     )
     sem = outs.std(axis=0) / np.sqrt(n)
     assert np.all(np.abs(outs.mean(axis=0) - plain) < 5 * sem + 1e-6)
@@ -290,7 +296,9 @@ def test_no_dropout_draws_nothing_and_matches_the_plain_call():
 def test_auto_on_cuda_and_other_devices_runs_the_contract_mask_not_flash_or_sdpa(monkeypatch):
     x, _, _ = make_inputs({})
     t = {n: torch.tensor(v, dtype=torch.float32) for n, v in x.items()}
-    want = ft.attention(**t, backend="torch", dropout_p=RATE, generator=torch.Generator().manual_seed(2), layout="BSHD")
+    want = ft.attention(
+        **t, backend="torch", dropout_p=RATE, generator=torch.Generator().manual_seed(2), layout="BSHD"
+    )
     fake = FakeFlashAttn()
     monkeypatch.setattr(_native, "import_flash_attn", lambda: fake)
     monkeypatch.setattr(_native, "TORCH_SDPA", lambda *a, **k: pytest.fail("SDPA ran a dropout call"))
@@ -299,7 +307,8 @@ def test_auto_on_cuda_and_other_devices_runs_the_contract_mask_not_flash_or_sdpa
         got = ft.attention(
             **{n: v.half() for n, v in t.items()} if kind == "cuda" else t,
             dropout_p=RATE,
-            generator=torch.Generator().manual_seed(2), layout="BSHD"
+            generator=torch.Generator().manual_seed(2),
+            layout="BSHD",
         )
         atol = 5e-3 if kind == "cuda" else 0
         np.testing.assert_allclose(got.float().numpy(), want.numpy(), atol=atol)
