@@ -74,7 +74,7 @@ def test_bias_mask_and_segments_with_no_keys(backend):
 def test_varlen_with_no_keys():
     q, _, _ = inputs()
     q = q.reshape(B * SQ, HQ, D)
-    k, v = jnp.zeros((0, HKV, D)), jnp.zeros((0, HKV, DV))
+    k, v = jnp.zeros((0, HKV, D), jnp.float32), jnp.zeros((0, HKV, DV), jnp.float32)
     cu_q, cu_k = jnp.array([0, SQ, 2 * SQ], jnp.int32), jnp.zeros((B + 1,), jnp.int32)
     out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
     np.testing.assert_array_equal(np.asarray(out), expected()[0].reshape(B * SQ, HQ, DV))
