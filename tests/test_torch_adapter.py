@@ -164,7 +164,7 @@ def run(path, x, case, return_lse, flash=None):
     if path == "jax":
         return ft.attention(**kw)
     if path == "torch":
-        return ft.attention(**kw, backend="torch", layout="BSHD")
+        return ft.attention(**kw, backend="torch")
     assert path == "cuda"
     kw.pop("return_lse")
     out, lse = _routing.cuda_attention(_checks.check(**kw, return_lse=return_lse), return_lse, flash=flash)
@@ -471,9 +471,9 @@ BAD = [
 @pytest.mark.parametrize("bad, error, message", BAD, ids=[m for _, _, m in BAD])
 def test_bad_input_names_the_argument(backend, bad, error, message):
     args = dict(query=torch.zeros(1, 5, 4, 8), key=torch.zeros(1, 5, 2, 8), value=torch.zeros(1, 5, 2, 8))
-    args.update(bad)
+    args.update({"layout": "BSHD", **bad})
     with pytest.raises(error, match=message):
-        ft.attention(**args, backend=backend, layout="BSHD")
+        ft.attention(**args, backend=backend)
 
 
 def test_explicit_native_backends_refuse_what_they_lack():
