@@ -83,3 +83,38 @@ def test_backend_under_x64_matches_reference(backend, case):
     np.testing.assert_allclose(lse, want_lse, atol=3e-5)
     for got, ref in zip(grads, (want_dq, want_dk, want_dv), strict=True):
         np.testing.assert_allclose(got, ref, atol=3e-4)
+
+
+@pytest.mark.parametrize("layout", ["BSHD", "BHSD"])
+@pytest.mark.parametrize("backend, platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+def test_pallas_kernels_lower_for_their_chip_under_x64(backend, platform, layout):
+    """Mosaic and Triton have no 64-bit index types: every loop bound and program-id expression in
+    the kernels (GQA head loops, block ranges, dropout counters) must stay int32 under x64."""
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128) if layout == "BSHD" else (1, 4, 256, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 256, 2, 128) if layout == "BSHD" else (1, 2, 256, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+
+    def loss(q, k, ids):
+        out = flashport.attention(
+            q,
+            k,
+            k,
+            causal=True,
+            window=(64, None),
+            q_segment_ids=ids,
+            kv_segment_ids=ids,
+            dropout_rate=0.1,
+            dropout_rng=jax.random.key(0),
+            backend=backend,
+            layout=layout,
+        )
+        return out.astype(jnp.float32).sum()
+
+    with jax.enable_x64(True):
+        text = (
+            jax.jit(jax.grad(loss, argnums=(0, 1)))
+            .trace(q, k, seg)
+            .lower(lowering_platforms=(platform,))
+            .as_text()
+        )
+    assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
