@@ -264,12 +264,17 @@ def platform_branches(
     picks: dict[str, tuple[str, str]], call: Call, traced: Any, later: Any
 ) -> dict[str, Any]:
     """``platform_dependent`` branches for per-platform ``picks``: ``traced(choice, call, *args)`` for
-    the backend picked on this process's platform, ``later(choice, call, *args)`` (traced only if a
-    module is lowered for that platform, :mod:`flashport.kernels.deferred`) for the others; one
+    the backend picked on this process's platform (and for backends that cannot be deferred),
+    ``later(choice, call, *args)`` (traced only if a module is lowered for that platform,
+    :mod:`flashport.kernels.deferred`) for the others; one
     branch per backend, with ``cpu``'s as the default."""
     here = picks.get(deferred.host_platform(), (None, ""))[0]
     by_name = {
-        name: functools.partial(traced if name == here else later, registry.BackendChoice(name), call)
+        name: functools.partial(
+            traced if name == here or not registry.get(name).deferrable else later,
+            registry.BackendChoice(name),
+            call,
+        )
         for name, _ in picks.values()
     }
     branches = {p: by_name[name] for p, (name, _) in picks.items()}
