@@ -36,7 +36,7 @@ What it refuses:
     ``flash_attn_qkvpacked_func``: same names as the CUDA functions (FPA001-003) but another
     signature -- the 4th positional argument is an additive ``bias``, not ``dropout_p`` -- so
     rewriting them as the CUDA function would change the meaning. Port by hand to
-    ``flashport.torch.attention(q, k, v, bias=bias, causal=causal, scale=softmax_scale)`` once its
+    ``flashport.torch.attention(q, k, v, bias=bias, causal=causal, scale=softmax_scale, layout="BSHD")`` once its
     causal alignment is checked;
   * FlashAttention-3's private ``_flash_attn_forward`` / ``_flash_attn_backward`` (``flash_attn_interface``,
     ``flash_attn_3.flash_attn_interface``, ``hopper.flash_attn_interface``): reported, calls and values,
@@ -154,7 +154,7 @@ def _fa3_reason(name: str) -> str:
     return (
         f"{short} is FlashAttention-3's private kernel: its arguments and results change between FA3 "
         "builds and flashport has no drop-in of it; port the code around it by hand "
-        "(flashport.torch.attention(..., return_lse=True) computes the same attention and lse)"
+        "(flashport.torch.attention(..., layout='BSHD', return_lse=True) computes the same attention and lse)"
     )
 
 
@@ -163,5 +163,5 @@ def _triton_reason(name: str) -> str:
     return (
         f"flash_attn_triton.{short} is the Triton implementation: its 4th positional argument is an "
         "additive bias (not dropout_p), so it is not the CUDA function; port it by hand to "
-        "flashport.torch.attention(q, k, v, bias=..., causal=..., scale=...)"
+        "flashport.torch.attention(q, k, v, bias=..., causal=..., scale=..., layout='BSHD')"
     )
