@@ -38,7 +38,7 @@ from flashport.kernels.pallas_gpu_bwd import dbias_layout, dkv_call, dq_call
 from flashport.kernels.pallas_gpu_fwd import forward_call
 from flashport.kernels.pallas_gpu_platform import cuda_only
 from flashport.kernels.pallas_gpu_tile import MIN_BLOCK, Geometry, dropout_rows, next_power_of_two
-from flashport.kernels.spec import FEATURES, AttentionSpec
+from flashport.kernels.spec import FEATURES, MOD_FEATURES, AttentionSpec
 
 MAX_HEAD_DIM = 256  # beyond this a tile pair no longer fits shared memory with useful blocks
 DEFAULTS = {
@@ -263,7 +263,7 @@ registry.register(
         description="flashport's Pallas (Triton) GPU flash attention: forward + dK/dV and dQ kernels, "
         "causal/window/segment-id block skipping, GQA via index maps, every contract feature; CUDA only.",
         platforms=("cuda",),
-        features=frozenset(FEATURES),
+        features=frozenset(FEATURES) - MOD_FEATURES,
         fn=pallas_gpu_attention,
         check=check_call,
         is_available=cuda_present,
@@ -275,7 +275,7 @@ registry.register(
         description="The pallas_gpu kernels run by the Pallas interpreter on CPU (slow; for tests and "
         "debugging, never chosen by auto).",
         platforms=("cpu",),
-        features=frozenset(FEATURES),
+        features=frozenset(FEATURES) - MOD_FEATURES,
         fn=pallas_gpu_interpret_attention,
         check=check_call,
     )

@@ -43,7 +43,7 @@ from flashport.kernels.pallas_tpu.tiling import (
     prepare_operands,
     round_up,
 )
-from flashport.kernels.spec import FEATURES, AttentionSpec
+from flashport.kernels.spec import FEATURES, MOD_FEATURES, AttentionSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,7 +442,7 @@ registry.register(
         description="flashport's Pallas TPU flash attention (forward + dK/dV and dQ kernels, block "
         "skipping in compute and DMA, GQA via index maps); TPU only.",
         platforms=("tpu",),
-        features=frozenset(FEATURES),
+        features=frozenset(FEATURES) - MOD_FEATURES,
         fn=pallas_tpu_attention,
         backward=pallas_tpu_backward,
     )
@@ -453,7 +453,7 @@ registry.register(
         description="The pallas_tpu kernels run in the TPU interpreter on CPU (slow; for tests and "
         "debugging, never chosen by auto).",
         platforms=("cpu",),
-        features=frozenset(FEATURES),
+        features=frozenset(FEATURES) - MOD_FEATURES,
         fn=pallas_tpu_interpret_attention,
         backward=pallas_tpu_interpret_backward,
     )
