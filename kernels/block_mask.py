@@ -9,9 +9,9 @@ and keeps one class per tile (FlexAttention's ``create_block_mask``, splash atte
 
 The classes are an int8 array ``[B|1, H|1, nq, nk]`` (1 where the ``mask_mod`` ignores the batch or
 head index), so a :class:`BlockMask` is a pytree that works under ``jit``, ``grad`` and ``vmap`` and
-may be built from traced document ids. Kernels whose tiles differ from the mask's blocks regroup the
-classes with :func:`tile_classes` (a tile is empty when every block it overlaps is, full when every
-one is). ``flashport.attention`` given only a ``mask_mod`` builds one itself, cached per shape and
+may be built from traced document ids. Kernels whose tiles are multiples of the mask's blocks regroup
+the classes with :func:`tile_classes` (a tile is empty when every block it covers is, full when every
+one is); finer tiles are classified afresh from the ``mask_mod``. ``flashport.attention`` given only a ``mask_mod`` builds one itself, cached per shape and
 closed-over values when those are concrete (:func:`cached_block_mask`).
 """
 
@@ -209,7 +209,10 @@ def tile_classes(blocks: BlockMask, tile_q: int, tile_k: int, *, per_head: bool 
     bq, bk = blocks.block_size
     nq, nk = -(-sq // tile_q), -(-sk // tile_k)
     classes = blocks.classes
-    if (tile_q, tile_k) != (bq, bk):
+    if tile_q % bq or tile_k % bk:  # tiles finer than (or across) the blocks: classify them afresh
+        classes = build(blocks.mod, blocks.consts, blocks.shape[0], blocks.shape[1], sq, sk, (tile_q, tile_k))
+        classes = classes.classes
+    elif (tile_q, tile_k) != (bq, bk):
         oq = jnp.asarray(_overlap(nq, tile_q, classes.shape[2], bq, sq))
         ok = jnp.asarray(_overlap(nk, tile_k, classes.shape[3], bk, sk))
         seen = jnp.einsum("tm,bhmn,sn->bhts", oq, (classes != EMPTY).astype(jnp.float32), ok) > 0

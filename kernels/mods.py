@@ -69,7 +69,10 @@ def trace(fn: Any, kind: str) -> tuple[TracedMod, tuple]:
     try:
         closed = jax.make_jaxpr(fn)(*args)
     except TypeError as err:
-        raise TypeError(f"{kind} must be a JAX function of the scalars {names}: {err}") from err
+        raise TypeError(
+            f"{kind} must be a JAX function of the scalars {names} (index closed-over tables as "
+            f"jax.numpy arrays, not numpy ones): {err}"
+        ) from err
     outs = closed.out_avals
     want = "a bool" if kind == "mask_mod" else "a float"
     ok = len(outs) == 1 and outs[0].shape == ()
