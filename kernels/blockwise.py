@@ -67,7 +67,7 @@ def blockwise_attention(
 
 
 def blockwise_attention_backward(
-    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options, mods=None
 ):
     """The residual backward (the ``custom_vjp`` backward: dQ pass, dK/dV pass) from ``out`` and
     ``lse``; returns ``(dq, dk, dv, dbias)`` without running the forward again."""
@@ -76,7 +76,7 @@ def blockwise_attention_backward(
         raise ValueError(f"backend 'blockwise' takes options block_q, block_k; got unknown {sorted(unknown)}")
     block_q = _block(options.get("block_q", DEFAULT_BLOCK_Q), spec.seq_q, "block_q")
     block_k = _block(options.get("block_k", DEFAULT_BLOCK_K), spec.seq_k, "block_k")
-    residuals = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse)
+    residuals = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse, mods)
     return _backward(_Tiling(spec, block_q, block_k), residuals, (d_out.astype(q.dtype), d_lse))[:4]
 
 
