@@ -133,6 +133,7 @@ def _jax_flex(kind, query, key, value, score_mod, block_mask, scale, return_lse,
             )
         if getattr(mask_mod, "__name__", "") == "_no_mask":  # torch's "everything visible" mask
             mask_mod = None
+    grad = torch.is_grad_enabled()
     options = {
         "scale": scale,
         "causal": False,
@@ -140,8 +141,8 @@ def _jax_flex(kind, query, key, value, score_mod, block_mask, scale, return_lse,
         "align": "bottom_right",
         "softcap": None,
         "layout": "BHSD",
-        "score_mod": _torch_mods.to_jax_mod(score_mod, "score_mod"),
-        "mask_mod": _torch_mods.to_jax_mod(mask_mod, "mask_mod"),
+        "score_mod": _torch_mods.to_jax_mod(score_mod, "score_mod", grad),
+        "mask_mod": _torch_mods.to_jax_mod(mask_mod, "mask_mod", grad),
     }
     tensors = {"bias": None, "mask": None, "q_segment_ids": None, "kv_segment_ids": None}
     jax_backend = "auto" if backend == "auto" else backend

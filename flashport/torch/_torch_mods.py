@@ -114,12 +114,13 @@ def _dtype(dtype: Any) -> Any:
     return jnp.int32
 
 
-def _value(x: Any, kind: str) -> Any:
-    """``x`` as a JAX value: proxies unwrap, closed-over tensors become constants."""
+def _value(x: Any, kind: str, grad: bool = False) -> Any:
+    """``x`` as a JAX value: proxies unwrap, closed-over tensors become constants (refused when
+    ``grad``, the caller's grad mode, would differentiate them)."""
     if isinstance(x, Scalar):
         return x.value
     if isinstance(x, torch.Tensor):
-        if x.requires_grad and torch.is_grad_enabled():
+        if x.requires_grad and grad:
             raise TypeError(
                 f"{kind} closes over a tensor that requires grad {tuple(x.shape)}: on the JAX routes of "
                 "flashport.torch.flex_attention closed-over tensors are constants, so its gradient would "
@@ -135,29 +136,30 @@ def _value(x: Any, kind: str) -> Any:
             array = array.int()
         return _jnp().asarray(array.numpy())
     if isinstance(x, (tuple, list)):
-        return tuple(_value(e, kind) for e in x)
+        return tuple(_value(e, kind, grad) for e in x)
     if isinstance(x, torch.dtype):
         return _dtype(x)
     return x
 
 
 class Scalar:
-    """One argument (or intermediate) of a torch mod while JAX traces it: ``value`` is a JAX value."""
+    """One argument (or intermediate) of a torch mod while JAX traces it: ``value`` is a JAX value;
+    ``grad``: whether the call differentiates (closed-over tensors that require grad are refused)."""
 
     kind = "mod"
 
-    def __init__(self, value: Any, kind: str):
-        self.value, self.kind = value, kind
+    def __init__(self, value: Any, kind: str, grad: bool = False):
+        self.value, self.kind, self.grad = value, kind, grad
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kind = next((a.kind for a in args if isinstance(a, Scalar)), "mod")
-        return _apply(getattr(func, "__name__", str(func)), args, kwargs or {}, kind)
+        first = next(a for a in args if isinstance(a, Scalar))
+        return _apply(getattr(func, "__name__", str(func)), args, kwargs or {}, first)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        return lambda *args, **kwargs: _apply(name, (self, *args), kwargs, self.kind)
+        return lambda *args, **kwargs: _apply(name, (self, *args), kwargs, self)
 
     def __bool__(self) -> bool:
         raise TypeError(
@@ -169,7 +171,7 @@ class Scalar:
 
 
 def _operator(name: str) -> Any:
-    return lambda self, *args: _apply(name, (self, *args), {}, self.kind)
+    return lambda self, *args: _apply(name, (self, *args), {}, self)
 
 
 for _name in (*UNARY, *BINARY, *REVERSED, "__getitem__"):
@@ -177,39 +179,46 @@ for _name in (*UNARY, *BINARY, *REVERSED, "__getitem__"):
         setattr(Scalar, _name, _operator(_name))
 
 
-def _apply(name: str, args: tuple, kwargs: dict, kind: str) -> Any:
-    """Torch function ``name`` on proxies and constants, computed with jax.numpy."""
+def _apply(name: str, args: tuple, kwargs: dict, like: Scalar) -> Any:
+    """Torch function ``name`` on proxies and constants, computed with jax.numpy; the result is a
+    proxy like ``like``."""
     jnp = _jnp()
-    values = [_value(a, kind) for a in args]
-    kw = {k: _value(v, kind) for k, v in kwargs.items()}
-    if name == "__getitem__":
-        table, index = values
-        return Scalar(jnp.asarray(table)[index], kind)
-    if name in UNARY and len(values) == 1 and not kw:
-        fn = UNARY[name]
-        if fn is None:
-            x = values[0]
-            return Scalar(jax_special(name, x), kind)
-        return Scalar(getattr(jnp, fn)(values[0]), kind)
-    if name in BINARY and len(values) == 2 and not kw:
-        return Scalar(getattr(jnp, BINARY[name])(values[0], values[1]), kind)
-    if name in REVERSED and len(values) == 2:
-        return Scalar(getattr(jnp, REVERSED[name])(values[1], values[0]), kind)
-    if name == "where" and len(values) == 3:
-        return Scalar(jnp.where(*values), kind)
-    if name in ("clamp", "clip"):
-        low = kw.get("min", values[1] if len(values) > 1 else None)
-        high = kw.get("max", values[2] if len(values) > 2 else None)
-        return Scalar(jnp.clip(values[0], low, high), kind)
-    if name == "to" and len(values) == 2 and not kw:
-        return Scalar(jnp.asarray(values[0]).astype(values[1]), kind)
-    if name in CASTS and len(values) == 1:
-        return Scalar(jnp.asarray(values[0]).astype(getattr(jnp, CASTS[name])), kind)
+    kind = like.kind
+    values = [_value(a, kind, like.grad) for a in args]
+    kw = {k: _value(v, kind, like.grad) for k, v in kwargs.items()}
+    result = _compute(jnp, name, values, kw)
+    if result is not None:
+        return Scalar(result, kind, like.grad)
     raise TypeError(
         f"{kind} uses torch {name}(...), which flashport cannot trace into JAX on this route; a mod may "
         "use arithmetic, comparisons, &, |, ~, torch.where, clamp, casts, indexing of closed-over "
         f"tensors and {', '.join(sorted(n for n in UNARY if not n.startswith('_')))}"
     )
+
+
+def _compute(jnp: Any, name: str, values: list, kw: dict) -> Any:
+    """The JAX value of torch function ``name`` on ``values`` / ``kw`` (None: not supported)."""
+    if name == "__getitem__":
+        table, index = values
+        return jnp.asarray(table)[index]
+    if name in UNARY and len(values) == 1 and not kw:
+        fn = UNARY[name]
+        return jax_special(name, values[0]) if fn is None else getattr(jnp, fn)(values[0])
+    if name in BINARY and len(values) == 2 and not kw:
+        return getattr(jnp, BINARY[name])(values[0], values[1])
+    if name in REVERSED and len(values) == 2:
+        return getattr(jnp, REVERSED[name])(values[1], values[0])
+    if name == "where" and len(values) == 3:
+        return jnp.where(*values)
+    if name in ("clamp", "clip"):
+        low = kw.get("min", values[1] if len(values) > 1 else None)
+        high = kw.get("max", values[2] if len(values) > 2 else None)
+        return jnp.clip(values[0], low, high)
+    if name == "to" and len(values) == 2 and not kw:
+        return jnp.asarray(values[0]).astype(values[1])
+    if name in CASTS and len(values) == 1:
+        return jnp.asarray(values[0]).astype(getattr(jnp, CASTS[name]))
+    return None
 
 
 def jax_special(name: str, x: Any) -> Any:
@@ -221,14 +230,15 @@ def jax_special(name: str, x: Any) -> Any:
     return jax.lax.rsqrt(x)
 
 
-def to_jax_mod(fn: Any, kind: str) -> Any:
-    """The torch mod ``fn`` as a JAX function of scalars (``None`` stays ``None``)."""
+def to_jax_mod(fn: Any, kind: str, grad: bool) -> Any:
+    """The torch mod ``fn`` as a JAX function of scalars (``None`` stays ``None``); ``grad``: the
+    caller differentiates (a closed-over tensor that requires grad is then refused)."""
     if fn is None:
         return None
 
     def traced(*scalars: Any) -> Any:
-        out = fn(*(Scalar(x, kind) for x in scalars))
-        value = _value(out, kind)
+        out = fn(*(Scalar(x, kind, grad) for x in scalars))
+        value = _value(out, kind, grad)
         jnp = _jnp()
         return jnp.asarray(value, jnp.bool_ if kind == "mask_mod" else jnp.float32)
 
