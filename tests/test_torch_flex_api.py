@@ -86,8 +86,9 @@ def test_flex_attention_matches_reference(score, mask, backend):
     np.testing.assert_allclose(lse.numpy(), want_lse, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["xla", "blockwise"])
+@pytest.mark.parametrize("backend", ["auto", "xla", "blockwise"])
 def test_jax_route_gradients_match_torch_autograd(backend):
+    """Explicit JAX backends, and ``auto`` on CPU with gradients (torch has no CPU flex backward)."""
     q, k, v = _inputs()
     block_mask = ft.create_block_mask(documents, None, None, S, S, device="cpu")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -5,7 +5,8 @@ Same signatures as ``torch.nn.attention.flex_attention.flex_attention`` and ``cr
 (``backend="auto"``):
 
 * CPU and CUDA tensors: torch's own FlexAttention (compiled once per input signature on CUDA, eager
-  on CPU, where torch 2.13 has no backward), with the arguments as given;
+  on CPU), with the arguments as given, except CPU calls that need gradients (torch has no CPU
+  FlexAttention backward), which take the JAX route when jax is installed;
 * torch_xla / torchax tensors (TPU), or an explicit JAX ``backend=`` on any device:
   :func:`flashport.attention` with the torch mods traced into JAX
   (:mod:`flashport.torch._torch_mods` says what a mod may contain there); the block mask's
@@ -58,6 +59,7 @@ def create_block_mask(
     )
 
 
+@torch.compiler.disable  # wrappers like torch.compile(flex_attention) run the dispatch as it is
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -83,10 +85,12 @@ def flex_attention(
       TypeError naming what a mod uses that cannot be traced into JAX (JAX routes only), and
       ValueError for GQA heads without ``enable_gqa`` (torch's own rule).
     """
-    from flashport.torch import device_kind
+    from flashport.torch import device_kind, jax_available
 
     kind = device_kind(query)
-    if backend == "auto" and kind in TORCH_DEVICES:
+    need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    cpu_grad = kind == "cpu" and need_grad and jax_available()
+    if backend == "auto" and kind in TORCH_DEVICES and not cpu_grad:
         return _torch_flex(
             query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options, return_aux
         )
