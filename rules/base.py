@@ -32,7 +32,7 @@ Adding a rule::
         SOURCES = ("pkg.my_api",); TRIGGERS = (b"my_api",)
         def check_call(self, call, ctx): ...
     # then list the module in rules/__init__.py::RULE_MODULES, add tests/fixtures/codemod/FPA0NN/ and
-    # regenerate the docs (python -m flashport.rules.coverage --update README.md;
+    # regenerate the docs (python -m flashport.rules.coverage --update docs/rules.md;
     # python -m flashport.rewriter.porting_guide --write docs/porting_guide.md). CONTRIBUTING.md has the steps.
 """
 

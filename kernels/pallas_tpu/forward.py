@@ -79,7 +79,7 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
         # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe[:, :1])
+        p = jnp.exp(s - lanes(m_safe, s.shape[1]))
         l_scr[gi] = alpha * l_scr[gi] + jnp.sum(p, axis=1, keepdims=True)
         m_scr[gi] = m_new
     # Dropout acts on the normalized probabilities: l (and so lse) sums the undropped p.
@@ -93,7 +93,18 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
         pv = jax.lax.dot_general(
             p.astype(vv.dtype), vv, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
-        acc_scr[gi] = acc_scr[gi] * alpha[:, :1] + pv
+        acc_scr[gi] = acc_scr[gi] * lanes(alpha, pv.shape[1]) + pv
+
+
+def lanes(stat, width: int):
+    """A lane-replicated ``[rows, 128]`` statistic widened to ``[rows, width]``.
+
+    Tiling whole 128-lane vregs copies registers; slicing one lane (``stat[:, :1]``) and broadcasting
+    it costs a cross-lane permute per vreg, which sat on the tile's critical path.
+    """
+    if width % LANES == 0 and stat.shape[1] == LANES:
+        return jnp.tile(stat, (1, width // LANES))
+    return stat[:, :1]
 
 
 def for_each_head(group: int, fn):
@@ -163,7 +174,7 @@ def _normalize_head(acc_scr, m_scr, l_scr, lse_ref, h):
     l, m = l_scr[h], m_scr[h]
     seen = l > 0
     inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    acc_scr[h] = acc_scr[h] * inv[:, :1]
+    acc_scr[h] = acc_scr[h] * lanes(inv, acc_scr.shape[-1])
     if lse_ref is not None:
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         # [bq, 128] lane-replicated -> one lane-dense [1, bq] row.
