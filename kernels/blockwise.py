@@ -595,6 +595,17 @@ def _mods_cotangent(t: _Tiling, x: _Inputs, probs_and_dlogits):
     return Mods(mods.score, consts, mods.mask, cotangent.mask_consts, cotangent.blocks)
 
 
+def mods_cotangent(
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, mods: Mods
+):
+    """The cotangent of ``mods`` (gradients of the arrays its score_mod closes over) from a forward's
+    residuals, for backends whose kernels give dq, dk, dv only: this backend's backward with default
+    blocks, of which only that pass stays once XLA drops the unused gradients."""
+    t = _Tiling(spec, _block(DEFAULT_BLOCK_Q, spec.seq_q, "block_q"), _block(DEFAULT_BLOCK_K, spec.seq_k, "block_k"))
+    residuals = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse, mods)
+    return _backward(t, residuals, (d_out.astype(q.dtype), d_lse))[-1]
+
+
 def _t(x):
     """Swap the last two axes."""
     return jnp.swapaxes(x, -1, -2)
