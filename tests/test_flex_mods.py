@@ -25,7 +25,17 @@ from flashport.kernels.registry import use
 BACKENDS = {
     "xla": "xla",
     "blockwise": use("blockwise", block_q=8, block_k=16),
+    "pallas_tpu": "pallas_tpu_interpret",
+    "pallas_gpu": use("pallas_gpu_interpret", block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16),
 }
+# The default tier: every case on xla, a few on the tiled backends; the rest is @slow.
+FAST = {"xla": None, "blockwise": {"alibi", "documents", "cross_bottom_right", "empty_rows"}, "pallas_tpu": {"alibi", "relative_bias"}, "pallas_gpu": {"documents"}}
+
+
+def _tier(backend, name):
+    """pytest params: the (case, backend) pair, @slow unless in :data:`FAST`."""
+    fast = FAST[backend] is None or name in FAST[backend]
+    return pytest.param(name, backend, marks=() if fast else pytest.mark.slow, id=f"{name}-{backend}")
 RTOL = 2e-5
 ATOL = 2e-5
 
@@ -191,15 +201,14 @@ def _check(case, backend, extra=None, ref_extra=None):
     return out, lse
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(("name", "backend"), [_tier(b, n) for b in BACKENDS for n in CASES])
 def test_mods_match_reference(name, backend):
     out, lse = _check(CASES[name](), BACKENDS[backend])
     if name == "empty_rows":
         assert np.all(np.asarray(out)[:, 2::5] == 0) and np.all(np.isneginf(np.asarray(lse)[:, :, 2::5]))
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", ["xla", *(pytest.param(b, marks=pytest.mark.slow) for b in list(BACKENDS)[1:])])
 def test_mask_mod_with_segment_ids_and_dropout(backend):
     case = _alibi()
     segments = np.array([[0] * 10 + [1] * 14, [0] * 20 + [1] * 4], np.int32)
@@ -221,7 +230,7 @@ def test_mask_mod_with_segment_ids_and_dropout(backend):
     _check(case, BACKENDS[backend], extra, ref_extra)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", ["xla", *(pytest.param(b, marks=pytest.mark.slow) for b in list(BACKENDS)[1:])])
 def test_same_feature_as_mod_gives_the_same_result(backend):
     """softcap as tanh, a window as a mask_mod, ALiBi as a score_mod vs ``bias=``."""
     q, k, v, _, _ = _inputs((2, 24, 24, 4, 4, 8))
@@ -332,3 +341,12 @@ def test_refusals_name_the_feature():
     bm = flashport.block_mask(lambda b, h, i, j: j <= i, None, None, 8, 16)
     with pytest.raises(ValueError, match="block_mask was built"):
         flashport.attention(q, k, v, block_mask=bm, backend="xla")
+
+
+def test_ring_attention_refuses_mods_with_the_reason():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q, k, v, _, _ = _inputs((1, 8, 8, 2, 2, 8))
+    with pytest.raises(ValueError, match="does not run score_mod"):
+        flashport.ring_attention(
+            q, k, v, mesh=mesh, axis_name="seq", score_mod=lambda s, b, h, i, j: s
+        )
