@@ -35,12 +35,22 @@ def _pairs(seq: int):
 
     return {
         "softcap": ({"softcap": 30.0}, {"score_mod": lambda s, b, h, i, j: 30.0 * jnp.tanh(s / 30.0)}),
-        "causal": ({"causal": True}, {"block_mask": flashport.block_mask(lambda b, h, i, j: j <= i, None, None, seq, seq)}),
+        "causal": (
+            {"causal": True},
+            {"block_mask": flashport.block_mask(lambda b, h, i, j: j <= i, None, None, seq, seq)},
+        ),
         "window": (
             {"window": (256, 0)},
-            {"block_mask": flashport.block_mask(lambda b, h, i, j: (j <= i) & (j >= i - 256), None, None, seq, seq)},
+            {
+                "block_mask": flashport.block_mask(
+                    lambda b, h, i, j: (j <= i) & (j >= i - 256), None, None, seq, seq
+                )
+            },
         ),
-        "alibi": ({"bias": alibi, "causal": True}, {"score_mod": lambda s, b, h, i, j: s + slopes[h] * (j - i), "causal": True}),
+        "alibi": (
+            {"bias": alibi, "causal": True},
+            {"score_mod": lambda s, b, h, i, j: s + slopes[h] * (j - i), "causal": True},
+        ),
     }
 
 
@@ -67,7 +77,7 @@ def time_pairs(seq: int, repeats: int) -> list[str]:
         medians = {}
         for kind, index in (("fwd", 0), ("fwd+bwd", 1)):
             samples = {label: [] for label in fns}
-            for label, pair in fns.items():  # warm up (compile) both first
+            for pair in fns.values():  # warm up (compile) both first
                 jax.block_until_ready(pair[index](q, k, v))
             for _ in range(repeats):
                 for label, pair in fns.items():
@@ -130,7 +140,9 @@ def main() -> None:
     args = parser.parse_args()
     import jax
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; B={B} H={H} D={D} float32, blockwise backend\n")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; B={B} H={H} D={D} float32, blockwise backend\n"
+    )
     print("| feature | S | pass | built-in ms | mod ms | mod / built-in |")
     print("|---|---|---|---|---|---|")
     for seq in args.sizes:

@@ -18,8 +18,8 @@ from jax.typing import ArrayLike
 
 from flashport.kernels import bias_grad, checks, dropout, registry
 from flashport.kernels import block_mask as block_mask_lib
-from flashport.kernels.mods import Mods, trace
 from flashport.kernels.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
+from flashport.kernels.mods import Mods, trace
 from flashport.kernels.spec import AttentionSpec, make_spec
 
 # The canonical arrays a backend receives: (q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed).

@@ -67,7 +67,22 @@ def blockwise_attention(
 
 
 def blockwise_attention_backward(
-    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options, mods=None
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    seed,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    spec: AttentionSpec,
+    options,
+    mods=None,
 ):
     """The residual backward (the ``custom_vjp`` backward: dQ pass, dK/dV pass) from ``out`` and
     ``lse``; returns ``(dq, dk, dv, dbias)`` without running the forward again."""
@@ -601,7 +616,9 @@ def mods_cotangent(
     """The cotangent of ``mods`` (gradients of the arrays its score_mod closes over) from a forward's
     residuals, for backends whose kernels give dq, dk, dv only: this backend's backward with default
     blocks, of which only that pass stays once XLA drops the unused gradients."""
-    t = _Tiling(spec, _block(DEFAULT_BLOCK_Q, spec.seq_q, "block_q"), _block(DEFAULT_BLOCK_K, spec.seq_k, "block_k"))
+    t = _Tiling(
+        spec, _block(DEFAULT_BLOCK_Q, spec.seq_q, "block_q"), _block(DEFAULT_BLOCK_K, spec.seq_k, "block_k")
+    )
     residuals = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse, mods)
     return _backward(t, residuals, (d_out.astype(q.dtype), d_lse))[-1]
 

@@ -34,10 +34,10 @@ from flashport.kernels.pallas_gpu_tile import (
     full_key_blocks,
     full_query_blocks,
     key_block_bounds,
-    query_block_bounds,
-    segment_visit,
     mod_arrays,
     mod_grad,
+    query_block_bounds,
+    segment_visit,
     split_loop,
     tile_logits,
 )

@@ -28,8 +28,8 @@ from flashport.kernels.pallas_gpu_tile import (
     dot,
     full_key_blocks,
     key_block_bounds,
-    segment_visit,
     mod_arrays,
+    segment_visit,
     split_loop,
     tile_logits,
 )

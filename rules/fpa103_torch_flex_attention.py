@@ -38,10 +38,22 @@ MODULE = "torch.nn.attention.flex_attention"
 TARGET_MODULE = "flashport.torch"
 SIGNATURES = {
     "flex_attention": Signature(
-        ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa", "return_lse", "kernel_options"),
+        (
+            "query",
+            "key",
+            "value",
+            "score_mod",
+            "block_mask",
+            "scale",
+            "enable_gqa",
+            "return_lse",
+            "kernel_options",
+        ),
         ("return_aux",),
     ),
-    "create_block_mask": Signature(("mask_mod", "B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE", "_compile")),
+    "create_block_mask": Signature(
+        ("mask_mod", "B", "H", "Q_LEN", "KV_LEN", "device", "BLOCK_SIZE", "_compile")
+    ),
 }
 
 
@@ -67,5 +79,7 @@ class TorchFlexAttention(Rule):
         return Rewrite(
             call.with_changes(func=dotted(f"{TARGET_MODULE}.{name}")),
             imports=(TARGET_MODULE,),
-            notes=(f"flashport.torch.{name}: torch's signature; torch's FlexAttention on CPU/CUDA, JAX on TPU",),
+            notes=(
+                f"flashport.torch.{name}: torch's signature; torch's FlexAttention on CPU/CUDA, JAX on TPU",
+            ),
         )

@@ -58,7 +58,9 @@ def _reference_mods(block, docs):
     return score, mask
 
 
-@pytest.mark.parametrize("variant", ["alibi", "relative_bias", "softcap", "document", "prefix_lm", "sliding_window"])
+@pytest.mark.parametrize(
+    "variant", ["alibi", "relative_bias", "softcap", "document", "prefix_lm", "sliding_window"]
+)
 def test_ported_example_runs_and_matches_reference(ported, variant):
     torch.manual_seed(0)
     block = ported.FlexBlock(variant=variant)

@@ -29,13 +29,20 @@ BACKENDS = {
     "pallas_gpu": use("pallas_gpu_interpret", block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16),
 }
 # The default tier: every case on xla, a few on the tiled backends; the rest is @slow.
-FAST = {"xla": None, "blockwise": {"alibi", "documents", "cross_bottom_right", "empty_rows"}, "pallas_tpu": {"alibi", "relative_bias"}, "pallas_gpu": {"documents"}}
+FAST = {
+    "xla": None,
+    "blockwise": {"alibi", "documents", "cross_bottom_right", "empty_rows"},
+    "pallas_tpu": {"alibi", "relative_bias"},
+    "pallas_gpu": {"documents"},
+}
 
 
 def _tier(backend, name):
     """pytest params: the (case, backend) pair, @slow unless in :data:`FAST`."""
     fast = FAST[backend] is None or name in FAST[backend]
     return pytest.param(name, backend, marks=() if fast else pytest.mark.slow, id=f"{name}-{backend}")
+
+
 RTOL = 2e-5
 ATOL = 2e-5
 
@@ -59,7 +66,9 @@ def _alibi():
         make=lambda p: {"score_mod": lambda s, b, h, i, j: s + p["slopes"][h] * (j - i)},
         ref=lambda p: {"score_mod": lambda s, b, h, i, j: s + p["slopes"][h] * (j - i)},
         params={"slopes": slopes},
-        grads=lambda d, p: {"slopes": np.einsum("bhij,ij->h", d, np.arange(d.shape[3]) - np.arange(d.shape[2])[:, None])},
+        grads=lambda d, p: {
+            "slopes": np.einsum("bhij,ij->h", d, np.arange(d.shape[3]) - np.arange(d.shape[2])[:, None])
+        },
         options={"causal": True},
     )
 
@@ -71,7 +80,7 @@ def _relative_bias(radius=5):
         return xp.clip(i - j, -radius, radius) + radius
 
     def grads(d, p):
-        b, h, sq, sk = d.shape
+        sq, sk = d.shape[2:]
         buckets = bucket(np.arange(sq)[:, None], np.arange(sk)[None, :], np)
         out = np.zeros_like(p["table"], np.float64)
         for r in range(2 * radius + 1):
@@ -92,8 +101,9 @@ def _documents():
     return Case(
         make=lambda p: {"mask_mod": lambda b, h, i, j: (ids[b, i] == ids[b, j]) & (j <= i)},
         ref=lambda p: {
-            "mask_mod": lambda b, h, i, j: (docs[b[..., 0, 0]][..., :, None] == docs[b[..., 0, 0]][..., None, :])
-            & (j <= i)
+            "mask_mod": lambda b, h, i, j: (
+                (docs[b[..., 0, 0]][..., :, None] == docs[b[..., 0, 0]][..., None, :]) & (j <= i)
+            )
         },
         params={},
     )
@@ -208,7 +218,9 @@ def test_mods_match_reference(name, backend):
         assert np.all(np.asarray(out)[:, 2::5] == 0) and np.all(np.isneginf(np.asarray(lse)[:, :, 2::5]))
 
 
-@pytest.mark.parametrize("backend", ["xla", *(pytest.param(b, marks=pytest.mark.slow) for b in list(BACKENDS)[1:])])
+@pytest.mark.parametrize(
+    "backend", ["xla", *(pytest.param(b, marks=pytest.mark.slow) for b in list(BACKENDS)[1:])]
+)
 def test_mask_mod_with_segment_ids_and_dropout(backend):
     case = _alibi()
     segments = np.array([[0] * 10 + [1] * 14, [0] * 20 + [1] * 4], np.int32)
@@ -230,7 +242,9 @@ def test_mask_mod_with_segment_ids_and_dropout(backend):
     _check(case, BACKENDS[backend], extra, ref_extra)
 
 
-@pytest.mark.parametrize("backend", ["xla", *(pytest.param(b, marks=pytest.mark.slow) for b in list(BACKENDS)[1:])])
+@pytest.mark.parametrize(
+    "backend", ["xla", *(pytest.param(b, marks=pytest.mark.slow) for b in list(BACKENDS)[1:])]
+)
 def test_same_feature_as_mod_gives_the_same_result(backend):
     """softcap as tanh, a window as a mask_mod, ALiBi as a score_mod vs ``bias=``."""
     q, k, v, _, _ = _inputs((2, 24, 24, 4, 4, 8))
@@ -242,7 +256,12 @@ def test_same_feature_as_mod_gives_the_same_result(backend):
     slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
     pos = jnp.arange(24)
     alibi = slopes[:, None, None] * (pos[None, None, :] - pos[None, :, None])
-    pairs.append(({"bias": alibi[None], "causal": True}, {"score_mod": lambda s, b, h, i, j: s + slopes[h] * (j - i), "causal": True}))
+    pairs.append(
+        (
+            {"bias": alibi[None], "causal": True},
+            {"score_mod": lambda s, b, h, i, j: s + slopes[h] * (j - i), "causal": True},
+        )
+    )
     for builtin, mod in pairs:
         for got, want in zip(run(**mod), run(**builtin), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -304,7 +323,9 @@ def test_explicit_block_mask_jit_vmap_and_cache():
     slopes = jnp.array([[0.5, 0.1], [0.2, 0.3], [0.0, 1.0]])
 
     def alibi(sl):
-        return flashport.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + sl[h] * (j - i), backend=blockwise)
+        return flashport.attention(
+            q, k, v, score_mod=lambda s, b, h, i, j: s + sl[h] * (j - i), backend=blockwise
+        )
 
     batched = jax.vmap(alibi)(slopes)
     for n in range(3):
@@ -347,6 +368,4 @@ def test_ring_attention_refuses_mods_with_the_reason():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
     q, k, v, _, _ = _inputs((1, 8, 8, 2, 2, 8))
     with pytest.raises(ValueError, match="does not run score_mod"):
-        flashport.ring_attention(
-            q, k, v, mesh=mesh, axis_name="seq", score_mod=lambda s, b, h, i, j: s
-        )
+        flashport.ring_attention(q, k, v, mesh=mesh, axis_name="seq", score_mod=lambda s, b, h, i, j: s)

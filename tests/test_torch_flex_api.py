@@ -70,7 +70,16 @@ def _inputs(hkv=H, seed=0):
 
 
 @pytest.mark.parametrize("backend", ["auto", "xla", "blockwise"])
-@pytest.mark.parametrize(("score", "mask"), [("alibi", "documents"), ("relative_bias", "prefix_lm"), ("softcap", "sliding_window"), ("alibi", "none"), ("none", "documents")])
+@pytest.mark.parametrize(
+    ("score", "mask"),
+    [
+        ("alibi", "documents"),
+        ("relative_bias", "prefix_lm"),
+        ("softcap", "sliding_window"),
+        ("alibi", "none"),
+        ("none", "documents"),
+    ],
+)
 def test_flex_attention_matches_reference(score, mask, backend):
     q, k, v = _inputs(hkv=HKV)
     score_mod, score_ref = SCORE_MODS[score]
@@ -109,7 +118,9 @@ def test_jax_route_gradients_match_torch_autograd(backend):
 
 
 def test_create_block_mask_is_torchs_on_the_cpu_for_a_missing_gpu():
-    block_mask = ft.create_block_mask(documents, None, None, S, S, device="cuda" if not torch.cuda.is_available() else "cpu", BLOCK_SIZE=8)
+    block_mask = ft.create_block_mask(
+        documents, None, None, S, S, device="cuda" if not torch.cuda.is_available() else "cpu", BLOCK_SIZE=8
+    )
     want = flex.create_block_mask(documents, None, None, S, S, device="cpu", BLOCK_SIZE=8)
     assert type(block_mask) is type(want)
     assert torch.equal(block_mask.kv_num_blocks, want.kv_num_blocks)

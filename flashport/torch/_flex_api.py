@@ -92,7 +92,16 @@ def flex_attention(
     cpu_grad = kind == "cpu" and need_grad and jax_available()
     if backend == "auto" and kind in TORCH_DEVICES and not cpu_grad:
         return _torch_flex(
-            query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options, return_aux
+            query,
+            key,
+            value,
+            score_mod,
+            block_mask,
+            scale,
+            enable_gqa,
+            return_lse,
+            kernel_options,
+            return_aux,
         )
     if return_aux is not None:
         return_lse = return_lse or bool(getattr(return_aux, "lse", False))
@@ -104,10 +113,17 @@ def flex_attention(
     return _jax_flex(kind, query, key, value, score_mod, block_mask, scale, return_lse, backend)
 
 
-def _torch_flex(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options, return_aux):
+def _torch_flex(
+    query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options, return_aux
+):
     """torch's FlexAttention (compiled on CUDA, as its docs require for speed)."""
     fn = _compiled_flex() if query.device.type == "cuda" else _flex_module().flex_attention
-    kwargs: dict[str, Any] = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": enable_gqa}
+    kwargs: dict[str, Any] = {
+        "score_mod": score_mod,
+        "block_mask": block_mask,
+        "scale": scale,
+        "enable_gqa": enable_gqa,
+    }
     if kernel_options is not None:
         kwargs["kernel_options"] = kernel_options
     if return_aux is not None:

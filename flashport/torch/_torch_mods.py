@@ -94,8 +94,21 @@ BINARY = {
     "maximum": "maximum",
     "atan2": "arctan2",
 }
-REVERSED = {"__rsub__": "subtract", "__rtruediv__": "true_divide", "__rfloordiv__": "floor_divide", "__rpow__": "power", "__rmod__": "remainder"}
-CASTS = {"float": "float32", "int": "int32", "long": "int32", "bool": "bool_", "half": "float32", "bfloat16": "float32"}
+REVERSED = {
+    "__rsub__": "subtract",
+    "__rtruediv__": "true_divide",
+    "__rfloordiv__": "floor_divide",
+    "__rpow__": "power",
+    "__rmod__": "remainder",
+}
+CASTS = {
+    "float": "float32",
+    "int": "int32",
+    "long": "int32",
+    "bool": "bool_",
+    "half": "float32",
+    "bfloat16": "float32",
+}
 
 
 def _jnp() -> Any:

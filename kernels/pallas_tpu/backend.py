@@ -428,7 +428,22 @@ def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], C
         return _attention(config(spec, options), q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
 
     def backward(
-        q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options, mods=None
+        q,
+        k,
+        v,
+        bias,
+        mask,
+        q_seg,
+        kv_seg,
+        seed,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        *,
+        spec: AttentionSpec,
+        options,
+        mods=None,
     ):
         cfg = config(spec, options)
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
