@@ -423,8 +423,10 @@ def _backward(t: _Tiling, residuals, cotangents):
         grads = _single_pass_backward(t, x, q, k, probs_and_dlogits, dscores, prec)
     else:
         grads = _split_backward(t, x, q, k, v, bias, probs_and_dlogits, dscores, prec)
-    if not rest:
+    if not rest:  # the residual backward (blockwise_attention_backward without mods)
         return grads
+    if mods is None:
+        return (*grads, None)
     return (*grads, _mods_cotangent(t, x, probs_and_dlogits))
 
 
