@@ -520,25 +520,31 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
         return jax.lax.dynamic_update_slice_in_dim(dq_acc, row + dq_i, i * t.bq, axis=3)
 
     def kv_block(dq_acc, j):
-        def q_step(i, carry, positional):
-            def run(carry, mask_mod):
-                dk, dv, dq_acc = carry
-                ddk, ddv, dq_i = tile_grads(i, j, t.bk, *x.logits(i, j, positional, mask_mod=mask_mod))
-                return dk + ddk, dv + ddv, add_dq(dq_acc, i, dq_i)
+        def grads_of(i, jj, bk, positional):
+            """Tile (i, jj)'s contributions; under a block mask the branch returns only them (zeros
+            for an empty tile), so the O(S) dQ buffer is updated outside the conditional, in place."""
 
-            return x.sparse(i, j, None, carry, run)
+            def run(_, mask_mod):
+                return tile_grads(i, jj, bk, *x.logits(i, jj, positional, bk, mask_mod))
+
+            if x.classes is None:
+                return run(None, True)
+            zeros = jax.eval_shape(lambda: run(None, True))
+            zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), zeros)
+            return x.sparse(i, jj, bk, zeros, run)
+
+        def q_step(i, carry, positional):
+            dk, dv, dq_acc = carry
+            ddk, ddv, dq_i = grads_of(i, j, t.bk, positional)
+            return dk + ddk, dv + ddv, add_dq(dq_acc, i, dq_i)
 
         def fine_step(s, i, carry):
+            dk, dv, dq_acc = carry
             jf, fb = j * (t.bk // t.fine_bk) + s, t.fine_bk
-
-            def run(carry, mask_mod):
-                dk, dv, dq_acc = carry
-                ddk, ddv, dq_i = tile_grads(i, jf, fb, *x.logits(i, jf, True, fb, mask_mod))
-                dk = dk.at[..., s * fb : (s + 1) * fb].add(ddk)
-                dv = dv.at[..., s * fb : (s + 1) * fb].add(ddv)
-                return dk, dv, add_dq(dq_acc, i, dq_i)
-
-            return x.sparse(i, jf, fb, carry, run)
+            ddk, ddv, dq_i = grads_of(i, jf, fb, True)
+            dk = dk.at[..., s * fb : (s + 1) * fb].add(ddk)
+            dv = dv.at[..., s * fb : (s + 1) * fb].add(ddv)
+            return dk, dv, add_dq(dq_acc, i, dq_i)
 
         shape_k, shape_v = _t(_slice(x.k, 2, j, t.bk)).shape, _t(_slice(x.v, 2, j, t.bk)).shape
         init = (jnp.zeros(shape_k, jnp.float32), jnp.zeros(shape_v, jnp.float32), dq_acc)
