@@ -49,7 +49,7 @@ from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
 from flashport.rewriter.names import Names
-from flashport.rewriter.results import CHANGED, ERROR, FileResult
+from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult
 from flashport.rewriter.spans import StatementSpans
 from flashport.rewriter.transform import SiteTransformer
 from flashport.rules.base import Rule, RuleOptions
@@ -99,14 +99,13 @@ def transform_source(
     if isinstance(parsed, str):
         return _error(result, parsed)
     tree, text, masks = parsed
-    options = run_context.with_file_patches(
-        options, tree, path, text
-    )  # the run's pre-pass may lack this file
+    # the patches of this file's project; its own ones too (the run's pre-pass may lack this file)
+    options = run_context.with_file_patches(run_context.scoped(options, path), tree, path, text)
     collecting = gc.isenabled()
     gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
     try:
-        return _transform(
-            result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks
+        return _as_done(
+            _transform(result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks)
         )
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
@@ -114,6 +113,14 @@ def transform_source(
     finally:
         if collecting:
             gc.enable()
+
+
+def _as_done(result: FileResult) -> FileResult:
+    """``result`` reporting what was done to the file: a site counts as rewritten only when the
+    file changed (a rewrite that renders the text it replaces changes nothing)."""
+    if result.status != CHANGED:
+        _unrewritten(result, "the rewrite leaves the text as it is")
+    return result
 
 
 def _parse_for_analysis(text: str, path: str) -> tuple[ast.Module, str, dict[str, str]] | str:
@@ -139,9 +146,20 @@ def _parse_for_analysis(text: str, path: str) -> tuple[ast.Module, str, dict[str
 
 
 def _error(result: FileResult, message: str) -> FileResult:
+    """``result`` as a file left unchanged for ``message``: none of its sites counts as rewritten."""
     result.status = ERROR
     result.error = message
+    result.old = result.new = None
+    _unrewritten(result, message)
     return result
+
+
+def _unrewritten(result: FileResult, why: str) -> None:
+    """Report the sites of ``result`` that were to be rewritten as refused, for ``why``."""
+    result.sites = [
+        dataclasses.replace(site, status=REFUSED, reason=why, notes=()) if site.status == REWRITE else site
+        for site in result.sites
+    ]
 
 
 @dataclasses.dataclass
@@ -206,7 +224,12 @@ def _transform(
         newline,
         options.flash_attn_version,
     )
-    compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
+    try:
+        compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
+    except SyntaxError as err:
+        return _error(
+            result, f"the port does not compile (line {err.lineno}: {err.msg}); file left unchanged"
+        )
     if masks:
         try:
             new_text = newsyntax.unmask(new_text, masks)
