@@ -78,7 +78,8 @@ def main() -> None:
 
     explicit = jax.make_mesh((n,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
     explicit_sharded = tuple(
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(explicit, x.sharding.spec)) for x in sharded
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(explicit, x.sharding.spec))
+        for x in sharded
     )
 
     def ring(layout):
@@ -104,7 +105,9 @@ def main() -> None:
     for kind in ("forward",) if args.forward_only else ("forward", "fwd+bwd"):
         base = None
         for name, fn, x, in_shardings, set_mesh in programs:
-            temp, arg, out, counts = measure(fn if kind == "forward" else train(fn), x, in_shardings, set_mesh)
+            temp, arg, out, counts = measure(
+                fn if kind == "forward" else train(fn), x, in_shardings, set_mesh
+            )
             base = temp if base is None else base
             rows.append((kind, name, temp, arg, out, counts, temp / base))
     print(

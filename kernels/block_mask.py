@@ -103,8 +103,8 @@ def block_mask(
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     reads = reads_indices(traced)
-    for name, value, index in (("B", B, 0), ("H", H, 1)):
-        if value is None and reads[index]:
+    for name, size, index in (("B", B, 0), ("H", H, 1)):
+        if size is None and reads[index]:
             raise ValueError(
                 f"{name}=None builds one block row for all, but this mask_mod reads the "
                 f"{('batch', 'head')[index]} index; pass {name}"

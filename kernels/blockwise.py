@@ -20,6 +20,7 @@ Options: ``block_q`` and ``block_k`` (defaults 256 and 512; ``flashport.kernels.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -612,7 +613,7 @@ def _mods_cotangent(t: _Tiling, x: _Inputs, probs_and_dlogits):
         return _loop_split(t.row_split, i, kv_step, init)
 
     sums = jax.lax.map(q_block, jnp.arange(t.nq))
-    consts = [None] * len(mods.score_consts)
+    consts: list[Any] = [None] * len(mods.score_consts)
     for n, total in zip(floats, sums, strict=True):
         consts[n] = jnp.sum(total, axis=0).astype(jnp.result_type(mods.score_consts[n]))
     return Mods(mods.score, consts, mods.mask, cotangent.mask_consts, cotangent.blocks)

@@ -449,8 +449,8 @@ def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], C
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
         cotangents = (d_out.astype(q.dtype), d_lse)
         if mods is not None:
-            residuals = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse, head_seeds, mods)
-            return _attention_mods_bwd(_mods_config(cfg, mods), residuals, cotangents)[:4]
+            saved = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse, head_seeds, mods)
+            return _attention_mods_bwd(_mods_config(cfg, mods), saved, cotangents)[:4]
         residuals = (q, k, v, bias, mask, q_seg, kv_seg, out.astype(q.dtype), lse, head_seeds)
         return _attention_bwd(cfg, residuals, cotangents)[:4]
 
