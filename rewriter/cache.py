@@ -71,7 +71,7 @@ def fingerprint(rules: Sequence[type[Rule]], options: RuleOptions) -> str:
     from flashport import rewriter
 
     for package in (rewriter, registry):
-        directory = os.path.dirname(package.__file__)
+        directory = os.path.dirname(package.__file__ or "")
         for path in _package_sources(directory):
             digest.update(os.path.relpath(path, directory).encode() + b"\0")
             try:

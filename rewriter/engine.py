@@ -36,6 +36,7 @@ import bisect
 import dataclasses
 import functools
 import gc
+import itertools
 import re
 import sys
 import traceback
@@ -44,7 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from flashport.rewriter import astindex, newsyntax, prune, run_context, suppress, thin
+from flashport.rewriter import astindex, formatting, newsyntax, prune, run_context, suppress, thin
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -215,7 +216,7 @@ def _transform(
     if not replacements:
         return result
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
-    new_text = _fix_imports(
+    edits = _fix_imports(
         result,
         _splice(lines, replacements),
         tree,
@@ -224,8 +225,9 @@ def _transform(
         newline,
         options.flash_attn_version,
     )
+    new_text = edits.text
     try:
-        compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
+        check_compiles(new_text, result.path, edits.starts)  # the guarantee: output compiles
     except SyntaxError as err:
         return _error(
             result, f"the port does not compile (line {err.lineno}: {err.msg}); file left unchanged"
@@ -236,12 +238,44 @@ def _transform(
         except ValueError as err:
             return _error(result, f"{err}; file left unchanged")
         cst.parse_module(new_text)  # the restored text must still parse (libcst's grammar)
+    if options.format_rewrites:
+        new_text = formatting.format_changed(result.path, src.decode(data)[0], new_text)
     new_data = src.encode(new_text, encoding)
     if new_data != data:
         result.status = CHANGED
         result.old = data
         result.new = new_data
     return result
+
+
+# Top-level statements compiled together by check_compiles: CPython's compiler takes time
+# quadratic in the number of alike class bodies in one code object (a 160k-line file of small
+# classes: minutes), and statements compiled in groups of this size cost the same in total.
+_COMPILE_GROUP = 256
+
+
+def check_compiles(text: str, path: str, starts: Sequence[int] | None = None) -> None:
+    """Raise ``SyntaxError`` (or ``ValueError``) when ``text`` does not compile as a module.
+
+    Its lines are compiled in groups of :data:`_COMPILE_GROUP` top-level statements (time linear in
+    the file's size), cut at ``starts``, the first line of each top-level statement (from a parse
+    when not given; a wrong cut can only make a group fail). Each group after the first is
+    compiled after a ``pass`` line, so a ``from __future__`` import that does not lead the file is
+    still an error; the error's line numbers are the file's.
+    """
+    if starts is None:
+        starts = [src.first_line(n) for n in ast.parse(text, filename=path).body]
+    lines = src.split_lines(text)
+    cuts = [1, *starts[_COMPILE_GROUP::_COMPILE_GROUP], len(lines) + 1]
+    for first, end in itertools.pairwise(cuts):
+        lead = "" if first == 1 else "pass\n"
+        try:
+            compile(lead + "".join(lines[first - 1 : end - 1]), path, "exec", dont_inherit=True)
+        except SyntaxError as err:
+            shift = first - 1 - len(lead.splitlines())
+            err.lineno = err.lineno + shift if err.lineno else err.lineno
+            err.end_lineno = err.end_lineno + shift if err.end_lineno else err.end_lineno
+            raise
 
 
 def _splice(lines: list[str], replacements: list[tuple[int, int, str]]) -> str:
@@ -547,9 +581,10 @@ def _fix_imports(
     needed: Iterable[str],
     newline: str,
     version: tuple[int, ...],
-) -> str:
+) -> import_edits.ImportEdits:
     """Drop GPU imports a rewrite made unused, add the imports rewrites need, and say why each GPU
-    import left in place stays (``result.imports_kept``); :func:`~flashport.rewriter.imports.edit_imports`."""
+    import left in place stays (``result.imports_kept``); the edits of
+    :func:`~flashport.rewriter.imports.edit_imports`."""
     before = import_edits.name_uses(tree)
     edits = import_edits.edit_imports(
         new_text, ast.parse(new_text), before, gpu_modules, needed, newline, version
@@ -557,7 +592,7 @@ def _fix_imports(
     result.imports_added.extend(edits.added)
     result.imports_removed = edits.removed
     result.imports_kept = edits.kept
-    return edits.text
+    return edits
 
 
 def _aliases(header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import libcst as cst
 
 from flashport.rewriter import astindex, dead_imports, drop_in_imports, kept_imports
-from flashport.rewriter.source import split_lines
+from flashport.rewriter.source import first_line, split_lines
 
 
 def name_uses(tree: ast.AST) -> collections.Counter:
@@ -71,6 +71,7 @@ class ImportEdits:
     added: list[str]
     removed: list[str]
     kept: list[str]
+    starts: list[int] = dataclasses.field(default_factory=list)  # first lines of its top-level statements
 
 
 def edit_imports(
@@ -86,22 +87,21 @@ def edit_imports(
     each module in ``needed`` (:func:`ensure_imports`, in sorted order) and say why each GPU import
     left stays. ``text``: the rewritten file, ``tree``: ``ast.parse(text)``, ``before``: the
     original file's :func:`name_uses`. The text is parsed again only when the clean-up changed it
-    and an import is added or a GPU import is left (the added imports need no parse: their lines
-    are counted, and no name is read in an import)."""
+    (the added imports need no parse: their lines are counted, and no name is read in an import);
+    ``starts`` gives the first line of each top-level statement of the new text."""
     cleaned, removed = remove_unused(text, before, gpu_modules, tree, version)
-    cleaned_tree = tree if cleaned == text else None
+    cleaned_tree = tree if cleaned == text else ast.parse(cleaned)
     new_text, shift = cleaned, LineShift()
     added: list[str] = []
     modules = sorted(needed)
     if modules:
-        cleaned_tree = cleaned_tree or ast.parse(cleaned)
         new_text, added, shift = ensure_imports(cleaned, modules, newline, cleaned_tree)
     kept: list[str] = []
     if imports_any(new_text, gpu_modules):
-        cleaned_tree = cleaned_tree or ast.parse(cleaned)
         after = name_uses(cleaned_tree)
         kept = kept_imports.explain(cleaned_tree, before, after, gpu_modules, version, shift)
-    return ImportEdits(new_text, added, removed, kept)
+    starts = [shift(first_line(node)) for node in cleaned_tree.body]
+    return ImportEdits(new_text, added, removed, kept, starts)
 
 
 def imports_any(text: str, modules: tuple[str, ...]) -> bool:
@@ -328,7 +328,7 @@ def _leading_statement(body: list[ast.stmt]) -> int:
             and isinstance(node.value.value, str)
         )
         if not docstring and not _is_future(node):
-            return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            return first_line(node)
     return 0
 
 
@@ -361,7 +361,7 @@ def _after_header(layout: _Layout, statement: str, module: str, newline: str) ->
         layout.insert(last_line, above + statement + newline * gap, module)
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
-        at = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        at = first_line(node) - 1
         layout.insert(at, statement + newline * _gap_below(lines, at, node), module)
         if not any(line.strip() for line in lines[:at]):
             del lines[:at]  # only blank lines above (left by removed imports): the import leads the file
@@ -382,7 +382,7 @@ def _gap_below(lines: list[str], line: int, following: ast.stmt | None) -> int:
         return 0
     first = None
     if following is not None:
-        first = min([following.lineno] + [d.lineno for d in getattr(following, "decorator_list", [])])
+        first = first_line(following)
     definition = isinstance(following, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
     wanted = 2 if definition and first == line + blank + 1 else 1
     return max(0, wanted - blank)

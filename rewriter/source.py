@@ -131,6 +131,11 @@ def _contains_import(node: ast.AST) -> bool:
     return False
 
 
+def first_line(stmt: ast.stmt) -> int:
+    """The 1-based first line of a statement, its decorators included."""
+    return min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+
+
 def top_level_units(tree: ast.Module) -> list[Unit]:
     """Group the module's statements into line-disjoint :class:`Unit` s."""
     return _group(tree.body)
@@ -147,7 +152,7 @@ def class_body_units(unit: Unit) -> list[Unit] | None:
 def _group(body: list[ast.stmt]) -> list[Unit]:
     units: list[Unit] = []
     for stmt in body:
-        start = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+        start = first_line(stmt)
         end = stmt.end_lineno or stmt.lineno
         importish = isinstance(stmt, (ast.Import, ast.ImportFrom)) or (
             isinstance(stmt, (ast.Try, ast.If, ast.With)) and _contains_import(stmt)
