@@ -7,6 +7,7 @@ Public API (imported lazily, so ``import flashport`` and the CLI never pay for i
   (``flashport.kernels.ring``); :mod:`flashport.seq_layout` lays sequences out for it (zigzag).
 * :func:`flashport.attention_backward` -- its gradients from the forward's ``out`` and ``lse``.
 * :func:`flashport.backends` -- which backends exist here and what each supports.
+* :func:`flashport.block_mask` -- FlexAttention's block sparsity from a ``mask_mod`` (``docs/flex.md``).
 * :func:`flashport.fuse_attention` / :func:`flashport.find_attention` -- the jaxpr pass.
 * :func:`flashport.varlen_attention` -- flash-attn's packed variable-length convention, for JAX
   arrays and torch tensors alike.
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers (no
     from flashport.kernels import seq_layout as seq_layout
     from flashport.kernels.api import attention as attention
     from flashport.kernels.backward import attention_backward as attention_backward
+    from flashport.kernels.block_mask import block_mask as block_mask
     from flashport.kernels.registry import BackendInfo as BackendInfo
     from flashport.kernels.registry import backends as backends
     from flashport.kernels.ring import ring_attention as ring_attention
@@ -36,6 +38,7 @@ _LAZY = {
     "attention": "flashport.kernels.api:attention",
     "attention_backward": "flashport.kernels.backward:attention_backward",
     "backends": "flashport.kernels.registry:backends",
+    "block_mask": "flashport.kernels.block_mask:block_mask",
     "BackendInfo": "flashport.kernels.registry:BackendInfo",
     "fuse_attention": "flashport.rewriter.jaxpr.fuse:fuse_attention",
     "find_attention": "flashport.rewriter.jaxpr.fuse:find_attention",

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from flashport.kernels import bias_grad, checks, deferred, dropout, registry
+from flashport.kernels import block_mask as block_mask_lib
 from flashport.kernels.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
+from flashport.kernels.mods import Mods, trace
 from flashport.kernels.spec import AttentionSpec, make_spec
 
 # The canonical arrays a backend receives: (q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed).
@@ -70,6 +72,9 @@ def attention(
     return_lse: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    block_mask: block_mask_lib.BlockMask | None = None,
     **contract: Any,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention with one contract on every platform.
@@ -101,6 +106,15 @@ def attention(
         function of (key, batch, query head, query position, key position)
         (:mod:`flashport.kernels.dropout`): every backend draws the same mask for the same key,
         and gradients are exact for a fixed key. Split the key per step for fresh masks.
+      score_mod: FlexAttention's ``score_mod(score, batch, head, q_idx, kv_idx) -> score``, a JAX
+        function of scalars (float32 score, int32 indices: raw positions and the query head),
+        applied to every score after ``scale``, ``softcap`` and ``bias`` and before masking. It may
+        close over arrays (slopes, bias tables); they are differentiated like q, k and v.
+      mask_mod: FlexAttention's ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (True = attend),
+        and-ed with causal, window, mask and segment ids. Tiles it hides entirely are skipped
+        (a block mask is built and cached per shape; see ``block_mask``).
+      block_mask: a :func:`flashport.block_mask` built once for this shape (carries its mask_mod;
+        pass it instead of ``mask_mod``, or with the same ``mask_mod``). See ``docs/flex.md``.
 
     Returns:
       The output in ``query``'s layout and dtype, or ``(out, lse)``. Softmax and accumulation run in
@@ -121,7 +135,8 @@ def attention(
     ``Auto`` axes (in/out shardings) when XLA partitions the program
     (:mod:`flashport.kernels.ring_partition`).
     """
-    if contract["bias"] is None and contract["mask"] is None and not dropout_rate:
+    mods = prepare_mods(query, key, score_mod, mask_mod, block_mask, contract["layout"])
+    if contract["bias"] is None and contract["mask"] is None and not dropout_rate and mods is None:
         from flashport.kernels import ring
 
         route = ring.detect(query, key, contract["layout"])
@@ -144,8 +159,11 @@ def attention(
         dropout_rng=dropout_rng,
         **contract,
     )
+    if mods is not None:
+        needs = mods.features | ({bias_grad.FEATURE} if "bias" in call.features else set())
+        call = dataclasses.replace(call, features=call.features | needs)
     choice = _resolve_backend(backend, call)
-    out, lse = flashport_attention(*arrays, call=call, choice=choice)
+    out, lse = flashport_attention(*arrays, mods, call=call, choice=choice)
     if contract["layout"] == "BSHD":
         out = jnp.swapaxes(out, 1, 2)
     return (out, lse) if "return_lse" in call.features else out
@@ -211,6 +229,33 @@ def prepare(
     return (q, k, v, bias, mask, q_seg, kv_seg, seed), call
 
 
+def prepare_mods(
+    query: Any, key: Any, score_mod: Any, mask_mod: Any, blocks: Any, layout: str
+) -> Mods | None:
+    """Trace ``score_mod`` / ``mask_mod`` and find the block mask (the one given, or one built and
+    cached for this shape); ``None`` when the call has no mods."""
+    if score_mod is None and mask_mod is None and blocks is None:
+        return None
+    score, score_consts = trace(score_mod, "score_mod") if score_mod is not None else (None, ())
+    if blocks is not None and not isinstance(blocks, block_mask_lib.BlockMask):
+        raise TypeError(f"block_mask must be a flashport.block_mask(...), got {type(blocks).__name__}")
+    batch, sq, hq = query.shape[:3]
+    sk = key.shape[1]
+    if layout == "BHSD":
+        hq, sq, sk = query.shape[1], query.shape[2], key.shape[2]
+    if blocks is not None:
+        if mask_mod is not None and trace(mask_mod, "mask_mod")[0] != blocks.mod:
+            raise ValueError("mask_mod and block_mask.mask_mod differ; pass the block_mask alone")
+        block_mask_lib.check_for_call(blocks, batch, hq, sq, sk)
+        mask, mask_consts = blocks.mod, blocks.consts
+    elif mask_mod is not None:
+        mask, mask_consts = trace(mask_mod, "mask_mod")
+        blocks = block_mask_lib.cached_block_mask(mask, mask_consts, batch, hq, sq, sk)
+    else:
+        mask, mask_consts = None, ()
+    return Mods(score, score_consts, mask, mask_consts, blocks)
+
+
 @functools.partial(jax.jit, static_argnames=("call", "choice"))
 def flashport_attention(
     q: jax.Array,
@@ -221,6 +266,7 @@ def flashport_attention(
     q_seg: jax.Array | None,
     kv_seg: jax.Array | None,
     seed: jax.Array | None,
+    mods: Mods | None = None,
     *,
     call: Call,
     choice: registry.BackendChoice | None,
@@ -230,24 +276,24 @@ def flashport_attention(
     with jax.named_scope("flashport_attention"):
         if call.kv_shape[2] == 0:
             return _no_keys(call)
-        run = functools.partial(_dispatch, call, choice)
-        if bias is None:
+        run = functools.partial(_dispatch, call, choice, mods)
+        if bias is None or mods is not None:  # with mods, only backends with bias gradients qualify
             return run(*args)
         # Whether the bias is differentiated shows only when JAX differentiates (kernels/bias_grad.py).
         if choice is not None and bias_grad.FEATURE not in registry.get(choice.name).features:
             return bias_grad.guarded(run, None, _bias_grad_refusal(choice.name, call), *args)
         with_grad = dataclasses.replace(call, features=call.features | {bias_grad.FEATURE})
         if choice is None and _names(_auto_picks(call)) != _names(_auto_picks(with_grad)):
-            return bias_grad.guarded(run, functools.partial(_dispatch, with_grad, None), "", *args)
+            return bias_grad.guarded(run, functools.partial(_dispatch, with_grad, None, None), "", *args)
         return run(*args)
 
 
 def _dispatch(
-    call: Call, choice: registry.BackendChoice | None, *args: jax.Array | None
+    call: Call, choice: registry.BackendChoice | None, mods: Mods | None, *args: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
     """Run an explicit backend, or the one ``auto`` picks per platform (chosen when lowering)."""
     if choice is not None:
-        return _run(choice, call, args)
+        return _run(choice, call, args, mods)
     picks = _auto_picks(call)
     log.debug(
         "flashport_attention %s: auto picks %s",
@@ -256,22 +302,26 @@ def _dispatch(
     )
     names = {name for name, _ in picks.values()}
     if len(names) == 1:
-        return _run(registry.BackendChoice(names.pop()), call, args)
-    return jax.lax.platform_dependent(*args, **platform_branches(picks, call, _run_positional, deferred.run))
+        return _run(registry.BackendChoice(names.pop()), call, args, mods)
+    if mods is None:
+        branches = platform_branches(picks, call, _run_positional, deferred.run)
+    else:  # a mod's closed-over arrays cannot cross a deferred equation: every branch is traced
+        branches = platform_branches(picks, call, functools.partial(_run_positional, mods=mods))
+    return jax.lax.platform_dependent(*args, **branches)
 
 
 def platform_branches(
-    picks: dict[str, tuple[str, str]], call: Call, traced: Any, later: Any
+    picks: dict[str, tuple[str, str]], call: Call, traced: Any, later: Any = None
 ) -> dict[str, Any]:
     """``platform_dependent`` branches for per-platform ``picks``: ``traced(choice, call, *args)`` for
     the backend picked on this process's platform (and for backends that cannot be deferred),
     ``later(choice, call, *args)`` (traced only if a module is lowered for that platform,
-    :mod:`flashport.kernels.deferred`) for the others; one
-    branch per backend, with ``cpu``'s as the default."""
+    :mod:`flashport.kernels.deferred`) for the others, or ``traced`` for every one when ``later`` is
+    None; one branch per backend, with ``cpu``'s as the default."""
     here = picks.get(deferred.host_platform(), (None, ""))[0]
     by_name = {
         name: functools.partial(
-            traced if name == here or not registry.get(name).deferrable else later,
+            traced if later is None or name == here or not registry.get(name).deferrable else later,
             registry.BackendChoice(name),
             call,
         )
@@ -311,19 +361,21 @@ def _no_keys(call: Call) -> tuple[jax.Array, jax.Array]:
 
 
 def _run(
-    choice: registry.BackendChoice, call: Call, args: tuple[jax.Array | None, ...]
+    choice: registry.BackendChoice, call: Call, args: tuple[jax.Array | None, ...], mods: Mods | None = None
 ) -> tuple[jax.Array, jax.Array]:
     info = registry.get(choice.name)
     log.debug("flashport_attention %s: running backend %s", _describe(call), info.name)
     # The spec's hints (kernels/spec.py): the caller's layout, and whether it keeps the lse.
     spec = dataclasses.replace(call.spec, layout=call.layout, lse_used="return_lse" in call.features)
+    if mods is not None:  # only backends that declare the mod features get (and take) mods=
+        return info.fn(*args, spec=spec, options=choice.options_dict, mods=mods)
     return info.fn(*args, spec=spec, options=choice.options_dict)
 
 
 def _run_positional(
-    choice: registry.BackendChoice, call: Call, *args: jax.Array | None
+    choice: registry.BackendChoice, call: Call, *args: jax.Array | None, mods: Mods | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    return _run(choice, call, args)
+    return _run(choice, call, args, mods)
 
 
 def _describe(call: Call) -> str:

@@ -48,13 +48,17 @@ def attention_backward(
     backend="auto",
     dropout_rate=0.0,
     dropout_rng=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
     **contract,
 ):
     """Gradients of ``flashport.attention(..., return_lse=True)`` from its residuals.
 
     Args:
       query, key, value, scale, causal, window, align, softcap, bias, mask, q_segment_ids,
-        kv_segment_ids, layout, backend, dropout_rate, dropout_rng: exactly as passed to the forward
+        kv_segment_ids, layout, backend, dropout_rate, dropout_rng, score_mod, mask_mod, block_mask:
+        exactly as passed to the forward
         :func:`flashport.attention` call that produced ``out`` and ``lse``.
       out: the forward's output (``query``'s layout and dtype).
       lse: the forward's log-sum-exp, float32 [B, Hq, Sq].
@@ -76,6 +80,9 @@ def attention_backward(
     )
     if bias is not None:  # dbias is among the results: only backends with bias gradients qualify
         call = dataclasses.replace(call, features=call.features | {bias_grad.FEATURE})
+    mods = api.prepare_mods(query, key, score_mod, mask_mod, block_mask, layout)
+    if mods is not None:
+        call = dataclasses.replace(call, features=call.features | mods.features)
 
     def canonical(query, key, value, bias):
         arrays, _ = api.prepare(query, key, value, bias=bias, **options)
@@ -101,48 +108,55 @@ def attention_backward(
     d_lse = jnp.zeros((b, hq, sq), jnp.float32) if d_lse is None else jnp.asarray(d_lse, jnp.float32)
     choice = api._resolve_backend(backend, call)
     dq, dk, dv, dbias = flashport_attention_backward(
-        q, k, v, bias_c, mask_c, q_seg, kv_seg, seed, out, lse, d_out, d_lse, call=call, choice=choice
+        q, k, v, bias_c, mask_c, q_seg, kv_seg, seed, out, lse, d_out, d_lse, mods, call=call, choice=choice
     )
     return to_user((dq, dk, dv, dbias))
 
 
 @functools.partial(jax.jit, static_argnames=("call", "choice"))
 def flashport_attention_backward(
-    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, call: api.Call, choice
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, mods=None, *, call: api.Call, choice
 ):
-    """The jitted backward on canonical arrays; returns canonical ``(dq, dk, dv, dbias)``."""
+    """The jitted backward on canonical arrays; returns canonical ``(dq, dk, dv, dbias)``. ``mods``:
+    the forward's score_mod / mask_mod (:mod:`flashport.kernels.mods`), or None."""
     args = (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse)
     with jax.named_scope("flashport_attention_backward"):
         if call.kv_shape[2] == 0:  # no keys: out = 0, lse = -inf, every gradient is 0
             zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
             return (*zeros, None if bias is None else jnp.zeros_like(bias))
         if choice is not None:
-            return run_backend(choice, call, args)
+            return run_backend(choice, call, args, mods)
         picks = {p: registry.choose(p, call) for p in api.PLATFORMS}
         names = {name for name, _ in picks.values()}
         if len(names) == 1:
-            return run_backend(registry.BackendChoice(names.pop()), call, args)
-        branches = api.platform_branches(picks, call, _run_positional, deferred.run_backward)
+            return run_backend(registry.BackendChoice(names.pop()), call, args, mods)
+        if mods is None:
+            branches = api.platform_branches(picks, call, _run_positional, deferred.run_backward)
+        else:  # a mod's closed-over arrays cannot cross a deferred equation: every branch is traced
+            branches = api.platform_branches(picks, call, functools.partial(_run_positional, mods=mods))
         return jax.lax.platform_dependent(*args, **branches)
 
 
-def run_backend(choice, call, args):
+def run_backend(choice, call, args, mods=None):
     """``(dq, dk, dv, dbias)`` of backend ``choice`` from the canonical forward args, ``out``, ``lse``
-    and the cotangents: its residual backward, or the recomputing fallback."""
+    and the cotangents: its residual backward, or the recomputing fallback. ``mods``: the forward's
+    score_mod / mask_mod, or None."""
     info = registry.get(choice.name)
     options = choice.options_dict
+    extra = {} if mods is None else {"mods": mods}  # only backends with the mod features get mods
     if info.backward is not None:
-        return tuple(info.backward(*args, spec=call.spec, options=options))
+        return tuple(info.backward(*args, spec=call.spec, options=options, **extra))
     log.debug(
         "flashport_attention_backward: backend %s has no residual backward; recomputing its "
         "forward under jax.vjp",
         info.name,
     )
-    return recompute_backward(info.fn, *args, spec=call.spec, options=options)
+    fn = functools.partial(info.fn, **extra)
+    return recompute_backward(fn, *args, spec=call.spec, options=options)
 
 
-def _run_positional(choice, call, *args):
-    return run_backend(choice, call, args)
+def _run_positional(choice, call, *args, mods=None):
+    return run_backend(choice, call, args, mods)
 
 
 def recompute_backward(

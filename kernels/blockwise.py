@@ -20,19 +20,23 @@ Options: ``block_q`` and ``block_k`` (defaults 256 and 512; ``flashport.kernels.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flashport.kernels import dropout, registry
+from flashport.kernels.block_mask import EMPTY, FULL, PARTIAL, tile_classes
 from flashport.kernels.block_ranges import block_tables
+from flashport.kernels.mods import Mods
 from flashport.kernels.padding import pad_broadcastable, pad_to
 from flashport.kernels.scores import (
     group_broadcastable,
     group_heads,
     grouped_einsum,
     matmul_precision,
+    mod_score_grad,
     tile_logits,
 )
 from flashport.kernels.spec import FEATURES, AttentionSpec, softcap_grad
@@ -45,19 +49,41 @@ DEFAULT_BLOCK_K = 512
 MIN_KEYS_FOR_BLOCKWISE = 1024
 
 
-def blockwise_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
-    """Blockwise attention over the canonical arrays; returns ``(out, lse)``."""
+def blockwise_attention(
+    q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options, mods: Mods | None = None
+):
+    """Blockwise attention over the canonical arrays; returns ``(out, lse)``.
+
+    ``mods`` (:mod:`flashport.kernels.mods`): the score_mod runs on every tile, the mask_mod on the
+    tiles its block mask marks partial; empty tiles are skipped. Gradients reach the arrays the
+    score_mod closes over through one more pass over the visited tiles (dropped by XLA when unused).
+    """
     unknown = set(options) - {"block_q", "block_k"}
     if unknown:
         raise ValueError(f"backend 'blockwise' takes options block_q, block_k; got unknown {sorted(unknown)}")
     block_q = _block(options.get("block_q", DEFAULT_BLOCK_Q), spec.seq_q, "block_q")
     block_k = _block(options.get("block_k", DEFAULT_BLOCK_K), spec.seq_k, "block_k")
     tiling = _Tiling(spec, block_q, block_k)
-    return _attention(tiling, q, k, v, bias, mask, q_seg, kv_seg, seed)
+    return _attention(tiling, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
 
 
 def blockwise_attention_backward(
-    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    seed,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    spec: AttentionSpec,
+    options,
+    mods=None,
 ):
     """The residual backward (the ``custom_vjp`` backward: dQ pass, dK/dV pass) from ``out`` and
     ``lse``; returns ``(dq, dk, dv, dbias)`` without running the forward again."""
@@ -66,7 +92,7 @@ def blockwise_attention_backward(
         raise ValueError(f"backend 'blockwise' takes options block_q, block_k; got unknown {sorted(unknown)}")
     block_q = _block(options.get("block_q", DEFAULT_BLOCK_Q), spec.seq_q, "block_q")
     block_k = _block(options.get("block_k", DEFAULT_BLOCK_K), spec.seq_k, "block_k")
-    residuals = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse)
+    residuals = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse, mods)
     return _backward(_Tiling(spec, block_q, block_k), residuals, (d_out.astype(q.dtype), d_lse))[:4]
 
 
@@ -194,8 +220,15 @@ def _slice(x, axis, start, size):
 class _Inputs:
     """Padded, grouped arrays and per-tile accessors."""
 
-    def __init__(self, t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed, *, prescale=False):
+    def __init__(self, t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None, *, prescale=False):
         hkv = k.shape[1]
+        self.mods = mods
+        # Block-mask classes per key block size the loops use ([nq, nk] for all heads at once).
+        self.classes = None
+        if mods is not None and mods.blocks is not None:
+            self.classes = {
+                bk: tile_classes(mods.blocks, t.bq, bk, per_head=False) for bk in {t.bk, t.fine_bk}
+            }
         sqp, skp = t.nq * t.bq, t.nk * t.bk
         self.t, self.prescaled = t, prescale
         if prescale:  # one multiply of q instead of one per score tile
@@ -226,8 +259,27 @@ class _Inputs:
         keep = dropout.keep_mask(t.spec.dropout_rate, self.head_seeds, q_pos, k_pos)
         return dropout.apply(p, keep, t.spec.dropout_rate)
 
-    def logits(self, i, j, positional=True, bk=None):
-        """``tile_logits`` of tile (i, j); ``bk``: its key block size (default the tiling's)."""
+    def sparse(self, i, j, bk, carry, run):
+        """``run(carry, mask_mod)`` for tile (i, j) (key block size ``bk``) as its block-mask class
+        says: skipped when empty, without the mask_mod test when full."""
+        if self.classes is None:
+            return run(carry, True)
+        branches = {EMPTY: lambda c: c, PARTIAL: lambda c: run(c, True), FULL: lambda c: run(c, False)}
+        return jax.lax.switch(
+            self.classes[bk or self.t.bk][i, j], [branches[n] for n in sorted(branches)], carry
+        )
+
+    def mod_grad(self, i, j, raw, bk=None):
+        """d score_mod / d score of tile (i, j) (None without a score_mod)."""
+        t = self.t
+        bk = bk or t.bk
+        bias = _slice(_slice(self.bias, 3, i, t.bq), 4, j, bk)
+        q_pos, k_pos = i * t.bq + jnp.arange(t.bq), j * bk + jnp.arange(bk)
+        return mod_score_grad(t.spec, self.mods, self.q, raw, bias, q_pos, k_pos)
+
+    def logits(self, i, j, positional=True, bk=None, mask_mod=True, mods=None):
+        """``tile_logits`` of tile (i, j); ``bk``: its key block size (default the tiling's);
+        ``mods``: in place of the call's (the same mods with other closed-over arrays)."""
         t = self.t
         bk = bk or t.bk
         return tile_logits(
@@ -242,6 +294,8 @@ class _Inputs:
             _slice(self.kv_seg, 1, j, bk),
             positional=positional,
             q_prescaled=self.prescaled,
+            mods=self.mods if mods is None else mods,
+            mask_mod=mask_mod,
         )
 
 
@@ -254,19 +308,21 @@ def _unblock(stacked, axis_of_block, true_len):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
-    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg, seed)
+def _attention(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
+    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
     return out, lse
 
 
-def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
-    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, seed, prescale=True)
+def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
+    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, seed, mods, prescale=True)
     b, hkv, g = x.q.shape[:3]
     dv = v.shape[-1]
 
     def q_block(i):
         def kv_step(j, carry, positional, bk=t.bk):
-            return update(j, carry, x.logits(i, j, positional, bk)[0], bk)
+            return x.sparse(
+                i, j, bk, carry, lambda c, mm: update(j, c, x.logits(i, j, positional, bk, mm)[0], bk)
+            )
 
         def update(j, carry, logits, bk):
             m, l, acc = carry
@@ -312,15 +368,16 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed):
     return out, lse
 
 
-def _forward_vjp(t, q, k, v, bias, mask, q_seg, kv_seg, seed):
-    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg, seed)
-    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse)
+def _forward_vjp(t, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
+    out, lse = _forward(t, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
+    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, mods)
 
 
 def _backward(t: _Tiling, residuals, cotangents):
-    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse = residuals
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, *rest = residuals
+    mods = rest[0] if rest else None
     d_out, d_lse = cotangents
-    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, seed)
+    x = _Inputs(t, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
     hkv = k.shape[1]
     sqp = t.nq * t.bq
     # dL/dlogits = P * (dP - rowsum(dO*O)) + P * dlse, so the lse cotangent folds into delta.
@@ -329,9 +386,10 @@ def _backward(t: _Tiling, residuals, cotangents):
     delta_g = pad_to(group_heads(delta[..., None], hkv)[..., 0], 3, sqp)
     lse_g = pad_to(group_heads(lse[..., None], hkv)[..., 0], 3, sqp, -jnp.inf)
 
-    def probs_and_dlogits(i, j, logits, visible, raw, bk=None):
+    def probs_and_dlogits(i, j, logits, visible, raw, bk=None, through_mod=True):
         """Recompute P and dL/dlogits of tile (i, j) (key block size ``bk``, default the tiling's);
-        P comes back with dropout applied (for dV).
+        P comes back with dropout applied (for dV). dL/dlogits is pulled back through the
+        score_mod unless ``through_mod`` is False.
 
         With dropout, out = (P∘Z/(1-r))·V: dP picks up Z/(1-r) and delta = rowsum(dO∘O) still holds.
         """
@@ -348,6 +406,9 @@ def _backward(t: _Tiling, residuals, cotangents):
             precision=matmul_precision(d_out_i.dtype),
         )
         dlogits = p * (x.dropped(i, j, dp, bk) - _slice(delta_g, 3, i, t.bq)[..., None])
+        grad = x.mod_grad(i, j, raw, bk) if through_mod else None
+        if grad is not None:  # through the score_mod: dL/d(its input)
+            dlogits = jnp.where(visible, dlogits * grad, 0.0)
         return x.dropped(i, j, p, bk), dlogits, raw, d_out_i
 
     # The f32-upcast gradient products: float32 math for float32 inputs; for bf16/f16 inputs the
@@ -360,12 +421,26 @@ def _backward(t: _Tiling, residuals, cotangents):
 
     bias_g = x.bias
     if bias_g is None:
-        return _single_pass_backward(t, x, q, k, probs_and_dlogits, dscores, prec)
+        grads = _single_pass_backward(t, x, q, k, probs_and_dlogits, dscores, prec)
+    else:
+        grads = _split_backward(t, x, q, k, v, bias, probs_and_dlogits, dscores, prec)
+    if not rest:  # the residual backward (blockwise_attention_backward without mods)
+        return grads
+    if mods is None:
+        return (*grads, None)
+    return (*grads, _mods_cotangent(t, x, probs_and_dlogits))
+
+
+def _split_backward(t: _Tiling, x: _Inputs, q, k, v, bias, probs_and_dlogits, dscores, prec):
+    """The FA2 split backward (with a bias): a dQ/dbias pass and a dK/dV pass."""
+    bias_g = x.bias
 
     # ---- dQ (and dbias) pass: map over query blocks, loop over their key blocks.
     def dq_block(i):
         def kv_step(j, carry, positional):
-            return dq_update(j, carry, *x.logits(i, j, positional))
+            return x.sparse(
+                i, j, None, carry, lambda c, mm: dq_update(j, c, *x.logits(i, j, positional, mask_mod=mm))
+            )
 
         def dq_update(j, carry, *tile):
             dq, dbias = carry
@@ -398,7 +473,9 @@ def _backward(t: _Tiling, residuals, cotangents):
 
     def dkv_block(j):
         def q_step(i, carry, positional):
-            return dkv_update(i, carry, *x.logits(i, j, positional))
+            return x.sparse(
+                i, j, None, carry, lambda c, mm: dkv_update(i, c, *x.logits(i, j, positional, mask_mod=mm))
+            )
 
         def dkv_update(i, carry, *tile):
             dk, dv = carry
@@ -444,15 +521,28 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
         return jax.lax.dynamic_update_slice_in_dim(dq_acc, row + dq_i, i * t.bq, axis=3)
 
     def kv_block(dq_acc, j):
+        def grads_of(i, jj, bk, positional):
+            """Tile (i, jj)'s contributions; under a block mask the branch returns only them (zeros
+            for an empty tile), so the O(S) dQ buffer is updated outside the conditional, in place."""
+
+            def run(_, mask_mod):
+                return tile_grads(i, jj, bk, *x.logits(i, jj, positional, bk, mask_mod))
+
+            if x.classes is None:
+                return run(None, True)
+            zeros = jax.eval_shape(lambda: run(None, True))
+            zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), zeros)
+            return x.sparse(i, jj, bk, zeros, run)
+
         def q_step(i, carry, positional):
             dk, dv, dq_acc = carry
-            ddk, ddv, dq_i = tile_grads(i, j, t.bk, *x.logits(i, j, positional))
+            ddk, ddv, dq_i = grads_of(i, j, t.bk, positional)
             return dk + ddk, dv + ddv, add_dq(dq_acc, i, dq_i)
 
         def fine_step(s, i, carry):
             dk, dv, dq_acc = carry
             jf, fb = j * (t.bk // t.fine_bk) + s, t.fine_bk
-            ddk, ddv, dq_i = tile_grads(i, jf, fb, *x.logits(i, jf, True, fb))
+            ddk, ddv, dq_i = grads_of(i, jf, fb, True)
             dk = dk.at[..., s * fb : (s + 1) * fb].add(ddk)
             dv = dv.at[..., s * fb : (s + 1) * fb].add(ddv)
             return dk, dv, add_dq(dq_acc, i, dq_i)
@@ -488,6 +578,58 @@ def _fine_split(t: _Tiling, fine_cols, j, q_step, fine_step, carry):
         )
     a, b = (jnp.asarray(t.col_split[r])[j] for r in (1, 2))
     return jax.lax.fori_loop(a, b, lambda i, c: q_step(i, c, False), carry)
+
+
+def _mods_cotangent(t: _Tiling, x: _Inputs, probs_and_dlogits):
+    """The cotangent of the ``mods`` pytree: the gradients of the float arrays the score_mod closes
+    over (None for the rest), summed over the visited tiles of one more pass (map over query blocks,
+    loop over their key blocks) that pulls each tile's dL/dlogits back through the score_mod."""
+    mods = x.mods
+    cotangent = jax.tree_util.tree_map(lambda _: None, mods)
+    floats = [n for n, c in enumerate(mods.score_consts) if jnp.issubdtype(jnp.result_type(c), jnp.floating)]
+    if mods.score is None or not floats:
+        return cotangent
+
+    def q_block(i):
+        def kv_step(j, acc, positional):
+            def run(acc, mask_mod):
+                def logits_of(chosen):
+                    consts = list(mods.score_consts)
+                    for n, c in zip(floats, chosen, strict=True):
+                        consts[n] = c
+                    swapped = Mods(mods.score, consts, mods.mask, mods.mask_consts, mods.blocks)
+                    logits, visible, raw = x.logits(i, j, positional, mask_mod=mask_mod, mods=swapped)
+                    return logits, (visible, raw)
+
+                chosen = [mods.score_consts[n] for n in floats]
+                logits, pull, (visible, raw) = jax.vjp(logits_of, chosen, has_aux=True)
+                _, d_post, _, _ = probs_and_dlogits(i, j, logits, visible, raw, through_mod=False)
+                (d_chosen,) = pull(d_post)
+                return [a + d.astype(jnp.float32) for a, d in zip(acc, d_chosen, strict=True)]
+
+            return x.sparse(i, j, None, acc, run)
+
+        init = [jnp.zeros(jnp.shape(mods.score_consts[n]), jnp.float32) for n in floats]
+        return _loop_split(t.row_split, i, kv_step, init)
+
+    sums = jax.lax.map(q_block, jnp.arange(t.nq))
+    consts: list[Any] = [None] * len(mods.score_consts)
+    for n, total in zip(floats, sums, strict=True):
+        consts[n] = jnp.sum(total, axis=0).astype(jnp.result_type(mods.score_consts[n]))
+    return Mods(mods.score, consts, mods.mask, cotangent.mask_consts, cotangent.blocks)
+
+
+def mods_cotangent(
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, mods: Mods
+):
+    """The cotangent of ``mods`` (gradients of the arrays its score_mod closes over) from a forward's
+    residuals, for backends whose kernels give dq, dk, dv only: this backend's backward with default
+    blocks, of which only that pass stays once XLA drops the unused gradients."""
+    t = _Tiling(
+        spec, _block(DEFAULT_BLOCK_Q, spec.seq_q, "block_q"), _block(DEFAULT_BLOCK_K, spec.seq_k, "block_k")
+    )
+    residuals = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse, mods)
+    return _backward(t, residuals, (d_out.astype(q.dtype), d_lse))[-1]
 
 
 def _t(x):

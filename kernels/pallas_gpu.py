@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,11 +65,15 @@ class Config:
     num_stages: int
     interpret: bool
 
+    mods: Any = None  # Geometry.mods: the static part of the call's user mods, or None
+
     def geometry(self, backward: bool) -> Geometry:
         """Forward or backward tiling."""
         if backward:
-            return Geometry.make(self.spec, self.block_q_bwd, self.block_k_bwd)
-        return Geometry.make(self.spec, self.block_q, self.block_k)
+            g = Geometry.make(self.spec, self.block_q_bwd, self.block_k_bwd)
+        else:
+            g = Geometry.make(self.spec, self.block_q, self.block_k)
+        return dataclasses.replace(g, mods=self.mods)
 
     def warps(self, head_dim: int) -> int:
         """Triton warps per program."""
@@ -116,9 +121,12 @@ def _pad_head(x):
     return pad_to(x, 3, max(MIN_BLOCK, next_power_of_two(x.shape[3])))
 
 
-def _operands(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed):
-    """Padded operands by name, in the order the kernels take them."""
+def _operands(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
+    """Padded operands by name, in the order the kernels take them (the user mods' arrays last, as
+    ``mod<n>``, at least 1-D)."""
     b, hq = q.shape[:2]
+    consts = () if mods is None else (*mods.score_consts, *mods.mask_consts)
+    arrays = {f"mod{n}": jnp.asarray(c).reshape(jnp.shape(c) or (1,)) for n, c in enumerate(consts)}
     return {
         "q": _pad_head(pad_to(q, 2, g.sqp)),
         "k": _pad_head(pad_to(k, 2, g.skp)),
@@ -128,6 +136,7 @@ def _operands(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed):
         "q_seg": None if q_seg is None else pad_to(q_seg, 1, g.sqp),
         "kv_seg": None if kv_seg is None else pad_to(kv_seg, 1, g.skp),
         "rows": None if g.spec.dropout_rate == 0 else dropout_rows(seed, b, hq, g.sqp),
+        **arrays,
     }
 
 
@@ -147,9 +156,9 @@ def _launch(cfg: Config, call, g: Geometry, named: dict, **kwargs):
     return make(True)(*arrays) if cfg.interpret else cuda_only(make, *arrays)
 
 
-def _forward(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed):
+def _forward(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
     g = cfg.geometry(backward=False)
-    named = _operands(g, q, k, v, bias, mask, q_seg, kv_seg, seed)
+    named = _operands(g, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
     out, lse = _launch(
         cfg,
         forward_call,
@@ -165,23 +174,25 @@ def _forward(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed):
-    return _forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed)
+def _attention(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
+    return _forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
 
 
-def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed):
-    out, lse = _forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed)
-    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse)
+def _attention_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
+    out, lse = _forward(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
+    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, mods)
 
 
 def _attention_bwd(cfg: Config, residuals, cotangents):
-    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse = residuals
+    """dq, dk, dv, dbias from the kernels; the gradients of the score_mod's arrays (with mods) from
+    the blockwise backend's pass over the tiles (:func:`flashport.kernels.blockwise.mods_cotangent`)."""
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, mods = residuals
     d_out, d_lse = cotangents
     g = cfg.geometry(backward=True)
     group = q.shape[1] // k.shape[1]
     # dlogits = P * (dP - delta) with delta = rowsum(dO * O) - dlse: the lse cotangent folds in.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    named = _operands(g, q, k, v, bias, mask, q_seg, kv_seg, seed)
+    named = _operands(g, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
     named.update(
         do=_pad_head(pad_to(d_out.astype(q.dtype), 2, g.sqp)),
         lse=pad_to(jnp.where(jnp.isneginf(lse), 0.0, lse), 2, g.sqp),
@@ -194,7 +205,12 @@ def _attention_bwd(cfg: Config, residuals, cotangents):
     sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
     dq, dk, dv = dq[:, :, :sq, :d], dk[:, :, :sk, :d], dv[:, :, :sk, : v.shape[3]]
     dbias = None if bias is None else _reduce_dbias(dbias_tiles, bias.shape, sq, sk).astype(bias.dtype)
-    return dq, dk, dv, dbias, None, None, None, None
+    if mods is None:
+        return dq, dk, dv, dbias, None, None, None, None, None
+    from flashport.kernels.blockwise import mods_cotangent
+
+    arrays = (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse)
+    return dq, dk, dv, dbias, None, None, None, None, mods_cotangent(*arrays, spec=cfg.spec, mods=mods)
 
 
 def _reduce_dbias(tiles, bias_shape, sq, sk):
@@ -219,13 +235,16 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _make_backend_fn(name: str, interpret: bool):
-    def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
+    def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options, mods=None):
         opts = resolve_options(dict(options), name)
         if q.shape[2] == 0:  # no queries: nothing to launch (a grid of size 0 is not a kernel)
             b, hq = q.shape[:2]
             return jnp.zeros((b, hq, 0, v.shape[3]), q.dtype), jnp.zeros((b, hq, 0), jnp.float32)
         cfg = Config(spec=spec, interpret=interpret, **opts)
-        return _attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed)
+        if mods is not None:
+            shapes = tuple(jnp.shape(c) for c in (*mods.score_consts, *mods.mask_consts))
+            cfg = dataclasses.replace(cfg, mods=(mods.score, len(mods.score_consts), mods.mask, shapes))
+        return _attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
 
     fn.__name__ = f"{name}_attention"
     fn.__doc__ = (

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flashport.kernels.pallas_gpu_fwd import key_side, row_operands
+from flashport.kernels.pallas_gpu_fwd import key_side, row_operands, whole_spec
 from flashport.kernels.pallas_gpu_tile import (
     Geometry,
     apply_dropout,
@@ -34,6 +34,8 @@ from flashport.kernels.pallas_gpu_tile import (
     full_key_blocks,
     full_query_blocks,
     key_block_bounds,
+    mod_arrays,
+    mod_grad,
     query_block_bounds,
     segment_visit,
     split_loop,
@@ -56,11 +58,15 @@ def dbias_layout(bias_shape) -> str | None:
 
 
 def _dlogits(g: Geometry, q, k, v, do, lse, delta, rows, i, j, **sides):
-    """``(p_dropped, dlogits, ds)`` of tile (i, j), all float32 [bq, bk]."""
+    """``(p_dropped, dlogits, ds)`` of tile (i, j), all float32 [bq, bk]; ``dlogits`` is pulled back
+    through the score_mod when the call has one."""
     logits, raw = tile_logits(g, q, k, i, j, **sides)
     p = jnp.exp(logits - jnp.where(lse == -jnp.inf, 0.0, lse)[:, None])
     dp = apply_dropout(g, dot(do, v, trans_b=True), rows, j)
     dlogits = p * (dp - delta[:, None])
+    mod = mod_grad(g, raw, sides.get("bias"), i, j, sides.get("at"))
+    if mod is not None:
+        dlogits = jnp.where(p > 0, dlogits * mod, 0.0)
     grad = softcap_grad(g.spec, raw, jnp)
     ds = (dlogits if grad is None else dlogits * grad) * g.spec.scale
     return apply_dropout(g, p, rows, j), dlogits, ds
@@ -73,6 +79,7 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
     q_seg = r["q_seg"][...] if "q_seg" in r else None
     rows = r["rows"][...] if "rows" in r else None
     lo, hi = key_block_bounds(g, i)
+    at = (mod_arrays(g, r), pl.program_id(1), pl.program_id(2))
 
     def zero(j, carry):  # the bias gradient of a key block the kernel does not compute
         ks = pl.ds(j * g.bk, g.bk)
@@ -106,6 +113,7 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
             q_seg=q_seg,
             kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None,
             positional=positional,
+            at=at,
         )
         dq = dq + dot(ds.astype(k.dtype), k)
         if layout == "full":
@@ -177,7 +185,7 @@ def _group_operands(g: Geometry, group: int, named: dict):
             return pl.BlockSpec((None, x.shape[1]), lambda j, b, h: (b, 0))
         if name == "kv_seg":
             return pl.BlockSpec((None, g.bk), lambda j, b, h: (b, j))
-        raise AssertionError(name)
+        return whole_spec(name, x)
 
     names, arrays, specs = [], [], []
     for name, x in named.items():
@@ -204,6 +212,7 @@ def _dkv_kernel(*refs, g: Geometry, names, group: int):
     kv_seg = r["kv_seg"][...] if "kv_seg" in r else None
     bounds, full = query_block_bounds(g, j), full_query_blocks(g, j)
     visit = segment_visit(kv_seg, lambda i: r["q_seg"][pl.ds(i * g.bq, g.bq)])
+    consts, bi, hk = mod_arrays(g, r), pl.program_id(1), pl.program_id(2)
 
     def head(h, carry):
         def body(i, carry, positional):
@@ -226,6 +235,7 @@ def _dkv_kernel(*refs, g: Geometry, names, group: int):
                 q_seg=r["q_seg"][qs] if "q_seg" in r else None,
                 kv_seg=kv_seg,
                 positional=positional,
+                at=(consts, bi, hk * group + h),
             )
             dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
             dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)

@@ -28,10 +28,18 @@ from flashport.kernels.pallas_gpu_tile import (
     dot,
     full_key_blocks,
     key_block_bounds,
+    mod_arrays,
     segment_visit,
     split_loop,
     tile_logits,
 )
+
+
+def whole_spec(name: str, x):
+    """The BlockSpec of an operand every program reads whole: the user mods' arrays (``mod<n>``)."""
+    if not name.startswith("mod"):
+        raise AssertionError(name)
+    return pl.BlockSpec(x.shape, lambda *grid: (0,) * x.ndim)
 
 
 def row_operands(g: Geometry, group: int, named: dict):
@@ -62,7 +70,7 @@ def row_operands(g: Geometry, group: int, named: dict):
             return pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
         if name == "kv_seg":
             return pl.BlockSpec((None, x.shape[1]), lambda i, b, h: (b, 0))
-        raise AssertionError(name)
+        return whole_spec(name, x)
 
     names, arrays, specs = [], [], []
     for name, x in named.items():
@@ -88,6 +96,7 @@ def _forward_kernel(*refs, g: Geometry, names):
     q_seg = r["q_seg"][...] if "q_seg" in r else None
     rows = r["rows"][...] if "rows" in r else None
     v_dtype = r["v"].dtype
+    at = (mod_arrays(g, r), pl.program_id(1), pl.program_id(2))
 
     def body(j, carry, positional):
         acc, m, l = carry
@@ -103,6 +112,7 @@ def _forward_kernel(*refs, g: Geometry, names):
             q_seg=q_seg,
             kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None,
             positional=positional,
+            at=at,
         )
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)

@@ -14,6 +14,7 @@ in full float32 (TF32 off).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,9 @@ class Geometry:
     spec: AttentionSpec
     bq: int
     bk: int
+    # (score TracedMod, its array count, mask TracedMod, array shapes) or None: the user mods the
+    # tiles run (kernels/mods.py); their arrays are kernel inputs named ``mod0``, ``mod1``...
+    mods: Any = None
 
     @classmethod
     def make(cls, spec: AttentionSpec, block_q: int, block_k: int) -> Geometry:
@@ -166,7 +170,9 @@ def dropout_rows(seed, batch: int, heads: int, sqp: int):
     return fmix(t_bh[..., None] + jnp.uint32(dropout.ROW_MUL) * (i + jnp.uint32(1)))
 
 
-def tile_logits(g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv_seg=None, positional=True):
+def tile_logits(
+    g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv_seg=None, positional=True, at=None
+):
     """Scores of tile (query block ``i``, key block ``j``) with every contract feature applied.
 
     Args:
@@ -174,6 +180,7 @@ def tile_logits(g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv
       bias / mask: the tile's [bq|1, bk|1] slices (mask as int8) or None.
       q_seg: int32 [bq] and kv_seg: int32 [bk], or None.
       positional: apply causal/window/length masking; False for tiles in :func:`full_key_blocks`.
+      at: ``(mod arrays, batch, query head)`` when the call has user mods (:func:`mod_arrays`).
 
     Returns:
       ``(logits, raw)``: float32 [bq, bk] logits with hidden entries at -inf (positions past the
@@ -193,7 +200,44 @@ def tile_logits(g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv
     if q_seg is not None:
         same = q_seg[:, None] == kv_seg[None, :]
         visible = same if visible is None else visible & same
+    if g.mods is not None and at is not None:
+        mods, where = _mods(g, at), _indices(g, at, i, j)
+        logits = mods.apply_score(logits, *where)
+        seen = mods.visible(*where)
+        if seen is not None:
+            visible = seen if visible is None else visible & seen
     return (logits if visible is None else jnp.where(visible, logits, -jnp.inf)), raw
+
+
+def mod_arrays(g: Geometry, refs: dict) -> tuple:
+    """The user mods' arrays read from the kernel's ``mod<n>`` inputs, in their own shapes."""
+    if g.mods is None:
+        return ()
+    shapes = g.mods[3]
+    return tuple(refs[f"mod{n}"][...].reshape(shape) for n, shape in enumerate(shapes))
+
+
+def _mods(g: Geometry, at):
+    from flashport.kernels.mods import Mods
+
+    score, n_score, mask, _ = g.mods
+    consts = at[0]
+    return Mods(score, consts[:n_score], mask, consts[n_score:])
+
+
+def _indices(g: Geometry, at, i, j):
+    q_pos = i * g.bq + jnp.arange(g.bq, dtype=jnp.int32)
+    return at[1], at[2], q_pos[:, None], key_positions(g, j)[None, :]
+
+
+def mod_grad(g: Geometry, raw, bias, i, j, at):
+    """d score_mod / d score over tile (i, j) (``None`` without a score_mod)."""
+    if g.mods is None or g.mods[0] is None or at is None:
+        return None
+    pre = apply_softcap(g.spec, raw, jnp)
+    if bias is not None:
+        pre = pre + bias.astype(jnp.float32)
+    return _mods(g, at).score_derivative(pre, *_indices(g, at, i, j))
 
 
 def key_positions(g: Geometry, j):

@@ -72,6 +72,9 @@ def ring_attention(
     return_lse=False,
     dropout_rate=0.0,
     dropout_rng=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
     **contract,
 ):
     """``flashport.attention`` with the sequence dim sharded over mesh axis ``axis_name`` (ring attention).
@@ -100,8 +103,8 @@ def ring_attention(
       return_lse: also return the global log-sum-exp, float32 [B, Hq, Sq] (in the layout's order).
 
     Raises:
-      ValueError naming the argument for ``bias``/``mask`` arrays or dropout (not supported by the
-      ring), a sequence length that does not split over the axis, an unknown mesh axis, and whatever
+      ValueError naming the argument for ``bias``/``mask`` arrays, dropout or ``score_mod`` /
+      ``mask_mod`` / ``block_mask`` (not supported by the ring), a sequence length that does not split over the axis, an unknown mesh axis, and whatever
       :func:`flashport.attention` raises for the call itself.
     """
     for name in ("bias", "mask"):
@@ -111,6 +114,12 @@ def ring_attention(
                 f"ring shards; express document masking with q_segment_ids/kv_segment_ids, or call "
                 f"flashport.attention (which gathers the sequence on every shard)"
             )
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        raise ValueError(
+            "ring_attention does not run score_mod / mask_mod / block_mask: its tiles see shard-local "
+            "positions and the mods' indices are global; express document masks with "
+            "q_segment_ids/kv_segment_ids, or call flashport.attention (which gathers the sequence)"
+        )
     if dropout_rate:
         raise ValueError(
             "ring_attention does not support dropout_rate > 0: the contract's dropout mask hashes "

@@ -77,6 +77,8 @@ def tile_logits(
     *,
     positional=True,
     q_prescaled=False,
+    mods=None,
+    mask_mod=True,
 ):
     """Scores of one tile with everything of the contract applied.
 
@@ -88,6 +90,9 @@ def tile_logits(
       positional: apply causal/window/length masking; pass False for tiles known to be fully
         visible (saves the iota compares and selects).
       q_prescaled: ``q`` already carries ``spec.scale``.
+      mods: a :class:`flashport.kernels.mods.Mods` (score_mod after softcap and bias, mask_mod
+        and-ed into the visibility) or None.
+      mask_mod: evaluate ``mods``' mask_mod; pass False for tiles its block mask marks full.
 
     Returns:
       ``(logits, visible, raw)``: float32 logits with hidden entries at -inf, the boolean visibility,
@@ -104,6 +109,12 @@ def tile_logits(
     visible = (
         positional_visible(spec, q_pos[:, None], k_pos[None, :])[None, None, None] if positional else None
     )
+    if mods is not None:
+        b, h, qi, ki = tile_indices(q, q_pos, k_pos)
+        logits = mods.apply_score(logits, b, h, qi, ki)
+        seen = mods.visible(b, h, qi, ki) if mask_mod else None
+        if seen is not None:
+            visible = seen if visible is None else visible & seen
     if mask is not None:
         visible = mask if visible is None else visible & mask
     if q_seg is not None:
@@ -112,3 +123,26 @@ def tile_logits(
     if visible is None:  # fully visible tile: logits are final, every entry counts
         return logits, jnp.ones((), bool), raw
     return jnp.where(visible, logits, -jnp.inf), visible, raw
+
+
+def tile_indices(q, q_pos, k_pos):
+    """The (batch, query head, q_idx, kv_idx) index arrays of a grouped score tile of ``q``
+    [B, Hkv, G, bq, D] at positions ``q_pos`` [bq] / ``k_pos`` [bk], broadcasting to
+    [B, Hkv, G, bq, bk] (query head ``h = kv_head * G + g``): what a mod sees."""
+    batch, hkv, groups = q.shape[:3]
+    b = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1, 1)
+    h = jnp.arange(hkv * groups, dtype=jnp.int32).reshape(1, hkv, groups, 1, 1)
+    qi = jnp.asarray(q_pos, jnp.int32).reshape(1, 1, 1, -1, 1)
+    ki = jnp.asarray(k_pos, jnp.int32).reshape(1, 1, 1, 1, -1)
+    return b, h, qi, ki
+
+
+def mod_score_grad(spec: AttentionSpec, mods, q, raw, bias, q_pos, k_pos):
+    """d score_mod / d score of a tile from its pre-softcap scaled scores ``raw`` and bias tile
+    (``None`` when ``mods`` has no score_mod): backward passes multiply dL/dlogits by it."""
+    if mods is None or mods.score is None:
+        return None
+    pre = apply_softcap(spec, raw, jnp)
+    if bias is not None:
+        pre = pre + bias
+    return mods.score_derivative(pre, *tile_indices(q, q_pos, k_pos))

@@ -45,7 +45,11 @@ FEATURES = (
     "float32",
     "bfloat16",
     "float16",
+    "score_mod",  # a FlexAttention score_mod (kernels/mods.py); backends with it take mods=
+    "mask_mod",  # a FlexAttention mask_mod / block mask (kernels/mods.py, kernels/block_mask.py)
 )
+# The features of user functions traced into the tiles; a backend declaring them takes ``mods=``.
+MOD_FEATURES = frozenset({"score_mod", "mask_mod"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,9 @@ from flashport.kernels.scores import group_broadcastable, group_heads, matmul_pr
 from flashport.kernels.spec import FEATURES
 
 
-def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options):
-    """Materialized attention over the canonical arrays; returns ``(out, lse)``."""
+def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options, mods=None):
+    """Materialized attention over the canonical arrays; returns ``(out, lse)``. ``mods``
+    (:mod:`flashport.kernels.mods`) run over the whole score matrix; JAX differentiates them."""
     if options:
         raise ValueError(f"backend 'xla' takes no options, got {sorted(options)}")
     b, hq, sq, _ = q.shape
@@ -31,6 +32,7 @@ def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options):
         group_broadcastable(mask, hkv),
         q_seg,
         kv_seg,
+        mods=mods,
     )
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -50,7 +52,7 @@ def xla_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, options):
 
 
 def xla_attention_backward(
-    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec, options
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec, options, mods=None
 ):
     """The residual backward of :func:`xla_attention`: ``(dq, dk, dv, dbias)`` from ``out`` and ``lse``.
 
@@ -75,6 +77,7 @@ def xla_attention_backward(
             group_broadcastable(mask, hkv),
             q_seg,
             kv_seg,
+            mods=mods,
         )
         return logits
 

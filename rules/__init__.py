@@ -29,6 +29,7 @@ RULE_MODULES = (
     "fpa015_flash_attn_rotary",
     "fpa101_torch_sdpa",
     "fpa102_sdpa_backend_selector",
+    "fpa103_torch_flex_attention",
     "fpa110_xformers_memory_efficient_attention",
     "fpa111_xformers_attn_bias",
     "fpa201_jax_nn_dpa_cudnn",

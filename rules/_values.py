@@ -5,7 +5,7 @@ Calls are ported one by one because their arguments state the semantics; a value
 whatever calls it later (a dispatch table lookup, a ``functools.partial``, an attribute, a callback
 parameter) is out of the rule's sight. Where flashport ships a drop-in that replicates the API
 exactly (same signature, defaults and return convention: ``flashport.integrations.flash_attn_compat``,
-``bert_padding``, ``xformers_compat``), the value is replaced by the drop-in's function of the same
+``bert_padding``, ``xformers_compat``, ``flashport.torch``'s FlexAttention functions), the value is replaced by the drop-in's function of the same
 name, so every later call runs on flashport whatever its arguments. The value stays (reported) where
 its meaning could change: feature probes (``callable(f)``, ``inspect.signature(f)``, ``getattr(f,
 ...)``), ``isinstance``/``issubclass``, identity or equality comparisons, lookups by identity
@@ -46,6 +46,7 @@ FA4 = "flashport.integrations.flash_attn4_compat"
 BERT_PADDING = "flashport.integrations.bert_padding"
 SDPA = "flashport.integrations.sdpa_compat"
 XFORMERS = "flashport.integrations.xformers_compat"
+FLEX = "flashport.torch"  # flex_attention / create_block_mask with torch's signatures
 FA2_SIGNATURE = (2, 6)  # flash-attn's 2.x signatures are 2.8.3's (the drop-ins') from 2.6 on
 SEQUSED = (2, 7)  # unpad_input returns five values from 2.7 on (the drop-in's)
 # Callees that inspect a function instead of calling it: the value must stay the one it probes.
@@ -84,6 +85,8 @@ def family(api: str) -> str | None:
         return BERT_PADDING
     if api == "torch.nn.functional.scaled_dot_product_attention":
         return SDPA
+    if api.startswith("torch.nn.attention.flex_attention."):
+        return FLEX
     if api.startswith("xformers.ops."):
         return XFORMERS
     if api.startswith("flash_attn.") and "triton" not in api:
@@ -97,6 +100,7 @@ _PROVIDES = {
     BERT_PADDING: ("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input", "rearrange"),
     SDPA: ("scaled_dot_product_attention",),
     XFORMERS: ("memory_efficient_attention",),
+    FLEX: ("flex_attention", "create_block_mask"),
 }
 
 

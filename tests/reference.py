@@ -28,8 +28,14 @@ def reference_attention(
     layout="BSHD",
     dropout_rate=0.0,
     dropout_seed=None,
+    score_mod=None,
+    mask_mod=None,
 ):
     """float64 attention following the contract; inputs in ``layout``, outputs (out BHSD/BSHD, lse).
+
+    ``score_mod(s, b, h, i, j)`` / ``mask_mod(b, h, i, j)`` are numpy functions of the whole score
+    matrix ``s`` [B, Hq, Sq, Sk] and broadcasting index grids (b [B,1,1,1], h [1,Hq,1,1], i [1,1,Sq,1],
+    j [1,1,1,Sk]); the score_mod applies after softcap and bias, the mask_mod is and-ed in.
 
     ``dropout_seed`` is the pair of uint32 seed words (``jax.random.key(s)`` has ``(s >> 32, s &
     0xFFFFFFFF)``); the keep-mask is :func:`dropout_keep`, written from the contract's definition.
@@ -48,7 +54,11 @@ def reference_attention(
         s = softcap * np.tanh(s / softcap)
     if bias is not None:
         s = s + np.broadcast_to(np.asarray(bias, np.float64), s.shape)
+    if score_mod is not None:
+        s = _score_mod(score_mod, s)
     keep = _visible(q.shape, k.shape, causal, window, align, mask, q_segment_ids, kv_segment_ids)
+    if mask_mod is not None:
+        keep = keep & np.broadcast_to(mask_mod(*_grids(s.shape)), keep.shape)
     s = np.where(keep, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -65,8 +75,15 @@ def reference_attention(
 
 
 def reference_attention_vjp(q, k, v, d_out, *, d_lse=None, **options):
+    """See :func:`_reference_backward`."""
+    return _reference_backward(q, k, v, d_out, d_lse=d_lse, **options)[:4]
+
+
+def _reference_backward(q, k, v, d_out, *, d_lse=None, **options):
     """float64 gradients (dq, dk, dv, dbias_full) of ``sum(out * d_out)`` (plus ``sum(lse * d_lse)``
     when ``d_lse`` [B, Hq, Sq] is given), derived by hand; ``options`` as :func:`reference_attention`.
+    With a ``score_mod`` its derivative is a float64 central difference; :func:`reference_mod_vjp`
+    also returns the gradient w.r.t. the score_mod's output.
 
     The textbook attention backward (dP = dO·Vᵀ, dS = P∘(dP − rowsum(dO∘O)), chain through softcap
     and scale); rows with no visible key get zero gradients. ``dbias_full`` is [B, Hq, Sq, Sk]; sum
@@ -93,11 +110,16 @@ def reference_attention_vjp(q, k, v, d_out, *, d_lse=None, **options):
     s = softcap * np.tanh(raw / softcap) if softcap is not None else raw
     if bias is not None:
         s = s + np.broadcast_to(np.asarray(bias, np.float64), s.shape)
+    pre = s
+    if o["score_mod"] is not None:
+        s = _score_mod(o["score_mod"], pre)
     finite = np.isfinite(lse)[..., None]
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.where(finite, np.exp(s - np.where(finite, lse[..., None], 0.0)), 0.0)
     names = ("causal", "window", "align", "mask", "q_segment_ids", "kv_segment_ids")
     keep = _visible(q.shape, k.shape, *(o[n] for n in names))
+    if o["mask_mod"] is not None:
+        keep = keep & np.broadcast_to(o["mask_mod"](*_grids(p.shape)), keep.shape)
     p = np.where(keep, p, 0.0)
     # Dropout: out = (P∘Z/(1-r))·V, so dV and dP carry Z/(1-r); delta = rowsum(dO∘O) still holds.
     drop = dropout_keep(dropout_seed, dropout_rate, p.shape) / (1.0 - dropout_rate) if dropout_rate else 1.0
@@ -106,7 +128,12 @@ def reference_attention_vjp(q, k, v, d_out, *, d_lse=None, **options):
     delta = np.sum(d_out * out, axis=-1, keepdims=True)
     if d_lse is not None:  # d lse / d logits = P: the lse cotangent shifts delta
         delta = delta - np.where(finite, np.asarray(d_lse, np.float64)[..., None], 0.0)
-    ds = p * (dp - delta)  # gradient w.r.t. the post-softcap, post-bias logits
+    ds = p * (dp - delta)  # gradient w.r.t. the final (post-softcap, post-bias, post-mod) logits
+    d_scores = ds.copy()
+    if o["score_mod"] is not None:  # d mod / d score by a float64 central difference
+        eps = 1e-5
+        slope = (_score_mod(o["score_mod"], pre + eps) - _score_mod(o["score_mod"], pre - eps)) / (2 * eps)
+        ds = np.where(keep, ds * slope, 0.0)
     dbias = ds.copy()
     if softcap is not None:
         ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
@@ -117,7 +144,14 @@ def reference_attention_vjp(q, k, v, d_out, *, d_lse=None, **options):
     dv = dv.reshape(b, hkv, group, *dv.shape[2:]).sum(axis=2)
     if layout == "BSHD":
         dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, d_scores
+
+
+def reference_mod_vjp(q, k, v, d_out, *, d_lse=None, **options):
+    """:func:`reference_attention_vjp`'s ``(dq, dk, dv, dbias_full)`` plus ``d_scores`` [B, Hq, Sq,
+    Sk]: the gradient w.r.t. the score_mod's output, from which a test sums the gradient of an array
+    the score_mod reads (d slope[h] = sum over (b, i, j) of d_scores * d mod / d slope[h])."""
+    return _reference_backward(q, k, v, d_out, d_lse=d_lse, **options)
 
 
 def dropout_keep(seed, rate, shape):
@@ -174,6 +208,15 @@ def _visible(q_shape, k_shape, causal, window, align, mask, q_segment_ids, kv_se
     if q_segment_ids is not None:
         keep &= np.asarray(q_segment_ids)[:, None, :, None] == np.asarray(kv_segment_ids)[:, None, None, :]
     return keep
+
+
+def _grids(shape):
+    """Broadcasting index grids (b, h, i, j) of a [B, H, Sq, Sk] score matrix."""
+    return tuple(np.arange(n).reshape([n if a == d else 1 for a in range(4)]) for d, n in enumerate(shape))
+
+
+def _score_mod(score_mod, s):
+    return np.broadcast_to(np.asarray(score_mod(s, *_grids(s.shape)), np.float64), s.shape)
 
 
 def reduce_to_shape(full, shape):

@@ -16,12 +16,14 @@ CONTRACT = (
     "scale=None, causal=False, window=None, align='bottom_right', softcap=None, bias=None, mask=None, "
     "q_segment_ids=None, kv_segment_ids=None, layout='BSHD'"
 )
+MODS = "score_mod=None, mask_mod=None, block_mask=None"  # FlexAttention's user functions (docs/flex.md)
 VARLEN = "scale=None, causal=False, window=None, align='bottom_right', softcap=None, layout='THD'"
 
 SIGNATURES = {
     "attention": (
         lambda: flashport.attention,
-        f"(query, key, value, *, {CONTRACT}, backend='auto', return_lse=False, dropout_rate=0.0, dropout_rng=None)",
+        f"(query, key, value, *, {CONTRACT}, backend='auto', return_lse=False, dropout_rate=0.0, dropout_rng=None, "
+        f"{MODS})",
     ),
     "prepare": (
         lambda: api.prepare,
@@ -30,12 +32,13 @@ SIGNATURES = {
     "attention_backward": (
         lambda: flashport.attention_backward,
         f"(query, key, value, out, lse, d_out, d_lse=None, *, {CONTRACT}, backend='auto', dropout_rate=0.0, "
-        "dropout_rng=None)",
+        f"dropout_rng=None, {MODS})",
     ),
     "ring_attention": (
         lambda: flashport.ring_attention,
         f"(query, key, value, *, mesh, axis_name, {CONTRACT}, seq_layout='contiguous', "
-        "batch_axis=None, head_axis=None, backend='auto', return_lse=False, dropout_rate=0.0, dropout_rng=None)",
+        "batch_axis=None, head_axis=None, backend='auto', return_lse=False, dropout_rate=0.0, dropout_rng=None, "
+        f"{MODS})",
     ),
     "varlen_attention": (
         lambda: varlen.varlen_attention,

@@ -33,6 +33,8 @@ flash-attn draw their own masks, so ``auto`` routes dropout calls on CUDA and ot
 exact math path, and ``backend="sdpa"`` / ``"flash_attn"`` / ``"flex"`` refuse ``dropout_p > 0``.
 
 :func:`varlen_attention` is flash-attn's packed variable-length convention on torch tensors.
+:func:`flex_attention` / :func:`create_block_mask` are torch's FlexAttention API on every device
+(``score_mod`` / ``mask_mod`` traced into JAX on the TPU routes; ``docs/flex.md``).
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ import torch
 from flashport.kernels.keywords import TENSOR_KEYWORDS, pick, takes_contract_keywords
 from flashport.torch import _checks, _dropout, _flex, _jax, _native, _routing
 from flashport.torch._checks import check
+from flashport.torch._flex_api import create_block_mask, flex_attention
 from flashport.torch._varlen import varlen_attention
 
-__all__ = ["NATIVE_BACKENDS", "attention", "varlen_attention"]
+__all__ = ["NATIVE_BACKENDS", "attention", "create_block_mask", "flex_attention", "varlen_attention"]
 
 # Backends implemented in torch itself; every other backend name belongs to the JAX implementation.
 NATIVE_BACKENDS = ("torch", "sdpa", "flash_attn", "flex")

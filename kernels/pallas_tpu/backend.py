@@ -60,6 +60,9 @@ class Config:
     # (:func:`~flashport.kernels.pallas_tpu.layout.token_major_pays`); option ``read_bshd=True``
     # always, ``False`` never.
     read_bshd: bool | None = None
+    # The user mods the kernels run (``Geometry.mods``: score TracedMod, its array count, mask
+    # TracedMod) or None; their arrays travel in the tables (``Tables.mod_consts``).
+    mods: Any = None
 
     def geometry(self, kind: str, q, k, v, *, token_major: bool = False) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``).
@@ -90,7 +93,7 @@ class Config:
             bq, bk = fit_backward_blocks(
                 kind, clipped.bq, clipped.bk, heads, kv_heads, dp, dvp, itemsize, budget, staged=token_major
             )
-        return Geometry.make(self.spec, bq, bk)
+        return dataclasses.replace(Geometry.make(self.spec, bq, bk), mods=self.mods)
 
     def vmem(self, token_major: bool) -> tuple[int, int | None]:
         """``(budget, vmem_limit_bytes)`` of the kernels: token-major steps get the chip's larger
@@ -201,10 +204,14 @@ def _loadable(x):
     return x.astype(jnp.float32) if x is not None and x.dtype == jnp.float16 else x
 
 
-def _tables(g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool, has_mask: bool) -> Tables:
+def _tables(
+    g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool, has_mask: bool, mod_consts=None
+) -> Tables:
     """A kernel's scalar-prefetch tables: block ranges and full-tile ranges, plus the dropout head
-    seeds when given."""
+    seeds and the arrays of the user mods when given."""
     tables = with_full_ranges(g, block_tables(g, q_seg, kv_seg, by_rows=by_rows), has_mask=has_mask)
+    if mod_consts is not None:
+        tables = tables._replace(mod_consts=tuple(mod_consts))
     return tables if head_seeds is None else tables._replace(head_seeds=head_seeds.reshape(-1))
 
 
@@ -218,6 +225,7 @@ def _forward_local(
     q_seg,
     kv_seg,
     head_seeds=None,
+    mod_consts=None,
     *,
     write_lse=True,
     count_tiles=False,
@@ -243,7 +251,9 @@ def _forward_local(
     else:
         qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
-    tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=True, has_mask=mask is not None)
+    tables = _tables(
+        g, q_seg, kv_seg, head_seeds, by_rows=True, has_mask=mask is not None, mod_consts=mod_consts
+    )
     res = _launch(
         cfg,
         forward_call,
@@ -267,7 +277,9 @@ def _forward_local(
     return out, lse
 
 
-def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds):
+def _backward_local(
+    cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds, mod_consts=None
+):
     """dQ, dK, dV (and the bias gradient, or None) for one shard (canonical arrays; like the forward,
     the kernels read token-major ``swapaxes`` views when :func:`reads_bshd`)."""
     dtypes = (q.dtype, k.dtype, v.dtype)
@@ -290,7 +302,15 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
     for kind in ("dkv", "dq"):
         g = cfg.geometry(kind, q, k, v, token_major=ops.token_major)
         b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
-        tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"), has_mask=mask is not None)
+        tables = _tables(
+            g,
+            q_seg,
+            kv_seg,
+            head_seeds,
+            by_rows=(kind == "dq"),
+            has_mask=mask is not None,
+            mod_consts=mod_consts,
+        )
         call = dkv_call if kind == "dkv" else dq_call
         arrays = [*operands(g), _rows(lse, g), _rows(di, g), b_, m_, qs, ks]
         limit = cfg.vmem(ops.token_major)[1]
@@ -349,6 +369,42 @@ def _attention_bwd(cfg, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_mods(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed, head_seeds, mods):
+    """``_attention`` with user mods (one device: their arrays are not partitioned). The gradients of
+    the score_mod's arrays come from the blockwise backend's pass over the tiles
+    (:func:`flashport.kernels.blockwise.mods_cotangent`); XLA drops it when they are not needed."""
+    return _attention_mods_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, head_seeds, mods)[0]
+
+
+def _attention_mods_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, head_seeds, mods):
+    consts = (*mods.score_consts, *mods.mask_consts)
+    out, lse = _forward_local(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds, consts)
+    return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, head_seeds, mods)
+
+
+def _attention_mods_bwd(cfg, residuals, cotangents):
+    from flashport.kernels.blockwise import mods_cotangent
+
+    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, head_seeds, mods = residuals
+    d_out, d_lse = cotangents
+    consts = (*mods.score_consts, *mods.mask_consts)
+    dq, dk, dv, dbias = _backward_local(
+        cfg, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds, consts
+    )
+    arrays = (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse)
+    d_mods = mods_cotangent(*arrays, d_out, d_lse, spec=cfg.spec, mods=mods)
+    return dq, dk, dv, dbias, None, None, None, None, None, d_mods
+
+
+_attention_mods.defvjp(_attention_mods_fwd, _attention_mods_bwd)
+
+
+def _mods_config(cfg: Config, mods) -> Config:
+    """``cfg`` with the static part of ``mods`` (see ``Config.mods``)."""
+    return dataclasses.replace(cfg, mods=(mods.score, len(mods.score_consts), mods.mask))
+
+
 def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The backend's forward ``fn`` and its residual ``backward`` (:class:`registry.BackendInfo`)."""
 
@@ -362,19 +418,41 @@ def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], C
         generation, blocks = resolve_blocks(options, name)
         return Config(spec, blocks, interpret, generation, read_bshd)
 
-    def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
+    def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options, mods=None):
         # Dropout seeds of every (batch, query head), computed before sharding so that each shard's
         # kernels hash global batch and head indices (positions are global: sequences are never split).
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
+        if mods is not None:
+            cfg = _mods_config(config(spec, options), mods)
+            return _attention_mods(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, head_seeds, mods)
         return _attention(config(spec, options), q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
 
     def backward(
-        q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options
+        q,
+        k,
+        v,
+        bias,
+        mask,
+        q_seg,
+        kv_seg,
+        seed,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        *,
+        spec: AttentionSpec,
+        options,
+        mods=None,
     ):
         cfg = config(spec, options)
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
+        cotangents = (d_out.astype(q.dtype), d_lse)
+        if mods is not None:
+            saved = (q, k, v, bias, mask, q_seg, kv_seg, seed, out.astype(q.dtype), lse, head_seeds, mods)
+            return _attention_mods_bwd(_mods_config(cfg, mods), saved, cotangents)[:4]
         residuals = (q, k, v, bias, mask, q_seg, kv_seg, out.astype(q.dtype), lse, head_seeds)
-        return _attention_bwd(cfg, residuals, (d_out.astype(q.dtype), d_lse))[:4]
+        return _attention_bwd(cfg, residuals, cotangents)[:4]
 
     fn.__name__ = f"{name}_attention"
     fn.__doc__ = (

@@ -36,7 +36,16 @@ from flashport.kernels import dropout
 from flashport.kernels.pallas_tpu.classify import DROPOUT_SCOPE, bodies, tile_is_full, when_by_class
 from flashport.kernels.pallas_tpu.forward import for_each_head
 from flashport.kernels.pallas_tpu.specs import Operands, grouped_specs, key_major_specs
-from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, tile_keep, tile_visible
+from flashport.kernels.pallas_tpu.tiling import (
+    Geometry,
+    Step,
+    load,
+    mod_grad,
+    mod_site,
+    scores,
+    tile_keep,
+    tile_visible,
+)
 from flashport.kernels.spec import softcap_grad
 
 _SQ = pl.Squeezed()
@@ -50,18 +59,22 @@ def _dot(a, b, dims):
     return jax.lax.dot_general(a.astype(b.dtype), b, dims, preferred_element_type=jnp.float32)
 
 
-def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, head_seed, masked=True):
+def _probs_and_dlogits(
+    g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, head_seed, masked=True, at=None
+):
     """Recompute one tile: returns ``(p_dropped, dlogits, raw)`` (all f32 [bq, bk]).
 
-    ``masked=False`` (a fully visible tile) builds no mask at all.
+    ``masked=False`` (a fully visible tile) builds no mask at all. ``at``: the tile's
+    :func:`~flashport.kernels.pallas_tpu.tiling.mod_site` when the call has user mods; ``dlogits``
+    is then pulled back through the score_mod.
 
     ``dlogits = P * (dP - di)`` with ``dP = (dO·Vᵀ)∘Z/(1-rate)`` is the gradient w.r.t. the biased,
     soft-capped scores (and so the bias gradient); ``p_dropped = P∘Z/(1-rate)`` is what multiplied V
     in the forward (``P`` itself without dropout); ``raw`` are the pre-softcap scaled scores. The
     keep-mask Z is regenerated from ``head_seed`` and the tile's positions.
     """
-    s, raw = scores(g, q, k, bias)
-    vis = tile_visible(g, st_q, st_k, mask, qs, ks) if masked else None
+    s, raw = scores(g, q, k, bias, at)
+    vis = tile_visible(g, st_q, st_k, mask, qs, ks, at) if masked else None
     if vis is not None:
         s = jnp.where(vis, s, -jnp.inf)
     # lse and di arrive as compact [1, bq] rows; the tile needs [bq, 1] columns.
@@ -75,6 +88,9 @@ def _probs_and_dlogits(g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, 
             rate = g.spec.dropout_rate
             p_dropped, dp = dropout.apply(p, keep, rate), dropout.apply(dp, keep, rate)
     dlogits = p * (dp - di)
+    grad = mod_grad(g, raw, bias, at)
+    if grad is not None:
+        dlogits = jnp.where(p > 0, dlogits * grad, 0.0)
     return p_dropped, dlogits, raw
 
 
@@ -162,6 +178,7 @@ def _dkv_kernel(
             load(kv_seg_ref),
             _head_seed(tables, g, lay, bi, hk * group + gi + h),
             masked,
+            mod_site(tables, bi, hk * group + gi + h, st.block, j),
         )
         dv_scr[kv] += _dot(p, do, _TN)
         dk_scr[kv] += _dot(_dscores(g, dlogits, raw), q, _TN)
@@ -329,6 +346,7 @@ def _dq_kernel(
             load(kv_seg_ref),
             _head_seed(tables, g, lay, bi, hk * lay.heads + gi),
             masked,
+            mod_site(tables, bi, hk * lay.heads + gi, i, st.block),
         )
         dq_scr[gi] += _dot(_dscores(g, dlogits, raw), k, _NN)
         if has_bias:

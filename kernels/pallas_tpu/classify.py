@@ -64,7 +64,7 @@ def full_block_ranges(g: Geometry) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def with_full_ranges(g: Geometry, tables: Tables, *, has_mask: bool) -> Tables:
     """``tables`` plus the full-tile ranges (empty everywhere when a ``mask`` array is given)."""
     lo, hi = full_block_ranges(g)
-    if has_mask:
+    if has_mask or g.has_mask_mod:
         hi = lo
     return tables._replace(
         full_lo=jnp.asarray(np.asarray(lo, np.int32)), full_hi=jnp.asarray(np.asarray(hi, np.int32))
@@ -78,6 +78,7 @@ def bodies(g: Geometry, *, has_mask: bool, segmented: bool) -> tuple[bool, bool]
     be partial (always with a mask or segment ids), or when no tile is full at all.
     """
     lo, hi = full_block_ranges(g)
+    has_mask = has_mask or g.has_mask_mod
     full = not has_mask and any(h > l for l, h in zip(lo, hi, strict=True))
     partial = has_mask or segmented or not full
     partial = partial or any(

@@ -44,7 +44,15 @@ from flashport.kernels.pallas_tpu.classify import (
     when_by_class,
 )
 from flashport.kernels.pallas_tpu.specs import Operands, grouped_specs, lse_rows_spec
-from flashport.kernels.pallas_tpu.tiling import Geometry, Step, load, scores, tile_keep, tile_visible
+from flashport.kernels.pallas_tpu.tiling import (
+    Geometry,
+    Step,
+    load,
+    mod_site,
+    scores,
+    tile_keep,
+    tile_visible,
+)
 
 _SQ = pl.Squeezed()
 
@@ -67,10 +75,11 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
     """Fold key block ``block`` into query head ``hk * G + gi``'s running softmax."""
     q_ref, k_ref, v_ref, bias_ref, mask_ref, q_seg_ref, kv_seg_ref, m_scr, l_scr, acc_scr, hk = refs
     bias = None if bias_ref is None else (bias_ref[gi] if lay.bias_heads else bias_ref[...])
-    s, _ = scores(g, lay.ops.q_rows(q_ref, gi), lay.ops.kv_rows(k_ref, gi), bias)
+    at = mod_site(tables, bi, hk * lay.group + gi, i, block)
+    s, _ = scores(g, lay.ops.q_rows(q_ref, gi), lay.ops.kv_rows(k_ref, gi), bias, at)
     if masked:
         mask = None if mask_ref is None else (mask_ref[gi] if lay.mask_heads else mask_ref[...])
-        vis = tile_visible(g, i, block, mask, load(q_seg_ref), load(kv_seg_ref))
+        vis = tile_visible(g, i, block, mask, load(q_seg_ref), load(kv_seg_ref), at)
         if vis is not None:
             s = jnp.where(vis, s, -jnp.inf)
     with jax.named_scope(SOFTMAX_SCOPE):

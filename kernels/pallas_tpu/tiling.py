@@ -51,6 +51,14 @@ class Geometry:
     row_hi: tuple[int, ...]
     col_lo: tuple[int, ...]
     col_hi: tuple[int, ...]
+    # (score TracedMod, number of its closed-over arrays, mask TracedMod) or None: the user mods the
+    # tiles run (kernels/mods.py); their arrays travel in ``Tables.mod_consts``.
+    mods: Any = None
+
+    @property
+    def has_mask_mod(self) -> bool:
+        """Whether a ``mask_mod`` hides entries (every tile then takes the masked body)."""
+        return self.mods is not None and self.mods[2] is not None
 
     @staticmethod
     def make(spec: AttentionSpec, block_q: int, block_k: int) -> Geometry:
@@ -155,6 +163,7 @@ class Tables(NamedTuple):
     head_seeds: Any = None
     full_lo: Any = None
     full_hi: Any = None
+    mod_consts: Any = None  # the arrays the score_mod then the mask_mod close over (Geometry.mods)
 
     @property
     def segmented(self) -> bool:
@@ -239,11 +248,12 @@ def load(ref):
     return None if ref is None else ref[...]
 
 
-def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_tile=None):
+def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_tile=None, at=None):
     """In-kernel boolean [bq, bk] (or ``None`` = all visible) for query block ``qi``, key block ``kj``.
 
     Positions come from 2-D iotas; keys past ``seq_k`` and causal/window structure are hidden; the
-    mask tile (int8, broadcastable) and segment id tiles ([bq, 1] vs [1, bk]) are applied if given.
+    mask tile (int8, broadcastable) and segment id tiles ([bq, 1] vs [1, bk]) are applied if given,
+    and the ``mask_mod`` of ``g.mods`` at ``at`` (:func:`mod_site`).
     """
     spec = g.spec
     vis = None
@@ -263,17 +273,54 @@ def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_ti
         vis = both(vis, jnp.broadcast_to(mask_tile != 0, (g.bq, g.bk)))
     if q_seg_tile is not None:
         vis = both(vis, q_seg_tile == kv_seg_tile)
+    if g.has_mask_mod and at is not None:
+        vis = both(vis, _mods(g, at).visible(*_indices(g, at)))
     return vis
 
 
-def scores(g: Geometry, q, k, bias_tile):
-    """Scaled (and soft-capped, biased) f32 scores [bq, bk] of one tile plus the pre-softcap ``raw``."""
+def mod_site(tables, batch, head, qi, kj):
+    """Where a tile sits, for the user mods: ``(tables, batch, query head, q block, k block)``."""
+    return (tables, batch, head, qi, kj)
+
+
+def _mods(g: Geometry, at):
+    """The call's :class:`~flashport.kernels.mods.Mods` with their arrays read from the tables."""
+    from flashport.kernels.mods import Mods
+
+    score, n_score, mask = g.mods
+    consts = [ref[...] for ref in at[0].mod_consts]
+    return Mods(score, consts[:n_score], mask, consts[n_score:])
+
+
+def _indices(g: Geometry, at):
+    """Batch, query head (scalars), query rows [bq, 1] and key columns [1, bk] of the tile ``at``."""
+    _, batch, head, qi, kj = at
+    rows = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, 1), 0)
+    cols = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, (1, g.bk), 1)
+    return batch, head, rows, cols
+
+
+def _pre_mod(g: Geometry, raw, bias_tile):
+    s = apply_softcap(g.spec, raw, jnp)
+    return s if bias_tile is None else s + bias_tile
+
+
+def scores(g: Geometry, q, k, bias_tile, at=None):
+    """Scaled (and soft-capped, biased, score_mod-ed at ``at``) f32 scores [bq, bk] of one tile plus
+    the pre-softcap ``raw``."""
     raw = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     raw = raw * g.spec.scale
-    s = apply_softcap(g.spec, raw, jnp)
-    if bias_tile is not None:
-        s = s + bias_tile
+    s = _pre_mod(g, raw, bias_tile)
+    if g.mods is not None and g.mods[0] is not None and at is not None:
+        s = _mods(g, at).apply_score(s, *_indices(g, at))
     return s, raw
+
+
+def mod_grad(g: Geometry, raw, bias_tile, at):
+    """d score_mod / d score over the tile (``None`` without a score_mod)."""
+    if g.mods is None or g.mods[0] is None or at is None:
+        return None
+    return _mods(g, at).score_derivative(_pre_mod(g, raw, bias_tile), *_indices(g, at))
 
 
 def tile_keep(g: Geometry, head_seed, qi, kj):

@@ -1,0 +1,371 @@
+"""``score_mod`` / ``mask_mod`` (FlexAttention's user functions) against the float64 reference.
+
+Every case is a JAX mod that closes over arrays and its numpy twin over whole score matrices
+(:func:`reference.reference_attention`'s ``score_mod`` / ``mask_mod``): outputs, lse and the
+gradients w.r.t. q, k, v and the closed-over arrays (summed by hand from the reference's gradient
+w.r.t. the score_mod's output) must agree on every backend that serves mods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import reference_attention, reference_mod_vjp
+
+import flashport
+from flashport.kernels import block_mask as block_mask_lib
+from flashport.kernels import mods as mods_lib
+from flashport.kernels.registry import use
+
+BACKENDS = {
+    "xla": "xla",
+    "blockwise": use("blockwise", block_q=8, block_k=16),
+    "pallas_tpu": "pallas_tpu_interpret",
+    "pallas_gpu": use("pallas_gpu_interpret", block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16),
+}
+# The default tier: every case on xla, a few on the tiled backends; the rest is @slow.
+FAST = {
+    "xla": None,
+    "blockwise": {"alibi", "documents", "cross_bottom_right", "empty_rows"},
+    "pallas_tpu": {"alibi", "relative_bias"},
+    "pallas_gpu": {"documents"},
+}
+
+
+def _tier(backend, name):
+    """pytest params: the (case, backend) pair, @slow unless in :data:`FAST`."""
+    fast = FAST[backend] is None or name in FAST[backend]
+    return pytest.param(name, backend, marks=() if fast else pytest.mark.slow, id=f"{name}-{backend}")
+
+
+RTOL = 2e-5
+ATOL = 2e-5
+
+
+@dataclasses.dataclass
+class Case:
+    """One mod scenario: ``make(params) -> attention keywords`` (JAX), ``ref(params) -> reference
+    keywords`` (numpy), the closed-over arrays and ``grads(d_scores, params) -> expected grads``."""
+
+    make: Callable
+    ref: Callable
+    params: dict
+    grads: Callable | None = None
+    options: dict = dataclasses.field(default_factory=dict)
+    shape: tuple = (2, 24, 24, 4, 4, 8)  # B, Sq, Sk, Hq, Hkv, D
+
+
+def _alibi():
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    return Case(
+        make=lambda p: {"score_mod": lambda s, b, h, i, j: s + p["slopes"][h] * (j - i)},
+        ref=lambda p: {"score_mod": lambda s, b, h, i, j: s + p["slopes"][h] * (j - i)},
+        params={"slopes": slopes},
+        grads=lambda d, p: {
+            "slopes": np.einsum("bhij,ij->h", d, np.arange(d.shape[3]) - np.arange(d.shape[2])[:, None])
+        },
+        options={"causal": True},
+    )
+
+
+def _relative_bias(radius=5):
+    table = np.random.default_rng(3).standard_normal((4, 2 * radius + 1)).astype(np.float32)
+
+    def bucket(i, j, xp):
+        return xp.clip(i - j, -radius, radius) + radius
+
+    def grads(d, p):
+        sq, sk = d.shape[2:]
+        buckets = bucket(np.arange(sq)[:, None], np.arange(sk)[None, :], np)
+        out = np.zeros_like(p["table"], np.float64)
+        for r in range(2 * radius + 1):
+            out[:, r] = np.einsum("bhij,ij->h", d, (buckets == r).astype(np.float64))
+        return {"table": out}
+
+    return Case(
+        make=lambda p: {"score_mod": lambda s, b, h, i, j: s + p["table"][h, bucket(i, j, jnp)]},
+        ref=lambda p: {"score_mod": lambda s, b, h, i, j: s + p["table"][h, bucket(i, j, np)]},
+        params={"table": table},
+        grads=grads,
+    )
+
+
+def _documents():
+    docs = np.array([[0] * 5 + [1] * 11 + [2] * 8, [0] * 12 + [1] * 12], np.int32)
+    ids = jnp.asarray(docs)
+    return Case(
+        make=lambda p: {"mask_mod": lambda b, h, i, j: (ids[b, i] == ids[b, j]) & (j <= i)},
+        ref=lambda p: {
+            "mask_mod": lambda b, h, i, j: (
+                (docs[b[..., 0, 0]][..., :, None] == docs[b[..., 0, 0]][..., None, :]) & (j <= i)
+            )
+        },
+        params={},
+    )
+
+
+def _prefix_lm():
+    prefix = np.array([6, 13], np.int32)
+    return Case(
+        make=lambda p: {"mask_mod": lambda b, h, i, j: (j <= i) | (j < jnp.asarray(prefix)[b])},
+        ref=lambda p: {"mask_mod": lambda b, h, i, j: (j <= i) | (j < prefix[b])},
+        params={},
+    )
+
+
+def _sliding_window():
+    return Case(
+        make=lambda p: {"mask_mod": lambda b, h, i, j: jnp.abs(i - j) <= 3},
+        ref=lambda p: {"mask_mod": lambda b, h, i, j: np.abs(i - j) <= 3},
+        params={},
+    )
+
+
+def _softcap():
+    return Case(
+        make=lambda p: {"score_mod": lambda s, b, h, i, j: 2.0 * jnp.tanh(s / 2.0)},
+        ref=lambda p: {"score_mod": lambda s, b, h, i, j: 2.0 * np.tanh(s / 2.0)},
+        params={},
+        options={"scale": 1.5},
+    )
+
+
+def _gqa_alibi_window():
+    case = _alibi()
+    case.shape = (1, 20, 20, 4, 2, 8)
+    case.options = {"window": (4, 2)}
+    return case
+
+
+def _cross_lengths(align):
+    case = _relative_bias()
+    case.shape = (1, 12, 28, 4, 2, 8)
+    case.options = {"causal": True, "align": align}
+    return case
+
+
+def _empty_rows():
+    """A mask_mod that hides every key of some query rows: those give 0, lse -inf, zero grads."""
+    case = _alibi()
+    case.make = lambda p, base=case.make: {**base(p), "mask_mod": lambda b, h, i, j: (i % 5 != 2) & (j <= i)}
+    case.ref = lambda p, base=case.ref: {**base(p), "mask_mod": lambda b, h, i, j: (i % 5 != 2) & (j <= i)}
+    case.options = {}
+    return case
+
+
+CASES = {
+    "alibi": _alibi,
+    "relative_bias": _relative_bias,
+    "documents": _documents,
+    "prefix_lm": _prefix_lm,
+    "sliding_window": _sliding_window,
+    "softcap": _softcap,
+    "gqa_alibi_window": _gqa_alibi_window,
+    "cross_bottom_right": lambda: _cross_lengths("bottom_right"),
+    "cross_top_left": lambda: _cross_lengths("top_left"),
+    "empty_rows": _empty_rows,
+}
+
+
+def _inputs(shape, seed=0):
+    b, sq, sk, hq, hkv, d = shape
+    r = np.random.default_rng(seed)
+    q = r.standard_normal((b, sq, hq, d)).astype(np.float32)
+    k = r.standard_normal((b, sk, hkv, d)).astype(np.float32)
+    v = r.standard_normal((b, sk, hkv, d)).astype(np.float32)
+    d_out = r.standard_normal((b, sq, hq, d)).astype(np.float32)
+    d_lse = r.standard_normal((b, hq, sq)).astype(np.float32)
+    return q, k, v, d_out, d_lse
+
+
+def _check(case, backend, extra=None, ref_extra=None):
+    q, k, v, d_out, d_lse = _inputs(case.shape)
+    extra, ref_extra = extra or {}, ref_extra or {}
+
+    def loss(q, k, v, params):
+        out, lse = flashport.attention(
+            q, k, v, backend=backend, return_lse=True, **case.make(params), **case.options, **extra
+        )
+        return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse), (out, lse)
+
+    params = {n: jnp.asarray(x) for n, x in case.params.items()}
+    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, params)
+    options = {**case.ref(case.params), **case.options, **ref_extra}
+    want_out, want_lse = reference_attention(q, k, v, **options)
+    np.testing.assert_allclose(out, want_out, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], rtol=RTOL, atol=ATOL)
+    d_lse_ref = np.where(finite, d_lse, 0.0)
+    *want, _dbias, d_scores = reference_mod_vjp(q, k, v, d_out, d_lse=d_lse_ref, **options)
+    for got, ref in zip(grads[:3], want[:3], strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    if case.grads is not None:
+        for name, ref in case.grads(d_scores, case.params).items():
+            np.testing.assert_allclose(grads[3][name], ref, rtol=1e-4, atol=1e-4)
+    return out, lse
+
+
+@pytest.mark.parametrize(("name", "backend"), [_tier(b, n) for b in BACKENDS for n in CASES])
+def test_mods_match_reference(name, backend):
+    out, lse = _check(CASES[name](), BACKENDS[backend])
+    if name == "empty_rows":
+        assert np.all(np.asarray(out)[:, 2::5] == 0) and np.all(np.isneginf(np.asarray(lse)[:, :, 2::5]))
+
+
+@pytest.mark.parametrize(
+    "backend", ["xla", *(pytest.param(b, marks=pytest.mark.slow) for b in list(BACKENDS)[1:])]
+)
+def test_mask_mod_with_segment_ids_and_dropout(backend):
+    case = _alibi()
+    segments = np.array([[0] * 10 + [1] * 14, [0] * 20 + [1] * 4], np.int32)
+    seed = 7
+    extra = {
+        "q_segment_ids": segments,
+        "kv_segment_ids": segments,
+        "mask_mod": lambda b, h, i, j: (i - j) % 3 != 1,
+        "dropout_rate": 0.25,
+        "dropout_rng": jax.random.key(seed),
+    }
+    ref_extra = {
+        "q_segment_ids": segments,
+        "kv_segment_ids": segments,
+        "mask_mod": lambda b, h, i, j: (i - j) % 3 != 1,
+        "dropout_rate": 0.25,
+        "dropout_seed": (0, seed),
+    }
+    _check(case, BACKENDS[backend], extra, ref_extra)
+
+
+@pytest.mark.parametrize(
+    "backend", ["xla", *(pytest.param(b, marks=pytest.mark.slow) for b in list(BACKENDS)[1:])]
+)
+def test_same_feature_as_mod_gives_the_same_result(backend):
+    """softcap as tanh, a window as a mask_mod, ALiBi as a score_mod vs ``bias=``."""
+    q, k, v, _, _ = _inputs((2, 24, 24, 4, 4, 8))
+    run = lambda **kw: flashport.attention(q, k, v, backend=BACKENDS[backend], return_lse=True, **kw)  # noqa: E731
+    pairs = [
+        ({"softcap": 3.0}, {"score_mod": lambda s, b, h, i, j: 3.0 * jnp.tanh(s / 3.0)}),
+        ({"window": (3, 1)}, {"mask_mod": lambda b, h, i, j: (j >= i - 3) & (j <= i + 1)}),
+    ]
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    pos = jnp.arange(24)
+    alibi = slopes[:, None, None] * (pos[None, None, :] - pos[None, :, None])
+    pairs.append(
+        (
+            {"bias": alibi[None], "causal": True},
+            {"score_mod": lambda s, b, h, i, j: s + slopes[h] * (j - i), "causal": True},
+        )
+    )
+    for builtin, mod in pairs:
+        for got, want in zip(run(**mod), run(**builtin), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_block_mask_classes_match_numpy():
+    """Each tile's class follows from the mask it covers: empty, full or partial."""
+    docs = np.array([0] * 50 + [1] * 30 + [2] * 20)
+    ids = jnp.asarray(docs)
+    mask_mod = lambda b, h, i, j: (ids[i] == ids[j]) & (j <= i)  # noqa: E731
+    bm = flashport.block_mask(mask_mod, None, None, 100, 100, BLOCK_SIZE=16)
+    dense = (docs[:, None] == docs[None, :]) & (np.arange(100)[None, :] <= np.arange(100)[:, None])
+    n = -(-100 // 16)
+    want = np.zeros((n, n), np.int8)
+    for a in range(n):
+        for c in range(n):
+            tile = dense[a * 16 : (a + 1) * 16, c * 16 : (c + 1) * 16]
+            want[a, c] = 2 if tile.all() else (1 if tile.any() else 0)
+    np.testing.assert_array_equal(bm.classes[0, 0], want)
+    # Regrouped for other tiles: the same rule at the new tile size.
+    got = block_mask_lib.tile_classes(bm, 32, 48, per_head=False)
+    for a in range(got.shape[0]):
+        for c in range(got.shape[1]):
+            tile = dense[a * 32 : (a + 1) * 32, c * 48 : (c + 1) * 48]
+            assert got[a, c] == (2 if tile.all() else (1 if tile.any() else 0)), (a, c)
+    assert bm.sparsity() == pytest.approx(100.0 * np.mean(want == 0))
+
+
+def test_block_mask_refuses_a_broadcast_index_it_reads():
+    with pytest.raises(ValueError, match="reads the batch index"):
+        flashport.block_mask(lambda b, h, i, j: b == 0, None, 2, 8, 8)
+    with pytest.raises(TypeError, match="must return a bool"):
+        flashport.block_mask(lambda b, h, i, j: i - j, None, None, 8, 8)
+
+
+def test_explicit_block_mask_jit_vmap_and_cache():
+    """A block mask built once (also under jit from traced ids) serves many calls; a bare mask_mod
+    builds one per shape and values and reuses it; vmap over the closed-over arrays works."""
+    q, k, v, _, _ = _inputs((1, 40, 40, 2, 2, 8))
+    docs = jnp.array([0] * 15 + [1] * 25)
+    blockwise = use("blockwise", block_q=8, block_k=8)
+    want = reference_attention(q, k, v, mask=np.asarray(docs[:, None] == docs[None, :]))[0]
+
+    @jax.jit
+    def run(q, docs):
+        mask_mod = lambda b, h, i, j: docs[i] == docs[j]  # noqa: E731
+        bm = flashport.block_mask(mask_mod, None, None, 40, 40, BLOCK_SIZE=8)
+        return flashport.attention(q, k, v, block_mask=bm, backend=blockwise)
+
+    np.testing.assert_allclose(run(q, docs), want, rtol=RTOL, atol=ATOL)
+    mask_mod = lambda b, h, i, j: docs[i] == docs[j]  # noqa: E731
+    first = block_mask_lib.cached_block_mask(*mods_lib.trace(mask_mod, "mask_mod"), 1, 2, 40, 40)
+    again = block_mask_lib.cached_block_mask(*mods_lib.trace(mask_mod, "mask_mod"), 1, 2, 40, 40)
+    assert first is again
+    np.testing.assert_allclose(
+        flashport.attention(q, k, v, mask_mod=mask_mod, backend=blockwise), want, rtol=RTOL, atol=ATOL
+    )
+
+    slopes = jnp.array([[0.5, 0.1], [0.2, 0.3], [0.0, 1.0]])
+
+    def alibi(sl):
+        return flashport.attention(
+            q, k, v, score_mod=lambda s, b, h, i, j: s + sl[h] * (j - i), backend=blockwise
+        )
+
+    batched = jax.vmap(alibi)(slopes)
+    for n in range(3):
+        np.testing.assert_allclose(batched[n], alibi(slopes[n]), rtol=1e-6, atol=1e-6)
+
+
+def test_empty_tiles_are_skipped():
+    """The score_mod runs only on tiles the block mask does not mark empty: counted with a callback."""
+    docs = jnp.array([0] * 16 + [1] * 16 + [2] * 16 + [3] * 16)
+    seen = []
+
+    def score_mod(s, b, h, i, j):
+        jax.debug.callback(lambda i, j: seen.append((int(i) // 16, int(j) // 16)), i, j)
+        return s
+
+    q, k, v, _, _ = _inputs((1, 64, 64, 1, 1, 8))
+    flashport.attention(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        mask_mod=lambda b, h, i, j: docs[i] == docs[j],
+        backend=use("blockwise", block_q=16, block_k=16),
+    ).block_until_ready()
+    assert set(seen) == {(n, n) for n in range(4)}
+
+
+def test_refusals_name_the_feature():
+    q, k, v, _, _ = _inputs((1, 8, 8, 2, 2, 8))
+    with pytest.raises(ValueError, match="score_mod"):
+        flashport.attention(q, k, v, score_mod=lambda s, b, h, i, j: s, backend="cudnn")
+    with pytest.raises(TypeError, match="score_mod must return a float"):
+        flashport.attention(q, k, v, score_mod=lambda s, b, h, i, j: s > 0, backend="xla")
+    bm = flashport.block_mask(lambda b, h, i, j: j <= i, None, None, 8, 16)
+    with pytest.raises(ValueError, match="block_mask was built"):
+        flashport.attention(q, k, v, block_mask=bm, backend="xla")
+
+
+def test_ring_attention_refuses_mods_with_the_reason():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+    q, k, v, _, _ = _inputs((1, 8, 8, 2, 2, 8))
+    with pytest.raises(ValueError, match="does not run score_mod"):
+        flashport.ring_attention(q, k, v, mesh=mesh, axis_name="seq", score_mod=lambda s, b, h, i, j: s)
