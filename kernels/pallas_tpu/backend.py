@@ -27,6 +27,7 @@ from flashport.kernels.pallas_tpu.blocks import (
     fit_backward_blocks,
     fit_forward_block_q,
     resolve_blocks,
+    tile_operand_bytes,
 )
 from flashport.kernels.pallas_tpu.classify import with_full_ranges
 from flashport.kernels.pallas_tpu.forward import forward_call
@@ -61,7 +62,7 @@ class Config:
     # always, ``False`` never.
     read_bshd: bool | None = None
 
-    def geometry(self, kind: str, q, k, v, *, token_major: bool = False) -> Geometry:
+    def geometry(self, kind: str, q, k, v, *, token_major: bool = False, bias=None, mask=None) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``).
 
         From the canonical operands ``q, k, v``: the blocks are shrunk until the heads of one step
@@ -81,14 +82,35 @@ class Config:
         budget = self.vmem(token_major)[0]
         if kind == "fwd":
             heads = hq if token_major else hq // hkv
+            tiles = tile_operand_bytes(kind, heads, bias, mask)
             bq = fit_forward_block_q(
-                bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget, staged=token_major
+                bq,
+                bk,
+                heads,
+                dp,
+                dvp,
+                itemsize,
+                kv_heads=kv_heads,
+                budget=budget,
+                staged=token_major,
+                tile_bytes=tiles,
             )
         else:
             heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
+            tiles = tile_operand_bytes(kind, heads, bias, mask)
             clipped = Geometry.make(self.spec, bq, bk)  # fit the blocks the sequences actually use
             bq, bk = fit_backward_blocks(
-                kind, clipped.bq, clipped.bk, heads, kv_heads, dp, dvp, itemsize, budget, staged=token_major
+                kind,
+                clipped.bq,
+                clipped.bk,
+                heads,
+                kv_heads,
+                dp,
+                dvp,
+                itemsize,
+                budget,
+                staged=token_major,
+                tile_bytes=tiles,
             )
         return Geometry.make(self.spec, bq, bk)
 
@@ -237,7 +259,7 @@ def _forward_local(
     b, hq, sq, _ = q.shape
     dv = v.shape[3]
     ops = cfg.operands(q, k, v, ("fwd",))
-    g = cfg.geometry("fwd", q, k, v, token_major=ops.token_major)
+    g = cfg.geometry("fwd", q, k, v, token_major=ops.token_major, bias=bias, mask=mask)
     if ops.token_major:
         qp, kp, vp = (pad_to(jnp.swapaxes(x, 1, 2), 1, n) for x, n in ((q, g.sqp), (k, g.skp), (v, g.skp)))
     else:
@@ -288,7 +310,7 @@ def _backward_local(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d
 
     results = {}
     for kind in ("dkv", "dq"):
-        g = cfg.geometry(kind, q, k, v, token_major=ops.token_major)
+        g = cfg.geometry(kind, q, k, v, token_major=ops.token_major, bias=bias_in, mask=mask)
         b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
         tables = _tables(g, q_seg, kv_seg, head_seeds, by_rows=(kind == "dq"), has_mask=mask is not None)
         call = dkv_call if kind == "dkv" else dq_call
@@ -352,26 +374,26 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The backend's forward ``fn`` and its residual ``backward`` (:class:`registry.BackendInfo`)."""
 
-    def config(spec: AttentionSpec, options) -> Config:
+    def config(spec: AttentionSpec, options, q) -> Config:
         options = dict(options)
         read_bshd = options.pop("read_bshd", None)
         if read_bshd is not None and not isinstance(read_bshd, bool):
             raise ValueError(
                 f"backend {name!r} option read_bshd={read_bshd!r} must be True, False or None (the default)"
             )
-        generation, blocks = resolve_blocks(options, name)
+        generation, blocks = resolve_blocks(options, name, q)
         return Config(spec, blocks, interpret, generation, read_bshd)
 
     def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options):
         # Dropout seeds of every (batch, query head), computed before sharding so that each shard's
         # kernels hash global batch and head indices (positions are global: sequences are never split).
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
-        return _attention(config(spec, options), q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
+        return _attention(config(spec, options, q), q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
 
     def backward(
         q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec: AttentionSpec, options
     ):
-        cfg = config(spec, options)
+        cfg = config(spec, options, q)
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
         residuals = (q, k, v, bias, mask, q_seg, kv_seg, out.astype(q.dtype), lse, head_seeds)
         return _attention_bwd(cfg, residuals, (d_out.astype(q.dtype), d_lse))[:4]
