@@ -115,9 +115,11 @@ def attention(
       ``bias_grad``, a backend without bias gradients, when JAX differentiates w.r.t. ``bias``).
 
     Sequence parallelism: when ``query`` and ``key`` are sharded along their sequence dim over a mesh
-    axis (concrete arrays with a ``NamedSharding``, or under ``jit`` with explicit-sharding mesh
-    axes) and no ``bias``/``mask``/dropout is given, the call runs as
-    :func:`flashport.ring_attention` over that axis instead of gathering the sequence.
+    axis and no ``bias``/``mask``/dropout is given, the call runs as :func:`flashport.ring_attention`
+    over that axis instead of gathering the sequence: for concrete arrays with a ``NamedSharding``
+    and under ``jit`` with explicit-sharding axes this is decided when tracing; under ``jit`` with
+    ``Auto`` axes (in/out shardings) when XLA partitions the program
+    (:mod:`flashport.kernels.ring_partition`).
     """
     if contract["bias"] is None and contract["mask"] is None and not dropout_rate:
         from flashport.kernels import ring
@@ -126,6 +128,12 @@ def attention(
         if route is not None:
             return ring.ring_attention(
                 query, key, value, backend=backend, return_lse=return_lse, **contract, **route
+            )
+        from flashport.kernels import ring_partition
+
+        if ring_partition.wanted(query, key):  # sharding known only when partitioning: decide then
+            return ring_partition.attention(
+                query, key, value, backend=backend, return_lse=return_lse, **contract
             )
     arrays, call = prepare(
         query,

@@ -137,7 +137,7 @@ def ring_attention(
         )
     plan = Plan.make(call.spec, n, seq_layout_)
     layout = contract["layout"]
-    engine = engine_for(plan, call.spec, backend, call.features, layout)
+    engine = engine_for(plan, call, backend, layout, mesh)
     run = functools.partial(_ring_shard, engine=engine, axis_name=axis_name)
     # The shard_map takes the user's layout: the blockwise engine reads it directly, the others
     # transpose each shard once (the transposes of `prepare` and back cancel in XLA).
@@ -276,15 +276,36 @@ def local_spec(spec: AttentionSpec, pq: int, pk: int, delta: int) -> AttentionSp
 # ------------------------------------------------------------------------------- the ring loops
 
 
-def engine_for(plan: Plan, spec: AttentionSpec, backend, features, layout: str):
+def engine_for(plan: Plan, call, backend, layout: str, mesh=None):
     """The per-step engine of a ring: the blockwise ring steps for ``backend="blockwise"`` (running
     state carried through the tiles, :mod:`flashport.kernels.ring_blockwise`), backend calls merged
-    through the lse for every other backend and ``auto`` (:mod:`flashport.kernels.ring_backend`)."""
+    through the lse for every other backend (:mod:`flashport.kernels.ring_backend`).
+
+    ``backend="auto"`` on a mesh whose devices are all of one known platform takes that platform's
+    pick now; when the pick is ``blockwise`` the ring runs the blockwise steps (no per-step output
+    or merge pass: the leanest in memory). Otherwise ``auto`` is decided per step when lowering.
+    """
     choice = backend if isinstance(backend, registry.BackendChoice) else None
+    if backend == "auto":
+        platform = mesh_platform(mesh)
+        if platform is not None and registry.choose(platform, call)[0] == "blockwise":
+            backend = "blockwise"
     if backend == "blockwise" or (choice is not None and choice.name == "blockwise"):
         options = {} if choice is None else choice.options_dict
-        return BlockwiseRing(plan, spec, options, layout)
-    return BackendRing(plan, backend, features, layout)
+        return BlockwiseRing(plan, call.spec, options, layout)
+    return BackendRing(plan, backend, call.features, layout)
+
+
+def mesh_platform(mesh) -> str | None:
+    """The platform of ``mesh``'s devices (``"cpu"``, ``"cuda"``, ``"tpu"``...), ``None`` if unknown or mixed."""
+    if mesh is None:
+        return None
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        platforms = {getattr(mesh.abstract_device, "platform", None)}
+    else:
+        platforms = {d.platform for d in np.asarray(mesh.devices).flat}
+    platform = platforms.pop() if len(platforms) == 1 else None
+    return platform if platform in api.PLATFORMS else None  # a "gpu" device does not say cuda or rocm
 
 
 def _ring_shard(q, k, v, q_seg, kv_seg, *, engine, axis_name):
@@ -382,11 +403,10 @@ def detect(query, key, layout: str):
     Used by :func:`flashport.attention` to run the ring by itself. The sharding is read from concrete
     arrays (``x.sharding``) or, under ``jit``, from the abstract value (``jax.typeof(x).sharding``),
     which carries a spec only for mesh axes in explicit-sharding mode (``AxisType.Explicit``); with
-    the default ``Auto`` axes a traced array's sharding is decided later by the partitioner, so it
-    cannot be seen here and the call stays on the gathering path. Returns ``None`` when the
-    sequence dims are not sharded over one common mesh axis of size > 1 that divides both lengths.
+    the default ``Auto`` axes a traced array's sharding is decided later by the partitioner, which
+    :mod:`flashport.kernels.ring_partition` handles. Returns ``None`` when the sequence dims are not
+    sharded over one common mesh axis of size > 1 that divides both lengths.
     """
-    seq_dim, head_dim = (1, 2) if layout == "BSHD" else (2, 1)
     specs, mesh = [], None
     for x in (query, key):
         sharding = _sharding_of(x)
@@ -396,27 +416,40 @@ def detect(query, key, layout: str):
             return None
         mesh = sharding.mesh
         specs.append(tuple(sharding.spec) + (None,) * (4 - len(sharding.spec)))
-    (q_spec, k_spec) = specs
-    axis = q_spec[seq_dim]
-    if isinstance(axis, tuple):
-        axis = axis[0] if len(axis) == 1 else None
-    k_axis = k_spec[seq_dim]
-    if isinstance(k_axis, tuple):
-        k_axis = k_axis[0] if len(k_axis) == 1 else None
-    if mesh is None or axis is None or axis != k_axis or mesh.shape[axis] < 2:
+    axis, batch, heads = mesh_axes(mesh, specs[0], specs[1], query.shape, key.shape, layout)
+    if axis is None:
         return None
-    n = mesh.shape[axis]
-    if query.shape[seq_dim] % n or key.shape[seq_dim] % n:
-        return None
+    return dict(mesh=mesh, axis_name=axis, batch_axis=batch, head_axis=heads)
+
+
+def mesh_axes(mesh, q_spec, k_spec, q_shape, k_shape, layout: str):
+    """``(seq_axis, batch_axes, head_axes)`` a ring over ``mesh`` keeps for query/key partition specs.
+
+    ``seq_axis`` is the one mesh axis (size > 1, dividing both sequence lengths) sharding both
+    sequence dims, else ``None``; batch and head axes are kept where query and key agree and the
+    dims split evenly (else ``None``). Shapes and specs are in ``layout`` (4 entries each).
+    """
+    seq_dim, head_dim = (1, 2) if layout == "BSHD" else (2, 1)
+
+    def single(axes):
+        if isinstance(axes, tuple):
+            return axes[0] if len(axes) == 1 else None
+        return axes
+
+    axis, k_axis = single(q_spec[seq_dim]), single(k_spec[seq_dim])
+    if axis is None or axis != k_axis or mesh.shape[axis] < 2:
+        axis = None
+    elif q_shape[seq_dim] % mesh.shape[axis] or k_shape[seq_dim] % mesh.shape[axis]:
+        axis = None
     batch = q_spec[0] if q_spec[0] == k_spec[0] else None
     heads = q_spec[head_dim] if q_spec[head_dim] == k_spec[head_dim] else None
     if heads is not None:
         size = _axis_size(mesh, heads, "head_axis")
-        if query.shape[head_dim] % size or key.shape[head_dim] % size:
+        if q_shape[head_dim] % size or k_shape[head_dim] % size:
             heads = None
-    if batch is not None and query.shape[0] % _axis_size(mesh, batch, "batch_axis"):
+    if batch is not None and q_shape[0] % _axis_size(mesh, batch, "batch_axis"):
         batch = None
-    return dict(mesh=mesh, axis_name=axis, batch_axis=batch, head_axis=heads)
+    return axis, batch, heads
 
 
 def _sharding_of(x):

@@ -4,8 +4,8 @@ A cached :class:`~flashport.rewriter.results.FileResult` is reused only when all
 
 * the file's path and the SHA-256 of its bytes;
 * the *fingerprint* of the run: flashport's version, the Python and libcst versions, the source
-  text of the engine modules and of every rule module (so editing a rule or the engine invalidates
-  everything), the selected rule codes in order, and the :class:`~flashport.rules.base.RuleOptions`.
+  text of every module of the ``flashport.rewriter`` and ``flashport.rules`` packages, read from
+  disk (so editing a rule or the engine invalidates everything), the selected rule codes in order, and the :class:`~flashport.rules.base.RuleOptions`.
 
 Entries live in one pickle per fingerprint under the cache directory (``$FLASHPORT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/flashport``, else ``~/.cache/flashport``), written atomically; an unreadable or
@@ -31,27 +31,6 @@ if TYPE_CHECKING:  # the CLI imports this module; rules load only when a run nee
     from flashport.rules.base import Rule, RuleOptions
 
 _FORMAT = 1
-_ENGINE_MODULES = (
-    "engine",
-    "transform",
-    "source",
-    "newsyntax",
-    "prune",
-    "thin",
-    "names",
-    "pieces",
-    "spans",
-    "positions",
-    "aliases",
-    "astindex",
-    "imports",
-    "dead_imports",
-    "drop_in_imports",
-    "kept_imports",
-    "suppress",
-    "results",
-    "cache",
-)
 
 
 def default_dir() -> str:
@@ -89,19 +68,12 @@ def fingerprint(rules: Sequence[type[Rule]], options: RuleOptions) -> str:
         ",".join(rule.CODE for rule in rules),
     ):
         digest.update(part.encode() + b"\0")
-    modules = [f"flashport.rewriter.{name}" for name in _ENGINE_MODULES]
-    modules += sorted(
-        {
-            "flashport.rules.base",
-            *(rule.__module__ for rule in rules),
-            *(f"flashport.rules.{name}" for name in _rule_package_modules(registry)),
-        }
-    )
-    for name in modules:
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        digest.update(name.encode() + b"\0")
-        if path:
+    from flashport import rewriter
+
+    for package in (rewriter, registry):
+        directory = os.path.dirname(package.__file__ or "")
+        for path in _package_sources(directory):
+            digest.update(os.path.relpath(path, directory).encode() + b"\0")
             try:
                 with open(path, "rb") as handle:
                     digest.update(handle.read())
@@ -110,13 +82,17 @@ def fingerprint(rules: Sequence[type[Rule]], options: RuleOptions) -> str:
     return digest.hexdigest()
 
 
-def _rule_package_modules(registry) -> list[str]:
-    """Every module file of the rules package (helpers such as ``_node_context`` included)."""
-    directory = os.path.dirname(registry.__file__)
-    try:
-        return [name[:-3] for name in os.listdir(directory) if name.endswith(".py") and name != "__init__.py"]
-    except OSError:
-        return []
+def _package_sources(directory: str) -> list[str]:
+    """Every ``.py`` file under ``directory`` (subpackages included), in a stable order.
+
+    The key covers the packages' whole contents, read from disk, so no hand-kept module list can
+    drift and a module the run has not imported yet still counts.
+    """
+    found = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        found += [os.path.join(root, name) for name in sorted(files) if name.endswith(".py")]
+    return found
 
 
 def _dist_version(name: str) -> str:

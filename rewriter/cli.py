@@ -6,6 +6,8 @@ Exit codes:
   2  usage or configuration error (bad flag, unknown rule, missing path, bad [tool.flashport])
   3  some file could not be processed (undecodable, syntax error, write failure); it is reported,
      left untouched, and the other files are still processed
+  130, 143  interrupted by SIGINT (Ctrl-C) or SIGTERM (128 + the signal number); a summary on
+     stderr names the files written and those not reached (:mod:`flashport.rewriter.interrupts`)
 
 Results go to stdout (rich tables and diffs, or ``--format json``, schema in
 :mod:`flashport.rewriter.report`); progress goes to stderr (a progress bar only when stderr is a
@@ -165,12 +167,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.command == "rules":
         return _rules(args)
+    from flashport.rewriter.interrupts import stoppable
+    from flashport.rewriter.writes import WriteLog
+
+    log = WriteLog()  # what an interrupted run reports
+    return stoppable(lambda: _settings_and_run(args, log), lambda stop: log.interrupted(stop.name))
+
+
+def _settings_and_run(args, log) -> int:
     try:
         settings = _settings(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"flashport: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    return _run(args, *settings)
+    return _run(args, log, *settings)
 
 
 def _color(args) -> bool:
@@ -181,7 +191,7 @@ def _settings(args):
     from flashport import rules as registry
     from flashport.rewriter import config as cfg
     from flashport.rewriter import run_context
-    from flashport.rewriter.discover import discover
+    from flashport.rewriter.discover import find_files
     from flashport.rules.base import RuleOptions
 
     table: dict = {}
@@ -214,9 +224,9 @@ def _settings(args):
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     exclude = tuple((args.exclude or []) + list(table.get("exclude", [])))
     gitignore = not args.no_gitignore and table.get("respect-gitignore", True)
-    files = discover(args.paths, exclude=exclude, respect_gitignore=gitignore)
-    options = run_context.for_paths(files, options)  # run-time patches of source APIs, run-wide
-    return files, chosen, options, jobs
+    found = find_files(args.paths, exclude=exclude, respect_gitignore=gitignore)
+    options = run_context.for_paths(found.files, options)  # run-time patches of source APIs, run-wide
+    return found, chosen, options, jobs
 
 
 def _version(text, default, flag):
@@ -225,29 +235,25 @@ def _version(text, default, flag):
     return default if text is None else parse_version(str(text), flag)
 
 
-def _run(args, files, chosen, options, jobs) -> int:
+def _run(args, log, found, chosen, options, jobs) -> int:
     from flashport.rewriter import report as rep
     from flashport.rewriter.cache import ResultCache
     from flashport.rewriter.results import CHANGED, ERROR
-    from flashport.rewriter.runner import StaleFile, atomic_write, run
+    from flashport.rewriter.runner import CANNOT_READ, run
+    from flashport.rewriter.writes import write_results
 
+    files = found.files
     cache: ResultCache | Literal[False] | None = None  # None: FLASHPORT_CACHE decides
     if args.cache is not None:
         cache = ResultCache.for_run(chosen, options) if args.cache else False
     results = _collect(run(files, chosen, options, jobs, cache=cache), len(files), args.format == "text")
-    written: set[str] = set()
     if args.command == "rewrite" and args.write:
-        for result in results:
-            if result.status != CHANGED:
-                continue
-            try:
-                atomic_write(result.path, result.old, result.new)
-                written.add(result.path)
-            except (OSError, StaleFile) as err:
-                result.status, result.error = ERROR, f"write failed: {err}"
+        write_results(results, log)
     interactive = args.command == "rewrite" and args.interactive
     if interactive:
-        written.update(_interactive(args, results, chosen, options))
+        _interactive(args, results, chosen, options, log)
+    written = set(log.written)
+    unreadable = sum(1 for r in results if r.status == ERROR and (r.error or "").startswith(CANNOT_READ))
     failed = any(r.status == ERROR for r in results)
     changed = any(r.status == CHANGED for r in results)
     code = (
@@ -269,7 +275,10 @@ def _run(args, files, chosen, options, jobs) -> int:
     if getattr(args, "report", None):
         code = _html_report(args.report, results, written, "interactive" if interactive else mode) or code
     if args.format == "json":
-        json.dump(rep.to_json(args.command, mode, results, written, code), sys.stdout, indent=1)
+        document = rep.to_json(args.command, mode, results, written, code)
+        document["summary"]["skipped"] = dict(found.counts(unreadable))
+        document["summary"]["skipped_paths"] = [{"path": p, "reason": m} for p, m in found.notices]
+        json.dump(document, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return code
     text = rep.TextReport(_color(args))
@@ -281,6 +290,9 @@ def _run(args, files, chosen, options, jobs) -> int:
         text.refusals(results)
         text.errors(results)
         text.summary(results, written=len(written) if args.write or interactive else None)
+    text.console.print(found.skipped_line(unreadable), markup=False)
+    for path, message in found.notices:
+        text.console.print(f"skipped {path}: {message}", markup=False)
     return code
 
 
@@ -361,8 +373,9 @@ def _rule_json(rule) -> dict:
     }
 
 
-def _interactive(args, results, chosen, options) -> set[str]:
-    """Run the one-site-at-a-time review (:mod:`flashport.rewriter.interactive`); return written paths."""
+def _interactive(args, results, chosen, options, log) -> None:
+    """Run the one-site-at-a-time review (:mod:`flashport.rewriter.interactive`); ``log`` records
+    the files written."""
     from flashport.rewriter import report as rep
     from flashport.rewriter.interactive import review, stdin_asker
     from flashport.rewriter.results import ERROR
@@ -370,12 +383,11 @@ def _interactive(args, results, chosen, options) -> set[str]:
     out = sys.stderr if args.format == "json" else sys.stdout  # keep a JSON document on stdout clean
     console = rep.TextReport(_color(args)).console
     console.file = out
-    outcome = review(results, chosen, options, ask=stdin_asker(sys.stdin, out), console=console)
+    outcome = review(results, chosen, options, ask=stdin_asker(sys.stdin, out), console=console, log=log)
     failed = dict(outcome.failed)
     for result in results:
         if result.path in failed:
             result.status, result.error = ERROR, failed[result.path]
-    return set(outcome.written)
 
 
 def _html_report(path, results, written, mode) -> int:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
+import itertools
 import re
 
 from flashport.rewriter import astindex, drop_in_imports
@@ -231,10 +232,14 @@ def _alone(node: ast.stmt, plan: _Plan) -> bool:
     return not rest or rest.startswith("#")
 
 
-def _siblings_apart(body: list[ast.stmt], node: ast.stmt) -> bool:
-    """No other statement of ``body`` shares a line with ``node``."""
-    start, end = node.lineno, node.end_lineno or node.lineno
-    return all(o is node or (o.end_lineno or o.lineno) < start or o.lineno > end for o in body)
+def _sharing_lines(body: list[ast.stmt]) -> set[int]:
+    """The ids of the statements of ``body`` that share a line with another one (``a; b``). The
+    statements follow each other, so only neighbours can: one pass over the pairs."""
+    shared: set[int] = set()
+    for previous, following in itertools.pairwise(body):
+        if (previous.end_lineno or previous.lineno) >= following.lineno:
+            shared.update((id(previous), id(following)))
+    return shared
 
 
 # ------------------------------------------------------------------------------ statement lists
@@ -258,8 +263,9 @@ def _body(
     """
     whole: list[ast.stmt] = []
     dropped: set[str] = set()
+    sharing = _sharing_lines(body)
     for stmt in body:
-        if not _siblings_apart(body, stmt):
+        if id(stmt) in sharing:
             continue
         if (
             fallbacks

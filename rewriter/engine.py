@@ -36,6 +36,7 @@ import bisect
 import dataclasses
 import functools
 import gc
+import itertools
 import re
 import sys
 import traceback
@@ -49,7 +50,7 @@ from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
 from flashport.rewriter.names import Names
-from flashport.rewriter.results import CHANGED, ERROR, FileResult
+from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult
 from flashport.rewriter.spans import StatementSpans
 from flashport.rewriter.transform import SiteTransformer
 from flashport.rules.base import Rule, RuleOptions
@@ -99,14 +100,13 @@ def transform_source(
     if isinstance(parsed, str):
         return _error(result, parsed)
     tree, text, masks = parsed
-    options = run_context.with_file_patches(
-        options, tree, path, text
-    )  # the run's pre-pass may lack this file
+    # the patches of this file's project; its own ones too (the run's pre-pass may lack this file)
+    options = run_context.with_file_patches(run_context.scoped(options, path), tree, path, text)
     collecting = gc.isenabled()
     gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
     try:
-        return _transform(
-            result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks
+        return _as_done(
+            _transform(result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks)
         )
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
@@ -114,6 +114,14 @@ def transform_source(
     finally:
         if collecting:
             gc.enable()
+
+
+def _as_done(result: FileResult) -> FileResult:
+    """``result`` reporting what was done to the file: a site counts as rewritten only when the
+    file changed (a rewrite that renders the text it replaces changes nothing)."""
+    if result.status != CHANGED:
+        _unrewritten(result, "the rewrite leaves the text as it is")
+    return result
 
 
 def _parse_for_analysis(text: str, path: str) -> tuple[ast.Module, str, dict[str, str]] | str:
@@ -139,9 +147,20 @@ def _parse_for_analysis(text: str, path: str) -> tuple[ast.Module, str, dict[str
 
 
 def _error(result: FileResult, message: str) -> FileResult:
+    """``result`` as a file left unchanged for ``message``: none of its sites counts as rewritten."""
     result.status = ERROR
     result.error = message
+    result.old = result.new = None
+    _unrewritten(result, message)
     return result
+
+
+def _unrewritten(result: FileResult, why: str) -> None:
+    """Report the sites of ``result`` that were to be rewritten as refused, for ``why``."""
+    result.sites = [
+        dataclasses.replace(site, status=REFUSED, reason=why, notes=()) if site.status == REWRITE else site
+        for site in result.sites
+    ]
 
 
 @dataclasses.dataclass
@@ -197,7 +216,7 @@ def _transform(
     if not replacements:
         return result
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
-    new_text = _fix_imports(
+    edits = _fix_imports(
         result,
         _splice(lines, replacements),
         tree,
@@ -206,7 +225,13 @@ def _transform(
         newline,
         options.flash_attn_version,
     )
-    compile(new_text, result.path, "exec", dont_inherit=True)  # the guarantee: output compiles
+    new_text = edits.text
+    try:
+        check_compiles(new_text, result.path, edits.starts)  # the guarantee: output compiles
+    except SyntaxError as err:
+        return _error(
+            result, f"the port does not compile (line {err.lineno}: {err.msg}); file left unchanged"
+        )
     if masks:
         try:
             new_text = newsyntax.unmask(new_text, masks)
@@ -219,6 +244,36 @@ def _transform(
         result.old = data
         result.new = new_data
     return result
+
+
+# Top-level statements compiled together by check_compiles: CPython's compiler takes time
+# quadratic in the number of alike class bodies in one code object (a 160k-line file of small
+# classes: minutes), and statements compiled in groups of this size cost the same in total.
+_COMPILE_GROUP = 256
+
+
+def check_compiles(text: str, path: str, starts: Sequence[int] | None = None) -> None:
+    """Raise ``SyntaxError`` (or ``ValueError``) when ``text`` does not compile as a module.
+
+    Its lines are compiled in groups of :data:`_COMPILE_GROUP` top-level statements (time linear in
+    the file's size), cut at ``starts``, the first line of each top-level statement (from a parse
+    when not given; a wrong cut can only make a group fail). Each group after the first is
+    compiled after a ``pass`` line, so a ``from __future__`` import that does not lead the file is
+    still an error; the error's line numbers are the file's.
+    """
+    if starts is None:
+        starts = [src.first_line(n) for n in ast.parse(text, filename=path).body]
+    lines = src.split_lines(text)
+    cuts = [1, *starts[_COMPILE_GROUP::_COMPILE_GROUP], len(lines) + 1]
+    for first, end in itertools.pairwise(cuts):
+        lead = "" if first == 1 else "pass\n"
+        try:
+            compile(lead + "".join(lines[first - 1 : end - 1]), path, "exec", dont_inherit=True)
+        except SyntaxError as err:
+            shift = first - 1 - len(lead.splitlines())
+            err.lineno = err.lineno + shift if err.lineno else err.lineno
+            err.end_lineno = err.end_lineno + shift if err.end_lineno else err.end_lineno
+            raise
 
 
 def _splice(lines: list[str], replacements: list[tuple[int, int, str]]) -> str:
@@ -524,9 +579,10 @@ def _fix_imports(
     needed: Iterable[str],
     newline: str,
     version: tuple[int, ...],
-) -> str:
+) -> import_edits.ImportEdits:
     """Drop GPU imports a rewrite made unused, add the imports rewrites need, and say why each GPU
-    import left in place stays (``result.imports_kept``); :func:`~flashport.rewriter.imports.edit_imports`."""
+    import left in place stays (``result.imports_kept``); the edits of
+    :func:`~flashport.rewriter.imports.edit_imports`."""
     before = import_edits.name_uses(tree)
     edits = import_edits.edit_imports(
         new_text, ast.parse(new_text), before, gpu_modules, needed, newline, version
@@ -534,7 +590,7 @@ def _fix_imports(
     result.imports_added.extend(edits.added)
     result.imports_removed = edits.removed
     result.imports_kept = edits.kept
-    return edits.text
+    return edits
 
 
 def _aliases(header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:

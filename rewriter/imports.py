@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import libcst as cst
 
 from flashport.rewriter import astindex, dead_imports, drop_in_imports, kept_imports
-from flashport.rewriter.source import split_lines
+from flashport.rewriter.source import first_line, split_lines
 
 
 def name_uses(tree: ast.AST) -> collections.Counter:
@@ -71,6 +71,7 @@ class ImportEdits:
     added: list[str]
     removed: list[str]
     kept: list[str]
+    starts: list[int] = dataclasses.field(default_factory=list)  # first lines of its top-level statements
 
 
 def edit_imports(
@@ -86,22 +87,21 @@ def edit_imports(
     each module in ``needed`` (:func:`ensure_imports`, in sorted order) and say why each GPU import
     left stays. ``text``: the rewritten file, ``tree``: ``ast.parse(text)``, ``before``: the
     original file's :func:`name_uses`. The text is parsed again only when the clean-up changed it
-    and an import is added or a GPU import is left (the added imports need no parse: their lines
-    are counted, and no name is read in an import)."""
+    (the added imports need no parse: their lines are counted, and no name is read in an import);
+    ``starts`` gives the first line of each top-level statement of the new text."""
     cleaned, removed = remove_unused(text, before, gpu_modules, tree, version)
-    cleaned_tree = tree if cleaned == text else None
+    cleaned_tree = tree if cleaned == text else ast.parse(cleaned)
     new_text, shift = cleaned, LineShift()
     added: list[str] = []
     modules = sorted(needed)
     if modules:
-        cleaned_tree = cleaned_tree or ast.parse(cleaned)
         new_text, added, shift = ensure_imports(cleaned, modules, newline, cleaned_tree)
     kept: list[str] = []
     if imports_any(new_text, gpu_modules):
-        cleaned_tree = cleaned_tree or ast.parse(cleaned)
         after = name_uses(cleaned_tree)
         kept = kept_imports.explain(cleaned_tree, before, after, gpu_modules, version, shift)
-    return ImportEdits(new_text, added, removed, kept)
+    starts = [shift(first_line(node)) for node in cleaned_tree.body]
+    return ImportEdits(new_text, added, removed, kept, starts)
 
 
 def imports_any(text: str, modules: tuple[str, ...]) -> bool:
@@ -293,8 +293,9 @@ def _add(layout: _Layout, module: str, newline: str) -> None:
     statement = f"import {module}{newline}"
     groups = _import_groups(layout.body, lines)
     third = next((g for g in groups if any(_section(n) == "third" for n in g)), None)
+    leading = _leading_statement(layout.body)
     if third is not None:
-        line = _sorted_position(third, module, lines)
+        line = _sorted_position(third, module, lines, leading)
         if line > len(lines):  # after the group ending the file: the last line may lack its newline
             _terminate(lines, len(lines), newline)
         layout.insert(line - 1, statement, module)
@@ -311,9 +312,24 @@ def _add(layout: _Layout, module: str, newline: str) -> None:
         below = newline if end < len(lines) and lines[end].strip() else ""  # keep the group apart
         layout.insert(end, newline + statement + below, module)
     elif local:
-        layout.insert(_above_comments(lines, local[0][0].lineno) - 1, statement + newline, module)
+        layout.insert(_above_comments(lines, local[0][0].lineno, leading) - 1, statement + newline, module)
     else:
         _after_header(layout, statement, module, newline)
+
+
+def _leading_statement(body: list[ast.stmt]) -> int:
+    """The first line of the first top-level statement after the docstring and ``__future__``
+    imports (0 when there is none)."""
+    for index, node in enumerate(body):
+        docstring = (
+            index == 0
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        )
+        if not docstring and not _is_future(node):
+            return first_line(node)
+    return 0
 
 
 def _terminate(lines: list[str], line: int, newline: str) -> None:
@@ -334,14 +350,18 @@ def _after_header(layout: _Layout, statement: str, module: str, newline: str) ->
         index = 1
     while index < len(body) and _is_future(body[index]):
         index += 1
-    if index > 0:  # right after the docstring / __future__ imports
+    if index > 0:  # after the docstring / __future__ imports and the comments right below them
         last_line = body[index - 1].end_lineno or len(lines)
         _terminate(lines, last_line, newline)
+        while last_line < len(lines) and lines[last_line].lstrip().startswith("#"):
+            last_line += 1
+        _terminate(lines, last_line, newline)
         gap = _gap_below(lines, last_line, body[index] if index < len(body) else None)
-        layout.insert(last_line, statement + newline * gap, module)
+        above = newline if _is_future(body[index - 1]) else ""  # isort's blank line after __future__
+        layout.insert(last_line, above + statement + newline * gap, module)
     elif body:  # before the first statement (comments, shebang and coding line stay above)
         node = body[0]
-        at = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        at = first_line(node) - 1
         layout.insert(at, statement + newline * _gap_below(lines, at, node), module)
         if not any(line.strip() for line in lines[:at]):
             del lines[:at]  # only blank lines above (left by removed imports): the import leads the file
@@ -362,7 +382,7 @@ def _gap_below(lines: list[str], line: int, following: ast.stmt | None) -> int:
         return 0
     first = None
     if following is not None:
-        first = min([following.lineno] + [d.lineno for d in getattr(following, "decorator_list", [])])
+        first = first_line(following)
     definition = isinstance(following, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
     wanted = 2 if definition and first == line + blank + 1 else 1
     return max(0, wanted - blank)
@@ -447,8 +467,9 @@ def _key(node: ast.stmt) -> str:
     return (node.module or "").lower() if isinstance(node, ast.ImportFrom) else ""
 
 
-def _sorted_position(group: list[ast.stmt], module: str, lines: list[str]) -> int:
-    """1-based line before which ``import <module>`` goes in ``group``."""
+def _sorted_position(group: list[ast.stmt], module: str, lines: list[str], leading: int) -> int:
+    """1-based line before which ``import <module>`` goes in ``group`` (``leading``: see
+    :func:`_above_comments`)."""
     plain = [n for n in group if isinstance(n, ast.Import)]
     froms = [n for n in group if isinstance(n, ast.ImportFrom)]
     imports_first = not plain or not froms or max(n.lineno for n in plain) < min(n.lineno for n in froms)
@@ -456,15 +477,20 @@ def _sorted_position(group: list[ast.stmt], module: str, lines: list[str]) -> in
     key = module.lower()
     for node in candidates:
         if _key(node) > key:
-            return _above_comments(lines, node.lineno)
+            return _above_comments(lines, node.lineno, leading)
     if imports_first and froms:
-        return _above_comments(lines, froms[0].lineno)
+        return _above_comments(lines, froms[0].lineno, leading)
     last = group[-1]
     return (last.end_lineno or last.lineno) + 1
 
 
-def _above_comments(lines: list[str], line: int) -> int:
-    """``line``, moved up over the comment lines directly above it (they belong to its statement)."""
+def _above_comments(lines: list[str], line: int, leading: int) -> int:
+    """``line``, moved up over the comment lines directly above it (they belong to its statement),
+    unless it is ``leading``, the first line of the file's first statement after the docstring and
+    ``__future__`` imports: the comments above that one (shebang, encoding cookie, licence) head
+    the file, and isort leaves them there."""
+    if line == leading:
+        return line
     while line > 1 and lines[line - 2].lstrip().startswith("#"):
         line -= 1
     return line

@@ -9,14 +9,20 @@ For every site the engine would rewrite, the review shows the diff hunk that hol
     ?  help
 
 Answers are read one line at a time (type the letter, then Enter); end of input counts as ``q``.
-Then every file with at least one accepted site is rewritten **once**, atomically
-(:func:`flashport.rewriter.runner.atomic_write`), with only the accepted sites: the engine runs again
+Each file with at least one accepted site is rewritten **once**, as soon as its last site is
+answered (in place and never half-written: :func:`flashport.rewriter.writes.write_in_place`), with
+only the accepted sites: the engine runs again
 with the declined sites suppressed (``transform_source(..., skip=...)``), so import edits follow
 exactly what was accepted (a GPU import stays while a declined call still uses it). If a declined
 site cannot be separated from an accepted one (same rule on a shared line), the file is not written
 and the review says so. An accepted site that the engine's per-file phase then refuses (an xformers
 bias constructor whose ``memory_efficient_attention`` was declined, an SDPA backend selector one of
 whose SDPA calls was declined) is kept as it was, counted as declined, and the review prints why.
+A file that changed on disk since the diff was shown is not written, with a message.
+
+Interrupted (Ctrl-C, SIGTERM) at a prompt, the answers given so far are applied: files already
+reviewed were written as they went, and the file under review is written with the sites accepted
+so far; unanswered sites stay as they were, so running the review again resumes with them.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import difflib
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
+from flashport.rewriter import interrupts
 from flashport.rewriter import source as src
 from flashport.rewriter.engine import transform_source
+from flashport.rewriter.interrupts import Interrupted
 from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult, Site
-from flashport.rewriter.runner import StaleFile, atomic_write
+from flashport.rewriter.writes import StaleFile, WriteLog, reason, write_in_place
 from flashport.rules.base import Rule, RuleOptions
 
 HELP = (
@@ -67,6 +75,7 @@ def review(
     *,
     ask: Callable[[str], str | None],
     console=None,
+    log: WriteLog | None = None,
 ) -> Outcome:
     """Walk every proposed rewrite in ``results``, ask about each, write the accepted ones.
 
@@ -75,6 +84,7 @@ def review(
       rules, options: what produced ``results`` (used again to apply a subset of sites).
       ask: returns the user's answer to a prompt, or None at end of input.
       console: a rich ``Console`` for the hunks and messages (a plain one on stdout by default).
+      log: kept up to date with the files written (read by the summary of an interrupted run).
 
     Returns:
       An :class:`Outcome`.
@@ -84,28 +94,38 @@ def review(
 
         console = Console(highlight=False)
     outcome = Outcome()
+    log = log if log is not None else WriteLog()
     pending = [r for r in results if r.status == CHANGED and r.old is not None and r.new is not None]
+    log.planned, log.stage = [r.path for r in pending], "review"
     total = sum(1 for r in pending for s in r.sites if s.status == REWRITE)
     number, quitting = 0, False
     for result in pending:
         sites = [s for s in result.sites if s.status == REWRITE]
         file_choice: str | None = None
         accepted: list[Site] = []
-        for site in sites:
-            number += 1
-            choice = "n" if quitting else file_choice
-            if choice is None:
-                _show(console, result, site, number, total)
-                choice = _answer(ask, console)
-                if choice == "q":
-                    quitting, choice = True, "n"
-                elif choice in ("a", "d"):
-                    file_choice = "y" if choice == "a" else "n"
-                    choice = file_choice
-            (accepted if choice == "y" else outcome.declined).append(site)
+        try:
+            for site in sites:
+                number += 1
+                choice = "n" if quitting else file_choice
+                if choice is None:
+                    _show(console, result, site, number, total)
+                    choice = _answer(ask, console)
+                    if choice == "q":
+                        quitting, choice = True, "n"
+                    elif choice in ("a", "d"):
+                        file_choice = "y" if choice == "a" else "n"
+                        choice = file_choice
+                (accepted if choice == "y" else outcome.declined).append(site)
+        except Interrupted:
+            if accepted:  # apply the answers given so far; the unanswered sites stay as they are
+                outcome.accepted.extend(accepted)
+                _apply(result, sites, accepted, rules, options, outcome, console, log)
+            raise
         outcome.accepted.extend(accepted)
         if accepted:
-            _apply(result, sites, accepted, rules, options, outcome, console)
+            _apply(result, sites, accepted, rules, options, outcome, console, log)
+        if result.path not in outcome.written:
+            log.settled.append(result.path)
     console.print(
         f"{len(outcome.accepted)} of {total} rewrites accepted; "
         f"{len(outcome.written)} file(s) written"
@@ -154,7 +174,7 @@ def site_hunk(result: FileResult, site: Site, context: int = 3) -> str:
     return "".join(_nl(line) for line in lines)
 
 
-def _apply(result, sites, accepted, rules, options, outcome: Outcome, console) -> None:
+def _apply(result, sites, accepted, rules, options, outcome: Outcome, console, log: WriteLog) -> None:
     """Write ``result.path`` with only ``accepted`` of its ``sites`` rewritten."""
     new = result.new
     if len(accepted) < len(sites):
@@ -174,11 +194,9 @@ def _apply(result, sites, accepted, rules, options, outcome: Outcome, console) -
         # constructor whose consuming call was declined. That is sound; say so and write the rest.
         vetoed = [s for s in partial.sites if s.status == REFUSED and _key(s) in {_key(a) for a in accepted}]
         if partial.status == ERROR or done | {_key(s) for s in vetoed} != {_key(s) for s in accepted}:
-            reason = (
-                partial.error or "an accepted site shares a line and rule with a declined one; not written"
-            )
-            outcome.failed.append((result.path, reason))
-            console.print(f"[red]not written[/] {result.path}: {reason}")
+            why = partial.error or "an accepted site shares a line and rule with a declined one; not written"
+            outcome.failed.append((result.path, why))
+            console.print(f"[red]not written[/] {result.path}: {why}")
             return
         for site in vetoed:
             outcome.accepted.remove(next(a for a in outcome.accepted if _key(a) == _key(site)))
@@ -187,13 +205,15 @@ def _apply(result, sites, accepted, rules, options, outcome: Outcome, console) -
         new = partial.new
     if new is None or new == result.old:
         return
-    try:
-        atomic_write(result.path, result.old, new)
-    except (OSError, StaleFile) as err:
-        outcome.failed.append((result.path, f"write failed: {err}"))
-        console.print(f"[red]not written[/] {result.path}: {err}")
-        return
-    outcome.written.append(result.path)
+    with interrupts.held():  # a signal during the write waits until the log says so
+        try:
+            write_in_place(result.path, result.old, new)
+        except (OSError, StaleFile) as err:
+            outcome.failed.append((result.path, f"write failed: {reason(err)}"))
+            console.print(f"[red]not written[/] {result.path}: {reason(err)}", highlight=False)
+            return
+        outcome.written.append(result.path)
+        log.written.append(result.path)
 
 
 def _key(site: Site) -> tuple:

@@ -139,7 +139,7 @@ def render(rules=None, backends: dict | None = None) -> str:
         "For every GPU attention API the codemod knows: what `flashport rewrite` turns it into, how its",
         "semantics map onto the contract (layout, causal alignment, scale default, window convention, mask",
         "polarity, GQA), and what it refuses to rewrite (those sites stay byte-identical and are reported",
-        'with the reason). The contract itself is described in the README ("The contract").',
+        "with the reason). The contract itself is described in docs/contract.md.",
         "",
         "**Functions used as values** (a dispatch table entry, `functools.partial(flash_attn_func, ...)`, a",
         "callback argument, `self.attn = xformers.ops.memory_efficient_attention`, an alias that must stay)",

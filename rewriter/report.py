@@ -27,7 +27,9 @@ version)::
       "summary": {"files_scanned": int, "files_parsed": int, "files_changed": int,
                   "files_failed": int, "sites": {"rewrite": int, "refused": int, "suppressed": int},
                   "rules": {"FPA001": {"rewrite": int, "refused": int, "suppressed": int}, ...},
-                  "refused_reasons": [{"rule": str, "reason": str, "count": int}]},
+                  "refused_reasons": [{"rule": str, "reason": str, "count": int}],
+                  "skipped": {reason: int},          # paths left out by discovery, per reason
+                  "skipped_paths": [{"path": str, "reason": str}]},   # the ones named (links, FIFOs...)
       "exit_code": int
     }
 """

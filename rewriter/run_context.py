@@ -5,8 +5,10 @@ when the program runs: a repository whose context-parallel code does
 ``F.scaled_dot_product_attention = cp_sdpa`` would, once ported, compute attention over the local
 shard only. Before any file of a run is transformed, :func:`for_paths` reads every file and records
 each such replacement as a :class:`~flashport.rules.base.Patch` in the
-:class:`~flashport.rules.base.RuleOptions` the engine hands every rule (``ctx.options.patches``),
-so each file sees the patches of all the others. The engine adds a file's own patches
+:class:`~flashport.rules.base.RuleOptions` the engine hands every rule (``ctx.options.patches``).
+A patch concerns the files of its own project only (:func:`project_root`: a run over a monorepo or
+several checkouts does not let one project's patch refuse another's sites): the engine keeps, for
+each file, the patches of its project (:func:`scoped`), and adds the file's own patches
 (:func:`with_file_patches`) when it runs without the pre-pass (one file through the API).
 
 What counts as a patch of ``torch.nn.functional.scaled_dot_product_attention`` (through any alias
@@ -33,9 +35,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import os
 import re
 from collections.abc import Iterable
 
+from flashport.rewriter.writes import read_regular
 from flashport.rules.base import Outcome, Patch, Refusal, Rewrite, RuleOptions
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
@@ -54,18 +59,51 @@ _TRIGGER = re.compile(_SHAPE.encode())
 _TEXT_TRIGGER = re.compile(_SHAPE)
 
 
+# What marks the top folder of a project (the nearest one above a file wins).
+PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+
+
 def for_paths(paths: Iterable[str], options: RuleOptions) -> RuleOptions:
-    """``options`` with the patches found in the files at ``paths`` (unreadable or unparsable
-    files are skipped: the run reports them itself)."""
+    """``options`` with the patches found in the files at ``paths``, each tied to the project of
+    its file (:func:`project_root`; unreadable or unparsable files are skipped: the run reports
+    them itself)."""
+    _root_of.cache_clear()  # a new run: the trees may have changed since the last one
     found: list[Patch] = []
     for path in paths:
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
+            data = read_regular(path)  # never blocks on a FIFO
         except OSError:
             continue
-        found += find_patches(data, path)
+        patches = find_patches(data, path)
+        if patches:
+            root = project_root(path)
+            found += [dataclasses.replace(patch, root=root) for patch in patches]
     return _merged(options, found)
+
+
+def project_root(path: str) -> str:
+    """The absolute folder of the project ``path`` belongs to: the nearest one at or above the
+    file's folder that holds one of :data:`PROJECT_MARKERS` (the file system's root when none does:
+    files outside any project form one)."""
+    return _root_of(os.path.dirname(os.path.abspath(path)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _root_of(directory: str) -> str:
+    if any(os.path.exists(os.path.join(directory, marker)) for marker in PROJECT_MARKERS):
+        return directory
+    parent = os.path.dirname(directory)
+    return directory if parent == directory else _root_of(parent)
+
+
+def scoped(options: RuleOptions, path: str) -> RuleOptions:
+    """``options`` keeping only the patches that concern the file at ``path``: those of its
+    project (:func:`project_root`) and those tied to none."""
+    if all(patch.root is None for patch in options.patches):
+        return options
+    root = project_root(path)
+    patches = tuple(p for p in options.patches if p.root is None or p.root == root)
+    return options if patches == options.patches else dataclasses.replace(options, patches=patches)
 
 
 def find_patches(data: bytes, path: str) -> list[Patch]:

@@ -1,5 +1,7 @@
 """Running the engine over many files: byte prefilter in the parent, parsing in worker processes,
-results in input order (deterministic output), and atomic writes.
+results in input order (deterministic output). Workers ignore SIGINT and are stopped by the
+parent when the run is interrupted (:mod:`flashport.rewriter.interrupts`); writing back is
+:mod:`flashport.rewriter.writes`.
 """
 
 from __future__ import annotations
@@ -7,22 +9,25 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Literal
 
+from flashport.rewriter import interrupts
+from flashport.rewriter import source as src
 from flashport.rewriter.cache import ResultCache, from_environment
 from flashport.rewriter.engine import transform_source, trigger_pattern
 from flashport.rewriter.results import ERROR, FileResult
+from flashport.rewriter.writes import read_regular, reason
 from flashport.rules.base import Rule, RuleOptions
 
+CANNOT_READ = "cannot read: "  # how an unreadable file's error starts
 _WORKER_STATE: dict = {}
 
 
 def _init_worker(codes: tuple[str, ...], options: RuleOptions) -> None:
     from flashport import rules as registry
 
+    interrupts.ignore_in_worker()
     chosen = [registry.get(code) for code in codes]
     _WORKER_STATE["rules"] = chosen
     _WORKER_STATE["options"] = options
@@ -62,10 +67,13 @@ def run(
     todo: list[tuple[int, str, bytes]] = []
     for index, path in enumerate(paths):
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
+            data = read_regular(path)
         except OSError as err:
-            slots.append(FileResult(path, ERROR, error=f"cannot read: {err.strerror or err}"))
+            slots.append(FileResult(path, ERROR, error=CANNOT_READ + reason(err)))
+            continue
+        foreign = src.foreign_encoding(data)
+        if foreign:
+            slots.append(FileResult(path, ERROR, error=foreign, size=len(data)))
             continue
         if not pattern.search(data):
             slots.append(FileResult(path, size=len(data)))
@@ -97,18 +105,23 @@ def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Ite
     # process (e.g. when the engine is called from a library or a test session): spawn then.
     threaded = any(name in sys.modules for name in ("jax", "torch"))
     context = multiprocessing.get_context("spawn" if threaded else "fork")
-    with ProcessPoolExecutor(
-        max_workers=min(jobs, len(todo)),
-        mp_context=context,
-        initializer=_init_worker,
-        initargs=(codes, options),
-    ) as pool:
-        futures: dict[int, Future[FileResult]] = {}
+    with interrupts.blocked():  # the workers start with SIGINT/SIGTERM blocked, then ignore SIGINT
+        pool = context.Pool(min(jobs, len(todo)), initializer=_init_worker, initargs=(codes, options))
+    finished = False
+    try:
+        asked = {}
         for position in sorted(range(len(todo)), key=lambda i: -len(todo[i][2])):
             _, path, data = todo[position]
-            futures[position] = pool.submit(_work, (path, data))
-        computed = (futures[position].result() for position in range(len(todo)))
+            asked[position] = pool.apply_async(_work, ((path, data),))
+        computed = (asked[position].get() for position in range(len(todo)))
         yield from _merge(slots, todo, remember(computed), progress)
+        finished = True
+    finally:
+        if finished:
+            pool.close()
+        else:  # interrupted, or the consumer stopped early: stop the workers now
+            pool.terminate()
+        pool.join()
 
 
 def _merge(slots, todo, computed, progress) -> Iterator[FileResult]:
@@ -122,36 +135,3 @@ def _merge(slots, todo, computed, progress) -> Iterator[FileResult]:
         if progress is not None:
             progress(slot)
         yield slot
-
-
-class StaleFile(RuntimeError):
-    """The file changed on disk after it was read; it is not overwritten."""
-
-
-def atomic_write(path: str, old: bytes, new: bytes) -> None:
-    """Replace ``path``'s content ``old`` with ``new``: a temp file in the same folder, fsync,
-    the original mode bits, then ``os.replace`` (readers see the old or the new file, never a mix).
-
-    Raises:
-      StaleFile: when the file no longer holds ``old``.
-      OSError: from the filesystem (the temp file is removed).
-    """
-    with open(path, "rb") as handle:
-        if handle.read() != old:
-            raise StaleFile(f"{path} changed since it was read; not written")
-    mode = os.stat(path).st_mode & 0o7777
-    directory, name = os.path.split(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".flashport-tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(new)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, mode)
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise

@@ -8,6 +8,7 @@ rewritten statement texts back in, so every byte outside a rewritten statement s
 from __future__ import annotations
 
 import ast
+import codecs
 import dataclasses
 import io
 import re
@@ -23,8 +24,60 @@ def decode(source: bytes) -> tuple[str, str]:
       SyntaxError: an unknown encoding cookie (from ``tokenize.detect_encoding``).
       UnicodeDecodeError: bytes that do not decode.
     """
-    encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
-    return source.decode(encoding), encoding
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
+    except SyntaxError as err:
+        if "invalid or missing encoding declaration" not in str(err):
+            raise
+        # the first lines are not UTF-8: say where, below
+        encoding = "utf-8-sig" if source.startswith(codecs.BOM_UTF8) else "utf-8"
+    try:
+        return source.decode(encoding), encoding
+    except UnicodeDecodeError as err:
+        declared = encoding == "utf-8-sig" or any(_COOKIE.match(line) for line in source.split(b"\n", 2)[:2])
+        raise Undecodable(err, declared) from err
+
+
+_COOKIE = re.compile(rb"^[ \t\f]*#.*?coding[:=]")
+
+
+class Undecodable(UnicodeDecodeError):
+    """A :class:`UnicodeDecodeError` whose message says where, and what to do about a missing cookie."""
+
+    def __init__(self, err: UnicodeDecodeError, declared: bool):
+        super().__init__(err.encoding, err.object, err.start, err.end, err.reason)
+        self.declared = declared
+
+    def __str__(self) -> str:
+        data = bytes(self.object)
+        line = data.count(b"\n", 0, self.start) + 1
+        column = self.start - (data.rfind(b"\n", 0, self.start) + 1)
+        where = f"not valid {self.encoding} at line {line}, column {column} (byte 0x{data[self.start]:02x})"
+        if self.declared:
+            return where
+        return (
+            where + "; the file declares no encoding: add a `# -*- coding: NAME -*-` line if it is not UTF-8"
+        )
+
+
+_FOREIGN_BOMS = (  # longest first: the UTF-32-LE mark starts with the UTF-16-LE one
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
+
+
+def foreign_encoding(source: bytes) -> str | None:
+    """Why ``source`` cannot be a Python file, for a UTF-16/32 byte-order mark (Python reads only
+    ASCII-compatible encodings, and the engine's byte prefilter would not see its text); else None."""
+    for bom, name in _FOREIGN_BOMS:
+        if source.startswith(bom):
+            return (
+                f"encoded as {name} (byte-order mark); Python source must use an ASCII-compatible "
+                "encoding such as UTF-8, so the file is left untouched"
+            )
+    return None
 
 
 def encode(text: str, encoding: str) -> bytes:
@@ -78,6 +131,11 @@ def _contains_import(node: ast.AST) -> bool:
     return False
 
 
+def first_line(stmt: ast.stmt) -> int:
+    """The 1-based first line of a statement, its decorators included."""
+    return min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+
+
 def top_level_units(tree: ast.Module) -> list[Unit]:
     """Group the module's statements into line-disjoint :class:`Unit` s."""
     return _group(tree.body)
@@ -94,7 +152,7 @@ def class_body_units(unit: Unit) -> list[Unit] | None:
 def _group(body: list[ast.stmt]) -> list[Unit]:
     units: list[Unit] = []
     for stmt in body:
-        start = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+        start = first_line(stmt)
         end = stmt.end_lineno or stmt.lineno
         importish = isinstance(stmt, (ast.Import, ast.ImportFrom)) or (
             isinstance(stmt, (ast.Try, ast.If, ast.With)) and _contains_import(stmt)

@@ -11,6 +11,7 @@ with 1.x's argument order and top-left alignment whatever the configured version
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as matchers
 
 from flashport.rules.base import (
     Refuse,
@@ -26,6 +27,7 @@ from flashport.rules.base import (
     literal_number,
     no_dropout,
     number,
+    parenthesized,
     string,
     training_gated_zero,
     tuple_of,
@@ -119,9 +121,13 @@ def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
             if all(v < 0 for v in values):
                 return None
             return tuple_of(*[cst.Name("None") if v < 0 else number(v) for v in values])
-    # Dynamic: convert at run time, once (the iterable of a generator is evaluated in this scope).
-    template = cst.parse_expression("tuple(None if w is None or w < 0 else w for w in __window__)")
-    converted = template.visit(_Substitute("__window__", node))
+    # Dynamic: convert at run time, once (the iterable of a generator is evaluated in this scope;
+    # an assignment expression may not stand there, so a value holding one is passed to a lambda).
+    if matchers.findall(node, matchers.NamedExpr()):
+        template = "(lambda window: tuple(None if w is None or w < 0 else w for w in window))(__window__)"
+    else:
+        template, node = "tuple(None if w is None or w < 0 else w for w in __window__)", parenthesized(node)
+    converted = cst.parse_expression(template).visit(_Substitute("__window__", node))
     if not isinstance(converted, cst.BaseExpression):  # the substitution replaces one name by one expression
         raise TypeError(f"window conversion produced {type(converted).__name__}, not an expression")
     return converted
@@ -408,10 +414,9 @@ def dropout_or_drop_in(
 
 def unbind(node: cst.BaseExpression, dim: int) -> cst.Arg:
     """``*node.unbind(dim)``: split a packed qkv/kv tensor, evaluating ``node`` once."""
-    if not isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) and not node.lpar:
-        node = node.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
     call = cst.Call(
-        func=cst.Attribute(value=node, attr=cst.Name("unbind")), args=[cst.Arg(value=cst.Integer(str(dim)))]
+        func=cst.Attribute(value=parenthesized(node), attr=cst.Name("unbind")),
+        args=[cst.Arg(value=cst.Integer(str(dim)))],
     )
     return cst.Arg(value=call, star="*")
 

@@ -20,6 +20,7 @@ from flashport.rules.base import (
     is_none,
     literal_number,
     number,
+    parenthesized,
     tuple_of,
 )
 
@@ -125,13 +126,7 @@ def literal_false(node: cst.BaseExpression | None) -> bool:
 def subscript(node: cst.BaseExpression, *indices: str) -> cst.Subscript:
     """``node[i0, i1, ...]`` where each index is source text (``":"``, ``"None"``, ``"0"``)."""
     template = cst.ensure_type(cst.parse_expression(f"__x__[{', '.join(indices)}]"), cst.Subscript)
-    return template.with_changes(value=_paren(node))
-
-
-def _paren(node: cst.BaseExpression) -> cst.BaseExpression:
-    if isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) or node.lpar:
-        return node
-    return node.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    return template.with_changes(value=parenthesized(node))
 
 
 def fa_keywords(

@@ -32,7 +32,7 @@ Adding a rule::
         SOURCES = ("pkg.my_api",); TRIGGERS = (b"my_api",)
         def check_call(self, call, ctx): ...
     # then list the module in rules/__init__.py::RULE_MODULES, add tests/fixtures/codemod/FPA0NN/ and
-    # regenerate the docs (python -m flashport.rules.coverage --update README.md;
+    # regenerate the docs (python -m flashport.rules.coverage --update docs/rules.md;
     # python -m flashport.rewriter.porting_guide --write docs/porting_guide.md). CONTRIBUTING.md has the steps.
 """
 
@@ -130,12 +130,16 @@ class Patch:
       path: the file that replaces it (as the run names it).
       line: 1-based line of the statement.
       how: a few words on how (the statement, shortened).
+      root: the project the patching file belongs to (its nearest folder holding pyproject.toml,
+        setup.py, setup.cfg or .git): the patch concerns the files of that project only; None:
+        every file it is given to.
     """
 
     api: str
     path: str
     line: int
     how: str
+    root: str | None = None
 
     def where(self) -> str:
         """``path:line`` of the patch."""
@@ -155,7 +159,7 @@ class RuleOptions:
       jax_version: (major, minor, patch) of jax for ``jax.nn.dot_product_attention``'s signature.
       patches: run-level context: the source APIs the run's files replace at run time
         (:class:`Patch`; found by :mod:`flashport.rewriter.run_context` before any file is
-        transformed, so every file of the run sees the patches of the others).
+        transformed, so every file of a project sees the patches of the others).
     """
 
     inference: bool = False
@@ -779,6 +783,15 @@ def tuple_of(*items: cst.BaseExpression) -> cst.Tuple:
         )
         elements.append(cst.Element(value=item, comma=comma))
     return cst.Tuple(elements=elements)
+
+
+def parenthesized(node: cst.BaseExpression) -> cst.BaseExpression:
+    """``node`` in parentheses unless it is a name, attribute, call or subscript or has them already:
+    an operand that keeps its meaning wherever a template puts it (``(a if c else b)[0]``,
+    ``for w in (x if c else y)``, ``(q := x).unbind(0)``)."""
+    if isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) or node.lpar:
+        return node
+    return node.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
 
 
 def number(value: int | float) -> cst.BaseExpression:

@@ -2,14 +2,14 @@
 
 Generated from the rules' own documentation, so it cannot drift from them: every rule module's
 docstring has a ``What it rewrites:`` (or ``What it reports:`` for scan-only rules) section and a
-``What it refuses:`` section. ``flashport rules`` shows the same rows; the README's "Rule coverage"
+``What it refuses:`` section. ``flashport rules`` shows the same rows; the "Rule coverage" table of docs/rules.md
 section is this module's Markdown output between ``<!-- rule-coverage:start -->`` and
 ``<!-- rule-coverage:end -->``.
 
 Usage::
 
     python -m flashport.rules.coverage                  # print the Markdown table
-    python -m flashport.rules.coverage --update README.md  # rewrite the README section in place
+    python -m flashport.rules.coverage --update docs/rules.md  # rewrite the docs section in place
 """
 
 from __future__ import annotations
@@ -106,24 +106,24 @@ def markdown() -> str:
 
 
 def update(text: str) -> str:
-    """``text`` (a README) with the section between the markers replaced by :func:`markdown`.
+    """``text`` (a Markdown page) with the section between the markers replaced by :func:`markdown`.
 
     Raises:
       ValueError: when the markers are missing or out of order.
     """
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README lacks the markers {START} ... {END}")
+        raise ValueError(f"the page lacks the markers {START} ... {END}")
     return text[: start + len(START)] + "\n" + markdown() + text[end:]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the table, or rewrite a README's section with ``--update PATH``."""
+    """Print the table, or rewrite a Markdown page's section with ``--update PATH``."""
     parser = argparse.ArgumentParser(
         prog="python -m flashport.rules.coverage", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
-        "--update", metavar="README", help="rewrite the section between the markers in this file"
+        "--update", metavar="PAGE", help="rewrite the section between the markers in this file"
     )
     args = parser.parse_args(argv)
     if args.update:

@@ -235,10 +235,70 @@ def auto_dispatch():
     print("auto_dispatch ok", flush=True)
 
 
+def auto_axes_jit():
+    """flashport.attention under jax.jit on a plain Mesh (Auto axes) with NamedSharding in/out
+    shardings, the way most code calls it: the ring is decided when XLA partitions the program (no
+    all-gather, K/V by collective-permute) and the results (out, lse, gradients) equal the float64
+    reference; batch/head sharding without a sharded sequence keeps the plain per-shard path."""
+    rng = np.random.default_rng(11)
+    b, s, hq, hkv, d = 2, 64, 4, 2, 16
+    seg = np.sort(rng.integers(0, 3, (b, s)), axis=1).astype(np.int32)
+    cases = [  # (mesh shape, axes, BSHD spec, layout, contract, ring expected)
+        ((8,), ("sp",), P(None, "sp", None, None), "BSHD", dict(causal=True, softcap=4.0), True),
+        ((2, 4), ("data", "sp"), P("data", "sp", None, None), "BSHD", dict(causal=True, segments=True), True),
+        ((2, 4), ("model", "sp"), P(None, "sp", "model", None), "BHSD", dict(window=(20, 3)), True),
+        ((2, 2, 2), ("data", "model", "x"), P("data", None, "model", None), "BSHD", dict(causal=True), False),
+    ]
+    for mshape, axes, spec, layout, contract, ring_expected in cases:
+        contract = dict(contract)
+        if contract.pop("segments", False):
+            contract.update(q_segment_ids=seg, kv_segment_ids=seg)
+        q, d_out = (rng.standard_normal((b, s, hq, d)) for _ in range(2))
+        k, v = (rng.standard_normal((b, s, hkv, d)) for _ in range(2))
+        d_lse = rng.standard_normal((b, hq, s))
+        want_out, want_lse = reference_attention(q, k, v, **contract)
+        want_g = reference_attention_vjp(q, k, v, d_out, d_lse=d_lse, **contract)[:3]
+        mesh = Mesh(np.array(jax.devices()).reshape(mshape), axes)
+        bhsd = layout == "BHSD"
+        x_spec = P(spec[0], spec[2], spec[1], None) if bhsd else spec
+        x_shard = NamedSharding(mesh, x_spec)
+        lse_shard = NamedSharding(mesh, P(spec[0], spec[2], spec[1]))
+        seg_shard = NamedSharding(mesh, P(spec[0], spec[1]))
+        ids = {key: contract.pop(key) for key in ("q_segment_ids", "kv_segment_ids") if key in contract}
+
+        def to_layout(x, bhsd=bhsd):
+            return np.swapaxes(x, 1, 2) if bhsd else x
+
+        def loss(q, k, v, d_out, d_lse, ids, contract=contract, layout=layout):
+            out, lse = flashport.attention(q, k, v, return_lse=True, layout=layout, **contract, **ids)
+            lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse)
+            return jnp.sum(out * d_out) + lse_term, (out, lse)
+
+        step = jax.jit(
+            jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+            in_shardings=(x_shard,) * 4 + (lse_shard, {key: seg_shard for key in ids}),
+            out_shardings=((None, (x_shard, lse_shard)), (x_shard,) * 3),
+        )
+        args = [jnp.asarray(to_layout(x), jnp.float32) for x in (q, k, v, d_out)]
+        args += [jnp.asarray(d_lse, jnp.float32), {key: jnp.asarray(x) for key, x in ids.items()}]
+        hlo = step.lower(*args).compile().as_text()
+        (_, (out, lse)), grads = step(*args)
+        # the ring moves K/V by collective-permute; batch/head shards need no communication at all
+        assert "all-gather" not in hlo and ("collective-permute" in hlo) is ring_expected, (mshape, spec)
+        np.testing.assert_allclose(to_layout(np.asarray(out, np.float64)), want_out, atol=2e-5)
+        fin = np.isfinite(want_lse)
+        np.testing.assert_allclose(np.asarray(lse, np.float64)[fin], want_lse[fin], atol=2e-5)
+        for g, w in zip(grads, want_g, strict=True):
+            np.testing.assert_allclose(to_layout(np.asarray(g, np.float64)), w, atol=1e-4)
+    print("auto_axes_jit ok", flush=True)
+
+
+CHECKS = {"auto_dispatch": auto_dispatch, "auto_axes_jit": auto_axes_jit}
+
 if __name__ == "__main__":
     # Read when JAX initialises its backend (first device query), so importing this module for its
     # CASES table (tests/test_ring_attention.py) changes nothing in the importing process.
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     assert jax.device_count() == 8, jax.devices()
-    for case in sys.argv[1:] or [*CASES, "auto_dispatch"]:
-        auto_dispatch() if case == "auto_dispatch" else run_case(case)
+    for case in sys.argv[1:] or [*CASES, *CHECKS]:
+        CHECKS[case]() if case in CHECKS else run_case(case)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import cli, runner
+from flashport.rewriter import cli, writes
 from flashport.rewriter.engine import transform_source
 
 FA = "from flash_attn import flash_attn_func\n\n\ndef f(q, k, v):\n    return flash_attn_func(q, k, v, causal=True)\n"
@@ -223,8 +223,8 @@ def test_dry_run_and_check_never_write_on_a_read_only_tree(tree, capsys, monkeyp
     def refuse(*args, **kwargs):
         raise AssertionError("wrote in a dry run")
 
-    monkeypatch.setattr(runner, "atomic_write", refuse)
-    monkeypatch.setattr(cli.os, "replace", refuse, raising=False)
+    monkeypatch.setattr(writes, "write_in_place", refuse)
+    monkeypatch.setattr(writes, "_put", refuse)
     for path in [tree, *tree.rglob("*")]:
         os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~0o222)
     try:

@@ -20,7 +20,7 @@ import types
 
 import numpy as np
 import pytest
-from reference import reference_attention
+from ported_code import DROPOUT_SEEN, reference_torch_attention
 
 from flashport import rules as registry
 from flashport.kernels.sdpa_compat import sdpa_mask
@@ -94,26 +94,9 @@ def sdpa_reference(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_
 # ----------------------------------------------------------------------------- harness
 
 
-DROPOUT_SEEN: list = []  # every dropout_p the stand-in received, in call order
-
-
-def _reference_torch_attention(query, key, value, backend="auto", return_lse=False, dropout_p=0.0, **kwargs):
-    """Stand-in for flashport.torch.attention: the contract's float64 reference on torch tensors.
-
-    It has no dropout: it records ``dropout_p`` (so tests see what the rewrite passed) and only runs
-    when it is 0 (tests/test_dropout_port_semantics.py runs p > 0 against the real contract)."""
-    DROPOUT_SEEN.append(dropout_p)
-    if dropout_p != 0:
-        raise AssertionError(f"the float64 stand-in has no dropout, got dropout_p={dropout_p}")
-    kwargs = {name: (val.numpy() if hasattr(val, "numpy") else val) for name, val in kwargs.items()}
-    out, lse = reference_attention(query.numpy(), key.numpy(), value.numpy(), **kwargs)
-    out = torch.from_numpy(np.asarray(out))
-    return (out, torch.from_numpy(np.asarray(lse))) if return_lse else out
-
-
 FAKE_FLASHPORT = types.SimpleNamespace(
-    torch=types.SimpleNamespace(attention=_reference_torch_attention),
-    varlen_attention=functools.partial(varlen_attention, attention=_reference_torch_attention),
+    torch=types.SimpleNamespace(attention=reference_torch_attention),
+    varlen_attention=functools.partial(varlen_attention, attention=reference_torch_attention),
     sdpa_mask=sdpa_mask,
 )
 

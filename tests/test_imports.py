@@ -529,7 +529,6 @@ def test_a_dead_import_stays_in_a_try_whose_handler_also_falls_back():
     ("below", "gap"),
     [
         ("x = 1\n", "\n"),  # isort leaves one blank line between the imports and code
-        ("# note\nx = 1\n", "\n"),
         ("def f():\n    pass\n", "\n\n"),  # two above a definition
         ("\ndef f():\n    pass\n", "\n\n"),  # one blank line already there: one more
         ("\n\n\nx = 1\n", "\n\n\n"),  # enough blank lines already: none added
@@ -540,3 +539,11 @@ def test_an_import_after_the_docstring_keeps_isorts_blank_lines_below_it(below, 
     assert added
     expected_below = below.lstrip("\n") if gap != "\n\n\n" else "x = 1\n"
     assert text == '"""Doc."""\nimport flashport\n' + gap + expected_below
+
+
+def test_an_import_after_the_docstring_goes_below_the_comments_right_under_it():
+    # where ruff's isort puts a required import: the comments below the docstring stay with it
+    text, _ = imports.ensure_import('"""Doc."""\n# note\nx = 1\n', "flashport", "\n")
+    assert text == '"""Doc."""\n# note\nimport flashport\n\nx = 1\n'
+    text, _ = imports.ensure_import("from __future__ import annotations\nx = 1\n", "flashport", "\n")
+    assert text == "from __future__ import annotations\n\nimport flashport\n\nx = 1\n"

@@ -340,7 +340,7 @@ def test_pre_commit_hook_runs_rewrite_check(tree):
     assert cli.main(argv) == cli.EXIT_OK
 
 
-# ----------------------------------------------------------------------------------- README SVG
+# ------------------------------------------------------------------------------- walkthrough SVG
 
 
 def test_walkthrough_svg_script(tmp_path):
@@ -355,4 +355,4 @@ def test_walkthrough_svg_script(tmp_path):
     svg = out.read_text(encoding="utf-8")
     assert svg.startswith("<svg") and "flashport&#160;scan&#160;examples/" in svg
     assert "flashport.attention(q,&#160;k,&#160;v" in svg
-    assert "docs/walkthrough.svg" in (ROOT / "README.md").read_text()
+    assert "walkthrough.svg" in (ROOT / "docs" / "walkthrough.md").read_text()

@@ -49,6 +49,7 @@ DEFAULT_CASES = (
     "interpret_zigzag_br_segments",
     "xla_backend_calls_window",
     "auto_dispatch",
+    "auto_axes_jit",
 )
 
 
@@ -56,7 +57,7 @@ DEFAULT_CASES = (
     "case",
     [
         case if case in DEFAULT_CASES else pytest.param(case, marks=pytest.mark.slow)
-        for case in [*sorted(ring_check.CASES), "auto_dispatch"]
+        for case in [*sorted(ring_check.CASES), *ring_check.CHECKS]
     ],
 )
 def test_ring_matches_reference_on_8_devices(case):
@@ -86,10 +87,14 @@ HLO_SCRIPT = textwrap.dedent(
     def calls_loss(q, k, v):  # the backend-call engine
         return ring_loss(q, k, v, backend="xla")
 
-    def gathered_loss(q, k, v):  # the plain contract on sequence-sharded inputs: gathers K/V
+    def auto_loss(q, k, v):  # the plain contract on sequence-sharded inputs: the ring, decided when partitioning
         return jnp.sum(flashport.attention(q, k, v, causal=True, backend=backend))
 
-    for name, loss in (("ring", ring_loss), ("calls", calls_loss), ("gathered", gathered_loss)):
+    def gathered_loss(q, k, v):  # K/V replicated first: the contract gathers the sequence
+        k, v = (jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())) for x in (k, v))
+        return jnp.sum(flashport.attention(q, k, v, causal=True, backend=backend))
+
+    for name, loss in (("ring", ring_loss), ("calls", calls_loss), ("auto", auto_loss), ("gathered", gathered_loss)):
         for kind, fn in (("fwd", loss), ("grad", jax.grad(loss, argnums=(0, 1, 2)))):
             hlo = jax.jit(fn).lower(x, x, x).compile().as_text()
             print(name, kind, "all-gather" in hlo, "collective-permute" in hlo)
@@ -105,7 +110,8 @@ def test_compiled_ring_holds_no_all_gather():
         # ring (both engines): K/V move only by collective-permute, never gathered
         assert lines[f"ring {kind}"] == ["False", "True"], proc.stdout
         assert lines[f"calls {kind}"] == ["False", "True"], proc.stdout
-        # the control shows the HLO check can fail: the plain call on the same inputs gathers K/V
+        assert lines[f"auto {kind}"] == ["False", "True"], proc.stdout
+        # the control shows the HLO check can fail: with K/V replicated first the call gathers
         assert lines[f"gathered {kind}"][0] == "True", proc.stdout
 
 

@@ -1,4 +1,4 @@
-"""The coverage table: every rule documents what it rewrites and refuses; README and CLI show it."""
+"""The coverage table: every rule documents what it rewrites and refuses; docs/rules.md and CLI show it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from flashport.rules import all_rules
 from flashport.rules import coverage as cov
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RULES_PAGE = ROOT / "docs" / "rules.md"
 
 
 @pytest.mark.parametrize("rule", all_rules(), ids=lambda r: r.CODE)
@@ -35,11 +36,11 @@ def test_missing_sections_are_an_error(monkeypatch):
         cov.coverage(rule)
 
 
-def test_readme_section_matches_the_generator():
-    text = README.read_text(encoding="utf-8")
-    assert cov.START in text, "README lacks the rule coverage section"
+def test_rules_page_section_matches_the_generator():
+    text = RULES_PAGE.read_text(encoding="utf-8")
+    assert cov.START in text, "docs/rules.md lacks the rule coverage section"
     assert cov.update(text) == text, (
-        "README's rule coverage is stale: python -m flashport.rules.coverage --update README.md"
+        "docs/rules.md is stale: python -m flashport.rules.coverage --update docs/rules.md"
     )
     assert text.count("\n| FPA") == len(all_rules())
 
@@ -59,7 +60,7 @@ def test_cli_rules_json_has_rewritten_and_refused():
 @pytest.mark.parametrize("rule", all_rules(), ids=lambda r: r.CODE)
 def test_rule_docs_name_only_existing_files_and_rules(rule):
     """Paths and rule codes a rule's documentation points readers to must exist (no stale promises)."""
-    root = README.parent
+    root = ROOT
     doc = rule.doc()
     for path in re.findall(
         r"\b((?:tests|rules|rewriter|kernels|docs|benchmarks|examples)/[\w/.-]+\.(?:py|md))", doc

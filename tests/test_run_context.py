@@ -105,7 +105,8 @@ def test_two_file_repository_through_the_cli(tmp_path, capsys):
     assert f"{tmp_path / 'patcher.py'}:7" in site["notes"][0]  # the notice names the patch
     (changed,) = [f for f in report["files"] if f["status"] == "changed"]
     assert changed["path"].endswith("model.py") and DROP_IN in changed["diff"]
-    ported = port(CALLER, options=run_context.for_paths([str(tmp_path / "patcher.py")], RuleOptions()))
+    options = run_context.for_paths([str(tmp_path / "patcher.py")], RuleOptions())
+    ported = port(CALLER, str(tmp_path / "model.py"), options)
     assert f"return {DROP_IN}(q, k, v, attn_mask=mask, is_causal=False)" in ported.new.decode()
     monkeypatch_stays = port(PATCHER, options=run_context.for_paths([], RuleOptions()))
     assert monkeypatch_stays.new is None  # the patch statement itself is kept
@@ -165,7 +166,9 @@ def test_ported_caller_still_runs_the_patch(tmp_path):
     (tmp_path / "patcher.py").write_text(PATCHER)
     options = run_context.for_paths([str(tmp_path / "patcher.py")], RuleOptions())
     namespace: dict = {}
-    exec(compile(port(CALLER, options=options).new.decode(), "model.py", "exec"), namespace)
+    exec(
+        compile(port(CALLER, str(tmp_path / "model.py"), options).new.decode(), "model.py", "exec"), namespace
+    )
     original = torch.nn.functional.scaled_dot_product_attention
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=gen) for _ in range(3))
