@@ -19,9 +19,10 @@ one cycle, so a kernel's static cycles are the bundles of each region times how 
 
 What it omits: DMA waits (HBM bandwidth), pipeline stalls and bank conflicts. Absolute cycles are a
 lower bound of run time; the ratio of two kernels' cycles is the ruler's output. Where libtpu's own
-static estimate is valid (kernels gated by grid arithmetic, e.g. JAX's ``flash_attention``) the two
-agree within a few percent (``tests/test_tpu_ruler.py``); for table-driven kernels (splash,
-flashport) that estimate drops every region behind a table value and is no ruler.
+static estimate is exact (JAX's ``flash_attention`` without a mask) the two agree within 5%
+(``tests/test_tpu_ruler.py``); with a causal mask libtpu counts the grid condition it cannot bound
+as taken and reads above the ruler; for table-driven kernels (splash, flashport) it drops every
+region behind a table value and is no ruler.
 
 Rates: a chip's bf16 MXU rate in FLOP per cycle is derived the same way, from the schedule of a
 512³ bf16 matmul per grid step (:func:`mxu_rate`); the MXU floor of a config is its model FLOPs over

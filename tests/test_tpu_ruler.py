@@ -110,7 +110,7 @@ def validation():
         text=True,
         env=env,
         cwd=ROOT,
-        timeout=1800,
+        timeout=3600,
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -124,11 +124,19 @@ def test_mxu_rate_is_the_vendor_peak_over_the_clock(validation):
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("mask", ["full", "causal"])
-def test_ruler_matches_libtpu_where_its_estimate_is_valid(validation, mask):
-    # JAX's flash_attention gates its tiles by grid arithmetic, which libtpu's static estimate counts.
-    row = validation["jax_flash"][mask]
+def test_ruler_matches_libtpu_where_its_estimate_is_valid(validation):
+    # JAX's flash_attention without a mask runs every tile; libtpu's static estimate counts it exactly.
+    row = validation["jax_flash"]["full"]
     assert row["ruler"] == pytest.approx(row["libtpu"], rel=0.05)
+
+
+@pytest.mark.tpu_compile
+def test_ruler_counts_causal_skipping_that_libtpu_over_counts(validation):
+    # Causal: libtpu counts a grid condition it cannot bound as taken, so its estimate is an upper
+    # bound; the ruler counts the tiles the mask leaves (10 of 16 per head at S = 2048, 512 blocks).
+    full, causal = validation["jax_flash"]["full"], validation["jax_flash"]["causal"]
+    assert causal["ruler"] <= causal["libtpu"]
+    assert causal["ruler"] / full["ruler"] == pytest.approx(10 / 16, abs=0.1)
 
 
 @pytest.mark.tpu_compile
