@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import bisect
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -42,10 +43,11 @@ from libcst.metadata import MetadataWrapper, ScopeProvider
 from flashport.rewriter import aliases, newsyntax, run_context, suppress, thin
 from flashport.rewriter.names import Names
 from flashport.rewriter.positions import Span, line_positions
-from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
+from flashport.rewriter.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rewriter.spans import StatementSpans, indents
 from flashport.rules._values import call_drop_in
 from flashport.rules.base import (
+    RUNS_AS_IS,
     Outcome,
     Refusal,
     Refuse,
@@ -144,11 +146,14 @@ class SiteTransformer(cst.CSTTransformer):
         site_vetoes: Mapping[tuple[str, int, int], str] | None = None,
         tree: ast.Module | None = None,
         watch_reads: bool = False,
+        watch_module: bool = False,
     ):
         super().__init__()
         # a thin pass: rules get watched ancestors, and ``read_beyond`` says whether one read
-        # above the site's innermost statement or the module (rewriter/thin.py)
+        # above the site's innermost statement or the module (rewriter/thin.py); a pass over pruned
+        # chunks (rewriter/prune.py): whether one read the module
         self.watch_reads = watch_reads
+        self.watch_module = watch_module
         self.read_beyond = False
         self._spans = spans if spans is not None and not spans.failed and positions is None else None
         if self._spans is None:
@@ -366,11 +371,11 @@ class SiteTransformer(cst.CSTTransformer):
         status, reason = None, ""
         notes: tuple[str, ...] = ()
         if suppress.is_suppressed(self.suppressions, rule.CODE, line, end):
-            status, reason = SUPPRESSED, "suppressed by a # flashport: ignore comment"
+            status, reason = SUPPRESSED, suppress.REASON
         elif isinstance(outcome, Rewrite):
             status, notes = REWRITE, outcome.notes
         elif isinstance(outcome, (Refusal, Report)):
-            status, reason = REFUSED, outcome.reason
+            status, reason = AS_IS if outcome.reason.startswith(RUNS_AS_IS) else REFUSED, outcome.reason
         if status is None:
             return None
         site = Site(self.path, line, column, end, rule.CODE, api, kind, status, reason, tuple(notes))
@@ -418,6 +423,9 @@ class SiteTransformer(cst.CSTTransformer):
                 -1 if statement else next((i for i, a in enumerate(ancestors) if type(a) in _STATEMENTS), -1)
             )
             ancestors, kind = thin.Watched(ancestors, limit, self._note_read), thin.WatchedContext
+        elif self.watch_module:  # pruned chunks: note reads of the module (its last ancestor)
+            ancestors = thin.Watched(ancestors, len(ancestors) - 2, self._note_read)
+            kind = thin.WatchedContext
         return kind(
             self.path,
             line,
@@ -431,10 +439,26 @@ class SiteTransformer(cst.CSTTransformer):
         )
 
     def _note_read(self) -> None:
-        """A rule read beyond the site's innermost statement (see ``watch_reads``): the thin pass
-        is given up."""
+        """A rule read beyond what a watched pass holds whole (``watch_reads``, ``watch_module``):
+        only recorded here, in rule code (a rule's own ``except Exception`` must not swallow it);
+        :meth:`_ask` gives the pass up once the rule has returned."""
         self.read_beyond = True
-        raise thin.Abandoned("a rule read beyond the statement of a site")
+
+    def _ask(self, check: Callable[..., Outcome], *args: Any) -> Outcome:
+        """A rule's answer, ``check(*args)`` (a raised :class:`Refuse` as its refusal). In a thin
+        pass, a rule that read beyond the site's statement (:meth:`_note_read`) may have seen a
+        placeholder: its answer, or the error it raised, is dropped and the pass given up."""
+        try:
+            outcome = check(*args)
+        except Refuse as refusal:
+            outcome = Refusal(refusal.reason)
+        except Exception:
+            if self.read_beyond:
+                raise thin.Abandoned("a rule read beyond the statement of a site") from None
+            raise
+        if self.read_beyond:
+            raise thin.Abandoned("a rule read beyond the statement of a site")
+        return outcome
 
     @property
     def used_scopes(self) -> bool:
@@ -466,10 +490,7 @@ class SiteTransformer(cst.CSTTransformer):
                 alias.suppressed += 1
             self._record(rule, api, "call", where, None, original_node)
             return updated_node
-        try:
-            outcome = rule.check_call(updated_node, self._context(where[0], api, original_node))
-        except Refuse as refusal:
-            outcome = Refusal(refusal.reason)
+        outcome = self._ask(rule.check_call, updated_node, self._context(where[0], api, original_node))
         outcome = run_context.refuse_patched(outcome, api, self.options)
         if isinstance(outcome, Rewrite) and (veto := self._vetoed(rule, where)):
             outcome = Refusal(veto)
@@ -645,10 +666,7 @@ class SiteTransformer(cst.CSTTransformer):
     ) -> Outcome:
         """The rule's answer for ``value`` (a source API not called), its rewrite turned into a
         report where the name may hold something else or the file compares it."""
-        try:
-            outcome = rule.check_reference(value, self._context(where[0], api, value))
-        except Refuse as refusal:
-            outcome = Refusal(refusal.reason)
+        outcome = self._ask(rule.check_reference, value, self._context(where[0], api, value))
         if not isinstance(outcome, Rewrite):
             return outcome
         if veto := self._vetoed(rule, where):
@@ -676,10 +694,14 @@ class SiteTransformer(cst.CSTTransformer):
             for access in scope.accesses[self.module.code_for_node(node)] if scope else ():
                 if access.node is node:
                     bindings = list(access.referents)
+        fallbacks = import_fallbacks(self.tree) if self.tree is not None else frozenset()
         imports_only = bool(bindings) and all(
-            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom)) for b in bindings or ()
+            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom))
+            or (isinstance(getattr(b, "node", None), cst.Name) and b.node.value in fallbacks)
+            for b in bindings or ()
         )
-        if not imports_only or len(self._qualified_names(value)) != 1:
+        meanings = self._qualified_names(value) - ({base.value} if base.value in fallbacks else set())
+        if not imports_only or len(meanings) != 1:
             # `import xformers` + `import xformers.ops.fmha` is fine: both give the value one meaning
             return (
                 f"{base.value} is bound by more than one import or assignment (a fallback such as "
@@ -731,6 +753,26 @@ class SiteTransformer(cst.CSTTransformer):
                         self._attributes_dropped_in.discard(key)
                     self._attributes[key] = (*matched, where[0])
 
+    def visit_Annotation(self, node: cst.Annotation) -> None:
+        """``mask: AttentionBias | None``, ``-> Optional[BlockDiagonalMask]``: a class named in an
+        annotation is a value too (it moves with the constructors and type checks of its rule)."""
+        pending: list[cst.BaseExpression] = [node.annotation]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, cst.BinaryOperation):
+                pending += [value.left, value.right]
+            elif isinstance(value, cst.Subscript):
+                pending += [value.value] + [
+                    e.slice.value for e in value.slice if isinstance(e.slice, cst.Index)
+                ]
+            elif isinstance(value, (cst.Name, cst.Attribute)):
+                self._reference(value)
+
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        """``MaskType.CAUSAL if causal else MaskType.NO_MASK``: both branches are values."""
+        self._reference(node.body)
+        self._reference(node.orelse)
+
     def visit_DictElement(self, node: cst.DictElement) -> None:
         """``{"flash_attention_2": flash_attn_func}``."""
         self._reference(node.value)
@@ -767,10 +809,9 @@ class SiteTransformer(cst.CSTTransformer):
         if suppress.is_suppressed(self.suppressions, rule.CODE, where[0], where[2]):
             self._record(rule, value, "string", where, None)
             return updated_node
-        try:
-            outcome = rule.check_string(original_node, value, self._context(where[0], value, original_node))
-        except Refuse as refusal:
-            outcome = Refusal(refusal.reason)
+        outcome = self._ask(
+            rule.check_string, original_node, value, self._context(where[0], value, original_node)
+        )
         if isinstance(outcome, Rewrite) and (veto := self._vetoed(rule, where)):
             outcome = Refusal(veto)
         self._record(rule, value, "string", where, outcome)
@@ -779,6 +820,66 @@ class SiteTransformer(cst.CSTTransformer):
             self.rewrites += 1
             return outcome.node
         return updated_node
+
+
+_IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError", "Exception", "BaseException")
+_PROBE = re.compile(
+    r"(^|\.)(callable|getattr|hasattr|isinstance|issubclass|id|type|signature|getfullargspec)$"
+)
+
+
+@functools.lru_cache(maxsize=8)
+def import_fallbacks(tree: ast.Module) -> frozenset[str]:
+    """Names whose only bindings besides imports are ``name = None`` in the ``except ImportError``
+    handler of a ``try`` that imports them, and that the file never asks about (a test, comparison
+    or probe such as ``callable(fn)`` would then see the drop-in on one line and None on another):
+    the library's function, or None where it is absent. The port makes the library always present
+    (the import clean-up turns such guards' flags True), so a value of such a name takes the drop-in
+    too -- one meaning for flags and values."""
+    guarded: set[str] = set()
+    other: set[str] = set()
+    fallback_targets: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try):
+            continue
+        imported = {
+            alias.asname or alias.name.split(".")[0]
+            for stmt in node.body
+            if isinstance(stmt, (ast.Import, ast.ImportFrom))
+            for alias in stmt.names
+        }
+        for handler in node.handlers:
+            names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+            if handler.type is not None and not any(
+                (n.id if isinstance(n, ast.Name) else getattr(n, "attr", "")) in _IMPORT_ERRORS for n in names
+            ):
+                continue
+            for stmt in handler.body:
+                if (
+                    isinstance(stmt, ast.Assign)
+                    and isinstance(stmt.value, ast.Constant)
+                    and stmt.value.value is None
+                ):
+                    for target in stmt.targets:
+                        if isinstance(target, ast.Name) and target.id in imported:
+                            guarded.add(target.id)
+                            fallback_targets.add(id(target))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Name)
+            and isinstance(node.ctx, ast.Store)
+            and id(node) not in fallback_targets
+        ):
+            other.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            other.add(node.name)
+        elif isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+            other.update(n.id for n in ast.walk(node.test) if isinstance(n, ast.Name))  # `if fn:` asks
+        elif isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp)):
+            other.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name))  # `fn is None`
+        elif isinstance(node, ast.Call) and _PROBE.search(ast.unparse(node.func)):
+            other.update(a.id for a in node.args if isinstance(a, ast.Name))  # callable(fn)
+    return frozenset(guarded - other)
 
 
 def _masked(node: cst.CSTNode) -> bool:

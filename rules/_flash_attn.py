@@ -13,6 +13,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as matchers
 
+from flashport.rules._node_context import simple
 from flashport.rules.base import (
     Refuse,
     Rewrite,
@@ -121,6 +122,9 @@ def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
             if all(v < 0 for v in values):
                 return None
             return tuple_of(*[cst.Name("None") if v < 0 else number(v) for v in values])
+        sides = [_window_side(e.value) for e in node.elements]
+        if all(side is not None for side in sides):  # readable: one conditional per side that needs it
+            return tuple_of(*[side for side in sides if side is not None])
     # Dynamic: convert at run time, once (the iterable of a generator is evaluated in this scope;
     # an assignment expression may not stand there, so a value holding one is passed to a lambda).
     if matchers.findall(node, matchers.NamedExpr()):
@@ -131,6 +135,21 @@ def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
     if not isinstance(converted, cst.BaseExpression):  # the substitution replaces one name by one expression
         raise TypeError(f"window conversion produced {type(converted).__name__}, not an expression")
     return converted
+
+
+def _window_side(node: cst.BaseExpression) -> cst.BaseExpression | None:
+    """One side of a flash-attn window as the contract's: a literal as its value (-1 -> None), a name
+    or attribute as ``None if x < 0 else x`` (read twice: :func:`simple`); None for anything else."""
+    value = literal_number(node)
+    if isinstance(value, int):
+        return cst.Name("None") if value < 0 else number(value)
+    if not simple(node):
+        return None
+    return cst.IfExp(
+        test=cst.Comparison(node, [cst.ComparisonTarget(cst.LessThan(), cst.Integer("0"))]),
+        body=cst.Name("None"),
+        orelse=node.deep_clone(),  # the same expression, read a second time
+    )
 
 
 class _Substitute(cst.CSTTransformer):
@@ -374,7 +393,8 @@ def probs_drop_in(
     dropout = bound["dropout_p"].value if "dropout_p" in bound else None
     if probs is None or literal_bool(probs) is False or is_fa1(ctx.qualified_name):
         return None
-    if dropout is not None and not is_zero(dropout):
+    dropout_live = dropout is not None and not is_zero(dropout)
+    if dropout_live and not s_dmask_unused(ctx):
         return None
     if (
         "varlen" in ctx.qualified_name
@@ -382,9 +402,27 @@ def probs_drop_in(
         and not is_none(bound["alibi_slopes"].value)
     ):
         return None
-    return dense_drop_in(
-        call, ctx, leading, "return_attn_probs without dropout (S_dmask: flash-attn's empty tensor)"
+    why = (
+        "return_attn_probs with a dropout, S_dmask unused (the drop-in returns None for it)"
+        if dropout_live
+        else "return_attn_probs without dropout (S_dmask: flash-attn's empty tensor)"
     )
+    return dense_drop_in(call, ctx, leading, why)
+
+
+def s_dmask_unused(ctx: RuleContext) -> bool:
+    """The call's third value (``S_dmask``) is never read: the result is unpacked into ``out, lse, _``
+    (a ``_``-prefixed name) or ``out, lse, *_``, or indexed ``[0]`` / ``[1]``."""
+    up = ctx.ancestors[0] if ctx.ancestors else None
+    if isinstance(up, cst.Assign) and up.value is ctx.node and len(up.targets) == 1:
+        target = up.targets[0].target
+        if isinstance(target, (cst.Tuple, cst.List)) and len(target.elements) == 3:
+            last = target.elements[2].value  # the name, starred or not
+            return isinstance(last, cst.Name) and last.value.startswith("_")
+    if isinstance(up, cst.Subscript) and up.value is ctx.node and len(up.slice) == 1:
+        index = up.slice[0].slice
+        return isinstance(index, cst.Index) and literal_number(index.value) in (0, 1)
+    return False
 
 
 def dropout_or_drop_in(

@@ -183,7 +183,7 @@ def test_imports_partial_removal_dead_guard_removed_and_flashport_added_once():
     )  # a dead probe guard goes whole
 
 
-def test_feature_probe_keeps_its_import():
+def test_signature_probe_of_a_ported_function_inspects_the_drop_in():
     text = new_text(
         run("""
         import inspect
@@ -194,7 +194,8 @@ def test_feature_probe_keeps_its_import():
             return flash_attn_func(q, k, v)
     """)
     )
-    assert "from flash_attn import flash_attn_func\n" in text
+    assert "flash_attn import" not in text
+    assert "inspect.signature(flashport.integrations.flash_attn_compat.flash_attn_func)" in text
 
 
 def test_coding_declaration_and_latin1_bytes_preserved():
@@ -207,7 +208,7 @@ def test_coding_declaration_and_latin1_bytes_preserved():
     assert new.startswith(b"# -*- coding: latin-1 -*-\n# caf\xe9 \xb5s\r\n")
     assert b"s = '\xe9'\t# tab\n\n\n" in new
     assert (
-        b'\treturn flashport.torch.attention(q, k, v, scale=None, causal=False, align="bottom_right", layout="BSHD")  # trailing \xe9\n'
+        b'\treturn flashport.torch.attention(q, k, v, align="bottom_right", layout="BSHD")  # trailing \xe9\n'
         in new
     )
     compile(new, "m.py", "exec")
@@ -335,7 +336,7 @@ def test_identical_fa3_calls_with_different_uses_each_get_their_own_return_type(
     text = new_text(result)
     assert (
         _line(text, "a =")
-        == 'a = flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")'
+        == 'a = flashport.torch.attention(q, k, v, causal=True, align="bottom_right", layout="BSHD")'
     )
     assert _line(text, "out, lse =").endswith(", return_lse=True)")
 
@@ -363,7 +364,7 @@ def test_python_312_syntax_is_read_and_the_call_rewritten():
     text = new_text(result)
     expected = PY312_FILE.replace(
         "flash_attn_func(q, k, v, causal=True)",
-        'flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")',
+        'flashport.torch.attention(q, k, v, causal=True, align="bottom_right", layout="BSHD")',
     )
     assert text.splitlines()[2:] == expected.splitlines()[2:]  # type/f-string lines byte-identical
     assert "import flashport" in text and "from flash_attn" not in text
