@@ -152,6 +152,52 @@ def test_long_gqa_default_blocks_fit_vmem(gen, hq, hkv):
     assert "flashport_flash_fwd" in text
 
 
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_every_feature_compiles_on_v4_with_default_options(feature):
+    # No generation option: the blocks must follow the chip the program is compiled for (v4: 16 MiB
+    # VMEM), found from the compile target's devices, not the host (which has no TPU).
+    compile_fwd_and_grad(one_chip("v4"), "bfloat16", feature)
+
+
+# Long sequences, where blocks planned for v6e overflow v4's VMEM or break its Mosaic layout rules:
+# (dtype, query heads, kv heads, head dim, static kwargs, extra arrays).
+LONG_CASES = {
+    "gqa_8_2_causal_bf16": ("bfloat16", 8, 2, 128, dict(causal=True), ()),
+    "softcap_window_f32": ("float32", 8, 8, 128, dict(softcap=30.0, window=(256, 0)), ()),
+    "segments_bias_bf16": ("bfloat16", 8, 8, 128, {}, ("bias", "segments")),
+    "d256_causal_bf16": ("bfloat16", 8, 8, 256, dict(causal=True), ()),
+}
+
+
+@pytest.mark.parametrize("gen", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("case", sorted(LONG_CASES))
+def test_default_blocks_follow_the_target_chip(case, gen):
+    dtype, hq, hkv, d, static, extra = LONG_CASES[case]
+    sharding, s = one_chip(gen), 4096
+    q = jax.ShapeDtypeStruct((1, s, hq, d), jnp.dtype(dtype), sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, s, hkv, d), jnp.dtype(dtype), sharding=sharding)
+    arrays = {}
+    if "bias" in extra:
+        arrays["bias"] = jax.ShapeDtypeStruct((1, hq, s, s), jnp.dtype(dtype), sharding=sharding)
+    if "segments" in extra:
+        seg = jax.ShapeDtypeStruct((1, s), jnp.int32, sharding=sharding)
+        arrays.update(q_segment_ids=seg, kv_segment_ids=seg)
+
+    def loss(q, k, v, arrays):
+        return jnp.sum(
+            flashport.attention(q, k, v, backend="pallas_tpu", **static, **arrays).astype(jnp.float32)
+        )
+
+    text = (
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        .trace(q, kv, kv, arrays)
+        .lower(lowering_platforms=("tpu",))
+        .compile()
+        .as_text()
+    )
+    assert "flashport_flash_dkv" in text and "flashport_flash_dq" in text
+
+
 @functools.cache
 def eight_chips():
     """A ``seq`` mesh over the 8 chips of a v5e 2x4 topology (no TPU needed)."""

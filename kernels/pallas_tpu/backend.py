@@ -27,6 +27,7 @@ from flashport.kernels.pallas_tpu.blocks import (
     fit_backward_blocks,
     fit_forward_block_q,
     resolve_blocks,
+    tile_operand_bytes,
 )
 from flashport.kernels.pallas_tpu.classify import with_full_ranges
 from flashport.kernels.pallas_tpu.forward import forward_call
@@ -64,7 +65,7 @@ class Config:
     # TracedMod) or None; their arrays travel in the tables (``Tables.mod_consts``).
     mods: Any = None
 
-    def geometry(self, kind: str, q, k, v, *, token_major: bool = False) -> Geometry:
+    def geometry(self, kind: str, q, k, v, *, token_major: bool = False, bias=None, mask=None) -> Geometry:
         """The tiling of kernel ``kind`` (``"fwd"``, ``"dkv"`` or ``"dq"``).
 
         From the canonical operands ``q, k, v``: the blocks are shrunk until the heads of one step
@@ -84,14 +85,35 @@ class Config:
         budget = self.vmem(token_major)[0]
         if kind == "fwd":
             heads = hq if token_major else hq // hkv
+            tiles = tile_operand_bytes(kind, heads, bias, mask)
             bq = fit_forward_block_q(
-                bq, bk, heads, dp, dvp, itemsize, kv_heads=kv_heads, budget=budget, staged=token_major
+                bq,
+                bk,
+                heads,
+                dp,
+                dvp,
+                itemsize,
+                kv_heads=kv_heads,
+                budget=budget,
+                staged=token_major,
+                tile_bytes=tiles,
             )
         else:
             heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
+            tiles = tile_operand_bytes(kind, heads, bias, mask)
             clipped = Geometry.make(self.spec, bq, bk)  # fit the blocks the sequences actually use
             bq, bk = fit_backward_blocks(
-                kind, clipped.bq, clipped.bk, heads, kv_heads, dp, dvp, itemsize, budget, staged=token_major
+                kind,
+                clipped.bq,
+                clipped.bk,
+                heads,
+                kv_heads,
+                dp,
+                dvp,
+                itemsize,
+                budget,
+                staged=token_major,
+                tile_bytes=tiles,
             )
         return dataclasses.replace(Geometry.make(self.spec, bq, bk), mods=self.mods)
 
@@ -245,7 +267,7 @@ def _forward_local(
     b, hq, sq, _ = q.shape
     dv = v.shape[3]
     ops = cfg.operands(q, k, v, ("fwd",))
-    g = cfg.geometry("fwd", q, k, v, token_major=ops.token_major)
+    g = cfg.geometry("fwd", q, k, v, token_major=ops.token_major, bias=bias, mask=mask)
     if ops.token_major:
         qp, kp, vp = (pad_to(jnp.swapaxes(x, 1, 2), 1, n) for x, n in ((q, g.sqp), (k, g.skp), (v, g.skp)))
     else:
@@ -300,7 +322,7 @@ def _backward_local(
 
     results = {}
     for kind in ("dkv", "dq"):
-        g = cfg.geometry(kind, q, k, v, token_major=ops.token_major)
+        g = cfg.geometry(kind, q, k, v, token_major=ops.token_major, bias=bias_in, mask=mask)
         b_, m_, qs, ks = prepare_operands(g, bias_in, mask, q_seg, kv_seg)
         tables = _tables(
             g,
@@ -408,14 +430,14 @@ def _mods_config(cfg: Config, mods) -> Config:
 def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The backend's forward ``fn`` and its residual ``backward`` (:class:`registry.BackendInfo`)."""
 
-    def config(spec: AttentionSpec, options) -> Config:
+    def config(spec: AttentionSpec, options, q) -> Config:
         options = dict(options)
         read_bshd = options.pop("read_bshd", None)
         if read_bshd is not None and not isinstance(read_bshd, bool):
             raise ValueError(
                 f"backend {name!r} option read_bshd={read_bshd!r} must be True, False or None (the default)"
             )
-        generation, blocks = resolve_blocks(options, name)
+        generation, blocks = resolve_blocks(options, name, q)
         return Config(spec, blocks, interpret, generation, read_bshd)
 
     def fn(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec: AttentionSpec, options, mods=None):
@@ -423,9 +445,9 @@ def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], C
         # kernels hash global batch and head indices (positions are global: sequences are never split).
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
         if mods is not None:
-            cfg = _mods_config(config(spec, options), mods)
+            cfg = _mods_config(config(spec, options, q), mods)
             return _attention_mods(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, head_seeds, mods)
-        return _attention(config(spec, options), q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
+        return _attention(config(spec, options, q), q, k, v, bias, mask, q_seg, kv_seg, head_seeds)
 
     def backward(
         q,
@@ -445,7 +467,7 @@ def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], C
         options,
         mods=None,
     ):
-        cfg = config(spec, options)
+        cfg = config(spec, options, q)
         head_seeds = head_seed_table(seed, q.shape[0], q.shape[1]) if spec.dropout_rate > 0 else None
         cotangents = (d_out.astype(q.dtype), d_lse)
         if mods is not None:

@@ -37,8 +37,10 @@ from flashport.kernels.pallas_tpu.classify import DROPOUT_SCOPE, bodies, tile_is
 from flashport.kernels.pallas_tpu.forward import for_each_head
 from flashport.kernels.pallas_tpu.specs import Operands, grouped_specs, key_major_specs
 from flashport.kernels.pallas_tpu.tiling import (
+    LOG2_E,
     Geometry,
     Step,
+    folds_scale,
     load,
     mod_grad,
     mod_site,
@@ -73,13 +75,20 @@ def _probs_and_dlogits(
     in the forward (``P`` itself without dropout); ``raw`` are the pre-softcap scaled scores. The
     keep-mask Z is regenerated from ``head_seed`` and the tile's positions.
     """
-    s, raw = scores(g, q, k, bias, at)
+    fold = folds_scale(g, bias is not None)
+    if fold:  # unscaled scores; exp(scale * raw - lse) = exp2(c * raw - lse * log2(e))
+        s = raw = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+    else:
+        s, raw = scores(g, q, k, bias, at)
     vis = tile_visible(g, st_q, st_k, mask, qs, ks, at) if masked else None
     if vis is not None:
         s = jnp.where(vis, s, -jnp.inf)
     # lse and di arrive as compact [1, bq] rows; the tile needs [bq, 1] columns.
-    lse0, di = lse.T, di.T
-    p = jnp.exp(s - jnp.where(lse0 == -jnp.inf, 0.0, lse0))
+    lse0, di = jnp.where(lse == -jnp.inf, 0.0, lse).T, di.T
+    if fold:
+        p = jnp.exp2(s * (g.spec.scale * LOG2_E) - lse0 * LOG2_E)
+    else:
+        p = jnp.exp(s - lse0)
     dp = _dot(do, v, _NT)
     p_dropped = p
     if g.spec.dropout_rate:
@@ -95,11 +104,15 @@ def _probs_and_dlogits(
 
 
 def _dscores(g: Geometry, dlogits, raw):
-    """Gradient w.r.t. the unscaled Q·Kᵀ: through the softcap's tanh and the scale."""
+    """Gradient w.r.t. the scaled Q·Kᵀ (through the softcap's tanh). The constant ``scale`` is applied
+    once to the accumulated dQ/dK (:func:`_scaled`), not to every score."""
     grad = softcap_grad(g.spec, raw, jnp)
-    if grad is not None:
-        dlogits = dlogits * grad
-    return dlogits * g.spec.scale
+    return dlogits if grad is None else dlogits * grad
+
+
+def _scaled(g: Geometry, scratch):
+    """Multiply an f32 dQ or dK accumulator by the attention scale in place (see :func:`_dscores`)."""
+    scratch[...] = scratch[...] * g.spec.scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +204,7 @@ def _dkv_kernel(
 
     @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == g.steps_q - 1))
     def _finish():
+        _scaled(g, dk_scr)
         ops.write_rows(dk_ref, dk_scr)
         ops.write_rows(dv_ref, dv_scr)
 
@@ -373,6 +387,7 @@ def _dq_kernel(
 
     @pl.when(j == g.steps_k - 1)
     def _finish():
+        _scaled(g, dq_scr)
         ops.write_rows(dq_ref, dq_scr)
 
 

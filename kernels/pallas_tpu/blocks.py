@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 # Sublane granularity of query blocks: 32 rows keep f32 (8), bf16/f16 (16) and the int8 mask (32)
 # tiles whole. Key blocks are lane dimensions of the score tile: multiples of 128.
@@ -112,24 +113,32 @@ def generation_of(device_kind: str | None) -> str:
     return _DEVICE_KINDS.get(device_kind or "", FALLBACK_GENERATION)
 
 
-def current_device_kind() -> str | None:
-    """The TPU kind being lowered for: the abstract mesh's device if set, else the default TPU device.
+def current_device_kind(*arrays) -> str | None:
+    """The TPU kind being lowered for, or ``None`` when nothing names one (export from a CPU host).
 
-    Never raises: on a host without TPUs (export, interpret mode) it returns ``None``.
+    In order: the abstract mesh's device (set by the user), the device of the mesh the ``arrays``
+    are laid out on (under ``jit`` their abstract values carry the mesh of the compile target, e.g.
+    ``get_topology_desc`` devices when compiling ahead of time), the default TPU device. Never raises.
     """
     abstract = jax.sharding.get_abstract_mesh().abstract_device
     if abstract is not None:
         return abstract.device_kind
+    for x in arrays:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        device = getattr(mesh, "abstract_device", None)
+        if device is not None and device.platform == "tpu":
+            return device.device_kind
     try:
         return jax.devices("tpu")[0].device_kind
     except RuntimeError:
         return None
 
 
-def resolve_blocks(options: dict[str, Any], backend: str) -> tuple[str, BlockSizes]:
+def resolve_blocks(options: dict[str, Any], backend: str, *arrays) -> tuple[str, BlockSizes]:
     """Validate backend options and return ``(generation, BlockSizes)`` with user overrides applied.
 
-    Options: ``generation`` (one of :data:`GENERATION_DEFAULTS`; default: detected), ``read_bshd``
+    Options: ``generation`` (one of :data:`GENERATION_DEFAULTS`; default: the chip
+    :func:`current_device_kind` finds for ``arrays``), ``read_bshd``
     (read by the backend, not here) and any field of :class:`BlockSizes`. ``block_q``/``block_k`` also set the backward blocks unless those are given.
     """
     unknown = sorted(set(options) - set(OPTION_NAMES))
@@ -139,7 +148,7 @@ def resolve_blocks(options: dict[str, Any], backend: str) -> tuple[str, BlockSiz
         )
     generation = options.get("generation")
     if generation is None:
-        generation = generation_of(current_device_kind())
+        generation = generation_of(current_device_kind(*arrays))
     elif generation not in GENERATION_DEFAULTS:
         raise ValueError(
             f"backend {backend!r} option generation={generation!r} is unknown; use one of "
@@ -173,15 +182,42 @@ TOKEN_MAJOR_VMEM = {
 
 
 def forward_vmem_bytes(
-    bq: int, bk: int, group: int, dp: int, dvp: int, itemsize: int, kv_heads: int = 1, staged: bool = False
+    bq: int,
+    bk: int,
+    group: int,
+    dp: int,
+    dvp: int,
+    itemsize: int,
+    kv_heads: int = 1,
+    staged: bool = False,
+    tile_bytes: int = 0,
 ) -> int:
     """VMEM of one grouped forward step: double-buffered q/out blocks and compact lse rows of the
     step's ``group`` heads, the K/V blocks of its ``kv_heads``, the heads' m/l (lane-replicated) and
     accumulator scratch, ~4 live f32 [bq, bk] temporaries (the heads run one after another) and,
-    ``staged`` (token-major), the heads-major copies of the Q and K/V blocks."""
+    ``staged`` (token-major), the heads-major copies of the Q and K/V blocks, and ``tile_bytes`` per
+    score element for the bias/mask blocks (:func:`tile_operand_bytes`)."""
     copies = 1 if staged else 0
     per_row = group * ((2 + copies) * dp * itemsize + 2 * dvp * itemsize + 2 * 4 + 2 * LANES * 4 + dvp * 4)
-    return bq * per_row + (2 + copies) * bk * (dp + dvp) * itemsize * kv_heads + 4 * bq * bk * 4
+    return (
+        bq * per_row + (2 + copies) * bk * (dp + dvp) * itemsize * kv_heads + (4 * 4 + tile_bytes) * bq * bk
+    )
+
+
+def tile_operand_bytes(kind: str, heads: int, bias, mask) -> int:
+    """VMEM bytes per [bq, bk] score element that a step of kernel ``kind`` holds for its bias and
+    mask blocks (double-buffered; per head of the step's ``heads`` unless broadcast over heads) and,
+    in the dQ kernel, its bias-gradient output block (f32). Blocks broadcast along a sequence dim are
+    a row or a column, not a tile, and count as nothing here."""
+    total = 0
+    for x, grad in ((bias, kind == "dq"), (mask, False)):
+        if x is None or x.shape[2] == 1 or x.shape[3] == 1:
+            continue
+        per_head = heads if x.shape[1] > 1 else 1
+        total += 2 * per_head * jnp.dtype(x.dtype).itemsize
+        if grad:
+            total += 2 * heads * 4
+    return total
 
 
 def fit_forward_block_q(
@@ -195,16 +231,20 @@ def fit_forward_block_q(
     kv_heads: int = 1,
     budget: int = FORWARD_VMEM_BUDGET,
     staged: bool = False,
+    tile_bytes: int = 0,
 ) -> int:
     """``block_q`` halved (not below ``Q_ALIGN``) until the grouped forward fits
     ``budget`` (:data:`FORWARD_VMEM_BUDGET`): the G query heads of a group share each step, so their blocks
     multiply the per-row VMEM by G. The tile still carries ``G * block_q`` query rows per K/V fetch.
     Without GQA (G = 1) the block is the per-generation default or the user's, unchanged. The
     token-major forward passes every head of a step (``group`` = Hq, ``kv_heads`` = Hkv, ``staged``)."""
-    if group == 1:
+    if group == 1 and not tile_bytes:
         return block_q
     bq = block_q
-    while bq > Q_ALIGN and forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads, staged) > budget:
+    while (
+        bq > Q_ALIGN
+        and forward_vmem_bytes(bq, bk, group, dp, dvp, itemsize, kv_heads, staged, tile_bytes) > budget
+    ):
         bq = max(Q_ALIGN, round_to_align(bq // 2))
     return bq
 
@@ -224,6 +264,7 @@ def backward_vmem_bytes(
     dvp: int,
     itemsize: int,
     staged: bool = False,
+    tile_bytes: int = 0,
 ) -> int:
     """VMEM of one backward step serving ``heads`` query heads and ``kv_heads`` kv heads.
 
@@ -239,7 +280,7 @@ def backward_vmem_bytes(
         own = 2 * bq * heads * dp * itemsize + bq * heads * dp * 4
     else:
         own = 2 * bk * kv_heads * (dp + dvp) * itemsize + bk * kv_heads * (dp + dvp) * 4
-    return q_side + kv_side + own + 5 * bq * bk * 4
+    return q_side + kv_side + own + (5 * 4 + tile_bytes) * bq * bk
 
 
 def fit_backward_blocks(
@@ -253,16 +294,18 @@ def fit_backward_blocks(
     itemsize: int,
     budget: int = FORWARD_VMEM_BUDGET,
     staged: bool = False,
+    tile_bytes: int = 0,
 ) -> tuple[int, int]:
     """``(bq, bk)`` of a backward kernel halved until :func:`backward_vmem_bytes` fits
     ``budget`` (:data:`FORWARD_VMEM_BUDGET`), the side holding more VMEM rows first. One head per step
     (heads-major dK/dV, dQ without GQA) keeps the blocks unchanged, as the forward does;
     ``staged``: token-major steps (see :func:`backward_vmem_bytes`)."""
-    if heads == 1 and kv_heads == 1:
+    if heads == 1 and kv_heads == 1 and not tile_bytes:
         return bq, bk
 
     def fits(rows, cols):
-        return backward_vmem_bytes(kind, rows, cols, heads, kv_heads, dp, dvp, itemsize, staged) <= budget
+        need = backward_vmem_bytes(kind, rows, cols, heads, kv_heads, dp, dvp, itemsize, staged, tile_bytes)
+        return need <= budget
 
     while not fits(bq, bk):
         # Halve the side holding more rows of VMEM (ties: the key side), keeping the tiles square-ish.

@@ -45,8 +45,10 @@ from flashport.kernels.pallas_tpu.classify import (
 )
 from flashport.kernels.pallas_tpu.specs import Operands, grouped_specs, lse_rows_spec
 from flashport.kernels.pallas_tpu.tiling import (
+    LOG2_E,
     Geometry,
     Step,
+    folds_scale,
     load,
     mod_site,
     scores,
@@ -63,6 +65,7 @@ class Layout:
 
     group: int  # query heads per grid step: G (heads-major) or Hq (token-major)
     ops: Operands  # the operands' layout and how a head's rows are read from a block
+    fold_scale: bool  # scores stay unscaled; the scale is folded into exp2 (tiling.folds_scale)
     bias_heads: bool  # the bias has a per-head dim (indexed by gi) rather than a broadcast one
     mask_heads: bool
     full_body: bool  # some tile may be fully visible: build the mask-free body
@@ -76,7 +79,14 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
     q_ref, k_ref, v_ref, bias_ref, mask_ref, q_seg_ref, kv_seg_ref, m_scr, l_scr, acc_scr, hk = refs
     bias = None if bias_ref is None else (bias_ref[gi] if lay.bias_heads else bias_ref[...])
     at = mod_site(tables, bi, hk * lay.group + gi, i, block)
-    s, _ = scores(g, lay.ops.q_rows(q_ref, gi), lay.ops.kv_rows(k_ref, gi), bias, at)
+    q, k = lay.ops.q_rows(q_ref, gi), lay.ops.kv_rows(k_ref, gi)
+    if lay.fold_scale:  # m and s in unscaled units; exp(scale * x) = exp2(c * x)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        c = g.spec.scale * LOG2_E
+        exp = lambda x: jnp.exp2(x * c)  # noqa: E731
+    else:
+        s, _ = scores(g, q, k, bias, at)
+        exp = jnp.exp
     if masked:
         mask = None if mask_ref is None else (mask_ref[gi] if lay.mask_heads else mask_ref[...])
         vis = tile_visible(g, i, block, mask, load(q_seg_ref), load(kv_seg_ref), at)
@@ -85,10 +95,11 @@ def _head_tile(g: Geometry, lay: Layout, refs, tables, bi, i, block, gi, masked:
     with jax.named_scope(SOFTMAX_SCOPE):
         m_prev = m_scr[gi]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN.
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - lanes(m_safe, s.shape[1]))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 so exp gives 0, not NaN. A
+        # mask-free tile gives every row a finite maximum.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = exp(m_prev - m_safe)
+        p = exp(s - lanes(m_safe, s.shape[1]))
         l_scr[gi] = alpha * l_scr[gi] + jnp.sum(p, axis=1, keepdims=True)
         m_scr[gi] = m_new
     # Dropout acts on the normalized probabilities: l (and so lse) sums the undropped p.
@@ -174,19 +185,21 @@ def _forward_kernel(
 
     @pl.when(j == g.steps_k - 1)
     def _finish():
-        for_each_head(lay.group, lambda h: _normalize_head(acc_scr, m_scr, l_scr, lse_ref, h))
+        m_scale = g.spec.scale if lay.fold_scale else 1.0
+        for_each_head(lay.group, lambda h: _normalize_head(acc_scr, m_scr, l_scr, lse_ref, h, m_scale))
         lay.ops.write_rows(o_ref, acc_scr)
 
 
-def _normalize_head(acc_scr, m_scr, l_scr, lse_ref, h):
+def _normalize_head(acc_scr, m_scr, l_scr, lse_ref, h, m_scale):
     """Divide head ``h``'s accumulator by its sum in place (0 for rows that saw nothing) and write its
-    lse row (``m + log l``, ``-inf`` for rows that saw nothing) unless ``lse_ref`` is ``None``."""
+    lse row (``m_scale * m + log l``, ``-inf`` for rows that saw nothing) unless ``lse_ref`` is
+    ``None``; ``m_scale`` turns a running max kept in unscaled units into scaled ones."""
     l, m = l_scr[h], m_scr[h]
     seen = l > 0
     inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     acc_scr[h] = acc_scr[h] * lanes(inv, acc_scr.shape[-1])
     if lse_ref is not None:
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        lse = jnp.where(seen, m * m_scale + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         # [bq, 128] lane-replicated -> one lane-dense [1, bq] row.
         lse_ref[h] = lse.T[:1, :]
 
@@ -239,6 +252,7 @@ def forward_call(
     lay = Layout(
         group=step_heads,
         ops=ops,
+        fold_scale=folds_scale(g, bias is not None),
         bias_heads=bias is not None and bias.shape[1] > 1,
         mask_heads=mask is not None and mask.shape[1] > 1,
         full_body=full_body,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from flashport.kernels.pallas_tpu.blocks import LANES
 from flashport.kernels.pallas_tpu.tiling import Geometry, Step
 
 _SQ = pl.Squeezed()
@@ -119,8 +120,9 @@ class Operands:
     def _view(self, ref) -> str | None:
         """How :meth:`stage`/:meth:`write_rows` copy block ``ref``: ``"words"`` (32-bit: strided rows
         of [rows * H, D]), ``"pairs"`` (bf16, even H: strided uint32 words of two heads) or ``None``
-        (head by head)."""
-        if not self.strided:
+        (head by head). Mosaic strides only over rows one vreg wide (``D = 128``) on every chip:
+        v5e and v5p reject a strided load of wider rows."""
+        if not self.strided or ref.shape[-1] != LANES:
             return None
         if jnp.dtype(ref.dtype).itemsize == 4:
             return "words"

@@ -323,6 +323,16 @@ def mod_grad(g: Geometry, raw, bias_tile, at):
     return _mods(g, at).score_derivative(_pre_mod(g, raw, bias_tile), *_indices(g, at))
 
 
+LOG2_E = 1.4426950408889634
+
+
+def folds_scale(g: Geometry, has_bias: bool) -> bool:
+    """Whether a kernel may keep its scores unscaled and fold ``scale`` into a base-2 exponent
+    (``exp(scale * (raw - m)) = exp2(scale * log2(e) * (raw - m))``): one multiply per score fewer.
+    Only without softcap, bias and a score_mod, which act on the scaled scores."""
+    return g.spec.softcap is None and not has_bias and (g.mods is None or g.mods[0] is None)
+
+
 def tile_keep(g: Geometry, head_seed, qi, kj):
     """In-kernel dropout keep-mask [bq, bk] of query block ``qi`` x key block ``kj`` (``None``: no dropout).
 
