@@ -25,27 +25,19 @@ from __future__ import annotations
 
 import libcst as cst
 
+from flashport.rules.apis import flash_attn as apis_flash_attn
+from flashport.rules.apis import torch as apis_torch
+from flashport.rules.apis import xformers as apis_xformers
 from flashport.rules.base import Outcome, Report, Rewrite, RuleContext, dotted
 
-FA2 = "flashport.integrations.flash_attn_compat"
-FA2_NAMES = (
-    "flash_attn_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_with_kvcache",
-)
-FA1_NAMES = (
-    "flash_attn_unpadded_func",
-    "flash_attn_unpadded_qkvpacked_func",
-    "flash_attn_unpadded_kvpacked_func",
-)
-FA4 = "flashport.integrations.flash_attn4_compat"
-BERT_PADDING = "flashport.integrations.bert_padding"
-SDPA = "flashport.integrations.sdpa_compat"
-XFORMERS = "flashport.integrations.xformers_compat"
+FA2 = apis_flash_attn.COMPAT
+FA2_NAMES = (*apis_flash_attn.FA2_LEADING, "flash_attn_with_kvcache")
+FA1_NAMES = tuple(apis_flash_attn.FA1_LEADING)
+FA4 = apis_flash_attn.FA4
+BERT_PADDING = apis_flash_attn.BERT_PADDING
+PADDING_NAMES = tuple(d.name for api in apis_flash_attn.BERT_PADDING_APIS for d in api.drop_ins)
+SDPA = apis_torch.SDPA_COMPAT
+XFORMERS = apis_xformers.XFORMERS_COMPAT
 FA2_SIGNATURE = (2, 6)  # flash-attn's 2.x signatures are 2.8.3's (the drop-ins') from 2.6 on
 SEQUSED = (2, 7)  # unpad_input returns five values from 2.7 on (the drop-in's)
 # Callees that inspect a function instead of calling it: the value must stay the one it probes.
@@ -92,7 +84,7 @@ def family(api: str) -> str | None:
 _PROVIDES = {
     FA2: FA2_NAMES + FA1_NAMES,
     FA4: ("flash_attn_func", "flash_attn_varlen_func"),
-    BERT_PADDING: ("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"),
+    BERT_PADDING: PADDING_NAMES,
     SDPA: ("scaled_dot_product_attention",),
     XFORMERS: ("memory_efficient_attention",),
 }
@@ -126,7 +118,7 @@ def call_drop_in(api: str, alias: str) -> Rewrite | None:
     return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
 
 
-FA3 = "flashport.integrations.flash_attn3_compat"
+FA3 = apis_flash_attn.FA3
 _FA3_NAMES = ("flash_attn_func", "flash_attn_varlen_func")
 # FA3 drop-ins that replicate every use of a value: the cache call returns out unless
 # return_softmax_lse=True before and after 2025-07-11 (only flash_attn_func/varlen changed theirs).
