@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterable
 
 REQUIRED = inspect.Parameter.empty  # a parameter without a default
 POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -35,14 +34,15 @@ class Param:
 Params = tuple[Param, ...]
 
 
-def params(*required: str, keyword_only: Iterable[tuple[str, object]] = (), **defaults: object) -> Params:
-    """``required`` positional parameters, then ``defaults`` (in order), then ``keyword_only``
-    ``(name, default)`` pairs: the usual shape of a Python signature, written compactly."""
-    return (
-        tuple(Param(n) for n in required)
-        + tuple(Param(n, d) for n, d in defaults.items())
-        + tuple(Param(n, d, KEYWORD_ONLY) for n, d in keyword_only)
-    )
+def params(*required: str, **defaults: object) -> Params:
+    """``required`` positional parameters, then ``defaults`` (in order): the usual shape of a Python
+    signature, written compactly."""
+    return tuple(Param(n) for n in required) + tuple(Param(n, d) for n, d in defaults.items())
+
+
+def keyword_only(**defaults: object) -> Params:
+    """Keyword-only parameters with ``defaults`` (in order)."""
+    return tuple(Param(n, d, KEYWORD_ONLY) for n, d in defaults.items())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ v1.0.9 (FA1), ``hopper/flash_attn_interface.py`` after 2025-08-29 (FA3, versione
 
 from __future__ import annotations
 
-from flashport.rules.apis import VAR_KEYWORD, Api, DropIn, Param, Version, pad, params
+from flashport.rules.apis import VAR_KEYWORD, Api, DropIn, Param, Version, keyword_only, pad, params
 
 COMPAT = "flashport.integrations.flash_attn_compat"
 PRIVATE = "flashport.integrations.flash_attn_private"
@@ -418,12 +418,8 @@ _FA4_DEVIATION = (
     "keyword, names the ones it implements and accepts the rest through **extra (tuning keywords are "
     "ignored, any other feature passed raises NotImplementedError)"
 )
-_FA4_OWN = (
-    ("softmax_scale", None),
-    ("causal", False),
-    ("window_size", (None, None)),
-    ("softcap", 0.0),
-    ("return_lse", False),
+_FA4_OWN = keyword_only(
+    softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, return_lse=False
 )
 FA4_APIS = (
     Api(
@@ -465,7 +461,7 @@ FA4_APIS = (
                 (FA4_RELEASE,),
                 exact=False,
                 deviation=_FA4_DEVIATION,
-                signature=params("q", "k", "v", keyword_only=_FA4_OWN) + (Param("extra", kind=VAR_KEYWORD),),
+                signature=params("q", "k", "v") + _FA4_OWN + (Param("extra", kind=VAR_KEYWORD),),
             ),
         ),
     ),
@@ -481,9 +477,9 @@ FA4_APIS = (
                 (FA4_RELEASE,),
                 exact=False,
                 deviation=_FA4_DEVIATION,
-                signature=params(
-                    "q", "k", "v", keyword_only=(("cu_seqlens_q", None), ("cu_seqlens_k", None), *_FA4_OWN)
-                )
+                signature=params("q", "k", "v")
+                + keyword_only(cu_seqlens_q=None, cu_seqlens_k=None)
+                + _FA4_OWN
                 + (Param("extra", kind=VAR_KEYWORD),),
             ),
         ),

@@ -3,10 +3,11 @@ keyword-only from 2.5)."""
 
 from __future__ import annotations
 
-from flashport.rules.apis import Api, DropIn, params
+from flashport.rules.apis import Api, DropIn, keyword_only, params
 
 SDPA_COMPAT = "flashport.integrations.sdpa_compat"
 SDPA_RELEASE = (2, 5, 0)
+_POSITIONAL = params("query", "key", "value", attn_mask=None, dropout_p=0.0, is_causal=False)
 
 APIS = (
     Api(
@@ -15,30 +16,14 @@ APIS = (
             "torch._C._nn.scaled_dot_product_attention",
         ),
         signatures=(
-            ((2, 0, 0), params("query", "key", "value", attn_mask=None, dropout_p=0.0, is_causal=False)),
+            ((2, 0, 0), _POSITIONAL),
             (
                 (2, 1, 0),
-                params(
-                    "query",
-                    "key",
-                    "value",
-                    attn_mask=None,
-                    dropout_p=0.0,
-                    is_causal=False,
-                    keyword_only=(("scale", None),),
-                ),
+                _POSITIONAL + keyword_only(scale=None),
             ),
             (
                 SDPA_RELEASE,
-                params(
-                    "query",
-                    "key",
-                    "value",
-                    attn_mask=None,
-                    dropout_p=0.0,
-                    is_causal=False,
-                    keyword_only=(("scale", None), ("enable_gqa", False)),
-                ),
+                _POSITIONAL + keyword_only(scale=None, enable_gqa=False),
             ),
         ),
         returns="out",

@@ -3,7 +3,7 @@ at tag v0.0.35: ``__init__.py`` and ``attn_bias.py``)."""
 
 from __future__ import annotations
 
-from flashport.rules.apis import Api, DropIn, Param, Params, Version, params
+from flashport.rules.apis import Api, DropIn, Param, Params, Version, keyword_only, params
 
 XFORMERS_COMPAT = "flashport.integrations.xformers_compat"
 RELEASE: Version = (0, 0, 35)
@@ -44,14 +44,8 @@ def _api(
     )
 
 
-_MEA = params(
-    "query",
-    "key",
-    "value",
-    attn_bias=None,
-    p=0.0,
-    scale=None,
-    keyword_only=(("op", None), ("output_dtype", None)),
+_MEA = params("query", "key", "value", attn_bias=None, p=0.0, scale=None) + keyword_only(
+    op=None, output_dtype=None
 )
 _MATERIALIZE = (Param("self"), Param("shape"), Param("dtype", "torch.float32"), Param("device", "cpu"))
 _MATERIALIZE_OWN = params("self", "shape", dtype=None, device="cpu")
@@ -61,7 +55,7 @@ APIS: tuple[Api, ...] = (
         "memory_efficient_attention",
         _MEA,
         deviation="adds flashport's keyword-only backend='auto' and generator=None (dropout's RNG) after xformers' parameters",
-        own=_MEA + params(keyword_only=(("backend", "auto"), ("generator", None))),
+        own=_MEA + keyword_only(backend="auto", generator=None),
     ),
     _api("AttentionBias", ()),
     _api("AttentionBias.materialize", _MATERIALIZE, deviation=_MATERIALIZE_DEVIATION, own=_MATERIALIZE_OWN),
@@ -89,7 +83,7 @@ APIS: tuple[Api, ...] = (
         for name in BLOCK_DIAGONAL
     ),
     *(
-        _api(f"{name}.from_seqlens", params("q_seqlen", kv_seqlen=None, keyword_only=(("device", None),)))
+        _api(f"{name}.from_seqlens", params("q_seqlen", kv_seqlen=None) + keyword_only(device=None))
         for name in BLOCK_DIAGONAL
     ),
     *(
