@@ -37,7 +37,7 @@ def record() -> Console:
     console.print("[bold]$ flashport scan examples/[/]")
     text.scan(list(run(discover(["examples"]), rules, RuleOptions(), jobs=1)))
     console.print("\n[bold]$ flashport rewrite examples/jax_flax_model.py[/]")
-    results = list(run(["examples/jax_flax_model.py"], rules, RuleOptions(), jobs=1))
+    results = list(run(["examples/jax_flax_model.py"], rules, RuleOptions(format_rewrites=True), jobs=1))
     text.diffs(results)
     text.refusals(results)
     text.summary(results)

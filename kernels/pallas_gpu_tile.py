@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashport.kernels import block_ranges, dropout
@@ -135,10 +136,15 @@ def segment_visit(own, other):
     return visit
 
 
+# jax 0.10.2 moved Pallas' Triton tile product from jax.experimental.pallas to its triton module
+# (same signature); the older place serves jax 0.10.0 and 0.10.1.
+_triton_dot = getattr(plgpu, "dot", None) or pl.dot
+
+
 def dot(a, b, *, trans_a=False, trans_b=False):
     """A float32-accumulating tile product; full float32 (no TF32) when the inputs are float32."""
     exact = a.dtype == jnp.float32 or b.dtype == jnp.float32
-    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
+    return _triton_dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if exact else None)
 
 
 def fmix(x):

@@ -51,10 +51,10 @@ from jax.sharding import PartitionSpec as P
 from flashport.kernels import api, registry
 from flashport.kernels import seq_layout as layouts
 from flashport.kernels.block_ranges import key_range
-from flashport.kernels.keywords import takes_contract_keywords
+from flashport.kernels.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
 from flashport.kernels.ring_backend import BackendRing
 from flashport.kernels.ring_blockwise import BlockwiseRing
-from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.spec import AttentionSpec, make_spec
 
 
 @takes_contract_keywords()
@@ -83,7 +83,9 @@ def ring_attention(
     Args:
       query, key, value: as in :func:`flashport.attention` (``layout`` BSHD or BHSD). Sq and Sk must
         be multiples of ``n`` (the size of ``axis_name``), or of ``2n`` for ``seq_layout="zigzag"``.
-      mesh: a ``jax.sharding.Mesh`` (or ``AbstractMesh``, e.g. for ``jax.export``).
+      mesh: a ``jax.sharding.Mesh`` (or ``AbstractMesh``, e.g. for ``jax.export``). Inside a
+        ``shard_map`` over ``axis_name`` (with ``check_vma=False``) the arrays are the shard's pieces
+        and the ring runs on them directly (the global lengths are ``n`` times theirs).
       axis_name: the mesh axis that shards the sequence; K/V rotate around it.
       seq_layout: ``"contiguous"`` (shard r holds positions [r·S/n, (r+1)·S/n)) or ``"zigzag"``
         (the arrays are stored in :func:`flashport.seq_layout.to_zigzag` order; balances causal work).
@@ -120,6 +122,11 @@ def ring_attention(
     )
     seq_layout_ = seq_layout_check(seq_layout)
     n = _axis_size(mesh, axis_name, "axis_name")
+    inside = _inside_shard_map(axis_name)
+    if inside:  # the arrays are this shard's pieces: the spec is the global sequence's
+        (b, hq, sq, d), (_, hkv, sk, _) = call.q_shape, call.kv_shape
+        spec = make_spec((b, hq, n * sq, d), (b, hkv, n * sk, d), **pick(contract, SPEC_KEYWORDS))
+        call = dataclasses.replace(call, spec=spec)
     _axis_size(mesh, batch_axis, "batch_axis")
     hsize = _axis_size(mesh, head_axis, "head_axis")
     for name, length in (("query", call.spec.seq_q), ("key", call.spec.seq_k)):
@@ -130,7 +137,7 @@ def ring_attention(
                 f"{parts} ({n} shards of mesh axis {axis_name!r}"
                 f"{' x 2 zigzag pieces' if parts != n else ''}); pad it (e.g. with a padding segment id)"
             )
-    if head_axis is not None and (call.q_shape[1] % hsize or call.kv_shape[1] % hsize):
+    if head_axis is not None and not inside and (call.q_shape[1] % hsize or call.kv_shape[1] % hsize):
         raise ValueError(
             f"ring_attention: head_axis {head_axis!r} has size {hsize}, which must divide both the query "
             f"heads ({call.q_shape[1]}) and the kv heads ({call.kv_shape[1]}); use head_axis=None"
@@ -139,6 +146,11 @@ def ring_attention(
     layout = contract["layout"]
     engine = engine_for(plan, call, backend, layout, mesh)
     run = functools.partial(_ring_shard, engine=engine, axis_name=axis_name)
+    if inside:
+        if layout == "BSHD":
+            q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        out, lse = run(q, k, v, q_seg, kv_seg)
+        return (out, lse) if return_lse else out
     # The shard_map takes the user's layout: the blockwise engine reads it directly, the others
     # transpose each shard once (the transposes of `prepare` and back cancel in XLA).
     if layout == "BSHD":
@@ -159,6 +171,12 @@ def ring_attention(
         q_seg, kv_seg = (_reshard(x, mesh, seg_spec) for x in (q_seg, kv_seg))
     out, lse = fn(q, k, v, q_seg, kv_seg)
     return (out, lse) if return_lse else out
+
+
+def _inside_shard_map(axis_name) -> bool:
+    """True inside a ``shard_map`` over ``axis_name`` (the arrays are then the shard's pieces)."""
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+    return axis_name in manual
 
 
 def seq_layout_check(name):

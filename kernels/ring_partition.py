@@ -17,8 +17,8 @@ is the residual backward from the forward's ``out`` and ``lse`` (the ring backwa
 :func:`~flashport.kernels.backward.flashport_attention_backward`), so nothing is recomputed.
 
 With one device, or inside a ``shard_map`` over every mesh axis, the wrapper lowers to the plain
-call. ``custom_partitioning`` has no batching rule, so :func:`wanted` leaves batched (``vmap``)
-calls on the plain path.
+call. ``custom_partitioning`` has no batching rule: under ``vmap`` the mapped axis is folded into
+the batch dim (:func:`_batchable`).
 """
 
 from __future__ import annotations
@@ -39,19 +39,14 @@ def wanted(query, key) -> bool:
     """True when the sequence sharding of a call can only be known at partition time.
 
     That is: more than one device, traced (not concrete) arrays whose abstract value names no
-    explicit mesh axis, outside a ``shard_map`` (manual axes) and outside ``vmap``.
+    explicit mesh axis, outside a ``shard_map`` (manual axes).
     """
     if jax.device_count() < 2:
         return False
     for x in (query, key):
         if not isinstance(x, jax.core.Tracer) or getattr(x, "ndim", 0) != 4:
             return False
-        if type(x).__name__ == "BatchTracer":  # custom_partitioning cannot be batched
-            return False
-        aval = jax.typeof(x)
-        if getattr(aval, "vma", None):
-            return False
-        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if mesh is not None and any(
             t in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Manual)
             for t in getattr(mesh, "axis_types", ())
@@ -70,8 +65,14 @@ def attention(query, key, value, *, backend, return_lse, **contract):
     if q_seg is not None:
         q_seg, kv_seg = jnp.broadcast_to(q_seg, (b, sq)), jnp.broadcast_to(kv_seg, (b, sk))
     op = _Op(call, backend, layout)
-    out, lse = _attention(op, q, k, v, q_seg, kv_seg)
+    # Without return_lse a forward that no gradient follows may skip writing the lse (spec.lse_used).
+    primal = op if return_lse else dataclasses.replace(op, call=_without_lse(call))
+    out, lse = _attention(primal, op, q, k, v, q_seg, kv_seg)
     return (out, lse) if return_lse else out
+
+
+def _without_lse(call: api.Call) -> api.Call:
+    return dataclasses.replace(call, features=call.features - {"return_lse"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,13 +157,16 @@ class _Op:
         return ring.mesh_axes(mesh, specs[0], specs[1], shapes[0], shapes[1], self.layout)
 
 
-def _attention(op, q, k, v, q_seg, kv_seg):
+def _attention(primal, op, q, k, v, q_seg, kv_seg):
+    """``(out, lse)``: ``primal`` runs when nothing is differentiated, ``op`` (with its lse) and the
+    residual backward otherwise."""
+
     @jax.custom_vjp
     def core(q, k, v, q_seg, kv_seg):
-        return _partitioned(op, "fwd", q, k, v, q_seg, kv_seg)
+        return _partitioned(primal, "fwd", q, k, v, q_seg, kv_seg)
 
     def core_fwd(q, k, v, q_seg, kv_seg):
-        out, lse = core(q, k, v, q_seg, kv_seg)
+        out, lse = _partitioned(op, "fwd", q, k, v, q_seg, kv_seg)
         return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
     def core_bwd(res, cotangents):
@@ -179,9 +183,35 @@ def _partitioned(op, kind, *args):
     """Run ``kind`` (``"fwd"``: q, k, v, q_seg, kv_seg -> out, lse; ``"bwd"``: those, out, lse,
     d_out, d_lse -> dq, dk, dv) through custom_partitioning. ``None`` segment ids are left out."""
     present = tuple(a is not None for a in args)
-    arrays = [a for a in args if a is not None]
-    structs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    return _wrapper(op, kind, present, structs)(*arrays)
+    return _batchable(op, kind, present)(*[a for a in args if a is not None])
+
+
+@functools.cache
+def _batchable(op, kind, present):
+    """The partitioned op with a batching rule: custom_partitioning has none, so under ``vmap`` the
+    mapped axis is folded into the batch dim (every operand has the batch first) and the op runs on
+    the flattened batch."""
+
+    @jax.custom_batching.custom_vmap
+    def run(*arrays):
+        structs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+        return _wrapper(op, kind, present, structs)(*arrays)
+
+    @run.def_vmap
+    def rule(axis_size, in_batched, *arrays):
+        arrays = [
+            x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, b in zip(arrays, in_batched, strict=True)
+        ]
+        flat = [x.reshape(-1, *x.shape[2:]) for x in arrays]
+        b = axis_size * op.call.q_shape[0]
+        call = dataclasses.replace(
+            op.call, q_shape=(b, *op.call.q_shape[1:]), kv_shape=(b, *op.call.kv_shape[1:])
+        )
+        outs = _batchable(dataclasses.replace(op, call=call), kind, present)(*flat)
+        return tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs), (True,) * len(outs)
+
+    return run
 
 
 @functools.cache
@@ -215,7 +245,7 @@ def _wrapper(op, kind, present, structs):
             "b s": P(batch, axis),
             "b h s": P(batch, heads, axis),
         }
-        spec_of = {r: specs[_canon(r, op.layout)] for r in (*roles[kind], *out_rules[kind])}
+        spec_of = {r: specs[_role(r)] for r in (*roles[kind], *out_rules[kind])}
         args = [NamedSharding(mesh, spec_of[r]) for r in in_rules]
         outs = [NamedSharding(mesh, spec_of[r]) for r in out_rules[kind]]
         return axis, args, outs
@@ -254,7 +284,7 @@ def _bhsd(rule: str) -> str:
     return " ".join((dims[0], dims[2], dims[1], dims[3])) if len(dims) == 4 else rule
 
 
-def _canon(rule: str, layout: str) -> str:
+def _role(rule: str) -> str:
     """The role of a factor rule: a 4-d array (``"b s h d"``), segment ids or an lse."""
     dims = rule.split()
     if len(dims) == 4:

@@ -2,16 +2,17 @@
 
 Exit codes:
   0  success (``scan``: even with findings; ``rewrite``: dry run shown or files written)
-  1  ``rewrite --check``: some file would change
+  1  ``rewrite --check`` or ``rewrite --diff``: some file would change
   2  usage or configuration error (bad flag, unknown rule, missing path, bad [tool.flashport])
   3  some file could not be processed (undecodable, syntax error, write failure); it is reported,
      left untouched, and the other files are still processed
   130, 143  interrupted by SIGINT (Ctrl-C) or SIGTERM (128 + the signal number); a summary on
      stderr names the files written and those not reached (:mod:`flashport.rewriter.interrupts`)
 
-Results go to stdout (rich tables and diffs, or ``--format json``, schema in
-:mod:`flashport.rewriter.report`); progress goes to stderr (a progress bar only when stderr is a
-terminal). The CLI never imports jax or torch.
+Results go to stdout in the ``--output-format`` asked for (rich tables and diffs; concise, JSON,
+GitHub or SARIF: :mod:`flashport.rewriter.output_formats`, :mod:`flashport.rewriter.report`), or only
+a patch with ``rewrite --diff`` (everything else then goes to stderr); progress goes to stderr, only
+when it is a terminal (:mod:`flashport.rewriter.progress`). The CLI never imports jax or torch.
 """
 
 from __future__ import annotations
@@ -21,9 +22,15 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import flashport
+from flashport.rewriter.output_formats import ALIASES, FORMATS
+
+if TYPE_CHECKING:
+    from flashport.rewriter.discover import Discovery
+    from flashport.rewriter.results import FileResult
+    from flashport.rules.base import RuleOptions
 
 EXIT_OK = 0
 EXIT_CHANGES = 1
@@ -65,9 +72,27 @@ def _add_subcommands(sub, common: argparse.ArgumentParser) -> None:
     mode.add_argument("--write", action="store_true", help="apply the rewrites (atomic per file)")
     mode.add_argument("--check", action="store_true", help="exit 1 when any file would change (CI)")
     mode.add_argument(
+        "--diff",
+        action="store_true",
+        help="print only a unified patch on stdout (for `git apply`; notes go to stderr); exit 1 when "
+        "there are changes",
+    )
+    mode.add_argument(
+        "--add-ignore",
+        action="store_true",
+        help="add a `# flashport: ignore[CODE] -- reason` comment to every refused site (a baseline); "
+        "rewrites nothing",
+    )
+    mode.add_argument(
         "--interactive",
         action="store_true",
         help="review the rewrites one site at a time (y/n/a/d/q), then write only the accepted ones",
+    )
+    rewrite.add_argument(
+        "--no-format",
+        action="store_true",
+        help="leave rewritten statements as generated (default: formatted with ruff, when installed, at "
+        "the project's line length from [tool.ruff]/[tool.black], default 88)",
     )
     rewrite.add_argument(
         "--report",
@@ -77,7 +102,7 @@ def _add_subcommands(sub, common: argparse.ArgumentParser) -> None:
 
     rules = sub.add_parser("rules", help="list the rules, or print one rule's documentation")
     rules.add_argument("rule", nargs="?", help="rule code or name, e.g. FPA001")
-    rules.add_argument("--format", choices=("text", "json"), default="text")
+    rules.add_argument("--output-format", "--format", dest="format", choices=("text", "json"), default="text")
     rules.add_argument("--no-color", action="store_true")
 
 
@@ -108,10 +133,13 @@ def _add_file_arguments(common: argparse.ArgumentParser) -> None:
 def _add_output_arguments(common: argparse.ArgumentParser) -> None:
     """Output format, colour, result cache and configuration file."""
     common.add_argument(
+        "--output-format",
         "--format",
-        choices=("text", "json"),
-        default="text",
-        help="output format (json: schema flashport.report/1)",
+        dest="output_format",
+        choices=(*FORMATS, *ALIASES),
+        default="full",
+        help="full (tables and diffs), concise (path:line:col: CODE message), json (schema "
+        "flashport.report/1), github (workflow annotations) or sarif (SARIF 2.1.0); --format is an alias",
     )
     common.add_argument(
         "--cache",
@@ -180,14 +208,14 @@ def _settings_and_run(args, log) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"flashport: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    return _run(args, log, *settings)
+    return _run(args, log, settings)
 
 
 def _color(args) -> bool:
     return not args.no_color and "NO_COLOR" not in os.environ and sys.stdout.isatty()
 
 
-def _settings(args):
+def _settings(args) -> Settings:
     from flashport import rules as registry
     from flashport.rewriter import config as cfg
     from flashport.rewriter import run_context
@@ -195,12 +223,15 @@ def _settings(args):
     from flashport.rules.base import RuleOptions
 
     table: dict = {}
+    root = os.getcwd()
     if args.config:
         table = cfg.load(args.config)
+        root = os.path.dirname(os.path.abspath(args.config))
     elif not args.isolated:
-        found = cfg.find_pyproject(args.paths[0] if args.paths else ".")
-        if found:
-            table = cfg.load(found)
+        pyproject = cfg.find_pyproject(args.paths[0] if args.paths else ".")
+        if pyproject:
+            table = cfg.load(pyproject)
+            root = os.path.dirname(pyproject)
     select = args.select or table.get("select")
     ignore = (args.ignore or []) + list(table.get("ignore", []))
     chosen = registry.select(select, ignore)
@@ -218,15 +249,46 @@ def _settings(args):
         jax_version=_version(
             args.jax_version or table.get("jax-version"), defaults.jax_version, "--jax-version"
         ),
+        format_rewrites=not getattr(args, "no_format", False),
     )
     jobs = args.jobs if args.jobs is not None else table.get("jobs")
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    exclude = tuple((args.exclude or []) + list(table.get("exclude", [])))
+    exclude = tuple(
+        (args.exclude or []) + list(table.get("exclude", [])) + list(table.get("extend-exclude", []))
+    )
     gitignore = not args.no_gitignore and table.get("respect-gitignore", True)
     found = find_files(args.paths, exclude=exclude, respect_gitignore=gitignore)
-    options = run_context.for_paths(found.files, options)  # run-time patches of source APIs, run-wide
-    return found, chosen, options, jobs
+    # normpath: paths print the way the user would type them (``pkg/x.py``, never ``./pkg/x.py``)
+    files = [os.path.normpath(path) for path in found.files]
+    options = run_context.for_paths(files, options)  # run-time patches of source APIs, run-wide
+    per_file = cfg.per_file_rules(files, chosen, table.get("per-file-ignores", {}), root)
+    return Settings(files, chosen, per_file, options, jobs, found)
+
+
+@dataclasses.dataclass
+class Settings:
+    """What a ``scan``/``rewrite`` run covers.
+
+    Attributes:
+      files: the discovered files, in output order.
+      chosen: the rules selected for the run.
+      per_file: path -> its rules, for the files ``per-file-ignores`` gives fewer rules.
+      options: what the rules read.
+      jobs: worker processes (None: CPU count).
+      found: discovery's account (:class:`~flashport.rewriter.discover.FoundFiles`: what it skipped).
+    """
+
+    files: list[str]
+    chosen: list
+    per_file: dict[str, list]
+    options: RuleOptions
+    jobs: int | None
+    found: Discovery
+
+    def rules_of(self, path: str) -> list:
+        """The rules that run on ``path``."""
+        return self.per_file.get(path, self.chosen)
 
 
 def _version(text, default, flag):
@@ -235,23 +297,32 @@ def _version(text, default, flag):
     return default if text is None else parse_version(str(text), flag)
 
 
-def _run(args, log, found, chosen, options, jobs) -> int:
-    from flashport.rewriter import report as rep
-    from flashport.rewriter.cache import ResultCache
+def _run(args, log, settings: Settings) -> int:
+    from flashport.rewriter import progress as prog
+    from flashport.rewriter import suppression_comments as comments
     from flashport.rewriter.results import CHANGED, ERROR
-    from flashport.rewriter.runner import CANNOT_READ, run
+    from flashport.rewriter.runner import CANNOT_READ
     from flashport.rewriter.writes import write_results
 
-    files = found.files
-    cache: ResultCache | Literal[False] | None = None  # None: FLASHPORT_CACHE decides
-    if args.cache is not None:
-        cache = ResultCache.for_run(chosen, options) if args.cache else False
-    results = _collect(run(files, chosen, options, jobs, cache=cache), len(files), args.format == "text")
-    if args.command == "rewrite" and args.write:
-        write_results(results, log)
-    interactive = args.command == "rewrite" and args.interactive
-    if interactive:
-        _interactive(args, results, chosen, options, log)
+    fmt = ALIASES.get(args.output_format, args.output_format)
+    rewrite = args.command == "rewrite"
+    diff_only = rewrite and args.diff
+    shown = fmt == "full" and not diff_only  # progress only under the human-readable report
+    with prog.Progress(enabled=shown and sys.stderr.isatty()) as progress:
+        results = _analyse(args, settings, progress)
+        findings = comments.audit_run(results, settings.rules_of)
+        if rewrite and not args.add_ignore:
+            comments.remove_unused_in_run(results, findings, settings.rules_of, settings.options)
+        if rewrite and args.add_ignore:
+            comments.add_ignores_in_run(results, log, progress)
+        elif rewrite and args.write:
+            progress.start("writing", sum(r.status == CHANGED for r in results))
+            write_results(results, log, done=progress.done)
+            progress.finish()
+        interactive = rewrite and args.interactive
+        if interactive:
+            progress.stop()
+            _interactive(args, results, settings.chosen, settings.options, log)
     written = set(log.written)
     unreadable = sum(1 for r in results if r.status == ERROR and (r.error or "").startswith(CANNOT_READ))
     failed = any(r.status == ERROR for r in results)
@@ -260,56 +331,115 @@ def _run(args, log, found, chosen, options, jobs) -> int:
         EXIT_ERRORS
         if failed
         else EXIT_CHANGES
-        if (args.command == "rewrite" and args.check and changed)
+        if (rewrite and (args.check or diff_only) and changed)
         else EXIT_OK
     )
     mode = (
         "scan"
-        if args.command == "scan"
+        if not rewrite
+        else "add-ignore"
+        if args.add_ignore
         else "write"
         if args.write or interactive
         else "check"
         if args.check
+        else "diff"
+        if diff_only
         else "dry-run"
     )
     if getattr(args, "report", None):
         code = _html_report(args.report, results, written, "interactive" if interactive else mode) or code
-    if args.format == "json":
-        document = rep.to_json(args.command, mode, results, written, code)
-        document["summary"]["skipped"] = dict(found.counts(unreadable))
-        document["summary"]["skipped_paths"] = [{"path": p, "reason": m} for p, m in found.notices]
-        json.dump(document, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return code
-    text = rep.TextReport(_color(args))
-    if args.command == "scan":
-        text.scan(results)
-    else:
-        if not interactive:
-            text.diffs(results)
-        text.refusals(results)
-        text.errors(results)
-        text.summary(results, written=len(written) if args.write or interactive else None)
-    text.console.print(found.skipped_line(unreadable), markup=False)
-    for path, message in found.notices:
-        text.console.print(f"skipped {path}: {message}", markup=False)
+    _emit(args, fmt, mode, results, findings, written, code, progress, settings.found, unreadable)
+    if code == EXIT_CHANGES and args.check:
+        count = sum(r.status == CHANGED for r in results)
+        print(
+            f"flashport: {count} file(s) would change; run `flashport rewrite --write` to apply the "
+            "rewrites (`flashport rewrite --diff` shows them as a patch)",
+            file=sys.stderr,
+        )
     return code
 
 
-def _collect(stream, total: int, text: bool):
-    """Drain the runner, with a rich progress bar on stderr when it is a terminal."""
-    if not (text and sys.stderr.isatty() and total > 20):
-        return list(stream)
-    from rich.console import Console
-    from rich.progress import Progress
+def _analyse(args, settings: Settings, progress):
+    """Run the engine over every file (each group of files that share rules in one runner pass),
+    results in the order of ``settings.files``."""
+    from flashport.rewriter.cache import ResultCache
+    from flashport.rewriter.runner import run
 
-    results = []
-    with Progress(console=Console(file=sys.stderr), transient=True) as progress:
-        task = progress.add_task("scanning", total=total)
-        for result in stream:
-            results.append(result)
-            progress.advance(task)
-    return results
+    groups: dict[tuple[str, ...], list[str]] = {}
+    rules_of: dict[tuple[str, ...], list] = {}
+    for path in settings.files:
+        rules = settings.rules_of(path)
+        key = tuple(rule.CODE for rule in rules)
+        groups.setdefault(key, []).append(path)
+        rules_of[key] = rules
+    progress.start("scanning", len(settings.files))
+    found: dict[str, FileResult] = {}
+    for key, paths in groups.items():
+        cache: ResultCache | Literal[False] | None = None  # None: FLASHPORT_CACHE decides
+        if args.cache is not None:
+            cache = ResultCache.for_run(rules_of[key], settings.options) if args.cache else False
+        stream = run(paths, rules_of[key], settings.options, settings.jobs, cache=cache, done=progress.done)
+        found.update((result.path, result) for result in stream)
+    progress.finish()
+    return [found[path] for path in settings.files]
+
+
+def _emit(args, fmt, mode, results, findings, written, code, progress, found, unreadable) -> None:
+    """Print the run's results in the chosen format (``--diff``: only the patch on stdout); what
+    discovery skipped goes with the summary (JSON, SARIF, text; stderr for the line formats)."""
+    from flashport.rewriter import output_formats as out
+    from flashport.rewriter import report as rep
+
+    skipped = {
+        "skipped": dict(found.counts(unreadable)),
+        "skipped_paths": [{"path": p, "reason": m} for p, m in found.notices],
+    }
+    if fmt == "json":
+        doc = rep.to_json(args.command, mode, results, written, code)
+        doc["summary"] |= skipped
+        doc["suppression_findings"] = [dataclasses.asdict(f) for f in findings]
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    elif fmt == "concise":
+        sys.stdout.write(out.concise(results, findings))
+    elif fmt == "github":
+        sys.stdout.write(out.github(results, findings))
+    elif fmt == "sarif":
+        from flashport import rules as registry
+
+        summary = rep.summarize(results) | skipped
+        sarif = out.sarif(results, findings, registry.all_rules(), flashport.__version__, summary)
+        json.dump(sarif, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    if fmt in ("concise", "github"):
+        _skipped_lines(found, unreadable, sys.stderr)
+    if fmt != "full":
+        return
+    diff_only = args.command == "rewrite" and args.diff
+    if diff_only:
+        sys.stdout.write("".join(rep.unified_diff(result) for result in results))
+    text = rep.TextReport(_color(args) and not diff_only, file=sys.stderr if diff_only else None)
+    if args.command == "scan":
+        text.scan(results)
+    else:
+        if not (args.interactive or diff_only or args.add_ignore):
+            text.diffs(results)
+        text.refusals(results)
+        text.errors(results)
+        text.summary(
+            results, written=len(written) if args.write or args.interactive or args.add_ignore else None
+        )
+    text.findings(findings)
+    _skipped_lines(found, unreadable, text.console.file)
+    progress.report(results)
+
+
+def _skipped_lines(found, unreadable: int, stream) -> None:
+    """How many paths discovery skipped and why, then the ones it names."""
+    stream.write(found.skipped_line(unreadable) + "\n")
+    for path, message in found.notices:
+        stream.write(f"skipped {path}: {message}\n")
 
 
 def _rules(args) -> int:
@@ -332,26 +462,15 @@ def _rules(args) -> int:
         json.dump([_rule_json(rule) for rule in all_rules], sys.stdout, indent=1)
         sys.stdout.write("\n")
         return EXIT_OK
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="flashport rules")
-    from flashport.rules.coverage import coverage
-
-    for column in (
-        "code",
-        "name",
-        "source API",
-        "framework",
-        "fix",
-        "rewrites to",
-        "rewritten",
-        "refused (why)",
-    ):
-        table.add_column(column, overflow="fold")
-    for rule in all_rules:
-        table.add_row(*dataclasses.astuple(coverage(rule)))  # the README table's row, field by field
-    Console(no_color=not _color(args), highlight=False).print(table)
+    rows = [("code", "name", "source API", "becomes")]
+    rows += [
+        (rule.CODE, rule.NAME, rule.API, rule.TARGET or "(reported, not rewritten)") for rule in all_rules
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:  # one line a rule, never wrapped: grep-able; `flashport rules CODE` has the docs
+        sys.stdout.write(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + f"  {row[3]}\n"
+        )
     return EXIT_OK
 
 
@@ -377,17 +496,13 @@ def _interactive(args, results, chosen, options, log) -> None:
     """Run the one-site-at-a-time review (:mod:`flashport.rewriter.interactive`); ``log`` records
     the files written."""
     from flashport.rewriter import report as rep
-    from flashport.rewriter.interactive import review, stdin_asker
-    from flashport.rewriter.results import ERROR
+    from flashport.rewriter.interactive import record, review, stdin_asker
 
-    out = sys.stderr if args.format == "json" else sys.stdout  # keep a JSON document on stdout clean
+    out = sys.stdout if args.output_format in ("full", "text") else sys.stderr  # keep stdout parseable
     console = rep.TextReport(_color(args)).console
     console.file = out
     outcome = review(results, chosen, options, ask=stdin_asker(sys.stdin, out), console=console, log=log)
-    failed = dict(outcome.failed)
-    for result in results:
-        if result.path in failed:
-            result.status, result.error = ERROR, failed[result.path]
+    record(results, outcome)
 
 
 def _html_report(path, results, written, mode) -> int:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from flashport.rewriter import astindex, newsyntax, prune, run_context, suppress, thin
+from flashport.rewriter import astindex, formatting, newsyntax, prune, run_context, suppress, thin
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -238,6 +238,8 @@ def _transform(
         except ValueError as err:
             return _error(result, f"{err}; file left unchanged")
         cst.parse_module(new_text)  # the restored text must still parse (libcst's grammar)
+    if options.format_rewrites:
+        new_text = formatting.format_changed(result.path, src.decode(data)[0], new_text)
     new_data = src.encode(new_text, encoding)
     if new_data != data:
         result.status = CHANGED

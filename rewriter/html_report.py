@@ -18,10 +18,19 @@ from collections.abc import Sequence
 
 from flashport.rewriter import report as rep
 from flashport.rewriter import source as src
-from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, SITE_STATUSES, FileResult
+from flashport.rewriter.results import (
+    AS_IS,
+    CHANGED,
+    ERROR,
+    REFUSED,
+    REWRITE,
+    SITE_STATUSES,
+    STATUS_LABELS,
+    FileResult,
+)
 
 _CONTEXT = 3
-_LABEL = {REWRITE: "rewritten"}
+_LABEL = STATUS_LABELS
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;padding:1.5em 2em;color:#1f2328;background:#fff}
@@ -33,7 +42,7 @@ table.t th{background:#f6f8fa} td.n{text-align:right;font-variant-numeric:tabula
 .ok{color:#1a7f37;font-weight:600} .bad{color:#cf222e;font-weight:600} .dim{color:#59636e}
 .badge{display:inline-block;padding:0 .5em;border-radius:1em;font-size:.85em;font-weight:600}
 .b-changed{background:#dafbe1;color:#1a7f37} .b-unchanged{background:#eaeef2;color:#59636e} .b-error{background:#ffebe9;color:#cf222e}
-.s-rewrite{color:#1a7f37} .s-refused{color:#cf222e} .s-suppressed{color:#59636e}
+.s-rewrite{color:#1a7f37} .s-as_is{color:#0969da} .s-refused{color:#cf222e} .s-suppressed{color:#59636e}
 table.diff{border-collapse:collapse;width:100%;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px;border:1px solid #d0d7de}
 table.diff td{padding:0 .5em;white-space:pre;vertical-align:top}
 table.diff td.ln{color:#8c959f;text-align:right;width:1%;user-select:none;border-right:1px solid #d0d7de}
@@ -122,7 +131,7 @@ def _summary(info: dict, shown: Sequence[FileResult], anchors: dict, written) ->
         + "</tr></table>"
     )
     out.append(
-        '<table class="t" id="files"><tr><th>file</th><th>status</th><th>rewritten</th><th>refused</th><th>imports</th></tr>'
+        '<table class="t" id="files"><tr><th>file</th><th>status</th><th>rewritten</th><th>as is</th><th>refused</th><th>imports</th></tr>'
     )
     for result in shown:
         counts = {s: sum(site.status == s for site in result.sites) for s in SITE_STATUSES}
@@ -135,7 +144,8 @@ def _summary(info: dict, shown: Sequence[FileResult], anchors: dict, written) ->
         out.append(
             f'<tr><td><a href="#{anchors[result.path]}">{_e(result.path)}</a></td>'
             f'<td><span class="badge b-{result.status}">{_e(status)}</span></td>'
-            f'<td class="n">{counts[REWRITE]}</td><td class="n">{counts[REFUSED]}</td><td>{_e(imports)}</td></tr>'
+            f'<td class="n">{counts[REWRITE]}</td><td class="n">{counts[AS_IS]}</td>'
+            f'<td class="n">{counts[REFUSED]}</td><td>{_e(imports)}</td></tr>'
         )
     out.append("</table>")
     if info["refused_reasons"]:

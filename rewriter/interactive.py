@@ -36,7 +36,17 @@ from flashport.rewriter import interrupts
 from flashport.rewriter import source as src
 from flashport.rewriter.engine import transform_source
 from flashport.rewriter.interrupts import Interrupted
-from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult, Site
+from flashport.rewriter.report import display_path
+from flashport.rewriter.results import (
+    CHANGED,
+    ERROR,
+    REFUSED,
+    REWRITE,
+    SUPPRESSED,
+    UNCHANGED,
+    FileResult,
+    Site,
+)
 from flashport.rewriter.writes import StaleFile, WriteLog, reason, write_in_place
 from flashport.rules.base import Rule, RuleOptions
 
@@ -134,6 +144,44 @@ def review(
     return outcome
 
 
+DECLINED = "declined in the interactive review"
+UNANSWERED = "not answered in the interactive review (interrupted)"
+
+
+def record(results: Sequence[FileResult], outcome: Outcome) -> None:
+    """Make ``results`` say what the review did, so every report counts exactly: a declined site
+    becomes ``suppressed`` (reason :data:`DECLINED`), an accepted site the per-file phase then
+    refused becomes ``refused`` with its reason, the sites of a file that was not written are
+    ``refused`` with the file's reason, a site never answered (Ctrl-C) is ``suppressed`` (reason
+    :data:`UNANSWERED`), and a reviewed file nothing was written to is ``unchanged``."""
+    declined = {(s.path, *_key(s)): s for s in outcome.declined}
+    failed = dict(outcome.failed)
+    written = set(outcome.written)
+    for result in results:
+        if result.status != CHANGED:
+            continue
+        sites = []
+        for site in result.sites:
+            if site.status == REWRITE:
+                other = declined.get((site.path, *_key(site)))
+                if result.path in failed:
+                    site = dataclasses.replace(
+                        site, status=REFUSED, reason=f"not written: {failed[result.path]}"
+                    )
+                elif other is not None and other.status == REFUSED:
+                    site = dataclasses.replace(site, status=REFUSED, reason=other.reason)
+                elif other is not None:
+                    site = dataclasses.replace(site, status=SUPPRESSED, reason=DECLINED)
+                elif result.path not in written:  # never answered: the review was interrupted
+                    site = dataclasses.replace(site, status=SUPPRESSED, reason=UNANSWERED)
+            sites.append(site)
+        result.sites = sites
+        if result.path in failed:
+            result.status, result.error = ERROR, failed[result.path]
+        elif result.path not in written:
+            result.status = UNCHANGED
+
+
 def _answer(ask, console) -> str:
     while True:
         reply = ask(PROMPT)
@@ -170,7 +218,8 @@ def site_hunk(result: FileResult, site: Site, context: int = 3) -> str:
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
         mine = tag != "equal" and i1 < site.end_line and site.line - 1 < max(i2, i1 + 1)
         only += new[j1:j2] if mine else old[i1:i2]
-    lines = difflib.unified_diff(old, only, f"a/{result.path}", f"b/{result.path}", n=context)
+    shown = display_path(result.path)
+    lines = difflib.unified_diff(old, only, f"a/{shown}", f"b/{shown}", n=context)
     return "".join(_nl(line) for line in lines)
 
 

@@ -15,7 +15,7 @@ version)::
         {"path": str, "line": int (1-based), "column": int (0-based), "end_line": int,
          "rule": "FPA001", "api": str (qualified source API or config value),
          "kind": "call" | "reference" | "string",
-         "status": "rewrite" | "refused" | "suppressed",
+         "status": "rewrite" | "as_is" | "refused" | "suppressed",   # as_is: runs unchanged on TPU
          "reason": str ("" for rewrites), "notes": [str]}     # notes: what a rewrite dropped
       ],
       "files": [                                  # files that were parsed, changed or failed
@@ -25,8 +25,8 @@ version)::
          "diff": str | null}                      # unified diff (rewrite only), a/ b/ prefixes
       ],
       "summary": {"files_scanned": int, "files_parsed": int, "files_changed": int,
-                  "files_failed": int, "sites": {"rewrite": int, "refused": int, "suppressed": int},
-                  "rules": {"FPA001": {"rewrite": int, "refused": int, "suppressed": int}, ...},
+                  "files_failed": int, "sites": {"rewrite": int, "as_is": int, "refused": int, "suppressed": int},
+                  "rules": {"FPA001": {"rewrite": int, "as_is": int, ...}, ...},
                   "refused_reasons": [{"rule": str, "reason": str, "count": int}],
                   "skipped": {reason: int},          # paths left out by discovery, per reason
                   "skipped_paths": [{"path": str, "reason": str}]},   # the ones named (links, FIFOs...)
@@ -38,23 +38,44 @@ from __future__ import annotations
 
 import collections
 import difflib
+import os
 from collections.abc import Sequence
 
 from flashport.rewriter import source as src
-from flashport.rewriter.results import CHANGED, ERROR, REFUSED, REWRITE, SITE_STATUSES, SUPPRESSED, FileResult
+from flashport.rewriter.results import (
+    AS_IS,
+    CHANGED,
+    ERROR,
+    REFUSED,
+    REWRITE,
+    SITE_STATUSES,
+    STATUS_LABELS,
+    SUPPRESSED,
+    FileResult,
+)
 
 SCHEMA = "flashport.report/1"
 
 
+def display_path(path: str) -> str:
+    """``path`` as ruff and git print it: relative to the current directory, ``/``-separated, without
+    ``./`` (absolute when it lies outside the current directory)."""
+    relative = os.path.relpath(path)
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        relative = os.path.abspath(path)
+    return relative.replace(os.sep, "/")
+
+
 def unified_diff(result: FileResult) -> str:
-    """``git apply``-able unified diff of a changed file (``a/``/``b/`` prefixes); "" otherwise."""
+    """``git apply``-able unified diff of a changed file (``a/``/``b/`` prefixes and the
+    :func:`display_path` of the file, so ``git apply`` and ``patch -p1`` take it from the current
+    directory); "" otherwise."""
     if result.status != CHANGED or result.old is None or result.new is None:
         return ""
     old = _text(result.old)
     new = _text(result.new)
-    lines = difflib.unified_diff(
-        src.split_lines(old), src.split_lines(new), f"a/{result.path}", f"b/{result.path}", n=3
-    )
+    shown = display_path(result.path)
+    lines = difflib.unified_diff(src.split_lines(old), src.split_lines(new), f"a/{shown}", f"b/{shown}", n=3)
     out = []
     for line in lines:
         out.append(line if line.endswith(("\n", "\r")) else line + "\n\\ No newline at end of file\n")
@@ -145,11 +166,12 @@ def to_json(
 class TextReport:
     """rich rendering on stdout (plain text when colour is off or stdout is not a terminal)."""
 
-    def __init__(self, color: bool):
+    def __init__(self, color: bool, file=None):
         from rich.console import Console
 
         self.color = color
         self.console = Console(
+            file=file,
             no_color=not color,
             highlight=False,
             force_terminal=None if color else False,
@@ -165,13 +187,12 @@ class TextReport:
             for result in results:
                 for site in result.sites:
                     why = site.reason or "; ".join(site.notes)
-                    status = (
-                        "rewritable"
-                        if site.status == REWRITE
-                        else "not-rewritable"
-                        if site.status == REFUSED
-                        else SUPPRESSED
-                    )
+                    status = {
+                        REWRITE: "rewritable",
+                        AS_IS: "as-is",
+                        REFUSED: "not-rewritable",
+                        SUPPRESSED: SUPPRESSED,
+                    }[site.status]
                     self.console.file.write(
                         f"{site.path}:{site.line}:{site.column} {site.rule} {status} {site.api}{': ' + why if why else ''}\n"
                     )
@@ -185,6 +206,7 @@ class TextReport:
             for site in result.sites:
                 status = {
                     "rewrite": "[green]rewritable[/]",
+                    "as_is": "[blue]runs as is[/]",
                     "refused": "[red]not rewritable[/]",
                     "suppressed": "[dim]suppressed[/]",
                 }[site.status]
@@ -229,6 +251,14 @@ class TextReport:
                     plain = f"not rewritten {site.path}:{site.line} {site.rule} {site.api}: {site.reason}"
                     self._line(f"[yellow]not rewritten[/] {plain[len('not rewritten ') :]}", plain)
 
+    def findings(self, findings: Sequence) -> None:
+        """Suppression comments that suppress nothing or name unknown rules, ``path:line code message``."""
+        from rich.markup import escape
+
+        for finding in findings:
+            plain = f"{finding.code} {display_path(finding.path)}:{finding.line}: {finding.message}"
+            self._line(f"[yellow]{finding.code}[/] {escape(plain[len(finding.code) + 1 :])}", plain)
+
     def _line(self, markup: str, plain: str) -> None:
         """One finding per line: never wrapped when piped (grep-able), styled on a terminal."""
         if self.color:
@@ -251,12 +281,11 @@ class TextReport:
         if not scan or info["rules"]:
             table = Table(title="summary")
             table.add_column("rule")
-            for status in ("rewrite", "refused", "suppressed"):
-                table.add_column(
-                    {"rewrite": "rewritable" if scan else "rewritten"}.get(status, status), justify="right"
-                )
+            for status in SITE_STATUSES:
+                label = "rewritable" if scan and status == REWRITE else STATUS_LABELS[status]
+                table.add_column(label, justify="right")
             for code, counts in info["rules"].items():
-                table.add_row(code, *(str(counts[s]) for s in ("rewrite", "refused", "suppressed")))
+                table.add_row(code, *(str(counts[s]) for s in SITE_STATUSES))
             self.console.print(table)
             self.console.print(files)
         else:

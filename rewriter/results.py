@@ -9,9 +9,12 @@ import dataclasses
 
 # Site statuses.
 REWRITE = "rewrite"  # rewritten (or would be, in a dry run)
+AS_IS = "as_is"  # left byte-identical because it runs with the same meaning on a TPU host
 REFUSED = "refused"  # left byte-identical; ``reason`` says why
-SUPPRESSED = "suppressed"  # a ``# flashport: ignore[...]`` comment covers it
-SITE_STATUSES = (REWRITE, REFUSED, SUPPRESSED)
+SUPPRESSED = "suppressed"  # a ``# flashport: ignore[...]`` comment (or the interactive review) skips it
+SITE_STATUSES = (REWRITE, AS_IS, REFUSED, SUPPRESSED)
+# Column headings of the statuses in every report (text, HTML, SARIF).
+STATUS_LABELS = {REWRITE: "rewritten", AS_IS: "as is", REFUSED: "refused", SUPPRESSED: "suppressed"}
 
 # File statuses.
 UNCHANGED = "unchanged"
@@ -64,6 +67,8 @@ class FileResult:
       imports_kept: ``"<module> (line N): <reason>"`` for each GPU import a rewrite left in place (N:
         its line in the rewritten file)
         (:mod:`flashport.rewriter.kept_imports`).
+      size: the file's size in bytes.
+      seconds: how long the engine took on it (0 when it was not parsed).
     """
 
     path: str
@@ -77,3 +82,4 @@ class FileResult:
     imports_removed: list[str] = dataclasses.field(default_factory=list)
     imports_kept: list[str] = dataclasses.field(default_factory=list)
     size: int = 0
+    seconds: float = 0.0

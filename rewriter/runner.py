@@ -6,9 +6,11 @@ parent when the run is interrupted (:mod:`flashport.rewriter.interrupts`); writi
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
@@ -36,9 +38,15 @@ def _init_worker(codes: tuple[str, ...], options: RuleOptions) -> None:
 
 def _work(item: tuple[str, bytes]) -> FileResult:
     path, data = item
-    return transform_source(
-        data, path, _WORKER_STATE["rules"], _WORKER_STATE["options"], _WORKER_STATE["pattern"]
-    )
+    return _timed(data, path, _WORKER_STATE["rules"], _WORKER_STATE["options"], _WORKER_STATE["pattern"])
+
+
+def _timed(data, path, rules, options, pattern) -> FileResult:
+    """:func:`transform_source`, with its duration in ``seconds`` (for the slowest-files summary)."""
+    started = time.perf_counter()
+    result = transform_source(data, path, rules, options, pattern)
+    result.seconds = time.perf_counter() - started
+    return result
 
 
 def run(
@@ -48,6 +56,7 @@ def run(
     jobs: int | None = None,
     progress: Callable[[FileResult], None] | None = None,
     cache: ResultCache | Literal[False] | None = None,
+    done: Callable[[str], None] | None = None,
 ) -> Iterator[FileResult]:
     """Yield one :class:`FileResult` per path, in the order of ``paths``.
 
@@ -58,7 +67,10 @@ def run(
     Args:
       cache: a :class:`~flashport.rewriter.cache.ResultCache` to reuse and fill; None: the one the
         ``FLASHPORT_CACHE`` environment variable asks for (default: none); False: no cache.
+      done: called with each path as soon as its result is known, in completion order (from the
+        pool's result thread when there are workers), for a progress bar.
     """
+    done = done or (lambda path: None)
     pattern = trigger_pattern(rules)
     jobs = max(1, jobs or os.cpu_count() or 1)
     if cache is None:
@@ -77,19 +89,22 @@ def run(
             continue
         if not pattern.search(data):
             slots.append(FileResult(path, size=len(data)))
+            done(path)
             continue
         cached = cache.get(path, data) if cache else None
         slots.append(cached)
         if cached is None:
             todo.append((index, path, data))
+        else:
+            done(path)
     try:
-        yield from _compute(slots, todo, rules, options, pattern, jobs, cache, progress)
+        yield from _compute(slots, todo, rules, options, pattern, jobs, cache, progress, done)
     finally:
         if cache:
             cache.save()
 
 
-def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Iterator[FileResult]:
+def _compute(slots, todo, rules, options, pattern, jobs, cache, progress, done) -> Iterator[FileResult]:
     def remember(computed):
         for (_, path, data), result in zip(todo, computed, strict=False):
             if cache:
@@ -97,7 +112,7 @@ def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Ite
             yield result
 
     if jobs == 1 or len(todo) <= 1:
-        computed = (transform_source(data, path, rules, options, pattern) for _, path, data in todo)
+        computed = (_inline(data, path, rules, options, pattern, done) for _, path, data in todo)
         yield from _merge(slots, todo, remember(computed), progress)
         return
     codes = tuple(rule.CODE for rule in rules)
@@ -112,7 +127,8 @@ def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Ite
         asked = {}
         for position in sorted(range(len(todo)), key=lambda i: -len(todo[i][2])):
             _, path, data = todo[position]
-            asked[position] = pool.apply_async(_work, ((path, data),))
+            finish = functools.partial(_finished, done, path)  # completion order, for progress
+            asked[position] = pool.apply_async(_work, ((path, data),), callback=finish, error_callback=finish)
         computed = (asked[position].get() for position in range(len(todo)))
         yield from _merge(slots, todo, remember(computed), progress)
         finished = True
@@ -122,6 +138,16 @@ def _compute(slots, todo, rules, options, pattern, jobs, cache, progress) -> Ite
         else:  # interrupted, or the consumer stopped early: stop the workers now
             pool.terminate()
         pool.join()
+
+
+def _finished(done: Callable[[str], None], path: str, _outcome: object) -> None:
+    done(path)
+
+
+def _inline(data, path, rules, options, pattern, done) -> FileResult:
+    result = _timed(data, path, rules, options, pattern)
+    done(path)
+    return result
 
 
 def _merge(slots, todo, computed, progress) -> Iterator[FileResult]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import re
 
-_PATTERN = re.compile(r"#\s*flashport:\s*ignore(?:\[(?P<codes>[^\]]*)\])?", re.IGNORECASE)
+PATTERN = re.compile(r"#\s*flashport:\s*ignore(?:\[(?P<codes>[^\]]*)\])?", re.IGNORECASE)
 ALL = "*"
+REASON = "suppressed by a # flashport: ignore comment"  # the reason of every site a comment suppresses
 
 
 def parse(lines: list[str]) -> dict[int, frozenset[str]]:
@@ -17,14 +18,17 @@ def parse(lines: list[str]) -> dict[int, frozenset[str]]:
     for number, line in enumerate(lines, 1):
         if "flashport" not in line:
             continue
-        match = _PATTERN.search(line)
+        match = PATTERN.search(line)
         if match:
             codes = match.group("codes")
-            if codes is None or not codes.strip():
-                found[number] = frozenset({ALL})
-            else:
-                found[number] = frozenset(c.strip().upper() for c in codes.split(",") if c.strip())
+            found[number] = codes_of(codes)
     return found
+
+
+def codes_of(listed: str | None) -> frozenset[str]:
+    """The codes of a comment's ``[...]`` list (``{"*"}`` when absent or empty)."""
+    codes = frozenset(c.strip().upper() for c in (listed or "").split(",") if c.strip())
+    return codes or frozenset({ALL})
 
 
 def is_suppressed(table: dict[int, frozenset[str]], code: str, start: int, end: int) -> bool:

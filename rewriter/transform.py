@@ -42,10 +42,11 @@ from libcst.metadata import MetadataWrapper, ScopeProvider
 from flashport.rewriter import aliases, newsyntax, run_context, suppress, thin
 from flashport.rewriter.names import Names
 from flashport.rewriter.positions import Span, line_positions
-from flashport.rewriter.results import REFUSED, REWRITE, SUPPRESSED, Site
+from flashport.rewriter.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rewriter.spans import StatementSpans, indents
 from flashport.rules._values import call_drop_in
 from flashport.rules.base import (
+    RUNS_AS_IS,
     Outcome,
     Refusal,
     Refuse,
@@ -366,11 +367,11 @@ class SiteTransformer(cst.CSTTransformer):
         status, reason = None, ""
         notes: tuple[str, ...] = ()
         if suppress.is_suppressed(self.suppressions, rule.CODE, line, end):
-            status, reason = SUPPRESSED, "suppressed by a # flashport: ignore comment"
+            status, reason = SUPPRESSED, suppress.REASON
         elif isinstance(outcome, Rewrite):
             status, notes = REWRITE, outcome.notes
         elif isinstance(outcome, (Refusal, Report)):
-            status, reason = REFUSED, outcome.reason
+            status, reason = AS_IS if outcome.reason.startswith(RUNS_AS_IS) else REFUSED, outcome.reason
         if status is None:
             return None
         site = Site(self.path, line, column, end, rule.CODE, api, kind, status, reason, tuple(notes))

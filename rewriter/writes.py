@@ -26,7 +26,7 @@ import errno
 import os
 import stat
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from flashport.rewriter import interrupts
 from flashport.rewriter.results import CHANGED, ERROR, FileResult
@@ -200,9 +200,12 @@ class WriteLog:
         return "\n".join(lines) + "\n"
 
 
-def write_results(results: Sequence[FileResult], log: WriteLog) -> None:
+def write_results(
+    results: Sequence[FileResult], log: WriteLog, done: Callable[[str], None] | None = None
+) -> None:
     """Write every changed result in place; a file that cannot be written becomes an error result
-    (``write failed: <reason>``) and the others are still written."""
+    (``write failed: <reason>``) and the others are still written. ``done(path)`` follows each file
+    (a progress bar)."""
     todo = [r for r in results if r.status == CHANGED and r.old is not None and r.new is not None]
     log.planned = [r.path for r in todo]
     log.stage = "write"
@@ -213,8 +216,10 @@ def write_results(results: Sequence[FileResult], log: WriteLog) -> None:
                 write_in_place(result.path, result.old, result.new)
             except (OSError, StaleFile) as err:
                 result.status, result.error = ERROR, f"write failed: {reason(err)}"
-                continue
-            log.written.append(result.path)
+            else:
+                log.written.append(result.path)
+        if done is not None:
+            done(result.path)
 
 
 def reason(err: Exception) -> str:

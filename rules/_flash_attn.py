@@ -13,6 +13,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as matchers
 
+from flashport.rules._node_context import simple
 from flashport.rules.apis import flash_attn as apis_flash_attn
 from flashport.rules.base import (
     Refuse,
@@ -99,6 +100,9 @@ def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
             if all(v < 0 for v in values):
                 return None
             return tuple_of(*[cst.Name("None") if v < 0 else number(v) for v in values])
+        sides = [_window_side(e.value) for e in node.elements]
+        if all(side is not None for side in sides):  # readable: one conditional per side that needs it
+            return tuple_of(*[side for side in sides if side is not None])
     # Dynamic: convert at run time, once (the iterable of a generator is evaluated in this scope;
     # an assignment expression may not stand there, so a value holding one is passed to a lambda).
     if matchers.findall(node, matchers.NamedExpr()):
@@ -109,6 +113,21 @@ def _window(node: cst.BaseExpression) -> cst.BaseExpression | None:
     if not isinstance(converted, cst.BaseExpression):  # the substitution replaces one name by one expression
         raise TypeError(f"window conversion produced {type(converted).__name__}, not an expression")
     return converted
+
+
+def _window_side(node: cst.BaseExpression) -> cst.BaseExpression | None:
+    """One side of a flash-attn window as the contract's: a literal as its value (-1 -> None), a name
+    or attribute as ``None if x < 0 else x`` (read twice: :func:`simple`); None for anything else."""
+    value = literal_number(node)
+    if isinstance(value, int):
+        return cst.Name("None") if value < 0 else number(value)
+    if not simple(node):
+        return None
+    return cst.IfExp(
+        test=cst.Comparison(node, [cst.ComparisonTarget(cst.LessThan(), cst.Integer("0"))]),
+        body=cst.Name("None"),
+        orelse=node.deep_clone(),  # the same expression, read a second time
+    )
 
 
 class _Substitute(cst.CSTTransformer):

@@ -161,6 +161,8 @@ class RuleOptions:
       patches: run-level context: the source APIs the run's files replace at run time
         (:class:`Patch`; found by :mod:`flashport.rewriter.run_context` before any file is
         transformed, so every file of a project sees the patches of the others).
+      format_rewrites: format the statements a rewrite changed with the project's formatter
+        settings (:mod:`flashport.rewriter.formatting`; the CLI turns it on, ``--no-format`` off).
     """
 
     inference: bool = False
@@ -168,6 +170,7 @@ class RuleOptions:
     torch_version: tuple[int, ...] = (2, 5)
     jax_version: tuple[int, ...] = (0, 10, 2)
     patches: tuple[Patch, ...] = ()
+    format_rewrites: bool = False
 
     def patch_of(self, api: str) -> Patch | None:
         """The first :class:`Patch` of ``api`` (a qualified name) in this run, or None."""
@@ -683,6 +686,23 @@ def _layout(
     return between_ws, closing
 
 
+# The entry points that take the contract's keywords with their defaults (flashport.kernels.keywords).
+CONTRACT_TARGETS = ("flashport.attention", "flashport.torch.attention", "flashport.varlen_attention")
+
+
+def _is_default(keyword: tuple[str, cst.BaseExpression] | cst.Arg) -> bool:
+    """A ``(name, literal)`` keyword that spells the contract's default (``scale=None``,
+    ``causal=False``); ``layout`` is always written, so that a call never depends on the default."""
+    from flashport.kernels.keywords import CONTRACT_KEYWORDS
+
+    if isinstance(keyword, cst.Arg) or keyword[0] == "layout":
+        return False
+    name, value = keyword
+    default = dict(CONTRACT_KEYWORDS).get(name, ...)
+    spelled = "None" if default is None else "False" if default is False else None
+    return spelled is not None and isinstance(value, cst.Name) and value.value == spelled
+
+
 def build_call(
     target: str,
     positional: Sequence[cst.BaseExpression | cst.Arg],
@@ -702,6 +722,8 @@ def build_call(
     Raises:
       Refuse: when an argument with possible side effects cannot keep its evaluation order.
     """
+    if target in CONTRACT_TARGETS:
+        keywords = [k for k in keywords if not _is_default(k)]
     args = _in_source_order(_as_args(positional, keywords), like)
     between_ws, closing = _layout(like)
     multiline = between_ws is not None
@@ -714,8 +736,8 @@ def build_call(
         if i < len(args) - 1:
             between = between_ws if between_ws is not None else cst.SimpleWhitespace(" ")
             comma = cst.Comma(whitespace_after=kept or between)
-        elif multiline or kept is not None:
-            comma = cst.Comma(whitespace_after=kept or closing)
+        elif kept is not None or (multiline and isinstance(closing, cst.ParenthesizedWhitespace)):
+            comma = cst.Comma(whitespace_after=kept or closing)  # never a `,)` on the last line
         else:
             comma = cst.MaybeSentinel.DEFAULT
         # one with_changes per argument (each is a dataclasses.replace with validation)

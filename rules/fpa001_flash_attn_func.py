@@ -40,7 +40,7 @@ Example::
     out = flashport.torch.attention(q, k, v, scale=s, causal=True, window=(128, 0), align="bottom_right", layout="BSHD")
     out = flash_attn_func(q, k, v, dropout_p=self.p if self.training else 0.0, causal=True)
     # becomes
-    out = flashport.torch.attention(q, k, v, dropout_p=self.p if self.training else 0.0, scale=None, causal=True, align="bottom_right", layout="BSHD")
+    out = flashport.torch.attention(q, k, v, dropout_p=self.p if self.training else 0.0, causal=True, align="bottom_right", layout="BSHD")
 """
 
 from __future__ import annotations

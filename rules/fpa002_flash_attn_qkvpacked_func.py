@@ -19,7 +19,7 @@ Example::
 
     out = flash_attn_qkvpacked_func(qkv, 0.0, causal=True)
     # becomes
-    out = flashport.torch.attention(*qkv.unbind(2), scale=None, causal=True, align="bottom_right", layout="BSHD")
+    out = flashport.torch.attention(*qkv.unbind(2), causal=True, align="bottom_right", layout="BSHD")
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Example::
 
     out = flash_attn_kvpacked_func(q, kv, causal=True)
     # becomes
-    out = flashport.torch.attention(q, *kv.unbind(2), scale=None, causal=True, align="bottom_right", layout="BSHD")
+    out = flashport.torch.attention(q, *kv.unbind(2), causal=True, align="bottom_right", layout="BSHD")
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ Example::
 
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal=True)
     # becomes
-    out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=None, causal=True, align="bottom_right", layout="THD")
+    out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, align="bottom_right", layout="THD")
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Example::
 
     out = flash_attn_varlen_qkvpacked_func(qkv, cu, max_len, 0.0, causal=True)
     # becomes
-    out = flashport.varlen_attention(*qkv.unbind(1), cu_seqlens_q=cu, cu_seqlens_k=cu, scale=None, causal=True, align="bottom_right", layout="THD")
+    out = flashport.varlen_attention(*qkv.unbind(1), cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, align="bottom_right", layout="THD")
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Example::
 
     out = flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, mq, mk, causal=True)
     # becomes
-    out = flashport.varlen_attention(q, *kv.unbind(1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=None, causal=True, align="bottom_right", layout="THD")
+    out = flashport.varlen_attention(q, *kv.unbind(1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, align="bottom_right", layout="THD")
 """
 
 from __future__ import annotations

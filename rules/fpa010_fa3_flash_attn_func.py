@@ -32,7 +32,7 @@ Example::
 
     out, lse = flash_attn_func(q, k, v, causal=True)
     # becomes
-    out, lse = flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD", return_lse=True)
+    out, lse = flashport.torch.attention(q, k, v, causal=True, align="bottom_right", layout="BSHD", return_lse=True)
 """
 
 from __future__ import annotations

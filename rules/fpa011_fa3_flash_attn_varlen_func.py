@@ -28,7 +28,7 @@ Example::
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True)
     out = out.transpose(0, 1)
     # becomes
-    out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, scale=None, causal=True, align="bottom_right", layout="THD")
+    out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, align="bottom_right", layout="THD")
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Example::
 
     out, lse = flash_attn_func(q, k, v, causal=True, window_size=(128, None), return_lse=False)
     # becomes
-    out, lse = flashport.torch.attention(q, k, v, scale=None, causal=True, window=(128, None), align="bottom_right", layout="BSHD", return_lse=True)
+    out, lse = flashport.torch.attention(q, k, v, causal=True, window=(128, None), align="bottom_right", layout="BSHD", return_lse=True)
 """
 
 from __future__ import annotations

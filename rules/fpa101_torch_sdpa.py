@@ -59,7 +59,7 @@ Example::
 
     y = F.scaled_dot_product_attention(q, k, v, mask, is_causal=False)
     # becomes
-    y = flashport.torch.attention(q, k, v, scale=None, causal=False, **flashport.sdpa_mask(mask), align="top_left", layout="BHSD")
+    y = flashport.torch.attention(q, k, v, **flashport.sdpa_mask(mask), align="top_left", layout="BHSD")
     y = F.scaled_dot_product_attention(*args, **kwargs)
     # becomes
     y = flashport.integrations.sdpa_compat.scaled_dot_product_attention(*args, **kwargs)

@@ -29,7 +29,7 @@ Example::
 
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     # becomes
-    out = flashport.attention(q, k, v, scale=None, causal=True, align="top_left", layout="BSHD")
+    out = flashport.attention(q, k, v, causal=True, align="top_left", layout="BSHD")
 """
 
 from __future__ import annotations

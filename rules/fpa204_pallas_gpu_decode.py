@@ -25,7 +25,7 @@ Example::
 
     out = decode_attention.gqa(q, k_cache, v_cache, sm_scale=0.125)
     # becomes
-    out = flashport.attention(q[:, None], k_cache, v_cache, scale=0.125, causal=False, align="bottom_right", layout="BSHD")[:, 0]
+    out = flashport.attention(q[:, None], k_cache, v_cache, scale=0.125, align="bottom_right", layout="BSHD")[:, 0]
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Example::
 
     out = flash_mha(q, k, v, is_causal=True)
     # becomes
-    out = flashport.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")
+    out = flashport.attention(q, k, v, causal=True, align="bottom_right", layout="BSHD")
 """
 
 from __future__ import annotations

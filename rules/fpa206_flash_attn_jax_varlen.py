@@ -25,7 +25,7 @@ Example::
 
     out = flash_mha_varlen(q, k, v, cu, is_causal=True, max_seqlen_q=128)
     # becomes
-    out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, scale=None, causal=True, align="bottom_right", layout="THD")
+    out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, align="bottom_right", layout="THD")
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Example::
 
     out = ops.dot_product_attention(q, k, v, mask=m, flash_attention=True)
     # becomes
-    out = flashport.attention(q, k, v, scale=None, causal=False, mask=m, align="top_left", layout="BSHD")
+    out = flashport.attention(q, k, v, mask=m, align="top_left", layout="BSHD")
 """
 
 from __future__ import annotations

@@ -290,6 +290,71 @@ def auto_axes_jit():
         np.testing.assert_allclose(np.asarray(lse, np.float64)[fin], want_lse[fin], atol=2e-5)
         for g, w in zip(grads, want_g, strict=True):
             np.testing.assert_allclose(to_layout(np.asarray(g, np.float64)), w, atol=1e-4)
+        # inference (no gradient, no lse asked): the primal path of the partitioned op
+        infer = jax.jit(
+            lambda q, k, v, ids, contract=contract, layout=layout: flashport.attention(
+                q, k, v, layout=layout, **contract, **ids
+            ),
+            in_shardings=(x_shard,) * 3 + ({key: seg_shard for key in ids},),
+        )
+        hlo = infer.lower(*args[:3], args[-1]).compile().as_text()
+        assert "all-gather" not in hlo and ("collective-permute" in hlo) is ring_expected, (mshape, spec)
+        out = infer(*args[:3], args[-1])
+        np.testing.assert_allclose(to_layout(np.asarray(out, np.float64)), want_out, atol=2e-5)
+    # vmap over a jitted call on a multi-device host: the partitioned op folds the mapped axis into
+    # the batch (custom_partitioning itself has no batching rule)
+    v_, b, s, h, d = 3, 2, 32, 2, 16
+    q, k, v, d_out = (rng.standard_normal((v_, b, s, h, d)) for _ in range(4))
+    attend = jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True))
+    out = jax.vmap(attend)(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+    out_eager = jax.vmap(lambda q, k, v: flashport.attention(q, k, v, causal=True))(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    )
+    np.testing.assert_allclose(np.asarray(out_eager), np.asarray(out), atol=1e-6)
+    grads = jax.vmap(jax.grad(lambda q, k, v, g: jnp.sum(attend(q, k, v) * g), argnums=(0, 1, 2)))(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v, d_out))
+    )
+    for i in range(v_):
+        np.testing.assert_allclose(
+            np.asarray(out[i], np.float64), reference_attention(q[i], k[i], v[i], causal=True)[0], atol=2e-5
+        )
+        want_g = reference_attention_vjp(q[i], k[i], v[i], d_out[i], causal=True)[:3]
+        for g, w in zip(grads, want_g, strict=True):
+            np.testing.assert_allclose(np.asarray(g[i], np.float64), w, atol=1e-4)
+    # inside a shard_map over the sequence axis (check_vma=False), ring_attention takes the shard's pieces
+    mesh = Mesh(np.array(jax.devices()), ("sp",))
+    q, k, v, d_out = (rng.standard_normal((2, 64, 4, 16)) for _ in range(4))
+    for layout in ("contiguous", "zigzag"):
+
+        def to(x, layout=layout):
+            return flashport.seq_layout.to_zigzag(x, 8, axis=1) if layout == "zigzag" else x
+
+        def shard_loss(q, k, v, g, layout=layout):
+            ring = jax.shard_map(
+                lambda q, k, v: flashport.ring_attention(
+                    q, k, v, mesh=mesh, axis_name="sp", causal=True, window=(40, None), seq_layout=layout
+                ),
+                mesh=mesh,
+                in_specs=P(None, "sp"),
+                out_specs=P(None, "sp"),
+                check_vma=False,
+            )
+            out = ring(q, k, v)
+            return jnp.sum(out * g), out
+
+        step = jax.jit(jax.value_and_grad(shard_loss, argnums=(0, 1, 2), has_aux=True))
+        (_, out), grads = step(*(jnp.asarray(to(x), jnp.float32) for x in (q, k, v, d_out)))
+        back = (
+            (lambda x: flashport.seq_layout.from_zigzag(np.asarray(x, np.float64), 8, axis=1))
+            if layout == "zigzag"
+            else (lambda x: np.asarray(x, np.float64))
+        )
+        np.testing.assert_allclose(
+            back(out), reference_attention(q, k, v, causal=True, window=(40, None))[0], atol=2e-5
+        )
+        want_g = reference_attention_vjp(q, k, v, d_out, causal=True, window=(40, None))[:3]
+        for g, w in zip(grads, want_g, strict=True):
+            np.testing.assert_allclose(back(g), w, atol=1e-4)
     print("auto_axes_jit ok", flush=True)
 
 

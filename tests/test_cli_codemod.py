@@ -17,6 +17,7 @@ import pytest
 from flashport import rules as registry
 from flashport.rewriter import cli, writes
 from flashport.rewriter.engine import transform_source
+from flashport.rules.base import RuleOptions
 
 FA = "from flash_attn import flash_attn_func\n\n\ndef f(q, k, v):\n    return flash_attn_func(q, k, v, causal=True)\n"
 SDPA = "import torch.nn.functional as F\n\n\ndef g(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
@@ -110,7 +111,11 @@ def test_rewrite_dry_run_check_and_write(tree, capsys):
     assert code == 0 and sorted(
         os.path.basename(p) for f in doc["files"] if f["written"] for p in [f["path"]]
     ) == ["a.py", "b.py"]
-    assert 'flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right"' in a.read_text()
+    # formatted at the default line length (no pyproject.toml with ruff/black settings above the tree)
+    assert (
+        '    return flashport.torch.attention(\n        q, k, v, causal=True, align="bottom_right"'
+        in a.read_text()
+    )
     assert stat.S_IMODE(os.stat(a).st_mode) == 0o640
     assert run_json(capsys, "rewrite", str(tree), "--check")[0] == 0  # idempotent
     assert not list(tree.rglob("*.flashport-tmp"))
@@ -247,7 +252,8 @@ def test_sigkill_mid_write_leaves_each_file_old_or_new(tmp_path):
     for i in range(80):
         (root / f"m{i:03d}.py").write_text(body.replace("def f(", f"def f{i}("))
     old = {p: p.read_bytes() for p in root.glob("*.py")}
-    new = {p: transform_source(data, str(p), registry.all_rules()).new for p, data in old.items()}
+    options = RuleOptions(format_rewrites=True)  # what the CLI writes
+    new = {p: transform_source(data, str(p), registry.all_rules(), options).new for p, data in old.items()}
     proc = subprocess.Popen(
         [
             sys.executable,

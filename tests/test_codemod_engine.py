@@ -207,7 +207,7 @@ def test_coding_declaration_and_latin1_bytes_preserved():
     assert new.startswith(b"# -*- coding: latin-1 -*-\n# caf\xe9 \xb5s\r\n")
     assert b"s = '\xe9'\t# tab\n\n\n" in new
     assert (
-        b'\treturn flashport.torch.attention(q, k, v, scale=None, causal=False, align="bottom_right", layout="BSHD")  # trailing \xe9\n'
+        b'\treturn flashport.torch.attention(q, k, v, align="bottom_right", layout="BSHD")  # trailing \xe9\n'
         in new
     )
     compile(new, "m.py", "exec")
@@ -335,7 +335,7 @@ def test_identical_fa3_calls_with_different_uses_each_get_their_own_return_type(
     text = new_text(result)
     assert (
         _line(text, "a =")
-        == 'a = flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")'
+        == 'a = flashport.torch.attention(q, k, v, causal=True, align="bottom_right", layout="BSHD")'
     )
     assert _line(text, "out, lse =").endswith(", return_lse=True)")
 
@@ -363,7 +363,7 @@ def test_python_312_syntax_is_read_and_the_call_rewritten():
     text = new_text(result)
     expected = PY312_FILE.replace(
         "flash_attn_func(q, k, v, causal=True)",
-        'flashport.torch.attention(q, k, v, scale=None, causal=True, align="bottom_right", layout="BSHD")',
+        'flashport.torch.attention(q, k, v, causal=True, align="bottom_right", layout="BSHD")',
     )
     assert text.splitlines()[2:] == expected.splitlines()[2:]  # type/f-string lines byte-identical
     assert "import flashport" in text and "from flash_attn" not in text

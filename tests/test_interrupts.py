@@ -66,8 +66,10 @@ class Ports:
         if name not in self.cache:
             from flashport import rules as registry
             from flashport.rewriter.engine import transform_source
+            from flashport.rules.base import RuleOptions
 
-            done = transform_source(self.original[name], str(self.root / name), registry.all_rules())
+            options = RuleOptions(format_rewrites=True)  # what the CLI writes
+            done = transform_source(self.original[name], str(self.root / name), registry.all_rules(), options)
             assert done.new is not None
             self.cache[name] = done.new
         return self.cache[name]

@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -22,7 +23,13 @@ from flashport.rewriter.runner import run
 from flashport.rules.base import RuleOptions
 
 FA = "from flash_attn import flash_attn_func\n\n\ndef f(q, k, v):\n    return flash_attn_func(q, k, v, causal=True)\n"
-PORTED = transform_source(FA.encode(), "x.py", registry.all_rules()).new
+# what the CLI writes in a temporary folder (formatted at the default line length: no project config)
+PORTED = transform_source(
+    FA.encode(),
+    os.path.join(tempfile.gettempdir(), "x.py"),
+    registry.all_rules(),
+    RuleOptions(format_rewrites=True),
+).new
 assert PORTED is not None
 
 
