@@ -147,3 +147,16 @@ def test_catalogue_imports_neither_jax_nor_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_drop_in_tables_point_at_catalogued_drop_ins():
+    """The codemod's drop-in tables (values replaced by a drop-in, imports re-pointed to one) name
+    only drop-ins whose signature the catalogue checks."""
+    from flashport.rewriter.drop_in_imports import DROP_INS
+    from flashport.rules import _values
+
+    tables = [(module, name) for module, names in _values._PROVIDES.items() for name in names]
+    tables += [(module, name) for module, names in DROP_INS.values() for name in names]
+    known = catalogued_objects()
+    unchecked = sorted(f"{m}.{n}" for m, n in tables if id(resolve(m, n)) not in known)
+    assert not unchecked, f"drop-in tables name drop-ins without a catalogue entry: {unchecked}"
