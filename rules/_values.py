@@ -23,8 +23,11 @@ the SDPA drop-in: :func:`call_drop_in`).
 
 from __future__ import annotations
 
+import functools
+
 import libcst as cst
 
+from flashport.rules import apis
 from flashport.rules.apis import flash_attn as apis_flash_attn
 from flashport.rules.apis import torch as apis_torch
 from flashport.rules.apis import xformers as apis_xformers
@@ -38,7 +41,7 @@ BERT_PADDING = apis_flash_attn.BERT_PADDING
 PADDING_NAMES = tuple(d.name for api in apis_flash_attn.BERT_PADDING_APIS for d in api.drop_ins)
 SDPA = apis_torch.SDPA_COMPAT
 XFORMERS = apis_xformers.XFORMERS_COMPAT
-FA2_SIGNATURE = (2, 6)  # flash-attn's 2.x signatures are 2.8.3's (the drop-ins') from 2.6 on
+FA2_SIGNATURE = (2, 6)  # flash-attn's 2.x signatures are 2.8.3's (the drop-ins') from 2.6 on (kvcache: 2.6.1)
 SEQUSED = (2, 7)  # unpad_input returns five values from 2.7 on (the drop-in's)
 # Callees that inspect a function instead of calling it: the value must stay the one it probes.
 PROBES = frozenset(
@@ -125,6 +128,20 @@ _FA3_NAMES = ("flash_attn_func", "flash_attn_varlen_func")
 _FA3_EXACT = ("flash_attn_with_kvcache",)
 
 
+@functools.cache
+def first_release(module: str, name: str) -> tuple[int, ...]:
+    """The earliest release whose signature drop-in ``module.name`` replicates (the API catalogue)."""
+    return min(
+        (
+            apis.pad(r)
+            for api in apis.catalogue()
+            for d in api.drop_ins
+            if (d.module, d.name) == (module, name)
+            for r in d.releases
+        ),
+    )
+
+
 def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[str, str] | str:
     """``(module, function)`` of the drop-in that replicates ``api`` at the configured versions,
     or why there is none. ``metadata_only``: the value is only read for its name, docstring and
@@ -151,7 +168,7 @@ def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[st
         return _INEXACT[module]
     version = ctx.options.flash_attn_version
     shown = ".".join(map(str, version))
-    if module == FA2 and name in FA2_NAMES and version < FA2_SIGNATURE:
+    if module == FA2 and name in FA2_NAMES and apis.pad(version) < first_release(FA2, name):
         return (
             f"the drop-in follows flash-attn 2.8's signature and --flash-attn-version is {shown} "
             "(parameters moved in 2.3-2.6; causal is top-left before 2.1)"

@@ -160,3 +160,18 @@ def test_drop_in_tables_point_at_catalogued_drop_ins():
     known = catalogued_objects()
     unchecked = sorted(f"{m}.{n}" for m, n in tables if id(resolve(m, n)) not in known)
     assert not unchecked, f"drop-in tables name drop-ins without a catalogue entry: {unchecked}"
+
+
+@pytest.mark.parametrize(
+    ("version", "replaced"), [((2, 6, 0), False), ((2, 6, 1), True), ((2, 5, 9), False), ((2, 8, 3), True)]
+)
+def test_kvcache_value_gets_the_drop_in_only_where_its_signature_matches(version, replaced):
+    """flash-attn 2.6.1 inserted cache_leftpad mid-signature: a value of 2.6.0's
+    flash_attn_with_kvcache keeps the original (its positional calls would bind differently)."""
+    from types import SimpleNamespace
+
+    from flashport.rules import _values
+
+    ctx = SimpleNamespace(options=SimpleNamespace(flash_attn_version=version))
+    result = _values.drop_in("flash_attn.flash_attn_with_kvcache", ctx)  # type: ignore[arg-type]
+    assert (result == (_values.FA2, "flash_attn_with_kvcache")) is replaced, result

@@ -293,21 +293,24 @@ def _private(function: str) -> Api:
 
 
 # --- bert_padding ----------------------------------------------------------------------------------
+# Unchanged from 2.0.0 to 2.8.3 but for unpad_input; index_first_axis / index_put_first_axis are
+# autograd Functions' ``apply``, recorded with their ``forward``'s parameters (less ``ctx``).
+PADDING_RELEASES: tuple[Version, ...] = ((2, 0, 0), (2, 8, 3))
 BERT_PADDING_APIS = (
     Api(
         names=("flash_attn.bert_padding.index_first_axis",),
         signatures=(((2, 0, 0), params("input", "indices")),),
-        drop_ins=(DropIn(BERT_PADDING, "index_first_axis", FA2_RELEASES),),
+        drop_ins=(DropIn(BERT_PADDING, "index_first_axis", PADDING_RELEASES),),
     ),
     Api(
         names=("flash_attn.bert_padding.index_put_first_axis",),
         signatures=(((2, 0, 0), params("values", "indices", "first_axis_dim")),),
-        drop_ins=(DropIn(BERT_PADDING, "index_put_first_axis", FA2_RELEASES),),
+        drop_ins=(DropIn(BERT_PADDING, "index_put_first_axis", PADDING_RELEASES),),
     ),
     Api(
         names=("flash_attn.bert_padding.pad_input",),
         signatures=(((2, 0, 0), params("hidden_states", "indices", "batch", "seqlen")),),
-        drop_ins=(DropIn(BERT_PADDING, "pad_input", FA2_RELEASES),),
+        drop_ins=(DropIn(BERT_PADDING, "pad_input", PADDING_RELEASES),),
     ),
     Api(  # 2.7 added unused_mask and a fifth return value (seqused)
         names=("flash_attn.bert_padding.unpad_input",),
