@@ -49,6 +49,7 @@ import difflib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,6 +78,27 @@ PACKAGES = (
     ("lmdeploy", "0.18.0"),
 )
 # what a TPU/CPU host lacks (jax itself stays: flashport runs on it; its GPU-only submodules load lazily)
+# owner/name, commit: public repositories fetched from git (sources at that commit), a set the rules
+# were not written against: video diffusion, context parallelism, training frameworks, RL, inference,
+# JAX model zoos. Selected with --set fresh.
+FRESH = (
+    ("Tencent/HunyuanVideo", "fa14b001c18f37191c938a9ef6baad3b9b472759"),
+    ("Wan-Video/Wan2.1", "9737cba9c1c3c4d04b33fcad41c111989865d315"),
+    ("hpcaitech/Open-Sora", "7ad6a96a135feb81f755c84fb391818718f6beb2"),
+    ("xdit-project/xDiT", "175e0bfec974d0b44a0be9fa511df2f9f5ead080"),
+    ("feifeibear/long-context-attention", "56118e0d8fe377d43441226dd8bdd07135c92c22"),
+    ("zhuzilin/ring-flash-attention", "899628238f2f5bb8c028579c89b7cd56ea451d2a"),
+    ("OpenRLHF/OpenRLHF", "3c3be6234e0cb353e76bb8019947db9dfe99fca7"),
+    ("volcengine/verl", "b178a3cd56f58b2d502255daba591e92833930a7"),
+    ("huggingface/nanotron", "2411b022a75fb7f7561a1bb4166706da5e1b76de"),
+    ("Lightning-AI/litgpt", "26857050fe3ff627cd714fe92f5838f51a3d5efa"),
+    ("mistralai/mistral-inference", "2557e12d0e1878a1562ece30434820f80aa3e12a"),
+    ("stanford-crfm/levanter", "9263f81e8b453241332c2c0b2d2001bfb2d2241c"),
+    ("apple/axlearn", "34aed43c1b6e581c4753d06d7cbeedd5010ef26b"),
+    ("AI-Hypercomputer/maxtext", "e591f30cbbf217ed67ef71263ec0538239f9c3b8"),
+    ("young-geng/EasyLM", "fe5b2c354e25d697fce7cd225e23bbbe72570da3"),
+    ("google-research/big_vision", "0127fb6b337ee2a27bf4e54dea79cff176527356"),
+)
 BLOCKED = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper", "xformers", "flash_attn_jax")
 TEST_PARTS = {"tests", "test", "testing", "benchmarks", "benchmark", "examples", "example"}
 
@@ -228,12 +250,21 @@ def check_changes(path: str, old: bytes, new: bytes, sites, gpu_modules) -> list
     old_lines = old.decode("utf-8", "replace").splitlines()
     new_lines = new.decode("utf-8", "replace").splitlines()
     stray = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
-        None, old_lines, new_lines, autojunk=False
-    ).get_opcodes():
+    opcodes = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False).get_opcodes()
+    # an old line the diff removed and added back elsewhere (aligned around a rewrite), not changed
+    added = collections.Counter(
+        line for tag, _, _, j1, j2 in opcodes if tag != "equal" for line in new_lines[j1:j2]
+    )
+    for tag, i1, i2, j1, j2 in opcodes:
         if tag == "equal":
             continue
-        stray += [f"{path}:{i + 1}" for i in range(i1, i2) if i + 1 not in allowed and old_lines[i].strip()]
+        for i in range(i1, i2):
+            if i + 1 in allowed or not old_lines[i].strip():
+                continue
+            if added[old_lines[i]]:
+                added[old_lines[i]] -= 1
+            else:
+                stray.append(f"{path}:{i + 1}")
         extra = (
             new_lines[j1 + (i2 - i1) : j2]
             if tag == "replace"
@@ -252,10 +283,65 @@ def check_changes(path: str, old: bytes, new: bytes, sites, gpu_modules) -> list
     return stray
 
 
+def _python_files_from_mirror(mirror: str, commit: str, into: str) -> None:
+    """Write the ``.py`` files of ``commit`` in the bare git folder ``mirror`` under ``into`` (a mirror
+    may lack large non-Python blobs, so the whole tree is not asked for)."""
+    listing = subprocess.run(
+        ["git", "-C", mirror, "ls-tree", "-r", "-z", commit], capture_output=True, check=True
+    ).stdout.split(b"\0")
+    blobs = [
+        (fields[2], path.decode())
+        for fields, path in (
+            (entry.split(b"\t", 1)[0].split(), entry.split(b"\t", 1)[1]) for entry in listing if entry
+        )
+        if fields[1] == b"blob" and path.endswith(b".py")
+    ]
+    for sha, path in blobs:
+        data = subprocess.run(["git", "-C", mirror, "cat-file", "blob", sha], capture_output=True, check=True)
+        target = os.path.join(into, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as handle:
+            handle.write(data.stdout)
+
+
+def fetch_git(repo: str, commit: str, cache: str) -> str:
+    """Check out (once) the ``.py`` files of ``repo`` (owner/name) at ``commit`` into the cache; return
+    the folder.
+
+    The objects come from a local mirror when ``$FLASHPORT_GIT_MIRRORS`` holds ``owner+name/repo``
+    (a bare git folder), else from github.com.
+
+    Raises:
+      RuntimeError: when git cannot fetch it.
+    """
+    folder = os.path.join(cache, f"{repo.replace('/', '+')}-{commit[:12]}")
+    if os.path.isfile(os.path.join(folder, ".complete")):
+        return folder
+    mirrors = os.environ.get("FLASHPORT_GIT_MIRRORS", "")
+    mirror = os.path.join(mirrors, repo.replace("/", "+"), "repo") if mirrors else ""
+    with tempfile.TemporaryDirectory(prefix="flashport-git-") as tmp:
+        try:
+            if mirror and os.path.isdir(mirror):
+                _python_files_from_mirror(mirror, commit, tmp)
+            else:
+                url = f"https://github.com/{repo}.git"
+                for step in (["init", "-q"], ["fetch", "-q", "--depth", "1", url, commit]):
+                    subprocess.run(["git", "-C", tmp, *step], capture_output=True, check=True)
+                _python_files_from_mirror(os.path.join(tmp, ".git"), "FETCH_HEAD", tmp)
+                shutil.rmtree(os.path.join(tmp, ".git"))
+        except subprocess.CalledProcessError as err:
+            raise RuntimeError(f"git {err.cmd[3:]}: {err.stderr.decode(errors='replace')[-300:]}") from err
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(tmp, folder)
+    open(os.path.join(folder, ".complete"), "w").close()
+    return folder
+
+
 def run_package(name: str, version: str, cache: str) -> Result:
-    """Fetch one package and port every file in memory."""
-    out = Result(name, version)
-    root = corpus.fetch(name, version, cache)
+    """Fetch one package (a pinned PyPI release, or owner/name at a git commit) and port every file in
+    memory."""
+    out = Result(name, version[:12] if "/" in name else version)
+    root = fetch_git(name, version, cache) if "/" in name else corpus.fetch(name, version, cache)
     rules = registry.all_rules()
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))
     start = time.perf_counter()
@@ -375,7 +461,7 @@ def import_check(result: Result, gpu_modules: tuple[str, ...]) -> None:
     if not result.fully_ported:
         return
     root = result.fully_ported[0][0]
-    with tempfile.TemporaryDirectory(prefix=f"flashport-real-{result.name}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"flashport-real-{result.name.replace('/', '+')}-") as tmp:
         tree = os.path.join(tmp, "tree")
         subprocess.run(["cp", "-r", root, tree], check=True)
         modules = []
@@ -461,7 +547,7 @@ def report(results: list[Result]) -> None:
         share = f"{100 * (r.model_ported + r.model_as_is) / r.model_sites:.0f}%" if r.model_sites else "-"
         rows.append(
             (
-                f"{r.name}=={r.version}",
+                f"{r.name}@{r.version}" if "/" in r.name else f"{r.name}=={r.version}",
                 r.files,
                 r.model_sites,
                 r.model_ported,
@@ -560,6 +646,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--packages", help="comma-separated names from the pinned list (default: all)")
     parser.add_argument(
+        "--set",
+        choices=("known", "fresh", "all"),
+        default="known",
+        help="the PyPI packages the rules were tuned on (known), the git repositories of FRESH, or both",
+    )
+    parser.add_argument(
         "--speed-sites", type=int, default=20000, help="sites in the generated file (0: skip)"
     )
     parser.add_argument(
@@ -573,8 +665,9 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.packages.split(",")) if args.packages else None
     gpu_modules = tuple(sorted({m for r in registry.all_rules() for m in r.GPU_MODULES}))
     results = []
-    for name, version in PACKAGES:
-        if wanted and name not in wanted:
+    chosen = {"known": PACKAGES, "fresh": FRESH, "all": PACKAGES + FRESH}[args.set]
+    for name, version in chosen:
+        if wanted and name not in wanted and name.split("/")[-1] not in wanted:
             continue
         try:
             result = run_package(name, version, cache)

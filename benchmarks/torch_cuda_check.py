@@ -80,7 +80,7 @@ def check(name, q_shape, kv_shape, options, extras, dtype, device, log, rng):
         return x.transpose(1, 2).contiguous() if layout == "BHSD" else x
 
     q, k, v = tensor(q_shape, 2.0), tensor(kv_shape), tensor(kv_shape)
-    kw = {key: value for key, value in options.items()}
+    kw = dict(options, layout=layout)
     if "bias" in extras:
         kw["bias"] = torch.from_numpy(rng.standard_normal(extras["bias"]).astype(np.float32))
     if "mask" in extras:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from flashport.kernels import bias_grad, checks, dropout, registry
+from flashport.kernels import bias_grad, checks, deferred, dropout, registry
 from flashport.kernels.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
 from flashport.kernels.spec import AttentionSpec, make_spec
 
@@ -257,11 +257,28 @@ def _dispatch(
     names = {name for name, _ in picks.values()}
     if len(names) == 1:
         return _run(registry.BackendChoice(names.pop()), call, args)
-    branches = {
-        p: functools.partial(_run_positional, registry.BackendChoice(name), call)
-        for p, (name, _) in picks.items()
+    return jax.lax.platform_dependent(*args, **platform_branches(picks, call, _run_positional, deferred.run))
+
+
+def platform_branches(
+    picks: dict[str, tuple[str, str]], call: Call, traced: Any, later: Any
+) -> dict[str, Any]:
+    """``platform_dependent`` branches for per-platform ``picks``: ``traced(choice, call, *args)`` for
+    the backend picked on this process's platform (and for backends that cannot be deferred),
+    ``later(choice, call, *args)`` (traced only if a module is lowered for that platform,
+    :mod:`flashport.kernels.deferred`) for the others; one
+    branch per backend, with ``cpu``'s as the default."""
+    here = picks.get(deferred.host_platform(), (None, ""))[0]
+    by_name = {
+        name: functools.partial(
+            traced if name == here or not registry.get(name).deferrable else later,
+            registry.BackendChoice(name),
+            call,
+        )
+        for name, _ in picks.values()
     }
-    return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
+    branches = {p: by_name[name] for p, (name, _) in picks.items()}
+    return dict(branches, default=branches["cpu"])
 
 
 def _auto_picks(call: Call) -> dict[str, tuple[str, str]]:

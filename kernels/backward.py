@@ -29,7 +29,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from flashport.kernels import api, bias_grad, registry
+from flashport.kernels import api, bias_grad, deferred, registry
 from flashport.kernels.keywords import takes_contract_keywords
 
 log = logging.getLogger("flashport")
@@ -117,19 +117,18 @@ def flashport_attention_backward(
             zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
             return (*zeros, None if bias is None else jnp.zeros_like(bias))
         if choice is not None:
-            return _run(choice, call, args)
-        picks = {p: registry.choose(p, call)[0] for p in api.PLATFORMS}
-        names = set(picks.values())
+            return run_backend(choice, call, args)
+        picks = {p: registry.choose(p, call) for p in api.PLATFORMS}
+        names = {name for name, _ in picks.values()}
         if len(names) == 1:
-            return _run(registry.BackendChoice(names.pop()), call, args)
-        branches = {
-            p: functools.partial(_run_positional, registry.BackendChoice(name), call)
-            for p, name in picks.items()
-        }
-        return jax.lax.platform_dependent(*args, default=branches["cpu"], **branches)
+            return run_backend(registry.BackendChoice(names.pop()), call, args)
+        branches = api.platform_branches(picks, call, _run_positional, deferred.run_backward)
+        return jax.lax.platform_dependent(*args, **branches)
 
 
-def _run(choice, call, args):
+def run_backend(choice, call, args):
+    """``(dq, dk, dv, dbias)`` of backend ``choice`` from the canonical forward args, ``out``, ``lse``
+    and the cotangents: its residual backward, or the recomputing fallback."""
     info = registry.get(choice.name)
     options = choice.options_dict
     if info.backward is not None:
@@ -143,7 +142,7 @@ def _run(choice, call, args):
 
 
 def _run_positional(choice, call, *args):
-    return _run(choice, call, args)
+    return run_backend(choice, call, args)
 
 
 def recompute_backward(

@@ -131,5 +131,6 @@ registry.register(
         fn=cudnn_attention,
         check=check_call,
         is_available=gpu_present,
+        deferrable=False,  # its custom_partitioning lowers only at the top of a module
     )
 )

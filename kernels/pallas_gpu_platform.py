@@ -6,7 +6,8 @@ lowered for several platforms, JAX lowers every kept branch for *all* of the mod
 ``pallas_call``'s CPU rule raises ("Only interpret mode is supported on CPU backend") even though the
 CUDA branch can never run on CPU. :func:`cuda_only` binds a small primitive whose lowering is
 registered per platform: on CUDA it inlines the Triton kernel; elsewhere the same kernel in the Pallas
-interpreter (``interpret=True``), which is correct (if slow) should it ever run.
+interpreter (``interpret=True``), which is correct (if slow) should it ever run; lowered for one
+platform that is not CUDA, it raises instead (:func:`~flashport.kernels.pallas_tpu.platform.refuse_single_platform`).
 ``mlir.lower_per_platform`` narrows the module's platforms inside each rule, so the Triton lowering
 only ever sees ``cuda``. (The same device as :mod:`flashport.kernels.pallas_tpu_platform`, without
 the TPU chip selection.)
@@ -17,6 +18,8 @@ from __future__ import annotations
 import jax
 from jax._src import core
 from jax._src.interpreters import batching, mlir
+
+from flashport.kernels.pallas_tpu.platform import refuse_single_platform
 
 cuda_only_p = core.Primitive("flashport_cuda_only")
 cuda_only_p.multiple_results = True
@@ -47,6 +50,8 @@ cuda_only_p.def_impl(_impl)
 
 def _lowering(which):
     def rule(ctx, *args, cuda, other):
+        if which != "cuda":
+            refuse_single_platform(ctx, "pallas_gpu", "cuda")
         jaxpr = cuda if which == "cuda" else other
         return mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
 

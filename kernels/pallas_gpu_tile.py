@@ -68,7 +68,9 @@ class Geometry:
 
 
 # The block-range builder's integer ops on traced int32 scalars (inputs are clamped >= 0 before div).
-JAX_OPS = block_ranges.Ops(jnp.minimum, jnp.maximum, jnp.where, jax.lax.div)
+# Every op promotes Python ints weakly: under jax_enable_x64 a literal divisor would be int64, which
+# lax.div rejects next to an int32 program id.
+JAX_OPS = block_ranges.Ops(jnp.minimum, jnp.maximum, jnp.where, jnp.floor_divide)
 
 
 def key_block_bounds(g: Geometry, i):

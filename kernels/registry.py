@@ -62,6 +62,9 @@ class BackendInfo:
         over canonical arrays: the gradients from the forward's ``out`` and ``lse`` without running
         the forward again (:func:`flashport.kernels.backward.attention_backward`; without one, that
         recomputes the forward under ``jax.vjp``).
+      deferrable: whether ``auto`` may leave it untraced until a module is lowered for its platform
+        (:mod:`flashport.kernels.deferred`); False for one whose lowering cannot run nested inside
+        another equation's (cuDNN's ``custom_partitioning`` needs the module's device assignment).
     """
 
     name: str
@@ -73,6 +76,7 @@ class BackendInfo:
     is_available: Callable[[], bool] | None = None
     prefer: Callable[[Call], str | None] | None = None
     backward: Callable[..., Any] | None = None
+    deferrable: bool = True
 
     @property
     def available(self) -> bool:

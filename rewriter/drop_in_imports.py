@@ -41,7 +41,7 @@ from flashport.rules._values import (
 from flashport.rules.apis.flash_attn import PRIVATE_FUNCTIONS
 
 _PRIVATE = frozenset(PRIVATE_FUNCTIONS)
-_PADDING = frozenset(PADDING_NAMES)
+_PADDING = frozenset(PADDING_NAMES) - {"rearrange"}  # einops' function: an import of it stays
 # GPU module -> (drop-in module, the names it provides under the same name and signature)
 DROP_INS: dict[str, tuple[str, frozenset[str]]] = {
     "flash_attn": (FA2, frozenset(FA2_NAMES)),

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
-from flashport.rewriter import astindex, formatting, newsyntax, prune, run_context, suppress, thin
+from flashport.rewriter import astindex, cuda_notes, formatting, newsyntax, prune, run_context, suppress, thin
 from flashport.rewriter import imports as import_edits
 from flashport.rewriter import pieces as mini_parse
 from flashport.rewriter import source as src
@@ -213,6 +213,7 @@ def _transform(
     transformer, replacements = ported
     result.sites.extend(transformer.sites)
     result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
+    result.sites = cuda_notes.annotate(result.sites, tree, lines)
     if not replacements:
         return result
     gpu_modules = tuple(sorted({m for r in rules for m in r.GPU_MODULES}))

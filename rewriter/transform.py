@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import bisect
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -677,10 +678,14 @@ class SiteTransformer(cst.CSTTransformer):
             for access in scope.accesses[self.module.code_for_node(node)] if scope else ():
                 if access.node is node:
                     bindings = list(access.referents)
+        fallbacks = import_fallbacks(self.tree) if self.tree is not None else frozenset()
         imports_only = bool(bindings) and all(
-            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom)) for b in bindings or ()
+            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom))
+            or (isinstance(getattr(b, "node", None), cst.Name) and b.node.value in fallbacks)
+            for b in bindings or ()
         )
-        if not imports_only or len(self._qualified_names(value)) != 1:
+        meanings = self._qualified_names(value) - ({base.value} if base.value in fallbacks else set())
+        if not imports_only or len(meanings) != 1:
             # `import xformers` + `import xformers.ops.fmha` is fine: both give the value one meaning
             return (
                 f"{base.value} is bound by more than one import or assignment (a fallback such as "
@@ -732,6 +737,26 @@ class SiteTransformer(cst.CSTTransformer):
                         self._attributes_dropped_in.discard(key)
                     self._attributes[key] = (*matched, where[0])
 
+    def visit_Annotation(self, node: cst.Annotation) -> None:
+        """``mask: AttentionBias | None``, ``-> Optional[BlockDiagonalMask]``: a class named in an
+        annotation is a value too (it moves with the constructors and type checks of its rule)."""
+        pending: list[cst.BaseExpression] = [node.annotation]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, cst.BinaryOperation):
+                pending += [value.left, value.right]
+            elif isinstance(value, cst.Subscript):
+                pending += [value.value] + [
+                    e.slice.value for e in value.slice if isinstance(e.slice, cst.Index)
+                ]
+            elif isinstance(value, (cst.Name, cst.Attribute)):
+                self._reference(value)
+
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        """``MaskType.CAUSAL if causal else MaskType.NO_MASK``: both branches are values."""
+        self._reference(node.body)
+        self._reference(node.orelse)
+
     def visit_DictElement(self, node: cst.DictElement) -> None:
         """``{"flash_attention_2": flash_attn_func}``."""
         self._reference(node.value)
@@ -780,6 +805,66 @@ class SiteTransformer(cst.CSTTransformer):
             self.rewrites += 1
             return outcome.node
         return updated_node
+
+
+_IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError", "Exception", "BaseException")
+_PROBE = re.compile(
+    r"(^|\.)(callable|getattr|hasattr|isinstance|issubclass|id|type|signature|getfullargspec)$"
+)
+
+
+@functools.lru_cache(maxsize=8)
+def import_fallbacks(tree: ast.Module) -> frozenset[str]:
+    """Names whose only bindings besides imports are ``name = None`` in the ``except ImportError``
+    handler of a ``try`` that imports them, and that the file never asks about (a test, comparison
+    or probe such as ``callable(fn)`` would then see the drop-in on one line and None on another):
+    the library's function, or None where it is absent. The port makes the library always present
+    (the import clean-up turns such guards' flags True), so a value of such a name takes the drop-in
+    too -- one meaning for flags and values."""
+    guarded: set[str] = set()
+    other: set[str] = set()
+    fallback_targets: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try):
+            continue
+        imported = {
+            alias.asname or alias.name.split(".")[0]
+            for stmt in node.body
+            if isinstance(stmt, (ast.Import, ast.ImportFrom))
+            for alias in stmt.names
+        }
+        for handler in node.handlers:
+            names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+            if handler.type is not None and not any(
+                (n.id if isinstance(n, ast.Name) else getattr(n, "attr", "")) in _IMPORT_ERRORS for n in names
+            ):
+                continue
+            for stmt in handler.body:
+                if (
+                    isinstance(stmt, ast.Assign)
+                    and isinstance(stmt.value, ast.Constant)
+                    and stmt.value.value is None
+                ):
+                    for target in stmt.targets:
+                        if isinstance(target, ast.Name) and target.id in imported:
+                            guarded.add(target.id)
+                            fallback_targets.add(id(target))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Name)
+            and isinstance(node.ctx, ast.Store)
+            and id(node) not in fallback_targets
+        ):
+            other.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            other.add(node.name)
+        elif isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+            other.update(n.id for n in ast.walk(node.test) if isinstance(n, ast.Name))  # `if fn:` asks
+        elif isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp)):
+            other.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name))  # `fn is None`
+        elif isinstance(node, ast.Call) and _PROBE.search(ast.unparse(node.func)):
+            other.update(a.id for a in node.args if isinstance(a, ast.Name))  # callable(fn)
+    return frozenset(guarded - other)
 
 
 def _masked(node: cst.CSTNode) -> bool:

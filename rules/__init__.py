@@ -26,6 +26,7 @@ RULE_MODULES = (
     "fpa012_fa3_flash_attn_with_kvcache",
     "fpa013_fa4_flash_attn_func",
     "fpa014_fa4_flash_attn_varlen_func",
+    "fpa015_flash_attn_rotary",
     "fpa101_torch_sdpa",
     "fpa102_sdpa_backend_selector",
     "fpa110_xformers_memory_efficient_attention",

@@ -18,6 +18,7 @@ from flashport.rules import _node_context
 from flashport.rules.base import (
     Refuse,
     Rewrite,
+    _as_args,
     dotted,
     is_none,
     is_zero,
@@ -110,6 +111,36 @@ def returns_tuple(call: cst.Call, ctx, flag: cst.BaseExpression | None, flag_nam
 
 
 FA3_COMPAT = "flashport.integrations.flash_attn3_compat"
+
+
+def fa3_tuple_drop_in(call: cst.Call, function: str, lse: str) -> Rewrite:
+    """A FA3 call whose caller expects ``(out, lse)`` (``return_attn_probs=True``, or code written for
+    the FA3 releases before 2025-07-11 that always returned the pair: it indexes or unpacks the
+    result) on flashport's FA3 drop-in of the same name, with ``return_attn_probs=True`` added when
+    the call lacks it: the drop-in then returns the same pair on every FA3 release's reading."""
+    given = any(a.keyword is not None and a.keyword.value == "return_attn_probs" for a in call.args)
+    args = list(call.args)
+    if not given:
+        args += _as_args([], [("return_attn_probs", cst.Name("True"))])
+        if len(args) > 1 and isinstance(args[-2].comma, cst.Comma):
+            # a trailing comma: the new keyword takes it (and the closing parenthesis' layout), the
+            # argument before it the separator the one before that used (the arguments' layout)
+            before = args[-3].comma if len(args) > 2 and isinstance(args[-3].comma, cst.Comma) else None
+            args[-1] = args[-1].with_changes(comma=args[-2].comma)
+            args[-2] = args[-2].with_changes(
+                comma=before or cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+            )
+        elif len(args) > 1:  # the separator the arguments already use (one a line stays one a line)
+            before = args[-3].comma if len(args) > 2 and isinstance(args[-3].comma, cst.Comma) else None
+            args[-2] = args[-2].with_changes(
+                comma=before or cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+            )
+    note = f"drop-in {function} with return_attn_probs=True: returns (out, {lse}) as the caller expects"
+    return Rewrite(
+        call.with_changes(func=dotted(f"{FA3_COMPAT}.{function}"), args=args),
+        imports=(FA3_COMPAT,),
+        notes=(note,),
+    )
 
 
 def fa3_splat_drop_in(call: cst.Call, ctx, function: str) -> Rewrite | None:

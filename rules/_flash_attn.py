@@ -371,7 +371,8 @@ def probs_drop_in(
     dropout = bound["dropout_p"].value if "dropout_p" in bound else None
     if probs is None or literal_bool(probs) is False or is_fa1(ctx.qualified_name):
         return None
-    if dropout is not None and not is_zero(dropout):
+    dropout_live = dropout is not None and not is_zero(dropout)
+    if dropout_live and not s_dmask_unused(ctx):
         return None
     if (
         "varlen" in ctx.qualified_name
@@ -379,9 +380,27 @@ def probs_drop_in(
         and not is_none(bound["alibi_slopes"].value)
     ):
         return None
-    return dense_drop_in(
-        call, ctx, leading, "return_attn_probs without dropout (S_dmask: flash-attn's empty tensor)"
+    why = (
+        "return_attn_probs with a dropout, S_dmask unused (the drop-in returns None for it)"
+        if dropout_live
+        else "return_attn_probs without dropout (S_dmask: flash-attn's empty tensor)"
     )
+    return dense_drop_in(call, ctx, leading, why)
+
+
+def s_dmask_unused(ctx: RuleContext) -> bool:
+    """The call's third value (``S_dmask``) is never read: the result is unpacked into ``out, lse, _``
+    (a ``_``-prefixed name) or ``out, lse, *_``, or indexed ``[0]`` / ``[1]``."""
+    up = ctx.ancestors[0] if ctx.ancestors else None
+    if isinstance(up, cst.Assign) and up.value is ctx.node and len(up.targets) == 1:
+        target = up.targets[0].target
+        if isinstance(target, (cst.Tuple, cst.List)) and len(target.elements) == 3:
+            last = target.elements[2].value  # the name, starred or not
+            return isinstance(last, cst.Name) and last.value.startswith("_")
+    if isinstance(up, cst.Subscript) and up.value is ctx.node and len(up.slice) == 1:
+        index = up.slice[0].slice
+        return isinstance(index, cst.Index) and literal_number(index.value) in (0, 1)
+    return False
 
 
 def dropout_or_drop_in(

@@ -19,7 +19,7 @@ import libcst as cst
 
 from flashport.rules.apis import flash_attn as apis_flash_attn
 from flashport.rules.apis import pad
-from flashport.rules.base import Refuse, RuleContext, Signature, literal_string
+from flashport.rules.base import Refuse, RuleContext, RuleOptions, Signature, literal_string
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +119,47 @@ def release_range(ctx: RuleContext) -> tuple[tuple[int, ...], tuple[int, ...] | 
     return lo, hi
 
 
-def _unpacked(ctx: RuleContext) -> int | None:
-    """How many names the call's result is unpacked into (None when it is not unpacked)."""
+def _unpacked(ctx: RuleContext) -> tuple[int, bool] | None:
+    """How many names the call's result is unpacked into, and whether one of them is starred
+    (``out, *_ = ...`` takes any number of values from one on); None when it is not unpacked."""
     up = ctx.ancestors[0] if ctx.ancestors else None
     if isinstance(up, cst.Assign) and up.value is ctx.node:
         for target in up.targets:
             if isinstance(target.target, (cst.Tuple, cst.List)):
-                return len(target.target.elements)
+                elements = target.target.elements
+                return len(elements), any(isinstance(e, cst.StarredElement) for e in elements)
     return None
+
+
+def _unpack_fits(unpacked: tuple[int, bool] | None, returns: int) -> bool:
+    if unpacked is None:
+        return True
+    names, starred = unpacked
+    return returns >= names - 1 if starred else names == returns
+
+
+def value_convention(function: str, ctx: RuleContext) -> Convention:
+    """The one convention of the site's release range that has ``function`` (for a value: its
+    callers are out of sight, so the range alone must decide).
+
+    Raises:
+      Refuse: when the range spans conventions with different signatures, or the one has no drop-in.
+    """
+    lo, hi = release_range(ctx)
+    found = [
+        c
+        for c in CONVENTIONS
+        if not ((c.end is not None and c.end <= lo) or (hi is not None and hi <= c.start))
+        and function in c.tails
+    ]
+    span = f"flash-attn {_text(lo)} to {_text(hi) if hi else 'latest'}"
+    if len({c.signature(function) for c in found}) != 1 or len({c.returns for c in found}) != 1:
+        raise Refuse(f"{function}'s signature differs between the releases of {span}: ambiguous for a value")
+    if found[0].suffix is None:
+        raise Refuse(
+            f"{function} of flash-attn before 2.4 ({span}): flashport has no drop-in with its signature"
+        )
+    return found[0]
 
 
 def _fits(convention: Convention, call: cst.Call, function: str, ctx: RuleContext) -> dict[str, cst.Arg]:
@@ -135,10 +168,12 @@ def _fits(convention: Convention, call: cst.Call, function: str, ctx: RuleContex
     Raises:
       Refuse: when it does not fit (arguments, required ones missing, unpacked names).
     """
-    names = _unpacked(ctx)
-    if function.endswith("_forward") and names is not None and names != convention.returns:
+    unpacked = _unpacked(ctx)
+    if function.endswith("_forward") and not _unpack_fits(unpacked, convention.returns):
+        assert unpacked is not None
         raise Refuse(
-            f"{function}'s result is unpacked into {names} names, not the {convention.returns} it returns"
+            f"{function}'s result is unpacked into {unpacked[0]}{' or more' if unpacked[1] else ''} names, "
+            f"not the {convention.returns} it returns"
         )
     signature = convention.signature(function)
     if signature is None or any(arg.star for arg in call.args):
@@ -151,27 +186,37 @@ def _fits(convention: Convention, call: cst.Call, function: str, ctx: RuleContex
     return bound
 
 
-def convention_for(call: cst.Call, function: str, ctx: RuleContext) -> tuple[Convention, dict[str, cst.Arg]]:
-    """The one convention of the site's release range that the call fits, with its bound arguments.
+def convention_for(
+    call: cst.Call, function: str, ctx: RuleContext
+) -> tuple[Convention, dict[str, cst.Arg], str | None]:
+    """The one convention of the site's release range that the call fits, with its bound arguments
+    and, when the range came from the default ``--flash-attn-version`` alone (a version the user
+    names is kept) and the call fits none of it but
+    exactly one other release's (its arguments or unpacked names would raise under the configured
+    version, so the code was written for that release), a note saying so.
 
     Raises:
       Refuse: when none fits, more than one does (ambiguous), or the one that fits has no drop-in.
     """
     lo, hi = release_range(ctx)
-    fits, reasons = [], []
-    for convention in CONVENTIONS:
-        if (convention.end is not None and convention.end <= lo) or (
-            hi is not None and hi <= convention.start
-        ):
-            continue
-        try:
-            fits.append((convention, _fits(convention, call, function, ctx)))
-        except Refuse as refusal:
-            reasons.append(refusal.reason)
+    fits, reasons = _fitting(call, function, ctx, lo, hi)
     single = hi is not None and hi == (*lo[:-1], lo[-1] + 1)
     span = (
         f"flash-attn {_text(lo)}" if single else f"flash-attn {_text(lo)} to {_text(hi) if hi else 'latest'}"
     )
+    inferred = None
+    default = RuleOptions.__dataclass_fields__["flash_attn_version"].default
+    if not fits and single and not _has_version_test(ctx) and ctx.options.flash_attn_version == default:
+        anywhere, _ = _fitting(call, function, ctx, (0, 0, 0), None, known_only=True)
+        if len(anywhere) == 1 and anywhere[0][0].suffix is not None:
+            fits = anywhere
+            convention = anywhere[0][0]
+            inferred = (
+                f"fits only the private signature of flash-attn {_text(convention.start)} to "
+                f"{_text(convention.end) if convention.end else 'latest'} (under the configured {span} "
+                f"it would raise: {reasons[-1] if reasons else 'no known signature'}): ported to that "
+                "release's drop-in"
+            )
     if not fits:
         raise Refuse(f"{reasons[-1] if reasons else 'no known signature'} ({span})")
     if len(fits) > 1:
@@ -184,7 +229,35 @@ def convention_for(call: cst.Call, function: str, ctx: RuleContext) -> tuple[Con
         raise Refuse(
             f"{function} of flash-attn before 2.4 ({span}): flashport has no drop-in with its signature"
         )
-    return convention, bound
+    return convention, bound, inferred
+
+
+def _fitting(call, function, ctx, lo, hi, known_only=False) -> tuple[list, list[str]]:
+    """The conventions of releases ``[lo, hi)`` the call fits (with its bound arguments), and why
+    the others do not; ``known_only``: only those whose signature of ``function`` is known."""
+    fits, reasons = [], []
+    for convention in CONVENTIONS:
+        if (convention.end is not None and convention.end <= lo) or (
+            hi is not None and hi <= convention.start
+        ):
+            continue
+        if known_only and function not in convention.tails:
+            continue
+        try:
+            fits.append((convention, _fits(convention, call, function, ctx)))
+        except Refuse as refusal:
+            reasons.append(refusal.reason)
+    return fits, reasons
+
+
+def _has_version_test(ctx: RuleContext) -> bool:
+    """Whether an ``if`` around the site tests a flash-attn version (then its range is the code's)."""
+    child = ctx.node
+    for up in ctx.ancestors:
+        if isinstance(up, cst.If) and child is not up.test and _bound(up.test, negated=False) is not None:
+            return True
+        child = up
+    return False
 
 
 def _text(version: tuple[int, ...]) -> str:

@@ -63,6 +63,8 @@ PROBES = frozenset(
         "getfile",
     )
 )
+# Of those, the ones that read only a function's parameters: the drop-in (same signature) answers alike.
+SIGNATURE_PROBES = frozenset(("signature", "getfullargspec", "getargspec"))
 _CONTAINERS = (cst.Element, cst.Tuple, cst.List, cst.Set, cst.Arg, cst.ComparisonTarget)
 _IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError", "Exception", "BaseException", "OSError")
 
@@ -216,6 +218,23 @@ def probe(ctx: RuleContext) -> str | None:
     return None
 
 
+def inspects_signature(ctx: RuleContext) -> bool:
+    """The value is the argument of ``inspect.signature`` / ``getfullargspec`` (only its parameters
+    are read), outside an import guard (where the probe may decide between the library and a
+    fallback)."""
+    user = next((up for up in ctx.ancestors if not isinstance(up, _CONTAINERS)), None)
+    if not (isinstance(user, cst.Call) and _callee(user.func).rsplit(".", 1)[-1] in SIGNATURE_PROBES):
+        return False
+    for up in ctx.ancestors:
+        if isinstance(up, (cst.FunctionDef, cst.ClassDef, cst.Lambda)):
+            break
+        if isinstance(up, cst.Try) and any(
+            _catches_import_error(h) and not _only_raises(h) for h in up.handlers
+        ):
+            return False
+    return True
+
+
 def _only_raises(handler: cst.ExceptHandler) -> bool:
     """The handler's body is nothing but ``raise`` statements: no fallback, the library is required
     (``except ImportError as e: raise RuntimeError("install flash-attn") from e``). The import
@@ -241,6 +260,13 @@ def answer(node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
     value is used), or a report saying why it stays."""
     found = drop_in(ctx.qualified_name, ctx, metadata_only=copied_by_wraps(ctx))
     why = probe(ctx)
+    if why is not None and isinstance(found, tuple) and inspects_signature(ctx):
+        module, name = found
+        note = (
+            f"{why}: the drop-in {module}.{name} has the same parameters and defaults, so the probe "
+            "answers alike and the file no longer needs the GPU library for it"
+        )
+        return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
     if why is not None:
         return Report(f"{why}: not a call to port; kept")
     if isinstance(found, str):
@@ -282,6 +308,8 @@ def describe(node: cst.BaseExpression, ctx: RuleContext) -> str:
         callee = _callee(path[1].func)
         if callee.rsplit(".", 1)[-1] == "partial":
             return f"bound with {callee}(...)"
+        if callee.rsplit(".", 1)[-1] in SIGNATURE_PROBES:
+            return f"its parameters read by {callee}(...)"
         return f"passed to {callee}(...) as a callback"
     if isinstance(up, cst.Assign):
         targets = [t.target for t in up.targets]

@@ -27,14 +27,16 @@ Semantics mapping:
 
 What it refuses:
   * a call that fits no release's signature in its range, or several with different conventions
-    (ambiguous), releases before 2.4 and varlen before 2.7 (no drop-in), ``return_softmax`` that may
-    be true, varlen ``alibi_slopes``/``block_table``/``leftpad_k``/``seqused_k``, and value uses;
+    (ambiguous), releases before 2.4 and varlen before 2.7 (no drop-in), ``return_softmax=True``,
+    varlen ``alibi_slopes``/``block_table``/``leftpad_k``/``seqused_k`` given by an expression (a
+    forwarded name is checked at run time: the drop-in raises when it is not None), value uses in a range whose
+    releases differ, and values that are compared, listed in ``__all__`` or inside an import guard;
   * the Triton implementation ``flash_attn.flash_attn_triton.flash_attn_func(q, k, v, bias=None,
     causal=False, softmax_scale=None)`` and its ``flash_attn_kvpacked_func`` /
     ``flash_attn_qkvpacked_func``: same names as the CUDA functions (FPA001-003) but another
     signature -- the 4th positional argument is an additive ``bias``, not ``dropout_p`` -- so
     rewriting them as the CUDA function would change the meaning. Port by hand to
-    ``flashport.torch.attention(q, k, v, bias=bias, causal=causal, scale=softmax_scale)`` once its
+    ``flashport.torch.attention(q, k, v, bias=bias, causal=causal, scale=softmax_scale, layout="BSHD")`` once its
     causal alignment is checked;
   * FlashAttention-3's private ``_flash_attn_forward`` / ``_flash_attn_backward`` (``flash_attn_interface``,
     ``flash_attn_3.flash_attn_interface``, ``hopper.flash_attn_interface``): reported, calls and values,
@@ -52,10 +54,20 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules import _private_kernels
+from flashport.rules import _private_kernels, _values
 from flashport.rules._fa3_fa4_common import fa3_sources
 from flashport.rules._flash_attn import COMPAT
-from flashport.rules.base import Refusal, Refuse, Rewrite, Rule, dotted, is_none, literal_bool, register
+from flashport.rules.base import (
+    Refusal,
+    Refuse,
+    Report,
+    Rewrite,
+    Rule,
+    dotted,
+    is_none,
+    literal_bool,
+    register,
+)
 
 TRITON = tuple(
     f"flash_attn.flash_attn_triton.{name}"
@@ -93,14 +105,15 @@ class FlashAttnTritonAndInternals(Rule):
         if ctx.qualified_name in FA3_PRIVATE:
             return Refusal(_fa3_reason(ctx.qualified_name))
         function = ctx.qualified_name.rsplit(".", 1)[-1].replace("_wrapped", "", 1)
-        convention, bound = _private_kernels.convention_for(call, function, ctx)
+        convention, bound, inferred = _private_kernels.convention_for(call, function, ctx)
         _check_bound(bound, function)
         releases = "2.7+" if not convention.suffix else convention.suffix[2:].replace("_", ".") + ".x"
         target = function + convention.suffix
         note = (
             f"drop-in {target} (flash-attn {releases}'s signature, return convention and in-place gradients)"
         )
-        return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{target}")), imports=(COMPAT,), notes=(note,))
+        notes = (note,) if inferred is None else (note, inferred)
+        return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{target}")), imports=(COMPAT,), notes=notes)
 
     def check_reference(self, node, ctx):
         """Value uses are reported: the callers of a value are out of sight."""
@@ -108,23 +121,31 @@ class FlashAttnTritonAndInternals(Rule):
             return Refusal(f"used as a value: {_triton_reason(ctx.qualified_name)}")
         if ctx.qualified_name in FA3_PRIVATE:
             return Refusal(f"used as a value: {_fa3_reason(ctx.qualified_name)}")
-        return Refusal(
-            "used as a value: a private flash-attn kernel whose signature and return convention "
-            "changed between releases; call flashport.integrations.flash_attn_compat's drop-in of the "
-            "same name"
+        why = _values.probe(ctx)
+        if why is not None and not _values.inspects_signature(ctx):
+            return Report(f"{why}: not a call to port; kept")
+        function = ctx.qualified_name.rsplit(".", 1)[-1].replace("_wrapped", "", 1)
+        convention = _private_kernels.value_convention(function, ctx)
+        target = function + convention.suffix
+        note = (
+            f"{_values.describe(node, ctx)}: the value is now the drop-in {target}, which has the "
+            "signature, defaults and return convention of the flash-attn releases the site runs under "
+            "(its callers, and any inspection of its parameters, see the same function)"
         )
+        return Rewrite(dotted(f"{COMPAT}.{target}"), imports=(COMPAT,), notes=(note,))
 
 
 def _check_bound(bound: dict[str, cst.Arg], function: str) -> None:
     """Refuse what the drop-in would reject at run time."""
-    if "return_softmax" in bound and literal_bool(bound["return_softmax"].value) is not False:
+    if "return_softmax" in bound and literal_bool(bound["return_softmax"].value) is True:
         raise Refuse(
-            f"{function}(return_softmax=...) may be true: flash-attn's dropout-encoded probabilities "
-            "are not reproduced"
+            f"{function}(return_softmax=True): flash-attn's dropout-encoded probabilities are not reproduced"
         )
     if "varlen" in function:
         for name in _UNSUPPORTED_VARLEN:
-            if name in bound and not is_none(bound[name].value):
+            value = bound[name].value if name in bound else None
+            # a forwarded name (often None at run time) is checked by the drop-in, which raises
+            if value is not None and not is_none(value) and not isinstance(value, (cst.Name, cst.Attribute)):
                 raise Refuse(f"{function}({name}=...): not supported by flashport's varlen drop-in")
 
 
@@ -133,7 +154,7 @@ def _fa3_reason(name: str) -> str:
     return (
         f"{short} is FlashAttention-3's private kernel: its arguments and results change between FA3 "
         "builds and flashport has no drop-in of it; port the code around it by hand "
-        "(flashport.torch.attention(..., return_lse=True) computes the same attention and lse)"
+        "(flashport.torch.attention(..., layout='BSHD', return_lse=True) computes the same attention and lse)"
     )
 
 
@@ -142,5 +163,5 @@ def _triton_reason(name: str) -> str:
     return (
         f"flash_attn_triton.{short} is the Triton implementation: its 4th positional argument is an "
         "additive bias (not dropout_p), so it is not the CUDA function; port it by hand to "
-        "flashport.torch.attention(q, k, v, bias=..., causal=..., scale=...)"
+        "flashport.torch.attention(q, k, v, bias=..., causal=..., scale=..., layout='BSHD')"
     )

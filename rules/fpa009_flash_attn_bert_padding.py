@@ -12,8 +12,10 @@ Semantics mapping:
   the same functions, arguments and results, in plain torch (``flashport/integrations/bert_padding.py``):
   ``unpad_input`` packs the valid tokens and returns ``(hidden, indices, cu_seqlens, max_seqlen,
   seqused)`` as flash-attn >= 2.7 does; before 2.7 (``flash-attn-version``) flash-attn returned the
-  first four, so the rewrite takes ``[:4]`` of the drop-in's result. The call keeps its arguments,
-  their order and comments.
+  first four, so the rewrite takes ``[:4]`` of the drop-in's result -- also when the result is
+  unpacked into four names (code written for flash-attn < 2.7, which fails with 2.7's five).
+  ``rearrange`` (``bert_padding`` re-exports einops') becomes the drop-in that calls einops. The
+  call keeps its arguments, their order and comments.
 
 What it refuses:
   ``unpad_input`` with a third argument (``unused_mask``) before flash-attn 2.7, which had none;
@@ -34,8 +36,20 @@ import libcst as cst
 from flashport.rules.base import Refuse, Rewrite, Rule, dotted, register
 
 MODULE = "flashport.integrations.bert_padding"
-FUNCTIONS = ("unpad_input", "pad_input", "index_first_axis", "index_put_first_axis")
+FUNCTIONS = ("unpad_input", "pad_input", "index_first_axis", "index_put_first_axis", "rearrange")
 SEQUSED_VERSION = (2, 7)  # unpad_input gained unused_mask and a fifth result (seqused) in 2.7.0
+
+
+def _unpacked_into(ctx) -> int | None:
+    """How many plain names the call's result is unpacked into (None: not unpacked, or starred)."""
+    up = ctx.ancestors[0] if ctx.ancestors else None
+    if isinstance(up, cst.Assign) and up.value is ctx.node and len(up.targets) == 1:
+        target = up.targets[0].target
+        if isinstance(target, (cst.Tuple, cst.List)) and not any(
+            isinstance(e, cst.StarredElement) for e in target.elements
+        ):
+            return len(target.elements)
+    return None
 
 
 @register
@@ -67,4 +81,13 @@ class FlashAttnBertPadding(Rule):
                 slice=[cst.SubscriptElement(cst.Slice(lower=None, upper=cst.Integer("4")))],
             )
             notes.append("[:4]: flash-attn < 2.7 returns four values (no seqused)")
+        elif name == "unpad_input" and _unpacked_into(ctx) == 4:
+            new = cst.Subscript(
+                value=new,
+                slice=[cst.SubscriptElement(cst.Slice(lower=None, upper=cst.Integer("4")))],
+            )
+            notes.append(
+                "[:4]: the result is unpacked into four names, so the code was written for flash-attn < 2.7 "
+                "(four results, no seqused)"
+            )
         return Rewrite(new, imports=(MODULE,), notes=tuple(notes))

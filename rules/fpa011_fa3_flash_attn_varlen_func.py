@@ -87,7 +87,7 @@ class FA3FlashAttnVarlenFunc(Rule):
         if _fa3_fa4_common.returns_tuple(
             call, ctx, value.get("return_attn_probs"), "return_attn_probs", FA3_HISTORY
         ):
-            raise Refuse("the caller expects (out, lse); flashport.varlen_attention returns no lse")
+            return _fa3_fa4_common.fa3_tuple_drop_in(call, "flash_attn_varlen_func", "lse [H, total_q]")
         keywords, more = _fa3_fa4_common.common(bound, ctx, self.API)
         keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords + [("layout", string("THD"))]
         notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")

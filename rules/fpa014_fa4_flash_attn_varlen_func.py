@@ -1,4 +1,4 @@
-"""FPA014 fa4-flash-attn-varlen-func: FlashAttention-4 ``flash_attn.cute.flash_attn_varlen_func`` -> ``flashport.varlen_attention``.
+"""FPA014 fa4-flash-attn-varlen-func: FlashAttention-4 ``flash_attn.cute.flash_attn_varlen_func`` -> flashport's FA4 drop-in.
 
 What it rewrites:
   ``flash_attn_varlen_func(q, k, v, cu_seqlens_q=..., cu_seqlens_k=..., softmax_scale=...,
@@ -9,17 +9,19 @@ Semantics mapping:
   **per sequence**; FA4 window conventions as FPA013; ``max_seqlen_*`` and tuning arguments dropped.
   Only ``q, k, v`` may be positional; ``cu_seqlens_q`` and ``cu_seqlens_k`` must be given.
 
+  FA4's ``flash_attn_varlen_func`` always returns ``(out, lse)`` (whatever ``return_lse`` says), so
+  the call keeps its arguments and goes to ``flashport.integrations.flash_attn4_compat.flash_attn_varlen_func``,
+  which returns the same ``(out, lse [H, total_q])`` on the contract's varlen path.
+
 What it refuses:
-  what FPA013 refuses, plus ``seqused_q``/``seqused_k``/``page_table`` (padded or paged buffers),
-  missing ``cu_seqlens_*`` -- and, for now, **every** call: FA4's ``flash_attn_varlen_func`` always
-  returns ``(out, lse)`` (whatever ``return_lse`` says) and ``flashport.varlen_attention`` returns
-  no lse, so no rewrite keeps the result's meaning. The argument checks run first so the reason
-  names the first real obstacle.
+  what FPA013 refuses, plus ``seqused_q``/``seqused_k``/``page_table`` (padded or paged buffers) and
+  missing ``cu_seqlens_*``.
 
 Example::
 
     out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
-    # is refused: FA4 returns (out, lse) and flashport.varlen_attention has no lse
+    # becomes
+    out, lse = flashport.integrations.flash_attn4_compat.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from __future__ import annotations
 from flashport.rules import _fa3_fa4_common
 from flashport.rules import _flash_attn as fa
 from flashport.rules._fa3_fa4_common import FA4_KEYWORDS, fa4_keywords, fa4_sources
-from flashport.rules.base import Refuse, Rule, Signature, is_none, register
+from flashport.rules._values import FA4
+from flashport.rules.base import Refuse, Rewrite, Rule, Signature, dotted, is_none, register
 
 VARLEN = (
     "cu_seqlens_q",
@@ -51,11 +54,10 @@ class FA4FlashAttnVarlenFunc(Rule):
     SOURCES = fa4_sources("flash_attn_varlen_func")
     TRIGGERS = (b"flash_attn",)
     GPU_MODULES = ("flash_attn",)
-    TARGET = "flashport.varlen_attention"
-    REWRITES = False  # until varlen_attention returns lse: FA4's result is always (out, lse)
+    TARGET = f"{FA4}.flash_attn_varlen_func"
 
     def check_call(self, call, ctx):
-        """Check the arguments like FPA013, then refuse: FA4 returns (out, lse), varlen_attention no lse."""
+        """Check the arguments like FPA013, then call the FA4 drop-in (it returns (out, lse) as FA4 does)."""
         _fa3_fa4_common.positional_limit(
             call,
             3,
@@ -68,6 +70,5 @@ class FA4FlashAttnVarlenFunc(Rule):
             if not is_none(value.get(name)):
                 raise Refuse(f"{name} (padded or paged per-sequence buffers) has no portable equivalent")
         fa4_keywords(bound, value, ctx, self.API)  # refuses unsupported features first
-        raise Refuse(
-            "FA4 flash_attn_varlen_func always returns (out, lse) and flashport.varlen_attention returns no lse"
-        )
+        note = "drop-in flash_attn_varlen_func: returns (out, lse [H, total_q]) as FA4 always does"
+        return Rewrite(call.with_changes(func=dotted(self.TARGET)), imports=(FA4,), notes=(note,))

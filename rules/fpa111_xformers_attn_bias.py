@@ -25,9 +25,17 @@ What it refuses:
   ``memory_efficient_attention*`` is not rewritten by FPA110 -- refused, suppressed with
   ``# flashport: ignore[FPA110]``, left out by ``--ignore FPA110``, declined in ``--interactive``
   review, or used as a value that stays xformers' (a probe such as ``callable(...)``; a value
-  rewritten to the drop-in takes flashport's classes) -- or where a bias class is used as a value (``isinstance(b,
-  LowerTriangularMask)``): a bias built here could reach code that still runs xformers and needs
-  xformers' own classes.
+  rewritten to the drop-in takes flashport's classes) -- or where a bias class reference stays
+  xformers' (listed in ``__all__``, inside an import guard): a bias built here could reach code that
+  still runs xformers and needs xformers' own classes.
+
+Types travel with values:
+  a bias class named anywhere else -- ``isinstance(b, BlockDiagonalMask)``, an annotation
+  ``bias: Optional[AttentionBias]``, a value -- becomes the mirror class of the same name
+  (``AttentionMask`` -> ``AttentionBias``), so constructors, type checks and annotations move
+  together. The mirror classes' ``isinstance`` also holds for a real xformers bias of that class
+  (built by code left on xformers), which ``memory_efficient_attention`` accepts too. Calling a class
+  itself (``BlockDiagonalMask(q_seqinfo, k_seqinfo)``) is refused: the mirror has other fields.
 
 Example::
 
@@ -41,6 +49,7 @@ from __future__ import annotations
 import ast
 from collections import Counter
 
+from flashport.rules import _values
 from flashport.rules._xformers import ATTENTION_PREFIX, UNSUPPORTED
 from flashport.rules.base import Refusal, Rewrite, Rule, dotted, register
 
@@ -55,6 +64,16 @@ PLAIN = (
 )
 BLOCKS = ("BlockDiagonalMask", "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask")
 CONSTRUCTORS = ("from_seqlens", "from_tensor_list")
+# the mirror classes a type check or annotation may name (AttentionMask is xformers.ops' alias)
+TYPES = (
+    "AttentionBias",
+    "AttentionMask",
+    *BLOCKS,
+    "BlockDiagonalCausalLocalAttentionMask",
+    "BlockDiagonalCausalLocalAttentionFromBottomRightMask",
+)
+# where a class reference stays xformers': the module's re-exports, and an import guard's fallback
+_KEPT_CONTEXTS = ("__all__", "import guard", "monkeypatch")
 
 _SUPPORTED = PLAIN + tuple(f"{b}.{c}" for b in BLOCKS for c in CONSTRUCTORS)
 _REFUSED = (
@@ -74,7 +93,7 @@ class XformersAttnBias(Rule):
     NAME = "xformers-attn-bias"
     API = "xformers.ops.fmha.attn_bias"
     FRAMEWORK = "torch"
-    SOURCES = tuple(p + n for n in _SUPPORTED + _REFUSED for p in PREFIXES)
+    SOURCES = tuple(p + n for n in _SUPPORTED + _REFUSED + TYPES for p in PREFIXES)
     TRIGGERS = (b"xformers",)
     GPU_MODULES = ("xformers",)
     TARGET = MODULE + ".<class>"
@@ -86,9 +105,28 @@ class XformersAttnBias(Rule):
             for p in sorted(PREFIXES, key=len, reverse=True)
             if ctx.qualified_name.startswith(p)
         )
+        if name in TYPES:
+            return Refusal(
+                f"{name}(...) built from its fields: the mirror class has other fields; build it with "
+                "from_seqlens / from_tensor_list"
+            )
         if name not in _SUPPORTED:
             return Refusal(f"{name}: padded, paged or gappy block layouts have no flashport equivalent")
         return Rewrite(call.with_changes(func=dotted(f"{MODULE}.{name}")), imports=(MODULE,))
+
+    def check_reference(self, node, ctx):
+        """A bias class named in a type check, an annotation or as a value moves with the
+        constructors: flashport's mirror class of the same name (whose ``isinstance`` also accepts
+        a real xformers bias of that class, built by code left on xformers)."""
+        name = ctx.qualified_name.rsplit(".", 1)[-1]
+        if name not in PLAIN + TYPES:
+            return super().check_reference(node, ctx)
+        why = _values.probe(ctx)
+        if why is not None and any(kept in why for kept in _KEPT_CONTEXTS):
+            return Refusal(f"{why}: xformers' class kept")
+        target = "AttentionBias" if name == "AttentionMask" else name
+        note = f"the bias class {name} is flashport's mirror class (constructors, type checks and annotations move together)"
+        return Rewrite(dotted(f"{MODULE}.{target}"), imports=(MODULE,), notes=(note,))
 
     def settle(self, sites, tree):
         """Keep every constructor when some consumer of a bias in the file stays xformers."""
@@ -106,7 +144,7 @@ class XformersAttnBias(Rule):
                     f"({_why(sites, line)}); its biases must stay xformers' classes"
                 )
         for site in sites:
-            if site.rule == self.CODE and site.kind == "reference":
+            if site.rule == self.CODE and site.kind == "reference" and site.status != "rewrite":
                 return (
                     f"{site.api.rsplit('.', 1)[-1]} on line {site.line} is used as a value and stays xformers' "
                     "class; the biases of this file must stay xformers' classes too"

@@ -15,10 +15,17 @@ Semantics mapping:
   contiguous groups) is the same. ``bias``/``mask`` are positional since jax 0.4.33 and
   keyword-only in 0.4.31: arguments are bound against ``jax-version``.
 
+Drop-in:
+  a call whose ``implementation`` is a variable or a forwarded parameter, a ``*args``/``**kwargs``
+  splat (a wrapper forwarding ``implementation``), ``query_seq_lengths``/``key_value_seq_lengths``,
+  ``return_residual`` and a non-literal ``local_window_size`` keep their arguments and call
+  ``flashport.integrations.jax_nn_compat.dot_product_attention`` (jax.nn's signature): an
+  ``implementation="xla"`` there still runs jax.nn's XLA path, as the code asks; None and
+  ``"cudnn"`` run ``flashport.attention`` with jax.nn's meaning (padding lengths as a mask, lse
+  ``[B, T, N]``).
+
 What it refuses:
-  a non-literal ``implementation``; ``query_seq_lengths``/``key_value_seq_lengths`` (padding
-  lengths; not mapped yet); ``return_residual`` (its lse is ``[B, T, N]``, the contract's is
-  ``[B, N, T]``); a non-literal ``local_window_size``; splats; unknown arguments.
+  calls without ``query``/``key``/``value``; unknown arguments.
 
 Known problems:
   jax.nn fills masked logits with a large finite value, so a fully masked row returns the mean of
@@ -42,6 +49,7 @@ from flashport.rules.base import (
     Rule,
     Signature,
     build_call,
+    dotted,
     is_none,
     literal_bool,
     literal_number,
@@ -71,6 +79,12 @@ def jax_signature(version: tuple[int, ...]) -> Signature:
     return Signature(positional, keyword_only)
 
 
+DROP_IN = "flashport.integrations.jax_nn_compat"
+# what the drop-in states that the explicit call cannot (other refusals -- arguments that do not
+# bind at the configured jax version, missing tensors -- stand)
+_DROP_IN_TAKES = ("implementation=", "seq_lengths", "return_residual", "local_window_size", "splat")
+
+
 @register
 class JaxNNDotProductAttentionCudnn(Rule):
     """Rewrite ``jax.nn.dot_product_attention(implementation="cudnn")`` to ``flashport.attention``."""
@@ -84,7 +98,31 @@ class JaxNNDotProductAttentionCudnn(Rule):
     TARGET = "flashport.attention"
 
     def check_call(self, call, ctx):
-        """Only ``implementation="cudnn"`` calls are GPU-only; map them to the contract."""
+        """Only ``implementation="cudnn"`` calls are GPU-only; map them to the contract. A call whose
+        implementation is only known at run time (a variable, a forwarded parameter, a splat), or
+        that the contract call cannot state (padding lengths, the lse residual, a computed window),
+        keeps its arguments and calls the drop-in of jax.nn's signature."""
+        try:
+            return self._explicit(call, ctx)
+        except Refuse as refusal:
+            if not any(word in refusal.reason for word in _DROP_IN_TAKES):
+                raise
+            note = (
+                f"drop-in {DROP_IN}.dot_product_attention (jax.nn's signature; implementation='xla' "
+                f"stays XLA, None/'cudnn' run flashport.attention): {refusal.reason.split(';')[0]}"
+            )
+            return Rewrite(
+                call.with_changes(func=dotted(f"{DROP_IN}.dot_product_attention")),
+                imports=(DROP_IN,),
+                notes=(note,),
+            )
+
+    def _explicit(self, call, ctx):
+        """The explicit ``flashport.attention`` call (None: a call that runs everywhere).
+
+        Raises:
+          Refuse: for what that call cannot state.
+        """
         bound = jax_signature(ctx.options.jax_version).bind(call, self.API)
         value = {name: arg.value for name, arg in bound.items()}
         implementation = value.get("implementation")
@@ -92,9 +130,7 @@ class JaxNNDotProductAttentionCudnn(Rule):
             return None
         literal = literal_string(implementation)
         if literal is None:
-            raise Refuse(
-                "implementation= is not a string literal; only implementation='cudnn' calls are rewritten"
-            )
+            raise Refuse("implementation= is not a string literal (known at run time)")
         if literal != "cudnn":
             return None
         for name in ("query", "key", "value"):

@@ -19,13 +19,18 @@ Semantics mapping:
   0.4.33, ``fp8_params``/``use_fp8`` 0.4.38, ``q_offsets``/``kv_offsets`` 0.5.3,
   ``return_residual`` 0.6.0).
 
+Drop-in:
+  what the explicit call cannot state -- ``q_seqlen``/``kv_seqlen`` with a PADDING mask type,
+  ``return_residual`` (lse in the layout's ``BTN``/``BNT`` order), ``dropout_rate`` with cuDNN's
+  integer ``seed``, non-literal ``mask_type``/``qkv_layout``/``sliding_window_length``/``scale``,
+  ``*args``/``**kwargs`` splats -- keeps its arguments and calls
+  ``flashport.integrations.jax_cudnn_compat.dot_product_attention`` (the same signature and meaning,
+  on ``flashport.attention``; its docstring). ``MaskType`` and its members become that module's enum
+  of the same names and values, so the file no longer imports ``jax._src.cudnn``.
+
 What it refuses:
-  ``mask_type`` PADDING/PADDING_CAUSAL/ALIBI or a non-literal mask type; ``q_seqlen``/``kv_seqlen``
-  and ``q_offsets``/``kv_offsets`` (padding and packed segments); ``dropout_rate`` that may be
-  non-zero (cuDNN draws it from an integer ``seed``; the contract's ``dropout_rng`` is a PRNG key
-  the call does not have); FP8 (``use_fp8``/``fp8_params``); ``return_residual``; a non-literal ``qkv_layout`` or
-  ``sliding_window_length``; a scale computed with array ops (the contract needs a static float);
-  splats; unknown arguments.
+  FP8 (``use_fp8``/``fp8_params``), packed segments (``q_offsets``/``kv_offsets``) and
+  ``MaskType.ALIBI`` (the drop-in has none of them either); unknown arguments.
 
 Known problems:
   cuDNN's causal alignment for Sq != Sk is presumed top-left (the cuDNN frontend's default; not
@@ -45,11 +50,13 @@ import libcst as cst
 
 from flashport.rules import _jax_common as common
 from flashport.rules.base import (
+    Refusal,
     Refuse,
     Rewrite,
     Rule,
     Signature,
     build_call,
+    dotted,
     is_none,
     literal_number,
     literal_string,
@@ -85,6 +92,11 @@ def cudnn_signature(version: tuple[int, ...]) -> Signature:
     return Signature(positional, keyword_only)
 
 
+PRIVATE = "jax._src.cudnn.fused_attention_stablehlo"
+DROP_IN = "flashport.integrations.jax_cudnn_compat"
+# refusals the drop-in cannot lift either (it raises NotImplementedError for them)
+_NO_DROP_IN = ("FP8", "ALIBI", "q_offsets", "kv_offsets")
+
 SEED_ONLY = (
     "cuDNN draws its dropout from the integer seed= (default 42) and flashport.attention needs a "
     "PRNG key (dropout_rng=) that this call does not have; port by hand with dropout_rate=/dropout_rng="
@@ -99,13 +111,53 @@ class CudnnFusedAttention(Rule):
     NAME = "cudnn-fused-attention"
     API = "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention"
     FRAMEWORK = "jax"
-    SOURCES = ("jax._src.cudnn.fused_attention_stablehlo.dot_product_attention",)
-    TRIGGERS = (b"dot_product_attention",)
+    SOURCES = (
+        "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention",
+        f"{PRIVATE}.MaskType",
+        *(f"{PRIVATE}.MaskType.{member}" for member in MASK_TYPES),
+    )
+    TRIGGERS = (b"dot_product_attention", b"fused_attention_stablehlo")  # the module binds MaskType too
     GPU_MODULES = ("jax._src.cudnn",)
     TARGET = "flashport.attention"
 
     def check_call(self, call, ctx):
-        """Map a NO_MASK/CAUSAL cuDNN call to the contract with scale, layout and align explicit."""
+        """Map a NO_MASK/CAUSAL cuDNN call to the contract with scale, layout and align explicit;
+        the rest (padding lengths, the lse residual, dropout from seed=, non-literal options,
+        splats) keeps its arguments and calls the drop-in of the same signature."""
+        if ctx.qualified_name != self.API:
+            return Refusal(f"{ctx.qualified_name.rsplit('.', 1)[-1]}(...) is not an attention call; kept")
+        try:
+            return self._explicit(call, ctx)
+        except Refuse as refusal:
+            if any(word in refusal.reason for word in _NO_DROP_IN):
+                raise
+            note = (
+                f"drop-in {DROP_IN}.dot_product_attention (the cuDNN signature and meaning on "
+                f"flashport.attention); the contract call could not state it: {refusal.reason.split(';')[0]}"
+            )
+            return Rewrite(
+                call.with_changes(func=dotted(f"{DROP_IN}.dot_product_attention")),
+                imports=(DROP_IN,),
+                notes=(note,),
+            )
+
+    def check_reference(self, node, ctx):
+        """``MaskType`` and its members: the drop-in module's enum of the same names and values."""
+        if ctx.qualified_name.startswith(f"{PRIVATE}.MaskType"):
+            target = DROP_IN + ctx.qualified_name[len(PRIVATE) :]
+            return Rewrite(
+                dotted(target),
+                imports=(DROP_IN,),
+                notes=("jax's cuDNN MaskType -> the drop-in's enum (same names and values)",),
+            )
+        return super().check_reference(node, ctx)
+
+    def _explicit(self, call, ctx):
+        """The explicit mapping to ``flashport.attention``.
+
+        Raises:
+          Refuse: for what the contract call cannot state (the drop-in then takes the call).
+        """
         bound = cudnn_signature(ctx.options.jax_version).bind(call, "cudnn dot_product_attention")
         value = {name: arg.value for name, arg in bound.items()}
         query, key, val = common.require(value, ("query", "key", "value"), "cudnn dot_product_attention")

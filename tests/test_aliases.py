@@ -188,6 +188,7 @@ def test_a_suppressed_alias_line_is_not_followed():
         ("fn = functools.partial(flash_attn_func, causal=True)", "functools.partial"),
         ("self.fn = flash_attn_func", "stored in self.fn"),
         ("register(flash_attn_func)", "passed to register"),
+        ("ok = inspect.signature(flash_attn_func)", "same parameters and defaults"),
     ],
 )
 def test_value_uses_become_the_drop_in_with_their_context_in_the_note(use, words):
@@ -203,7 +204,6 @@ def test_value_uses_become_the_drop_in_with_their_context_in_the_note(use, words
 @pytest.mark.parametrize(
     "use, words",
     [
-        ("ok = inspect.signature(flash_attn_func)", "feature probe"),
         ("ok = callable(flash_attn_func)", "feature probe"),
         ("ok = getattr(flash_attn_func, '__doc__', None)", "feature probe"),
         ("ok = isinstance(x, (flash_attn_func, int))", "feature probe"),
@@ -222,7 +222,8 @@ def test_value_uses_that_probe_or_compare_stay_and_say_why(use, words):
     assert site.kind == "reference" and site.status == "refused" and words in site.reason
 
 
-def test_a_value_of_a_name_with_a_fallback_binding_stays():
+def test_a_value_of_a_name_whose_only_fallback_is_none_takes_the_drop_in():
+    # flashport is always there: the guard's None fallback is dead, as its flag is True
     result = run("""
         try:
             from flash_attn import flash_attn_func
@@ -231,9 +232,23 @@ def test_a_value_of_a_name_with_a_fallback_binding_stays():
 
         ATTN = {"flash": flash_attn_func}
     """)
-    assert result.new is None
     [site] = result.sites
-    assert site.status == "refused" and "a fallback such as flash_attn_func = None" in site.reason
+    assert site.status == "rewrite"
+    assert 'ATTN = {"flash": flashport.integrations.flash_attn_compat.flash_attn_func}' in result.new.decode()
+    assert "flash_attn import" not in result.new.decode()
+
+
+def test_a_value_of_a_name_the_file_also_asks_about_stays():
+    result = run("""
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            flash_attn_func = None
+
+        ATTN = {"flash": flash_attn_func} if flash_attn_func is not None else {}
+    """)
+    assert result.new is None
+    assert all(s.status == "refused" for s in result.sites)
 
 
 def test_a_value_inside_an_import_guard_stays():

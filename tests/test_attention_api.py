@@ -305,11 +305,11 @@ BAD_INPUTS = [
 def test_bad_input_is_named(case, error, message):
     q, k, v, _ = make_inputs(0)
     if "q_shape" in case:
-        q = jnp.zeros(case["q_shape"])
+        q = jnp.zeros(case["q_shape"], jnp.float32)
     if "k_dim" in case:
-        k = jnp.zeros(k.shape[:3] + (case["k_dim"],))
+        k = jnp.zeros(k.shape[:3] + (case["k_dim"],), jnp.float32)
     if "k_heads" in case:
-        k = v = jnp.zeros(k.shape[:2] + (case["k_heads"], k.shape[3]))
+        k = v = jnp.zeros(k.shape[:2] + (case["k_heads"], k.shape[3]), jnp.float32)
     if "dtype" in case:
         q = q.astype(case["dtype"])
     with pytest.raises(error, match=message):

@@ -156,8 +156,8 @@ def test_bhsd_bfloat16_shapes_and_dtypes():
 
 
 def test_no_keys_gives_zero_gradients():
-    q = jnp.ones((1, 3, 2, 8))
-    k = jnp.ones((1, 0, 2, 8))
+    q = jnp.ones((1, 3, 2, 8), jnp.float32)
+    k = jnp.ones((1, 0, 2, 8), jnp.float32)
     out, lse = flashport.attention(q, k, k, return_lse=True)
     dq, dk, dv, dbias = flashport.attention_backward(
         q, k, k, out, lse, jnp.ones_like(out), jnp.ones_like(lse)
@@ -166,7 +166,7 @@ def test_no_keys_gives_zero_gradients():
 
 
 def test_wrong_residual_shape_is_named():
-    q = jnp.ones((1, 4, 2, 8))
+    q = jnp.ones((1, 4, 2, 8), jnp.float32)
     out, lse = flashport.attention(q, q, q, return_lse=True)
     with pytest.raises(ValueError, match="lse must have the forward's shape"):
         flashport.attention_backward(q, q, q, out, lse[:, :, :2], out)

@@ -183,7 +183,7 @@ def test_imports_partial_removal_dead_guard_removed_and_flashport_added_once():
     )  # a dead probe guard goes whole
 
 
-def test_feature_probe_keeps_its_import():
+def test_signature_probe_of_a_ported_function_inspects_the_drop_in():
     text = new_text(
         run("""
         import inspect
@@ -194,7 +194,8 @@ def test_feature_probe_keeps_its_import():
             return flash_attn_func(q, k, v)
     """)
     )
-    assert "from flash_attn import flash_attn_func\n" in text
+    assert "flash_attn import" not in text
+    assert "inspect.signature(flashport.integrations.flash_attn_compat.flash_attn_func)" in text
 
 
 def test_coding_declaration_and_latin1_bytes_preserved():

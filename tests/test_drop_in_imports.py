@@ -103,8 +103,8 @@ def test_the_version_stays_read_when_another_gpu_import_stays():
         + textwrap.dedent("""
 
         def rotate(x, cos, sin):
-            from flash_attn.layers.rotary import apply_rotary_emb
-            return apply_rotary_emb(x, cos, sin)
+            from flash_attn.layers.rotary import RotaryEmbedding
+            return RotaryEmbedding(x, cos, sin)
     """)
     )
     assert "version.parse(flash_attn.__version__)" in text and "    import flash_attn\n" in text

@@ -8,6 +8,8 @@ backwards on the merged residuals add up to the full attention's float64 gradien
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -287,3 +289,77 @@ def test_version_branches_port_to_each_releases_drop_in_and_agree(installed):
     close(dq, gq)
     close(dk, gk)
     close(dv, gv)
+
+
+RING_VALUES = """
+import inspect
+
+from flash_attn.flash_attn_interface import _flash_attn_forward
+
+
+def get_default_args(func):
+    spec = inspect.signature(func)
+    return {k: v.default for k, v in spec.parameters.items() if v.default is not inspect.Parameter.empty}
+
+
+def block(q, k, v, scale, causal, dropout_p=0.0):
+    # ring-attention style: the kernel's defaults read from its signature, then called with **params
+    params = get_default_args(_flash_attn_forward).copy()
+    params.update({"q": q, "k": k, "v": v, "dropout_p": dropout_p, "softmax_scale": scale, "causal": causal,
+                   "window_size_left": -1, "window_size_right": -1, "softcap": 0.0, "alibi_slopes": None,
+                   "return_softmax": True and dropout_p > 0})
+    out, lse, *_ = _flash_attn_forward(**params)
+    return out, lse
+"""
+
+
+def test_kernel_values_read_for_their_signature_and_starred_results_run_on_the_drop_in():
+    namespace, code = port_and_run(RING_VALUES, "reference")
+    assert "get_default_args(flashport.integrations.flash_attn_compat._flash_attn_forward)" in code
+    q, k, v = rand(2, 5, 2, 8, seed=1), rand(2, 7, 2, 8, seed=2), rand(2, 7, 2, 8, seed=3)
+    out, lse = namespace["block"](q, k, v, 0.3, True)
+    want_out, want_lse = reference_attention(q.numpy(), k.numpy(), v.numpy(), scale=0.3, causal=True)
+    close(out, want_out)
+    close(lse, flash_lse(want_lse))
+    with pytest.raises(ValueError, match="return_softmax"):  # flash-attn's S_dmask is not produced
+        namespace["block"](q, k, v, 0.3, True, dropout_p=0.1)
+
+
+def test_varlen_kernels_written_for_2_6_run_on_their_drop_ins():
+    source = (
+        pathlib.Path(__file__).parent / "fixtures" / "codemod" / "FPA008" / "varlen_written_for_2_6.py"
+    ).read_text()
+    namespace, code = port_and_run(source.split("\n\ndef written_for_2_5")[0], "call")
+    assert "_flash_attn_varlen_forward_v2_6(" in code and "_flash_attn_varlen_backward_v2_6(" in code
+    lengths = [3, 5]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q, k, v = rand(8, 4, 8, seed=1), rand(8, 2, 8, seed=2), rand(8, 2, 8, seed=3)
+    out, lse = namespace["ring_step"](q, k, v, cu, 5, 0.0, 0.4, True, (-1, -1), 0.0, None)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        want_out, want_lse = reference_attention(
+            q[part][None].numpy(), k[part][None].numpy(), v[part][None].numpy(), scale=0.4, causal=True
+        )
+        close(out[part], want_out[0])
+        close(lse[:, part], want_lse[0])
+        start += n
+    dout = rand(8, 4, 8, seed=4)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    namespace["ring_grad"](
+        dout, q, k, v, out, lse, dq, dk, dv, cu, 5, 0.0, 0.4, True, (-1, -1), 0.0, None, False, None
+    )
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        grads = reference_attention_vjp(
+            q[part][None].numpy(),
+            k[part][None].numpy(),
+            v[part][None].numpy(),
+            dout[part][None].numpy(),
+            scale=0.4,
+            causal=True,
+        )
+        for got, want in zip((dq, dk, dv), grads[:3], strict=True):
+            close(got[part], want[0])
+        start += n

@@ -216,7 +216,7 @@ def test_a_guarded_import_with_a_live_name_loses_only_the_dead_one_and_its_fallb
             flash_attn_with_kvcache = None
 
         def f(q, k, v, run):
-            run(flash_attn_with_kvcache)
+            run(callable(flash_attn_with_kvcache))
             return flash_attn_func(q, k, v)
     """)
     assert (
@@ -471,8 +471,8 @@ def test_a_guard_stays_when_other_gpu_imports_remain_in_the_file():
 
         def f(q, k, v):
             if HAS_FLASH_ATTN:
-                from flash_attn.layers.rotary import apply_rotary_emb
-                q = apply_rotary_emb(q)
+                from flash_attn.layers.rotary import RotaryEmbedding
+                q = RotaryEmbedding(q)
                 return flash_attn_func(q, k, v)
             return None
     """)
@@ -486,7 +486,7 @@ def test_a_dead_import_in_a_try_whose_handler_only_raises_goes_even_with_other_g
     # still raise on a host without flash-attn although the ported code no longer needs it. Another
     # GPU import elsewhere in the file (kept: its call is not ported) does not change that.
     text = port("""
-        from flash_attn.layers.rotary import apply_rotary_emb
+        from flash_attn.layers.rotary import RotaryEmbedding
 
         def load():
             try:
@@ -497,18 +497,18 @@ def test_a_dead_import_in_a_try_whose_handler_only_raises_goes_even_with_other_g
                 raise RuntimeError("pip install flash-attn") from e
 
         def other(x):
-            return apply_rotary_emb(x)
+            return RotaryEmbedding(x)
     """)
     assert "from flash_attn import flash_attn_func" not in text
     assert (
         "    try:\n        return lambda q, k, v: flashport.torch.attention(" in text
     )  # no blank line leads the block
-    assert "from flash_attn.layers.rotary import apply_rotary_emb" in text
+    assert "from flash_attn.layers.rotary import RotaryEmbedding" in text
 
 
 def test_a_dead_import_stays_in_a_try_whose_handler_also_falls_back():
     text = port("""
-        from flash_attn.layers.rotary import apply_rotary_emb
+        from flash_attn.layers.rotary import RotaryEmbedding
 
         def load():
             try:
@@ -520,7 +520,7 @@ def test_a_dead_import_stays_in_a_try_whose_handler_also_falls_back():
                 return None
 
         def other(x):
-            return apply_rotary_emb(x)
+            return RotaryEmbedding(x)
     """)
     assert "from flash_attn import flash_attn_func" in text
 

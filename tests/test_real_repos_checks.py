@@ -126,3 +126,34 @@ def test_a_fa3_private_kernel_keeps_its_file_from_counting_as_ported():
     result = transform_source(source, "m.py", registry.all_rules(), RuleOptions())
     [site] = result.sites
     assert site.status == "refused" and "private kernel" in site.reason and result.new is None
+
+
+def test_a_line_the_diff_realigns_next_to_a_rewritten_call_is_not_stray():
+    bench = _bench()
+    old = textwrap.dedent("""\
+        import torch.nn.functional as F
+        from flash_attn import flash_attn_varlen_func
+
+
+        def f(mode, q, k, v, cu, m):
+            if mode == "torch":
+                x = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True
+                )
+            elif mode == "flash":
+                x = flash_attn_varlen_func(
+                    q,
+                    k,
+                    v,
+                    cu,
+                    cu,
+                    m,
+                    m,
+                )
+            return x
+    """).encode()
+    result = transform_source(old, "m.py", registry.all_rules(), RuleOptions())
+    assert result.status == "changed"
+    assert bench.check_changes("m.py", old, result.new, result.sites, GPU) == []
+    edited = result.new.replace(b'elif mode == "flash"', b'elif mode == "fast"')
+    assert bench.check_changes("m.py", old, edited, result.sites, GPU) == ["m.py:10"]

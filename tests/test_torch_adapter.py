@@ -316,11 +316,11 @@ def test_cpu_auto_keeps_lse_and_dropout_calls_on_jax(monkeypatch):
     """return_lse and dropout_p > 0 (the contract's keep-mask) are not SDPA's to give."""
     paths = spy_paths(monkeypatch)
     x = torch_inputs(CASES[0], grad=False)
-    out, lse = ft.attention(**x, return_lse=True)
+    out, lse = ft.attention(**x, return_lse=True, layout="BSHD")
     want_out, want_lse = reference(CASES[0], numpy_inputs(CASES[0]))
     np.testing.assert_allclose(out.numpy(), want_out, atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(lse.numpy(), want_lse, atol=2e-5, rtol=2e-5)
-    ft.attention(**x, dropout_p=0.5, generator=torch.Generator().manual_seed(0))
+    ft.attention(**x, dropout_p=0.5, generator=torch.Generator().manual_seed(0), layout="BSHD")
     assert paths == ["jax", "jax"]
 
 
@@ -346,7 +346,7 @@ def test_cpu_auto_goes_through_jax_zero_copy(monkeypatch):
     monkeypatch.setattr(_jax, "to_torch", spy_to_torch)
     # Fresh torch allocations: XLA shares only suitably aligned buffers, which numpy's may not be.
     x = {n: torch.randn(2, 5, 2, 8, requires_grad=True) for n in ("query", "key", "value")}
-    out = ft.attention(**x, softcap=30.0)
+    out = ft.attention(**x, softcap=30.0, layout="BSHD")
     out.backward(torch.ones_like(out))  # a contiguous cotangent (sum()'s is an expanded view)
     directions = [s[0] for s in seen]
     assert directions.count("to_jax") == 5  # q, k, v forward; d_out, d_lse backward
@@ -362,14 +362,14 @@ def test_cpu_falls_back_to_torch_math_without_jax(monkeypatch):
     monkeypatch.setattr(ft, "jax_available", lambda: False)
     monkeypatch.setattr(_native, "math_attention", lambda call: calls.append(call) or ("out", "lse"))
     x = torch_inputs(CASES[0])
-    assert ft.attention(**x, softcap=30.0) == "out" and len(calls) == 1
-    out = ft.attention(**x)  # SDPA: no jax needed
+    assert ft.attention(**x, softcap=30.0, layout="BSHD") == "out" and len(calls) == 1
+    out = ft.attention(**x, layout="BSHD")  # SDPA: no jax needed
     assert len(calls) == 1
     np.testing.assert_allclose(
         out.detach().numpy(), reference(CASES[0], numpy_inputs(CASES[0]))[0], atol=2e-5
     )
     with pytest.raises(ValueError, match="jax is not importable"):
-        ft.attention(**x, backend="blockwise")
+        ft.attention(**x, backend="blockwise", layout="BSHD")
 
 
 def test_lazy_imports_and_no_jax_process():
@@ -383,7 +383,7 @@ def test_lazy_imports_and_no_jax_process():
         "sys.modules['jax'] = None\n"
         "import torch\n"
         "torch.manual_seed(0); q = torch.randn(1, 4, 2, 8, requires_grad=True)\n"
-        "out, lse = ft.attention(q, q, q, causal=True, return_lse=True); out.sum().backward()\n"
+        "out, lse = ft.attention(q, q, q, causal=True, return_lse=True, layout='BSHD'); out.sum().backward()\n"
         "want = torch.nn.functional.scaled_dot_product_attention(*(q.detach().transpose(1, 2),) * 3, is_causal=True)\n"
         "assert torch.allclose(out.detach(), want.transpose(1, 2), atol=1e-5), 'mismatch'\n"
         "assert torch.isfinite(q.grad).all()\n"
@@ -394,7 +394,7 @@ def test_lazy_imports_and_no_jax_process():
 @pytest.mark.parametrize("softcap", [None, 30.0], ids=["sdpa", "jax"])
 def test_in_place_change_before_backward_is_refused(softcap):
     x = torch_inputs(CASES[0])
-    out = ft.attention(**x, softcap=softcap)
+    out = ft.attention(**x, softcap=softcap, layout="BSHD")
     with torch.no_grad():
         out.mul_(2)  # JAX's residuals alias out: torch must refuse, not use the changed values
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -409,10 +409,10 @@ def test_no_grad_call_skips_the_vjp(monkeypatch):
     )
     x = torch_inputs(CASES[0])
     with torch.no_grad():
-        out = ft.attention(**x, softcap=30.0)  # softcap: auto takes the JAX path
+        out = ft.attention(**x, softcap=30.0, layout="BSHD")  # softcap: auto takes the JAX path
     assert not out.requires_grad
-    ft.attention(**x, softcap=30.0)
-    ft.attention(**{n: v.detach() for n, v in x.items()}, softcap=30.0)
+    ft.attention(**x, softcap=30.0, layout="BSHD")
+    ft.attention(**{n: v.detach() for n, v in x.items()}, softcap=30.0, layout="BSHD")
     assert flags == [False, True, False]
 
 
@@ -426,12 +426,16 @@ def test_cpu_auto_validates_each_call_once(monkeypatch):
         _checks, "check_tensor", lambda *a: tensors_checked.append(a[0]) or real_check_tensor(*a)
     )
     q, kv = torch.randn(1, 3, 2, 8), torch.randn(1, 5, 2, 8)
-    want = ft.attention(q, kv, kv, softcap=30.0, backend="torch")
+    want = ft.attention(q, kv, kv, softcap=30.0, backend="torch", layout="BSHD")
     checks_run.clear(), tensors_checked.clear()
-    np.testing.assert_allclose(ft.attention(q, kv, kv, softcap=30.0).numpy(), want.numpy(), atol=1e-5)
+    np.testing.assert_allclose(
+        ft.attention(q, kv, kv, softcap=30.0, layout="BSHD").numpy(), want.numpy(), atol=1e-5
+    )
     assert checks_run == [] and tensors_checked == ["query", "key", "value"]  # JAX path's own checks
     checks_run.clear(), tensors_checked.clear()
-    ft.attention(q, kv, kv, causal=True)  # bottom-right with Sq != Sk: validated, then the JAX path
+    ft.attention(
+        q, kv, kv, causal=True, layout="BSHD"
+    )  # bottom-right with Sq != Sk: validated, then the JAX path
     assert checks_run == [1] and tensors_checked == ["query", "key", "value"]
 
 
@@ -467,7 +471,7 @@ BAD = [
 @pytest.mark.parametrize("bad, error, message", BAD, ids=[m for _, _, m in BAD])
 def test_bad_input_names_the_argument(backend, bad, error, message):
     args = dict(query=torch.zeros(1, 5, 4, 8), key=torch.zeros(1, 5, 2, 8), value=torch.zeros(1, 5, 2, 8))
-    args.update(bad)
+    args.update({"layout": "BSHD", **bad})
     with pytest.raises(error, match=message):
         ft.attention(**args, backend=backend)
 
@@ -475,14 +479,14 @@ def test_bad_input_names_the_argument(backend, bad, error, message):
 def test_explicit_native_backends_refuse_what_they_lack():
     q = torch.zeros(1, 5, 2, 8)
     with pytest.raises(ValueError, match="backend='sdpa' does not support softcap"):
-        ft.attention(q, q, q, softcap=3.0, backend="sdpa")
+        ft.attention(q, q, q, softcap=3.0, backend="sdpa", layout="BSHD")
     with pytest.raises(ValueError, match="backend='sdpa' does not support return_lse"):
-        ft.attention(q, q, q, return_lse=True, backend="sdpa")
+        ft.attention(q, q, q, return_lse=True, backend="sdpa", layout="BSHD")
     if _native.import_flash_attn() is None:
         with pytest.raises(ValueError, match="needs the flash-attn package"):
-            ft.attention(q, q, q, backend="flash_attn")
+            ft.attention(q, q, q, backend="flash_attn", layout="BSHD")
     with pytest.raises(TypeError, match=r"query must be a torch\.Tensor"):
-        ft.attention(np.zeros((1, 5, 2, 8), np.float32), q, q)
+        ft.attention(np.zeros((1, 5, 2, 8), np.float32), q, q, layout="BSHD")
 
 
 # ------------------------------------------------------------------------------ flash-attn mapping
@@ -662,7 +666,9 @@ def test_flash_attn_varlen_for_packed_segments():
     )
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 3, 3, 9]])
     kw = dict(causal=True, window=(2, None), q_segment_ids=ids, kv_segment_ids=ids)
-    out, lse = ft.attention(q, k, v, **kw, return_lse=True, backend="torch")  # the math path, for the shape
+    out, lse = ft.attention(
+        q, k, v, **kw, return_lse=True, backend="torch", layout="BSHD"
+    )  # the math path, for the shape
     call = _checks.check(q, k, v, **kw)
     out, lse = _routing.cuda_attention(call, True, flash=fake)
     assert fake.calls[-1][0] == "varlen"
@@ -782,7 +788,7 @@ def test_torch_xla_without_torchax_names_the_missing_package(fake_torch_xla, mon
     monkeypatch.setitem(sys.modules, "torchax.interop", None)
     q = torch.ones(1, 4, 2, 8)
     with pytest.raises(ImportError, match=r"needs the torchax package \(pip install torchax"):
-        ft.attention(q, q, q)
+        ft.attention(q, q, q, layout="BSHD")
 
 
 def test_device_kind():

@@ -108,6 +108,7 @@ def run_torch(x, ints, options, backend, seed, d_out):
         return_lse=True,
         dropout_p=RATE,
         generator=torch.Generator().manual_seed(seed),
+        layout="BSHD",
     )
     (out * torch.tensor(d_out, dtype=torch.float32)).sum().backward()
     return out.detach().numpy(), lse.detach().numpy(), {n: v.grad.numpy() for n, v in t.items()}
@@ -187,9 +188,11 @@ def test_backward_reuses_the_forward_words():
     for backend in ("torch", "auto"):
         g = torch.Generator().manual_seed(3)
         t = {n: torch.tensor(v, dtype=torch.float32, requires_grad=True) for n, v in x.items()}
-        out = ft.attention(**t, **options, backend=backend, dropout_p=RATE, generator=g)
+        out = ft.attention(**t, **options, backend=backend, dropout_p=RATE, generator=g, layout="BSHD")
         torch.randint(0, 10, (5,), generator=g)
-        ft.attention(**t, **options, backend=backend, dropout_p=RATE, generator=g)  # another draw
+        ft.attention(
+            **t, **options, backend=backend, dropout_p=RATE, generator=g, layout="BSHD"
+        )  # another draw
         out.sum().backward()
         _, _, want, _ = reference_attention_vjp(
             x["query"],
@@ -211,7 +214,7 @@ def test_activation_checkpointing_recomputes_the_same_mask():
         t = {n: torch.tensor(v, dtype=torch.float32, requires_grad=True) for n, v in x.items()}
 
         def f(q, k, v):
-            return ft.attention(q, k, v, **options, dropout_p=RATE, backend="torch")
+            return ft.attention(q, k, v, **options, dropout_p=RATE, backend="torch", layout="BSHD")
 
         torch.manual_seed(30)
         out = (
@@ -232,7 +235,7 @@ def read_mask(backend, rate, generator, b=1, h=2, s=96):
     """With zero scores and V = I, out = Z / ((1 - rate) * S): the keep-mask [B, H, Sq, Sk]."""
     q = torch.zeros(b, s, h, s)
     v = torch.eye(s)[None, :, None, :].expand(b, s, h, s).contiguous()
-    out = ft.attention(q, q, v, backend=backend, dropout_p=rate, generator=generator)
+    out = ft.attention(q, q, v, backend=backend, dropout_p=rate, generator=generator, layout="BSHD")
     return out.transpose(1, 2).numpy() != 0
 
 
@@ -251,10 +254,13 @@ def test_mean_over_draws_is_the_no_dropout_output():
         torch.tensor(rng.standard_normal(s), dtype=torch.float32)
         for s in ((1, 6, 2, 4), (1, 9, 2, 4), (1, 9, 2, 4))
     )
-    plain = ft.attention(q, k, v, backend="torch").numpy()
+    plain = ft.attention(q, k, v, backend="torch", layout="BSHD").numpy()
     g, n = torch.Generator().manual_seed(0), 400
     outs = np.stack(
-        [ft.attention(q, k, v, backend="torch", dropout_p=0.3, generator=g).numpy() for _ in range(n)]
+        [
+            ft.attention(q, k, v, backend="torch", dropout_p=0.3, generator=g, layout="BSHD").numpy()
+            for _ in range(n)
+        ]
     )
     sem = outs.std(axis=0) / np.sqrt(n)
     assert np.all(np.abs(outs.mean(axis=0) - plain) < 5 * sem + 1e-6)
@@ -279,9 +285,9 @@ def test_no_dropout_draws_nothing_and_matches_the_plain_call():
     t = {n: torch.tensor(v, dtype=torch.float32) for n, v in x.items()}
     g = torch.Generator().manual_seed(1)
     state = g.get_state()
-    out = ft.attention(**t, dropout_p=0.0, generator=g, backend="torch")
+    out = ft.attention(**t, dropout_p=0.0, generator=g, backend="torch", layout="BSHD")
     assert torch.equal(g.get_state(), state)
-    assert torch.equal(out, ft.attention(**t, backend="torch"))
+    assert torch.equal(out, ft.attention(**t, backend="torch", layout="BSHD"))
 
 
 # ------------------------------------------------------------------------------ routing
@@ -290,7 +296,9 @@ def test_no_dropout_draws_nothing_and_matches_the_plain_call():
 def test_auto_on_cuda_and_other_devices_runs_the_contract_mask_not_flash_or_sdpa(monkeypatch):
     x, _, _ = make_inputs({})
     t = {n: torch.tensor(v, dtype=torch.float32) for n, v in x.items()}
-    want = ft.attention(**t, backend="torch", dropout_p=RATE, generator=torch.Generator().manual_seed(2))
+    want = ft.attention(
+        **t, backend="torch", dropout_p=RATE, generator=torch.Generator().manual_seed(2), layout="BSHD"
+    )
     fake = FakeFlashAttn()
     monkeypatch.setattr(_native, "import_flash_attn", lambda: fake)
     monkeypatch.setattr(_native, "TORCH_SDPA", lambda *a, **k: pytest.fail("SDPA ran a dropout call"))
@@ -300,6 +308,7 @@ def test_auto_on_cuda_and_other_devices_runs_the_contract_mask_not_flash_or_sdpa
             **{n: v.half() for n, v in t.items()} if kind == "cuda" else t,
             dropout_p=RATE,
             generator=torch.Generator().manual_seed(2),
+            layout="BSHD",
         )
         atol = 5e-3 if kind == "cuda" else 0
         np.testing.assert_allclose(got.float().numpy(), want.numpy(), atol=atol)
@@ -343,16 +352,16 @@ def test_bad_dropout_p(value, error, words):
     t = torch.zeros(1, 4, 2, 8)
     for backend in ("auto", "torch"):
         with pytest.raises(error, match=words.replace("[", r"\[").replace(")", r"\)")):
-            ft.attention(t, t, t, dropout_p=value, backend=backend)
+            ft.attention(t, t, t, dropout_p=value, backend=backend, layout="BSHD")
     with pytest.raises(TypeError, match="not a tensor"):
-        ft.attention(t, t, t, dropout_p=torch.tensor(0.1))
+        ft.attention(t, t, t, dropout_p=torch.tensor(0.1), layout="BSHD")
 
 
 @pytest.mark.parametrize("value", [0, "cpu", np.random.default_rng(0)])
 def test_bad_generator(value):
     t = torch.zeros(1, 4, 2, 8)
     with pytest.raises(TypeError, match=r"generator must be a torch.Generator .*manual_seed"):
-        ft.attention(t, t, t, dropout_p=0.1, generator=value)
+        ft.attention(t, t, t, dropout_p=0.1, generator=value, layout="BSHD")
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flash_attn"])
@@ -363,9 +372,9 @@ def test_sdpa_and_flash_attn_refuse_dropout_naming_the_reason_and_the_alternativ
         match=rf"backend='{backend}' cannot run dropout_p=0.2: .* draws its own "
         r"dropout mask.*use backend='torch'.*'auto'.*'xla'",
     ):
-        ft.attention(t, t, t, dropout_p=0.2, backend=backend)
+        ft.attention(t, t, t, dropout_p=0.2, backend=backend, layout="BSHD")
     with pytest.raises(ValueError, match="query must have rank 4"):  # argument errors still come first
-        ft.attention(t[0], t, t, dropout_p=0.2, backend=backend)
+        ft.attention(t[0], t, t, dropout_p=0.2, backend=backend, layout="BSHD")
 
 
 # ------------------------------------------------------------------------------ integrations

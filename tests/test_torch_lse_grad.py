@@ -86,7 +86,7 @@ def reference_grads(name, use_out):
 
 def torch_loss(name, backend, use_out):
     x = {n: torch.tensor(v, dtype=torch.float32, requires_grad=True) for n, v in inputs(name).items()}
-    out, lse = ft.attention(**x, **CASES[name][2], backend=backend, return_lse=True)
+    out, lse = ft.attention(**x, **CASES[name][2], backend=backend, return_lse=True, layout="BSHD")
     g_out, g_lse = (torch.from_numpy(g).float() for g in loss_weights(name, use_out))
     finite_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     loss = (finite_lse * g_lse).sum() + ((out * g_out).sum() if use_out else 0.0)
@@ -129,7 +129,7 @@ def test_explicit_flash_attn_refuses_a_backward_through_lse(monkeypatch):
     monkeypatch.setattr(_native, "import_flash_attn", FakeFlashAttn)
     q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16, requires_grad=True)
     _, lse = ft.attention(
-        q, q.detach(), q.detach(), backend="flash_attn", return_lse=True
+        q, q.detach(), q.detach(), backend="flash_attn", return_lse=True, layout="BSHD"
     )  # fake: detached math
     with pytest.raises(RuntimeError, match=r"lse without gradient.*backend='auto'"):
         lse.sum().backward()

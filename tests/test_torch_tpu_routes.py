@@ -121,7 +121,7 @@ def test_attention_forward_backward_lse(route, case):
     bias = route.put(extra.get("bias"), grad=True)
     tensors = {n: route.put(extra.get(n)) for n in ("mask", "q_segment_ids", "kv_segment_ids")}
     out, lse = ft.attention(
-        t["query"], t["key"], t["value"], bias=bias, **tensors, **options, return_lse=True
+        t["query"], t["key"], t["value"], bias=bias, **tensors, **options, return_lse=True, layout="BSHD"
     )
     assert ft.device_kind(out) == ft.device_kind(t["query"]) and ft.device_kind(lse) == ft.device_kind(out)
 
@@ -150,7 +150,7 @@ def test_torch_xla_backward_hlo_reuses_the_forward_residuals():
     _, x = _inputs(2)
     with Route("torch_xla") as r:
         q, k, v = (r.put(x[n], grad=True) for n in ("query", "key", "value"))
-        out, lse = ft.attention(q, k, v, causal=True, return_lse=True)
+        out, lse = ft.attention(q, k, v, causal=True, return_lse=True, layout="BSHD")
         torch_xla.sync()  # out and lse are now device data: the next graph is the backward alone
         (out.sum() + lse.sum()).backward()
         hlo = torch_xla._XLAC._get_xla_tensors_hlo([q.grad, k.grad, v.grad])
@@ -183,7 +183,7 @@ def test_backward_with_then_without_bias(route):
     bias = rng.standard_normal((1, HQ, SQ, SK))
     for b in (bias, None):
         t = {n: route.put(a, grad=True) for n, a in x.items()}
-        out = ft.attention(t["query"], t["key"], t["value"], bias=route.put(b), causal=True)
+        out = ft.attention(t["query"], t["key"], t["value"], bias=route.put(b), causal=True, layout="BSHD")
         d_out = rng.standard_normal(out.shape)
         (out * route.put(d_out)).sum().backward()
         want = reference_attention_vjp(x["query"], x["key"], x["value"], d_out, causal=True, bias=b)

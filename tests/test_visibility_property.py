@@ -217,7 +217,9 @@ def test_torch_masking(backend, kw):
 
     q, k, v, options = _probe_inputs(kw)
     options = {n: (torch.from_numpy(x) if isinstance(x, np.ndarray) else x) for n, x in options.items()}
-    out = flashport.torch.attention(*(torch.from_numpy(x) for x in (q, k, v)), backend=backend, **options)
+    out = flashport.torch.attention(
+        *(torch.from_numpy(x) for x in (q, k, v)), backend=backend, **options, layout="BSHD"
+    )
     np.testing.assert_array_equal(_seen(out.numpy(), kw["sk"]), _want(kw))
 
 

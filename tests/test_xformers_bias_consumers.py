@@ -4,7 +4,8 @@ A constructor rewritten to flashport's mirror class while the ``memory_efficient
 consumes it stays xformers breaks working code (xformers rejects the foreign bias). The decision is
 made in the engine's per-file phase, after suppression, ``--ignore`` and interactive review. The
 fixtures under ``tests/fixtures/codemod/FPA111/`` cover the suppressed, value-use and isinstance
-cases; this file covers ``--ignore FPA110``, the interactive review and ``materialize``.
+cases; this file covers ``--ignore FPA110``, the interactive review, ``materialize`` and the type checks
+that move with the constructors (ported code runs, and accepts biases xformers still builds).
 """
 
 from __future__ import annotations
@@ -145,3 +146,49 @@ def test_materialized_bias_gives_the_same_attention():
     want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v.double())
     got = xf.memory_efficient_attention(q, k, v, attn_bias=bias, backend="torch")
     assert (got.double() - want).abs().max().item() < 1e-5
+
+
+def _xformers_class(name, *bases):
+    """A stand-in for a real xformers bias class (module and name are all the mirror looks at)."""
+    return type(name, bases or (object,), {"__module__": "xformers.ops.fmha.attn_bias"})
+
+
+def test_ported_type_checks_accept_the_mirror_and_real_xformers_biases_of_that_class():
+    from flashport.integrations import xformers_compat as xc
+
+    base = _xformers_class("AttentionBias")
+    block = _xformers_class("BlockDiagonalMask", base)
+    causal = _xformers_class("BlockDiagonalCausalMask", block)
+    padded = _xformers_class("BlockDiagonalCausalWithOffsetPaddedKeysMask", base)
+    assert isinstance(causal(), xc.BlockDiagonalMask) and isinstance(causal(), xc.BlockDiagonalCausalMask)
+    assert not isinstance(block(), xc.BlockDiagonalCausalMask)
+    assert not isinstance(causal(), xc.LowerTriangularMask)
+    assert isinstance(padded(), xc.AttentionBias) and isinstance(padded(), xc.AttentionMask)
+    assert not isinstance(padded(), xc.BlockDiagonalMask)
+    assert not isinstance(object(), xc.AttentionBias)
+    mirror = xc.BlockDiagonalMask.from_seqlens([2, 3]).make_causal()
+    assert isinstance(mirror, (xc.BlockDiagonalCausalMask, xc.AttentionBias))
+    assert not isinstance(mirror, xc.LowerTriangularMask)
+
+
+def test_ported_annotations_and_type_checks_run_without_xformers():
+    torch = pytest.importorskip("torch")
+
+    fixture = os.path.join(
+        os.path.dirname(__file__), "fixtures", "codemod", "FPA111", "annotated_bias_types.py"
+    )
+    ported = open(fixture + ".out").read()
+    assert "xformers" not in ported.replace("xformers_compat", "")
+    namespace: dict = {}
+    exec(compile(ported, fixture, "exec"), namespace)
+    q = torch.randn(1, 5, 2, 4, generator=torch.Generator().manual_seed(0))
+    bias = namespace["packed_bias"]([2, 3], causal=True)
+    out = namespace["attend"](q, q, q, bias)
+    # block-diagonal causal attention by hand: each block sees its own earlier keys
+    expected = torch.empty_like(q)
+    for start, length in ((0, 2), (2, 3)):
+        part = q[:, start : start + length].transpose(1, 2)
+        scores = part @ part.transpose(-1, -2) / 2.0
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        expected[:, start : start + length] = (scores.softmax(-1) @ part).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)

@@ -74,7 +74,7 @@ def test_bias_mask_and_segments_with_no_keys(backend):
 def test_varlen_with_no_keys():
     q, _, _ = inputs()
     q = q.reshape(B * SQ, HQ, D)
-    k, v = jnp.zeros((0, HKV, D)), jnp.zeros((0, HKV, DV))
+    k, v = jnp.zeros((0, HKV, D), jnp.float32), jnp.zeros((0, HKV, DV), jnp.float32)
     cu_q, cu_k = jnp.array([0, SQ, 2 * SQ], jnp.int32), jnp.zeros((B + 1,), jnp.int32)
     out = flashport.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
     np.testing.assert_array_equal(np.asarray(out), expected()[0].reshape(B * SQ, HQ, DV))
@@ -89,9 +89,9 @@ def test_torch_adapter_with_no_keys(backend):
     k, v = torch.zeros(B, 0, HKV, D, requires_grad=True), torch.zeros(B, 0, HKV, DV, requires_grad=True)
     want_out, want_lse = expected()
     if backend == "sdpa":  # SDPA has no lse
-        out, lse = ft.attention(q, k, v, backend=backend), torch.from_numpy(want_lse)
+        out, lse = ft.attention(q, k, v, backend=backend, layout="BSHD"), torch.from_numpy(want_lse)
     else:
-        out, lse = ft.attention(q, k, v, backend=backend, return_lse=True)
+        out, lse = ft.attention(q, k, v, backend=backend, return_lse=True, layout="BSHD")
     np.testing.assert_array_equal(out.detach().numpy(), want_out)
     np.testing.assert_array_equal(lse.detach().numpy(), want_lse)
     out.sum().backward()

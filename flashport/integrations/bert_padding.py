@@ -8,7 +8,15 @@ follow flash-attn 2.8.3: :func:`unpad_input` returns **five** values (``seqused`
 
 from __future__ import annotations
 
-__all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
+__all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "rearrange", "unpad_input"]
+
+
+def rearrange(tensor, pattern, **axes_lengths):
+    """``einops.rearrange``, which ``flash_attn.bert_padding`` re-exports (flash-attn depends on
+    einops; code that imported it from there needs einops, not flash-attn)."""
+    import einops
+
+    return einops.rearrange(tensor, pattern, **axes_lengths)
 
 
 def index_first_axis(input, indices):

@@ -50,7 +50,11 @@ from flashport.integrations.flash_attn_private import (
     _flash_attn_forward_v2_4,
     _flash_attn_forward_v2_6,
     _flash_attn_varlen_backward,
+    _flash_attn_varlen_backward_v2_4,
+    _flash_attn_varlen_backward_v2_6,
     _flash_attn_varlen_forward,
+    _flash_attn_varlen_forward_v2_4,
+    _flash_attn_varlen_forward_v2_6,
 )
 from flashport.kernels.visibility import band_visible
 
@@ -62,7 +66,11 @@ __all__ = [
     "_flash_attn_forward_v2_4",
     "_flash_attn_forward_v2_6",
     "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_backward_v2_4",
+    "_flash_attn_varlen_backward_v2_6",
     "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_forward_v2_4",
+    "_flash_attn_varlen_forward_v2_6",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -362,8 +370,8 @@ def varlen_core(
 ):
     """Packed variable-length attention on the contract, shared by the flash-attn 1/2/3/4 drop-ins.
 
-    Segment ids and a per-sequence causal/window mask (as :func:`flashport.varlen_attention`), batch 1
-    through :func:`flashport.torch.attention`; a paged ``k``/``v`` [num_blocks, page, Hk, D] is first
+    The O(total) layout of :func:`flashport.varlen_attention` (:mod:`flashport.kernels.varlen`),
+    batch 1 through :func:`flashport.torch.attention`; a paged ``k``/``v`` [num_blocks, page, Hk, D] is first
     gathered through ``block_table`` [B, max_blocks].
 
     Args:
@@ -376,27 +384,13 @@ def varlen_core(
       ``out`` [total_q, H, D] (0 past ``cu_seqlens_q[-1]``), or ``(out, lse)``.
     """
     import flashport.torch
-    from flashport.kernels.varlen import varlen_layout
+    from flashport.kernels.varlen import attend_varlen
 
     if block_table is not None:
         k, v = _paged(k, block_table, cu_seqlens_k), _paged(v, block_table, cu_seqlens_k)
-    q_ids, kv_ids, mask = varlen_layout(
-        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal=causal, window=window, align=align
-    )
-    result = flashport.torch.attention(
-        q[None],
-        k[None],
-        v[None],
-        scale=scale,
-        softcap=softcap,
-        mask=mask[None, None],
-        q_segment_ids=q_ids[None],
-        kv_segment_ids=kv_ids[None],
-        layout="BSHD",
-        return_lse=return_lse,
-        **_dropout(dropout_p),
-    )
-    return (result[0][0], result[1][0]) if return_lse else result[0]
+    band = dict(causal=causal, window=window, align=align)
+    options = dict(scale=scale, softcap=softcap, return_lse=return_lse, **_dropout(dropout_p))
+    return attend_varlen(flashport.torch.attention, q, k, v, cu_seqlens_q, cu_seqlens_k, **band, **options)
 
 
 def _varlen_alibi(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *, block_table, return_lse, **options):

@@ -40,7 +40,11 @@ __all__ = [
     "_flash_attn_forward_v2_4",
     "_flash_attn_forward_v2_6",
     "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_backward_v2_4",
+    "_flash_attn_varlen_backward_v2_6",
     "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_forward_v2_4",
+    "_flash_attn_varlen_forward_v2_6",
 ]
 
 
@@ -188,27 +192,63 @@ def _flash_attn_backward(
     return (dout.float() * out.float()).sum(-1).transpose(1, 2)
 
 
-def _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right):
-    """(q_segment_ids [1, total_q], kv_segment_ids [1, total_k], mask [1, 1, total_q, total_k])."""
-    import torch
+class _Varlen:
+    """One private varlen call on the contract in O(total) memory: the layout of
+    :func:`flashport.kernels.varlen.varlen_plan` (packed rows as they are, or each sequence's queries
+    and keys gathered into a virtual layout under one top-left band), or, for dropout where the
+    virtual layout would move the keep-mask's packed positions, the packed rows and a dense mask."""
 
-    from flashport.integrations.flash_attn_compat import _window
-    from flashport.kernels.varlen import varlen_layout
+    def __init__(self, q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right):
+        import torch
 
-    q_ids, kv_ids, mask = varlen_layout(
-        cu_seqlens_q,
-        cu_seqlens_k,
-        q.shape[0],
-        k.shape[0],
-        causal=bool(causal),
-        window=_window((window_size_left, window_size_right)),
-    )
-    return q_ids.to(torch.int32)[None], kv_ids.to(torch.int32)[None], mask[None, None]
+        from flashport.integrations.flash_attn_compat import _window
+        from flashport.kernels.varlen import varlen_layout, varlen_plan
 
+        self.band = dict(causal=bool(causal), window=_window((window_size_left, window_size_right)))
+        self.plan = varlen_plan(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+        self.mask = None
+        self.q_ids, self.kv_ids = (
+            self.plan.q_ids.to(torch.int32)[None],
+            self.plan.kv_ids.to(torch.int32)[None],
+        )
+        self.dense = False
 
-def _varlen_static(softmax_scale, softcap, dropout_p):
-    """Static keywords of a varlen call: the mask carries causal/window per sequence."""
-    return _static(softmax_scale, False, -1, -1, softcap, dropout_p)
+        self._dense_layout = lambda: varlen_layout(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], **self.band
+        )
+
+    def static(self, softmax_scale, softcap, dropout_p):
+        """The contract's static keywords: the band top-left on the plan's rows, or none (dense mask)."""
+        import torch
+
+        if self.plan.q_rows is not None and dropout_p:
+            q_ids, kv_ids, mask = self._dense_layout()
+            self.q_ids, self.kv_ids, self.mask = (
+                q_ids.to(torch.int32)[None],
+                kv_ids.to(torch.int32)[None],
+                mask[None, None],
+            )
+            self.dense = True
+        if self.dense:
+            return _static(softmax_scale, False, -1, -1, softcap, dropout_p)
+        return dict(_static(softmax_scale, False, -1, -1, softcap, dropout_p), **self.band, align="top_left")
+
+    def rows(self, x, which):
+        """``x`` [total, ...] on the call's rows (``which``: ``"q"`` or ``"kv"``), batch dim added."""
+        index = None if self.dense else getattr(self.plan, f"{which}_rows")
+        return (x if index is None else x.index_select(0, index))[None]
+
+    def back(self, x, dim=0):
+        """The call's per-query ``x`` (batch dim dropped) on the packed query rows along ``dim``."""
+        index = None if self.dense else self.plan.out_rows
+        return x if index is None else x.index_select(dim, index)
+
+    def grads_back(self, grad, which, like):
+        """A gradient on the call's rows summed back onto the packed rows of ``like``."""
+        index = None if self.dense else getattr(self.plan, f"{which}_rows")
+        if index is None:
+            return grad
+        return like.new_zeros(like.shape, dtype=grad.dtype).index_add_(0, index, grad)
 
 
 def _flash_attn_varlen_forward(
@@ -247,13 +287,21 @@ def _flash_attn_varlen_forward(
             raise NotImplementedError(
                 f"_flash_attn_varlen_forward: {name} is not supported by flashport's drop-in"
             )
-    q_ids, kv_ids, mask = _varlen_layout(
-        q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right
-    )
+    call = _Varlen(q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right)
+    static = call.static(softmax_scale, softcap, dropout_p)
     seed = _seed(dropout_p, None, q, "forward")
-    args = (q[None], k[None], v[None], None, mask, q_ids, kv_ids, seed)
-    out, lse = _run(jax_forward, args, _varlen_static(softmax_scale, softcap, dropout_p))
-    return out[0], _to_flash_lse(lse[0]), None, seed
+    args = (
+        call.rows(q, "q"),
+        call.rows(k, "kv"),
+        call.rows(v, "kv"),
+        None,
+        call.mask,
+        call.q_ids,
+        call.kv_ids,
+        seed,
+    )
+    out, lse = _run(jax_forward, args, static)
+    return call.back(out[0]), _to_flash_lse(call.back(lse[0], dim=1)), None, seed
 
 
 def _flash_attn_varlen_backward(
@@ -291,15 +339,19 @@ def _flash_attn_varlen_backward(
         raise NotImplementedError(
             "_flash_attn_varlen_backward: alibi_slopes is not supported by flashport's drop-in"
         )
-    q_ids, kv_ids, mask = _varlen_layout(
-        q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right
-    )
+    call = _Varlen(q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right)
+    static = call.static(softmax_scale, softcap, dropout_p)
     seed = _seed(dropout_p, rng_state, q, "backward")
-    lse = _from_flash_lse(softmax_lse)[None]
+    lse = call.rows(_from_flash_lse(softmax_lse).transpose(0, 1), "q")[0].transpose(0, 1)[None]
     d_lse = torch.zeros(lse.shape, dtype=torch.float32, device=q.device)
-    args = (q[None], k[None], v[None], None, mask, q_ids, kv_ids, seed, out[None], lse, dout[None], d_lse)
-    grads = _run(jax_backward, args, _varlen_static(softmax_scale, softcap, dropout_p))
-    _write((dq, dk, dv), [g[0] for g in grads[:3]])
+    rows = (call.rows(q, "q"), call.rows(k, "kv"), call.rows(v, "kv"))
+    residuals = (call.rows(out, "q"), lse, call.rows(dout, "q"), d_lse)
+    args = (*rows, None, call.mask, call.q_ids, call.kv_ids, seed, *residuals)
+    grads = _run(jax_backward, args, static)
+    packed = [
+        call.grads_back(g[0], w, x) for g, w, x in zip(grads[:3], ("q", "kv", "kv"), (q, k, v), strict=True)
+    ]
+    _write((dq, dk, dv), packed)
     return (dout.float() * out.float()).sum(-1).transpose(0, 1)
 
 
@@ -416,3 +468,187 @@ def _flash_attn_backward_v2_6(
         rng_state,
     )
     return dq, dk, dv, softmax_d
+
+
+def _flash_attn_varlen_forward_v2_6(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+    leftpad_k=None,
+    seqused_k=None,
+):
+    """flash-attn 2.6 ``_flash_attn_varlen_forward`` (2.6.2's defaults; 2.6.0 required them):
+    ``(out, q, k, v, out, softmax_lse, None, rng_state)``."""
+    left, right = window_size
+    out, lse, s_dmask, rng_state = _flash_attn_varlen_forward(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+        block_table,
+        leftpad_k,
+        seqused_k,
+    )
+    return out, q, k, v, out, lse, s_dmask, rng_state
+
+
+def _flash_attn_varlen_backward_v2_6(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    """flash-attn 2.6 ``_flash_attn_varlen_backward``: writes dq, dk, dv into the given buffers;
+    returns ``(dq, dk, dv, softmax_d)``."""
+    left, right = window_size
+    softmax_d = _flash_attn_varlen_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        left,
+        right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
+    return dq, dk, dv, softmax_d
+
+
+def _flash_attn_varlen_forward_v2_4(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    return_softmax,
+    block_table=None,
+):
+    """flash-attn 2.4-2.5 ``_flash_attn_varlen_forward`` (``block_table`` from 2.5.7):
+    ``(out, q, k, v, out, softmax_lse, None, rng_state)``."""
+    return _flash_attn_varlen_forward_v2_6(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        0.0,
+        alibi_slopes,
+        return_softmax,
+        block_table,
+    )
+
+
+def _flash_attn_varlen_backward_v2_4(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    """flash-attn 2.4-2.5 ``_flash_attn_varlen_backward``: writes dq, dk, dv into the given buffers;
+    returns ``(dq, dk, dv, softmax_d)``."""
+    return _flash_attn_varlen_backward_v2_6(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        0.0,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )

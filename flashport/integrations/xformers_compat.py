@@ -37,6 +37,7 @@ from flashport.kernels.varlen import is_torch_tensor
 
 __all__ = [
     "AttentionBias",
+    "AttentionMask",
     "BlockDiagonalCausalFromBottomRightMask",
     "BlockDiagonalCausalLocalAttentionFromBottomRightMask",
     "BlockDiagonalCausalLocalAttentionMask",
@@ -52,7 +53,22 @@ __all__ = [
 ]
 
 
-class AttentionBias:
+class _BiasType(type):
+    """The bias classes' metaclass: ``isinstance(b, <class>)`` also holds for a real xformers bias of
+    the class of that name or a subclass of it, so code whose checks and annotations were ported
+    keeps its meaning for biases still built by xformers elsewhere (``memory_efficient_attention``
+    here takes both)."""
+
+    def __instancecheck__(cls, instance):
+        if type.__instancecheck__(cls, instance):
+            return True
+        names = {cls.__name__} | ({"AttentionMask"} if cls.__name__ == "AttentionBias" else set())
+        return any(
+            c.__module__.startswith("xformers.") and c.__name__ in names for c in type(instance).__mro__
+        )
+
+
+class AttentionBias(metaclass=_BiasType):
     """Base class of the bias objects (``xformers.ops.AttentionBias``)."""
 
     def _contract(self, total_q, total_k, device):
@@ -251,8 +267,6 @@ class BlockDiagonalMask(AttentionBias):
     def _contract(self, total_q, total_k, device):
         import torch
 
-        from flashport.kernels.varlen import varlen_layout
-
         def cumulative(lengths):
             return torch.tensor([0] + lengths, device=device).cumsum(0)
 
@@ -261,19 +275,12 @@ class BlockDiagonalMask(AttentionBias):
                 f"{type(self).__name__}: the blocks cover {sum(self.q_seqlen)} queries and "
                 f"{sum(self.kv_seqlen)} keys, the tensors have {total_q} and {total_k}"
             )
-        q_ids, kv_ids, mask = varlen_layout(
-            cumulative(self.q_seqlen),
-            cumulative(self.kv_seqlen),
-            total_q,
-            total_k,
-            causal=self.causal,
-            window=self.window(),
-            align=self.align,
-        )
+        # Packed sequences: memory_efficient_attention runs them in O(total) memory (kernels/varlen.py).
         return {
-            "mask": mask[None, None],
-            "q_segment_ids": q_ids[None],
-            "kv_segment_ids": kv_ids[None],
+            "cu_seqlens": (cumulative(self.q_seqlen), cumulative(self.kv_seqlen)),
+            "causal": self.causal,
+            "window": self.window(),
+            "align": self.align,
             "blocks": True,
         }
 
@@ -305,6 +312,9 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
 
 class BlockDiagonalCausalLocalAttentionFromBottomRightMask(BlockDiagonalCausalFromBottomRightMask):
     """Bottom-right causal blocks limited to the last ``window_size`` keys."""
+
+
+AttentionMask = AttentionBias  # xformers.ops' alias
 
 
 def _from_xformers(bias):
@@ -342,7 +352,7 @@ def contract_kwargs(attn_bias, total_q, total_k, device):
         return {}
     if is_torch_tensor(attn_bias):  # torchax / torch_xla tensors too (torch.Tensor subclasses)
         return {"bias": attn_bias}
-    if not isinstance(attn_bias, AttentionBias):
+    if not type.__instancecheck__(AttentionBias, attn_bias):  # a real xformers bias
         attn_bias = _from_xformers(attn_bias)
     return attn_bias._contract(total_q, total_k, device)
 
@@ -397,9 +407,18 @@ def memory_efficient_attention(
     if kwargs.get("bias") is not None:
         kwargs["bias"] = _bias_to_bhsd(kwargs["bias"], shape, query.shape[1], key.shape[1])
     dropout = dict(dropout_p=p, generator=generator)
-    out = flashport.torch.attention(
-        query, key, value, scale=scale, layout="BSHD", backend=backend, **dropout, **kwargs
-    )
+    cu_seqlens = kwargs.pop("cu_seqlens", None)
+    if cu_seqlens is None:
+        out = flashport.torch.attention(
+            query, key, value, scale=scale, layout="BSHD", backend=backend, **dropout, **kwargs
+        )
+    else:  # block-diagonal: packed sequences (batch 1)
+        from flashport.kernels.varlen import attend_varlen
+
+        rows = (x.squeeze(0) for x in (query, key, value))
+        out = attend_varlen(
+            flashport.torch.attention, *rows, *cu_seqlens, scale=scale, backend=backend, **dropout, **kwargs
+        ).unsqueeze(0)
     if len(shape) == 3:
         out = out.squeeze(2)
     elif len(shape) == 5:

@@ -61,7 +61,16 @@ _Dropout = tuple[float, "torch.Generator | None"]  # (dropout_p, generator), bot
 _Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-@takes_contract_keywords()
+# torch code holds both layouts (SDPA's [B, H, S, D], flash-attn's [B, S, H, D]) and a wrong guess is a
+# silently wrong answer, so this entry point has no default layout.
+LAYOUT_REQUIRED = (
+    "flashport.torch.attention needs layout=: 'BHSD' for [batch, heads, seq, head_dim] tensors (torch "
+    "SDPA's layout) or 'BSHD' for [batch, seq, heads, head_dim] (flash-attn's); it has no default "
+    "because guessing wrong would give a wrong answer without an error"
+)
+
+
+@takes_contract_keywords(layout=None)
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -77,8 +86,11 @@ def attention(
 
     Args:
       query, key, value, scale, causal, window, align, softcap, bias, mask, q_segment_ids,
-        kv_segment_ids, layout, return_lse: as for :func:`flashport.attention`, with torch tensors
+        kv_segment_ids, return_lse: as for :func:`flashport.attention`, with torch tensors
         (bias, mask and segment ids too) on one device.
+      layout: required: ``"BHSD"`` ([batch, heads, seq, head_dim], torch SDPA's layout) or
+        ``"BSHD"`` ([batch, seq, heads, head_dim], flash-attn's). Unlike :func:`flashport.attention`
+        there is no default: torch code uses both layouts, and a wrong guess is a wrong answer.
       backend: ``"auto"`` (by device, see the module docstring), ``"torch"``, ``"sdpa"``,
         ``"flash_attn"``, ``"flex"``, or a JAX backend name or ``registry.use(...)`` choice.
       dropout_p: probability of zeroing each entry of the normalized attention probabilities; kept
@@ -97,10 +109,13 @@ def attention(
       key returns 0 (lse = -inf) with zero gradients.
 
     Raises:
-      TypeError / ValueError naming the argument for inputs that do not fit the contract, and
+      TypeError without ``layout`` (naming both choices); TypeError / ValueError naming the argument
+      for inputs that do not fit the contract, and
       ValueError when an explicit backend cannot serve the call (naming the reason), e.g.
       ``backend="sdpa"``, ``"flash_attn"`` or ``"flex"`` with ``dropout_p > 0``.
     """
+    if contract["layout"] is None:
+        raise TypeError(LAYOUT_REQUIRED)
     dropout = (_dropout.check_p(dropout_p), _dropout.check_generator(generator))
     options = {n: x for n, x in contract.items() if n not in TENSOR_KEYWORDS}
     tensors = pick(contract, TENSOR_KEYWORDS)

@@ -117,7 +117,8 @@ def for_each_head(group: int, fn):
         fn(gi)
         return carry
 
-    jax.lax.fori_loop(0, group, body, 0)
+    # int32 bounds: Python ints would make the head index int64 under jax_enable_x64 (Mosaic has none).
+    jax.lax.fori_loop(jnp.int32(0), jnp.int32(group), body, 0)
 
 
 def _forward_kernel(

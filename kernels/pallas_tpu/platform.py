@@ -6,6 +6,10 @@ and ``pallas_call``'s CPU rule raises ("Only interpret mode is supported on CPU 
 the TPU branch can never run on CPU. :func:`tpu_only` binds a small primitive whose lowering is
 registered per platform: on TPU it inlines the Mosaic kernel; elsewhere it inlines the same kernel
 in the discharge interpreter (``interpret=True``), which is correct (if slow) should it ever run.
+That fallback is only for modules lowered for several platforms (the TPU branch of ``auto`` beside
+the others): lowered for one platform that is not a TPU, the kernel would really run in the
+interpreter (a TPU host whose TPU failed to start would crawl without a word), so the lowering
+raises, naming the platform and the interpret backend (:func:`refuse_single_platform`).
 ``mlir.lower_per_platform`` narrows the module's platforms inside each rule, so the Mosaic lowering
 only ever sees ``tpu``.
 
@@ -73,8 +77,26 @@ def _has_real_tpu() -> bool:
         return False
 
 
+def refuse_single_platform(ctx, backend: str, native: str) -> None:
+    """Raise when a module is lowered for exactly one platform and it is not ``native``.
+
+    The interpreter fallback of :func:`tpu_only` (and its CUDA twin) exists for the branches of a
+    multi-platform module that never run there; alone on a platform it would be what runs.
+    """
+    platforms = tuple(ctx.module_context.platforms)
+    if len(platforms) == 1 and platforms[0] != native:
+        raise ValueError(
+            f"backend={backend!r} runs natively only on {native}, and this computation is lowered for "
+            f"{platforms[0]} (no {native} device here, or it failed to start); use "
+            f"backend='{backend}_interpret' to run the same kernels in the Pallas interpreter (slow, "
+            f"for tests), or backend='auto'"
+        )
+
+
 def _lowering(which):
     def rule(ctx, *args, tpu, other, make, device_kind):
+        if which != "tpu":
+            refuse_single_platform(ctx, "pallas_tpu", "tpu")
         jaxpr = tpu if which == "tpu" else other
         lower = mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)
         if which != "tpu" or jax.sharding.get_abstract_mesh().abstract_device is not None:

@@ -203,6 +203,21 @@ PRIVATE_RELEASES: tuple[tuple[Version, Version | None, str | None, dict[str, tup
         {
             "_flash_attn_forward": (*_HEAD, "window_size", "alibi_slopes", "return_softmax"),
             "_flash_attn_backward": (*_HEAD, "window_size", "alibi_slopes", "deterministic", "rng_state"),
+            # flash-attn 2.4.2 / 2.5.9 (block_table from 2.5.7)
+            "_flash_attn_varlen_forward": (
+                *_HEAD,
+                "window_size",
+                "alibi_slopes",
+                "return_softmax",
+                "block_table",
+            ),
+            "_flash_attn_varlen_backward": (
+                *_HEAD,
+                "window_size",
+                "alibi_slopes",
+                "deterministic",
+                "rng_state",
+            ),
         },
         8,
     ),
@@ -213,6 +228,25 @@ PRIVATE_RELEASES: tuple[tuple[Version, Version | None, str | None, dict[str, tup
         {
             "_flash_attn_forward": (*_HEAD, "window_size", "softcap", "alibi_slopes", "return_softmax"),
             "_flash_attn_backward": (
+                *_HEAD,
+                "window_size",
+                "softcap",
+                "alibi_slopes",
+                "deterministic",
+                "rng_state",
+            ),
+            # flash-attn 2.6.3's lists; 2.6.0 had no leftpad_k/seqused_k and no defaults
+            "_flash_attn_varlen_forward": (
+                *_HEAD,
+                "window_size",
+                "softcap",
+                "alibi_slopes",
+                "return_softmax",
+                "block_table",
+                "leftpad_k",
+                "seqused_k",
+            ),
+            "_flash_attn_varlen_backward": (
                 *_HEAD,
                 "window_size",
                 "softcap",
@@ -241,6 +275,7 @@ PRIVATE_RELEASES: tuple[tuple[Version, Version | None, str | None, dict[str, tup
 # defaults themselves.
 PRIVATE_OPTIONAL = {"rng_state", "zero_tensors", "block_table", "leftpad_k", "seqused_k"}
 PRIVATE_OPTIONAL_VARLEN_FORWARD = {
+    "window_size",
     "window_size_left",
     "window_size_right",
     "softcap",
@@ -253,6 +288,7 @@ _PRIVATE_DEFAULTS = {
     "block_table": None,
     "leftpad_k": None,
     "seqused_k": None,
+    "window_size": (-1, -1),
     "window_size_left": -1,
     "window_size_right": -1,
     "softcap": 0.0,
@@ -320,6 +356,11 @@ BERT_PADDING_APIS = (
         ),
         returns="(hidden_states, indices, cu_seqlens, max_seqlen_in_batch, seqused) from 2.7 (4 values before)",
         drop_ins=(DropIn(BERT_PADDING, "unpad_input", ((2, 7, 0), (2, 8, 3))),),
+    ),
+    Api(  # einops' function, which flash_attn.bert_padding imports (and so re-exports)
+        names=("flash_attn.bert_padding.rearrange", "einops.rearrange"),
+        signatures=(((2, 0, 0), params("tensor", "pattern") + (Param("axes_lengths", kind=VAR_KEYWORD),)),),
+        drop_ins=(DropIn(BERT_PADDING, "rearrange", PADDING_RELEASES),),
     ),
 )
 

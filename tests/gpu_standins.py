@@ -1,0 +1,261 @@
+"""float64 CPU stand-ins of the GPU libraries, for running *original* (unported) model code.
+
+Written from the libraries' documentation (flash-attn 2.8.3's
+``flash_attn_interface.py`` docstrings, FlashAttention-3's ``hopper/flash_attn_interface.py`` before
+2025-07-11, xformers 0.0.35's ``attn_bias.py``), vectorized in torch float64 so autograd gives
+reference gradients:
+
+* ``flash_attn`` 2.8.3: ``flash_attn_func`` / ``flash_attn_varlen_func`` (``[B, S, H, D]`` /
+  ``[total, H, D]`` with ``cu_seqlens``; causal and window bottom-right, ``(l, r)`` inclusive with
+  -1 unbounded; softcap; contiguous GQA; ``return_attn_probs`` -> ``(out, lse, S_dmask)``), the
+  private ``_flash_attn_forward`` (2.7+: ``(out, lse, S_dmask, rng_state)``), ``__version__``;
+* ``flash_attn_interface`` (FA3 as released before 2025-07-11: ``flash_attn_func`` and
+  ``flash_attn_varlen_func`` return ``(out, lse)``);
+* ``xformers.ops``: ``memory_efficient_attention`` with ``BlockDiagonalMask`` (``from_seqlens``,
+  ``make_causal``: top-left per block) and ``LowerTriangularMask``.
+
+lse is ``[B, H, Sq]`` (varlen ``[H, total_q]``), natural log, +inf for a row that sees no key.
+Every stand-in function counts its calls in :data:`CALLS`, so a ported run can prove it called none.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+import types
+
+import torch
+
+CALLS: collections.Counter = collections.Counter()
+
+
+def _dense(q, k, v, scale, causal, window, softcap, align="bottom_right", visible=None):
+    """(out [B, Sq, H, Dv], lse [B, H, Sq]) of softmax attention on [B, S, H, D] tensors."""
+    _b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(hq // hk, dim=1)
+    s = qh @ kh.transpose(-1, -2) * (d**-0.5 if scale is None else scale)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    centre = i + (sk - sq if align == "bottom_right" else 0)
+    left, right = window
+    if causal:
+        right = 0
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= centre - left
+    if right >= 0:
+        ok &= j <= centre + right
+    ok = ok if visible is None else ok & visible
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.where(ok, torch.exp(s - torch.where(finite, lse, 0.0)[..., None]), 0.0)
+    out = (p @ vh).transpose(1, 2)
+    return out, torch.where(finite, lse, float("inf"))
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn 2.8.3 ``flash_attn_func`` (no dropout, no ALiBi in this stand-in)."""
+    CALLS["flash_attn_func"] += 1
+    assert not dropout_p and alibi_slopes is None
+    out, lse = _dense(q, k, v, softmax_scale, causal, window_size, softcap)
+    return (out, lse, q.new_empty(0)) if return_attn_probs else out
+
+
+def _varlen(q, k, v, cu_q, cu_k, scale, causal, window, softcap):
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        out, lse = _dense(q[None, qs], k[None, ks], v[None, ks], scale, causal, window, softcap)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=-1)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """flash-attn 2.8.3 ``flash_attn_varlen_func``."""
+    CALLS["flash_attn_varlen_func"] += 1
+    assert not dropout_p and alibi_slopes is None and block_table is None
+    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
+    return (out, lse, q.new_empty(0)) if return_attn_probs else out
+
+
+def _flash_attn_forward(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    return_softmax,
+):
+    """flash-attn 2.7+'s private forward: ``(out, softmax_lse, S_dmask, rng_state)``."""
+    CALLS["_flash_attn_forward"] += 1
+    assert not dropout_p and alibi_slopes is None and not return_softmax
+    out, lse = _dense(q, k, v, softmax_scale, causal, (window_size_left, window_size_right), softcap)
+    return out, lse, None, None
+
+
+def fa3_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+):
+    """FlashAttention-3 ``flash_attn_varlen_func`` before 2025-07-11: ``(out, softmax_lse)``."""
+    CALLS["fa3_flash_attn_varlen_func"] += 1
+    assert seqused_q is None and seqused_k is None
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
+
+
+class AttentionBias:
+    """xformers' bias base class."""
+
+
+class LowerTriangularMask(AttentionBias):
+    """Causal, top-left."""
+
+    def visible(self, mq, mk):
+        return torch.ones(mq, mk, dtype=torch.bool).tril()
+
+
+class BlockDiagonalMask(AttentionBias):
+    """Packed sequences (B = 1): a query block sees only its key block."""
+
+    causal = False
+
+    def __init__(self, q_seqlen, kv_seqlen):
+        self.q_seqlen, self.kv_seqlen = list(q_seqlen), list(kv_seqlen)
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqlen=None):
+        return cls(q_seqlen, q_seqlen if kv_seqlen is None else kv_seqlen)
+
+    def make_causal(self):
+        return BlockDiagonalCausalMask(self.q_seqlen, self.kv_seqlen)
+
+    def visible(self, mq, mk):
+        ok = torch.zeros(mq, mk, dtype=torch.bool)
+        qs = ks = 0
+        for nq, nk in zip(self.q_seqlen, self.kv_seqlen, strict=True):
+            block = torch.ones(nq, nk, dtype=torch.bool)
+            ok[qs : qs + nq, ks : ks + nk] = block.tril() if self.causal else block
+            qs, ks = qs + nq, ks + nk
+        return ok
+
+
+class BlockDiagonalCausalMask(BlockDiagonalMask):
+    """Causal per block, top-left."""
+
+    causal = True
+
+
+def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None):
+    """xformers ``memory_efficient_attention`` on [B, M, H, K] (bias objects above, or a tensor)."""
+    CALLS["memory_efficient_attention"] += 1
+    assert not p
+    mq, mk = query.shape[1], key.shape[1]
+    visible = attn_bias.visible(mq, mk) if isinstance(attn_bias, AttentionBias) else None
+    return _dense(query, key, value, scale, False, (-1, -1), 0.0, visible=visible)[0]
+
+
+def _module(name, **attributes):
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+    return module
+
+
+def modules() -> dict[str, types.ModuleType]:
+    """The stand-in modules by import name."""
+    fa2 = dict(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func)
+    interface = _module("flash_attn.flash_attn_interface", _flash_attn_forward=_flash_attn_forward, **fa2)
+    bias = _module(
+        "xformers.ops.fmha.attn_bias",
+        AttentionBias=AttentionBias,
+        BlockDiagonalMask=BlockDiagonalMask,
+        BlockDiagonalCausalMask=BlockDiagonalCausalMask,
+        LowerTriangularMask=LowerTriangularMask,
+    )
+    fmha = _module("xformers.ops.fmha", attn_bias=bias, memory_efficient_attention=memory_efficient_attention)
+    ops = _module(
+        "xformers.ops",
+        fmha=fmha,
+        memory_efficient_attention=memory_efficient_attention,
+        AttentionBias=AttentionBias,
+        LowerTriangularMask=LowerTriangularMask,
+    )
+    return {
+        "flash_attn": _module("flash_attn", __version__="2.8.3", flash_attn_interface=interface, **fa2),
+        "flash_attn.flash_attn_interface": interface,
+        "flash_attn_interface": _module(
+            "flash_attn_interface", flash_attn_varlen_func=fa3_flash_attn_varlen_func
+        ),
+        "xformers": _module("xformers", ops=ops),
+        "xformers.ops": ops,
+        "xformers.ops.fmha": fmha,
+        "xformers.ops.fmha.attn_bias": bias,
+    }
+
+
+@contextlib.contextmanager
+def installed():
+    """The stand-ins importable under the GPU libraries' names, for the original code's run."""
+    saved = {name: sys.modules.get(name) for name in modules()}
+    sys.modules.update(modules())
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
