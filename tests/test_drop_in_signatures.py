@@ -10,6 +10,7 @@ public drop-in, or a new public method of a drop-in class, fail until it has a c
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import inspect
 import pkgutil
@@ -56,9 +57,14 @@ def described(obj) -> list[tuple[str, str, object]]:
             if f.default_factory is not dataclasses.MISSING
         }
     return [
-        (p.name, p.kind.name, factories.get(p.name, p.default))
+        (p.name, p.kind.name, factories.get(p.name, _plain(p.default)))
         for p in inspect.signature(obj).parameters.values()
     ]
+
+
+def _plain(default):
+    """An enum member as ``"Enum.MEMBER"`` (the catalogue holds no library objects)."""
+    return f"{type(default).__name__}.{default.name}" if isinstance(default, enum.Enum) else default
 
 
 def expected(parameters: apis.Params) -> list[tuple[str, str, object]]:
@@ -95,7 +101,8 @@ def integration_modules():
 
 
 def exported(module) -> dict[str, object]:
-    """The callables ``module`` exports: its ``__all__``, else the public ones it defines."""
+    """The callables ``module`` exports (its ``__all__``, else the public ones it defines), less
+    enum classes (values, not calls)."""
     names = getattr(module, "__all__", None)
     if names is None:
         names = [
@@ -103,7 +110,12 @@ def exported(module) -> dict[str, object]:
             for n, obj in vars(module).items()
             if not n.startswith("_") and callable(obj) and getattr(obj, "__module__", None) == module.__name__
         ]
-    return {n: getattr(module, n) for n in names if callable(getattr(module, n))}
+    objects = {n: getattr(module, n) for n in names}
+    return {
+        n: obj
+        for n, obj in objects.items()
+        if callable(obj) and not (inspect.isclass(obj) and issubclass(obj, enum.Enum))
+    }
 
 
 def catalogued_objects() -> set[int]:

@@ -6,7 +6,8 @@ upstream's (flash-attn's, torch's, xformers'), never read off flashport's drop-i
 ``tests/test_drop_in_signatures.py`` checks every drop-in against them, release by release.
 
 Families: :mod:`.flash_attn` (FA1/FA2 public and private, ``bert_padding``, FA3, FA4),
-:mod:`.torch` (SDPA), :mod:`.xformers` (``memory_efficient_attention`` and the bias classes).
+:mod:`.torch` (SDPA), :mod:`.xformers` (``memory_efficient_attention`` and the bias classes),
+:mod:`.jax` (``jax.nn`` and cuDNN ``dot_product_attention``).
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ def pad(version: Version) -> Version:
 
 def catalogue() -> tuple[Api, ...]:
     """Every catalogued API, all families."""
-    from flashport.rules.apis import flash_attn, torch, xformers
+    from flashport.rules.apis import flash_attn, jax, torch, xformers
 
-    return flash_attn.APIS + torch.APIS + xformers.APIS
+    return flash_attn.APIS + torch.APIS + xformers.APIS + jax.APIS
 
 
 def own_api() -> dict[str, frozenset[str]]:

@@ -14,6 +14,7 @@ PRIVATE = "flashport.integrations.flash_attn_private"
 BERT_PADDING = "flashport.integrations.bert_padding"
 FA3 = "flashport.integrations.flash_attn3_compat"
 FA4 = "flashport.integrations.flash_attn4_compat"
+ROTARY = "flashport.integrations.rotary"
 
 MODULES = ("flash_attn.", "flash_attn.flash_attn_interface.")  # FA2's public import paths
 FA2_RELEASES: tuple[Version, ...] = ((2, 6, 0), (2, 7, 0), (2, 8, 3))  # the drop-ins' (2.8.3's) signature
@@ -309,9 +310,8 @@ def _private(function: str) -> Api:
     for start, _end, suffix, tails, _returns in PRIVATE_RELEASES:
         if function not in tails:
             continue
-        optional = PRIVATE_OPTIONAL | (
-            PRIVATE_OPTIONAL_VARLEN_FORWARD if function == "_flash_attn_varlen_forward" else set()
-        )
+        varlen_defaults = function == "_flash_attn_varlen_forward" and start >= (2, 6, 0)  # 2.6.3 on
+        optional = PRIVATE_OPTIONAL | (PRIVATE_OPTIONAL_VARLEN_FORWARD if varlen_defaults else set())
         names = private_leading(function) + tails[function]
         signatures.append(
             (start, tuple(Param(n, _PRIVATE_DEFAULTS[n]) if n in optional else Param(n) for n in names))
@@ -361,6 +361,32 @@ BERT_PADDING_APIS = (
         names=("flash_attn.bert_padding.rearrange", "einops.rearrange"),
         signatures=(((2, 0, 0), params("tensor", "pattern") + (Param("axes_lengths", kind=VAR_KEYWORD),)),),
         drop_ins=(DropIn(BERT_PADDING, "rearrange", PADDING_RELEASES),),
+    ),
+)
+
+# flash_attn.layers.rotary (2.8.3)
+ROTARY_APIS = (
+    Api(
+        names=("flash_attn.layers.rotary.apply_rotary_emb", "flash_attn.layers.rotary.apply_rotary_emb_func"),
+        signatures=(
+            (
+                (2, 8, 3),
+                params(
+                    "x",
+                    "cos",
+                    "sin",
+                    interleaved=False,
+                    inplace=False,
+                    seqlen_offsets=0,
+                    cu_seqlens=None,
+                    max_seqlen=None,
+                ),
+            ),
+        ),
+        drop_ins=(
+            DropIn(ROTARY, "apply_rotary_emb", ((2, 8, 3),)),
+            DropIn(ROTARY, "apply_rotary_emb_func", ((2, 8, 3),)),
+        ),
     ),
 )
 
@@ -542,6 +568,7 @@ APIS: tuple[Api, ...] = (
     + tuple(_fa1(name) for name in FA1_LEADING)
     + tuple(_private(name) for name in PRIVATE_FUNCTIONS)
     + BERT_PADDING_APIS
+    + ROTARY_APIS
     + FA3_APIS
     + FA4_APIS
 )
