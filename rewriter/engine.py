@@ -18,7 +18,9 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    not all end rewritten is vetoed (the pass is redone with them refused, until no veto is added).
    Where most of the chunks' text mentions nothing relevant (long test functions), a first pass
    parses them thin, those statements as placeholders (:mod:`~flashport.rewriter.thin`), and is
-   given up for the whole chunks at the first read a placeholder could answer.
+   given up for the whole chunks after a rule's read a placeholder could answer; a pass over
+   pruned chunks (:mod:`~flashport.rewriter.prune`) is redone over every chunk when a rule read
+   the module. Both reads are recorded, never raised through rule code.
 4. Splice rewritten statement texts into the original lines (everything else is byte-identical):
    each changed statement rendered alone where :mod:`~flashport.rewriter.spans` can place it (the
    same statements give the sites their positions), else every changed chunk from a render of the
@@ -27,6 +29,16 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    with libcst), or the file is reported as an error and left alone.
 
 Rules are instantiated afresh for every file.
+
+**Reference mode** (``transform_source(..., reference=True)``, or the environment variable
+``FLASHPORT_REFERENCE=1``) turns every speed layer off: every chunk is kept (no
+:mod:`~flashport.rewriter.prune`), there is no thin pass (:mod:`~flashport.rewriter.thin`), the mini
+module is parsed in one piece by ``cst.parse_module`` (no :mod:`~flashport.rewriter.pieces`), names
+come from libcst's ``ScopeProvider``/qualified names alone (no :mod:`~flashport.rewriter.names`),
+positions from libcst's ``PositionProvider`` (no :mod:`~flashport.rewriter.positions` or
+:mod:`~flashport.rewriter.spans`), the traversal visits every statement (no ``relevant`` skip) and
+the whole mini module is rendered and spliced chunk by chunk. Its output bytes and per-site results
+must equal the fast mode's (``tests/test_reference_mode.py``); a difference is a speed-layer bug.
 """
 
 from __future__ import annotations
@@ -37,13 +49,14 @@ import dataclasses
 import functools
 import gc
 import itertools
+import os
 import re
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from flashport.rewriter import astindex, cuda_notes, formatting, newsyntax, prune, run_context, suppress, thin
 from flashport.rewriter import imports as import_edits
@@ -71,6 +84,7 @@ def transform_source(
     options: RuleOptions | None = None,
     pattern: re.Pattern[bytes] | None = None,
     skip: dict[int, frozenset[str]] | None = None,
+    reference: bool | None = None,
 ) -> FileResult:
     """Find and rewrite GPU attention sites in one file's bytes.
 
@@ -82,11 +96,15 @@ def transform_source(
       pattern: a precompiled :func:`trigger_pattern` (computed when omitted).
       skip: extra suppressions, 1-based line -> rule codes, merged with the file's
         ``# flashport: ignore`` comments (the interactive review leaves declined sites this way).
+      reference: run with every speed layer off (module docstring); None: the environment
+        variable ``FLASHPORT_REFERENCE`` (set and not ``0``) decides.
 
     Returns:
       A :class:`FileResult`; ``new`` holds the rewritten bytes when something changed.
     """
     options = options or RuleOptions()
+    if reference is None:
+        reference = reference_mode()
     pattern = pattern or trigger_pattern(rules)
     result = FileResult(path, size=len(data))
     if not pattern.search(data):
@@ -106,7 +124,18 @@ def transform_source(
     gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
     try:
         return _as_done(
-            _transform(result, data, text, encoding, tree, [rule() for rule in rules], options, skip, masks)
+            _transform(
+                result,
+                data,
+                text,
+                encoding,
+                tree,
+                [rule() for rule in rules],
+                options,
+                skip,
+                masks,
+                reference,
+            )
         )
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
@@ -114,6 +143,11 @@ def transform_source(
     finally:
         if collecting:
             gc.enable()
+
+
+def reference_mode() -> bool:
+    """Whether the environment asks for the reference mode (``FLASHPORT_REFERENCE`` set, not ``0``)."""
+    return os.environ.get("FLASHPORT_REFERENCE", "0") not in ("", "0")
 
 
 def _as_done(result: FileResult) -> FileResult:
@@ -191,6 +225,7 @@ def _transform(
     options: RuleOptions,
     skip: dict[int, frozenset[str]] | None = None,
     masks: dict[str, str] | None = None,
+    reference: bool = False,
 ) -> FileResult:
     lines = src.split_lines(text)
     units = src.top_level_units(tree)
@@ -200,16 +235,26 @@ def _transform(
         table[line] = table.get(line, frozenset()) | frozenset(codes)
     newline = src.newline_of(lines)
     text_pattern, attributes = _site_pattern(tree, units, header_units, rules)
-    chunks, chunk_ids = _select_chunks(tree, units, lines, rules, text_pattern, attributes)
+    every, chunk_ids = _select_chunks(units, lines, text_pattern)
+    chunks = every if reference else _pruned(every, tree, rules, attributes)
     if not chunks:
         return result
     mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
-    relevant = _relevant_pattern(tree, text_pattern, rules)
-    ported = _thin_pass(result, lines, tree, mini, rules, options, table, relevant, attributes)
+    if reference:
+        ported = _port(result, lines, tree, mini, rules, options, table, None, reference=True)
+    else:
+        relevant = _relevant_pattern(tree, text_pattern, rules)
+        ported = _thin_pass(result, lines, tree, mini, rules, options, table, relevant, attributes)
+        if ported is None:  # rules afresh: a given-up pass leaves no state in them
+            rules = [type(rule)() for rule in rules]
+            pruned = len(chunks) < len(every)
+            ported = _port(result, lines, tree, mini, rules, options, table, relevant, watch_module=pruned)
+        if ported is None:  # a rule read the module, which pruning left incomplete: every chunk
+            rules = [type(rule)() for rule in rules]
+            mini = _mini_module(lines, header_units, every, chunk_ids, newline)
+            ported = _port(result, lines, tree, mini, rules, options, table, relevant)
     if ported is None:
-        ported = _port(result, lines, tree, mini, rules, options, table, relevant)
-    if ported is None:
-        raise RuntimeError("the pass over the whole chunks was given up")  # only a thin one can be
+        raise RuntimeError("the pass over every chunk was given up")  # only a watched one can be
     transformer, replacements = ported
     result.sites.extend(transformer.sites)
     result.sites.sort(key=lambda s: (s.line, s.column, s.rule))
@@ -313,20 +358,20 @@ def _site_pattern(
 
 
 def _select_chunks(
-    tree: ast.Module,
-    units: list[src.Unit],
-    lines: list[str],
-    rules: list[Rule],
-    text_pattern: re.Pattern[str],
-    attributes: frozenset[str],
+    units: list[src.Unit], lines: list[str], text_pattern: re.Pattern[str]
 ) -> tuple[list[src.Unit], set[int]]:
-    """The units to parse (after pruning) and the ids of every unit that mentions a site name
-    (before pruning: the header stays as it was)."""
+    """The units that mention a site name (:func:`_chunks`) and their ids (the header leaves them
+    out, pruned or not)."""
     chunks = list(_chunks(units, lines, text_pattern))
-    chunk_ids = {id(c.parent or c) for c in chunks}
-    watch = _watch(rules, attributes)
-    flags = prune.keep([c.nodes for c in chunks], tree, watch)
-    return [c for c, kept in zip(chunks, flags, strict=False) if kept], chunk_ids
+    return chunks, {id(c.parent or c) for c in chunks}
+
+
+def _pruned(
+    chunks: list[src.Unit], tree: ast.Module, rules: list[Rule], attributes: frozenset[str]
+) -> list[src.Unit]:
+    """The ``chunks`` that :func:`~flashport.rewriter.prune.keep` keeps."""
+    flags = prune.keep([c.nodes for c in chunks], tree, _watch(rules, attributes))
+    return [c for c, kept in zip(chunks, flags, strict=False) if kept]
 
 
 def _watch(rules: list[Rule], attributes: frozenset[str]) -> prune.Watch:
@@ -453,22 +498,26 @@ def _port(
     table: dict[int, frozenset[str]],
     relevant: re.Pattern[str] | None,
     watch: bool = False,
+    reference: bool = False,
+    watch_module: bool = False,
 ) -> tuple[SiteTransformer, list[tuple[int, int, str]]] | None:
     """The transformer of :func:`_run_rules` and the ``(first, last line, text)`` replacements
     of the statements it changed. ``watch``: ``mini`` holds thin chunks; None when that pass may
     have seen a placeholder (a rule read above a site's statement or the module, the scope
-    analysis ran, or a change cannot be placed statement by statement)."""
+    analysis ran, or a change cannot be placed statement by statement). ``watch_module``: ``mini``
+    holds pruned chunks; None when a rule read the module. ``reference``: the reference mode
+    (module docstring)."""
     try:
         transformer, new_module, spans, beyond = _run_rules(
-            result, mini, tree, rules, options, table, relevant, watch
+            result, mini, tree, rules, options, table, relevant, watch, reference, watch_module
         )
     except thin.Abandoned:
         return None
-    if watch and (beyond or spans.failed or transformer.whole):
+    if watch and (beyond or spans is None or spans.failed or transformer.whole):
         return None
     if not transformer.rewrites:
         return transformer, []
-    spliced = _spliced(transformer, spans, mini, lines)
+    spliced = None if spans is None else _spliced(transformer, spans, mini, lines)
     if spliced is not None:
         return transformer, spliced
     if watch:
@@ -485,18 +534,28 @@ def _run_rules(
     table: dict[int, frozenset[str]],
     relevant: re.Pattern[str] | None = None,
     watch: bool = False,
-) -> tuple[SiteTransformer, cst.Module, StatementSpans, bool]:
+    reference: bool = False,
+    watch_module: bool = False,
+) -> tuple[SiteTransformer, cst.Module, StatementSpans | None, bool]:
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
     every site's final status and may veto its rewrites, and a rewrite whose required calls
     (``Rewrite.requires``) did not all end rewritten is vetoed; the pass is redone with the vetoes
     (reusing the parse and the metadata) until none is added. Returns the transformer, the new
     module, the statement spans (positions are rendered per statement,
-    :mod:`~flashport.rewriter.spans`) and, with ``watch`` (thin chunks), whether a pass read beyond
-    the sites' statements."""
-    module = mini_parse.parse(mini.pieces)
+    :mod:`~flashport.rewriter.spans`; None in the reference mode) and, with ``watch`` (thin chunks),
+    whether a pass read beyond the sites' statements."""
+    module = cst.parse_module(mini.source) if reference else mini_parse.parse(mini.pieces)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    names = mini.names(tree, rules)
-    spans = StatementSpans(module, src.split_lines(mini.source), mini.ordered, mini.line_map)
+    if reference:  # libcst's own analyses only
+        names, spans = None, None
+        positions = {
+            node: ((r.start.line, r.start.column), (r.end.line, r.end.column))
+            for node, r in wrapper.resolve(PositionProvider).items()
+        }
+    else:
+        names = mini.names(tree, rules)
+        spans = StatementSpans(module, src.split_lines(mini.source), mini.ordered, mini.line_map)
+        positions = None
     transformer_for = functools.partial(
         SiteTransformer,
         rules,
@@ -509,9 +568,11 @@ def _run_rules(
         relevant=relevant,
         wrapper=wrapper,
         names=names,
+        positions=positions,
         spans=spans,
         tree=tree,
         watch_reads=watch,
+        watch_module=watch_module,
     )
     transformer = transformer_for()
     new_module = module.visit(transformer)

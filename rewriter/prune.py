@@ -28,6 +28,9 @@ Pruning keeps the results identical to parsing every chunk:
   module, other chunks included.
 * Nodes that are deep-equal to a candidate call share its function name, so they are candidates
   too and stay (rules that tell identical calls apart by order see the same set).
+* A rule that reads the module itself (``ctx.module``, or the module as its last ancestor) in a
+  pass over pruned chunks makes the engine redo the pass over every chunk: the read is watched
+  (:class:`~flashport.rewriter.thin.Watched`), so what rules read is never assumed here.
 """
 
 from __future__ import annotations

@@ -145,8 +145,9 @@ def _ending(line: str) -> str:
 
 
 class Abandoned(Exception):
-    """Raised in a thin pass at the first read that a placeholder may answer (the engine then
-    parses the whole chunks)."""
+    """Raised in a thin pass once a rule has returned after a read that a placeholder may answer
+    (the engine then parses the whole chunks). Never raised through rule code: the watchers below
+    only record the read (a rule's own ``except Exception`` could swallow an exception)."""
 
 
 class Watched(tuple):
@@ -209,7 +210,8 @@ for _name in (
 
 class WatchedContext(RuleContext):
     """A :class:`~flashport.rules.base.RuleContext` whose ``module`` read is noted (through its
-    :class:`Watched` ancestors): the module of a thin pass holds placeholders."""
+    :class:`Watched` ancestors): the module of a thin pass holds placeholders, that of a pruned pass
+    leaves chunks out."""
 
     def __getattribute__(self, name: str):
         """Attribute access; ``module`` is noted."""

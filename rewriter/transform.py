@@ -146,11 +146,14 @@ class SiteTransformer(cst.CSTTransformer):
         site_vetoes: Mapping[tuple[str, int, int], str] | None = None,
         tree: ast.Module | None = None,
         watch_reads: bool = False,
+        watch_module: bool = False,
     ):
         super().__init__()
         # a thin pass: rules get watched ancestors, and ``read_beyond`` says whether one read
-        # above the site's innermost statement or the module (rewriter/thin.py)
+        # above the site's innermost statement or the module (rewriter/thin.py); a pass over pruned
+        # chunks (rewriter/prune.py): whether one read the module
         self.watch_reads = watch_reads
+        self.watch_module = watch_module
         self.read_beyond = False
         self._spans = spans if spans is not None and not spans.failed and positions is None else None
         if self._spans is None:
@@ -420,6 +423,9 @@ class SiteTransformer(cst.CSTTransformer):
                 -1 if statement else next((i for i, a in enumerate(ancestors) if type(a) in _STATEMENTS), -1)
             )
             ancestors, kind = thin.Watched(ancestors, limit, self._note_read), thin.WatchedContext
+        elif self.watch_module:  # pruned chunks: note reads of the module (its last ancestor)
+            ancestors = thin.Watched(ancestors, len(ancestors) - 2, self._note_read)
+            kind = thin.WatchedContext
         return kind(
             self.path,
             line,
@@ -433,10 +439,26 @@ class SiteTransformer(cst.CSTTransformer):
         )
 
     def _note_read(self) -> None:
-        """A rule read beyond the site's innermost statement (see ``watch_reads``): the thin pass
-        is given up."""
+        """A rule read beyond what a watched pass holds whole (``watch_reads``, ``watch_module``):
+        only recorded here, in rule code (a rule's own ``except Exception`` must not swallow it);
+        :meth:`_ask` gives the pass up once the rule has returned."""
         self.read_beyond = True
-        raise thin.Abandoned("a rule read beyond the statement of a site")
+
+    def _ask(self, check: Callable[..., Outcome], *args: Any) -> Outcome:
+        """A rule's answer, ``check(*args)`` (a raised :class:`Refuse` as its refusal). In a thin
+        pass, a rule that read beyond the site's statement (:meth:`_note_read`) may have seen a
+        placeholder: its answer, or the error it raised, is dropped and the pass given up."""
+        try:
+            outcome = check(*args)
+        except Refuse as refusal:
+            outcome = Refusal(refusal.reason)
+        except Exception:
+            if self.read_beyond:
+                raise thin.Abandoned("a rule read beyond the statement of a site") from None
+            raise
+        if self.read_beyond:
+            raise thin.Abandoned("a rule read beyond the statement of a site")
+        return outcome
 
     @property
     def used_scopes(self) -> bool:
@@ -468,10 +490,7 @@ class SiteTransformer(cst.CSTTransformer):
                 alias.suppressed += 1
             self._record(rule, api, "call", where, None, original_node)
             return updated_node
-        try:
-            outcome = rule.check_call(updated_node, self._context(where[0], api, original_node))
-        except Refuse as refusal:
-            outcome = Refusal(refusal.reason)
+        outcome = self._ask(rule.check_call, updated_node, self._context(where[0], api, original_node))
         outcome = run_context.refuse_patched(outcome, api, self.options)
         if isinstance(outcome, Rewrite) and (veto := self._vetoed(rule, where)):
             outcome = Refusal(veto)
@@ -647,10 +666,7 @@ class SiteTransformer(cst.CSTTransformer):
     ) -> Outcome:
         """The rule's answer for ``value`` (a source API not called), its rewrite turned into a
         report where the name may hold something else or the file compares it."""
-        try:
-            outcome = rule.check_reference(value, self._context(where[0], api, value))
-        except Refuse as refusal:
-            outcome = Refusal(refusal.reason)
+        outcome = self._ask(rule.check_reference, value, self._context(where[0], api, value))
         if not isinstance(outcome, Rewrite):
             return outcome
         if veto := self._vetoed(rule, where):
@@ -793,10 +809,9 @@ class SiteTransformer(cst.CSTTransformer):
         if suppress.is_suppressed(self.suppressions, rule.CODE, where[0], where[2]):
             self._record(rule, value, "string", where, None)
             return updated_node
-        try:
-            outcome = rule.check_string(original_node, value, self._context(where[0], value, original_node))
-        except Refuse as refusal:
-            outcome = Refusal(refusal.reason)
+        outcome = self._ask(
+            rule.check_string, original_node, value, self._context(where[0], value, original_node)
+        )
         if isinstance(outcome, Rewrite) and (veto := self._vetoed(rule, where)):
             outcome = Refusal(veto)
         self._record(rule, value, "string", where, outcome)
