@@ -29,17 +29,19 @@ import collections
 
 from flashport.rewriter import astindex
 from flashport.rewriter.source import split_lines
-from flashport.rules._values import BERT_PADDING, FA1_NAMES, FA2, FA2_NAMES, FA2_SIGNATURE, SEQUSED
-
-_PRIVATE = frozenset(
-    (
-        "_flash_attn_forward",
-        "_flash_attn_backward",
-        "_flash_attn_varlen_forward",
-        "_flash_attn_varlen_backward",
-    )
+from flashport.rules._values import (
+    BERT_PADDING,
+    FA1_NAMES,
+    FA2,
+    FA2_NAMES,
+    FA2_SIGNATURE,
+    PADDING_NAMES,
+    SEQUSED,
 )
-_PADDING = frozenset(("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"))
+from flashport.rules.apis.flash_attn import PRIVATE_FUNCTIONS
+
+_PRIVATE = frozenset(PRIVATE_FUNCTIONS)
+_PADDING = frozenset(PADDING_NAMES) - {"rearrange"}  # einops' function: an import of it stays
 # GPU module -> (drop-in module, the names it provides under the same name and signature)
 DROP_INS: dict[str, tuple[str, frozenset[str]]] = {
     "flash_attn": (FA2, frozenset(FA2_NAMES)),

@@ -14,6 +14,7 @@ import libcst as cst
 import libcst.matchers as matchers
 
 from flashport.rules._node_context import simple
+from flashport.rules.apis import flash_attn as apis_flash_attn
 from flashport.rules.base import (
     Refuse,
     Rewrite,
@@ -34,7 +35,7 @@ from flashport.rules.base import (
     tuple_of,
 )
 
-FLASH_ATTN_MODULES = ("flash_attn.", "flash_attn.flash_attn_interface.")
+FLASH_ATTN_MODULES = apis_flash_attn.MODULES
 
 
 def sources(function: str) -> tuple[str, ...]:
@@ -43,31 +44,8 @@ def sources(function: str) -> tuple[str, ...]:
 
 
 def tail(version: tuple[int, ...]) -> tuple[str, ...]:
-    """The parameters after the tensors (and cu_seqlens) at ``version``."""
-    if version < (2, 3):
-        return ("dropout_p", "softmax_scale", "causal", "return_attn_probs")
-    if version < (2, 4):
-        return ("dropout_p", "softmax_scale", "causal", "window_size", "return_attn_probs")
-    if version < (2, 6):
-        return (
-            "dropout_p",
-            "softmax_scale",
-            "causal",
-            "window_size",
-            "alibi_slopes",
-            "deterministic",
-            "return_attn_probs",
-        )
-    return (
-        "dropout_p",
-        "softmax_scale",
-        "causal",
-        "window_size",
-        "softcap",
-        "alibi_slopes",
-        "deterministic",
-        "return_attn_probs",
-    )
+    """The parameters after the tensors (and cu_seqlens) at ``version`` (from the API catalogue)."""
+    return apis_flash_attn.fa2_tail(version)
 
 
 def signature(leading: tuple[str, ...], version: tuple[int, ...], varlen: bool = False) -> Signature:
@@ -78,7 +56,7 @@ def signature(leading: tuple[str, ...], version: tuple[int, ...], varlen: bool =
     return Signature(names)
 
 
-FA1_VERSION = (1, 0, 9)
+FA1_VERSION = apis_flash_attn.FA1_RELEASE
 FA1_MODULES = ("flash_attn.flash_attn_interface.",)
 
 

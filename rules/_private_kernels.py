@@ -17,12 +17,9 @@ import re
 
 import libcst as cst
 
+from flashport.rules.apis import flash_attn as apis_flash_attn
+from flashport.rules.apis import pad
 from flashport.rules.base import Refuse, RuleContext, RuleOptions, Signature, literal_string
-
-_VARLEN = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-_BACKWARD = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv")
-_HEAD = ("dropout_p", "softmax_scale", "causal")
-_LATEST = ("window_size_left", "window_size_right", "softcap", "alibi_slopes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,120 +44,16 @@ class Convention:
         tail = self.tails.get(function)
         if tail is None:
             return None
-        lead = (_BACKWARD if function.endswith("_backward") else ("q", "k", "v")) + (
-            _VARLEN if "varlen" in function else ()
-        )
-        return Signature(lead + tail)
+        return Signature(apis_flash_attn.private_leading(function) + tail)
 
 
-CONVENTIONS = (
-    Convention(
-        (0, 0, 0),
-        (2, 3, 0),
-        None,
-        {"_flash_attn_forward": (*_HEAD, "return_softmax"), "_flash_attn_backward": (*_HEAD, "rng_state")},
-        8,
-    ),
-    Convention(
-        (2, 3, 0),
-        (2, 4, 0),
-        None,
-        {
-            "_flash_attn_forward": (*_HEAD, "window_size", "return_softmax"),
-            "_flash_attn_backward": (*_HEAD, "window_size", "rng_state"),
-        },
-        8,
-    ),
-    Convention(
-        (2, 4, 0),
-        (2, 6, 0),
-        "_v2_4",
-        {
-            "_flash_attn_forward": (*_HEAD, "window_size", "alibi_slopes", "return_softmax"),
-            "_flash_attn_backward": (*_HEAD, "window_size", "alibi_slopes", "deterministic", "rng_state"),
-            # flash-attn 2.4.2 / 2.5.9 (block_table from 2.5.7)
-            "_flash_attn_varlen_forward": (
-                *_HEAD,
-                "window_size",
-                "alibi_slopes",
-                "return_softmax",
-                "block_table",
-            ),
-            "_flash_attn_varlen_backward": (
-                *_HEAD,
-                "window_size",
-                "alibi_slopes",
-                "deterministic",
-                "rng_state",
-            ),
-        },
-        8,
-    ),
-    Convention(
-        (2, 6, 0),
-        (2, 7, 0),
-        "_v2_6",
-        {
-            "_flash_attn_forward": (*_HEAD, "window_size", "softcap", "alibi_slopes", "return_softmax"),
-            "_flash_attn_backward": (
-                *_HEAD,
-                "window_size",
-                "softcap",
-                "alibi_slopes",
-                "deterministic",
-                "rng_state",
-            ),
-            # flash-attn 2.6.3's lists; 2.6.0 had no leftpad_k/seqused_k and no defaults
-            "_flash_attn_varlen_forward": (
-                *_HEAD,
-                "window_size",
-                "softcap",
-                "alibi_slopes",
-                "return_softmax",
-                "block_table",
-                "leftpad_k",
-                "seqused_k",
-            ),
-            "_flash_attn_varlen_backward": (
-                *_HEAD,
-                "window_size",
-                "softcap",
-                "alibi_slopes",
-                "deterministic",
-                "rng_state",
-            ),
-        },
-        8,
-    ),
-    Convention(  # flash-attn 2.8.3's lists (flash_attn/flash_attn_interface.py)
-        (2, 7, 0),
-        None,
-        "",
-        {
-            "_flash_attn_forward": (*_HEAD, *_LATEST, "return_softmax"),
-            "_flash_attn_varlen_forward": (*_HEAD, *_LATEST, "return_softmax")
-            + ("block_table", "leftpad_k", "seqused_k", "zero_tensors"),
-            "_flash_attn_backward": (*_HEAD, *_LATEST, "deterministic", "rng_state"),
-            "_flash_attn_varlen_backward": (*_HEAD, *_LATEST, "deterministic", "rng_state", "zero_tensors"),
-        },
-        4,
-    ),
-)
+CONVENTIONS = tuple(Convention(*row) for row in apis_flash_attn.PRIVATE_RELEASES)
 # parameters with a default (every other one is required in these releases)
-OPTIONAL = {"rng_state", "zero_tensors", "block_table", "leftpad_k", "seqused_k"}
-OPTIONAL_VARLEN_FORWARD = {
-    "window_size",
-    "window_size_left",
-    "window_size_right",
-    "softcap",
-    "alibi_slopes",
-    "return_softmax",
-}
+OPTIONAL = apis_flash_attn.PRIVATE_OPTIONAL
+OPTIONAL_VARLEN_FORWARD = apis_flash_attn.PRIVATE_OPTIONAL_VARLEN_FORWARD
 
 
-def padded(version: tuple[int, ...]) -> tuple[int, ...]:
-    """``(2, 7)`` as ``(2, 7, 0)``: versions compare by release, whatever their length."""
-    return tuple(version) + (0,) * (3 - len(version))
+padded = pad  # versions compare by release, whatever their length
 
 
 def _version_literal(node: cst.BaseExpression) -> tuple[int, ...] | None:

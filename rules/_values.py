@@ -23,31 +23,26 @@ the SDPA drop-in: :func:`call_drop_in`).
 
 from __future__ import annotations
 
+import functools
+
 import libcst as cst
 
+from flashport.rules import apis
+from flashport.rules.apis import flash_attn as apis_flash_attn
+from flashport.rules.apis import torch as apis_torch
+from flashport.rules.apis import xformers as apis_xformers
 from flashport.rules.base import Outcome, Report, Rewrite, RuleContext, dotted
 
-FA2 = "flashport.integrations.flash_attn_compat"
-FA2_NAMES = (
-    "flash_attn_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_with_kvcache",
-)
-FA1_NAMES = (
-    "flash_attn_unpadded_func",
-    "flash_attn_unpadded_qkvpacked_func",
-    "flash_attn_unpadded_kvpacked_func",
-)
-FA4 = "flashport.integrations.flash_attn4_compat"
-BERT_PADDING = "flashport.integrations.bert_padding"
-SDPA = "flashport.integrations.sdpa_compat"
-XFORMERS = "flashport.integrations.xformers_compat"
+FA2 = apis_flash_attn.COMPAT
+FA2_NAMES = (*apis_flash_attn.FA2_LEADING, "flash_attn_with_kvcache")
+FA1_NAMES = tuple(apis_flash_attn.FA1_LEADING)
+FA4 = apis_flash_attn.FA4
+BERT_PADDING = apis_flash_attn.BERT_PADDING
+PADDING_NAMES = tuple(d.name for api in apis_flash_attn.BERT_PADDING_APIS for d in api.drop_ins)
+SDPA = apis_torch.SDPA_COMPAT
+XFORMERS = apis_xformers.XFORMERS_COMPAT
 FLEX = "flashport.torch"  # flex_attention / create_block_mask with torch's signatures
-FA2_SIGNATURE = (2, 6)  # flash-attn's 2.x signatures are 2.8.3's (the drop-ins') from 2.6 on
+FA2_SIGNATURE = (2, 6)  # flash-attn's 2.x signatures are 2.8.3's (the drop-ins') from 2.6 on (kvcache: 2.6.1)
 SEQUSED = (2, 7)  # unpad_input returns five values from 2.7 on (the drop-in's)
 # Callees that inspect a function instead of calling it: the value must stay the one it probes.
 PROBES = frozenset(
@@ -97,7 +92,7 @@ def family(api: str) -> str | None:
 _PROVIDES = {
     FA2: FA2_NAMES + FA1_NAMES,
     FA4: ("flash_attn_func", "flash_attn_varlen_func"),
-    BERT_PADDING: ("index_first_axis", "index_put_first_axis", "pad_input", "unpad_input", "rearrange"),
+    BERT_PADDING: PADDING_NAMES,
     SDPA: ("scaled_dot_product_attention",),
     XFORMERS: ("memory_efficient_attention",),
     FLEX: ("flex_attention", "create_block_mask"),
@@ -132,11 +127,25 @@ def call_drop_in(api: str, alias: str) -> Rewrite | None:
     return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
 
 
-FA3 = "flashport.integrations.flash_attn3_compat"
+FA3 = apis_flash_attn.FA3
 _FA3_NAMES = ("flash_attn_func", "flash_attn_varlen_func")
 # FA3 drop-ins that replicate every use of a value: the cache call returns out unless
 # return_softmax_lse=True before and after 2025-07-11 (only flash_attn_func/varlen changed theirs).
 _FA3_EXACT = ("flash_attn_with_kvcache",)
+
+
+@functools.cache
+def first_release(module: str, name: str) -> tuple[int, ...]:
+    """The earliest release whose signature drop-in ``module.name`` replicates (the API catalogue)."""
+    return min(
+        (
+            apis.pad(r)
+            for api in apis.catalogue()
+            for d in api.drop_ins
+            if (d.module, d.name) == (module, name)
+            for r in d.releases
+        ),
+    )
 
 
 def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[str, str] | str:
@@ -165,7 +174,7 @@ def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[st
         return _INEXACT[module]
     version = ctx.options.flash_attn_version
     shown = ".".join(map(str, version))
-    if module == FA2 and name in FA2_NAMES and version < FA2_SIGNATURE:
+    if module == FA2 and name in FA2_NAMES and apis.pad(version) < first_release(FA2, name):
         return (
             f"the drop-in follows flash-attn 2.8's signature and --flash-attn-version is {shown} "
             "(parameters moved in 2.3-2.6; causal is top-left before 2.1)"

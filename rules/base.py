@@ -49,6 +49,7 @@ import libcst as cst
 
 if TYPE_CHECKING:  # the engine's record of a site; results imports nothing from the rules at run time
     from flashport.rewriter.results import Site
+    from flashport.rules.apis import Param
 
 # ----------------------------------------------------------------------------------- outcomes
 
@@ -310,6 +311,14 @@ class Signature:
     def names(self) -> tuple[str, ...]:
         """Every parameter name."""
         return self.positional + self.keyword_only
+
+    @classmethod
+    def of(cls, parameters: Sequence[Param]) -> Signature:
+        """The signature of a source API's catalogued ``parameters`` (:mod:`flashport.rules.apis`)."""
+        return cls(
+            tuple(p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY),
+        )
 
     def bind(self, call: cst.Call, api: str) -> dict[str, cst.Arg]:
         """Map every argument of ``call`` to its parameter name.

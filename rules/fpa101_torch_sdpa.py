@@ -70,6 +70,7 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import _node_context
+from flashport.rules.apis import torch as apis_torch
 from flashport.rules.base import (
     Patch,
     Refuse,
@@ -88,18 +89,13 @@ from flashport.rules.base import (
     string,
 )
 
-POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 DROP_IN = "flashport.integrations.sdpa_compat"
 
 
 def sdpa_signature(version: tuple[int, ...]) -> Signature:
-    """SDPA's signature at torch ``version`` (scale from 2.1, enable_gqa from 2.5)."""
-    keyword_only: tuple[str, ...] = ()
-    if version >= (2, 1):
-        keyword_only += ("scale",)
-    if version >= (2, 5):
-        keyword_only += ("enable_gqa",)
-    return Signature(POSITIONAL, keyword_only)
+    """SDPA's signature at torch ``version`` (scale from 2.1, enable_gqa from 2.5: the API catalogue)."""
+    (api,) = apis_torch.APIS
+    return Signature.of(api.signature_at(version) or api.signatures[0][1])
 
 
 @register

@@ -80,6 +80,7 @@ def flashport_sdpa(
     attn_mask=None,
     dropout_p=0.0,
     is_causal=False,
+    *,
     scale=None,
     enable_gqa=False,
 ):

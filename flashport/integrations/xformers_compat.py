@@ -132,16 +132,22 @@ class LowerTriangularMask(_Dense):
 
     causal = True
 
+    def __init__(self, device=None):
+        """``device`` is accepted and unused, as in xformers (kept there for backward compatibility)."""
+
     def add_bias(self, bias):
         """Causal plus an additive tensor bias."""
         return LowerTriangularMaskWithTensorBias(bias)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(init=False)
 class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
     """Top-left causal plus an additive bias tensor."""
 
     _bias: object = None
+
+    def __init__(self, bias):
+        self._bias = bias
 
     def _contract(self, total_q, total_k, device):
         return {**super()._contract(total_q, total_k, device), "bias": self._bias}
@@ -166,7 +172,7 @@ class LowerTriangularFromBottomRightMask(_Dense):
 class LowerTriangularFromBottomRightLocalAttentionMask(LowerTriangularFromBottomRightMask):
     """Bottom-right causal; query ``i`` sees keys in ``(i + s - w, i + s]`` (FA2 window ``(w - 1, 0)``)."""
 
-    _window_size: int = 0
+    _window_size: int
 
     def window(self):
         """``(w - 1, 0)``."""
@@ -177,8 +183,8 @@ class LowerTriangularFromBottomRightLocalAttentionMask(LowerTriangularFromBottom
 class LocalAttentionFromBottomRightMask(_Dense):
     """``q - window_left <= k + s <= q + window_right`` with ``s = Mq - Mk``: FA2's ``window_size=(l, r)``."""
 
-    window_left: int = 0
-    window_right: int = 0
+    window_left: int
+    window_right: int
     align = "bottom_right"
 
     def window(self):
@@ -198,8 +204,9 @@ class BlockDiagonalMask(AttentionBias):
     _window_size: int = 0
 
     @classmethod
-    def from_seqlens(cls, q_seqlen, kv_seqlen=None):
-        """Blocks of ``q_seqlen[i]`` queries and ``kv_seqlen[i]`` keys (default: the same lengths)."""
+    def from_seqlens(cls, q_seqlen, kv_seqlen=None, *, device=None):
+        """Blocks of ``q_seqlen[i]`` queries and ``kv_seqlen[i]`` keys (default: the same lengths).
+        ``device`` is accepted and unused: the mask is built on the query's device when it runs."""
         q = [int(n) for n in q_seqlen]
         kv = q if kv_seqlen is None else [int(n) for n in kv_seqlen]
         if len(q) != len(kv):
