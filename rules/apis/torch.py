@@ -9,7 +9,7 @@ SDPA_COMPAT = "flashport.integrations.sdpa_compat"
 SDPA_RELEASE = (2, 5, 0)
 _POSITIONAL = params("query", "key", "value", attn_mask=None, dropout_p=0.0, is_causal=False)
 
-APIS = (
+APIS: tuple[Api, ...] = (
     Api(
         names=(
             "torch.nn.functional.scaled_dot_product_attention",
