@@ -94,7 +94,7 @@ DROP_IN = "flashport.integrations.sdpa_compat"
 
 def sdpa_signature(version: tuple[int, ...]) -> Signature:
     """SDPA's signature at torch ``version`` (scale from 2.1, enable_gqa from 2.5: the API catalogue)."""
-    (api,) = apis_torch.APIS
+    api = apis_torch.SDPA_API
     return Signature.of(api.signature_at(version) or api.signatures[0][1])
 
 
