@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import flashport
+import flashport.integrations.jax_cudnn_compat
 from flashport.rewriter.engine import transform_source
 from flashport.rules import all_rules
 
@@ -48,7 +49,9 @@ def load(text: str, namespace: dict):
 def rewritten_run(header: str, call: str):
     """Rewrite ``call``; assert exactly one rewrite; return (original source, rewritten ``run``)."""
     source, new, sites = rewrite(header, call)
-    assert [(s.status, s.reason) for s in sites] == [("rewrite", "")], sites
+    # one rewritten call, plus any API value it reads (a MaskType member moves to the drop-in's enum)
+    assert [s.status for s in sites if s.kind == "call"] == ["rewrite"], sites
+    assert all(s.status == "rewrite" for s in sites), sites
     assert "flashport." in new
     return source, load(new, {"flashport": flashport})
 
@@ -290,18 +293,6 @@ def test_keras_without_flash_is_not_reported_and_softcap_refused():
 # ------------------------------------------------------------------------------ refusals, all rules
 
 REFUSALS = [
-    (CUDNN_HEADER, "dot_product_attention(q, k, v, dropout_rate=0.1)", "dropout_rate"),
-    (
-        CUDNN_HEADER,
-        "dot_product_attention(q, k, v, mask_type=MaskType.PADDING_CAUSAL, q_seqlen=cu, kv_seqlen=cu)",
-        "q_seqlen",
-    ),
-    (CUDNN_HEADER, "dot_product_attention(q, k, v, mask_type=MaskType.ALIBI)", "ALIBI"),
-    (CUDNN_HEADER, "dot_product_attention(q, k, v, mask_type=mt)", "not a literal MaskType"),
-    (CUDNN_HEADER, "dot_product_attention(q, k, v, scale=jnp.sqrt(q.shape[-1]))", "static Python float"),
-    (CUDNN_HEADER, "dot_product_attention(q, k, v, **kw)", "**kwargs"),
-    (CUDNN_HEADER, "dot_product_attention(q, k, v, return_residual=True)", "return_residual"),
-    (CUDNN_HEADER, "dot_product_attention(q, k, v, qkv_layout=layout)", "qkv_layout"),
     (
         "from jax.experimental.pallas.ops.gpu import attention",
         "attention.mha(q, k, v, seg[0])",
@@ -335,6 +326,40 @@ REFUSALS = [
         "dropout_probability",
     ),
 ]
+
+
+# What the functional rewrite cannot express, JAX's private cuDNN entry keeps through its drop-in:
+# the call stays as written, pointed at flashport.integrations.jax_cudnn_compat (same signature).
+CUDNN_DROP_IN_CALLS = [
+    "dot_product_attention(q, k, v, dropout_rate=0.1)",
+    "dot_product_attention(q, k, v, mask_type=MaskType.PADDING_CAUSAL, q_seqlen=cu, kv_seqlen=cu)",
+    "dot_product_attention(q, k, v, mask_type=mt)",
+    "dot_product_attention(q, k, v, scale=jnp.sqrt(q.shape[-1]))",
+    "dot_product_attention(q, k, v, **kw)",
+    "dot_product_attention(q, k, v, return_residual=True)",
+    "dot_product_attention(q, k, v, qkv_layout=layout)",
+]
+
+
+@pytest.mark.parametrize("call", CUDNN_DROP_IN_CALLS)
+def test_cudnn_calls_the_functional_rewrite_cannot_take_go_to_the_drop_in(call):
+    _, new, sites = rewrite(CUDNN_HEADER, call)
+    assert sites and all(s.status == "rewrite" for s in sites), sites
+    drop_in = "flashport.integrations.jax_cudnn_compat."
+    assert drop_in + call.replace("MaskType.", drop_in + "MaskType.") in new, new
+    compile(new, "snippet.py", "exec")
+
+
+def test_cudnn_alibi_call_is_refused_and_its_mask_type_keeps_meaning_to_jax():
+    """cuDNN's ALiBi mask type has no drop-in: the call stays jax's, with the reason. Its MaskType
+    member may still move to the drop-in module, whose enum is jax's own, so jax's function reads
+    the same member."""
+    from jax._src.cudnn import fused_attention_stablehlo as jax_cudnn
+
+    _, new, sites = rewrite(CUDNN_HEADER, "dot_product_attention(q, k, v, mask_type=MaskType.ALIBI)")
+    assert "    return dot_product_attention(q, k, v, mask_type=" in new
+    assert any(s.kind == "call" and s.status == "refused" and "ALIBI" in s.reason for s in sites), sites
+    assert flashport.integrations.jax_cudnn_compat.MaskType is jax_cudnn.MaskType
 
 
 @pytest.mark.parametrize("header, call, reason", REFUSALS)

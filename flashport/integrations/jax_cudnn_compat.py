@@ -34,14 +34,18 @@ import enum
 _LAYOUTS = {"BTNH": "BSHD", "BSNH": "BSHD", "BNTH": "BHSD", "BNSH": "BHSD"}
 
 
-class MaskType(enum.Enum):
-    """jax's ``fused_attention_stablehlo.MaskType`` (same names and values)."""
+try:  # jax's own enum: a member the codemod moved here still means the same to jax's function
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+except ImportError:  # a jax without the private cuDNN module: an enum of the same names and values
 
-    NO_MASK = 0
-    PADDING = 1
-    CAUSAL = 2
-    PADDING_CAUSAL = 3
-    ALIBI = 4
+    class MaskType(enum.Enum):  # type: ignore[no-redef]
+        """jax's ``fused_attention_stablehlo.MaskType`` (same names and values)."""
+
+        NO_MASK = 0
+        PADDING = 1
+        CAUSAL = 2
+        PADDING_CAUSAL = 3
+        ALIBI = 4
 
 
 def dot_product_attention(
