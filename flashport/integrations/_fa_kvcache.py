@@ -144,13 +144,13 @@ def flash_attn_with_kvcache(
       NotImplementedError: ``alibi_slopes``.
     """
     import flashport.torch
-    from flashport.integrations.flash_attn_compat import _lse_like_flash_attn, _window
+    from flashport.integrations.flash_attn_core import flash_attn_window, lse_like_flash_attn
 
     _check_arguments(k, v, rotary_cos, rotary_sin, alibi_slopes)
     batch = q.shape[0]
     cache = _Cache(k_cache, batch, cache_batch_idx, block_table)
     lengths = _lengths(cache_seqlens, batch, cache.length, q.device)
-    window = _window(window_size)
+    window = flash_attn_window(window_size)
     if k is not None:
         rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved)
         q, lengths = _append(
@@ -160,7 +160,7 @@ def flash_attn_with_kvcache(
     mask = _visible(cache, lengths, q.shape[1], causal, window, cache_leftpad)
     options = dict(scale=softmax_scale, softcap=softcap or None, mask=mask, layout="BSHD")
     result = flashport.torch.attention(q, keys, values, **options, return_lse=return_softmax_lse)
-    return (result[0], _lse_like_flash_attn(result[1])) if return_softmax_lse else result
+    return (result[0], lse_like_flash_attn(result[1])) if return_softmax_lse else result
 
 
 def _check_arguments(k, v, rotary_cos, rotary_sin, alibi_slopes):
@@ -206,7 +206,7 @@ def _visible(cache, lengths, s_q, causal, window, cache_leftpad):
     """Boolean [B, 1, S_q, cache.length]: the keys each query sees (``kvcache_mask``, left padding)."""
     import torch
 
-    from flashport.integrations.flash_attn_compat import kvcache_mask
+    from flashport.integrations.flash_attn_core import kvcache_mask
 
     mask = kvcache_mask(lengths, s_q, cache.length, causal=causal, window=window)
     if cache_leftpad is None:

@@ -26,7 +26,8 @@ not split.
 
 from __future__ import annotations
 
-from flashport.integrations.flash_attn_compat import _window, varlen_core
+from flashport.integrations.flash_attn_compat import varlen_core
+from flashport.integrations.flash_attn_core import flash_attn_window
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
@@ -79,7 +80,7 @@ def flash_attn_func(
         v,
         scale=softmax_scale,
         causal=causal,
-        window=_window(window_size),
+        window=flash_attn_window(window_size),
         softcap=softcap or None,
         align="bottom_right",
         layout="BSHD",
@@ -131,7 +132,7 @@ def flash_attn_varlen_func(
         cu_seqlens_k,
         scale=softmax_scale,
         causal=causal,
-        window=_window(window_size),
+        window=flash_attn_window(window_size),
         softcap=softcap or None,
         return_lse=bool(return_attn_probs),
     )
@@ -211,7 +212,7 @@ def flash_attn_with_kvcache(
     options = dict(
         scale=softmax_scale,
         causal=causal,
-        window=_window(window_size),
+        window=flash_attn_window(window_size),
         softcap=softcap or None,
         return_lse=bool(return_softmax_lse),
         rotate_per_row=impl.rotates_per_row(

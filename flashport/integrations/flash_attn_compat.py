@@ -42,6 +42,12 @@ from __future__ import annotations
 
 from flashport.integrations._fa_kvcache import _lengths, flash_attn_with_kvcache
 from flashport.integrations.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from flashport.integrations.flash_attn_core import (
+    alibi_bias,
+    flash_attn_window,
+    kvcache_mask,
+    lse_like_flash_attn,
+)
 from flashport.integrations.flash_attn_private import (
     _flash_attn_backward,
     _flash_attn_backward_v2_4,
@@ -56,7 +62,6 @@ from flashport.integrations.flash_attn_private import (
     _flash_attn_varlen_forward_v2_4,
     _flash_attn_varlen_forward_v2_6,
 )
-from flashport.kernels.visibility import band_visible
 
 __all__ = [
     "_flash_attn_backward",
@@ -88,25 +93,6 @@ __all__ = [
     "pad_input",
     "unpad_input",
 ]
-
-
-def kvcache_mask(lengths, s_q, s_k, *, causal=False, window=None):
-    """Boolean mask [B, 1, s_q, s_k]: key ``j < lengths[b]``, causal/window bottom-right per sequence.
-
-    Args:
-      lengths: int tensor [B], the number of valid keys of each sequence.
-      s_q, s_k: query length and cache length.
-      causal: keep ``j <= i + lengths[b] - s_q``.
-      window: ``(left, right)`` inclusive around ``i + lengths[b] - s_q``; None on a side = unbounded.
-    """
-    import torch
-
-    i = torch.arange(s_q, device=lengths.device)[None, :, None]
-    j = torch.arange(s_k, device=lengths.device)[None, None, :]
-    row = i + (lengths - s_q)[:, None, None]
-    left, right = window if window is not None else (None, None)
-    mask = band_visible(row, j, causal=causal, left=left, right=right, visible=j < lengths[:, None, None])
-    return mask[:, None]
 
 
 def kvcache_attention(
@@ -192,37 +178,9 @@ def _insert_copy(k_cache, v_cache, k, v, lengths):
 # ----------------------------------------------------------------------------------- shared pieces
 
 
-def _window(window_size):
-    """flash-attn ``window_size=(l, r)`` (-1 = unbounded) as the contract's ``window`` (or None)."""
-    left, right = (int(w) for w in window_size)
-    if left < 0 and right < 0:
-        return None
-    return (None if left < 0 else left, None if right < 0 else right)
-
-
-def _lse_like_flash_attn(lse):
-    """The contract's lse with flash-attn's value for a row that sees no key (+inf, not -inf)."""
-    return lse.masked_fill(lse == float("-inf"), float("inf"))
-
-
 def _dropout(dropout_p):
     """The contract's dropout keywords: none for 0 (the default), else ``dropout_p``."""
     return {"dropout_p": dropout_p} if dropout_p else {}
-
-
-def _alibi_bias(slopes, s_q, s_k, causal, device):
-    """flash-attn's ALiBi as an additive bias [B or 1, H, S_q, S_k] (float32), as its kernel adds it:
-    ``slope * j`` when causal (a per-row constant away from the symmetric form), else
-    ``-slope * |i + S_k - S_q - j|``."""
-    import torch
-
-    slopes = slopes.to(device=device, dtype=torch.float32)
-    slopes = (slopes[None] if slopes.ndim == 1 else slopes)[:, :, None, None]
-    j = torch.arange(s_k, device=device, dtype=torch.float32)
-    if causal:
-        return slopes * j
-    i = torch.arange(s_q, device=device, dtype=torch.float32)[:, None]
-    return -slopes * (i + s_k - s_q - j).abs()
 
 
 def _dense(
@@ -242,7 +200,7 @@ def _dense(
     import flashport.torch
 
     bias = (
-        None if alibi_slopes is None else _alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
+        None if alibi_slopes is None else alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
     )
     result = flashport.torch.attention(
         q,
@@ -250,7 +208,7 @@ def _dense(
         v,
         scale=softmax_scale,
         causal=causal,
-        window=_window(window_size),
+        window=flash_attn_window(window_size),
         align=align,
         softcap=softcap or None,
         bias=bias,
@@ -259,7 +217,7 @@ def _dense(
         **_dropout(dropout_p),
     )
     if return_attn_probs:
-        return result[0], _lse_like_flash_attn(result[1]), _s_dmask(q, dropout_p)
+        return result[0], lse_like_flash_attn(result[1]), _s_dmask(q, dropout_p)
     return result
 
 
@@ -412,7 +370,7 @@ def _varlen_alibi(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *, block_ta
         if rows.start == rows.stop:
             continue
         slopes = alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
-        bias = _alibi_bias(slopes, rows.stop - rows.start, keys.stop - keys.start, causal, q.device)
+        bias = alibi_bias(slopes, rows.stop - rows.start, keys.stop - keys.start, causal, q.device)
         result = flashport.torch.attention(
             q[None, rows],
             k[None, keys],
@@ -450,7 +408,7 @@ def _varlen(
     options = dict(
         scale=softmax_scale,
         causal=causal,
-        window=_window(window_size),
+        window=flash_attn_window(window_size),
         softcap=softcap or None,
         align=align,
         dropout_p=dropout_p,
@@ -464,7 +422,7 @@ def _varlen(
     else:
         result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
     if return_attn_probs:
-        return result[0], _lse_like_flash_attn(result[1]), _s_dmask(q, dropout_p)
+        return result[0], lse_like_flash_attn(result[1]), _s_dmask(q, dropout_p)
     return result
 
 

@@ -61,13 +61,13 @@ def _run(fn, args, static):
 
 def _static(softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p):
     """The contract's static keywords for a dense call (bottom-right alignment, BSHD)."""
-    from flashport.integrations.flash_attn_compat import _window
+    from flashport.integrations.flash_attn_core import flash_attn_window
     from flashport.torch._dropout import check_p
 
     static = dict(
         scale=softmax_scale,
         causal=bool(causal),
-        window=_window((window_size_left, window_size_right)),
+        window=flash_attn_window((window_size_left, window_size_right)),
         align="bottom_right",
         softcap=softcap or None,
         layout="BSHD",
@@ -124,10 +124,10 @@ def _write(buffers, grads):
 
 
 def _alibi(alibi_slopes, q, k, causal):
-    from flashport.integrations.flash_attn_compat import _alibi_bias
+    from flashport.integrations.flash_attn_core import alibi_bias
 
     return (
-        None if alibi_slopes is None else _alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
+        None if alibi_slopes is None else alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
     )
 
 
@@ -201,10 +201,10 @@ class _Varlen:
     def __init__(self, q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right):
         import torch
 
-        from flashport.integrations.flash_attn_compat import _window
+        from flashport.integrations.flash_attn_core import flash_attn_window
         from flashport.kernels.varlen import varlen_layout, varlen_plan
 
-        self.band = dict(causal=bool(causal), window=_window((window_size_left, window_size_right)))
+        self.band = dict(causal=bool(causal), window=flash_attn_window((window_size_left, window_size_right)))
         self.plan = varlen_plan(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
         self.mask = None
         self.q_ids, self.kv_ids = (
