@@ -167,18 +167,18 @@ def device_kind(t: torch.Tensor) -> str:
 
 @takes_contract_keywords(VARLEN_KEYWORDS, layout="THD")
 def varlen_attention(
-    query,
-    key,
-    value,
+    query: Any,
+    key: Any,
+    value: Any,
     *,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    backend="auto",
-    dropout_p=0.0,
-    generator=None,
-    attention=None,
-    **contract,
-):
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    backend: Any = "auto",
+    dropout_p: float = 0.0,
+    generator: Any = None,
+    attention: Any = None,
+    **contract: Any,
+) -> Any:
     """Attention over packed variable-length torch tensors (torchax / torch_xla tensors included),
     flash-attn varlen semantics, through :func:`flashport.torch.attention`.
 
