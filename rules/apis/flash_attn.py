@@ -577,4 +577,8 @@ APIS: tuple[Api, ...] = (
 OWN_API = {
     COMPAT: frozenset(("kvcache_attention", "kvcache_mask")),
     FA4: frozenset(("fa4_window",)),
+    # the drop-ins' shared conversions of flash-attn's conventions
+    "flashport.integrations.flash_attn_core": frozenset(
+        ("alibi_bias", "flash_attn_window", "kvcache_mask", "lse_like_flash_attn")
+    ),
 }
