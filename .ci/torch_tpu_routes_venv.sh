@@ -29,7 +29,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu for the smaller CPU-only build where reachable.
 "$VENV/bin/pip" install -q torch==2.9.0 ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 "$VENV/bin/pip" install -q torch_xla==2.9.0 torchax==0.0.13 jax==0.10.2 jaxlib==0.10.2 \
-  "flax>=0.12,<0.13" "pytest>=8" "hypothesis>=6.100" numpy "libcst>=1.4,<2" "rich>=13.7"
+  "flax>=0.12,<0.13" "pytest>=8" "hypothesis>=6.100" numpy "libcst>=1.4,<2" "rich>=13.7" "pathspec>=0.12"
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as m
