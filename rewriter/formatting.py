@@ -18,6 +18,7 @@ import functools
 import os
 import shutil
 import subprocess
+import textwrap
 import tomllib
 
 from flashport.rewriter import source as src
@@ -81,8 +82,25 @@ def format_changed(path: str, old: str, new: str) -> str:
     matcher = difflib.SequenceMatcher(None, before, lines, autojunk=False)
     blocks = [(j1, j2) for tag, _i1, _i2, j1, j2 in matcher.get_opcodes() if tag in ("replace", "insert")]
     for start, end in reversed(_whole_statements(new, blocks)):
-        lines = _format_block(binary, path, lines, start, end, length)
+        if not _left_as_written(lines[start:end]):
+            lines = _format_block(binary, path, lines, start, end, length)
     return "".join(lines)
+
+
+_PRAGMAS = ("# noqa", "# type:", "# pragma", "# pylint:", "# flashport:", "# fmt:")
+
+
+def _left_as_written(block: list[str]) -> bool:
+    """Whether a changed block stays as the import edits or the rule wrote it: import statements
+    (their layout is the project's isort's business) and lines carrying a pragma comment, which
+    means something only on its own line (a wrap would move ``# noqa`` away from what it silences)."""
+    if any(pragma in line for line in block for pragma in _PRAGMAS):
+        return True
+    try:
+        tree = ast.parse(textwrap.dedent("".join(block)))
+    except SyntaxError:
+        return False
+    return bool(tree.body) and all(isinstance(node, (ast.Import, ast.ImportFrom)) for node in tree.body)
 
 
 def _whole_statements(text: str, blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:
