@@ -1,5 +1,5 @@
 """Port real model code: how much of it the codemod ports, why it refuses the rest, and whether the
-ported files still need the GPU libraries (issue 10's measure).
+ported files still need the GPU libraries.
 
 Run:  .venv/bin/python benchmarks/real_repos.py [--packages sglang,deepspeed] [--speed-sites 20000] [--no-import-check]
 
@@ -33,7 +33,7 @@ Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *
 * crashes (internal engine errors).
 
 Then the per-site speed on a generated file of ``--speed-sites`` ``flash_attn_func`` calls
-(issue goal: <= 1 ms a site, 20,000 sites in < 20 s), as wall and CPU seconds.
+(goal: <= 1 ms a site, 20,000 sites in < 20 s), as wall and CPU seconds.
 
 Exit status 0 when there are no crashes, no stray changes, and every changed file compiles and is
 idempotent; the porting share is reported, not enforced.

@@ -13,7 +13,7 @@ reference by tests/test_torch_adapter.py). Errors are relative to max(1, max |re
 flash-attn, the softcap, window, mask, segment and bias+causal cases run FlexAttention (compiled per
 signature, so this section pays one compilation per case and dtype). Exits 1 on any failure.
 
-Table (``benchmarks/torch_cuda_table.py``): issue 12's rows (bf16, B=2, H=16, D=128, S=8192: causal,
+Table (``benchmarks/torch_cuda_table.py``): the comparison's rows (bf16, B=2, H=16, D=128, S=8192: causal,
 window 1024, GQA 32q/8kv, softcap 30, 4 packed documents, chunked prefill Sq=2048 Sk=8192
 bottom-right), flashport auto next to SDPA's flash / efficient / math kernels and FlexAttention:
 forward and forward+backward medians, peak memory, ratio to the best anchor.

@@ -1,4 +1,4 @@
-"""The torch side of issue 12's table: flashport.torch.attention next to SDPA and FlexAttention.
+"""The torch side of the CUDA comparison table: flashport.torch.attention next to SDPA and FlexAttention.
 
 Used by ``benchmarks/torch_cuda_check.py`` (its second section; ``--smoke`` runs tiny shapes on
 CPU). Each row is causal, bf16, B=2, D=128; on CUDA S=8192 with 16 heads:
@@ -62,7 +62,7 @@ class Row:
 
 
 def rows(smoke: bool) -> list[Row]:
-    """The table's rows: issue 12's shapes, or tiny ones for ``--smoke``."""
+    """The table's rows: the comparison's shapes, or tiny ones for ``--smoke``."""
     s, h, gqa, w, chunk = (64, 2, (4, 2), 16, 32) if smoke else (8192, 16, (32, 8), 1024, 2048)
     return [
         Row("causal", s, s, h, h),
