@@ -16,10 +16,10 @@ names the other calls it is only correct with (:attr:`Rewrite.requires`), and :m
 may refuse all of a rule's rewrites in a file. No rule asks or imports another rule.
 
 Rules never touch imports or files themselves; the engine adds ``import flashport`` once, drops GPU
-imports that became unused (:attr:`Rule.GPU_MODULES`, :mod:`flashport.rewriter.dead_imports`),
+imports that became unused (:attr:`Rule.GPU_MODULES`, :mod:`flashport.rewriter.imports.dead_imports`),
 points names left only probed or re-exported at flashport's drop-ins and pins ``flash_attn.__version__``
-reads (:mod:`flashport.rewriter.drop_in_imports`), and reports why each GPU import it keeps stays
-(:mod:`flashport.rewriter.kept_imports`).
+reads (:mod:`flashport.rewriter.imports.drop_in_imports`), and reports why each GPU import it keeps stays
+(:mod:`flashport.rewriter.imports.kept_imports`).
 
 Adding a rule::
 
@@ -33,7 +33,7 @@ Adding a rule::
         def check_call(self, call, ctx): ...
     # then list the module in rules/__init__.py::RULE_MODULES, add tests/fixtures/codemod/FPA0NN/ and
     # regenerate the docs (python -m flashport.rules.coverage --update docs/rules.md;
-    # python -m flashport.rewriter.porting_guide --write docs/porting_guide.md). CONTRIBUTING.md has the steps.
+    # python -m flashport.rewriter.app.porting_guide --write docs/porting_guide.md). CONTRIBUTING.md has the steps.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, ClassVar
 import libcst as cst
 
 if TYPE_CHECKING:  # the engine's record of a site; results imports nothing from the rules at run time
-    from flashport.rewriter.results import Site
+    from flashport.rewriter.engine.results import Site
     from flashport.rules.apis import Param
 
 # ----------------------------------------------------------------------------------- outcomes
@@ -124,7 +124,7 @@ class Refuse(Exception):
 @dataclasses.dataclass(frozen=True)
 class Patch:
     """A run-time replacement of a source API found in the files of a run
-    (:mod:`flashport.rewriter.run_context`): ``F.scaled_dot_product_attention = wrapper``.
+    (:mod:`flashport.rewriter.engine.run_context`): ``F.scaled_dot_product_attention = wrapper``.
 
     Attributes:
       api: the qualified name replaced (``torch.nn.functional.scaled_dot_product_attention``).
@@ -159,10 +159,10 @@ class RuleOptions:
       torch_version: (major, minor) of torch for SDPA's signature.
       jax_version: (major, minor, patch) of jax for ``jax.nn.dot_product_attention``'s signature.
       patches: run-level context: the source APIs the run's files replace at run time
-        (:class:`Patch`; found by :mod:`flashport.rewriter.run_context` before any file is
+        (:class:`Patch`; found by :mod:`flashport.rewriter.engine.run_context` before any file is
         transformed, so every file of a project sees the patches of the others).
       format_rewrites: format the statements a rewrite changed with the project's formatter
-        settings (:mod:`flashport.rewriter.formatting`; the CLI turns it on, ``--no-format`` off).
+        settings (:mod:`flashport.rewriter.engine.formatting`; the CLI turns it on, ``--no-format`` off).
     """
 
     inference: bool = False
@@ -272,7 +272,7 @@ class Rule:
         requirement or change what a ``settle`` sees); a rule never asks another rule, nor imports it.
 
         Args:
-          sites: every :class:`~flashport.rewriter.results.Site` of the file, all rules.
+          sites: every :class:`~flashport.rewriter.engine.results.Site` of the file, all rules.
           tree: the file's ``ast.Module``.
         """
         return None
