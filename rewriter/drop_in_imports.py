@@ -29,7 +29,7 @@ import collections
 
 from flashport.rewriter import astindex
 from flashport.rewriter.source import split_lines
-from flashport.rules._values import (
+from flashport.rules.common.values import (
     BERT_PADDING,
     FA1_NAMES,
     FA2,

@@ -251,10 +251,10 @@ class Rule:
         """Answer for a source API used as a value (callback, mapping entry, ``functools.partial``,
         attribute): a rewrite to flashport's drop-in of the same name where one replicates the API
         exactly, else a report whose reason names the context (feature probe, comparison, version,
-        no drop-in; :func:`flashport.rules._values.answer`)."""
-        from flashport.rules import _values
+        no drop-in; :func:`flashport.rules.common.values.answer`)."""
+        from flashport.rules.common import values
 
-        return _values.answer(node, ctx)
+        return values.answer(node, ctx)
 
     def check_string(self, node: cst.SimpleString, value: str, ctx: RuleContext) -> Outcome:
         """Answer for a string literal whose value is in :attr:`STRINGS`."""
