@@ -45,7 +45,6 @@ from flashport.rewriter.names import Names
 from flashport.rewriter.positions import Span, line_positions
 from flashport.rewriter.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rewriter.spans import StatementSpans, indents
-from flashport.rules.common.values import call_drop_in
 from flashport.rules.base import (
     RUNS_AS_IS,
     Outcome,
@@ -58,6 +57,7 @@ from flashport.rules.base import (
     RuleOptions,
     keep_comments,
 )
+from flashport.rules.common.values import call_drop_in
 
 _OwnerT = TypeVar("_OwnerT", cst.FunctionDef, cst.Module)  # what binds aliases: a function or the module
 # Nodes whose subtrees hold no call, string, assignment, argument or element: a site never sits
