@@ -55,8 +55,8 @@ from flashport.rules.base import (
     Rule,
     RuleContext,
     RuleOptions,
-    keep_comments,
 )
+from flashport.rules.common.calls import keep_comments
 from flashport.rules.common.values import call_drop_in
 
 _OwnerT = TypeVar("_OwnerT", cst.FunctionDef, cst.Module)  # what binds aliases: a function or the module

@@ -24,6 +24,7 @@ pytest.importorskip("torch")
 import flashport.integrations
 from flashport.rules import apis
 from flashport.rules.apis import xformers as xformers_apis
+from flashport.rules.apis.model import Params
 
 CASES = [
     pytest.param(
@@ -67,7 +68,7 @@ def _plain(default):
     return f"{type(default).__name__}.{default.name}" if isinstance(default, enum.Enum) else default
 
 
-def expected(parameters: apis.Params) -> list[tuple[str, str, object]]:
+def expected(parameters: Params) -> list[tuple[str, str, object]]:
     return [(p.name, p.kind.name, p.default) for p in parameters]
 
 

@@ -46,7 +46,8 @@ def test_the_check_sees_every_spelling():
     sources = {
         "import flashport.rules.torch.fpa101_torch_sdpa": {"fpa101_torch_sdpa"},
         "from flashport.rules.torch.fpa101_torch_sdpa import TorchSDPA": {"fpa101_torch_sdpa"},
-        "from flashport.rules import fpa101_torch_sdpa, _values": {"fpa101_torch_sdpa"},
+        "from flashport.rules.torch import fpa101_torch_sdpa, selector_body": {"fpa101_torch_sdpa"},
+        "from ..flash_attn.fpa001_flash_attn_func import KEYWORDS": {"fpa001_flash_attn_func"},
         "from . import fpa010_fa3_flash_attn_func": {"fpa010_fa3_flash_attn_func"},
         "from .fpa013_fa4_flash_attn_func import KEYWORDS": {"fpa013_fa4_flash_attn_func"},
         "def f():\n    from flashport.rules.flash_attn.fpa007_flash_attn_with_kvcache import X": {
@@ -80,3 +81,91 @@ def test_no_rule_module_imports_another(path: pathlib.Path):
         "helper module of the family (or rules/common/ across families), and make decisions that depend on another rule's sites in the "
         "engine's per-file phase (Rule.settle, Rewrite.requires)"
     )
+
+
+def module_imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` (file ``path``) imports when it is executed: its
+    module-level imports (not those in functions, nor under ``if TYPE_CHECKING``). ``from pkg import
+    sub`` counts as importing the submodule ``pkg.sub`` only; ``from pkg import name`` as ``pkg``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    module = f"{base}.{node.module}" if node.module else base
+                else:
+                    module = node.module or ""
+                for alias in node.names:
+                    found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
+            elif isinstance(node, ast.If):
+                test = node.test
+                if not (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    return found & known
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module, or one that imports
+    itself (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return cycles
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_the_rules_package():
+    files = {}
+    for path in RULES.rglob("*.py"):
+        parts = path.relative_to(RULES).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        files[".".join(("flashport", "rules", *parts))] = path
+    graph = {name: module_imports(path, name, set(files)) - {name} for name, path in files.items()}
+    assert graph["flashport.rules.base"]  # the check reads the imports
+    assert import_cycles(graph) == []

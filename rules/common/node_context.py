@@ -12,7 +12,8 @@ import re
 
 import libcst as cst
 
-from flashport.rules.base import RuleContext, callee_name
+from flashport.rules.common.calls import callee_name
+from flashport.rules.site import RuleContext
 
 
 def _path(ctx: RuleContext) -> list[cst.CSTNode]:

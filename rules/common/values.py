@@ -31,7 +31,9 @@ from flashport.rules import apis
 from flashport.rules.apis import flash_attn as apis_flash_attn
 from flashport.rules.apis import torch as apis_torch
 from flashport.rules.apis import xformers as apis_xformers
-from flashport.rules.base import Outcome, Report, Rewrite, RuleContext, dotted
+from flashport.rules.apis.model import pad
+from flashport.rules.common.calls import dotted
+from flashport.rules.site import Outcome, Report, Rewrite, RuleContext
 
 FA2 = apis_flash_attn.COMPAT
 FA2_NAMES = (*apis_flash_attn.FA2_LEADING, "flash_attn_with_kvcache")
@@ -139,7 +141,7 @@ def first_release(module: str, name: str) -> tuple[int, ...]:
     """The earliest release whose signature drop-in ``module.name`` replicates (the API catalogue)."""
     return min(
         (
-            apis.pad(r)
+            pad(r)
             for api in apis.catalogue()
             for d in api.drop_ins
             if (d.module, d.name) == (module, name)
@@ -174,7 +176,7 @@ def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[st
         return _INEXACT[module]
     version = ctx.options.flash_attn_version
     shown = ".".join(map(str, version))
-    if module == FA2 and name in FA2_NAMES and apis.pad(version) < first_release(FA2, name):
+    if module == FA2 and name in FA2_NAMES and pad(version) < first_release(FA2, name):
         return (
             f"the drop-in follows flash-attn 2.8's signature and --flash-attn-version is {shown} "
             "(parameters moved in 2.3-2.6; causal is top-left before 2.1)"

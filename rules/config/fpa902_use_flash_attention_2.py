@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Refusal, Rewrite, Rule, dotted, literal_bool, register
+from flashport.rules.base import Refusal, Rewrite, Rule, register
+from flashport.rules.common.calls import dotted
+from flashport.rules.common.literals import literal_bool
 
 MODULE = "flashport.integrations.transformers"
 AUTO = (

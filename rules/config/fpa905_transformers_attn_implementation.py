@@ -51,8 +51,10 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Report, Rewrite, Rule, dotted, literal_string, register
+from flashport.rules.base import Report, Rewrite, Rule, register
 from flashport.rules.common import node_context
+from flashport.rules.common.calls import dotted
+from flashport.rules.common.literals import literal_string
 
 MODULE = "flashport.integrations.transformers"
 NAMES = ("attn_implementation", "_attn_implementation")

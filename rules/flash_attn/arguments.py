@@ -14,24 +14,22 @@ import libcst as cst
 import libcst.matchers as matchers
 
 from flashport.rules.apis import flash_attn as apis_flash_attn
-from flashport.rules.base import (
-    Refuse,
-    Rewrite,
-    RuleContext,
-    Signature,
-    carry_dropout,
+from flashport.rules.base import Refuse, Rewrite, RuleContext
+from flashport.rules.common.binding import Signature, carry_dropout, no_dropout
+from flashport.rules.common.calls import (
     dotted,
     insert_in_source_order,
+    number,
+    parenthesized,
+    string,
+    tuple_of,
+)
+from flashport.rules.common.literals import (
     is_none,
     is_zero,
     literal_bool,
     literal_number,
-    no_dropout,
-    number,
-    parenthesized,
-    string,
     training_gated_zero,
-    tuple_of,
 )
 from flashport.rules.common.node_context import simple
 
@@ -435,13 +433,3 @@ def unbind(node: cst.BaseExpression, dim: int) -> cst.Arg:
         args=[cst.Arg(value=cst.Integer(str(dim)))],
     )
     return cst.Arg(value=call, star="*")
-
-
-def required(bound: dict[str, cst.Arg], names: tuple[str, ...], api: str) -> list[cst.BaseExpression]:
-    """The values of required arguments, or Refuse naming the missing one."""
-    out = []
-    for name in names:
-        if name not in bound:
-            raise Refuse(f"{api} call without {name!r}")
-        out.append(bound[name].value)
-    return out

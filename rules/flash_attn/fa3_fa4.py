@@ -13,20 +13,10 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import (
-    Refuse,
-    Rewrite,
-    _as_args,
-    dotted,
-    is_none,
-    is_zero,
-    literal_bool,
-    literal_number,
-    number,
-    string,
-    tuple_of,
-)
+from flashport.rules.base import Refuse, Rewrite
 from flashport.rules.common import node_context
+from flashport.rules.common.calls import as_args, dotted, number, string, tuple_of
+from flashport.rules.common.literals import is_none, is_zero, literal_bool, literal_number
 from flashport.rules.flash_attn import arguments as fa
 
 
@@ -121,7 +111,7 @@ def fa3_tuple_drop_in(call: cst.Call, function: str, lse: str) -> Rewrite:
     given = any(a.keyword is not None and a.keyword.value == "return_attn_probs" for a in call.args)
     args = list(call.args)
     if not given:
-        args += _as_args([], [("return_attn_probs", cst.Name("True"))])
+        args += as_args([], [("return_attn_probs", cst.Name("True"))])
         if len(args) > 1 and isinstance(args[-2].comma, cst.Comma):
             # a trailing comma: the new keyword takes it (and the closing parenthesis' layout), the
             # argument before it the separator the one before that used (the arguments' layout)

@@ -45,7 +45,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, build_call, register, string
+from flashport.rules.base import Rewrite, Rule, register
+from flashport.rules.common.binding import required
+from flashport.rules.common.calls import build_call, string
 from flashport.rules.flash_attn import arguments as fa
 
 
@@ -70,7 +72,7 @@ class FlashAttnFunc(Rule):
         if splat is not None:
             return splat
         bound = fa.signature(("q", "k", "v"), ctx.options.flash_attn_version).bind(call, self.API)
-        q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
+        q, k, v = required(bound, ("q", "k", "v"), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 3)
         drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, 3)
         if drop_in is not None:

@@ -24,7 +24,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, build_call, register, string
+from flashport.rules.base import Rewrite, Rule, register
+from flashport.rules.common.binding import required
+from flashport.rules.common.calls import build_call, string
 from flashport.rules.flash_attn import arguments as fa
 
 
@@ -49,7 +51,7 @@ class FlashAttnQKVPackedFunc(Rule):
         if splat is not None:
             return splat
         bound = fa.signature(("qkv",), ctx.options.flash_attn_version).bind(call, self.API)
-        (qkv,) = fa.required(bound, ("qkv",), self.API)
+        (qkv,) = required(bound, ("qkv",), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 1)
         drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, 1)
         if drop_in is not None:

@@ -24,7 +24,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, build_call, register, string
+from flashport.rules.base import Rewrite, Rule, register
+from flashport.rules.common.binding import required
+from flashport.rules.common.calls import build_call, string
 from flashport.rules.flash_attn import arguments as fa
 
 
@@ -49,7 +51,7 @@ class FlashAttnKVPackedFunc(Rule):
         if splat is not None:
             return splat
         bound = fa.signature(("q", "kv"), ctx.options.flash_attn_version).bind(call, self.API)
-        q, kv = fa.required(bound, ("q", "kv"), self.API)
+        q, kv = required(bound, ("q", "kv"), self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, 2)
         drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, 2)
         if drop_in is not None:

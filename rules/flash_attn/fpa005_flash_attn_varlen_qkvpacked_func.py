@@ -29,8 +29,10 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, Rule, build_call, register, string
+from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common import node_context
+from flashport.rules.common.binding import required
+from flashport.rules.common.calls import build_call, string
 from flashport.rules.flash_attn import arguments as fa
 
 LEADING = ("qkv", "cu_seqlens", "max_seqlen")
@@ -60,7 +62,7 @@ class FlashAttnVarlenQKVPackedFunc(Rule):
             return splat
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
-        qkv, cu = fa.required(bound, LEADING[:2], self.API)
+        qkv, cu = required(bound, LEADING[:2], self.API)
         drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
         drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, len(LEADING))
         if drop_in is not None:

@@ -29,7 +29,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, build_call, register, string
+from flashport.rules.base import Rewrite, Rule, register
+from flashport.rules.common.binding import required
+from flashport.rules.common.calls import build_call, string
 from flashport.rules.flash_attn import arguments as fa
 
 LEADING = ("q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
@@ -59,7 +61,7 @@ class FlashAttnVarlenKVPackedFunc(Rule):
             return splat
         sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
-        q, kv, cu_q, cu_k = fa.required(bound, LEADING[:4], self.API)
+        q, kv, cu_q, cu_k = required(bound, LEADING[:4], self.API)
         drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
         drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, len(LEADING))
         if drop_in is not None:

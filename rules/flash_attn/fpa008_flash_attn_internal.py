@@ -54,18 +54,10 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import (
-    Refusal,
-    Refuse,
-    Report,
-    Rewrite,
-    Rule,
-    dotted,
-    is_none,
-    literal_bool,
-    register,
-)
+from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, register
 from flashport.rules.common import values
+from flashport.rules.common.calls import dotted
+from flashport.rules.common.literals import is_none, literal_bool
 from flashport.rules.flash_attn import private_kernels
 from flashport.rules.flash_attn.arguments import COMPAT
 from flashport.rules.flash_attn.fa3_fa4 import fa3_sources

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Refuse, Rewrite, Rule, dotted, register
+from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.common.calls import dotted
 
 MODULE = "flashport.integrations.bert_padding"
 FUNCTIONS = ("unpad_input", "pad_input", "index_first_axis", "index_put_first_axis", "rearrange")

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Rewrite, Rule, Signature, build_call, register, string
-from flashport.rules.flash_attn import arguments as fa
+from flashport.rules.base import Rewrite, Rule, register
+from flashport.rules.common.binding import Signature, required
+from flashport.rules.common.calls import build_call, string
 from flashport.rules.flash_attn import fa3_fa4
 from flashport.rules.flash_attn.fa3_fa4 import FA3_HISTORY, FA3_KEYWORDS, fa3_check_extras, fa3_sources
 
@@ -73,7 +74,7 @@ class FA3FlashAttnFunc(Rule):
             "arguments after causal must be passed by keyword: FA3 inserted and renamed parameters between releases",
         )
         bound = Signature(POSITIONAL, FA3_KEYWORDS).bind(call, self.API)
-        q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
+        q, k, v = required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         notes = fa3_check_extras(value, ctx)
         keywords, more = fa3_fa4.common(bound, ctx, self.API)

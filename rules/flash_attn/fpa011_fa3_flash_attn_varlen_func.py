@@ -33,8 +33,10 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, register, string
-from flashport.rules.flash_attn import arguments as fa
+from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.common.binding import Signature, required
+from flashport.rules.common.calls import build_call, string
+from flashport.rules.common.literals import is_none
 from flashport.rules.flash_attn import fa3_fa4
 from flashport.rules.flash_attn.fa3_fa4 import FA3_HISTORY, FA3_KEYWORDS, fa3_check_extras, fa3_sources
 
@@ -76,7 +78,7 @@ class FA3FlashAttnVarlenFunc(Rule):
             "arguments after max_seqlen_k must be passed by keyword: FA3 inserted seqused_q/seqused_k there",
         )
         bound = signature.bind(call, self.API)
-        q, k, v, cu_q, cu_k = fa.required(bound, POSITIONAL[:5], self.API)
+        q, k, v, cu_q, cu_k = required(bound, POSITIONAL[:5], self.API)
         value = {name: arg.value for name, arg in bound.items()}
         for name in ("seqused_q", "seqused_k"):
             if not is_none(value.get(name)):

@@ -52,7 +52,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, dotted, is_zero, register
+from flashport.rules.base import Refuse, Rewrite, register
+from flashport.rules.common.calls import dotted
+from flashport.rules.common.literals import is_zero
 from flashport.rules.flash_attn.fa3_fa4 import fa3_sources
 from flashport.rules.flash_attn.kvcache import KVCacheRule
 

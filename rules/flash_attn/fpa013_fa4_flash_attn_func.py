@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Rewrite, Rule, Signature, build_call, register, string
-from flashport.rules.flash_attn import arguments as fa
+from flashport.rules.base import Rewrite, Rule, register
+from flashport.rules.common.binding import Signature, required
+from flashport.rules.common.calls import build_call, string
 from flashport.rules.flash_attn import fa3_fa4
 from flashport.rules.flash_attn.fa3_fa4 import FA4_KEYWORDS, fa4_keywords, fa4_sources
 
@@ -60,7 +61,7 @@ class FA4FlashAttnFunc(Rule):
             "arguments after v must be passed by keyword: FA4's 4th parameter is qv and its tail changed across betas",
         )
         bound = Signature(("q", "k", "v"), FA4_KEYWORDS).bind(call, self.API)
-        q, k, v = fa.required(bound, ("q", "k", "v"), self.API)
+        q, k, v = required(bound, ("q", "k", "v"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         keywords, notes = fa4_keywords(bound, value, ctx, self.API)
         keywords.append(("layout", string("BSHD")))

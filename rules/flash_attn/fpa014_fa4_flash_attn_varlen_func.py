@@ -26,9 +26,11 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, dotted, is_none, register
+from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.common.binding import Signature, required
+from flashport.rules.common.calls import dotted
+from flashport.rules.common.literals import is_none
 from flashport.rules.common.values import FA4
-from flashport.rules.flash_attn import arguments as fa
 from flashport.rules.flash_attn import fa3_fa4
 from flashport.rules.flash_attn.fa3_fa4 import FA4_KEYWORDS, fa4_keywords, fa4_sources
 
@@ -64,7 +66,7 @@ class FA4FlashAttnVarlenFunc(Rule):
             "arguments after v must be passed by keyword: FA4's varlen signature changed across betas",
         )
         bound = Signature(("q", "k", "v"), VARLEN + FA4_KEYWORDS).bind(call, self.API)
-        fa.required(bound, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), self.API)
+        required(bound, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         for name in ("seqused_q", "seqused_k", "page_table"):
             if not is_none(value.get(name)):

@@ -26,8 +26,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, dotted, register
+from flashport.rules.base import Rewrite, Rule, register
 from flashport.rules.common import values
+from flashport.rules.common.calls import dotted
 
 MODULE = "flashport.integrations.rotary"
 FUNCTIONS = ("apply_rotary_emb", "apply_rotary_emb_func")

@@ -16,18 +16,11 @@ from typing import ClassVar
 
 import libcst as cst
 
-from flashport.rules.base import (
-    Refuse,
-    Rewrite,
-    Rule,
-    Signature,
-    build_call,
-    callee_name,
-    dotted,
-    is_none,
-    literal_bool,
-)
+from flashport.rules.base import Refuse, Rewrite, Rule
 from flashport.rules.common import node_context
+from flashport.rules.common.binding import Signature, required
+from flashport.rules.common.calls import build_call, callee_name, dotted
+from flashport.rules.common.literals import is_none, literal_bool
 from flashport.rules.flash_attn import arguments as fa
 
 MODULE = "flashport.integrations.flash_attn_compat"  # the functional kvcache_attention lives here
@@ -155,7 +148,7 @@ class KVCacheRule(Rule):
                 "arguments after v must be passed by keyword: their positions changed between releases"
             )
         bound = Signature(POSITIONAL, self.KEYWORDS).bind(call, self.API)
-        q, k_cache, v_cache = fa.required(bound, POSITIONAL[:3], self.API)
+        q, k_cache, v_cache = required(bound, POSITIONAL[:3], self.API)
         value = {name: arg.value for name, arg in bound.items()}
         self.check_extra(value, ctx)
         refused = [n for n in self.UNSUPPORTED if n not in self.DROP_IN_ONLY and not is_none(value.get(n))]

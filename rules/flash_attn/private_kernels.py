@@ -18,8 +18,10 @@ import re
 import libcst as cst
 
 from flashport.rules.apis import flash_attn as apis_flash_attn
-from flashport.rules.apis import pad
-from flashport.rules.base import Refuse, RuleContext, RuleOptions, Signature, literal_string
+from flashport.rules.apis.model import pad
+from flashport.rules.base import Refuse, RuleContext, RuleOptions
+from flashport.rules.common.binding import Signature
+from flashport.rules.common.literals import literal_string
 
 
 @dataclasses.dataclass(frozen=True)

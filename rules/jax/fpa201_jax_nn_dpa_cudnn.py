@@ -43,22 +43,10 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import (
-    Refuse,
-    Rewrite,
-    Rule,
-    Signature,
-    build_call,
-    dotted,
-    is_none,
-    literal_bool,
-    literal_number,
-    literal_string,
-    number,
-    register,
-    string,
-    tuple_of,
-)
+from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.common.binding import Signature
+from flashport.rules.common.calls import build_call, dotted, number, string, tuple_of
+from flashport.rules.common.literals import is_none, literal_bool, literal_number, literal_string
 
 
 def jax_signature(version: tuple[int, ...]) -> Signature:

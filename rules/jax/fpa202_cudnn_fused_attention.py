@@ -48,23 +48,10 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import (
-    Refusal,
-    Refuse,
-    Rewrite,
-    Rule,
-    Signature,
-    build_call,
-    dotted,
-    is_none,
-    literal_number,
-    literal_string,
-    no_dropout,
-    number,
-    register,
-    string,
-    tuple_of,
-)
+from flashport.rules.base import Refusal, Refuse, Rewrite, Rule, register
+from flashport.rules.common.binding import Signature, no_dropout
+from flashport.rules.common.calls import build_call, dotted, number, string, tuple_of
+from flashport.rules.common.literals import is_none, literal_number, literal_string
 from flashport.rules.jax import shared as common
 
 MASK_TYPES = ("NO_MASK", "PADDING", "CAUSAL", "PADDING_CAUSAL", "ALIBI")

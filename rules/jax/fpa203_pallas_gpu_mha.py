@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, build_call, is_none, register, string
+from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.common.binding import Signature
+from flashport.rules.common.calls import build_call, string
+from flashport.rules.common.literals import is_none
 from flashport.rules.jax import shared as common
 
 MODULES = ("jax.experimental.pallas.ops.gpu.attention", "jax.experimental.pallas.ops.attention")

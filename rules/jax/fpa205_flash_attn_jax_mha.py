@@ -28,7 +28,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, Signature, build_call, register, string
+from flashport.rules.base import Rewrite, Rule, register
+from flashport.rules.common.binding import Signature
+from flashport.rules.common.calls import build_call, string
 from flashport.rules.jax import shared as common
 
 SIGNATURE = Signature(("q", "k", "v", "softmax_scale", "is_causal", "window_size"))

@@ -31,7 +31,8 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Report, Rule, is_none, is_zero, literal_string, register
+from flashport.rules.base import Report, Rule, register
+from flashport.rules.common.literals import is_none, is_zero, literal_string
 from flashport.rules.jax import shared as common
 
 MODULES = (

@@ -30,7 +30,8 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Report, Rule, is_zero, register
+from flashport.rules.base import Report, Rule, register
+from flashport.rules.common.literals import is_zero
 from flashport.rules.jax import shared as common
 
 MASKS = {

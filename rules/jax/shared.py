@@ -14,15 +14,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import (
-    Refuse,
-    RuleContext,
-    is_none,
-    literal_number,
-    number,
-    parenthesized,
-    tuple_of,
-)
+from flashport.rules.base import Refuse, RuleContext
+from flashport.rules.common.calls import number, parenthesized, tuple_of
+from flashport.rules.common.literals import is_none, literal_number
 
 # Call prefixes whose result is an array (a tracer under jit), never a static Python float.
 _ARRAY_NAMESPACES = ("jnp", "jax", "ops", "keras", "tf", "torch", "lax")

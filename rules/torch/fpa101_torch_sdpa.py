@@ -70,24 +70,11 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules.apis import torch as apis_torch
-from flashport.rules.base import (
-    Patch,
-    Refuse,
-    Rewrite,
-    Rule,
-    RuleContext,
-    Signature,
-    build_call,
-    carry_dropout,
-    dotted,
-    insert_in_source_order,
-    is_none,
-    literal_bool,
-    register,
-    runs_as_is,
-    string,
-)
+from flashport.rules.base import Patch, Refuse, Rewrite, Rule, RuleContext, register, runs_as_is
 from flashport.rules.common import node_context
+from flashport.rules.common.binding import Signature, carry_dropout
+from flashport.rules.common.calls import build_call, dotted, insert_in_source_order, string
+from flashport.rules.common.literals import is_none, literal_bool
 
 DROP_IN = "flashport.integrations.sdpa_compat"
 

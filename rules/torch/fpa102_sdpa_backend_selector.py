@@ -44,8 +44,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Report, Rule, literal_bool, register, runs_as_is
+from flashport.rules.base import Report, Rule, register, runs_as_is
 from flashport.rules.common import node_context
+from flashport.rules.common.literals import literal_bool
 from flashport.rules.torch import selector_backends, selector_body
 
 SWITCHES = ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_math_sdp", "enable_cudnn_sdp")

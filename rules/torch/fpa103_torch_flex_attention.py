@@ -32,7 +32,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, Rule, Signature, dotted, register
+from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.common.binding import Signature
+from flashport.rules.common.calls import dotted
 
 MODULE = "torch.nn.attention.flex_attention"
 TARGET_MODULE = "flashport.torch"

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Rewrite, callee_name
+from flashport.rules.base import Rewrite
 from flashport.rules.common import node_context
+from flashport.rules.common.calls import callee_name
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 TENSOR_METHODS = frozenset(

@@ -34,19 +34,10 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import (
-    Refusal,
-    Refuse,
-    Rewrite,
-    Rule,
-    Signature,
-    build_call,
-    carry_dropout,
-    insert_in_source_order,
-    is_none,
-    register,
-)
-from flashport.rules.flash_attn import arguments as fa
+from flashport.rules.base import Refusal, Refuse, Rewrite, Rule, register
+from flashport.rules.common.binding import Signature, carry_dropout, required
+from flashport.rules.common.calls import build_call, insert_in_source_order
+from flashport.rules.common.literals import is_none
 from flashport.rules.xformers.names import UNSUPPORTED
 
 MODULE = "flashport.integrations.xformers_compat"
@@ -82,7 +73,7 @@ class XformersMemoryEfficientAttention(Rule):
                 f"{ctx.qualified_name.rsplit('.', 1)[-1]} (partial results or a raw backward) has no flashport equivalent"
             )
         bound = SIGNATURE.bind(call, self.API)
-        q, k, v = fa.required(bound, ("query", "key", "value"), self.API)
+        q, k, v = required(bound, ("query", "key", "value"), self.API)
         value = {name: arg.value for name, arg in bound.items()}
         dropout, notes = carry_dropout(value.get("p"), "p", "p", ctx)
         if "op" in value and not is_none(value["op"]):

@@ -49,8 +49,9 @@ from __future__ import annotations
 import ast
 from collections import Counter
 
-from flashport.rules.base import Refusal, Rewrite, Rule, dotted, register
+from flashport.rules.base import Refusal, Rewrite, Rule, register
 from flashport.rules.common import values
+from flashport.rules.common.calls import dotted
 from flashport.rules.xformers.names import ATTENTION_PREFIX, UNSUPPORTED
 
 MODULE = "flashport.integrations.xformers_compat"
