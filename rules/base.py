@@ -5,10 +5,14 @@ the engine asks about each libcst node whose *qualified name* (resolved by libcs
 ``QualifiedNameProvider``, never a bare name) is one of the rule's :attr:`Rule.SOURCES`:
 
 * :meth:`Rule.check_call` for calls ``src(...)``: return :class:`Rewrite` (a replacement node plus the
-  imports it needs), :class:`Refusal` (left byte-identical, reported with a one-line reason), or
-  :class:`Report` (scan-only finding that is not a rewrite candidate, e.g. a backend selector).
+  imports it needs) or :class:`Report` (scan-only finding that is not a rewrite candidate, e.g. a
+  backend selector), or refuse.
 * :meth:`Rule.check_reference` for a source passed as a value (``attention_fn=flash_attn_func``).
 * :meth:`Rule.check_string` for string literals listed in :attr:`Rule.STRINGS` (config switches).
+
+One way to refuse: ``raise Refuse(reason)``, from the rule or from any helper it calls; the site is
+left byte-identical and reported with ``reason`` (one line). The engine records it as a
+:class:`Refusal`, the site status rules never build themselves.
 
 A decision that spans sites is made in the engine's per-file phase, from every site's *final*
 status (rewritten, refused, suppressed, left out by ``--ignore``, declined interactively): a rewrite
@@ -100,7 +104,7 @@ class Rule:
       STRINGS: string literal values reported by :meth:`check_string`.
       GPU_MODULES: module prefixes whose imports may be dropped once unused after a rewrite.
       TARGET: what rewrites produce (docs only).
-      REWRITES: False for scan-only rules (they only ever return Report/Refusal).
+      REWRITES: False for scan-only rules (they only ever report or refuse).
     """
 
     CODE: ClassVar[str] = ""
@@ -116,7 +120,7 @@ class Rule:
 
     def check_call(self, call: cst.Call, ctx: RuleContext) -> Outcome:
         """Answer for ``call`` (whose ``func`` resolved to one of :attr:`SOURCES`)."""
-        return Refusal("no rewrite implemented for this API")
+        raise Refuse("no rewrite implemented for this API")
 
     def check_reference(self, node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
         """Answer for a source API used as a value (callback, mapping entry, ``functools.partial``,

@@ -48,7 +48,8 @@ class Rewrite:
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """Leave the site byte-identical; ``reason`` is one line saying why."""
+    """The engine's record of a refused site: left byte-identical; ``reason`` is one line saying why.
+    Rules refuse by raising :class:`Refuse`, never by building this."""
 
     reason: str
 
@@ -73,7 +74,9 @@ def runs_as_is(why: str) -> Report:
 
 
 class Refuse(Exception):
-    """Raised by helpers (argument binding, literal checks); the engine turns it into a Refusal."""
+    """The one way a rule refuses a site: ``raise Refuse(reason)``, from the rule's ``check_*`` or any
+    helper it calls (argument binding, literal checks); the engine records a :class:`Refusal` with
+    ``reason``. A rule may catch it from a helper to answer otherwise (a drop-in call instead)."""
 
     def __init__(self, reason: str):
         super().__init__(reason)

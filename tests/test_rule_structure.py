@@ -169,3 +169,36 @@ def test_no_import_cycle_in_the_rules_package():
     graph = {name: module_imports(path, name, set(files)) - {name} for name, path in files.items()}
     assert graph["flashport.rules.base"]  # the check reads the imports
     assert import_cycles(graph) == []
+
+
+def builds_refusal(source: str) -> bool:
+    """Whether ``source`` calls ``Refusal(...)`` (by name or as an attribute)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = (
+                func.id
+                if isinstance(func, ast.Name)
+                else func.attr
+                if isinstance(func, ast.Attribute)
+                else ""
+            )
+            if name == "Refusal":
+                return True
+    return False
+
+
+def test_the_refusal_check_sees_a_refusal():
+    assert builds_refusal("def f():\n    return Refusal('no')")
+    assert builds_refusal("return_value = base.Refusal(reason)")
+    assert not builds_refusal("raise Refuse('no')")
+
+
+@pytest.mark.parametrize("path", sorted(RULES.rglob("*.py")), ids=lambda p: str(p.relative_to(RULES)))
+def test_rules_refuse_one_way(path: pathlib.Path):
+    if path.relative_to(RULES) == pathlib.Path("site.py"):
+        return  # where Refusal is defined
+    assert not builds_refusal(path.read_text(encoding="utf-8")), (
+        f"{path.name} builds a Refusal: refuse with `raise Refuse(reason)` (flashport.rules.base), the "
+        "one way a rule or a helper refuses; the engine records the Refusal"
+    )

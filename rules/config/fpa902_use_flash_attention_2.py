@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Refusal, Rewrite, Rule, register
+from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common.calls import dotted
 from flashport.rules.common.literals import literal_bool
 
@@ -81,17 +81,15 @@ class UseFlashAttention2(Rule):
         if literal_bool(arg.value) is False:
             return None
         if literal_bool(arg.value) is None:
-            return Refusal(
+            raise Refuse(
                 f"use_flash_attention_2={ctx.code(arg.value)} is not a literal: whether flash-attn is selected is unknown"
             )
         if any(a.keyword is not None and a.keyword.value == "attn_implementation" for a in call.args):
-            return Refusal(
+            raise Refuse(
                 "use_flash_attention_2=True together with attn_implementation=: resolve the conflict first"
             )
         if any(a.star for a in call.args):
-            return Refusal(
-                "**kwargs splat next to use_flash_attention_2: attn_implementation may be set twice"
-            )
+            raise Refuse("**kwargs splat next to use_flash_attention_2: attn_implementation may be set twice")
         new = arg.with_changes(keyword=cst.Name("attn_implementation"), value=dotted(self.TARGET))
         args = list(call.args)
         args[index] = new

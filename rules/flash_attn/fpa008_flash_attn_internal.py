@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Refusal, Refuse, Report, Rewrite, Rule, register
+from flashport.rules.base import Refuse, Report, Rewrite, Rule, register
 from flashport.rules.common import values
 from flashport.rules.common.calls import dotted
 from flashport.rules.common.literals import is_none, literal_bool
@@ -94,9 +94,9 @@ class FlashAttnTritonAndInternals(Rule):
         """The private kernels go to the drop-in of the release the call was written for; Triton
         calls are refused."""
         if ctx.qualified_name in TRITON:
-            return Refusal(_triton_reason(ctx.qualified_name))
+            raise Refuse(_triton_reason(ctx.qualified_name))
         if ctx.qualified_name in FA3_PRIVATE:
-            return Refusal(_fa3_reason(ctx.qualified_name))
+            raise Refuse(_fa3_reason(ctx.qualified_name))
         function = ctx.qualified_name.rsplit(".", 1)[-1].replace("_wrapped", "", 1)
         convention, bound, inferred = private_kernels.convention_for(call, function, ctx)
         _check_bound(bound, function)
@@ -111,9 +111,9 @@ class FlashAttnTritonAndInternals(Rule):
     def check_reference(self, node, ctx):
         """Value uses are reported: the callers of a value are out of sight."""
         if ctx.qualified_name in TRITON:
-            return Refusal(f"used as a value: {_triton_reason(ctx.qualified_name)}")
+            raise Refuse(f"used as a value: {_triton_reason(ctx.qualified_name)}")
         if ctx.qualified_name in FA3_PRIVATE:
-            return Refusal(f"used as a value: {_fa3_reason(ctx.qualified_name)}")
+            raise Refuse(f"used as a value: {_fa3_reason(ctx.qualified_name)}")
         why = values.probe(ctx)
         if why is not None and not values.inspects_signature(ctx):
             return Report(f"{why}: not a call to port; kept")

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Refusal, Refuse, Rewrite, Rule, register
+from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common.binding import Signature, no_dropout
 from flashport.rules.common.calls import build_call, dotted, number, string, tuple_of
 from flashport.rules.common.literals import is_none, literal_number, literal_string
@@ -112,7 +112,7 @@ class CudnnFusedAttention(Rule):
         the rest (padding lengths, the lse residual, dropout from seed=, non-literal options,
         splats) keeps its arguments and calls the drop-in of the same signature."""
         if ctx.qualified_name != self.API:
-            return Refusal(f"{ctx.qualified_name.rsplit('.', 1)[-1]}(...) is not an attention call; kept")
+            raise Refuse(f"{ctx.qualified_name.rsplit('.', 1)[-1]}(...) is not an attention call; kept")
         try:
             return self._explicit(call, ctx)
         except Refuse as refusal:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from flashport.rules.base import Refusal, Refuse, Rewrite, Rule, register
+from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common.binding import Signature, carry_dropout, required
 from flashport.rules.common.calls import build_call, insert_in_source_order
 from flashport.rules.common.literals import is_none
@@ -69,7 +69,7 @@ class XformersMemoryEfficientAttention(Rule):
     def check_call(self, call, ctx):
         """Keep q/k/v/attn_bias/p/scale/output_dtype (dropout ``p`` verbatim); drop op."""
         if ctx.qualified_name.rsplit(".", 1)[-1] in REPORTED:
-            return Refusal(
+            raise Refuse(
                 f"{ctx.qualified_name.rsplit('.', 1)[-1]} (partial results or a raw backward) has no flashport equivalent"
             )
         bound = SIGNATURE.bind(call, self.API)

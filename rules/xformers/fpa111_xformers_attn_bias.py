@@ -49,7 +49,7 @@ from __future__ import annotations
 import ast
 from collections import Counter
 
-from flashport.rules.base import Refusal, Rewrite, Rule, register
+from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common import values
 from flashport.rules.common.calls import dotted
 from flashport.rules.xformers.names import ATTENTION_PREFIX, UNSUPPORTED
@@ -107,12 +107,12 @@ class XformersAttnBias(Rule):
             if ctx.qualified_name.startswith(p)
         )
         if name in TYPES:
-            return Refusal(
+            raise Refuse(
                 f"{name}(...) built from its fields: the mirror class has other fields; build it with "
                 "from_seqlens / from_tensor_list"
             )
         if name not in _SUPPORTED:
-            return Refusal(f"{name}: padded, paged or gappy block layouts have no flashport equivalent")
+            raise Refuse(f"{name}: padded, paged or gappy block layouts have no flashport equivalent")
         return Rewrite(call.with_changes(func=dotted(f"{MODULE}.{name}")), imports=(MODULE,))
 
     def check_reference(self, node, ctx):
@@ -124,7 +124,7 @@ class XformersAttnBias(Rule):
             return super().check_reference(node, ctx)
         why = values.probe(ctx)
         if why is not None and any(kept in why for kept in _KEPT_CONTEXTS):
-            return Refusal(f"{why}: xformers' class kept")
+            raise Refuse(f"{why}: xformers' class kept")
         target = "AttentionBias" if name == "AttentionMask" else name
         note = f"the bias class {name} is flashport's mirror class (constructors, type checks and annotations move together)"
         return Rewrite(dotted(f"{MODULE}.{target}"), imports=(MODULE,), notes=(note,))
