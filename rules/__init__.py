@@ -25,7 +25,7 @@ _loaded = False
 def rule_modules() -> list[str]:
     """The dotted names of every rule module (``flashport.rules.<family>.fpaNNN_*``), family by family
     and by code within a family."""
-    found = []
+    found: list[str] = []
     for family in FAMILIES:
         package = importlib.import_module(f"{__name__}.{family}")
         names = sorted(
