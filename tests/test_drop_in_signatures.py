@@ -168,7 +168,7 @@ def test_drop_in_tables_point_at_catalogued_drop_ins():
     from flashport.rewriter.drop_in_imports import DROP_INS
     from flashport.rules.common import values
 
-    tables = [(module, name) for module, names in values._PROVIDES.items() for name in names]
+    tables = [(module, name) for module, names in values.PROVIDES.items() for name in names]
     tables += [(module, name) for module, names in DROP_INS.values() for name in names]
     known = catalogued_objects()
     unchecked = sorted(f"{m}.{n}" for m, n in tables if id(resolve(m, n)) not in known)

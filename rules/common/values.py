@@ -91,7 +91,7 @@ def family(api: str) -> str | None:
     return None
 
 
-_PROVIDES = {
+PROVIDES = {
     FA2: FA2_NAMES + FA1_NAMES,
     FA4: ("flash_attn_func", "flash_attn_varlen_func"),
     BERT_PADDING: PADDING_NAMES,
@@ -120,7 +120,7 @@ def call_drop_in(api: str, alias: str) -> Rewrite | None:
     rank) though values of ``api`` stay (:data:`_INEXACT`): the alias is then only reached by the
     modules that import it, and they call it. None otherwise."""
     module, name = family(api), api.rsplit(".", 1)[-1]
-    if module not in _EXACT_FOR_CALLS or name not in _PROVIDES[module]:
+    if module not in _EXACT_FOR_CALLS or name not in PROVIDES[module]:
         return None
     note = (
         f"module-level alias {alias}: every read of it in this file is a ported call; modules that "
@@ -170,7 +170,7 @@ def drop_in(api: str, ctx: RuleContext, metadata_only: bool = False) -> tuple[st
             "FlashAttention-3 changed its return type on 2025-07-11 (out vs (out, lse)) and the "
             "callers of a value are out of sight"
         )
-    if module is None or name not in _PROVIDES[module]:
+    if module is None or name not in PROVIDES[module]:
         return "flashport has no drop-in with its exact signature"
     if module in _INEXACT:
         return _INEXACT[module]
