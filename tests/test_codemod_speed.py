@@ -15,9 +15,8 @@ import pytest
 from flashport import rules as registry
 from flashport.rewriter.app import cache as result_cache
 from flashport.rewriter.app import runner
-from flashport.rewriter.engine import pipeline as engine
-from flashport.rewriter.engine import prune
-from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rewriter.engine.pipeline import pipeline as engine
+from flashport.rewriter.engine.pipeline import prune, transform_source
 from flashport.rules.base import RuleOptions
 
 RULES = registry.all_rules()
@@ -230,7 +229,7 @@ def test_cache_key_covers_rule_set_and_options():
         "rule",  # a rule module
         "rewriter/engine/run_context.py",  # an engine module a hand-kept list once missed
         "rewriter/source/names.py",  # a module in another subpackage
-        "rules/_values.py",  # a rule helper
+        "rules/common/values.py",  # a rule helper
     ],
 )
 def test_cache_key_covers_every_package_source(source, monkeypatch):

@@ -40,13 +40,12 @@ from typing import Any, TypeVar
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ScopeProvider
 
-from flashport.rewriter.engine import run_context, suppress, thin
+from flashport.rewriter.engine.pipeline import run_context, suppress, thin
 from flashport.rewriter.engine.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
-from flashport.rewriter.source import aliases, newsyntax
 from flashport.rewriter.source.names import Names
 from flashport.rewriter.source.positions import Span, line_positions
 from flashport.rewriter.source.spans import StatementSpans, indents
-from flashport.rules._values import call_drop_in
+from flashport.rewriter.source.text import aliases, newsyntax
 from flashport.rules.base import (
     RUNS_AS_IS,
     Outcome,
@@ -57,8 +56,9 @@ from flashport.rules.base import (
     Rule,
     RuleContext,
     RuleOptions,
-    keep_comments,
 )
+from flashport.rules.common.calls import keep_comments
+from flashport.rules.common.values import call_drop_in
 
 _OwnerT = TypeVar("_OwnerT", cst.FunctionDef, cst.Module)  # what binds aliases: a function or the module
 # Nodes whose subtrees hold no call, string, assignment, argument or element: a site never sits
@@ -645,7 +645,7 @@ class SiteTransformer(cst.CSTTransformer):
 
     def _reference(self, value: cst.BaseExpression | None) -> bool:
         """Ask the matching rule about a source API used as a value; put in its drop-in when the
-        rule rewrites it (:func:`flashport.rules._values.answer`). True when it was rewritten."""
+        rule rewrites it (:func:`flashport.rules.common.values.answer`). True when it was rewritten."""
         if value is None or isinstance(value, cst.Call):
             return False
         matched = self._match(value)

@@ -27,9 +27,9 @@ from __future__ import annotations
 import ast
 import collections
 
-from flashport.rewriter.source import astindex
-from flashport.rewriter.source.text import split_lines
-from flashport.rules._values import (
+from flashport.rewriter.source.text import astindex, split_lines
+from flashport.rules.apis.flash_attn import PRIVATE_FUNCTIONS
+from flashport.rules.common.values import (
     BERT_PADDING,
     FA1_NAMES,
     FA2,
@@ -38,7 +38,6 @@ from flashport.rules._values import (
     PADDING_NAMES,
     SEQUSED,
 )
-from flashport.rules.apis.flash_attn import PRIVATE_FUNCTIONS
 
 _PRIVATE = frozenset(PRIVATE_FUNCTIONS)
 _PADDING = frozenset(PADDING_NAMES) - {"rearrange"}  # einops' function: an import of it stays
