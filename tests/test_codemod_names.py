@@ -14,9 +14,9 @@ import pytest
 from libcst.metadata import MetadataWrapper, ScopeProvider
 
 from flashport import rules as registry
-from flashport.rewriter.engine.pipeline import pipeline as engine
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.source import pieces
 from flashport.rewriter.source.names import Names
-from flashport.rewriter.source.text import pieces
 
 RULES = registry.all_rules()
 ROOT = pathlib.Path(__file__).parent

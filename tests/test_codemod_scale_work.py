@@ -9,7 +9,7 @@ import pathlib
 import sys
 
 from flashport import rules as registry
-from flashport.rewriter.engine.pipeline import pipeline as engine
+from flashport.rewriter.engine import pipeline as engine
 from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 

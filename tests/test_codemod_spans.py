@@ -12,10 +12,10 @@ from collections import defaultdict
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter.engine.pipeline import pipeline as engine
+from flashport.rewriter.engine import pipeline as engine
 from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rewriter.source import astindex, spans
 from flashport.rewriter.source.positions import line_positions
-from flashport.rewriter.source.text import astindex, spans
 from flashport.rules.base import RuleOptions
 
 RULES = registry.all_rules()

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter.engine.pipeline import pipeline as engine
-from flashport.rewriter.engine.pipeline import thin
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine import thin
 from flashport.rules.base import RuleOptions
 
 RULES = registry.all_rules()

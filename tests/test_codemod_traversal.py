@@ -13,8 +13,8 @@ import pytest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from flashport import rules as registry
-from flashport.rewriter.engine.pipeline import pipeline as engine
-from flashport.rewriter.engine.pipeline import transform, transform_source
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine import transform, transform_source
 from flashport.rewriter.source.positions import LinePositionProvider
 from flashport.rules.base import RuleOptions
 

@@ -12,8 +12,8 @@ import pytest
 
 from flashport import rules as registry
 from flashport.rewriter.engine.pipeline import transform_source
-from flashport.rewriter.imports.edits import edits as imports
-from flashport.rewriter.imports.edits import kept_imports
+from flashport.rewriter.imports import edits as imports
+from flashport.rewriter.imports import kept_imports
 from flashport.rules.base import RuleOptions
 
 LAYOUTS = [

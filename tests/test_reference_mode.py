@@ -19,8 +19,8 @@ import test_codemod_fuzz as fuzz
 from hypothesis import given, settings
 
 from flashport import rules as registry
-from flashport.rewriter.engine.pipeline import pipeline as engine
-from flashport.rewriter.engine.pipeline import run_context, transform
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine import run_context, transform
 from flashport.rewriter.engine.results import FileResult
 from flashport.rules.base import Rewrite, Rule, RuleContext, RuleOptions
 

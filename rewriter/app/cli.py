@@ -219,7 +219,7 @@ def _settings(args) -> Settings:
     from flashport import rules as registry
     from flashport.rewriter.app import config as cfg
     from flashport.rewriter.app.discover import find_files
-    from flashport.rewriter.engine.pipeline import run_context
+    from flashport.rewriter.engine import run_context
     from flashport.rules.base import RuleOptions
 
     table: dict = {}
@@ -301,7 +301,7 @@ def _run(args, log, settings: Settings) -> int:
     from flashport.rewriter.app import progress as prog
     from flashport.rewriter.app.runner import CANNOT_READ
     from flashport.rewriter.app.writes import add_ignores_in_run, write_results
-    from flashport.rewriter.engine.pipeline import suppression_comments as comments
+    from flashport.rewriter.engine import suppression_comments as comments
     from flashport.rewriter.engine.results import CHANGED, ERROR
 
     fmt = ALIASES.get(args.output_format, args.output_format)

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import pathspec
 
 from flashport.rewriter.app.writes import BACKUP_SUFFIX
-from flashport.rewriter.source.text.files import kind_of, read_regular
+from flashport.rewriter.source.files import kind_of, read_regular
 
 # Why a path was skipped (the summary counts each; a folder skipped as a whole counts once).
 IGNORED = "ignored (.gitignore)"

@@ -27,7 +27,7 @@ from flashport.rewriter.engine.results import (
     STATUS_LABELS,
     FileResult,
 )
-from flashport.rewriter.source.text import text as src
+from flashport.rewriter.source import text as src
 
 _CONTEXT = 3
 _LABEL = STATUS_LABELS

@@ -47,7 +47,7 @@ from flashport.rewriter.engine.results import (
     FileResult,
     Site,
 )
-from flashport.rewriter.source.text import text as src
+from flashport.rewriter.source import text as src
 from flashport.rules.base import Rule, RuleOptions
 
 HELP = (

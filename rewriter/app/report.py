@@ -52,7 +52,7 @@ from flashport.rewriter.engine.results import (
     SUPPRESSED,
     FileResult,
 )
-from flashport.rewriter.source.text import text as src
+from flashport.rewriter.source import text as src
 
 SCHEMA = "flashport.report/1"
 

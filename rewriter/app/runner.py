@@ -19,8 +19,8 @@ from flashport.rewriter.app.cache import ResultCache, from_environment
 from flashport.rewriter.app.writes import reason
 from flashport.rewriter.engine.pipeline import transform_source, trigger_pattern
 from flashport.rewriter.engine.results import ERROR, FileResult
-from flashport.rewriter.source.text import text as src
-from flashport.rewriter.source.text.files import read_regular
+from flashport.rewriter.source import text as src
+from flashport.rewriter.source.files import read_regular
 from flashport.rules.base import Rule, RuleOptions
 
 CANNOT_READ = "cannot read: "  # how an unreadable file's error starts

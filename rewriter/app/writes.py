@@ -29,10 +29,10 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 from flashport.rewriter.app import interrupts
-from flashport.rewriter.engine.pipeline import suppression_comments as comments
+from flashport.rewriter.engine import suppression_comments as comments
 from flashport.rewriter.engine.results import CHANGED, ERROR, REFUSED, UNCHANGED, FileResult
-from flashport.rewriter.source.text import text as src
-from flashport.rewriter.source.text.files import read_all, read_if_file, require_regular
+from flashport.rewriter.source import text as src
+from flashport.rewriter.source.files import read_all, read_if_file, require_regular
 
 BACKUP_SUFFIX = ".flashport-backup"
 

@@ -21,7 +21,7 @@ import subprocess
 import textwrap
 import tomllib
 
-from flashport.rewriter.source.text import text as src
+from flashport.rewriter.source import text as src
 
 DEFAULT_LINE_LENGTH = 88  # black's and ruff's default
 

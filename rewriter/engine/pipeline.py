@@ -58,15 +58,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from flashport.rewriter.engine.pipeline import cuda_notes, formatting, prune, run_context, suppress, thin
+from flashport.rewriter.engine import cuda_notes, formatting, prune, run_context, suppress, thin
 from flashport.rewriter.engine.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult
 from flashport.rewriter.engine.transform import SiteTransformer
-from flashport.rewriter.imports.edits import edits as import_edits
+from flashport.rewriter.imports import edits as import_edits
+from flashport.rewriter.source import astindex, newsyntax
+from flashport.rewriter.source import pieces as mini_parse
+from flashport.rewriter.source import text as src
 from flashport.rewriter.source.names import Names
 from flashport.rewriter.source.spans import StatementSpans
-from flashport.rewriter.source.text import astindex, newsyntax
-from flashport.rewriter.source.text import pieces as mini_parse
-from flashport.rewriter.source.text import text as src
 from flashport.rules.base import Rule, RuleOptions
 
 

@@ -39,7 +39,7 @@ import ast
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from flashport.rewriter.source.text import astindex
+from flashport.rewriter.source import astindex
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 

@@ -40,7 +40,7 @@ import os
 import re
 from collections.abc import Iterable
 
-from flashport.rewriter.source.text.files import read_regular
+from flashport.rewriter.source.files import read_regular
 from flashport.rules.base import Outcome, Patch, Refusal, Rewrite, RuleOptions
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"

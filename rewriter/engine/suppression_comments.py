@@ -16,10 +16,10 @@ import io
 import tokenize
 from collections.abc import Callable, Collection, Sequence
 
-from flashport.rewriter.engine.pipeline import suppress
+from flashport.rewriter.engine import suppress
 from flashport.rewriter.engine.results import CHANGED, ERROR, REFUSED, SUPPRESSED, FileResult, Site
-from flashport.rewriter.source.text import text as src
-from flashport.rewriter.source.text.files import read_if_file
+from flashport.rewriter.source import text as src
+from flashport.rewriter.source.files import read_if_file
 
 UNUSED = "unused-suppression"
 UNKNOWN = "unknown-rule-code"

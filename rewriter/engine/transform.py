@@ -40,12 +40,12 @@ from typing import Any, TypeVar
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ScopeProvider
 
-from flashport.rewriter.engine.pipeline import run_context, suppress, thin
+from flashport.rewriter.engine import run_context, suppress, thin
 from flashport.rewriter.engine.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
+from flashport.rewriter.source import aliases, newsyntax
 from flashport.rewriter.source.names import Names
 from flashport.rewriter.source.positions import Span, line_positions
 from flashport.rewriter.source.spans import StatementSpans, indents
-from flashport.rewriter.source.text import aliases, newsyntax
 from flashport.rules.base import (
     RUNS_AS_IS,
     Outcome,

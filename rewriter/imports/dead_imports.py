@@ -44,8 +44,9 @@ import dataclasses
 import itertools
 import re
 
-from flashport.rewriter.imports.edits import drop_in_imports
-from flashport.rewriter.source.text import astindex, split_lines
+from flashport.rewriter.imports import drop_in_imports
+from flashport.rewriter.source import astindex
+from flashport.rewriter.source.text import split_lines
 
 _PROBE_CALL = re.compile(r"(available|find_spec|^is_|^has_)", re.I)
 _LOG_CALL = re.compile(

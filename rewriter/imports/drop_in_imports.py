@@ -27,7 +27,8 @@ from __future__ import annotations
 import ast
 import collections
 
-from flashport.rewriter.source.text import astindex, split_lines
+from flashport.rewriter.source import astindex
+from flashport.rewriter.source.text import split_lines
 from flashport.rules.apis.flash_attn import PRIVATE_FUNCTIONS
 from flashport.rules.common.values import (
     BERT_PADDING,

@@ -21,8 +21,9 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from flashport.rewriter.imports.edits import dead_imports, drop_in_imports, kept_imports
-from flashport.rewriter.source.text import astindex, first_line, split_lines
+from flashport.rewriter.imports import dead_imports, drop_in_imports, kept_imports
+from flashport.rewriter.source import astindex
+from flashport.rewriter.source.text import first_line, split_lines
 
 
 def name_uses(tree: ast.AST) -> collections.Counter:

@@ -21,8 +21,8 @@ import ast
 import collections
 from collections.abc import Callable
 
-from flashport.rewriter.imports.edits import drop_in_imports
-from flashport.rewriter.source.text import astindex
+from flashport.rewriter.imports import drop_in_imports
+from flashport.rewriter.source import astindex
 
 
 def explain(

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 import libcst as cst
 from libcst.helpers import get_full_name_for_node
 
-from flashport.rewriter.source.text import astindex
+from flashport.rewriter.source import astindex
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 
