@@ -11,6 +11,7 @@ there and the code takes its other branch.
 from __future__ import annotations
 
 import ast
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
@@ -69,34 +70,31 @@ def _cuda_only(node: ast.AST) -> bool:
     return False
 
 
-def cuda_only_lines(tree: ast.Module) -> dict[int, list[int]]:
-    """Per top-level statement (its first line), the lines inside it with CUDA-only code."""
-    found: dict[int, list[int]] = {}
-    for top in tree.body:
-        lines = sorted({getattr(n, "lineno", top.lineno) for n in ast.walk(top) if _cuda_only(n)})
-        if lines:
-            found[top.lineno] = lines
-    return found
+def cuda_only_lines(top: ast.stmt) -> list[int]:
+    """The lines inside the top-level statement ``top`` that hold CUDA-only code, in order."""
+    return sorted({getattr(n, "lineno", top.lineno) for n in ast.walk(top) if _cuda_only(n)})
 
 
 def annotate(sites: Sequence[Site], tree: ast.Module, lines: Sequence[str]) -> list[Site]:
     """``sites`` with a note on the first rewritten site of each top-level statement that also holds
     CUDA-only code, naming each such line."""
-    rewritten = [s for s in sites if s.status == "rewrite" and s.kind in ("call", "reference")]
-    if not rewritten:
-        return list(sites)
-    tops = [(top.lineno, top.end_lineno or top.lineno) for top in tree.body]
-    by_top = cuda_only_lines(tree)
     out = list(sites)
-    for first, last in tops:
-        cuda = by_top.get(first)
-        here = [s for s in rewritten if first <= s.line <= last]
-        if not cuda or not here:
+    firsts = [top.lineno for top in tree.body]
+    first_site: dict[int, int] = {}  # top-level statement index -> index in ``out`` of its first port
+    for index, site in enumerate(out):
+        if site.status != "rewrite" or site.kind not in ("call", "reference"):
+            continue
+        top = bisect.bisect_right(firsts, site.line) - 1
+        if top >= 0 and site.line <= (tree.body[top].end_lineno or firsts[top]):
+            first_site.setdefault(top, index)
+    # only the statements holding a port are walked: the pass stays linear in the file's size
+    for top, index in first_site.items():
+        cuda = cuda_only_lines(tree.body[top])
+        if not cuda:
             continue
         notes = tuple(
             f"CUDA-only code beside this port, line {n}: `{lines[n - 1].strip()[:80]}` fails on a TPU host"
             for n in cuda
         )
-        index = out.index(here[0])
-        out[index] = dataclasses.replace(here[0], notes=here[0].notes + notes)
+        out[index] = dataclasses.replace(out[index], notes=out[index].notes + notes)
     return out
