@@ -110,6 +110,18 @@ class ImportBinding:
         return isinstance(self.node, ast.ImportFrom) and bool(self.node.level or not self.node.module)
 
     @property
+    def is_from(self) -> bool:
+        """A ``from ... import`` (relative ones too)."""
+        return isinstance(self.node, ast.ImportFrom)
+
+    @property
+    def base(self) -> str:
+        """The module of a ``from`` import with its leading dots (``..m``); ``""`` for ``import``."""
+        if isinstance(self.node, ast.ImportFrom):
+            return "." * self.node.level + (self.node.module or "")
+        return ""
+
+    @property
     def from_module(self) -> str:
         """The module of a ``from`` import as written, without its dots (``""`` for ``import``)."""
         return (self.node.module or "") if isinstance(self.node, ast.ImportFrom) else ""
@@ -170,7 +182,9 @@ class SemanticModel:
         scoped: dict[int, list[Binding]] = {}
         module = self.tree
         # (node, top-level statement, scopes around it, in the module's scope)
-        todo: deque[tuple[ast.AST, ast.stmt | None, tuple[ast.AST, ...], bool]] = deque([(module, None, (), True)])
+        todo: deque[tuple[ast.AST, ast.stmt | None, tuple[ast.AST, ...], bool]] = deque(
+            [(module, None, (), True)]
+        )
         while todo:
             node, top, scopes, in_module = todo.popleft()
             owner = scopes[-1] if scopes else module
@@ -185,7 +199,9 @@ class SemanticModel:
                 kind = "class" if isinstance(node, ast.ClassDef) else "def"
                 scoped.setdefault(id(owner), []).append(Binding(node.name, kind, node))  # type: ignore[arg-type]
             inner = (*scopes, node) if isinstance(node, SCOPES) else scopes
-            keeps_module = node is module or (in_module and isinstance(node, (*_MODULE_BLOCKS, ast.ExceptHandler)))
+            keeps_module = node is module or (
+                in_module and isinstance(node, (*_MODULE_BLOCKS, ast.ExceptHandler))
+            )
             for field in node._fields:
                 value = getattr(node, field, None)
                 if not isinstance(value, list):
@@ -364,9 +380,8 @@ class SemanticModel:
         such assignment), or None when the file has none or it is not that plain."""
         value = None
         for statement in self.module_scope():
-            if (
-                isinstance(statement, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in statement.targets)
+            if isinstance(statement, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in statement.targets
             ):
                 value = statement.value
         if isinstance(value, (ast.List, ast.Tuple)) and all(
@@ -411,7 +426,11 @@ def of(tree: ast.Module) -> SemanticModel:
 
 
 def _import_binding(
-    node: ast.Import | ast.ImportFrom, alias: ast.alias, top: ast.stmt, scopes: tuple[ast.AST, ...], module: bool
+    node: ast.Import | ast.ImportFrom,
+    alias: ast.alias,
+    top: ast.stmt,
+    scopes: tuple[ast.AST, ...],
+    module: bool,
 ) -> ImportBinding:
     """The :class:`ImportBinding` of one alias of ``node``."""
     if isinstance(node, ast.ImportFrom):
