@@ -227,7 +227,9 @@ class RuleContext:
                 return path[index + 1]
         return None
 
-    def enclosing(self, node: cst.CSTNode, kind: type | tuple[type, ...] = cst.FunctionDef) -> cst.CSTNode | None:
+    def enclosing(
+        self, node: cst.CSTNode, kind: type | tuple[type, ...] = cst.FunctionDef
+    ) -> cst.CSTNode | None:
         """The nearest ancestor of ``node`` (the site's node or one of its ancestors) of type
         ``kind``; None when there is none or it is unknown."""
         current = self.parent(node)

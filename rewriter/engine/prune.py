@@ -68,7 +68,9 @@ def watch_of(rules: Iterable) -> Watch:
 def import_aliases(tree: ast.Module, watch: Watch) -> frozenset[str]:
     """Names bound anywhere in ``tree`` by an ``as`` import of a watched last component."""
     return frozenset(
-        b.asname for b in semantic.of(tree).imports if b.asname and b.alias.name.rsplit(".", 1)[-1] in watch.lasts
+        b.asname
+        for b in semantic.of(tree).imports
+        if b.asname and b.alias.name.rsplit(".", 1)[-1] in watch.lasts
     )
 
 

@@ -199,7 +199,9 @@ def _patchable(dotted: str) -> str | None:
 def _uses_context_parallel(node: ast.AST, model: semantic.SemanticModel) -> bool:
     if semantic.is_import(node):
         return any(
-            b.node is node and b.from_module.startswith(_CONTEXT_PARALLEL) and b.alias.name == "context_parallel"
+            b.node is node
+            and b.from_module.startswith(_CONTEXT_PARALLEL)
+            and b.alias.name == "context_parallel"
             for b in model.imports
         )
     if isinstance(node, ast.Attribute) and node.attr == "context_parallel":
