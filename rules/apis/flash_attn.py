@@ -388,6 +388,53 @@ ROTARY_APIS = (
             DropIn(ROTARY, "apply_rotary_emb_func", ((2, 8, 3),)),
         ),
     ),
+    Api(  # rotates q and k of a packed qkv in place; returns qkv
+        names=("flash_attn.layers.rotary.apply_rotary_emb_qkv_",),
+        signatures=(
+            (
+                (2, 8, 3),
+                params(
+                    "qkv",
+                    "cos",
+                    "sin",
+                    cos_k=None,
+                    sin_k=None,
+                    interleaved=False,
+                    seqlen_offsets=0,
+                    num_heads_q=None,
+                ),
+            ),
+        ),
+        returns="qkv",
+        drop_ins=(DropIn(ROTARY, "apply_rotary_emb_qkv_", ((2, 8, 3),)),),
+    ),
+    Api(  # rotates kv[:, :, 0] in place; returns kv
+        names=("flash_attn.layers.rotary.apply_rotary_emb_kv_",),
+        signatures=(((2, 8, 3), params("kv", "cos", "sin", interleaved=False, seqlen_offsets=0)),),
+        returns="kv",
+        drop_ins=(DropIn(ROTARY, "apply_rotary_emb_kv_", ((2, 8, 3),)),),
+    ),
+    Api(  # an nn.Module: the constructor's parameters
+        names=("flash_attn.layers.rotary.RotaryEmbedding",),
+        signatures=(
+            (
+                (2, 8, 3),
+                params(
+                    "dim", base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True, device=None
+                ),
+            ),
+        ),
+        returns="the module",
+        drop_ins=(DropIn(ROTARY, "RotaryEmbedding", ((2, 8, 3),)),),
+    ),
+    Api(
+        names=("flash_attn.layers.rotary.RotaryEmbedding.forward",),
+        signatures=(
+            ((2, 8, 3), params("self", "qkv", kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None)),
+        ),
+        returns="qkv, or (q, kv) when kv is given (rotated in place)",
+        drop_ins=(DropIn(ROTARY, "RotaryEmbedding.forward", ((2, 8, 3),)),),
+    ),
 )
 
 # --- FA3 (hopper/flash_attn_interface.py; releases are commit dates) --------------------------------
