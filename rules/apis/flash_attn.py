@@ -15,6 +15,8 @@ BERT_PADDING = "flashport.integrations.bert_padding"
 FA3 = "flashport.integrations.flash_attn3_compat"
 FA4 = "flashport.integrations.flash_attn4_compat"
 ROTARY = "flashport.integrations.rotary"
+CROSS_ENTROPY = "flashport.integrations.cross_entropy"
+DISTRIBUTED = "flashport.integrations.distributed"
 
 MODULES = ("flash_attn.", "flash_attn.flash_attn_interface.")  # FA2's public import paths
 FA2_RELEASES: tuple[Version, ...] = ((2, 6, 0), (2, 7, 0), (2, 8, 3))  # the drop-ins' (2.8.3's) signature
@@ -437,6 +439,50 @@ ROTARY_APIS = (
     ),
 )
 
+# flash_attn.ops.triton.cross_entropy (2.8.3): (losses, z_losses); precomputed_lse is third
+CROSS_ENTROPY_APIS = (
+    Api(
+        names=("flash_attn.ops.triton.cross_entropy.cross_entropy_loss",),
+        signatures=(
+            (
+                (2, 8, 3),
+                params(
+                    "logits",
+                    "labels",
+                    precomputed_lse=None,
+                    label_smoothing=0.0,
+                    logit_scale=1.0,
+                    lse_square_scale=0.0,
+                    ignore_index=-100,
+                    inplace_backward=False,
+                    process_group=None,
+                ),
+            ),
+        ),
+        returns="(losses, z_losses), both [N] fp32",
+        drop_ins=(DropIn(CROSS_ENTROPY, "cross_entropy_loss", ((2, 8, 3),)),),
+    ),
+)
+
+# flash_attn.utils.distributed (2.8.3): the autograd collectives are Functions' ``apply``, recorded
+# with their ``forward``'s parameters (less ``ctx``)
+DISTRIBUTED_APIS = tuple(
+    Api(
+        names=(f"flash_attn.utils.distributed.{name}",),
+        signatures=(((2, 8, 3), parameters),),
+        returns=returns,
+        drop_ins=(DropIn(DISTRIBUTED, name, ((2, 8, 3),)),),
+    )
+    for name, parameters, returns in (
+        ("all_gather_raw", params("input_", "process_group", async_op=False), "(output, handle)"),
+        ("reduce_scatter_raw", params("input_", "process_group", async_op=False), "(output, handle)"),
+        ("all_reduce_raw", params("input_", "process_group", async_op=False), "(input_, handle)"),
+        ("all_gather", params("input_", "process_group"), "output"),
+        ("reduce_scatter", params("input_", "process_group"), "output"),
+        ("all_reduce", params("input_", "process_group"), "output"),
+    )
+)
+
 # --- FA3 (hopper/flash_attn_interface.py; releases are commit dates) --------------------------------
 FA3_MODULES = ("flash_attn_interface.", "flash_attn_3.flash_attn_interface.", "hopper.flash_attn_interface.")
 FA3_RETURN_CHANGE: Version = (2025, 7, 11)  # flash_attn_func/varlen return out, not (out, lse), from here
@@ -616,6 +662,8 @@ APIS: tuple[Api, ...] = (
     + tuple(_private(name) for name in PRIVATE_FUNCTIONS)
     + BERT_PADDING_APIS
     + ROTARY_APIS
+    + CROSS_ENTROPY_APIS
+    + DISTRIBUTED_APIS
     + FA3_APIS
     + FA4_APIS
 )
