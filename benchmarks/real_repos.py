@@ -59,7 +59,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus
 
 from flashport import rules as registry
-from flashport.rewriter.engine import run_context, transform_source
+from flashport.rewriter.engine import run_context
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rewriter.imports.edits import name_uses
 from flashport.rules.base import RUNS_AS_IS, RuleOptions
 

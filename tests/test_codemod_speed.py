@@ -16,7 +16,8 @@ from flashport import rules as registry
 from flashport.rewriter.app import cache as result_cache
 from flashport.rewriter.app import runner
 from flashport.rewriter.engine import pipeline as engine
-from flashport.rewriter.engine import prune, transform_source
+from flashport.rewriter.engine import prune
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 RULES = registry.all_rules()

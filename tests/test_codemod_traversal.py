@@ -14,7 +14,8 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from flashport import rules as registry
 from flashport.rewriter.engine import pipeline as engine
-from flashport.rewriter.engine import transform, transform_source
+from flashport.rewriter.engine import transform
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rewriter.source.positions import LinePositionProvider
 from flashport.rules.base import RuleOptions
 
