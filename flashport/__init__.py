@@ -56,18 +56,18 @@ def varlen_attention(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
 
     Dispatches on the tensor type: torch tensors (torchax and torch_xla tensors included) go to
     :func:`flashport.torch.varlen_attention` (dropout keywords ``dropout_p`` / ``generator``), JAX
-    arrays to :func:`flashport.kernels.semantics.varlen.varlen_attention` (``dropout_rate`` /
+    arrays to :func:`flashport.kernels.contract.varlen.varlen_attention` (``dropout_rate`` /
     ``dropout_rng``). Both take ``cu_seqlens_q``, ``cu_seqlens_k``, ``scale``, ``causal``,
     ``window``, ``align``, ``softcap``, ``layout="THD"`` and ``backend``, and return
     ``[total_q, Hq, D]``; see those functions for the details.
     """
-    from flashport.kernels.semantics.varlen import is_torch_tensor
+    from flashport.kernels.contract.varlen import is_torch_tensor
 
     if is_torch_tensor(query):
         from flashport.torch import varlen_attention as torch_impl
 
         return torch_impl(query, key, value, **kwargs)
-    from flashport.kernels.semantics.varlen import varlen_attention as jax_impl
+    from flashport.kernels.contract.varlen import varlen_attention as jax_impl
 
     return jax_impl(query, key, value, **kwargs)
 

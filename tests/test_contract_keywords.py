@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 import flashport
-from flashport.kernels.contract import api
+from flashport.kernels.contract import api, varlen
 from flashport.kernels.contract.keywords import takes_contract_keywords
-from flashport.kernels.semantics import varlen
 
 CONTRACT = (
     "scale=None, causal=False, window=None, align='bottom_right', softcap=None, bias=None, mask=None, "

@@ -260,7 +260,7 @@ def test_kvcache_mask(s_q, extra, causal, window):
 )
 def test_varlen_layout(lens, causal, align, window, pad):
     """Packed sequences: sequence b is its own call; padded tokens see nothing and are seen by none."""
-    from flashport.kernels.semantics.varlen import varlen_layout
+    from flashport.kernels.contract.varlen import varlen_layout
 
     cu_q = np.concatenate([[0], np.cumsum([a for a, _ in lens])])
     cu_k = np.concatenate([[0], np.cumsum([b for _, b in lens])])

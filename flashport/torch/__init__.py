@@ -53,7 +53,7 @@ from flashport.kernels.contract.keywords import (
     pick,
     takes_contract_keywords,
 )
-from flashport.kernels.semantics.varlen import run_varlen
+from flashport.kernels.contract.varlen import run_varlen
 from flashport.torch import _checks, _dropout, _flex, _jax, _native, _routing
 from flashport.torch._checks import check
 from flashport.torch._flex_api import create_block_mask, flex_attention

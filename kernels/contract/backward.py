@@ -23,17 +23,19 @@ call with ``return_lse=True``, so the backward always matches the forward that m
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 
-from flashport.kernels.contract import api, deferred, registry
+from flashport.kernels.contract import dispatch, execute
+from flashport.kernels.contract.dispatch import flashport_attention_backward
+from flashport.kernels.contract.execute import recompute_backward, run_backend
 from flashport.kernels.contract.keywords import takes_contract_keywords
+from flashport.kernels.contract.validate import prepare, prepare_mods
 from flashport.kernels.semantics import bias_grad
 
-log = logging.getLogger("flashport")
+# The backward's lower-layer names that callers reach through ``backward``.
+__all__ = ["attention_backward", "flashport_attention_backward", "recompute_backward", "run_backend"]
 
 
 @takes_contract_keywords()
@@ -76,17 +78,15 @@ def attention_backward(
     """
     bias, layout = contract.pop("bias"), contract["layout"]
     options = dict(contract, return_lse=True, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-    (q, k, v, bias_c, mask_c, q_seg, kv_seg, seed), call = api.prepare(
-        query, key, value, bias=bias, **options
-    )
+    (q, k, v, bias_c, mask_c, q_seg, kv_seg, seed), call = prepare(query, key, value, bias=bias, **options)
     if bias is not None:  # dbias is among the results: only backends with bias gradients qualify
         call = dataclasses.replace(call, features=call.features | {bias_grad.FEATURE})
-    mods = api.prepare_mods(query, key, score_mod, mask_mod, block_mask, layout)
+    mods = prepare_mods(query, key, score_mod, mask_mod, block_mask, layout)
     if mods is not None:
         call = dataclasses.replace(call, features=call.features | mods.features)
 
     def canonical(query, key, value, bias):
-        arrays, _ = api.prepare(query, key, value, bias=bias, **options)
+        arrays, _ = prepare(query, key, value, bias=bias, **options)
         return arrays[:3] + arrays[3:4]
 
     # The layout transposes, bias reshape and dtype cast of `prepare`, pulled back onto the user's arrays.
@@ -107,67 +107,8 @@ def attention_backward(
         out, d_out = jnp.swapaxes(out, 1, 2), jnp.swapaxes(d_out, 1, 2)
     lse = jnp.asarray(lse, jnp.float32)
     d_lse = jnp.zeros((b, hq, sq), jnp.float32) if d_lse is None else jnp.asarray(d_lse, jnp.float32)
-    choice = api._resolve_backend(backend, call)
-    dq, dk, dv, dbias = flashport_attention_backward(
+    choice = execute.resolve_backend(backend, call)
+    dq, dk, dv, dbias = dispatch.flashport_attention_backward(
         q, k, v, bias_c, mask_c, q_seg, kv_seg, seed, out, lse, d_out, d_lse, mods, call=call, choice=choice
     )
     return to_user((dq, dk, dv, dbias))
-
-
-@functools.partial(jax.jit, static_argnames=("call", "choice"))
-def flashport_attention_backward(
-    q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, mods=None, *, call: api.Call, choice
-):
-    """The jitted backward on canonical arrays; returns canonical ``(dq, dk, dv, dbias)``. ``mods``:
-    the forward's score_mod / mask_mod (:mod:`flashport.kernels.semantics.mods`), or None."""
-    args = (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse)
-    with jax.named_scope("flashport_attention_backward"):
-        if call.kv_shape[2] == 0:  # no keys: out = 0, lse = -inf, every gradient is 0
-            zeros = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
-            return (*zeros, None if bias is None else jnp.zeros_like(bias))
-        if choice is not None:
-            return run_backend(choice, call, args, mods)
-        picks = {p: registry.choose(p, call) for p in api.PLATFORMS}
-        names = {name for name, _ in picks.values()}
-        if len(names) == 1:
-            return run_backend(registry.BackendChoice(names.pop()), call, args, mods)
-        if mods is None:
-            branches = api.platform_branches(picks, call, _run_positional, deferred.run_backward)
-        else:  # a mod's closed-over arrays cannot cross a deferred equation: every branch is traced
-            branches = api.platform_branches(picks, call, functools.partial(_run_positional, mods=mods))
-        return jax.lax.platform_dependent(*args, **branches)
-
-
-def run_backend(choice, call, args, mods=None):
-    """``(dq, dk, dv, dbias)`` of backend ``choice`` from the canonical forward args, ``out``, ``lse``
-    and the cotangents: its residual backward, or the recomputing fallback. ``mods``: the forward's
-    score_mod / mask_mod, or None."""
-    info = registry.get(choice.name)
-    options = choice.options_dict
-    extra = {} if mods is None else {"mods": mods}  # only backends with the mod features get mods
-    if info.backward is not None:
-        return tuple(info.backward(*args, spec=call.spec, options=options, **extra))
-    log.debug(
-        "flashport_attention_backward: backend %s has no residual backward; recomputing its "
-        "forward under jax.vjp",
-        info.name,
-    )
-    fn = functools.partial(info.fn, **extra)
-    return recompute_backward(fn, *args, spec=call.spec, options=options)
-
-
-def _run_positional(choice, call, *args, mods=None):
-    return run_backend(choice, call, args, mods)
-
-
-def recompute_backward(
-    fn, q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_lse, *, spec, options
-):
-    """The fallback for backends without a residual backward: ``jax.vjp`` of the backend's forward
-    ``fn`` (``out`` and ``lse`` are ignored; the forward runs again)."""
-
-    def forward(q, k, v, bias):
-        return fn(q, k, v, bias, mask, q_seg, kv_seg, seed, spec=spec, options=options)
-
-    _, vjp = jax.vjp(forward, q, k, v, bias)
-    return tuple(vjp((d_out.astype(q.dtype), d_lse)))

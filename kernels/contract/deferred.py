@@ -10,7 +10,7 @@ module is lowered for that platform, and otherwise costs nothing.
 
 Transformations keep it deferred: its JVP is the deferred forward plus a deferred linear tangent
 equation whose transpose is the backend's residual backward
-(:func:`flashport.kernels.contract.backward.run_backend`, from ``out`` and ``lse``), and ``vmap`` records the
+(:func:`flashport.kernels.contract.execute.run_backend`, from ``out`` and ``lse``), and ``vmap`` records the
 batch axes the lowering maps over. Forward-mode autodiff of a deferred branch lowers
 ``jax.jvp`` of the backend, which backends with a ``custom_vjp`` refuse, as they do when traced.
 """
@@ -25,10 +25,12 @@ import jax.numpy as jnp
 from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
 
+from flashport.kernels.contract import execute
+
 deferred_p = core.Primitive("flashport_deferred_backend")
 deferred_p.multiple_results = True
 
-# Canonical arrays (kernels/contract/api.py): q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed.
+# Canonical arrays (kernels/contract/call.py): q, k, v, bias, mask, q_segment_ids, kv_segment_ids, seed.
 N_CANONICAL = 8
 
 
@@ -58,7 +60,7 @@ def run_backward(choice, call, *args: jax.Array | None) -> tuple[jax.Array | Non
     """``(dq, dk, dv, dbias)`` of backend ``choice``'s residual backward, traced when lowered.
 
     ``args``: the canonical arrays, then ``out``, ``lse``, ``d_out``, ``d_lse``
-    (:func:`flashport.kernels.contract.backward.run_backend`).
+    (:func:`flashport.kernels.contract.execute.run_backend`).
     """
     canonical, residuals = args[:N_CANONICAL], args[N_CANONICAL:]
     present = tuple(a is not None for a in canonical)
@@ -90,12 +92,10 @@ def _full(present, operands) -> list[Any]:
 
 def _base(mode: str, choice, call, present) -> Callable[..., tuple]:
     """The unbatched function an equation of ``mode`` lowers to."""
-    from flashport.kernels.contract import api, backward
-
     n, n_diff = sum(present), _n_diff(present)
 
     def forward(*operands):
-        return tuple(api._run(choice, call, tuple(_full(present, operands))))
+        return tuple(execute.run(choice, call, tuple(_full(present, operands))))
 
     if mode == "forward":
         return forward
@@ -114,7 +114,7 @@ def _base(mode: str, choice, call, present) -> Callable[..., tuple]:
     def backward_fn(*operands):  # operands: primals, out, lse, d_out, d_lse
         primals, (out, lse, d_out, d_lse) = operands[:n], operands[n:]
         full = _full(present, primals)
-        grads = backward.run_backend(choice, call, (*full, out, lse, d_out.astype(out.dtype), d_lse))
+        grads = execute.run_backend(choice, call, (*full, out, lse, d_out.astype(out.dtype), d_lse))
         pairs = zip(grads[:n_diff], full[:n_diff], strict=True)
         return tuple(jnp.zeros_like(p) if g is None else g.astype(p.dtype) for g, p in pairs)
 

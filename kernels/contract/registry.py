@@ -15,12 +15,10 @@ import dataclasses
 import importlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from flashport.kernels.contract.call import Call
 from flashport.kernels.contract.spec import FEATURES
-
-if TYPE_CHECKING:  # api imports this module at run time
-    from flashport.kernels.contract.api import Call
 
 log = logging.getLogger("flashport")
 

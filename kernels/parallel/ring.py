@@ -48,9 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from flashport.kernels.contract import api, registry
+from flashport.kernels.contract import registry
+from flashport.kernels.contract.call import PLATFORMS
 from flashport.kernels.contract.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
 from flashport.kernels.contract.spec import AttentionSpec, make_spec
+from flashport.kernels.contract.validate import prepare
 from flashport.kernels.parallel.ring_backend import BackendRing
 from flashport.kernels.parallel.ring_blockwise import BlockwiseRing
 from flashport.kernels.semantics import seq_layout as layouts
@@ -126,9 +128,7 @@ def ring_attention(
             "global positions and the backends take no position offset yet; use dropout_rate=0.0, or "
             "flashport.attention on gathered arrays"
         )
-    (q, k, v, _, _, q_seg, kv_seg, _), call = api.prepare(
-        query, key, value, return_lse=return_lse, **contract
-    )
+    (q, k, v, _, _, q_seg, kv_seg, _), call = prepare(query, key, value, return_lse=return_lse, **contract)
     seq_layout_ = seq_layout_check(seq_layout)
     n = _axis_size(mesh, axis_name, "axis_name")
     inside = _inside_shard_map(axis_name)
@@ -332,7 +332,7 @@ def mesh_platform(mesh) -> str | None:
     else:
         platforms = {d.platform for d in np.asarray(mesh.devices).flat}
     platform = platforms.pop() if len(platforms) == 1 else None
-    return platform if platform in api.PLATFORMS else None  # a "gpu" device does not say cuda or rocm
+    return platform if platform in PLATFORMS else None  # a "gpu" device does not say cuda or rocm
 
 
 def _ring_shard(q, k, v, q_seg, kv_seg, *, engine, axis_name):

@@ -14,7 +14,7 @@ is transposed once on entry).
   key piece) with the *global* ``out`` and ``lse`` of the forward: the flash backward's
   probabilities ``exp(s − lse)`` are then the global ones restricted to the visiting keys, so the
   contributions are exact and no forward is recomputed. Backends without a residual backward fall
-  back to recomputing their forward under ``jax.vjp`` (:func:`~flashport.kernels.contract.backward.recompute_backward`).
+  back to recomputing their forward under ``jax.vjp`` (:func:`~flashport.kernels.contract.execute.recompute_backward`).
 
 Every (shard, piece, visiting shard, piece) combination takes one branch of the ring's plan
 (:class:`flashport.kernels.parallel.ring.Plan`): empty (skipped: out 0, lse −inf, zero gradients), full or
@@ -28,21 +28,22 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flashport.kernels.contract import api, backward
+from flashport.kernels.contract import dispatch, execute
+from flashport.kernels.contract.call import DTYPES, Call
 from flashport.kernels.contract.spec import AttentionSpec
 
 
-def local_call(spec: AttentionSpec, features, q, k, v) -> api.Call:
+def local_call(spec: AttentionSpec, features, q, k, v) -> Call:
     """The static :class:`~flashport.kernels.contract.api.Call` of one piece pair with local ``spec``."""
     feats = set(features) - {"causal", "window", "align_bottom_right", "bias", "mask", "dropout"}
     feats |= {"return_lse", *spec.positional_features}
-    return api.Call(
+    return Call(
         spec=spec,
         features=frozenset(feats),
         q_shape=tuple(q.shape),
         kv_shape=tuple(k.shape),
         v_head_dim=v.shape[-1],
-        dtype=api.DTYPES[q.dtype],
+        dtype=DTYPES[q.dtype],
         bias_shape=None,
     )
 
@@ -70,11 +71,11 @@ def merge(acc, part):
 
 
 def _forward_local(call, choice, q, k, v, qs, ks):
-    return api.flashport_attention(q, k, v, None, None, qs, ks, None, call=call, choice=choice)
+    return dispatch.flashport_attention(q, k, v, None, None, qs, ks, None, call=call, choice=choice)
 
 
 def _backward_local(call, choice, q, k, v, qs, ks, out, lse, d_out, d_lse):
-    grads = backward.flashport_attention_backward(
+    grads = dispatch.flashport_attention_backward(
         q, k, v, None, None, qs, ks, None, out, lse, d_out, d_lse, call=call, choice=choice
     )
     return tuple(g.astype(jnp.float32) for g in grads[:3])
@@ -111,7 +112,7 @@ class BackendRing:
                     self._bwd.append(_empty_backward)
                     continue
                 call = local_call(sp, self.features, *shapes)
-                choice = api._resolve_backend(self.backend, call)
+                choice = execute.resolve_backend(self.backend, call)
                 self._fwd.append(functools.partial(_forward_local, call, choice))
                 self._bwd.append(functools.partial(_backward_local, call, choice))
         return self._fwd, self._bwd

@@ -32,7 +32,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flashport.kernels.contract import api, backward
+from flashport.kernels.contract import dispatch, execute
+from flashport.kernels.contract.call import Call
+from flashport.kernels.contract.validate import prepare
 from flashport.kernels.parallel import ring
 
 
@@ -58,7 +60,7 @@ def wanted(query, key) -> bool:
 
 def attention(query, key, value, *, backend, return_lse, **contract):
     """:func:`flashport.attention` (no bias, mask or dropout) with the ring decided at partition time."""
-    (q, k, v, _, _, q_seg, kv_seg, _), call = api.prepare(query, key, value, return_lse=True, **contract)
+    (q, k, v, _, _, q_seg, kv_seg, _), call = prepare(query, key, value, return_lse=True, **contract)
     layout = contract["layout"]
     if layout == "BSHD":  # the partitioned op takes the user's layout: its sequence dim is the sharded one
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
@@ -72,16 +74,16 @@ def attention(query, key, value, *, backend, return_lse, **contract):
     return (out, lse) if return_lse else out
 
 
-def _without_lse(call: api.Call) -> api.Call:
+def _without_lse(call: Call) -> Call:
     return dataclasses.replace(call, features=call.features - {"return_lse"})
 
 
 @dataclasses.dataclass(frozen=True)
 class _Op:
-    """The static part of one partitioned call: the global :class:`~flashport.kernels.contract.api.Call`,
+    """The static part of one partitioned call: the global :class:`~flashport.kernels.contract.Call`,
     the backend the user asked for and the user's layout."""
 
-    call: api.Call
+    call: Call
     backend: object
     layout: str
 
@@ -99,7 +101,7 @@ class _Op:
         dims[self.seq_dim], dims[self.head_dim] = seq, heads
         return P(*dims)
 
-    def local_call(self, q, k, v) -> api.Call:
+    def local_call(self, q, k, v) -> Call:
         """The Call of one shard (canonical shapes of the shard's arrays)."""
         canon = [jnp.swapaxes(x, 1, 2) if self.layout == "BSHD" else x for x in (q, k, v)]
         return dataclasses.replace(
@@ -119,16 +121,18 @@ class _Op:
         """Attention of whole sequences (one shard of the batch/heads, or everything)."""
         call = self.local_call(q, k, v)
         cq, ck, cv = self.canonical(q, k, v)
-        choice = api._resolve_backend(self.backend, call)
-        out, lse = api.flashport_attention(cq, ck, cv, None, None, qs, ks, None, call=call, choice=choice)
+        choice = execute.resolve_backend(self.backend, call)
+        out, lse = dispatch.flashport_attention(
+            cq, ck, cv, None, None, qs, ks, None, call=call, choice=choice
+        )
         return self.canonical(out)[0], lse
 
     def plain_backward(self, q, k, v, qs, ks, out, lse, d_out, d_lse):
         """The residual backward of :meth:`plain_forward`: ``(dq, dk, dv)``."""
         call = self.local_call(q, k, v)
         cq, ck, cv, cout, cdo = self.canonical(q, k, v, out, d_out)
-        choice = api._resolve_backend(self.backend, call)
-        grads = backward.flashport_attention_backward(
+        choice = execute.resolve_backend(self.backend, call)
+        grads = dispatch.flashport_attention_backward(
             cq, ck, cv, None, None, qs, ks, None, cout, lse, cdo, d_lse, call=call, choice=choice
         )
         return tuple(self.canonical(*grads[:3]))

@@ -316,7 +316,7 @@ def varlen_attention(
     if attention is None:
         if is_torch_tensor(query):
             raise TypeError(
-                "flashport.kernels.semantics.varlen.varlen_attention takes JAX arrays, got a torch tensor; use "
+                "flashport.kernels.contract.varlen.varlen_attention takes JAX arrays, got a torch tensor; use "
                 "flashport.varlen_attention or flashport.torch.varlen_attention for torch tensors"
             )
         from flashport.kernels.contract.api import attention
