@@ -300,7 +300,7 @@ def test_cost_estimate_is_analytic():
     jaxpr = jax.make_jaxpr(
         lambda q: fn(q, q, q, None, None, None, None, None, spec=spec, options=dict(block_q=128, block_k=128))
     )(q)
-    # The TPU lowering and its interpreter fallback (pallas_tpu.platform) carry the same kernel.
+    # The TPU lowering and its interpreter fallback (backends.pallas_platform) carry the same kernel.
     costs = {e.params["cost_estimate"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"}
     assert len(costs) == 1
     costs = list(costs)

@@ -201,16 +201,10 @@ registry.register(
         features=FEATURES,
         fn=splash_attention,
         check=check_call,
-    )
-)
-registry.register(
-    registry.BackendInfo(
-        name="splash_interpret",
-        description="The splash kernels in the Pallas interpreter on CPU (slow; for tests, never "
-        "chosen by auto).",
-        platforms=("cpu",),
-        features=FEATURES,
-        fn=splash_interpret_attention,
-        check=check_call,
+        interpret=registry.InterpretTwin(
+            description="The splash kernels in the Pallas interpreter on CPU (slow; for tests, never "
+            "chosen by auto).",
+            fn=splash_interpret_attention,
+        ),
     )
 )

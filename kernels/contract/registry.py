@@ -42,6 +42,24 @@ AUTO_PREFERENCE = {
 
 
 @dataclasses.dataclass(frozen=True)
+class InterpretTwin:
+    """A backend's kernels run by the Pallas interpreter on CPU, declared on its :class:`BackendInfo`.
+
+    :func:`register` registers it as ``<name>_interpret``: CPU only, never chosen by ``auto``, with
+    the backend's features, ``check`` and ``deferrable``.
+
+    Attributes:
+      description: one line for ``flashport.backends()`` and the porting guide.
+      fn: the interpreted forward (same signature as ``BackendInfo.fn``).
+      backward: optional interpreted residual backward (see ``BackendInfo.backward``).
+    """
+
+    description: str
+    fn: Callable[..., Any]
+    backward: Callable[..., Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class BackendInfo:
     """What one backend is, where it runs and what it supports.
 
@@ -63,6 +81,7 @@ class BackendInfo:
       deferrable: whether ``auto`` may leave it untraced until a module is lowered for its platform
         (:mod:`flashport.kernels.contract.deferred`); False for one whose lowering cannot run nested inside
         another equation's (cuDNN's ``custom_partitioning`` needs the module's device assignment).
+      interpret: optional :class:`InterpretTwin`, registered with it as ``<name>_interpret``.
     """
 
     name: str
@@ -75,6 +94,7 @@ class BackendInfo:
     prefer: Callable[[Call], str | None] | None = None
     backward: Callable[..., Any] | None = None
     deferrable: bool = True
+    interpret: InterpretTwin | None = None
 
     @property
     def available(self) -> bool:
@@ -119,12 +139,32 @@ _loaded = False
 
 
 def register(info: BackendInfo) -> BackendInfo:
-    """Add (or replace) a backend in the registry and return it."""
+    """Add (or replace) a backend in the registry, and its interpret twin if it declares one; return it."""
     unknown = set(info.features) - set(FEATURES)
     if unknown:
         raise ValueError(f"backend {info.name!r} declares unknown features {sorted(unknown)}")
     _REGISTRY[info.name] = info
+    if info.interpret is not None:
+        twin = interpret_twin(info)
+        _REGISTRY[twin.name] = twin
     return info
+
+
+def interpret_twin(info: BackendInfo) -> BackendInfo:
+    """The ``<name>_interpret`` backend of ``info``'s :class:`InterpretTwin`: the same kernels in the
+    Pallas interpreter on CPU, with ``info``'s features and limits."""
+    if info.interpret is None:
+        raise ValueError(f"backend {info.name!r} declares no interpret twin")
+    return BackendInfo(
+        name=f"{info.name}_interpret",
+        description=info.interpret.description,
+        platforms=("cpu",),
+        features=info.features,
+        fn=info.interpret.fn,
+        check=info.check,
+        backward=info.interpret.backward,
+        deferrable=info.deferrable,
+    )
 
 
 def _load_builtin() -> None:

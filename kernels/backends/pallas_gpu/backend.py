@@ -35,8 +35,8 @@ import numpy as np
 
 from flashport.kernels.backends.pallas_gpu.backward import dbias_layout, dkv_call, dq_call
 from flashport.kernels.backends.pallas_gpu.forward import forward_call
-from flashport.kernels.backends.pallas_gpu.platform import cuda_only
 from flashport.kernels.backends.pallas_gpu.tiling import MIN_BLOCK, Geometry, dropout_rows, next_power_of_two
+from flashport.kernels.backends.pallas_platform import cuda_only
 from flashport.kernels.contract import registry
 from flashport.kernels.contract.spec import FEATURES, AttentionSpec
 from flashport.kernels.semantics.padding import pad_broadcastable, pad_to
@@ -142,7 +142,7 @@ def _operands(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
 
 def _launch(cfg: Config, call, g: Geometry, named: dict, **kwargs):
     """Run kernel builder ``call(g, named, interpret=..., **kwargs)``; for the real backend through
-    :func:`~flashport.kernels.backends.pallas_gpu.platform.cuda_only` (Triton on CUDA, interpreter elsewhere)."""
+    :data:`~flashport.kernels.backends.pallas_platform.cuda_only` (Triton on CUDA, interpreter elsewhere)."""
     names = [n for n, x in named.items() if x is not None]
 
     def make(interpret):
@@ -286,16 +286,10 @@ registry.register(
         fn=pallas_gpu_attention,
         check=check_call,
         is_available=cuda_present,
-    )
-)
-registry.register(
-    registry.BackendInfo(
-        name="pallas_gpu_interpret",
-        description="The pallas_gpu kernels run by the Pallas interpreter on CPU (slow; for tests and "
-        "debugging, never chosen by auto).",
-        platforms=("cpu",),
-        features=frozenset(FEATURES),
-        fn=pallas_gpu_interpret_attention,
-        check=check_call,
+        interpret=registry.InterpretTwin(
+            description="The pallas_gpu kernels run by the Pallas interpreter on CPU (slow; for tests "
+            "and debugging, never chosen by auto).",
+            fn=pallas_gpu_interpret_attention,
+        ),
     )
 )

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from flashport.kernels.backends.pallas_platform import tpu_only
 from flashport.kernels.backends.pallas_tpu.backward import dkv_call, dq_call
 from flashport.kernels.backends.pallas_tpu.blocks import (
     FORWARD_VMEM_BUDGET,
@@ -30,7 +31,6 @@ from flashport.kernels.backends.pallas_tpu.blocks import (
 from flashport.kernels.backends.pallas_tpu.classify import with_full_ranges
 from flashport.kernels.backends.pallas_tpu.forward import forward_call
 from flashport.kernels.backends.pallas_tpu.layout import token_major_pays
-from flashport.kernels.backends.pallas_tpu.platform import tpu_only
 from flashport.kernels.backends.pallas_tpu.sharding import partitioned
 from flashport.kernels.backends.pallas_tpu.specs import Operands
 from flashport.kernels.backends.pallas_tpu.tiling import (
@@ -545,16 +545,11 @@ registry.register(
         features=frozenset(FEATURES),
         fn=pallas_tpu_attention,
         backward=pallas_tpu_backward,
-    )
-)
-registry.register(
-    registry.BackendInfo(
-        name="pallas_tpu_interpret",
-        description="The pallas_tpu kernels run in the TPU interpreter on CPU (slow; for tests and "
-        "debugging, never chosen by auto).",
-        platforms=("cpu",),
-        features=frozenset(FEATURES),
-        fn=pallas_tpu_interpret_attention,
-        backward=pallas_tpu_interpret_backward,
+        interpret=registry.InterpretTwin(
+            description="The pallas_tpu kernels run in the TPU interpreter on CPU (slow; for tests and "
+            "debugging, never chosen by auto).",
+            fn=pallas_tpu_interpret_attention,
+            backward=pallas_tpu_interpret_backward,
+        ),
     )
 )
