@@ -23,7 +23,7 @@ from flashport.kernels.contract.spec import FEATURES
 log = logging.getLogger("flashport")
 
 # Modules that register backends on import. Missing optional modules are skipped.
-_BACKEND_MODULES = (
+BACKEND_MODULES = (
     "flashport.kernels.backends.xla",
     "flashport.kernels.backends.blockwise",
     "flashport.kernels.backends.cudnn",
@@ -172,7 +172,7 @@ def _load_builtin() -> None:
     if _loaded:
         return
     _loaded = True
-    for module in _BACKEND_MODULES:
+    for module in BACKEND_MODULES:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:  # an optional backend module that is not shipped yet
