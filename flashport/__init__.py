@@ -20,6 +20,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers (no import at run time)
+    from flashport.fusion.fuse import find_attention as find_attention
+    from flashport.fusion.fuse import fuse_attention as fuse_attention
     from flashport.kernels.contract.api import attention as attention
     from flashport.kernels.contract.backward import attention_backward as attention_backward
     from flashport.kernels.contract.registry import BackendInfo as BackendInfo
@@ -28,8 +30,6 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers (no
     from flashport.kernels.semantics import seq_layout as seq_layout
     from flashport.kernels.semantics.block_mask import block_mask as block_mask
     from flashport.kernels.semantics.sdpa_compat import sdpa_mask as sdpa_mask
-    from flashport.rewriter.jaxpr.fuse import find_attention as find_attention
-    from flashport.rewriter.jaxpr.fuse import fuse_attention as fuse_attention
 
 __version__ = "0.1.0"
 
@@ -40,8 +40,8 @@ _LAZY = {
     "backends": "flashport.kernels.contract.registry:backends",
     "block_mask": "flashport.kernels.semantics.block_mask:block_mask",
     "BackendInfo": "flashport.kernels.contract.registry:BackendInfo",
-    "fuse_attention": "flashport.rewriter.jaxpr.fuse:fuse_attention",
-    "find_attention": "flashport.rewriter.jaxpr.fuse:find_attention",
+    "fuse_attention": "flashport.fusion.fuse:fuse_attention",
+    "find_attention": "flashport.fusion.fuse:find_attention",
     "sdpa_mask": "flashport.kernels.semantics.sdpa_compat:sdpa_mask",
     "ring_attention": "flashport.kernels.parallel.ring:ring_attention",
 }

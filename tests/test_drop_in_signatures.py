@@ -165,7 +165,7 @@ def test_catalogue_imports_neither_jax_nor_torch():
 def test_drop_in_tables_point_at_catalogued_drop_ins():
     """The codemod's drop-in tables (values replaced by a drop-in, imports re-pointed to one) name
     only drop-ins whose signature the catalogue checks."""
-    from flashport.rewriter.drop_in_imports import DROP_INS
+    from flashport.rewriter.imports.drop_in_imports import DROP_INS
     from flashport.rules.common import values
 
     tables = [(module, name) for module, names in values.PROVIDES.items() for name in names]
