@@ -103,7 +103,7 @@ def visible(length, lengths, q_lengths, s_q, causal, window, leftpad):
     lengths[b]``; causal/window bottom-right on the sequence's own query count ``q_lengths[b]``."""
     import torch
 
-    from flashport.kernels.visibility import band_visible
+    from flashport.kernels.semantics.visibility import band_visible
 
     i = torch.arange(s_q, device=lengths.device)[None, :, None]
     j = torch.arange(length, device=lengths.device)[None, None, :]

@@ -328,7 +328,7 @@ def varlen_core(
 ):
     """Packed variable-length attention on the contract, shared by the flash-attn 1/2/3/4 drop-ins.
 
-    The O(total) layout of :func:`flashport.varlen_attention` (:mod:`flashport.kernels.varlen`),
+    The O(total) layout of :func:`flashport.varlen_attention` (:mod:`flashport.kernels.contract.varlen`),
     batch 1 through :func:`flashport.torch.attention`; a paged ``k``/``v`` [num_blocks, page, Hk, D] is first
     gathered through ``block_table`` [B, max_blocks].
 
@@ -342,7 +342,7 @@ def varlen_core(
       ``out`` [total_q, H, D] (0 past ``cu_seqlens_q[-1]``), or ``(out, lse)``.
     """
     import flashport.torch
-    from flashport.kernels.varlen import attend_varlen
+    from flashport.kernels.contract.varlen import attend_varlen
 
     if block_table is not None:
         k, v = _paged(k, block_table, cu_seqlens_k), _paged(v, block_table, cu_seqlens_k)

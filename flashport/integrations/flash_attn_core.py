@@ -7,7 +7,7 @@ conversion is defined once and no module imports another's private names.
 
 from __future__ import annotations
 
-from flashport.kernels.visibility import band_visible
+from flashport.kernels.semantics.visibility import band_visible
 
 
 def flash_attn_window(window_size):

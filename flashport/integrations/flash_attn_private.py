@@ -194,7 +194,7 @@ def _flash_attn_backward(
 
 class _Varlen:
     """One private varlen call on the contract in O(total) memory: the layout of
-    :func:`flashport.kernels.varlen.varlen_plan` (packed rows as they are, or each sequence's queries
+    :func:`flashport.kernels.contract.varlen.varlen_plan` (packed rows as they are, or each sequence's queries
     and keys gathered into a virtual layout under one top-left band), or, for dropout where the
     virtual layout would move the keep-mask's packed positions, the packed rows and a dense mask."""
 
@@ -202,7 +202,7 @@ class _Varlen:
         import torch
 
         from flashport.integrations.flash_attn_core import flash_attn_window
-        from flashport.kernels.varlen import varlen_layout, varlen_plan
+        from flashport.kernels.contract.varlen import varlen_layout, varlen_plan
 
         self.band = dict(causal=bool(causal), window=flash_attn_window((window_size_left, window_size_right)))
         self.plan = varlen_plan(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
