@@ -8,6 +8,8 @@ once and no module imports another's private names.
 
 from __future__ import annotations
 
+import inspect
+
 from flashport.kernels.varlen import attend_varlen
 from flashport.kernels.visibility import band_visible
 
@@ -21,7 +23,56 @@ __all__ = [
     "lse_like_flash_attn",
     "paged_rows",
     "varlen_core",
+    "with_signature",
 ]
+
+
+def with_signature(parameters, defaults):
+    """Decorator: the drop-in ``body`` behind exactly the signature of the API it replaces.
+
+    flash-attn's functions share long parameter lists; each drop-in states its list once, here, and
+    its body receives the bound arguments by name (defaults applied), usually gathering the shared
+    ones in ``**options``. ``inspect.signature`` of the result is the API's.
+
+    Args:
+      parameters: the names in order, space-separated. Names after ``|`` take ``defaults[name]``;
+        names after ``*`` are keyword-only (with ``defaults[name]``); ``**name`` collects any other
+        keywords (the body receives them as one dict ``name``).
+      defaults: each optional parameter's default.
+
+    A call that does not fit the signature raises TypeError naming the function, as Python would.
+    """
+    kind, optional, listed = inspect.Parameter.POSITIONAL_OR_KEYWORD, False, []
+    for name in parameters.split():
+        if name in ("|", "*"):
+            optional = True
+            kind = inspect.Parameter.KEYWORD_ONLY if name == "*" else kind
+        elif name.startswith("**"):
+            listed.append(inspect.Parameter(name[2:], inspect.Parameter.VAR_KEYWORD))
+        else:
+            default = defaults[name] if optional else inspect.Parameter.empty
+            listed.append(inspect.Parameter(name, kind, default=default))
+    signature = inspect.Signature(listed)
+
+    def decorate(body):
+        def drop_in(*args, **kwargs):
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as err:
+                raise TypeError(f"{body.__name__}() {err}") from None
+            bound.apply_defaults()
+            return body(**bound.arguments)
+
+        drop_in.__signature__ = signature
+        drop_in.__name__, drop_in.__qualname__, drop_in.__doc__ = (
+            body.__name__,
+            body.__qualname__,
+            body.__doc__,
+        )
+        drop_in.__module__ = body.__module__
+        return drop_in
+
+    return decorate
 
 
 def flash_attn_window(window_size):

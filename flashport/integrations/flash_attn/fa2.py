@@ -44,6 +44,7 @@ from flashport.integrations.flash_attn.core import (
     lse_like_flash_attn,
     paged_rows,
     varlen_core,
+    with_signature,
 )
 
 __all__ = [
@@ -142,23 +143,39 @@ def _insert_copy(k_cache, v_cache, k, v, lengths):
 
 # ----------------------------------------------------------------------------------- shared pieces
 
+# flash-attn 2.8.3's parameters after the tensors (and cu_seqlens / max_seqlen), and their defaults.
+_TAIL = "dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic return_attn_probs"
+_VARLEN = "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k"
+_FA1_TAIL = "softmax_scale causal return_attn_probs deterministic"  # after a required dropout_p
+_DEFAULTS = {
+    "dropout_p": 0.0,
+    "softmax_scale": None,
+    "causal": False,
+    "window_size": (-1, -1),
+    "softcap": 0.0,
+    "alibi_slopes": None,
+    "deterministic": False,
+    "return_attn_probs": False,
+    "block_table": None,
+}
+# What flash-attn 1.x had not: its varlen calls are FA2's without window, softcap or ALiBi, top-left.
+_FA1 = dict(window_size=(-1, -1), softcap=0.0, alibi_slopes=None, align="top_left")
 
-def _dense(
-    q,
-    k,
-    v,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    return_attn_probs,
-    align="bottom_right",
-):
+
+def _contract(softmax_scale, causal, window_size, softcap, **ignored):
+    """flash-attn's scale and band options as the contract's keywords. ``ignored``: ``deterministic``
+    and ``max_seqlen_*`` (backward determinism and kernel launch sizes)."""
+    return dict(
+        scale=softmax_scale, causal=causal, window=flash_attn_window(window_size), softcap=softcap or None
+    )
+
+
+def _dense(q, k, v, *, dropout_p, alibi_slopes, return_attn_probs, **options):
     """The BSHD functions' common body."""
     import flashport.torch
 
+    contract = _contract(**options)
+    causal = contract["causal"]
     bias = (
         None if alibi_slopes is None else alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
     )
@@ -166,11 +183,8 @@ def _dense(
         q,
         k,
         v,
-        scale=softmax_scale,
-        causal=causal,
-        window=flash_attn_window(window_size),
-        align=align,
-        softcap=softcap or None,
+        **contract,
+        align="bottom_right",
         bias=bias,
         layout="BSHD",
         return_lse=bool(return_attn_probs),
@@ -189,68 +203,29 @@ def _s_dmask(q, dropout_p):
 
 
 # ----------------------------------------------------------------------------------- dense [B, S, H, D]
+# Each public function states flash-attn's signature once (``with_signature``) and receives the
+# shared options by name.
 
 
-# The public functions below mirror flash-attn 2.x's signatures one for one (a drop-in must accept
-# exactly what the original accepts), so their parameter lists are deliberately parallel; the shared
-# work lives in the private helpers they call.
-def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+@with_signature(f"q k v | {_TAIL}", _DEFAULTS)
+def flash_attn_func(q, k, v, **options):
     """flash-attn 2.x ``flash_attn_func``: q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D].
 
     With ``return_attn_probs=True`` returns ``(out, softmax_lse [B, H, Sq], S_dmask)`` (module docstring).
     """
-    return _dense(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
-    )
+    return _dense(q, k, v, **options)
 
 
-def flash_attn_qkvpacked_func(
-    qkv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+@with_signature(f"qkv | {_TAIL}", _DEFAULTS)
+def flash_attn_qkvpacked_func(qkv, **options):
     """flash-attn 2.x ``flash_attn_qkvpacked_func``: qkv [B, S, 3, H, D] -> [B, S, H, D]."""
-    q, k, v = qkv.unbind(2)
-    return _dense(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
-    )
+    return _dense(*qkv.unbind(2), **options)
 
 
-def flash_attn_kvpacked_func(
-    q,
-    kv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+@with_signature(f"q kv | {_TAIL}", _DEFAULTS)
+def flash_attn_kvpacked_func(q, kv, **options):
     """flash-attn 2.x ``flash_attn_kvpacked_func``: q [B, Sq, H, D], kv [B, Sk, 2, Hk, D] -> [B, Sq, H, D]."""
-    k, v = kv.unbind(2)
-    return _dense(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs
-    )
+    return _dense(q, *kv.unbind(2), **options)
 
 
 # ----------------------------------------------------------------------------------- varlen [total, H, D]
@@ -299,22 +274,17 @@ def _varlen(
     v,
     cu_seqlens_q,
     cu_seqlens_k,
+    *,
     dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
     alibi_slopes,
     return_attn_probs,
     block_table=None,
     align="bottom_right",
+    **options,
 ):
     """The flash-attn 1/2 varlen functions' common body (flash-attn's lse convention)."""
     options = dict(
-        scale=softmax_scale,
-        causal=causal,
-        window=flash_attn_window(window_size),
-        softcap=softcap or None,
+        **_contract(**options),
         align=align,
         dropout_p=dropout_p,
         return_lse=bool(return_attn_probs),
@@ -331,197 +301,39 @@ def _varlen(
     return result
 
 
-def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
-):
+@with_signature(f"q k v {_VARLEN} | {_TAIL} block_table", _DEFAULTS)
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
     """flash-attn 2.x ``flash_attn_varlen_func``: q [total_q, H, D], k/v [total_k, Hk, D] (or paged
     [num_blocks, page, Hk, D] with ``block_table`` [B, max_blocks]) -> [total_q, H, D]; lse [H, total_q].
     ``max_seqlen_*`` are ignored (kernel launch sizes)."""
-    return _varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        return_attn_probs,
-        block_table,
-    )
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
 
 
-def flash_attn_varlen_qkvpacked_func(
-    qkv,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+@with_signature(f"qkv cu_seqlens max_seqlen | {_TAIL}", _DEFAULTS)
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **options):
     """flash-attn 2.x ``flash_attn_varlen_qkvpacked_func``: qkv [total, 3, H, D] -> [total, H, D]."""
-    q, k, v = qkv.unbind(1)
-    return _varlen(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        cu_seqlens,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        return_attn_probs,
-    )
+    return _varlen(*qkv.unbind(1), cu_seqlens, cu_seqlens, **options)
 
 
-def flash_attn_varlen_kvpacked_func(
-    q,
-    kv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+@with_signature(f"q kv {_VARLEN} | {_TAIL}", _DEFAULTS)
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, **options):
     """flash-attn 2.x ``flash_attn_varlen_kvpacked_func``: q [total_q, H, D], kv [total_k, 2, Hk, D]."""
-    k, v = kv.unbind(1)
-    return _varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        return_attn_probs,
-    )
+    return _varlen(q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, **options)
 
 
-def flash_attn_unpadded_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale=None,
-    causal=False,
-    return_attn_probs=False,
-    deterministic=False,
-):
+@with_signature(f"q k v {_VARLEN} dropout_p | {_FA1_TAIL}", _DEFAULTS)
+def flash_attn_unpadded_func(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
     """flash-attn 1.x ``flash_attn_unpadded_func`` (``dropout_p`` required; causal **top-left**)."""
-    return _varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        (-1, -1),
-        0.0,
-        None,
-        return_attn_probs,
-        align="top_left",
-    )
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options, **_FA1)
 
 
-def flash_attn_unpadded_qkvpacked_func(
-    qkv,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p,
-    softmax_scale=None,
-    causal=False,
-    return_attn_probs=False,
-    deterministic=False,
-):
+@with_signature(f"qkv cu_seqlens max_seqlen dropout_p | {_FA1_TAIL}", _DEFAULTS)
+def flash_attn_unpadded_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **options):
     """flash-attn 1.x ``flash_attn_unpadded_qkvpacked_func``: qkv [total, 3, H, D] (causal top-left)."""
-    q, k, v = qkv.unbind(1)
-    return _varlen(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        cu_seqlens,
-        dropout_p,
-        softmax_scale,
-        causal,
-        (-1, -1),
-        0.0,
-        None,
-        return_attn_probs,
-        align="top_left",
-    )
+    return _varlen(*qkv.unbind(1), cu_seqlens, cu_seqlens, **options, **_FA1)
 
 
-def flash_attn_unpadded_kvpacked_func(
-    q,
-    kv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale=None,
-    causal=False,
-    return_attn_probs=False,
-    deterministic=False,
-):
+@with_signature(f"q kv {_VARLEN} dropout_p | {_FA1_TAIL}", _DEFAULTS)
+def flash_attn_unpadded_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, **options):
     """flash-attn 1.x ``flash_attn_unpadded_kvpacked_func``: kv [total_k, 2, Hk, D] (causal top-left)."""
-    k, v = kv.unbind(1)
-    return _varlen(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        (-1, -1),
-        0.0,
-        None,
-        return_attn_probs,
-        align="top_left",
-    )
+    return _varlen(q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, **options, **_FA1)

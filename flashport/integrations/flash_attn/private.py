@@ -32,13 +32,12 @@ without autograd (they are kernels: the caller's ``torch.autograd.Function`` own
 
 from __future__ import annotations
 
-import inspect
-
 from flashport.integrations.flash_attn.core import (
     alibi_bias,
     flash_attn_window,
     lse_from_flash_attn,
     lse_like_flash_attn,
+    with_signature,
 )
 from flashport.kernels.varlen import varlen_layout, varlen_plan
 
@@ -109,67 +108,60 @@ def _write(buffers, grads):
             buffer.copy_(grad.to(buffer.dtype))
 
 
-def _alibi(alibi_slopes, q, k, causal):
-    """flash-attn's ALiBi bias for a dense call, or None."""
-    return (
+# Each kernel states flash-attn's signature once (``with_signature``; flash-attn 2.8.3's for the 2.7+
+# kernels) and receives its arguments by name.
+_DEFAULTS = {
+    "window_size": (-1, -1),
+    "window_size_left": -1,
+    "window_size_right": -1,
+    "softcap": 0.0,
+    "alibi_slopes": None,
+    "return_softmax": False,
+    "block_table": None,
+    "leftpad_k": None,
+    "seqused_k": None,
+    "rng_state": None,
+    "zero_tensors": False,
+}
+_VARLEN = "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k"
+_GRADS = "dout q k v out softmax_lse dq dk dv"
+_HEAD = "dropout_p softmax_scale causal"
+_BAND = "window_size_left window_size_right softcap alibi_slopes"
+
+
+def _dense_call(q, k, step, *, dropout_p, alibi_slopes, rng_state=None, deterministic=False, **band):
+    """``(static, seed, bias)`` of a dense kernel call (``step``: ``"forward"`` or ``"backward"``);
+    ``band``: softmax_scale, causal, window_size_left, window_size_right, softcap."""
+    static = _static(dropout_p=dropout_p, **band)
+    seed = _seed(dropout_p, rng_state, q, step)
+    causal = band["causal"]
+    bias = (
         None if alibi_slopes is None else alibi_bias(alibi_slopes, q.shape[1], k.shape[1], causal, q.device)
     )
+    return static, seed, bias
 
 
-def _flash_attn_forward(
-    q,
-    k,
-    v,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size_left,
-    window_size_right,
-    softcap,
-    alibi_slopes,
-    return_softmax,
-):
+@with_signature(f"q k v {_HEAD} {_BAND} return_softmax", _DEFAULTS)
+def _flash_attn_forward(q, k, v, return_softmax, **options):
     """flash-attn 2.7+ ``_flash_attn_forward``: ``(out [B, Sq, H, D], softmax_lse [B, H, Sq], None,
     rng_state)`` (``rng_state`` None without dropout)."""
     from flashport.torch import kernel_calls
 
     _no_softmax(return_softmax)
-    static = _static(softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
-    seed = _seed(dropout_p, None, q, "forward")
-    bias = _alibi(alibi_slopes, q, k, causal)
+    static, seed, bias = _dense_call(q, k, "forward", **options)
     out, lse = kernel_calls.forward((q, k, v, bias, None, None, None, seed), static)
     return out, lse_like_flash_attn(lse), None, seed
 
 
-def _flash_attn_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    softmax_lse,
-    dq,
-    dk,
-    dv,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size_left,
-    window_size_right,
-    softcap,
-    alibi_slopes,
-    deterministic,
-    rng_state=None,
-):
+@with_signature(f"{_GRADS} {_HEAD} {_BAND} deterministic | rng_state", _DEFAULTS)
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, **options):
     """flash-attn 2.7+ ``_flash_attn_backward``: writes dq, dk, dv into the given buffers from the
     given ``out`` / ``softmax_lse``; returns ``softmax_d`` [B, H, Sq]."""
     import torch
 
     from flashport.torch import kernel_calls
 
-    static = _static(softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
-    seed = _seed(dropout_p, rng_state, q, "backward")
-    bias = _alibi(alibi_slopes, q, k, causal)
+    static, seed, bias = _dense_call(q, k, "backward", **options)
     d_lse = torch.zeros(softmax_lse.shape, dtype=torch.float32, device=q.device)
     args = (q, k, v, bias, None, None, None, seed, out, lse_from_flash_attn(softmax_lse), dout, d_lse)
     grads = kernel_calls.backward(args, static)
@@ -233,45 +225,33 @@ class _Varlen:
         return like.new_zeros(like.shape, dtype=grad.dtype).index_add_(0, index, grad)
 
 
-def _flash_attn_varlen_forward(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size_left=-1,
-    window_size_right=-1,
-    softcap=0.0,
-    alibi_slopes=None,
-    return_softmax=False,
-    block_table=None,
-    leftpad_k=None,
-    seqused_k=None,
-    zero_tensors=False,
-):
+def _varlen_call(q, k, cu_seqlens_q, cu_seqlens_k, step, *, function, dropout_p, rng_state=None, **options):
+    """``(call, static, seed)`` of a varlen kernel call: the :class:`_Varlen` layout, the contract's
+    static keywords and the dropout seed. Raises NotImplementedError naming ``function`` for the
+    arguments the drop-in does not support (ALiBi, paged keys, left padding, ``seqused_k``)."""
+    for name in ("alibi_slopes", "block_table", "leftpad_k", "seqused_k"):
+        if options.get(name) is not None:
+            raise NotImplementedError(f"{function}: {name} is not supported by flashport's drop-in")
+    band = (options["causal"], options["window_size_left"], options["window_size_right"])
+    call = _Varlen(q, k, cu_seqlens_q, cu_seqlens_k, *band)
+    static = call.static(options["softmax_scale"], options["softcap"], dropout_p)
+    return call, static, _seed(dropout_p, rng_state, q, step)
+
+
+@with_signature(
+    f"q k v {_VARLEN} {_HEAD} | {_BAND} return_softmax block_table leftpad_k seqused_k zero_tensors",
+    _DEFAULTS,
+)
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, return_softmax, **options):
     """flash-attn 2.7+ ``_flash_attn_varlen_forward``: q [total_q, H, D], k/v [total_k, Hk, D] ->
     ``(out [total_q, H, D], softmax_lse [H, total_q], None, rng_state)``."""
     from flashport.torch import kernel_calls
 
     _no_softmax(return_softmax)
-    for name, value in (
-        ("alibi_slopes", alibi_slopes),
-        ("block_table", block_table),
-        ("leftpad_k", leftpad_k),
-        ("seqused_k", seqused_k),
-    ):
-        if value is not None:
-            raise NotImplementedError(
-                f"_flash_attn_varlen_forward: {name} is not supported by flashport's drop-in"
-            )
-    call = _Varlen(q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right)
-    static = call.static(softmax_scale, softcap, dropout_p)
-    seed = _seed(dropout_p, None, q, "forward")
+    function = "_flash_attn_varlen_forward"
+    call, static, seed = _varlen_call(
+        q, k, cu_seqlens_q, cu_seqlens_k, "forward", function=function, **options
+    )
     args = (
         call.rows(q, "q"),
         call.rows(k, "kv"),
@@ -286,30 +266,9 @@ def _flash_attn_varlen_forward(
     return call.back(out[0]), lse_like_flash_attn(call.back(lse[0], dim=1)), None, seed
 
 
+@with_signature(f"{_GRADS} {_VARLEN} {_HEAD} {_BAND} deterministic | rng_state zero_tensors", _DEFAULTS)
 def _flash_attn_varlen_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    softmax_lse,
-    dq,
-    dk,
-    dv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size_left,
-    window_size_right,
-    softcap,
-    alibi_slopes,
-    deterministic,
-    rng_state=None,
-    zero_tensors=False,
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, **options
 ):
     """flash-attn 2.7+ ``_flash_attn_varlen_backward``: writes dq, dk, dv into the given buffers from
     the given ``out`` / ``softmax_lse`` [H, total_q]; returns ``softmax_d`` [H, total_q]."""
@@ -317,13 +276,10 @@ def _flash_attn_varlen_backward(
 
     from flashport.torch import kernel_calls
 
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            "_flash_attn_varlen_backward: alibi_slopes is not supported by flashport's drop-in"
-        )
-    call = _Varlen(q, k, cu_seqlens_q, cu_seqlens_k, causal, window_size_left, window_size_right)
-    static = call.static(softmax_scale, softcap, dropout_p)
-    seed = _seed(dropout_p, rng_state, q, "backward")
+    function = "_flash_attn_varlen_backward"
+    call, static, seed = _varlen_call(
+        q, k, cu_seqlens_q, cu_seqlens_k, "backward", function=function, **options
+    )
     lse = call.rows(lse_from_flash_attn(softmax_lse).transpose(0, 1), "q")[0].transpose(0, 1)[None]
     d_lse = torch.zeros(lse.shape, dtype=torch.float32, device=q.device)
     rows = (call.rows(q, "q"), call.rows(k, "kv"), call.rows(v, "kv"))
@@ -345,59 +301,31 @@ def _flash_attn_varlen_backward(
 # ``alibi_slopes``. The codemod picks the version from the ``if flash_attn_version ...`` branch a call
 # sits in. Each release's form is the 2.7+ kernel behind that release's signature and return.
 
-_DEFAULTS = {
-    "window_size": (-1, -1),
-    "softcap": 0.0,
-    "alibi_slopes": None,
-    "return_softmax": False,
-    "block_table": None,
-    "leftpad_k": None,
-    "seqused_k": None,
-    "rng_state": None,
-}
-_VARLEN = "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k"
-_GRADS = "dout q k v out softmax_lse dq dk dv"
-_HEAD = "dropout_p softmax_scale causal"
-
 
 def _release_kernel(latest, release, parameters):
     """flash-attn ``release``'s form of the 2.7+ kernel ``latest``.
 
     Args:
       latest: :func:`_flash_attn_forward`, :func:`_flash_attn_backward` or their varlen forms.
-      release: the releases it serves, for its docstring (``"2.4-2.5"``).
-      parameters: its parameter names in order, space-separated; those after a ``|`` have
-        flash-attn's defaults. ``window_size`` stands for 2.7's two window ints; a release without
-        ``softcap`` runs with 0.0 (off).
+      release: the releases it serves (``"2.4-2.5"``, ``"2.6"``); the name's suffix (``_v2_4``).
+      parameters: its signature for :func:`.core.with_signature`. ``window_size=(l, r)`` stands for
+        2.7's two window ints; a release without ``softcap`` runs with 0.0 (off).
 
     Returns:
       A function with exactly that signature that returns the release's values: the forward's 8,
       ``(out, q, k, v, out, softmax_lse, None, rng_state)``, or the backward's ``(dq, dk, dv,
       softmax_d)`` (dq, dk, dv: the buffers it wrote into).
     """
-    required, _, optional = parameters.partition("|")
-    signature = inspect.Signature(
-        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in required.split()]
-        + [
-            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=_DEFAULTS[name])
-            for name in optional.split()
-        ]
-    )
     forward = latest.__name__.endswith("_forward")
 
-    def kernel(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        given = dict(bound.arguments)
-        given["window_size_left"], given["window_size_right"] = given.pop("window_size")
-        given.setdefault("softcap", 0.0)
-        result = latest(**given)
+    def kernel(window_size, softcap=0.0, **given):
+        left, right = window_size
+        result = latest(window_size_left=left, window_size_right=right, softcap=softcap, **given)
         if forward:
             out, lse, s_dmask, rng_state = result
             return out, given["q"], given["k"], given["v"], out, lse, s_dmask, rng_state
         return given["dq"], given["dk"], given["dv"], result
 
-    kernel.__signature__ = signature
     kernel.__name__ = kernel.__qualname__ = f"{latest.__name__}_v{release.split('-')[0].replace('.', '_')}"
     returns = (
         "``(out, q, k, v, out, softmax_lse, None, rng_state)``" if forward else "``(dq, dk, dv, softmax_d)``"
@@ -405,7 +333,7 @@ def _release_kernel(latest, release, parameters):
     kernel.__doc__ = (
         f"flash-attn {release} ``{latest.__name__}`` on :func:`{latest.__name__}`: returns {returns}."
     )
-    return kernel
+    return with_signature(parameters, _DEFAULTS)(kernel)
 
 
 _flash_attn_forward_v2_4 = _release_kernel(
