@@ -28,7 +28,7 @@ not split.
 from __future__ import annotations
 
 from flashport.integrations.flash_attn import fa3_kvcache as impl
-from flashport.integrations.flash_attn.core import flash_attn_window, varlen_core
+from flashport.integrations.flash_attn.core import flash_attn_window, varlen_core, with_signature
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
@@ -48,96 +48,67 @@ def _unsupported(**given):
             raise NotImplementedError(f"FlashAttention-3 {name}= is not supported by flashport's drop-in")
 
 
-# The public functions below mirror FlashAttention-3's signatures one for one (a drop-in must accept
-# exactly what the original accepts): their parameter lists are deliberately parallel.
-def flash_attn_func(
-    q,
-    k,
-    v,
-    softmax_scale=None,
-    causal=False,
-    qv=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-    window_size=(-1, -1),
-    attention_chunk=0,
-    softcap=0.0,
-    num_splits=1,
-    pack_gqa=None,
-    deterministic=False,
-    sm_margin=0,
-    return_attn_probs=False,
-):
+# FA3's parameters after the tensors (and cu_seqlens / max_seqlen) of flash_attn_func and
+# flash_attn_varlen_func, and their defaults.
+_TAIL = (
+    "softmax_scale causal qv q_descale k_descale v_descale window_size attention_chunk softcap "
+    "num_splits pack_gqa deterministic sm_margin return_attn_probs"
+)
+_DEFAULTS = {
+    "seqused_q": None,
+    "seqused_k": None,
+    "softmax_scale": None,
+    "causal": False,
+    "qv": None,
+    "q_descale": None,
+    "k_descale": None,
+    "v_descale": None,
+    "window_size": (-1, -1),
+    "attention_chunk": 0,
+    "softcap": 0.0,
+    "num_splits": 1,
+    "pack_gqa": None,
+    "deterministic": False,
+    "sm_margin": 0,
+    "return_attn_probs": False,
+}
+_FP8_AND_CHUNKS = ("q_descale", "k_descale", "v_descale", "attention_chunk")
+
+
+def _contract(options, *unsupported):
+    """The contract's scale and band keywords from FA3's ``options``, after refusing the features
+    ``unsupported`` and FP8 / chunked attention; the tuning arguments are ignored."""
+    _unsupported(**{name: options[name] for name in (*unsupported, *_FP8_AND_CHUNKS)})
+    window = flash_attn_window(options["window_size"])
+    return dict(
+        scale=options["softmax_scale"],
+        causal=options["causal"],
+        window=window,
+        softcap=options["softcap"] or None,
+    )
+
+
+@with_signature(f"q k v | {_TAIL}", _DEFAULTS)
+def flash_attn_func(q, k, v, **options):
     """FA3 ``flash_attn_func``: q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> out, or ``(out, lse)``."""
     import flashport.torch
 
-    _unsupported(
-        qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk
-    )
+    contract, return_lse = _contract(options, "qv"), bool(options["return_attn_probs"])
     result = flashport.torch.attention(
-        q,
-        k,
-        v,
-        scale=softmax_scale,
-        causal=causal,
-        window=flash_attn_window(window_size),
-        softcap=softcap or None,
-        align="bottom_right",
-        layout="BSHD",
-        return_lse=bool(return_attn_probs),
+        q, k, v, **contract, align="bottom_right", layout="BSHD", return_lse=return_lse
     )
-    return (result[0], _fa3_lse(result[1], k.shape[:2].numel() == 0)) if return_attn_probs else result
+    return (result[0], _fa3_lse(result[1], k.shape[:2].numel() == 0)) if return_lse else result
 
 
-def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    seqused_q=None,
-    seqused_k=None,
-    softmax_scale=None,
-    causal=False,
-    qv=None,
-    q_descale=None,
-    k_descale=None,
-    v_descale=None,
-    window_size=(-1, -1),
-    attention_chunk=0,
-    softcap=0.0,
-    num_splits=1,
-    pack_gqa=None,
-    deterministic=False,
-    sm_margin=0,
-    return_attn_probs=False,
-):
+@with_signature(
+    f"q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k | seqused_q seqused_k {_TAIL}", _DEFAULTS
+)
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
     """FA3 ``flash_attn_varlen_func``: q [total_q, H, D], k/v [total_k, Hk, D] -> out, or ``(out, lse [H, total_q])``."""
-    _unsupported(
-        seqused_q=seqused_q,
-        seqused_k=seqused_k,
-        qv=qv,
-        q_descale=q_descale,
-        k_descale=k_descale,
-        v_descale=v_descale,
-        attention_chunk=attention_chunk,
-    )
-    result = varlen_core(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        scale=softmax_scale,
-        causal=causal,
-        window=flash_attn_window(window_size),
-        softcap=softcap or None,
-        return_lse=bool(return_attn_probs),
-    )
-    return (result[0], _fa3_lse(result[1], k.shape[0] == 0)) if return_attn_probs else result
+    contract = _contract(options, "seqused_q", "seqused_k", "qv")
+    return_lse = bool(options["return_attn_probs"])
+    result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, **contract, return_lse=return_lse)
+    return (result[0], _fa3_lse(result[1], k.shape[0] == 0)) if return_lse else result
 
 
 def flash_attn_with_kvcache(
@@ -203,7 +174,7 @@ def flash_attn_with_kvcache(
       NotImplementedError: FP8 descales, a non-zero ``attention_chunk``.
     """
     _unsupported(
-        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk
+        **dict(zip(_FP8_AND_CHUNKS, (q_descale, k_descale, v_descale, attention_chunk), strict=True))
     )
     varlen = (cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
     impl.check(k, v, (rotary_cos, rotary_sin), *varlen, cache_seqlens)

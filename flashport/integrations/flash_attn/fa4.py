@@ -15,7 +15,7 @@ call fails instead of binding the wrong parameter). lse is the contract's float3
 
 from __future__ import annotations
 
-from flashport.integrations.flash_attn.core import varlen_core
+from flashport.integrations.flash_attn.core import varlen_core, with_signature
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
@@ -45,65 +45,41 @@ def _check(extra):
             raise NotImplementedError(f"FlashAttention-4 {name}= is not supported by flashport's drop-in")
 
 
-def flash_attn_func(
-    q,
-    k,
-    v,
-    *,
-    softmax_scale=None,
-    causal=False,
-    window_size=(None, None),
-    softcap=0.0,
-    return_lse=False,
-    **extra,
-):
+_DEFAULTS = {
+    "cu_seqlens_q": None,
+    "cu_seqlens_k": None,
+    "softmax_scale": None,
+    "causal": False,
+    "window_size": (None, None),
+    "softcap": 0.0,
+    "return_lse": False,
+}
+_TAIL = "softmax_scale causal window_size softcap return_lse **extra"
+
+
+def _contract(softmax_scale, causal, window_size, softcap):
+    """The contract's scale and band keywords from FA4's."""
+    return dict(scale=softmax_scale, causal=causal, window=fa4_window(window_size), softcap=softcap or None)
+
+
+@with_signature(f"q k v * {_TAIL}", _DEFAULTS)
+def flash_attn_func(q, k, v, extra, return_lse, **options):
     """FA4 ``flash_attn_func``: q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> ``(out, lse [B, H, Sq])``."""
     import flashport.torch
 
     _check(extra)
+    contract = _contract(**options)
     return flashport.torch.attention(
-        q,
-        k,
-        v,
-        scale=softmax_scale,
-        causal=causal,
-        window=fa4_window(window_size),
-        softcap=softcap or None,
-        align="bottom_right",
-        layout="BSHD",
-        return_lse=True,
+        q, k, v, **contract, align="bottom_right", layout="BSHD", return_lse=True
     )
 
 
-def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    *,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=(None, None),
-    softcap=0.0,
-    return_lse=False,
-    **extra,
-):
+@with_signature(f"q k v * cu_seqlens_q cu_seqlens_k {_TAIL}", _DEFAULTS)
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, extra, return_lse, **options):
     """FA4 ``flash_attn_varlen_func``: q [total_q, H, D], k/v [total_k, Hk, D] -> ``(out, lse [H, total_q])``."""
     _check(extra)
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise NotImplementedError(
             "FlashAttention-4 varlen without cu_seqlens_q/cu_seqlens_k is not supported"
         )
-    return varlen_core(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        scale=softmax_scale,
-        causal=causal,
-        window=fa4_window(window_size),
-        softcap=softcap or None,
-        return_lse=True,
-    )
+    return varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, **_contract(**options), return_lse=True)
