@@ -20,6 +20,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers (no import at run time)
+    from flashport.fusion.fuse import find_attention as find_attention
+    from flashport.fusion.fuse import fuse_attention as fuse_attention
     from flashport.kernels import seq_layout as seq_layout
     from flashport.kernels.api import attention as attention
     from flashport.kernels.backward import attention_backward as attention_backward
@@ -28,8 +30,6 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers (no
     from flashport.kernels.registry import backends as backends
     from flashport.kernels.ring import ring_attention as ring_attention
     from flashport.kernels.sdpa_compat import sdpa_mask as sdpa_mask
-    from flashport.rewriter.jaxpr.fuse import find_attention as find_attention
-    from flashport.rewriter.jaxpr.fuse import fuse_attention as fuse_attention
 
 __version__ = "0.1.0"
 
@@ -40,8 +40,8 @@ _LAZY = {
     "backends": "flashport.kernels.registry:backends",
     "block_mask": "flashport.kernels.block_mask:block_mask",
     "BackendInfo": "flashport.kernels.registry:BackendInfo",
-    "fuse_attention": "flashport.rewriter.jaxpr.fuse:fuse_attention",
-    "find_attention": "flashport.rewriter.jaxpr.fuse:find_attention",
+    "fuse_attention": "flashport.fusion.fuse:fuse_attention",
+    "find_attention": "flashport.fusion.fuse:find_attention",
     "sdpa_mask": "flashport.kernels.sdpa_compat:sdpa_mask",
     "ring_attention": "flashport.kernels.ring:ring_attention",
 }
