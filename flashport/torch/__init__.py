@@ -132,6 +132,9 @@ def attention(
     return _dispatch(backend, (query, key, value), options, tensors, return_lse, dropout)
 
 
+_default_attention = attention  # varlen_attention's default: its `attention` parameter shadows the name
+
+
 def _dispatch(
     backend: Any,
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -204,7 +207,7 @@ def varlen_attention(
       [total_q, Hq, D]; rows of tokens past ``cu_seqlens_q[-1]`` are 0.
     """
     if attention is None:
-        attention = globals()["attention"]  # this module's attention (the parameter shadows its name)
+        attention = _default_attention
     extra = dict(dropout_p=dropout_p, generator=generator) if dropout_p or generator is not None else {}
     cu = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return run_varlen(attention, query, key, value, **cu, backend=backend, contract=contract, extra=extra)

@@ -15,6 +15,15 @@ flash-attn (2.8.3, ``flash_fwd_kernel.h`` for the rotary and left-padding offset
 
 from __future__ import annotations
 
+from flashport.integrations.flash_attn.core import (
+    cache_lengths,
+    flash_attn_window,
+    kvcache_mask,
+    lse_like_flash_attn,
+)
+
+__all__ = ["CacheRows", "apply_rotary", "check_kvcache_arguments", "flash_attn_with_kvcache"]
+
 
 def apply_rotary(x, cos, sin, positions, interleaved):
     """Rotate the first ``2 * cos.shape[-1]`` dims of ``x`` [B, S, H, D] at ``positions`` [B, S].
@@ -42,17 +51,7 @@ def apply_rotary(x, cos, sin, positions, interleaved):
     return torch.cat([out.to(x.dtype), rest], dim=-1)
 
 
-def _lengths(cache_seqlens, batch, default, device):
-    import torch
-
-    if cache_seqlens is None:
-        return torch.full((batch,), default, dtype=torch.long, device=device)
-    if isinstance(cache_seqlens, torch.Tensor):
-        return cache_seqlens.to(device=device, dtype=torch.long).reshape(-1).expand(batch)
-    return torch.full((batch,), int(cache_seqlens), dtype=torch.long, device=device)
-
-
-class _Cache:
+class CacheRows:
     """Where logical row ``r`` of sequence ``b`` lives in a (possibly paged or batch-indexed) cache."""
 
     def __init__(self, k_cache, batch, cache_batch_idx, block_table):
@@ -144,12 +143,11 @@ def flash_attn_with_kvcache(
       NotImplementedError: ``alibi_slopes``.
     """
     import flashport.torch
-    from flashport.integrations.flash_attn_core import flash_attn_window, lse_like_flash_attn
 
-    _check_arguments(k, v, rotary_cos, rotary_sin, alibi_slopes)
+    check_kvcache_arguments(k, v, rotary_cos, rotary_sin, alibi_slopes)
     batch = q.shape[0]
-    cache = _Cache(k_cache, batch, cache_batch_idx, block_table)
-    lengths = _lengths(cache_seqlens, batch, cache.length, q.device)
+    cache = CacheRows(k_cache, batch, cache_batch_idx, block_table)
+    lengths = cache_lengths(cache_seqlens, batch, cache.length, q.device)
     window = flash_attn_window(window_size)
     if k is not None:
         rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved)
@@ -163,7 +161,7 @@ def flash_attn_with_kvcache(
     return (result[0], lse_like_flash_attn(result[1])) if return_softmax_lse else result
 
 
-def _check_arguments(k, v, rotary_cos, rotary_sin, alibi_slopes):
+def check_kvcache_arguments(k, v, rotary_cos, rotary_sin, alibi_slopes):
     """Raise for the argument combinations flash-attn rejects (or flashport does not support)."""
     if alibi_slopes is not None:
         raise NotImplementedError(
@@ -205,8 +203,6 @@ def _append(cache, caches, q, new, lengths, rotary, *, local):
 def _visible(cache, lengths, s_q, causal, window, cache_leftpad):
     """Boolean [B, 1, S_q, cache.length]: the keys each query sees (``kvcache_mask``, left padding)."""
     import torch
-
-    from flashport.integrations.flash_attn_core import kvcache_mask
 
     mask = kvcache_mask(lengths, s_q, cache.length, causal=causal, window=window)
     if cache_leftpad is None:

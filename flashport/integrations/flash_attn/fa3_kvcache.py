@@ -1,7 +1,7 @@
 """FlashAttention-3 ``flash_attn_with_kvcache`` with its full behaviour, on :func:`flashport.torch.attention`.
 
 FA3 (``hopper/flash_attn_interface.py`` and its ``test_flash_attn_kvcache``) keeps FA2's cache
-semantics (:mod:`flashport.integrations._fa_kvcache`: rows written **in place** at
+semantics (:mod:`.kvcache`: rows written **in place** at
 ``cache_seqlens``, ``cache_batch_idx``, ``cache_leftpad``, per-sequence bottom-right causal/window,
 fused rotary) and adds:
 
@@ -24,7 +24,9 @@ fused rotary) and adds:
 
 from __future__ import annotations
 
-from flashport.integrations._fa_kvcache import _Cache, _check_arguments, _lengths, apply_rotary
+from flashport.integrations.flash_attn.core import cache_lengths
+from flashport.integrations.flash_attn.kvcache import CacheRows, apply_rotary, check_kvcache_arguments
+from flashport.kernels.semantics.visibility import band_visible
 
 NAME = "flash_attn_with_kvcache"
 
@@ -103,8 +105,6 @@ def visible(length, lengths, q_lengths, s_q, causal, window, leftpad):
     lengths[b]``; causal/window bottom-right on the sequence's own query count ``q_lengths[b]``."""
     import torch
 
-    from flashport.kernels.semantics.visibility import band_visible
-
     i = torch.arange(s_q, device=lengths.device)[None, :, None]
     j = torch.arange(length, device=lengths.device)[None, None, :]
     diag = i + (lengths - q_lengths)[:, None, None]
@@ -118,7 +118,7 @@ def visible(length, lengths, q_lengths, s_q, causal, window, leftpad):
 def check(k, v, rotary, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, cache_seqlens):
     """Raise ValueError for the combinations FA3 rejects or leaves undefined. ``cu_seqlens_k_new``
     without new rows is ignored, as ``mha_fwd`` reads it only inside its ``k_new`` branch."""
-    _check_arguments(k, v, *rotary, None)
+    check_kvcache_arguments(k, v, *rotary, None)
     if cu_seqlens_q is not None and max_seqlen_q is None:
         raise ValueError(f"{NAME}: cu_seqlens_q needs max_seqlen_q (as FlashAttention-3 requires)")
     if k is not None and cache_seqlens is None:
@@ -126,13 +126,13 @@ def check(k, v, rotary, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, cache_seql
 
 
 def cache_view(k_cache, q, cu_seqlens_q, cache_seqlens, cache_batch_idx, page_table):
-    """(:class:`_Cache` over the caches, rows already cached per sequence [B]); with both a page
+    """(:class:`.kvcache.CacheRows` over the caches, rows already cached per sequence [B]); with both a page
     table and ``cache_batch_idx``, sequence ``b`` uses page-table row ``cache_batch_idx[b]`` (FA3)."""
     batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
     if page_table is not None and cache_batch_idx is not None:
         page_table, cache_batch_idx = page_table[cache_batch_idx.long()], None
-    cache = _Cache(k_cache, batch, cache_batch_idx, page_table)
-    return cache, _lengths(cache_seqlens, batch, cache.length, q.device)
+    cache = CacheRows(k_cache, batch, cache_batch_idx, page_table)
+    return cache, cache_lengths(cache_seqlens, batch, cache.length, q.device)
 
 
 def no_key_rows(k_cache, k):
@@ -175,11 +175,11 @@ def new_rows(k, v, cu_seqlens_k_new, lengths):
 
 
 def run(q, caches, new, qv, *, cache, lengths, rotary, varlen, rotary_seqlens, leftpad, options):
-    """FA3's ``flash_attn_with_kvcache`` once its arguments are checked (``flash_attn3_compat``).
+    """FA3's ``flash_attn_with_kvcache`` once its arguments are checked (:mod:`.fa3`).
 
     Args:
       q: FA3's query (dense or varlen). caches: (k_cache, v_cache), updated in place. new: (k, v) or
-        (None, None). qv: optional MLA query. cache: the :class:`_Cache` view of the caches.
+        (None, None). qv: optional MLA query. cache: the :class:`.kvcache.CacheRows` view of the caches.
       lengths: rows already in each sequence's cache [B]. rotary: (cos, sin, interleaved) or None.
       varlen: (cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q). rotary_seqlens: optional [B].
       leftpad: optional [B]. options: scale, causal, window, softcap, return_lse, and
