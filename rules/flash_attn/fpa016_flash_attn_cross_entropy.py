@@ -7,7 +7,7 @@ What it rewrites:
   ported would still need the GPU library for it.
 
 Semantics mapping:
-  the same function, arguments and result in plain torch (``flashport/integrations/cross_entropy.py``):
+  the same function, arguments and result in plain torch (``flashport/integrations/flash_attn/cross_entropy.py``):
   ``(losses, z_losses)`` ``[N]`` fp32 with label smoothing, ``logit_scale``, the z-loss
   ``lse_square_scale``, ``ignore_index`` rows zeroed, ``precomputed_lse`` (used only without scale
   and smoothing, as flash-attn does), the same gradient, ``inplace_backward`` writing it into the

@@ -8,7 +8,7 @@ What it rewrites:
 
 Semantics mapping:
   the same functions, arguments and results on ``torch.distributed``
-  (``flashport/integrations/distributed.py``): gather/reduce-scatter/all-reduce along dim 0,
+  (``flashport/integrations/flash_attn/distributed.py``): gather/reduce-scatter/all-reduce along dim 0,
   ``(output, handle)`` from the raw variants (``async_op``), autograd for the others (a gather's
   gradient is a reduce-scatter and vice versa). The call keeps its arguments, their order and
   comments.
