@@ -97,7 +97,9 @@ def _rotary_module_reference(x, dim, base, interleaved, positions, magnitude=Non
     out = _reference(x, angles, interleaved, positions)
     if magnitude is None:
         return out
-    pairs = (slice(0, dim, 2), slice(1, dim, 2)) if interleaved else (slice(0, dim // 2), slice(dim // 2, dim))
+    pairs = (
+        (slice(0, dim, 2), slice(1, dim, 2)) if interleaved else (slice(0, dim // 2), slice(dim // 2, dim))
+    )
     for index in np.ndindex(*positions.shape):
         for part in pairs:
             out[index][:, part] *= magnitude[int(positions[index])]
@@ -155,7 +157,9 @@ def test_rotary_module_grouped_heads_and_xpos_keys():
     got_q, got_kv = fresh(q, kv)
     assert got_q is q and got_kv is kv
     np.testing.assert_allclose(
-        q.numpy(), _rotary_module_reference(q0, 6, 10000.0, False, positions, magnitude), atol=ROTARY_MODULE_TOL
+        q.numpy(),
+        _rotary_module_reference(q0, 6, 10000.0, False, positions, magnitude),
+        atol=ROTARY_MODULE_TOL,
     )
     np.testing.assert_allclose(
         kv[:, :, 0].numpy(),
