@@ -94,7 +94,7 @@ def test_cross_entropy_refuses_a_vocabulary_split():
         cross_entropy.cross_entropy_loss(logits, labels, process_group=object())
 
 
-def _collectives(rank, world, init, results):
+def _collectives(rank, world, init, folder):
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         x = (torch.arange(6.0).reshape(3, 2) + 10 * rank).requires_grad_()
@@ -103,7 +103,13 @@ def _collectives(rank, world, init, results):
         y = torch.full((4, 2), float(rank + 1))
         scattered = distributed.reduce_scatter(y, None)
         summed, _ = distributed.all_reduce_raw(torch.full((2,), float(rank + 1)), None)
-        results[rank] = (gathered.detach().numpy(), grad.numpy(), scattered.numpy(), summed.numpy())
+        np.savez(
+            os.path.join(folder, f"rank{rank}.npz"),
+            gathered=gathered.detach().numpy(),
+            grad=grad.numpy(),
+            scattered=scattered.numpy(),
+            summed=summed.numpy(),
+        )
     finally:
         torch.distributed.destroy_process_group()
 
@@ -111,14 +117,13 @@ def _collectives(rank, world, init, results):
 def test_collectives_in_a_two_process_group(tmp_path):
     import torch.multiprocessing as mp
 
-    manager = mp.Manager()
-    results = manager.dict()
     init = f"file://{os.path.join(tmp_path, 'rendezvous')}"
-    mp.spawn(_collectives, args=(2, init, results), nprocs=2, join=True)
+    mp.spawn(_collectives, args=(2, init, str(tmp_path)), nprocs=2, join=True)  # spawn: no fork
     base = np.arange(6.0).reshape(3, 2)
     weights = np.arange(1.0, 13.0).reshape(6, 2)
     for rank in (0, 1):
-        gathered, grad, scattered, summed = results[rank]
+        saved = np.load(os.path.join(tmp_path, f"rank{rank}.npz"))
+        gathered, grad, scattered, summed = (saved[k] for k in ("gathered", "grad", "scattered", "summed"))
         np.testing.assert_array_equal(gathered, np.concatenate([base, base + 10]))
         # backward of a gather: the sum over ranks of each rank's cotangent, this rank's block
         np.testing.assert_array_equal(grad, 2 * weights[3 * rank : 3 * rank + 3])
