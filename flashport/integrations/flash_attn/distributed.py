@@ -1,12 +1,13 @@
 """``flash_attn.utils.distributed``'s collectives without flash-attn (plain ``torch.distributed``).
 
 flash-attn's module is plain ``torch.distributed`` too, but importing it imports flash-attn's CUDA
-extension. Its meaning (flash-attn 2.8.3), along the first dimension of ``input_``:
+extension. Its meaning (flash-attn 2.8.3), along the first dimension of ``input_`` (torch's
+``*_single`` collectives where this torch has them, the ``*_tensor`` ones they replace otherwise):
 
 * ``all_gather_raw(input_, process_group, async_op=False)``: ``(output, handle)``, the ranks'
-  inputs concatenated (``world_size * N`` rows) by ``all_gather_into_tensor``;
+  inputs concatenated (``world_size * N`` rows);
 * ``reduce_scatter_raw(...)``: ``(output, handle)``, this rank's ``N / world_size`` rows of the sum
-  over ranks (``reduce_scatter_tensor``);
+  over ranks;
 * ``all_reduce_raw(...)``: ``(input_, handle)``, the contiguous input summed in place over ranks;
 * ``all_gather`` / ``reduce_scatter`` / ``all_reduce(input_, process_group)``: the same, with
   autograd (the gradient of a gather is a reduce-scatter and vice versa; an all-reduce passes the
@@ -35,9 +36,8 @@ def all_gather_raw(input_, process_group, async_op=False):
     output = torch.empty(
         world_size * input_.shape[0], *input_.shape[1:], dtype=input_.dtype, device=input_.device
     )
-    handle = torch.distributed.all_gather_into_tensor(
-        output, input_.contiguous(), group=process_group, async_op=async_op
-    )
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    handle = gather(output, input_.contiguous(), group=process_group, async_op=async_op)
     return output, handle
 
 
@@ -51,9 +51,10 @@ def reduce_scatter_raw(input_, process_group, async_op=False):
     output = torch.empty(
         input_.shape[0] // world_size, *input_.shape[1:], dtype=input_.dtype, device=input_.device
     )
-    handle = torch.distributed.reduce_scatter_tensor(
-        output, input_.contiguous(), group=process_group, async_op=async_op
+    scatter = (
+        getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
     )
+    handle = scatter(output, input_.contiguous(), group=process_group, async_op=async_op)
     return output, handle
 
 
