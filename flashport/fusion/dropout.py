@@ -14,7 +14,7 @@ The fused site calls ``flashport.attention(..., dropout_rate=1 - keep_prob, drop
 the same key (a batch of keys, as ``vmap`` over per-example keys gives in Equinox, passes its first
 key: the contract's mask differs per batch element anyway): the same rate and the same 1/(1-rate)
 scaling, but the contract draws its own mask
-(:mod:`flashport.kernels.dropout`), per batch, head, query and key, so the kept entries differ from
+(:mod:`flashport.kernels.semantics.dropout`), per batch, head, query and key, so the kept entries differ from
 the original program's. That is why :func:`flashport.fuse_attention` fuses dropout only with
 ``dropout="contract"``.
 """

@@ -11,7 +11,7 @@ from flashport.fusion.canon import is_key_padding, to_canonical
 
 def emit(match, read, backend):
     """Compute the replacement of ``match.anchor``'s output from the environment ``read``."""
-    from flashport.kernels.api import attention
+    from flashport.kernels.contract.api import attention
 
     sz = match.sizes
     b, h, g = math.prod(sz["B"]), sz["H"] or 1, math.prod(sz["G"])

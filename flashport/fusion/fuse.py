@@ -39,7 +39,7 @@ Semantics that are preserved, not "fixed":
   with ``1/(1-p)`` scaling, as Flax, Haiku, Equinox and Keras write it) is fused only with
   ``fuse_attention(f, dropout="contract")``: the site calls ``flashport.attention(...,
   dropout_rate=p, dropout_rng=key)`` with the program's key, so the rate and the expectation are
-  the same but the kept entries are the contract's (:mod:`flashport.kernels.dropout`), not the
+  the same but the kept entries are the contract's (:mod:`flashport.kernels.semantics.dropout`), not the
   original program's. By default such a site runs as written and is a near-miss naming the option.
 * Nested calls whose bodies contain matches keep their params (names, shardings, ``checkpoint``
   policies, ``scan`` options) with the rewritten body; nested calls without matches are re-bound
@@ -78,7 +78,7 @@ def fuse_attention(fun=None, *, backend="auto", dropout=None):
         and Keras write it). ``None`` (default): such a site is left as written and reported as a
         near-miss. ``"contract"``: fuse it into ``flashport.attention(..., dropout_rate=p,
         dropout_rng=key)`` with the program's key; the rate and scaling are the same but the
-        contract draws its own mask (:mod:`flashport.kernels.dropout`), so the kept entries differ
+        contract draws its own mask (:mod:`flashport.kernels.semantics.dropout`), so the kept entries differ
         from the original program's.
 
     Returns:

@@ -91,7 +91,7 @@ def flashport_sdpa(
       RuntimeError: unequal query/key heads without ``enable_gqa`` (SDPA's own error).
     """
     import flashport.torch
-    from flashport.kernels.sdpa_compat import sdpa_mask
+    from flashport.kernels.semantics.sdpa_compat import sdpa_mask
 
     if not enable_gqa and query.ndim >= 3 and key.ndim >= 3 and query.shape[-3] != key.shape[-3]:
         raise RuntimeError(
