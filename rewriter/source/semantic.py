@@ -197,7 +197,7 @@ class SemanticModel:
                         scoped.setdefault(id(owner), []).append(Binding(target.id, "assign", node))
             elif isinstance(node, (*_DEFS, ast.ClassDef)):
                 kind = "class" if isinstance(node, ast.ClassDef) else "def"
-                scoped.setdefault(id(owner), []).append(Binding(node.name, kind, node))  # type: ignore[arg-type]
+                scoped.setdefault(id(owner), []).append(Binding(node.name, kind, node))
             inner = (*scopes, node) if isinstance(node, SCOPES) else scopes
             keeps_module = node is module or (
                 in_module and isinstance(node, (*_MODULE_BLOCKS, ast.ExceptHandler))
