@@ -33,6 +33,15 @@ probabilities restricted to the visiting keys, so each step's dQ/dK/dV contribut
 dQ stays local; dK/dV (f32) travel around the ring with their K/V and take one last hop home.
 Training memory stays O(S / n) per device too.
 
+``score_mod`` / ``mask_mod`` (and a ``block_mask``'s mask_mod) see global indices: every step's
+backend call gets the mods shifted by its pieces' global starts (and, with ``batch_axis`` /
+``head_axis``, the shard's first batch / query head), so ALiBi, relative-bias tables and document
+masks keep their meaning in both layouts. Such calls always take the backend-call engine (the
+blockwise backend then runs per step); the pieces are classified by position only (a ``mask_mod``
+skips tiles inside each step's backend, not whole ring steps). The gradients of the arrays a
+score_mod closes over are summed over the steps and, by the ``shard_map`` (they enter replicated),
+over the shards.
+
 Not supported (clear errors): ``bias`` and ``mask`` arrays (they span the key sequence; express
 document masking with segment ids), and dropout (the contract's dropout hash takes positions in the
 arrays a backend receives, and backends take no global position offset yet).
@@ -101,10 +110,14 @@ def ring_attention(
         ``block_k`` options, rounded down to divisors of the per-shard pieces) runs the ring's own
         tile loop with the running state carried in place, the leanest in memory.
       return_lse: also return the global log-sum-exp, float32 [B, Hq, Sq] (in the layout's order).
+      score_mod, mask_mod, block_mask: as in :func:`flashport.attention`, over the global indices
+        (natural positions whatever ``seq_layout``; the global batch and query head). Inside a
+        ``shard_map`` that also shards the batch or head dim, name it as ``batch_axis`` /
+        ``head_axis`` so the mods see global batch / head indices.
 
     Raises:
-      ValueError naming the argument for ``bias``/``mask`` arrays, dropout or ``score_mod`` /
-      ``mask_mod`` / ``block_mask`` (not supported by the ring), a sequence length that does not split over the axis, an unknown mesh axis, and whatever
+      ValueError naming the argument for ``bias``/``mask`` arrays or dropout (not supported by the
+      ring), a sequence length that does not split over the axis, an unknown mesh axis, and whatever
       :func:`flashport.attention` raises for the call itself.
     """
     for name in ("bias", "mask"):
@@ -435,7 +448,9 @@ def _backward(engine, axis_name, q, k, v, q_seg, kv_seg, consts, out, lse, d_out
     plan, n = engine.plan, engine.plan.n
     r = jax.lax.axis_index(axis_name)
     q, k, v, out, d_out = (engine.enter(x) for x in (q, k, v, out, d_out))
-    context, dq, dk, dv = engine.init_backward(q, k, v, out, lse, d_out, d_lse, *((consts,) if consts else ()))
+    context, dq, dk, dv = engine.init_backward(
+        q, k, v, out, lse, d_out, d_lse, *((consts,) if consts else ())
+    )
     extra = () if not consts else (consts,)
 
     def step(dq, kv, t):

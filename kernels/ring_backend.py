@@ -110,7 +110,9 @@ class BackendRing:
         self.mods, self.mod_axes = mods, mod_axes
         consts = () if mods is None else mods.score_consts
         # the score_mod's float arrays: the ones with gradients
-        self.floats = tuple(n for n, c in enumerate(consts) if jnp.issubdtype(jnp.result_type(c), jnp.floating))
+        self.floats = tuple(
+            n for n, c in enumerate(consts) if jnp.issubdtype(jnp.result_type(c), jnp.floating)
+        )
 
     def enter(self, x):
         """A shard array of the user's layout in the canonical BHSD layout."""

@@ -9,6 +9,7 @@ w.r.t. the score_mod's output) must agree on every backend that serves mods.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -183,12 +184,12 @@ def _inputs(shape, seed=0):
     return q, k, v, d_out, d_lse
 
 
-def _check(case, backend, extra=None, ref_extra=None):
+def _check(case, backend, extra=None, ref_extra=None, attend=flashport.attention):
     q, k, v, d_out, d_lse = _inputs(case.shape)
     extra, ref_extra = extra or {}, ref_extra or {}
 
     def loss(q, k, v, params):
-        out, lse = flashport.attention(
+        out, lse = attend(
             q, k, v, backend=backend, return_lse=True, **case.make(params), **case.options, **extra
         )
         return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse), (out, lse)
@@ -364,8 +365,16 @@ def test_refusals_name_the_feature():
         flashport.attention(q, k, v, block_mask=bm, backend="xla")
 
 
-def test_ring_attention_refuses_mods_with_the_reason():
+def test_one_shard_ring_runs_mods_like_the_reference():
+    """ring_attention with mods (tests/ring_check.py runs them on 8 devices): on a one-device ring
+    the mods see the same indices as the contract; a backend without mods refuses naming them."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+    case = _documents()
+    case.make = lambda p, base=case.make, alibi=_alibi().make: {**base(p), **alibi(p)}
+    case.ref = lambda p, base=case.ref, alibi=_alibi().ref: {**base(p), **alibi(p)}
+    case.params, case.grads = _alibi().params, _alibi().grads
+    ring = functools.partial(flashport.ring_attention, mesh=mesh, axis_name="seq")
+    _check(case, "xla", attend=ring)
     q, k, v, _, _ = _inputs((1, 8, 8, 2, 2, 8))
-    with pytest.raises(ValueError, match="does not run score_mod"):
-        flashport.ring_attention(q, k, v, mesh=mesh, axis_name="seq", score_mod=lambda s, b, h, i, j: s)
+    with pytest.raises(ValueError, match="score_mod"):
+        ring(q, k, v, score_mod=lambda s, b, h, i, j: s, backend="cudnn")
