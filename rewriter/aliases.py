@@ -16,9 +16,9 @@ this file are still ported), and where the rule has a drop-in that replicates th
 value becomes that drop-in (``attn = flashport.integrations.flash_attn_compat.flash_attn_func``), so
 the calls that were not ported and every importer run on flashport too -- unless a call through it
 was suppressed. A module-level alias whose every read is a ported call also gets a drop-in that
-only replicates calls (SDPA's: :func:`flashport.rules._values.call_drop_in`), for its importers. Attributes (``self.fn = flash_attn_func``), dispatch tables and
+only replicates calls (SDPA's: :func:`flashport.rules.common.values.call_drop_in`), for its importers. Attributes (``self.fn = flash_attn_func``), dispatch tables and
 ``functools.partial`` are not aliases: their calls cannot be resolved, so the value itself goes to
-the drop-in or is reported with the reason (:mod:`flashport.rules._values`).
+the drop-in or is reported with the reason (:mod:`flashport.rules.common.values`).
 """
 
 from __future__ import annotations

@@ -350,7 +350,7 @@ def _required(stmt: ast.stmt, plan: _Plan) -> bool:
     """A ``try`` whose handlers only raise (``except ImportError as e: raise RuntimeError(...) from
     e``) and whose GPU imports are all dead or moved: the imports were required, not probed, so the
     dead ones go as unguarded ones do (kept, they would still raise where the library is absent).
-    Its libcst twin, for the values inside such a ``try``, is ``rules/_values.py``'s ``_only_raises``."""
+    Its libcst twin, for the values inside such a ``try``, is ``rules/common/values.py``'s ``_only_raises``."""
     handlers = getattr(stmt, "handlers", None) or []
     if not handlers or not all(all(isinstance(s, ast.Raise) for s in h.body) for h in handlers):
         return False

@@ -29,7 +29,8 @@ import collections
 
 from flashport.rewriter import astindex
 from flashport.rewriter.source import split_lines
-from flashport.rules._values import (
+from flashport.rules.apis.flash_attn import PRIVATE_FUNCTIONS
+from flashport.rules.common.values import (
     BERT_PADDING,
     FA1_NAMES,
     FA2,
@@ -38,7 +39,6 @@ from flashport.rules._values import (
     PADDING_NAMES,
     SEQUSED,
 )
-from flashport.rules.apis.flash_attn import PRIVATE_FUNCTIONS
 
 _PRIVATE = frozenset(PRIVATE_FUNCTIONS)
 _PADDING = frozenset(PADDING_NAMES) - {"rearrange"}  # einops' function: an import of it stays

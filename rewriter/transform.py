@@ -45,7 +45,6 @@ from flashport.rewriter.names import Names
 from flashport.rewriter.positions import Span, line_positions
 from flashport.rewriter.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rewriter.spans import StatementSpans, indents
-from flashport.rules._values import call_drop_in
 from flashport.rules.base import (
     RUNS_AS_IS,
     Outcome,
@@ -56,8 +55,9 @@ from flashport.rules.base import (
     Rule,
     RuleContext,
     RuleOptions,
-    keep_comments,
 )
+from flashport.rules.common.calls import keep_comments
+from flashport.rules.common.values import call_drop_in
 
 _OwnerT = TypeVar("_OwnerT", cst.FunctionDef, cst.Module)  # what binds aliases: a function or the module
 # Nodes whose subtrees hold no call, string, assignment, argument or element: a site never sits
@@ -642,7 +642,7 @@ class SiteTransformer(cst.CSTTransformer):
 
     def _reference(self, value: cst.BaseExpression | None) -> bool:
         """Ask the matching rule about a source API used as a value; put in its drop-in when the
-        rule rewrites it (:func:`flashport.rules._values.answer`). True when it was rewritten."""
+        rule rewrites it (:func:`flashport.rules.common.values.answer`). True when it was rewritten."""
         if value is None or isinstance(value, cst.Call):
             return False
         matched = self._match(value)

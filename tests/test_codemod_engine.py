@@ -265,7 +265,9 @@ def test_results_are_deterministic_and_rules_fresh_per_file():
 
 def test_a_new_rule_plugs_into_the_engine_without_registration():
     """The seam issue-5 rules use: a Rule subclass, SOURCES/TRIGGERS, check_call -> Rewrite/Refusal."""
-    from flashport.rules.base import Refusal, Rewrite, Rule, Signature, build_call, string
+    from flashport.rules.base import Refusal, Rewrite, Rule
+    from flashport.rules.common.binding import Signature
+    from flashport.rules.common.calls import build_call, string
 
     class Demo(Rule):
         CODE, NAME, API = "FPA999", "demo", "mypkg.attn"

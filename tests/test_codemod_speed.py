@@ -228,7 +228,7 @@ def test_cache_key_covers_rule_set_and_options():
         "rule",  # a rule module
         "rewriter/run_context.py",  # an engine module a hand-kept list once missed
         "rewriter/jaxpr/fuse.py",  # a module in a subpackage
-        "rules/_values.py",  # a rule helper
+        "rules/common/values.py",  # a rule helper
     ],
 )
 def test_cache_key_covers_every_package_source(source, monkeypatch):

@@ -24,6 +24,7 @@ pytest.importorskip("torch")
 import flashport.integrations
 from flashport.rules import apis
 from flashport.rules.apis import xformers as xformers_apis
+from flashport.rules.apis.model import Params
 
 CASES = [
     pytest.param(
@@ -67,7 +68,7 @@ def _plain(default):
     return f"{type(default).__name__}.{default.name}" if isinstance(default, enum.Enum) else default
 
 
-def expected(parameters: apis.Params) -> list[tuple[str, str, object]]:
+def expected(parameters: Params) -> list[tuple[str, str, object]]:
     return [(p.name, p.kind.name, p.default) for p in parameters]
 
 
@@ -165,9 +166,9 @@ def test_drop_in_tables_point_at_catalogued_drop_ins():
     """The codemod's drop-in tables (values replaced by a drop-in, imports re-pointed to one) name
     only drop-ins whose signature the catalogue checks."""
     from flashport.rewriter.drop_in_imports import DROP_INS
-    from flashport.rules import _values
+    from flashport.rules.common import values
 
-    tables = [(module, name) for module, names in _values._PROVIDES.items() for name in names]
+    tables = [(module, name) for module, names in values.PROVIDES.items() for name in names]
     tables += [(module, name) for module, names in DROP_INS.values() for name in names]
     known = catalogued_objects()
     unchecked = sorted(f"{m}.{n}" for m, n in tables if id(resolve(m, n)) not in known)
@@ -182,8 +183,8 @@ def test_kvcache_value_gets_the_drop_in_only_where_its_signature_matches(version
     flash_attn_with_kvcache keeps the original (its positional calls would bind differently)."""
     from types import SimpleNamespace
 
-    from flashport.rules import _values
+    from flashport.rules.common import values
 
     ctx = SimpleNamespace(options=SimpleNamespace(flash_attn_version=version))
-    result = _values.drop_in("flash_attn.flash_attn_with_kvcache", ctx)  # type: ignore[arg-type]
-    assert (result == (_values.FA2, "flash_attn_with_kvcache")) is replaced, result
+    result = values.drop_in("flash_attn.flash_attn_with_kvcache", ctx)  # type: ignore[arg-type]
+    assert (result == (values.FA2, "flash_attn_with_kvcache")) is replaced, result

@@ -7,7 +7,7 @@ v1.0.9 (FA1), ``hopper/flash_attn_interface.py`` after 2025-08-29 (FA3, versione
 
 from __future__ import annotations
 
-from flashport.rules.apis import VAR_KEYWORD, Api, DropIn, Param, Version, keyword_only, pad, params
+from flashport.rules.apis.model import VAR_KEYWORD, Api, DropIn, Param, Version, keyword_only, pad, params
 
 COMPAT = "flashport.integrations.flash_attn_compat"
 PRIVATE = "flashport.integrations.flash_attn_private"
