@@ -315,10 +315,12 @@ def _dispatch(
     names = {name for name, _ in picks.values()}
     if len(names) == 1:
         return _run(registry.BackendChoice(names.pop()), call, args, mods)
-    if mods is None:
-        branches = platform_branches(picks, call, _run_positional, deferred.run)
-    else:  # a mod's closed-over arrays cannot cross a deferred equation: every branch is traced
-        branches = platform_branches(picks, call, functools.partial(_run_positional, mods=mods))
+    branches = platform_branches(
+        picks,
+        call,
+        functools.partial(_run_positional, mods=mods),
+        functools.partial(deferred.run, mods=mods),
+    )
     return jax.lax.platform_dependent(*args, **branches)
 
 

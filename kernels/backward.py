@@ -130,10 +130,12 @@ def flashport_attention_backward(
         names = {name for name, _ in picks.values()}
         if len(names) == 1:
             return run_backend(registry.BackendChoice(names.pop()), call, args, mods)
-        if mods is None:
-            branches = api.platform_branches(picks, call, _run_positional, deferred.run_backward)
-        else:  # a mod's closed-over arrays cannot cross a deferred equation: every branch is traced
-            branches = api.platform_branches(picks, call, functools.partial(_run_positional, mods=mods))
+        branches = api.platform_branches(
+            picks,
+            call,
+            functools.partial(_run_positional, mods=mods),
+            functools.partial(deferred.run_backward, mods=mods),
+        )
         return jax.lax.platform_dependent(*args, **branches)
 
 

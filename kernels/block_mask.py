@@ -184,7 +184,8 @@ def cached_block_mask(
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    built = build(traced, consts, batch, heads, sq, sk, (DEFAULT_BLOCK, DEFAULT_BLOCK))
+    with jax.ensure_compile_time_eval():  # concrete classes, even when called under a jit trace
+        built = build(traced, consts, batch, heads, sq, sk, (DEFAULT_BLOCK, DEFAULT_BLOCK))
     _CACHE[key] = built
     while len(_CACHE) > MAX_CACHED:
         _CACHE.popitem(last=False)

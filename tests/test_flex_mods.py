@@ -320,6 +320,10 @@ def test_explicit_block_mask_jit_vmap_and_cache():
     first = block_mask_lib.cached_block_mask(*mods_lib.trace(mask_mod, "mask_mod"), 1, 2, 40, 40)
     again = block_mask_lib.cached_block_mask(*mods_lib.trace(mask_mod, "mask_mod"), 1, 2, 40, 40)
     assert first is again
+    fresh = lambda b, h, i, j: (docs[i] == docs[j]) & (j >= 0)  # noqa: E731  (not cached yet)
+    for _ in range(2):  # a block mask built and cached inside one jit trace serves the next trace
+        traced_once = jax.jit(lambda q: flashport.attention(q, k, v, mask_mod=fresh, backend=blockwise))
+        np.testing.assert_allclose(traced_once(q), want, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(
         flashport.attention(q, k, v, mask_mod=mask_mod, backend=blockwise), want, rtol=RTOL, atol=ATOL
     )
