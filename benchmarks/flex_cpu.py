@@ -102,7 +102,7 @@ def count_tiles(seq: int, tile: int, lengths: list[int]) -> str:
     import numpy as np
 
     import flashport
-    from flashport.kernels.registry import use
+    from flashport.kernels.contract.registry import use
 
     docs_np = np.repeat(np.arange(len(lengths)), lengths)
     assert docs_np.size == seq
@@ -140,15 +140,15 @@ def count_pallas_tiles(seq: int, lengths: list[int], block_q: int, block_k: int)
     import jax.numpy as jnp
     import numpy as np
 
-    from flashport.kernels import api
-    from flashport.kernels.pallas_tpu import backend
-    from flashport.kernels.spec import make_spec
+    from flashport.kernels.backends.pallas_tpu import backend
+    from flashport.kernels.contract.spec import make_spec
+    from flashport.kernels.contract.validate import prepare_mods
 
     docs_np = np.repeat(np.arange(len(lengths)), lengths)
     docs = jnp.asarray(docs_np)
     rng = np.random.default_rng(2)
     q = jnp.asarray(rng.standard_normal((1, 1, seq, 32)), jnp.float32)
-    mods = api.prepare_mods(q, q, None, lambda b, h, i, j: docs[i] == docs[j], None, "BHSD")
+    mods = prepare_mods(q, q, None, lambda b, h, i, j: docs[i] == docs[j], None, "BHSD")
     spec = make_spec(
         q.shape, q.shape, scale=None, causal=False, window=None, align="bottom_right", softcap=None
     )

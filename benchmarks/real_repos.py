@@ -6,7 +6,7 @@ Run:  .venv/bin/python benchmarks/real_repos.py [--packages sglang,deepspeed] [-
 Each pinned package (sources or wheels, no dependencies) is fetched once with ``pip download`` into a
 cache outside the repository (``$FLASHPORT_BENCH_CACHE/real_repos`` or
 ``~/.cache/flashport-bench/real_repos``; :func:`benchmarks.corpus.fetch`) and every ``.py`` file is run
-through :func:`flashport.rewriter.engine.transform_source` with the default rules and options.
+through :func:`flashport.rewriter.engine.pipeline.transform_source` with the default rules and options.
 Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *test* code, the rest
 *model* code. Per package it prints:
 
@@ -59,9 +59,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus
 
 from flashport import rules as registry
-from flashport.rewriter import run_context
-from flashport.rewriter.engine import transform_source
-from flashport.rewriter.imports import name_uses
+from flashport.rewriter.engine import run_context
+from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rewriter.imports.edits import name_uses
 from flashport.rules.base import RUNS_AS_IS, RuleOptions
 
 # name, version: sources or wheels that carry model code calling flash-attn / xformers / SDPA
@@ -153,7 +153,7 @@ def normalize(reason: str) -> str:
 
 
 GUARDED = " (guarded)"
-# rewriter/kept_imports.py's reasons for a guarded import that only asks about the installed library
+# rewriter/imports/kept_imports.py's reasons for a guarded import that only asks about the installed library
 PROBE_REASONS = (
     "an availability probe:",
     "it inspects the installed library",

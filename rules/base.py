@@ -20,10 +20,10 @@ names the other calls it is only correct with (:attr:`Rewrite.requires`), and :m
 may refuse all of a rule's rewrites in a file. No rule asks or imports another rule.
 
 Rules never touch imports or files themselves; the engine adds ``import flashport`` once, drops GPU
-imports that became unused (:attr:`Rule.GPU_MODULES`, :mod:`flashport.rewriter.dead_imports`),
+imports that became unused (:attr:`Rule.GPU_MODULES`, :mod:`flashport.rewriter.imports.dead_imports`),
 points names left only probed or re-exported at flashport's drop-ins and pins ``flash_attn.__version__``
-reads (:mod:`flashport.rewriter.drop_in_imports`), and reports why each GPU import it keeps stays
-(:mod:`flashport.rewriter.kept_imports`).
+reads (:mod:`flashport.rewriter.imports.drop_in_imports`), and reports why each GPU import it keeps stays
+(:mod:`flashport.rewriter.imports.kept_imports`).
 
 Adding a rule::
 
@@ -38,7 +38,7 @@ Adding a rule::
         def check_call(self, call, ctx): ...
     # discovery finds it (rules/__init__.py walks the family packages); add tests/fixtures/codemod/FPA0NN/ and
     # regenerate the docs (python -m flashport.rules.coverage --update docs/rules.md;
-    # python -m flashport.rewriter.porting_guide --write docs/porting_guide.md). CONTRIBUTING.md has the steps.
+    # python -m flashport.rewriter.app.porting_guide --write docs/porting_guide.md). CONTRIBUTING.md has the steps.
 
 Helpers for rule bodies live in :mod:`flashport.rules.common` (``binding``: signatures and argument
 checks; ``literals``: reading literal arguments; ``calls``: building the new call) and beside each
@@ -70,7 +70,7 @@ from flashport.rules.site import (
 )
 
 if TYPE_CHECKING:  # the engine's record of a site; results imports nothing from the rules at run time
-    from flashport.rewriter.results import Site
+    from flashport.rewriter.engine.results import Site
 
 __all__ = [
     "REGISTRY",
@@ -145,7 +145,7 @@ class Rule:
         requirement or change what a ``settle`` sees); a rule never asks another rule, nor imports it.
 
         Args:
-          sites: every :class:`~flashport.rewriter.results.Site` of the file, all rules.
+          sites: every :class:`~flashport.rewriter.engine.results.Site` of the file, all rules.
           tree: the file's ``ast.Module``.
         """
         return None

@@ -89,7 +89,7 @@ class Refuse(Exception):
 @dataclasses.dataclass(frozen=True)
 class Patch:
     """A run-time replacement of a source API found in the files of a run
-    (:mod:`flashport.rewriter.run_context`): ``F.scaled_dot_product_attention = wrapper``.
+    (:mod:`flashport.rewriter.engine.run_context`): ``F.scaled_dot_product_attention = wrapper``.
 
     Attributes:
       api: the qualified name replaced (``torch.nn.functional.scaled_dot_product_attention``).
@@ -124,10 +124,10 @@ class RuleOptions:
       torch_version: (major, minor) of torch for SDPA's signature.
       jax_version: (major, minor, patch) of jax for ``jax.nn.dot_product_attention``'s signature.
       patches: run-level context: the source APIs the run's files replace at run time
-        (:class:`Patch`; found by :mod:`flashport.rewriter.run_context` before any file is
+        (:class:`Patch`; found by :mod:`flashport.rewriter.engine.run_context` before any file is
         transformed, so every file of a project sees the patches of the others).
       format_rewrites: format the statements a rewrite changed with the project's formatter
-        settings (:mod:`flashport.rewriter.formatting`; the CLI turns it on, ``--no-format`` off).
+        settings (:mod:`flashport.rewriter.engine.formatting`; the CLI turns it on, ``--no-format`` off).
     """
 
     inference: bool = False

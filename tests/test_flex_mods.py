@@ -19,12 +19,12 @@ import pytest
 from reference import reference_attention, reference_mod_vjp
 
 import flashport
-from flashport.kernels import api
-from flashport.kernels import block_mask as block_mask_lib
-from flashport.kernels import mods as mods_lib
-from flashport.kernels.pallas_tpu import backend as pallas_tpu_backend
-from flashport.kernels.registry import use
-from flashport.kernels.spec import make_spec
+from flashport.kernels.backends.pallas_tpu import backend as pallas_tpu_backend
+from flashport.kernels.contract import validate
+from flashport.kernels.contract.registry import use
+from flashport.kernels.contract.spec import make_spec
+from flashport.kernels.semantics import block_mask as block_mask_lib
+from flashport.kernels.semantics import mods as mods_lib
 
 BACKENDS = {
     "xla": "xla",
@@ -390,7 +390,7 @@ def test_pallas_tpu_tiles_follow_the_mask_mods_block_mask():
     docs = jnp.asarray(docs_np)
     q, k, v, _, _ = _inputs((2, 512, 512, 4, 2, 32))
     q, k, v = (np.swapaxes(x, 1, 2) for x in (q, k, v))
-    mods = api.prepare_mods(q, k, None, lambda b, h, i, j: docs[b, i] == docs[b, j], None, "BHSD")
+    mods = validate.prepare_mods(q, k, None, lambda b, h, i, j: docs[b, i] == docs[b, j], None, "BHSD")
     spec = make_spec(
         q.shape, k.shape, scale=None, causal=False, window=None, align="bottom_right", softcap=None
     )

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 import gpu_standins  # noqa: E402
 
 from flashport import rules as registry  # noqa: E402
-from flashport.rewriter.engine import transform_source  # noqa: E402
+from flashport.rewriter.engine.pipeline import transform_source  # noqa: E402
 from flashport.rules.base import RuleOptions  # noqa: E402
 
 UNITS = pathlib.Path(__file__).parent / "fixtures" / "real_units"

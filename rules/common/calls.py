@@ -234,14 +234,14 @@ def _layout(
     return between_ws, closing
 
 
-# The entry points that take the contract's keywords with their defaults (flashport.kernels.keywords).
+# The entry points that take the contract's keywords with their defaults (flashport.kernels.contract.keywords).
 CONTRACT_TARGETS = ("flashport.attention", "flashport.torch.attention", "flashport.varlen_attention")
 
 
 def _is_default(keyword: tuple[str, cst.BaseExpression] | cst.Arg) -> bool:
     """A ``(name, literal)`` keyword that spells the contract's default (``scale=None``,
     ``causal=False``); ``layout`` is always written, so that a call never depends on the default."""
-    from flashport.kernels.keywords import CONTRACT_KEYWORDS
+    from flashport.kernels.contract.keywords import CONTRACT_KEYWORDS
 
     if isinstance(keyword, cst.Arg) or keyword[0] == "layout":
         return False

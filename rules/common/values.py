@@ -17,7 +17,7 @@ replicate every use (FA3's ``flash_attn_func``/``flash_attn_varlen_func`` change
 signature; FA3's ``flash_attn_with_kvcache`` did not and gets its drop-in --, FA4's drop-in
 lacks mask mods and block sparsity, SDPA values are wrapped, patched or compared) or that have none.
 Local aliases whose calls can be resolved are ported call by call by the engine
-(:mod:`flashport.rewriter.aliases`; a module-level SDPA alias whose every read is a ported call gets
+(:mod:`flashport.rewriter.source.aliases`; a module-level SDPA alias whose every read is a ported call gets
 the SDPA drop-in: :func:`call_drop_in`).
 """
 
@@ -244,7 +244,7 @@ def inspects_signature(ctx: RuleContext) -> bool:
 def _only_raises(handler: cst.ExceptHandler) -> bool:
     """The handler's body is nothing but ``raise`` statements: no fallback, the library is required
     (``except ImportError as e: raise RuntimeError("install flash-attn") from e``). The import
-    clean-up reads the same shape from the ``ast`` (``flashport.rewriter.dead_imports._required``)."""
+    clean-up reads the same shape from the ``ast`` (``flashport.rewriter.imports.dead_imports._required``)."""
     body = handler.body.body if isinstance(handler.body, cst.IndentedBlock) else [handler.body]
     return all(
         isinstance(stmt, cst.SimpleStatementLine) and all(isinstance(s, cst.Raise) for s in stmt.body)

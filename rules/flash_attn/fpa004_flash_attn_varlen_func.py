@@ -11,7 +11,7 @@ What it rewrites:
 
 Semantics mapping:
   packed ``[total, H, D]`` tensors with int32 ``cu_seqlens`` ``(B+1,)`` -> ``layout="THD"`` and
-  ``flashport.varlen_attention`` (``flashport/kernels/varlen.py``), which runs the contract with
+  ``flashport.varlen_attention`` (``flashport/kernels/contract/varlen.py``), which runs the contract with
   batch 1, segment ids from ``cu_seqlens`` and a mask that keeps **per-sequence** bottom-right
   causal/window alignment (offset ``len_k[b] - len_q[b]`` for each sequence, not one global
   ``Sk - Sq``), so ``align="bottom_right"`` means what flash-attn means. Tokens past

@@ -37,7 +37,7 @@ Run-time patches:
   cp_sdpa``, ``setattr(F, "scaled_dot_product_attention", ...)``, ``mock.patch(...)``, any alias of
   the module, or torch's own ``context_parallel``, which patches it while active) expects every
   ``F.scaled_dot_product_attention(...)`` call to reach the patch. The CLI finds these before it
-  rewrites anything (``flashport.rewriter.run_context``; every file of the run sees the patches of
+  rewrites anything (``flashport.rewriter.engine.run_context``; every file of the run sees the patches of
   the others) and then sends every SDPA call made through the module attribute to
   ``flashport.integrations.sdpa_compat.scaled_dot_product_attention`` with its arguments verbatim
   (not to ``flashport.torch.attention``, which cannot forward to a patch): that drop-in calls the
