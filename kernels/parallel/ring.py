@@ -195,7 +195,7 @@ def ring_attention(
 
 
 def _global_mods(call, score_mod, mask_mod, blocks, inside, batch_axis, head_axis, mesh):
-    """The call's :class:`~flashport.kernels.mods.Mods` over the global arrays, or None without
+    """The call's :class:`~flashport.kernels.semantics.mods.Mods` over the global arrays, or None without
     mods. A ``block_mask`` gives its ``mask_mod``; its classes are not used (the ring classifies its
     pieces by position only, and each step's backend runs the shifted mods without a block mask)."""
     (b, hq, _, _), spec = call.q_shape, call.spec

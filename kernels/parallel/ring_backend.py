@@ -100,8 +100,8 @@ class BackendRing:
     ``b`` of the visiting chunk of shard ``s``; the state is a tuple of per-query-piece
     ``(out f32, lse)`` (forward) and ``((dq pieces, d mods), dk, dv)`` in f32 (backward).
 
-    With ``mods`` (:class:`~flashport.kernels.mods.Mods` of the global call; their arrays arrive per
-    call as ``consts``), every step runs them :meth:`~flashport.kernels.mods.Mods.shifted` to the
+    With ``mods`` (:class:`~flashport.kernels.semantics.mods.Mods` of the global call; their arrays arrive per
+    call as ``consts``), every step runs them :meth:`~flashport.kernels.semantics.mods.Mods.shifted` to the
     global (batch, head, q_idx, kv_idx) of its pieces: the pieces' starts from the plan, the batch
     and head offsets from the shard index of ``mod_axes`` (``(batch_axis, head_axis)``).
     """
