@@ -54,11 +54,12 @@ class TracedMod:
 
     def __call__(self, consts: tuple, *scalars: Any) -> Any:
         """Evaluate on scalars (or under ``vmap``) with the closed-over arrays ``consts``."""
+        arrays = list(consts)
         if self.shifted:
-            *consts, offsets = consts
+            offsets = arrays.pop()
             n = len(scalars) - 4  # the score (score_mod) stays as it is
             scalars = (*scalars[:n], *(x + offsets[a] for a, x in enumerate(scalars[n:])))
-        (out,) = jax.core.eval_jaxpr(self.jaxpr, list(consts), *scalars)
+        (out,) = jax.core.eval_jaxpr(self.jaxpr, arrays, *scalars)
         return out
 
     def shift(self) -> TracedMod:

@@ -557,16 +557,28 @@ def count_tiles_by_class(
     ``full`` [B, Hkv, nq] counts head tiles computed through the mask-free body, ``partial`` those
     computed through the masked body (see :mod:`flashport.kernels.pallas_tpu.classify`);
     ``classify=False`` masks every tile, as the kernel did before tiles were classified. ``mods``: a
-    :class:`~flashport.kernels.semantics.mods.Mods` (``flashport.kernels.contract.validate.prepare_mods``) the tiles run.
+    :class:`~flashport.kernels.semantics.mods.Mods` (``contract.validate.prepare_mods``) the tiles run.
     """
     _, blocks = resolve_blocks(dict(options or {}), "pallas_tpu_interpret")
     cfg = Config(spec, blocks, interpret=True)
-    extra = ()
+    consts, blocks_of_mods = None, None
     if mods is not None:
         cfg = _mods_config(cfg, mods)
-        extra = (None, (*mods.score_consts, *mods.mask_consts), mods.blocks)
+        consts, blocks_of_mods = (*mods.score_consts, *mods.mask_consts), mods.blocks
     return _forward_local(
-        cfg, q, k, v, bias, mask, q_seg, kv_seg, *extra, count_tiles=True, classify=classify
+        cfg,
+        q,
+        k,
+        v,
+        bias,
+        mask,
+        q_seg,
+        kv_seg,
+        None,
+        consts,
+        blocks_of_mods,
+        count_tiles=True,
+        classify=classify,
     )
 
 
