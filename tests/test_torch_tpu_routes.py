@@ -142,13 +142,22 @@ def test_attention_forward_backward_lse(route, case):
         _close(route.numpy(bias.grad), reduce_to_shape(want[3], bias.shape), "dbias")
 
 
-def test_flex_attention_with_torch_mods(route):
-    """``flashport.torch.flex_attention`` on the route: a torch ALiBi ``score_mod`` (closed-over
+# CPU tensors the mods close over, made outside any route's environment (module import).
+FLEX_SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+FLEX_DOCS = torch.tensor([0] * 7 + [1] * 9 + [2] * 4)
+
+
+def test_flex_attention_with_torch_mods():
+    """``flashport.torch.flex_attention`` on torch_xla: a torch ALiBi ``score_mod`` (closed-over
     slopes) and a document ``mask_mod`` (its ``create_block_mask``) traced into JAX, GQA, Sq < Sk;
     out, lse and the q, k, v gradients through both against the float64 reference."""
+    with Route("torch_xla") as route:
+        _flex_with_torch_mods(route)
+
+
+def _flex_with_torch_mods(route):
     rng, x = _inputs(2)
-    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    docs = torch.tensor([0] * 7 + [1] * 9 + [2] * 4)
+    slopes, docs = FLEX_SLOPES, FLEX_DOCS
     shift = SK - SQ  # query i sits at key position i + shift
 
     def alibi(score, b, h, i, j):
