@@ -71,10 +71,12 @@ def _dispatch(
     names = {name for name, _ in picks.values()}
     if len(names) == 1:
         return execute.run(registry.BackendChoice(names.pop()), call, args, mods)
-    if mods is None:
-        branches = platform_branches(picks, call, execute.run_positional, deferred.run)
-    else:  # a mod's closed-over arrays cannot cross a deferred equation: every branch is traced
-        branches = platform_branches(picks, call, functools.partial(execute.run_positional, mods=mods))
+    branches = platform_branches(
+        picks,
+        call,
+        functools.partial(execute.run_positional, mods=mods),
+        functools.partial(deferred.run, mods=mods),
+    )
     return jax.lax.platform_dependent(*args, **branches)
 
 
@@ -145,10 +147,10 @@ def flashport_attention_backward(
         names = {name for name, _ in picks.values()}
         if len(names) == 1:
             return execute.run_backend(registry.BackendChoice(names.pop()), call, args, mods)
-        if mods is None:
-            branches = platform_branches(picks, call, execute.run_backend_positional, deferred.run_backward)
-        else:  # a mod's closed-over arrays cannot cross a deferred equation: every branch is traced
-            branches = platform_branches(
-                picks, call, functools.partial(execute.run_backend_positional, mods=mods)
-            )
+        branches = platform_branches(
+            picks,
+            call,
+            functools.partial(execute.run_backend_positional, mods=mods),
+            functools.partial(deferred.run_backward, mods=mods),
+        )
         return jax.lax.platform_dependent(*args, **branches)
