@@ -314,6 +314,10 @@ def test_band_fits_default_blocks():
     long_q = jnp.zeros((1, 8, 4 * s, 128), jnp.bfloat16)
     causal_long = Config(_spec(4 * s, 4 * s, causal=True), v6e, False, "v6e").geometry("dq", *[long_q] * 3)
     assert causal_long.bq == v6e.block_q_dq
+    v5e = GENERATION_DEFAULTS["v5e"]
+    for mask, want in ((dict(causal=True), (512, 512)), ({}, (v5e.block_q_dkv, v5e.block_k_dkv))):
+        dkv = Config(_spec(s, s, **mask), v5e, False, "v5e").geometry("dkv", q, q, q)
+        assert (dkv.bq, dkv.bk) == want
     _, user = resolve_blocks({"generation": "v6e", "block_q": 1024, "block_k": 512}, "pallas_tpu")
     kept = Config(spec, user, False, "v6e").geometry("fwd", q, q, q)
     assert (kept.bq, kept.bk) == (1024, 512)

@@ -84,7 +84,10 @@ class Config:
         }[kind]
         if b == GENERATION_DEFAULTS[self.generation]:  # the user's own blocks are kept as given
             spec = self.spec
-            bq, bk = fit_band(kind, bq, bk, causal=spec.causal, left=spec.window_left, seq_q=spec.seq_q)
+            seq = max(spec.seq_q, spec.seq_k)
+            bq, bk = fit_band(
+                self.generation, kind, bq, bk, causal=spec.causal, left=spec.window_left, seq=seq
+            )
         hq, hkv, itemsize = q.shape[1], k.shape[1], jnp.dtype(q.dtype).itemsize
         dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
         kv_heads = hkv if token_major else 1
