@@ -2,7 +2,7 @@
 
 ``auto`` dispatches per platform when the program is lowered; only the branch of this process's
 platform is traced, the others are deferred until a module is lowered for them
-(``kernels/deferred.py``). This measures what that leaves: trace + lower + compile seconds of
+(``kernels/contract/deferred.py``). This measures what that leaves: trace + lower + compile seconds of
 ``jax.jit(f)`` with ``backend="auto"`` and with the backend auto picks here named explicitly, for
 the forward and for ``jax.grad``, in alternating rounds (JAX's caches cleared before each
 measurement), and reports the median ratio. Goal: auto / direct <= 1.2x.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import flashport
-from flashport.kernels import api, deferred, registry
+from flashport.kernels.contract import api, deferred, registry
 
 B, HQ, HKV, D = 1, 8, 2, 64
 CASES = {

@@ -77,7 +77,7 @@ def _child(path: str) -> int:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     from flashport import rules as registry
-    from flashport.rewriter.engine import transform_source
+    from flashport.rewriter.engine.pipeline import transform_source
     from flashport.rules.base import RuleOptions
 
     with open(path, "rb") as handle:

@@ -181,7 +181,7 @@ def generated(sites: int) -> bytes:
 def _dense_child(path: str) -> int:
     """Port one file with every rule and print {sites, changed, cpu, wall} as JSON (child process)."""
     from flashport import rules as registry
-    from flashport.rewriter.engine import transform_source
+    from flashport.rewriter.engine.pipeline import transform_source
     from flashport.rules.base import RuleOptions
 
     data = open(path, "rb").read()

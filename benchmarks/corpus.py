@@ -228,7 +228,7 @@ def _verify_changes(doc: dict, originals: dict, out: Outcome) -> None:
             if tag == "equal":
                 continue
             # a guarded import block may go as a whole once its imports are dead, or collapse to the
-            # flag assignments of its success path (rewriter/dead_imports.py)
+            # flag assignments of its success path (rewriter/imports/dead_imports.py)
             guard_texts = {old_lines[i].strip() for i in range(i1, i2) if i + 1 in guards}
             only_imports = all(
                 not t.strip() or t.strip().startswith(("import ", "from ")) or t.strip() in guard_texts

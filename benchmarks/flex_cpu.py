@@ -99,7 +99,7 @@ def count_tiles(seq: int, tile: int, lengths: list[int]) -> str:
     import numpy as np
 
     import flashport
-    from flashport.kernels.registry import use
+    from flashport.kernels.contract.registry import use
 
     docs_np = np.repeat(np.arange(len(lengths)), lengths)
     assert docs_np.size == seq

@@ -133,8 +133,8 @@ def overhead(repeats: int) -> dict:
     import jax.numpy as jnp
 
     import flashport
-    from flashport.rewriter.jaxpr import fuse as fuse_mod
-    from flashport.rewriter.jaxpr.interpreter import analyze, rewrite
+    from flashport.fusion import fuse as fuse_mod
+    from flashport.fusion.interpreter import analyze, rewrite
 
     model = _model(layers=12, width=256, heads=8, vocab=512)
     ids = jnp.zeros((2, 256), jnp.int32)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import flashport
-from flashport.kernels import api, registry
+from flashport.kernels.contract import api, registry
 
 ANCHORS = ("jax.nn cudnn", "jax.nn xla", "pallas mha")
 IMPLS = ("flashport auto", "pallas_gpu", *ANCHORS)

@@ -6,7 +6,7 @@ Run:  .venv/bin/python benchmarks/real_repos.py [--packages sglang,deepspeed] [-
 Each pinned package (sources or wheels, no dependencies) is fetched once with ``pip download`` into a
 cache outside the repository (``$FLASHPORT_BENCH_CACHE/real_repos`` or
 ``~/.cache/flashport-bench/real_repos``; :func:`benchmarks.corpus.fetch`) and every ``.py`` file is run
-through :func:`flashport.rewriter.engine.transform_source` with the default rules and options.
+through :func:`flashport.rewriter.engine.pipeline.transform_source` with the default rules and options.
 Files under ``tests/``, ``benchmarks/``, ``examples/`` (and ``test_*.py``) are *test* code, the rest
 *model* code. Per package it prints:
 
@@ -59,9 +59,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus
 
 from flashport import rules as registry
-from flashport.rewriter import run_context
-from flashport.rewriter.engine import transform_source
-from flashport.rewriter.imports import name_uses
+from flashport.rewriter.engine import run_context
+from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rewriter.imports.edits import name_uses
 from flashport.rules.base import RUNS_AS_IS, RuleOptions
 
 # name, version: sources or wheels that carry model code calling flash-attn / xformers / SDPA
@@ -98,6 +98,11 @@ FRESH = (
     ("AI-Hypercomputer/maxtext", "e591f30cbbf217ed67ef71263ec0538239f9c3b8"),
     ("young-geng/EasyLM", "fe5b2c354e25d697fce7cd225e23bbbe72570da3"),
     ("google-research/big_vision", "0127fb6b337ee2a27bf4e54dea79cff176527356"),
+    # added later, measured once before and once after the rule changes of the same session
+    ("jzhang38/EasyContext", "6b0d31047e4e326cbd603f89d57cf8b1db3ff762"),  # context parallelism
+    ("genmoai/mochi", "0c86aebf386e6622deadfb47ff1996878cefc0ac"),  # video diffusion
+    ("huggingface/text-generation-inference", "db931fcf42da018a3657580c64bf2720f167f9ab"),  # inference server
+    ("AI-Hypercomputer/maxdiffusion", "7cfb8801d41d1728f0232cd7ee59e900a151fecf"),  # JAX diffusion
 )
 BLOCKED = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper", "xformers", "flash_attn_jax")
 TEST_PARTS = {"tests", "test", "testing", "benchmarks", "benchmark", "examples", "example"}
@@ -153,7 +158,7 @@ def normalize(reason: str) -> str:
 
 
 GUARDED = " (guarded)"
-# rewriter/kept_imports.py's reasons for a guarded import that only asks about the installed library
+# rewriter/imports/kept_imports.py's reasons for a guarded import that only asks about the installed library
 PROBE_REASONS = (
     "an availability probe:",
     "it inspects the installed library",

@@ -26,7 +26,7 @@ except where a layout is the point):
 * ``flashport_bshd_direct``: BSHD inputs with the default options (the kernels read and write the
   caller's arrays, token-major);
 * ``splash``: ``flashport.attention(layout="BHSD", backend="splash")``, JAX's splash attention
-  (``kernels/splash.py``), default 512 blocks;
+  (``kernels/backends/splash.py``), default 512 blocks;
 * ``jax_flash``: ``jax.experimental.pallas.ops.tpu.flash_attention`` with 512 blocks (its 128
   defaults are the README's "floor"); no GQA, so K/V are repeated to the query heads (counted);
 * ``xla``: ``jax.nn.dot_product_attention(implementation="xla")`` (materialized scores: expect
@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.table import Table
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 # bf16 dense peak per chip, TFLOP/s (vendor figures; v7x = Ironwood / TPU7x)
 PEAK_BF16_TFLOPS = {"v4": 275.0, "v5e": 197.0, "v5p": 459.0, "v6e": 918.0, "v7x": 2307.0}

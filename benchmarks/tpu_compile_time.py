@@ -2,7 +2,7 @@
 
 Compiles ``flashport.attention`` (bf16, causal, ``pallas_tpu``) forward and ``grad`` deviceless
 (``get_topology_desc``: no TPU needed) for each configuration twice in one process, with the default
-layout (token-major when ``kernels/pallas_tpu/layout.py`` picks it) and with ``read_bshd=False``
+layout (token-major when ``kernels/backends/pallas_tpu/layout.py`` picks it) and with ``read_bshd=False``
 (heads-major: transposes around the kernels), and prints the process CPU seconds of lowering +
 compiling each (``time.process_time``: all threads; wall time depends on the host's load) and the
 number of transpose/copy ops of a whole [B, S, H, D] operand in the optimized HLO.
@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2"}
 # (chip, B, S, Hq, Hkv): the v6e shape and a v5e GQA 8/2 call.

@@ -24,10 +24,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from flashport.kernels.pallas_tpu import counting
-from flashport.kernels.pallas_tpu.blocks import Q_ALIGN
-from flashport.kernels.pallas_tpu.tiling import round_up
-from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.backends.pallas_tpu import counting
+from flashport.kernels.backends.pallas_tpu.blocks import Q_ALIGN
+from flashport.kernels.backends.pallas_tpu.tiling import round_up
+from flashport.kernels.contract.spec import AttentionSpec
 
 D = 128
 

@@ -3,7 +3,7 @@
 Compiles ``flashport.attention`` (bf16, causal, ``pallas_tpu``) on BSHD inputs deviceless
 (``get_topology_desc``: no TPU needed) at the issue's shape (v6e, B = 1, S = 4096, H = 8, D = 128),
 the inference forward and ``grad`` of a sum, once with the default options (token-major kernels where
-``kernels/pallas_tpu/layout.py`` picks them) and once with ``read_bshd=False`` (heads-major kernels
+``kernels/backends/pallas_tpu/layout.py`` picks them) and once with ``read_bshd=False`` (heads-major kernels
 behind transposes), and prints every instruction of each program's entry computation: the ops that run
 around and between the kernels (attributes, metadata and backend configs dropped).
 
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from llo_profile import TOPOLOGIES, one_chip
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 _DROP = re.compile(
     r",? (metadata|backend_config|frontend_attributes|custom_call_has_side_effect|sharding)=.*$"

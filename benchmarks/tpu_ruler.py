@@ -504,7 +504,7 @@ def _kwargs(cfg: Config) -> dict:
 def flashport_kernels(cfg: Config, layout: str, **options):
     """(program, specs, {kernel name prefix: Counts}) of flashport's ``pallas_tpu`` backend."""
     import flashport
-    from flashport.kernels import registry
+    from flashport.kernels.contract import registry
 
     backend = registry.use("pallas_tpu", generation=cfg.gen, **options)
     kw = _kwargs(cfg)
@@ -529,9 +529,9 @@ def flashport_geometry(cfg: Config, layout: str, kind: str, **options):
     import jax
     import jax.numpy as jnp
 
-    from flashport.kernels.pallas_tpu import backend as pb
-    from flashport.kernels.pallas_tpu.blocks import resolve_blocks
-    from flashport.kernels.spec import AttentionSpec
+    from flashport.kernels.backends.pallas_tpu import backend as pb
+    from flashport.kernels.backends.pallas_tpu.blocks import resolve_blocks
+    from flashport.kernels.contract.spec import AttentionSpec
 
     spec = AttentionSpec(
         scale=cfg.dim**-0.5,

@@ -5,7 +5,7 @@ this host's platform (``backend="auto"``) and read from XLA's ``memory_analysis`
 nothing runs). Rows:
 
 - ``dense mask``: what varlen did before: the packed layout plus a [T, T] per-sequence mask
-  (``flashport.kernels.varlen.varlen_layout``) passed as ``mask=``;
+  (``flashport.kernels.contract.varlen.varlen_layout``) passed as ``mask=``;
 - ``segment ids, same cu_seqlens``: queries and keys share ``cu_seqlens`` (packed layout as is);
 - ``virtual layout, cu_q != cu_k``: per-sequence q/k lengths may differ (bottom-right per sequence),
   so the sequences are gathered into a 2T-row layout with one global alignment.
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import flashport
-from flashport.kernels.varlen import varlen_layout
+from flashport.kernels.contract.varlen import varlen_layout
 
 SEQS, LEN, H, D = 32, 1025, 4, 64
 T = SEQS * LEN

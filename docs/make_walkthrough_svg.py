@@ -18,9 +18,9 @@ import sys
 from rich.console import Console
 
 from flashport import rules as registry
-from flashport.rewriter import report as rep
-from flashport.rewriter.discover import discover
-from flashport.rewriter.runner import run
+from flashport.rewriter.app import report as rep
+from flashport.rewriter.app.discover import discover
+from flashport.rewriter.app.runner import run
 from flashport.rules.base import RuleOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,62 +1,46 @@
-"""flashport.rules: one rule module per GPU attention source API, plus the registry.
+"""flashport.rules: one rule module per GPU attention source API, in family packages, plus the registry.
 
-``RULE_MODULES`` lists the rule modules in catalogue order; importing them fills
-:data:`flashport.rules.base.REGISTRY`. Rule modules import only libcst (never jax or torch), so the CLI
-stays fast.
+Rule modules are the ``fpaNNN_*`` modules of the family packages (:data:`FAMILIES`); importing them
+fills :data:`flashport.rules.base.REGISTRY`, and :func:`rule_modules` finds them by walking the
+packages, so a new rule needs no list entry. Rule modules import only libcst (never jax or torch), so
+the CLI stays fast.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
+import re
 
 from flashport.rules.base import REGISTRY, Rule
 
-RULE_MODULES = (
-    "fpa001_flash_attn_func",
-    "fpa002_flash_attn_qkvpacked_func",
-    "fpa003_flash_attn_kvpacked_func",
-    "fpa004_flash_attn_varlen_func",
-    "fpa005_flash_attn_varlen_qkvpacked_func",
-    "fpa006_flash_attn_varlen_kvpacked_func",
-    "fpa007_flash_attn_with_kvcache",
-    "fpa008_flash_attn_internal",
-    "fpa009_flash_attn_bert_padding",
-    "fpa010_fa3_flash_attn_func",
-    "fpa011_fa3_flash_attn_varlen_func",
-    "fpa012_fa3_flash_attn_with_kvcache",
-    "fpa013_fa4_flash_attn_func",
-    "fpa014_fa4_flash_attn_varlen_func",
-    "fpa015_flash_attn_rotary",
-    "fpa101_torch_sdpa",
-    "fpa102_sdpa_backend_selector",
-    "fpa103_torch_flex_attention",
-    "fpa110_xformers_memory_efficient_attention",
-    "fpa111_xformers_attn_bias",
-    "fpa201_jax_nn_dpa_cudnn",
-    "fpa202_cudnn_fused_attention",
-    "fpa203_pallas_gpu_mha",
-    "fpa204_pallas_gpu_decode",
-    "fpa205_flash_attn_jax_mha",
-    "fpa206_flash_attn_jax_varlen",
-    "fpa207_keras_dpa",
-    "fpa208_te_jax_dpa",
-    "fpa209_te_jax_fused_attn",
-    "fpa901_attn_implementation_config",
-    "fpa902_use_flash_attention_2",
-    "fpa903_maxtext_attention_config",
-    "fpa904_nvte_fused_attn_env",
-    "fpa905_transformers_attn_implementation",
-)
+FAMILIES = ("flash_attn", "torch", "xformers", "jax", "config")
+"""The family packages that hold rule modules, in catalogue order."""
+
+_RULE_MODULE = re.compile(r"fpa\d{3}_\w+")
 
 _loaded = False
+
+
+def rule_modules() -> list[str]:
+    """The dotted names of every rule module (``flashport.rules.<family>.fpaNNN_*``), family by family
+    and by code within a family."""
+    found: list[str] = []
+    for family in FAMILIES:
+        package = importlib.import_module(f"{__name__}.{family}")
+        names = sorted(
+            m.name for m in pkgutil.iter_modules(package.__path__) if _RULE_MODULE.fullmatch(m.name)
+        )
+        found.extend(f"{package.__name__}.{name}" for name in names)
+    return found
 
 
 def all_rules() -> list[type[Rule]]:
     """Every registered rule class, sorted by code."""
     global _loaded
     if not _loaded:
-        for name in RULE_MODULES:
-            importlib.import_module(f"flashport.rules.{name}")
+        for name in rule_modules():
+            importlib.import_module(name)
         _loaded = True
     return [REGISTRY[code] for code in sorted(REGISTRY)]
 

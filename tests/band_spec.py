@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.contract.spec import AttentionSpec
 
 
 def band_spec(sq, sk, causal=False, left=None, right=None, align="bottom_right"):

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from reference import reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 BLOCKWISE = registry.use("blockwise", block_q=8, block_k=8)
 INTERPRET = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)

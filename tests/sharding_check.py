@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 
 def main(backend_name: str) -> None:

@@ -1,6 +1,6 @@
 """Calls through local aliases (``attn = flash_attn_func; attn(...)``) and value uses
 (dispatch tables, ``functools.partial``, attributes): ported when they resolve to one function,
-reported with the reason otherwise (:mod:`flashport.rewriter.aliases`, :mod:`flashport.rules._values`)."""
+reported with the reason otherwise (:mod:`flashport.rewriter.source.aliases`, :mod:`flashport.rules.common.values`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 

@@ -9,7 +9,7 @@ import pytest
 from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 # Small blocks so every case spans several query and key blocks, ragged tails included.
 BLOCKWISE = registry.use("blockwise", block_q=8, block_k=16)
@@ -241,7 +241,8 @@ def test_explicit_backend_lacking_feature_names_it():
 
 
 def test_cudnn_dispatch_guards(monkeypatch):
-    from flashport.kernels import api, cudnn
+    from flashport.kernels.backends import cudnn
+    from flashport.kernels.contract import api
 
     def call(dtype="bfloat16", shape=None, **kw):
         # Even lengths: jax's cuDNN path needs them when differentiated (cudnn refuses odd ones).

@@ -18,7 +18,7 @@ from hlo_dots import dot_shapes, output_products
 from reference import reduce_to_shape, reference_attention_vjp
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 # Sq, Sk, D, Dv all distinct (and distinct from B, H): a dot's shape tells which product it is.
 B, SQ, SK, HQ, HKV, D, DV = 2, 40, 56, 4, 2, 16, 24

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from reference import reference_attention
 
 import flashport
-from flashport.kernels import registry
-from flashport.kernels.blockwise import _Tiling
-from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.backends.blockwise import _Tiling
+from flashport.kernels.contract import registry
+from flashport.kernels.contract.spec import AttentionSpec
 
 HERE = os.path.dirname(__file__)
 

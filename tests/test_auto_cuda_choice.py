@@ -1,7 +1,7 @@
 """``auto`` never picks a backend that then rejects the call, and every explicit backend either runs or
 refuses before lowering.
 
-The CUDA branch of ``auto`` is :func:`flashport.kernels.registry.choose` for platform ``"cuda"`` (what
+The CUDA branch of ``auto`` is :func:`flashport.kernels.contract.registry.choose` for platform ``"cuda"`` (what
 ``flashport.attention`` evaluates per platform while lowering). It is exercised here without a GPU:
 ``cudnn.gpu_present`` is patched to True, and JAX's own cuDNN module is told a cuDNN version and an
 Ampere (8.0) GPU, so ``jax.nn.dot_product_attention(implementation="cudnn")`` runs its real shape and
@@ -29,7 +29,8 @@ from jax._src.cudnn import fused_attention_stablehlo as jax_cudnn
 from reference import reference_attention
 
 import flashport
-from flashport.kernels import api, cudnn, registry
+from flashport.kernels.backends import cudnn
+from flashport.kernels.contract import api, registry
 
 B, H, D = 2, 4, 64
 SIZES = {"sq<sk": (8, 16), "square": (16, 16), "odd": (7, 13), "sq>sk": (16, 8), "decode": (1, 16)}

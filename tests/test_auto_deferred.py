@@ -1,5 +1,5 @@
 """``backend="auto"`` traces only the branch of this process's platform; the other platforms'
-branches are deferred (``kernels/deferred.py``) and traced only when a module is lowered for them.
+branches are deferred (``kernels/contract/deferred.py``) and traced only when a module is lowered for them.
 
 The deferred branches are exercised on this CPU host by pretending the process runs elsewhere
 (``deferred.host_platform`` patched), so the CPU branch is the deferred one and its forward, its
@@ -20,7 +20,7 @@ from jax.extend.core import jaxprs_in_params
 from reference import reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels import deferred
+from flashport.kernels.contract import deferred
 
 OPTIONS = dict(causal=True, softcap=3.0)
 

@@ -18,8 +18,8 @@ import pytest
 from reference import reduce_to_shape, reference_attention_vjp
 
 import flashport
-from flashport.kernels import registry
-from flashport.kernels.spec import FEATURES
+from flashport.kernels.contract import registry
+from flashport.kernels.contract.spec import FEATURES
 
 NAME = "test_no_bias_grad"
 

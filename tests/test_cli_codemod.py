@@ -15,8 +15,8 @@ import time
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import cli, writes
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.app import cli, writes
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 FA = "from flash_attn import flash_attn_func\n\n\ndef f(q, k, v):\n    return flash_attn_func(q, k, v, causal=True)\n"
@@ -49,7 +49,7 @@ def test_version_and_help(capsys):
 
 def test_help_states_the_real_version_defaults(capsys):
     """The defaults ``rewrite --help`` advertises are the ones RuleOptions binds signatures against."""
-    from flashport.rewriter.config import parse_version
+    from flashport.rewriter.app.config import parse_version
     from flashport.rules.base import RuleOptions
 
     assert cli.main(["rewrite", "--help"]) == 0
@@ -213,7 +213,7 @@ def test_rules_verb(capsys):
 
 def test_cli_does_not_import_jax_or_torch(tree):
     code = (
-        "import sys; from flashport.rewriter.cli import main; "
+        "import sys; from flashport.rewriter.app.cli import main; "
         f"rc = main(['rewrite', {str(tree)!r}, '--format', 'json', '--jobs', '1', '--isolated']); "
         "bad = [m for m in ('jax', 'torch') if m in sys.modules]; assert not bad, bad; sys.exit(rc)"
     )

@@ -18,7 +18,7 @@ from sarif_kit.validate import validation_errors
 from test_sdpa_runs_as_is import MATH_SOURCE
 
 from flashport import rules as registry
-from flashport.rewriter import cli
+from flashport.rewriter.app import cli
 
 FA = "from flash_attn import flash_attn_func\n\n\ndef f(q, k, v):\n    return flash_attn_func(q, k, v, causal=True)\n"
 SDPA = "import torch.nn.functional as F\n\n\ndef g(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
@@ -305,9 +305,9 @@ def test_rules_table_one_line_per_rule_and_one_rule_docs(capsys):
 def test_the_cli_import_path_never_imports_jax():
     code = (
         "import sys\n"
-        "import flashport.rewriter.cli, flashport.rewriter.engine, flashport.rewriter.runner\n"
-        "import flashport.rewriter.output_formats, flashport.rewriter.suppression_comments\n"
-        "import flashport.rewriter.progress, flashport.rewriter.html_report, flashport.rewriter.interactive\n"
+        "import flashport.rewriter.app.cli, flashport.rewriter.engine.pipeline, flashport.rewriter.app.runner\n"
+        "import flashport.rewriter.app.output_formats, flashport.rewriter.engine.suppression_comments\n"
+        "import flashport.rewriter.app.progress, flashport.rewriter.app.html_report, flashport.rewriter.app.interactive\n"
         "from flashport import rules\n"
         "for rule in rules.all_rules(): rule.doc()\n"
         "print(sorted(m for m in ('jax', 'jaxlib', 'torch', 'numpy') if m in sys.modules))\n"
@@ -320,7 +320,7 @@ def test_the_cli_import_path_never_imports_jax():
 
 
 def test_progress_advances_in_completion_order_results_in_path_order(tmp_path):
-    from flashport.rewriter.runner import run
+    from flashport.rewriter.app.runner import run
     from flashport.rules.base import RuleOptions
 
     big = tmp_path / "a_big.py"

@@ -9,8 +9,8 @@ import libcst
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import engine
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 
@@ -51,7 +51,7 @@ def test_statements_without_triggers_are_not_given_to_libcst(monkeypatch):
             def forward(self, q, k, v):
                 return flash_attn_func(q, k, v)
     """)
-    given = "".join(seen)  # the mini module may be parsed piece by piece (rewriter/pieces.py)
+    given = "".join(seen)  # the mini module may be parsed piece by piece (rewriter/source/pieces.py)
     assert seen and "untouched" not in given and "def other" not in given and "def forward" in given
 
 
@@ -265,7 +265,9 @@ def test_results_are_deterministic_and_rules_fresh_per_file():
 
 def test_a_new_rule_plugs_into_the_engine_without_registration():
     """The seam issue-5 rules use: a Rule subclass, SOURCES/TRIGGERS, check_call -> Rewrite/Refusal."""
-    from flashport.rules.base import Refusal, Rewrite, Rule, Signature, build_call, string
+    from flashport.rules.base import Refusal, Rewrite, Rule
+    from flashport.rules.common.binding import Signature
+    from flashport.rules.common.calls import build_call, string
 
     class Demo(Rule):
         CODE, NAME, API = "FPA999", "demo", "mypkg.attn"

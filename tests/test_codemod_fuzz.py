@@ -35,8 +35,8 @@ from torch_semantics_reference import flash_attn_ref, sdpa_ref
 
 import flashport.torch
 from flashport import rules as registry
-from flashport.rewriter.engine import transform_source
-from flashport.rewriter.results import CHANGED, REWRITE, UNCHANGED
+from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rewriter.engine.results import CHANGED, REWRITE, UNCHANGED
 from flashport.rules.base import RuleOptions
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "codemod"

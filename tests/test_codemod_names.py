@@ -1,6 +1,6 @@
 """The engine's shortcuts around libcst's whole-module analyses must give libcst's answers:
-:class:`~flashport.rewriter.names.Names` (qualified names from the imports) against libcst's
-scope analysis (what ``QualifiedNameProvider`` returns), and :func:`~flashport.rewriter.pieces.parse` (piece by piece) against
+:class:`~flashport.rewriter.source.names.Names` (qualified names from the imports) against libcst's
+scope analysis (what ``QualifiedNameProvider`` returns), and :func:`~flashport.rewriter.source.pieces.parse` (piece by piece) against
 ``cst.parse_module`` of the whole text."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import pytest
 from libcst.metadata import MetadataWrapper, ScopeProvider
 
 from flashport import rules as registry
-from flashport.rewriter import engine, pieces
-from flashport.rewriter.names import Names
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.source import pieces
+from flashport.rewriter.source.names import Names
 
 RULES = registry.all_rules()
 ROOT = pathlib.Path(__file__).parent

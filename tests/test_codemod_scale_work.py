@@ -9,8 +9,8 @@ import pathlib
 import sys
 
 from flashport import rules as registry
-from flashport.rewriter import engine
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "codemod_scale.py"

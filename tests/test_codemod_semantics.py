@@ -23,9 +23,9 @@ import pytest
 from ported_code import DROPOUT_SEEN, reference_torch_attention
 
 from flashport import rules as registry
-from flashport.kernels.sdpa_compat import sdpa_mask
-from flashport.kernels.varlen import varlen_attention
-from flashport.rewriter.engine import transform_source
+from flashport.kernels.contract.varlen import varlen_attention
+from flashport.kernels.semantics.sdpa_compat import sdpa_mask
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 torch = pytest.importorskip("torch")

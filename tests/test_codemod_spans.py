@@ -1,4 +1,4 @@
-"""Per-statement positions and splices (:mod:`flashport.rewriter.spans`) must give what rendering
+"""Per-statement positions and splices (:mod:`flashport.rewriter.source.spans`) must give what rendering
 the whole mini module gives: the same node positions as libcst's ``PositionProvider`` and the same
 rewritten files."""
 
@@ -12,9 +12,10 @@ from collections import defaultdict
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import astindex, engine, spans
-from flashport.rewriter.engine import transform_source
-from flashport.rewriter.positions import line_positions
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rewriter.source import astindex, spans
+from flashport.rewriter.source.positions import line_positions
 from flashport.rules.base import RuleOptions
 
 RULES = registry.all_rules()

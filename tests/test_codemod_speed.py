@@ -13,9 +13,11 @@ import textwrap
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import cache as result_cache
-from flashport.rewriter import engine, prune, runner
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.app import cache as result_cache
+from flashport.rewriter.app import runner
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine import prune
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 RULES = registry.all_rules()
@@ -153,7 +155,7 @@ def test_several_matching_qualified_names_answer_the_canonical_source_whatever_t
     code = textwrap.dedent("""
         import sys
         from flashport import rules as registry
-        from flashport.rewriter.engine import transform_source
+        from flashport.rewriter.engine.pipeline import transform_source
         from flashport.rules.base import RuleOptions
         src = b'''try:
             from jax.experimental.pallas.ops.gpu.attention import mha
@@ -226,9 +228,9 @@ def test_cache_key_covers_rule_set_and_options():
     "source",
     [
         "rule",  # a rule module
-        "rewriter/run_context.py",  # an engine module a hand-kept list once missed
-        "rewriter/jaxpr/fuse.py",  # a module in a subpackage
-        "rules/_values.py",  # a rule helper
+        "rewriter/engine/run_context.py",  # an engine module a hand-kept list once missed
+        "rewriter/source/names.py",  # a module in another subpackage
+        "rules/common/values.py",  # a rule helper
     ],
 )
 def test_cache_key_covers_every_package_source(source, monkeypatch):

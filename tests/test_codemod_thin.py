@@ -1,4 +1,4 @@
-"""Thin function chunks (:mod:`flashport.rewriter.thin`): the first libcst pass parses functions
+"""Thin function chunks (:mod:`flashport.rewriter.engine.thin`): the first libcst pass parses functions
 with the statements that mention nothing relevant as placeholders, and falls back to the whole
 chunks whenever a rule may have seen one; results equal those of the whole chunks."""
 
@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import engine, thin
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine import thin
 from flashport.rules.base import RuleOptions
 
 RULES = registry.all_rules()

@@ -1,6 +1,6 @@
 """Engine speed-ups inside the libcst pass must not change results: the statement and leaf
-skipping of :class:`~flashport.rewriter.transform.SiteTransformer` (compared with a full traversal)
-and :class:`~flashport.rewriter.positions.LinePositionProvider` (compared with libcst's own
+skipping of :class:`~flashport.rewriter.engine.transform.SiteTransformer` (compared with a full traversal)
+and :class:`~flashport.rewriter.source.positions.LinePositionProvider` (compared with libcst's own
 ``PositionProvider``)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import pytest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from flashport import rules as registry
-from flashport.rewriter import engine, transform
-from flashport.rewriter.engine import transform_source
-from flashport.rewriter.positions import LinePositionProvider
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine import transform
+from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rewriter.source.positions import LinePositionProvider
 from flashport.rules.base import RuleOptions
 
 RULES = registry.all_rules()

@@ -1,4 +1,4 @@
-"""The contract's keywords are defined once (``flashport.kernels.keywords``) and every entry point
+"""The contract's keywords are defined once (``flashport.kernels.contract.keywords``) and every entry point
 shows and accepts them: signatures checked against the documented public API, written out here."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import flashport
-from flashport.kernels import api, varlen
-from flashport.kernels.keywords import takes_contract_keywords
+from flashport.kernels.contract import api, varlen
+from flashport.kernels.contract.keywords import takes_contract_keywords
 
 CONTRACT = (
     "scale=None, causal=False, window=None, align='bottom_right', softcap=None, bias=None, mask=None, "

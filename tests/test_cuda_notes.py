@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 
 from flashport import rules as registry
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 SOURCE = textwrap.dedent("""\
@@ -47,3 +47,19 @@ def test_a_branch_on_the_device_type_is_not_cuda_only():
     (site,) = [s for s in result.sites if s.status == "rewrite"]
     assert not any("device.type" in n for n in site.notes)
     assert any("get_device_capability" in n for n in site.notes)
+
+
+def test_only_statements_holding_a_port_are_searched(monkeypatch):
+    """The note pass is linear in the file: statements without a port are never walked, however
+    many there are (each of these would also hold a CUDA-only line)."""
+    from flashport.rewriter.engine import cuda_notes
+
+    others = "".join(f"\n\ndef helper_{i}(x):\n    return x.cuda()\n" for i in range(300))
+    seen = []
+    real = cuda_notes._cuda_only
+    monkeypatch.setattr(cuda_notes, "_cuda_only", lambda node: seen.append(node) or real(node))
+    result = transform_source((SOURCE + others).encode(), "m.py", registry.all_rules(), RuleOptions())
+    (site,) = [s for s in result.sites if s.status == "rewrite"]
+    assert any("`q = q.cuda()`" in n for n in site.notes)
+    assert not any("helper_" in n or "return x.cuda()" in n for n in site.notes)
+    assert 0 < len(seen) < 200, len(seen)

@@ -1,5 +1,5 @@
 """GPU imports that a port points at flashport's drop-ins, and flash-attn version reads it pins
-(:mod:`flashport.rewriter.drop_in_imports`): a fully ported file no longer imports the GPU library,
+(:mod:`flashport.rewriter.imports.drop_in_imports`): a fully ported file no longer imports the GPU library,
 and a probe or re-export whose answer could change stays as it was."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -24,6 +24,7 @@ pytest.importorskip("torch")
 import flashport.integrations
 from flashport.rules import apis
 from flashport.rules.apis import xformers as xformers_apis
+from flashport.rules.apis.model import Params
 
 CASES = [
     pytest.param(
@@ -67,7 +68,7 @@ def _plain(default):
     return f"{type(default).__name__}.{default.name}" if isinstance(default, enum.Enum) else default
 
 
-def expected(parameters: apis.Params) -> list[tuple[str, str, object]]:
+def expected(parameters: Params) -> list[tuple[str, str, object]]:
     return [(p.name, p.kind.name, p.default) for p in parameters]
 
 
@@ -164,10 +165,10 @@ def test_catalogue_imports_neither_jax_nor_torch():
 def test_drop_in_tables_point_at_catalogued_drop_ins():
     """The codemod's drop-in tables (values replaced by a drop-in, imports re-pointed to one) name
     only drop-ins whose signature the catalogue checks."""
-    from flashport.rewriter.drop_in_imports import DROP_INS
-    from flashport.rules import _values
+    from flashport.rewriter.imports.drop_in_imports import DROP_INS
+    from flashport.rules.common import values
 
-    tables = [(module, name) for module, names in _values._PROVIDES.items() for name in names]
+    tables = [(module, name) for module, names in values.PROVIDES.items() for name in names]
     tables += [(module, name) for module, names in DROP_INS.values() for name in names]
     known = catalogued_objects()
     unchecked = sorted(f"{m}.{n}" for m, n in tables if id(resolve(m, n)) not in known)
@@ -182,8 +183,51 @@ def test_kvcache_value_gets_the_drop_in_only_where_its_signature_matches(version
     flash_attn_with_kvcache keeps the original (its positional calls would bind differently)."""
     from types import SimpleNamespace
 
-    from flashport.rules import _values
+    from flashport.rules.common import values
 
     ctx = SimpleNamespace(options=SimpleNamespace(flash_attn_version=version))
-    result = _values.drop_in("flash_attn.flash_attn_with_kvcache", ctx)  # type: ignore[arg-type]
-    assert (result == (_values.FA2, "flash_attn_with_kvcache")) is replaced, result
+    result = values.drop_in("flash_attn.flash_attn_with_kvcache", ctx)  # type: ignore[arg-type]
+    assert (result == (values.FA2, "flash_attn_with_kvcache")) is replaced, result
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "args", "kwargs", "message"),
+    [
+        (
+            "flash_attn_compat",
+            "flash_attn_func",
+            (1, 2),
+            {},
+            r"flash_attn_func\(\) missing a required argument: 'v'",
+        ),
+        (
+            "flash_attn_compat",
+            "flash_attn_func",
+            (1, 2, 3),
+            {"bogus": 1},
+            r"unexpected keyword argument 'bogus'",
+        ),
+        (
+            "flash_attn_compat",
+            "_flash_attn_forward_v2_4",
+            (1,) * 10,
+            {},
+            r"_flash_attn_forward_v2_4\(\) too many",
+        ),
+        ("flash_attn3_compat", "flash_attn_func", (1, 2, 3), {"q": 1}, r"multiple values for argument 'q'"),
+        (
+            "flash_attn4_compat",
+            "flash_attn_func",
+            (1, 2, 3, 4),
+            {},
+            r"flash_attn_func\(\) too many positional",
+        ),
+    ],
+)
+def test_a_call_that_does_not_fit_the_signature_raises_type_error_before_running(
+    module, name, args, kwargs, message
+):
+    """A drop-in rejects what the upstream function rejects (TypeError naming it), before any work."""
+    drop_in = resolve(f"flashport.integrations.{module}", name)
+    with pytest.raises(TypeError, match=message):
+        drop_in(*args, **kwargs)

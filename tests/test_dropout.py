@@ -1,7 +1,7 @@
 """The contract's attention dropout: one keep-mask (a position hash of the key) on every backend.
 
 Checked against tests/reference.py's float64 attention, whose keep-mask is written from the
-definition in the contract's docs (kernels/dropout.py), not imported from it.
+definition in the contract's docs (kernels/semantics/dropout.py), not imported from it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 from tests.reference import dropout_keep, reference_attention, reference_attention_vjp
 
 jax.config.update("jax_enable_x64", False)
@@ -207,7 +207,7 @@ def test_cudnn_refuses_dropout_with_the_reason_and_auto_falls_back():
             dropout_rng=jax.random.key(0),
             backend="cudnn",
         )
-    (_, _, _, _, _, _, _, seed), call = flashport.kernels.api.prepare(
+    (_, _, _, _, _, _, _, seed), call = flashport.kernels.contract.api.prepare(
         q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)
     )
     assert "dropout" in call.features and seed.dtype == jnp.uint32

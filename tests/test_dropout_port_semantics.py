@@ -25,7 +25,7 @@ import flashport  # noqa: E402
 import flashport.torch  # noqa: E402
 from flashport import rules as registry  # noqa: E402
 from flashport.integrations import flash_attn_compat, xformers_compat  # noqa: E402
-from flashport.rewriter.engine import transform_source  # noqa: E402
+from flashport.rewriter.engine.pipeline import transform_source  # noqa: E402
 from flashport.rules.base import RuleOptions  # noqa: E402
 
 P = 0.25

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashport.rewriter import cli
+from flashport.rewriter.app import cli
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

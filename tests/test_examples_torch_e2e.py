@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from torch_semantics_reference import flash_attn_ref, flash_attn_varlen_ref, sdpa_ref, xformers_ref  # noqa: E402
 
-from flashport.rewriter import cli  # noqa: E402
+from flashport.rewriter.app import cli  # noqa: E402
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 NAMES = ("torch_flash_attn_model.py", "torch_sdpa_model.py", "torch_xformers_model.py")

@@ -19,7 +19,7 @@ from reference import reference_attention
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.nn.attention.flex_attention")
 
-from flashport.rewriter import cli  # noqa: E402
+from flashport.rewriter.app import cli  # noqa: E402
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "torch_flex_model.py"
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 torch = pytest.importorskip("torch")

@@ -487,7 +487,7 @@ def test_fpa007_drop_in_rewrite_keeps_the_in_place_decode_loop():
     import textwrap
 
     from flashport import rules as registry
-    from flashport.rewriter.engine import transform_source
+    from flashport.rewriter.engine.pipeline import transform_source
     from flashport.rules.base import RuleOptions
 
     source = textwrap.dedent("""
@@ -530,7 +530,7 @@ def test_varlen_call_with_dropout_is_ported_to_the_drop_in():
     import textwrap
 
     from flashport import rules as registry
-    from flashport.rewriter.engine import transform_source
+    from flashport.rewriter.engine.pipeline import transform_source
     from flashport.rules.base import RuleOptions
 
     source = textwrap.dedent("""
@@ -558,7 +558,7 @@ def test_varlen_alibi_call_is_ported_to_the_drop_in():
     import textwrap
 
     from flashport import rules as registry
-    from flashport.rewriter.engine import transform_source
+    from flashport.rewriter.engine.pipeline import transform_source
     from flashport.rules.base import RuleOptions
 
     source = textwrap.dedent("""
@@ -587,7 +587,7 @@ def test_alibi_and_out_of_order_dropout_calls_are_ported_to_the_drop_in():
     import textwrap
 
     from flashport import rules as registry
-    from flashport.rewriter.engine import transform_source
+    from flashport.rewriter.engine.pipeline import transform_source
     from flashport.rules.base import RuleOptions
 
     source = textwrap.dedent("""

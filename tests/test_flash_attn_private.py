@@ -226,7 +226,7 @@ def test_ported_custom_autograd_function_runs_and_matches_float64():
 def test_2_7_calls_are_refused_when_the_configured_release_is_2_6():
     """The 2.7+ calls do not fit 2.6's signatures (window_size tuple, 8 return values): refused."""
     from flashport import rules as registry
-    from flashport.rewriter.engine import transform_source
+    from flashport.rewriter.engine.pipeline import transform_source
     from flashport.rules.base import RuleOptions
 
     result = transform_source(

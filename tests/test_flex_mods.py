@@ -18,9 +18,9 @@ import pytest
 from reference import reference_attention, reference_mod_vjp
 
 import flashport
-from flashport.kernels import block_mask as block_mask_lib
-from flashport.kernels import mods as mods_lib
-from flashport.kernels.registry import use
+from flashport.kernels.contract.registry import use
+from flashport.kernels.semantics import block_mask as block_mask_lib
+from flashport.kernels.semantics import mods as mods_lib
 
 BACKENDS = {
     "xla": "xla",

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 SHEBANG = "#!/usr/bin/env python\n"

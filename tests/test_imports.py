@@ -1,4 +1,4 @@
-"""Import management after a rewrite (:mod:`flashport.rewriter.imports`): dead GPU imports go,
+"""Import management after a rewrite (:mod:`flashport.rewriter.imports.edits`): dead GPU imports go,
 everything still used stays, ``import flashport`` lands where isort would put it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import textwrap
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import imports
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rewriter.imports import edits as imports
 from flashport.rules.base import RuleOptions
 
 

@@ -1,4 +1,4 @@
-"""All the imports a file needs in one edit (:func:`flashport.rewriter.imports.ensure_imports`):
+"""All the imports a file needs in one edit (:func:`flashport.rewriter.imports.edits.ensure_imports`):
 the same text as adding them one by one with a fresh parse of the text each time, and the kept-import
 lines of the report counted in the final text."""
 
@@ -11,8 +11,9 @@ import textwrap
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import imports, kept_imports
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rewriter.imports import edits as imports
+from flashport.rewriter.imports import kept_imports
 from flashport.rules.base import RuleOptions
 
 LAYOUTS = [

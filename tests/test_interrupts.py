@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from flashport.rewriter import interactive
-from flashport.rewriter.interrupts import Interrupted, stop_on_signals
-from flashport.rewriter.writes import WriteLog
+from flashport.rewriter.app import interactive
+from flashport.rewriter.app.interrupts import Interrupted, stop_on_signals
+from flashport.rewriter.app.writes import WriteLog
 
 SITE = "def f{i}_{j}(q, k, v):\n    return flash_attn_func(q, k, v, causal=True, softmax_scale=0.{j}1)\n\n\n"
 PAD = "def pad{i}_{j}(x):\n    return x + {j}\n\n\n"
@@ -65,7 +65,7 @@ class Ports:
     def __getitem__(self, name):
         if name not in self.cache:
             from flashport import rules as registry
-            from flashport.rewriter.engine import transform_source
+            from flashport.rewriter.engine.pipeline import transform_source
             from flashport.rules.base import RuleOptions
 
             options = RuleOptions(format_rewrites=True)  # what the CLI writes
@@ -217,7 +217,7 @@ def test_interactive_interrupt_applies_the_answers_given_so_far(tmp_path):
     """Ctrl-C at the third prompt of a file: the two sites accepted before it are written (and
     only they), the run says so, and reviewing again offers the unanswered sites."""
     from flashport import rules as registry
-    from flashport.rewriter.runner import run
+    from flashport.rewriter.app.runner import run
     from flashport.rules.base import RuleOptions
 
     make_tree(tmp_path / "t", files=2, sites=4, pads=0)
@@ -246,7 +246,7 @@ def test_interactive_interrupt_applies_the_answers_given_so_far(tmp_path):
 
 def test_signal_inside_a_held_write_waits_for_it_to_finish():
     """SIGINT raised while a file is written is delivered after the write, not in the middle."""
-    from flashport.rewriter import interrupts
+    from flashport.rewriter.app import interrupts
 
     events = []
     with pytest.raises(Interrupted) as caught, stop_on_signals():

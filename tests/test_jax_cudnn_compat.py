@@ -14,7 +14,7 @@ import pytest
 
 from flashport import rules as registry
 from flashport.integrations import jax_cudnn_compat as cudnn
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 FIXTURE = (

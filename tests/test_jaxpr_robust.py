@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxpr_util import assert_fused
 
 import flashport
-from flashport.rewriter.jaxpr import interpreter, patterns
+from flashport.fusion import interpreter, patterns
 
 B, N, T, D = 2, 3, 5, 8
 SCALE = 1.0 / math.sqrt(D)
@@ -91,7 +91,7 @@ def test_analysis_exception_runs_the_original(monkeypatch):
     def boom(closed, *a, **k):
         raise KeyError("analysis bug")
 
-    monkeypatch.setattr(flashport.rewriter.jaxpr.fuse, "analyze", boom)
+    monkeypatch.setattr(flashport.fusion.fuse, "analyze", boom)
     args = _qkv()
     assert_fused(_plain, args, 0)
     (miss,) = flashport.find_attention(_plain)(*args).near_misses

@@ -194,8 +194,8 @@ def test_explicit_backend_is_passed_through():
 def test_rewrite_edits_the_jaxpr_without_retracing(monkeypatch):
     """Nested bodies are rewritten in place (no evaluation through ``run``), each distinct site is
     traced once, the result type-checks and a nested call keeps its params."""
-    from flashport.rewriter.jaxpr import fuse as fuse_mod
-    from flashport.rewriter.jaxpr import interpreter
+    from flashport.fusion import fuse as fuse_mod
+    from flashport.fusion import interpreter
 
     def no_run(*a, **kw):
         raise AssertionError("the rewrite retraced a body through interpreter.run")
@@ -235,7 +235,7 @@ def test_rewrite_edits_the_jaxpr_without_retracing(monkeypatch):
 def test_bodies_that_need_constants_fall_back_to_retracing_that_call(monkeypatch):
     """A rewritten scan/cond/checkpoint body with constants is rebuilt by retracing that one call
     (its container cannot hold constants); a jit body or the top level keeps them."""
-    from flashport.rewriter.jaxpr import interpreter
+    from flashport.fusion import interpreter
 
     site_jaxpr = interpreter._site_jaxpr
 

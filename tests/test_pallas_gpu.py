@@ -23,14 +23,14 @@ from band_spec import band_spec
 from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels import api, registry
-from flashport.kernels.pallas_gpu_tile import (
+from flashport.kernels.backends.pallas_gpu.tiling import (
     Geometry,
     full_key_blocks,
     full_query_blocks,
     key_block_bounds,
     query_block_bounds,
 )
+from flashport.kernels.contract import api, registry
 
 SMALL = registry.use("pallas_gpu_interpret", block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=32)
 TOL = {"float32": (2e-5, 1e-4), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 1e-2)}

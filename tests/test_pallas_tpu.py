@@ -21,11 +21,12 @@ import pytest
 from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels import pallas_tpu, registry
-from flashport.kernels.pallas_tpu.blocks import GENERATION_DEFAULTS, BlockSizes, resolve_blocks
-from flashport.kernels.pallas_tpu.classify import full_block_ranges
-from flashport.kernels.pallas_tpu.tiling import Geometry, analytic_causal_fraction, visited_count
-from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.backends import pallas_tpu
+from flashport.kernels.backends.pallas_tpu.blocks import GENERATION_DEFAULTS, BlockSizes, resolve_blocks
+from flashport.kernels.backends.pallas_tpu.classify import full_block_ranges
+from flashport.kernels.backends.pallas_tpu.tiling import Geometry, analytic_causal_fraction, visited_count
+from flashport.kernels.contract import registry
+from flashport.kernels.contract.spec import AttentionSpec
 
 SMALL = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)
 TOL = {"float32": (2e-5, 1e-4), "bfloat16": (3e-2, 6e-2), "float16": (4e-3, 1e-2)}
@@ -293,7 +294,7 @@ def test_band_fits_default_blocks():
     """A sliding window narrower than the default tiles leaves every visited tile masked; the default
     blocks are halved (not below 512) until whole tiles fit in the band. A causal dQ kernel over at
     most two tall query blocks gets square tiles. Blocks the user set stay."""
-    from flashport.kernels.pallas_tpu.backend import Config
+    from flashport.kernels.backends.pallas_tpu.backend import Config
 
     s, window = 2048, 1024
     spec = _spec(s, s, causal=True, left=window)
@@ -340,7 +341,7 @@ def test_cost_estimate_is_analytic():
     jaxpr = jax.make_jaxpr(
         lambda q: fn(q, q, q, None, None, None, None, None, spec=spec, options=dict(block_q=128, block_k=128))
     )(q)
-    # The TPU lowering and its interpreter fallback (pallas_tpu.platform) carry the same kernel.
+    # The TPU lowering and its interpreter fallback (backends.pallas_platform) carry the same kernel.
     costs = {e.params["cost_estimate"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"}
     assert len(costs) == 1
     costs = list(costs)

@@ -24,12 +24,12 @@ from jax.experimental.pallas import tpu as pltpu
 from reference import reduce_to_shape, reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels import registry
-from flashport.kernels.pallas_tpu import backend as pallas_backend
-from flashport.kernels.pallas_tpu import counting, layout, specs
-from flashport.kernels.pallas_tpu.blocks import resolve_blocks
-from flashport.kernels.pallas_tpu.specs import Operands
-from flashport.kernels.spec import make_spec
+from flashport.kernels.backends.pallas_tpu import backend as pallas_backend
+from flashport.kernels.backends.pallas_tpu import counting, layout, specs
+from flashport.kernels.backends.pallas_tpu.blocks import resolve_blocks
+from flashport.kernels.backends.pallas_tpu.specs import Operands
+from flashport.kernels.contract import registry
+from flashport.kernels.contract.spec import make_spec
 
 SMALL = registry.use("pallas_tpu_interpret", block_q=32, block_k=128)  # read_bshd on by default
 HEADS_MAJOR = registry.use("pallas_tpu_interpret", block_q=32, block_k=128, read_bshd=False)

@@ -17,7 +17,7 @@ import pytest
 from reference import dropout_keep, reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 SEED = 5
 WORDS = (SEED >> 32, SEED & 0xFFFFFFFF)  # the seed words of jax.random.key(SEED)

@@ -21,8 +21,8 @@ from jax.extend import core as jax_core
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import flashport
-from flashport.kernels import registry
-from flashport.kernels.pallas_tpu.blocks import GENERATION_DEFAULTS, resolve_blocks
+from flashport.kernels.backends.pallas_tpu.blocks import GENERATION_DEFAULTS, resolve_blocks
+from flashport.kernels.contract import registry
 
 S = jax.ShapeDtypeStruct
 # device_kind strings as JAX reports them; TPU7x has no table of its own and uses the fallback.

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import flashport
-    from flashport.kernels import registry
+    from flashport.kernels.contract import registry
     from reference import reference_attention, reference_attention_vjp, reduce_to_shape
 
     assert jax.device_count() == 8

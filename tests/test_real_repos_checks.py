@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 from flashport import rules as registry
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 import gpu_standins  # noqa: E402
 
 from flashport import rules as registry  # noqa: E402
-from flashport.rewriter.engine import transform_source  # noqa: E402
+from flashport.rewriter.engine.pipeline import transform_source  # noqa: E402
 from flashport.rules.base import RuleOptions  # noqa: E402
 
 UNITS = pathlib.Path(__file__).parent / "fixtures" / "real_units"
@@ -93,6 +93,11 @@ CASES = {
         True,
     ),
     "yunchang_versions": (_dense_inputs(sq=6, sk=6), {"causal": True, "window_size": (3, 0)}, False),
+    "verl_logprobs": (
+        {"logits": _rand(6, 11, seed=16)},
+        {"labels": torch.tensor([3, 0, -100, 10, 7, 1])},
+        True,
+    ),
 }
 
 

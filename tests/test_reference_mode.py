@@ -1,4 +1,4 @@
-"""The reference mode (:func:`flashport.rewriter.engine.transform_source` with ``reference=True``,
+"""The reference mode (:func:`flashport.rewriter.engine.pipeline.transform_source` with ``reference=True``,
 or ``FLASHPORT_REFERENCE=1``) runs with every speed layer off; the fast mode must give the same
 bytes and the same per-site results on every golden fixture, every example and (slow tier) the
 real-repository corpus. A difference is a bug in a speed layer."""
@@ -19,8 +19,9 @@ import test_codemod_fuzz as fuzz
 from hypothesis import given, settings
 
 from flashport import rules as registry
-from flashport.rewriter import engine, run_context, transform
-from flashport.rewriter.results import FileResult
+from flashport.rewriter.engine import pipeline as engine
+from flashport.rewriter.engine import run_context, transform
+from flashport.rewriter.engine.results import FileResult
 from flashport.rules.base import Rewrite, Rule, RuleContext, RuleOptions
 
 RULES = registry.all_rules()

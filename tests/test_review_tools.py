@@ -21,9 +21,9 @@ import pytest
 import yaml
 
 from flashport import rules as registry
-from flashport.rewriter import cli, html_report, interactive, porting_guide
-from flashport.rewriter.results import REWRITE
-from flashport.rewriter.runner import run
+from flashport.rewriter.app import cli, html_report, interactive, porting_guide
+from flashport.rewriter.app.runner import run
+from flashport.rewriter.engine.results import REWRITE
 from flashport.rules.base import RuleOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -305,7 +305,7 @@ def test_interactive_cli_through_a_pseudo_terminal(tree):
 def test_porting_guide_is_generated_and_current():
     committed = (ROOT / "docs" / "porting_guide.md").read_text(encoding="utf-8")
     assert committed == porting_guide.render(), (
-        "docs/porting_guide.md is stale: run python -m flashport.rewriter.porting_guide --write docs/porting_guide.md"
+        "docs/porting_guide.md is stale: run python -m flashport.rewriter.app.porting_guide --write docs/porting_guide.md"
     )
 
 

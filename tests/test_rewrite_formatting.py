@@ -14,8 +14,8 @@ import textwrap
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import formatting
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine import formatting
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

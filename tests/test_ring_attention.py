@@ -23,8 +23,8 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh
 
 import flashport
-from flashport.kernels import ring
-from flashport.kernels.spec import AttentionSpec
+from flashport.kernels.contract.spec import AttentionSpec
+from flashport.kernels.parallel import ring
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
@@ -72,7 +72,7 @@ HLO_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import flashport
-    from flashport.kernels import registry
+    from flashport.kernels.contract import registry
 
     mesh = Mesh(np.array(jax.devices()), ("seq",))
     shard = NamedSharding(mesh, P(None, "seq", None, None))

@@ -22,7 +22,7 @@ import pytest
 
 import flashport
 import flashport.integrations.jax_cudnn_compat
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules import all_rules
 
 SIGNATURE = "def run(q, k, v, m=None, b=None, seg=None, cu=None):\n    return {call}\n"

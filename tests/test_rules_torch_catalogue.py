@@ -18,7 +18,7 @@ import pathlib
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "torch_catalogue"

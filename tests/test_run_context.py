@@ -12,8 +12,9 @@ import textwrap
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import cli, run_context
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.app import cli
+from flashport.rewriter.engine import run_context
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"

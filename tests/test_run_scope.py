@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from flashport.rewriter import cli, run_context
+from flashport.rewriter.app import cli
+from flashport.rewriter.engine import run_context
 
 PATCH_SDPA = "import torch.nn.functional as F\n\n\ndef install(wrapper):\n    F.scaled_dot_product_attention = wrapper\n"
 PATCH_FA = "import flash_attn\n\n\ndef install(wrapper):\n    flash_attn.flash_attn_func = wrapper\n"

@@ -21,7 +21,7 @@ from reference import reference_attention  # noqa: E402
 
 import flashport.torch  # noqa: E402
 from flashport import rules as registry  # noqa: E402
-from flashport.rewriter.engine import transform_source  # noqa: E402
+from flashport.rewriter.engine.pipeline import transform_source  # noqa: E402
 from flashport.rules.base import RUNS_AS_IS, RuleOptions  # noqa: E402
 
 FLAGS = ("flash", "math", "mem_efficient", "cudnn")

@@ -17,9 +17,10 @@ import libcst as cst
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import cli, interactive
-from flashport.rewriter.engine import transform_source
-from flashport.rules.base import Refusal, Rewrite, Rule, RuleOptions, dotted
+from flashport.rewriter.app import cli, interactive
+from flashport.rewriter.engine.pipeline import transform_source
+from flashport.rules.base import Refusal, Rewrite, Rule, RuleOptions
+from flashport.rules.common.calls import dotted
 
 SELECTOR = "    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):\n"
 SOURCE = (

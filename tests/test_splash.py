@@ -17,8 +17,9 @@ import pytest
 from reference import reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels import api, registry, splash
-from flashport.kernels.spec import make_spec, positional_visible
+from flashport.kernels.backends import splash
+from flashport.kernels.contract import api, registry
+from flashport.kernels.contract.spec import make_spec, positional_visible
 
 BACKEND = "splash_interpret"
 TOL = {"float32": (2e-5, 1e-4), "bfloat16": (3e-2, 6e-2)}

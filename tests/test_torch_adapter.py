@@ -241,7 +241,7 @@ def test_bfloat16_grads(path, case):
 
 def test_jax_path_blockwise_backend_grads():
     """An explicit JAX backend (the blockwise custom_vjp, several blocks) through the adapter."""
-    from flashport.kernels.registry import use
+    from flashport.kernels.contract.registry import use
 
     case = CASES[1]
     x = torch_inputs(case)

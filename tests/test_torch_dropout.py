@@ -1,6 +1,6 @@
 """Dropout in the torch adapter: ``flashport.torch.attention(..., dropout_p=, generator=)``.
 
-Every path that runs dropout draws the contract's keep-mask (kernels/dropout.py), so the pure-torch
+Every path that runs dropout draws the contract's keep-mask (kernels/semantics/dropout.py), so the pure-torch
 math path, the JAX path (DLPack, and the torch_xla / torchax bridges, faked here) and
 ``flashport.attention`` with the same seed words agree, and all of them match the float64 reference
 of tests/reference.py, whose mask is written from the definition. Also: the integrations that carry
@@ -25,8 +25,8 @@ from test_torch_adapter import FakeFlashAttn, fake_torch_xla, fake_torchax  # no
 
 import flashport  # noqa: E402
 import flashport.torch as ft  # noqa: E402
-from flashport.kernels import dropout as kdropout  # noqa: E402
-from flashport.kernels.varlen import varlen_layout  # noqa: E402
+from flashport.kernels.contract.varlen import varlen_layout  # noqa: E402
+from flashport.kernels.semantics import dropout as kdropout  # noqa: E402
 from flashport.torch import _checks, _dropout, _jax, _native  # noqa: E402
 
 RATE = 0.3
@@ -434,7 +434,7 @@ def test_varlen_dropout_draws_batch_0_at_packed_positions_on_torch_and_jax():
 def test_jax_varlen_never_imports_the_torch_adapter():
     code = (
         "import sys, numpy as np, jax.numpy as jnp\n"
-        "from flashport.kernels.varlen import varlen_attention\n"
+        "from flashport.kernels.contract.varlen import varlen_attention\n"
         "x = jnp.ones((4, 1, 8))\n"
         "varlen_attention(x, x, x, cu_seqlens_q=np.array([0, 4]), cu_seqlens_k=np.array([0, 4]), causal=True)\n"
         "import flashport\n"
@@ -442,7 +442,7 @@ def test_jax_varlen_never_imports_the_torch_adapter():
         "assert 'flashport.torch' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
-    from flashport.kernels.varlen import varlen_attention
+    from flashport.kernels.contract.varlen import varlen_attention
 
     t = torch.zeros(4, 1, 8)
     with pytest.raises(TypeError, match=r"flashport\.torch\.varlen_attention"):

@@ -252,7 +252,7 @@ def test_rewritten_sdpa_example_model(route, tmp_path):
 
     from test_examples_torch_e2e import EXAMPLES, params64, sdpa_cross, sdpa_self
 
-    from flashport.rewriter import cli
+    from flashport.rewriter.app import cli
 
     shutil.copy(EXAMPLES / "torch_sdpa_model.py", tmp_path / "torch_sdpa_model.py")
     assert cli.main(["rewrite", "--write", "--isolated", "--no-color", str(tmp_path)]) == 0

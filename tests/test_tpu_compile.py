@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 pytestmark = pytest.mark.tpu_compile
 pytest.importorskip("libtpu", reason='needs libtpu: pip install "jax[tpu]==<installed jax version>"')

@@ -1,6 +1,6 @@
 """The Pallas TPU forward's counted work against a model of it computed here, independently.
 
-The counts come from the kernel (``flashport.kernels.pallas_tpu.counting``: interpreter counters per
+The counts come from the kernel (``flashport.kernels.backends.pallas_tpu.counting``: interpreter counters per
 tile body, mask ops in the lowered kernel jaxpr, K/V block-index changes over the grid). The model
 comes from the reference's notion of visibility (the same brute force as ``tests/reference.py``:
 query i sits at key position i + offset) over the real positions of every tile, and from the
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from band_spec import band_spec
 
-from flashport.kernels.pallas_tpu import backend, counting
+from flashport.kernels.backends.pallas_tpu import backend, counting
 
 
 def _keep(spec, q_seg=None, kv_seg=None):

@@ -17,9 +17,9 @@ import tempfile
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import cli, interactive, writes
-from flashport.rewriter.engine import transform_source
-from flashport.rewriter.runner import run
+from flashport.rewriter.app import cli, interactive, writes
+from flashport.rewriter.app.runner import run
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 FA = "from flash_attn import flash_attn_func\n\n\ndef f(q, k, v):\n    return flash_attn_func(q, k, v, causal=True)\n"
@@ -406,7 +406,7 @@ def test_fifo_socket_folder_named_like_a_module_and_unreadable_file(tmp_path, mo
 # Runs the CLI with reads of one file refused (EACCES) even for root, who may read any file.
 _UNREADABLE_AS_ROOT = """
 import os, sys
-from flashport.rewriter import cli, writes
+from flashport.rewriter.app import cli, writes
 locked = sys.argv[2]
 real_open = os.open
 def refusing(path, flags, *args, **kwargs):

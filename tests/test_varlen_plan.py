@@ -1,4 +1,4 @@
-"""Packed variable-length attention in O(total) memory (``kernels/varlen.py``'s ``varlen_plan``).
+"""Packed variable-length attention in O(total) memory (``kernels/contract/varlen.py``'s ``varlen_plan``).
 
 Checked against per-sequence float64 reference calls: causal with Sq != Sk per sequence
 (flash-attn's bottom-right alignment), top-left, windows, GQA, padding tokens past
@@ -19,7 +19,7 @@ from jax.extend.core import jaxprs_in_params
 from reference import reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels.varlen import varlen_plan
+from flashport.kernels.contract.varlen import varlen_plan
 
 LENS_Q, LENS_K = [5, 1, 7, 3, 4], [7, 9, 7, 0, 2]
 PAD_Q, PAD_K = 2, 1

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from reference import _visible
 
 import flashport
-from flashport.kernels import block_ranges, registry
-from flashport.kernels.blockwise import _Tiling
-from flashport.kernels.spec import make_spec
-from flashport.kernels.visibility import band_visible
+from flashport.kernels.backends.blockwise import _Tiling
+from flashport.kernels.contract import registry
+from flashport.kernels.contract.spec import make_spec
+from flashport.kernels.semantics import block_ranges
+from flashport.kernels.semantics.visibility import band_visible
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
@@ -158,7 +159,7 @@ def test_traced_block_bounds_match_the_tables(kw, bq, bk):
     import jax
     import jax.numpy as jnp
 
-    from flashport.kernels.pallas_tpu.tiling import Geometry as TpuGeometry
+    from flashport.kernels.backends.pallas_tpu.tiling import Geometry as TpuGeometry
 
     spec = _spec(kw)
     want = _want(kw)
@@ -259,7 +260,7 @@ def test_kvcache_mask(s_q, extra, causal, window):
 )
 def test_varlen_layout(lens, causal, align, window, pad):
     """Packed sequences: sequence b is its own call; padded tokens see nothing and are seen by none."""
-    from flashport.kernels.varlen import varlen_layout
+    from flashport.kernels.contract.varlen import varlen_layout
 
     cu_q = np.concatenate([[0], np.cumsum([a for a, _ in lens])])
     cu_k = np.concatenate([[0], np.cumsum([b for _, b in lens])])

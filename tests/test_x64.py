@@ -15,7 +15,7 @@ import pytest
 from reference import reference_attention, reference_attention_vjp
 
 import flashport
-from flashport.kernels import registry
+from flashport.kernels.contract import registry
 
 # splash_interpret (A/B runs only) takes multiples of 128 alone; the others serve every case here.
 BACKENDS = sorted(

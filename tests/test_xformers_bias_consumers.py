@@ -15,8 +15,8 @@ import os
 import pytest
 
 from flashport import rules as registry
-from flashport.rewriter import interactive
-from flashport.rewriter.engine import transform_source
+from flashport.rewriter.app import interactive
+from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules.base import RuleOptions
 
 SOURCE = b"""import xformers.ops as xops

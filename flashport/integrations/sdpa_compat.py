@@ -34,7 +34,7 @@ torch's). A thread-local re-entrancy guard makes a ported call made *inside* the
 delegating to "the real SDPA" through a ported call) run flashport's SDPA instead of calling the
 patch again. flashport's own use of torch SDPA (:mod:`flashport.torch` on CPU) calls torch's
 function directly, never a patch. The codemod uses this drop-in, arguments verbatim, for every SDPA
-call of a run whose files patch SDPA (:mod:`flashport.rewriter.run_context`).
+call of a run whose files patch SDPA (:mod:`flashport.rewriter.engine.run_context`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def flashport_sdpa(
       RuntimeError: unequal query/key heads without ``enable_gqa`` (SDPA's own error).
     """
     import flashport.torch
-    from flashport.kernels.sdpa_compat import sdpa_mask
+    from flashport.kernels.semantics.sdpa_compat import sdpa_mask
 
     if not enable_gqa and query.ndim >= 3 and key.ndim >= 3 and query.shape[-3] != key.shape[-3]:
         raise RuntimeError(

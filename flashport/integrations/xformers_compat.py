@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from flashport.kernels.varlen import is_torch_tensor
+from flashport.kernels.contract.varlen import is_torch_tensor
 
 __all__ = [
     "AttentionBias",
@@ -275,7 +275,7 @@ class BlockDiagonalMask(AttentionBias):
                 f"{type(self).__name__}: the blocks cover {sum(self.q_seqlen)} queries and "
                 f"{sum(self.kv_seqlen)} keys, the tensors have {total_q} and {total_k}"
             )
-        # Packed sequences: memory_efficient_attention runs them in O(total) memory (kernels/varlen.py).
+        # Packed sequences: memory_efficient_attention runs them in O(total) memory (kernels/contract/varlen.py).
         return {
             "cu_seqlens": (cumulative(self.q_seqlen), cumulative(self.kv_seqlen)),
             "causal": self.causal,
@@ -413,7 +413,7 @@ def memory_efficient_attention(
             query, key, value, scale=scale, layout="BSHD", backend=backend, **dropout, **kwargs
         )
     else:  # block-diagonal: packed sequences (batch 1)
-        from flashport.kernels.varlen import attend_varlen
+        from flashport.kernels.contract.varlen import attend_varlen
 
         rows = (x.squeeze(0) for x in (query, key, value))
         out = attend_varlen(

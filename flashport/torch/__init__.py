@@ -24,11 +24,11 @@ other         torch SDPA (with explicit masks where needed), else the exact math
 
 Explicit ``backend=`` values: ``"torch"`` (pure-torch math on any device), ``"sdpa"``,
 ``"flash_attn"``, ``"flex"`` (FlexAttention: compiled on CUDA; elsewhere eager, forward only, as
-torch has no CPU flex backward), or any JAX backend name / ``flashport.kernels.registry.use(...)`` choice, which
+torch has no CPU flex backward), or any JAX backend name / ``flashport.kernels.contract.registry.use(...)`` choice, which
 runs the JAX implementation with that backend. Importing this module imports torch, never jax.
 
 Dropout (``dropout_p``, ``generator``) draws the contract's keep-mask, a position hash of two seed
-words (:mod:`flashport.kernels.dropout`), on the math path and on every JAX path alike; SDPA and
+words (:mod:`flashport.kernels.semantics.dropout`), on the math path and on every JAX path alike; SDPA and
 flash-attn draw their own masks, so ``auto`` routes dropout calls on CUDA and other devices to the
 exact math path, and ``backend="sdpa"`` / ``"flash_attn"`` / ``"flex"`` refuse ``dropout_p > 0``.
 
@@ -47,8 +47,13 @@ from typing import Any
 
 import torch
 
-from flashport.kernels.keywords import TENSOR_KEYWORDS, VARLEN_KEYWORDS, pick, takes_contract_keywords
-from flashport.kernels.varlen import run_varlen
+from flashport.kernels.contract.keywords import (
+    TENSOR_KEYWORDS,
+    VARLEN_KEYWORDS,
+    pick,
+    takes_contract_keywords,
+)
+from flashport.kernels.contract.varlen import run_varlen
 from flashport.torch import _checks, _dropout, _flex, _jax, _native, _routing
 from flashport.torch._checks import check
 from flashport.torch._flex_api import create_block_mask, flex_attention
@@ -127,6 +132,9 @@ def attention(
     return _dispatch(backend, (query, key, value), options, tensors, return_lse, dropout)
 
 
+_default_attention = attention  # varlen_attention's default: its `attention` parameter shadows the name
+
+
 def _dispatch(
     backend: Any,
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -199,7 +207,7 @@ def varlen_attention(
       [total_q, Hq, D]; rows of tokens past ``cu_seqlens_q[-1]`` are 0.
     """
     if attention is None:
-        attention = globals()["attention"]  # this module's attention (the parameter shadows its name)
+        attention = _default_attention
     extra = dict(dropout_p=dropout_p, generator=generator) if dropout_p or generator is not None else {}
     cu = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return run_varlen(attention, query, key, value, **cu, backend=backend, contract=contract, extra=extra)

@@ -1,8 +1,8 @@
 """Validation for the torch-native paths (math, SDPA, flash-attn), without importing jax.
 
 The JAX path validates inside ``flashport.attention``; the torch-native paths use :func:`check`.
-Both share the framework-free checks of :mod:`flashport.kernels.checks` and build the same
-framework-free :class:`flashport.kernels.spec.AttentionSpec` (:func:`~flashport.kernels.spec.make_spec`),
+Both share the framework-free checks of :mod:`flashport.kernels.contract.checks` and build the same
+framework-free :class:`flashport.kernels.contract.spec.AttentionSpec` (:func:`~flashport.kernels.contract.spec.make_spec`),
 so users see the same errors on every device and every path runs one normalized spec.
 """
 
@@ -12,10 +12,10 @@ import dataclasses
 
 import torch
 
-from flashport.kernels import checks
-from flashport.kernels.checks import LAYOUTS
-from flashport.kernels.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
-from flashport.kernels.spec import AttentionSpec, make_spec
+from flashport.kernels.contract import checks
+from flashport.kernels.contract.checks import LAYOUTS
+from flashport.kernels.contract.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
+from flashport.kernels.contract.spec import AttentionSpec, make_spec
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,7 +50,7 @@ class CanonicalCall:
 def check(query, key, value, *, return_lse=False, dropout_p=0.0, seed=None, **contract):
     """Validate the contract's arguments for torch tensors and return the :class:`CanonicalCall`.
 
-    ``contract`` holds :func:`flashport.attention`'s keywords (:mod:`flashport.kernels.keywords`).
+    ``contract`` holds :func:`flashport.attention`'s keywords (:mod:`flashport.kernels.contract.keywords`).
     ``dropout_p`` is validated by the caller
     (:func:`flashport.torch._dropout.check_p`); ``seed`` (the drawn words) is required when it is > 0.
 

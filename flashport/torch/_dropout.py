@@ -1,24 +1,24 @@
 """The contract's attention dropout on the torch side: argument checks, seed words, the keep-mask.
 
-The keep-mask is the counter-based hash of :mod:`flashport.kernels.dropout` (its docstring holds
+The keep-mask is the counter-based hash of :mod:`flashport.kernels.semantics.dropout` (its docstring holds
 the definition), written here in torch so that the pure-torch math path draws the mask every JAX
 backend draws, without importing jax. uint32 arithmetic runs on int64 tensors holding values in
 ``[0, 2**32)``: additions are wrapped with ``& 0xFFFFFFFF``, multiplications by a 32-bit constant
 are split into 16-bit halves so no intermediate leaves int64 (no signed overflow), and right shifts
 of non-negative int64 values are logical. ``tests/test_torch_dropout.py`` checks the mask bit-equal to
-``flashport.kernels.dropout`` and to the float64 reference's ``dropout_keep``.
+``flashport.kernels.semantics.dropout`` and to the float64 reference's ``dropout_keep``.
 
 The seed words are two uint32 values drawn from a ``torch.Generator`` per call (``None`` = torch's
 default CPU generator, seeded by ``torch.manual_seed``), so seeding the generator reproduces the
 mask and each call draws a fresh one. The JAX paths receive them as ``dropout_rng`` (a raw
-uint32[2] key, whose words :func:`flashport.kernels.dropout.seed_words` uses as they are).
+uint32[2] key, whose words :func:`flashport.kernels.semantics.dropout.seed_words` uses as they are).
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashport.kernels import dropout_constants as hashing
+from flashport.kernels.semantics import dropout_constants as hashing
 
 
 def check_p(dropout_p) -> float:

@@ -8,7 +8,7 @@ Sq != Sk, boolean masks, a bias under a causal mask, ``return_lse``): see
 - ``scale`` -> flex's ``scale`` (flex hands ``score_mod`` the already scaled score);
 - softcap, then bias -> ``score_mod``: ``softcap * tanh(s / softcap) + bias[b, h, i, j]`` (a
   broadcast bias is indexed at 0 on its broadcast dimensions, never expanded in memory);
-- causal in both alignments and windows (:func:`flashport.kernels.spec.positional_visible`, the
+- causal in both alignments and windows (:func:`flashport.kernels.contract.spec.positional_visible`, the
   contract's one definition of the band), boolean masks and segment ids (``q_ids[b, i] ==
   kv_ids[b, j]``, which covers packed documents and key padding) -> ``mask_mod``, and a
   ``BlockMask`` built from it so blocks no query sees are skipped (O(S) memory, no O(Sq*Sk) mask);
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from flashport.kernels.spec import AttentionSpec, apply_softcap, positional_visible
+from flashport.kernels.contract.spec import AttentionSpec, apply_softcap, positional_visible
 from flashport.torch._checks import CanonicalCall
 
 # Triton's tl.dot, which flex's CUDA kernels use, needs head dims of at least 16.

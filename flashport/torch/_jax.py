@@ -29,7 +29,7 @@ def jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed=None, **static):
     ``dropout_rate``); they become the raw uint32 key ``dropout_rng``. Module-level (a stable object)
     because torch_xla caches its compiled computation per function.
     """
-    from flashport.kernels.api import attention
+    from flashport.kernels.contract.api import attention
 
     if seed is not None:
         import jax
@@ -46,7 +46,7 @@ def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_ls
     ``(out, lse)`` (dbias is None without a bias), from the forward's residuals ``out`` and ``lse``
     through :func:`flashport.attention_backward` (the chosen backend's residual backward; the
     forward is not run again). ``seed`` is the forward's dropout seed (the same mask) or None."""
-    from flashport.kernels.backward import attention_backward
+    from flashport.kernels.contract.backward import attention_backward
 
     if seed is not None:
         import jax

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from flashport.kernels.block_ranges import reach
-from flashport.kernels.spec import apply_softcap, positional_visible
+from flashport.kernels.contract.spec import apply_softcap, positional_visible
+from flashport.kernels.semantics.block_ranges import reach
 from flashport.torch import _dropout
 from flashport.torch._checks import CanonicalCall
 

@@ -5,7 +5,7 @@ An enum default is recorded as ``"Enum.MEMBER"`` (no jax object in this module).
 
 from __future__ import annotations
 
-from flashport.rules.apis import Api, DropIn, Version, keyword_only, params
+from flashport.rules.apis.model import Api, DropIn, Version, keyword_only, params
 
 JAX_NN_COMPAT = "flashport.integrations.jax_nn_compat"
 JAX_CUDNN_COMPAT = "flashport.integrations.jax_cudnn_compat"

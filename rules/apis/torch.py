@@ -3,7 +3,7 @@ keyword-only from 2.5) and FlexAttention's ``flex_attention`` / ``create_block_m
 
 from __future__ import annotations
 
-from flashport.rules.apis import Api, DropIn, keyword_only, params
+from flashport.rules.apis.model import Api, DropIn, keyword_only, params
 
 SDPA_COMPAT = "flashport.integrations.sdpa_compat"
 SDPA_RELEASE = (2, 5, 0)

@@ -3,7 +3,7 @@ at tag v0.0.35: ``__init__.py`` and ``attn_bias.py``)."""
 
 from __future__ import annotations
 
-from flashport.rules.apis import Api, DropIn, Param, Params, Version, keyword_only, params
+from flashport.rules.apis.model import Api, DropIn, Param, Params, Version, keyword_only, params
 
 XFORMERS_COMPAT = "flashport.integrations.xformers_compat"
 RELEASE: Version = (0, 0, 35)

@@ -1,0 +1,1 @@
+"""Sequence parallelism: ring attention over a mesh axis, chosen by the contract for sequence-sharded inputs."""

@@ -1,0 +1,1 @@
+"""Masking and score semantics every backend shares: visibility, block ranges, mods, dropout, padding, layouts."""

@@ -1,0 +1,1 @@
+"""The user-facing codemod run: CLI, configuration, discovery, runner, progress, cache, reports and writes."""

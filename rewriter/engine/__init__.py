@@ -1,0 +1,1 @@
+"""The per-file codemod transform: rules applied site by site, their results, suppressions and formatting."""

@@ -1,0 +1,310 @@
+"""Where a matched node sits: parent lookup and result-usage analysis for the torch catalogue rules.
+
+The engine hands every rule the original node it asks about (``ctx.node``) and that node's
+original parents (``ctx.ancestors``, nearest first), so these helpers never search the chunk for
+the node: identical calls are different nodes. Everything degrades to "unknown" (callers then
+refuse or stay conservative) outside the engine, where the context carries no node.
+"""
+
+from __future__ import annotations
+
+import re
+
+import libcst as cst
+
+from flashport.rules.common.calls import callee_name
+from flashport.rules.site import RuleContext
+
+
+def _path(ctx: RuleContext) -> list[cst.CSTNode]:
+    return [ctx.node, *ctx.ancestors] if ctx.node is not None else []
+
+
+def locate(call: cst.Call, ctx: RuleContext) -> cst.CSTNode | None:
+    """The chunk's original node for the site the engine is asking about (None when unknown)."""
+    return ctx.node
+
+
+def parent(node: cst.CSTNode | None, ctx: RuleContext) -> cst.CSTNode | None:
+    """The parent of the site's node or of one of its ancestors (None when unknown)."""
+    path = _path(ctx)
+    for index, item in enumerate(path[:-1]):
+        if item is node:
+            return path[index + 1]
+    return None
+
+
+def ancestors(node: cst.CSTNode, ctx: RuleContext):
+    """Parents of ``node`` from the nearest up (skipping nothing)."""
+    current = parent(node, ctx)
+    while current is not None:
+        yield current
+        current = parent(current, ctx)
+
+
+def _usage_of(node: cst.CSTNode, ctx: RuleContext) -> str:
+    up = parent(node, ctx)
+    if isinstance(up, cst.Subscript) and up.value is node:
+        return "tuple"
+    if isinstance(up, cst.Attribute) and up.value is node:
+        return "plain"  # a method/attribute of the result: a tensor (a tuple has no .transpose)
+    if isinstance(up, cst.Arg) and up.star == "":
+        return "plain" if isinstance(parent(up, ctx), cst.Call) else "unknown"
+    if isinstance(up, cst.Assign) and up.value is node:
+        targets = [t.target for t in up.targets]
+        if any(isinstance(t, (cst.Tuple, cst.List)) for t in targets):
+            return "tuple"
+        names = [t.value for t in targets if isinstance(t, cst.Name)]
+        if len(names) == len(targets) and names:
+            return "tuple" if _subscripted_later(up, set(names), ctx) else "plain"
+    return "unknown"
+
+
+def _subscripted_later(assign: cst.Assign, names: set[str], ctx: RuleContext) -> bool:
+    """True when one of ``names`` is subscripted (``out[0]``) in the enclosing function/chunk."""
+    scope = None
+    for up in ancestors(assign, ctx):
+        if isinstance(up, (cst.FunctionDef, cst.Module)):
+            scope = up
+            break
+    if scope is None:
+        return True  # unknown: assume the worst (tuple use)
+    found = []
+
+    class _Finder(cst.CSTVisitor):
+        def visit_Subscript(self, sub: cst.Subscript) -> None:
+            if isinstance(sub.value, cst.Name) and sub.value.value in names:
+                found.append(sub)
+
+    scope.visit(_Finder())
+    return bool(found)
+
+
+def result_usage(call: cst.Call, ctx: RuleContext) -> str:
+    """How the call's result is used: ``"tuple"`` (indexed or unpacked), ``"plain"`` (assigned to
+    names that are never subscripted in the enclosing function, or used as a tensor) or ``"unknown"``."""
+    node = locate(call, ctx)
+    return _usage_of(node, ctx) if node is not None else "unknown"
+
+
+def _tuple_test(test: cst.BaseExpression, name: str) -> bool:
+    """True for ``isinstance(<name>, tuple)``."""
+    return (
+        isinstance(test, cst.Call)
+        and isinstance(test.func, cst.Name)
+        and test.func.value == "isinstance"
+        and len(test.args) == 2
+        and not any(a.star or a.keyword for a in test.args)
+        and isinstance(test.args[0].value, cst.Name)
+        and test.args[0].value.value == name
+        and isinstance(test.args[1].value, cst.Name)
+        and test.args[1].value.value == "tuple"
+    )
+
+
+def _reads(node: cst.CSTNode, name: str) -> int:
+    """How many times ``name`` occurs in ``node`` (any context)."""
+    found: list[cst.Name] = []
+
+    class _Names(cst.CSTVisitor):
+        def visit_Name(self, inner: cst.Name) -> None:
+            if inner.value == name:
+                found.append(inner)
+
+    node.visit(_Names())
+    return len(found)
+
+
+def _normalizes(guard: cst.BaseStatement, name: str) -> bool:
+    """True when ``guard`` (the statement right after ``name = <call>``) turns a tuple in ``name``
+    into its first item and leaves a non-tuple alone, so the code after it never sees a tuple:
+    ``return name[0] if isinstance(name, tuple) else name``, or ``if isinstance(name, tuple):``
+    (no ``else``) whose body ends in ``return name[0]`` or ``name = name[0]``."""
+    if isinstance(guard, cst.SimpleStatementLine) and len(guard.body) == 1:
+        ret = guard.body[0]
+        value = ret.value if isinstance(ret, cst.Return) else None
+        return (
+            isinstance(value, cst.IfExp)
+            and _tuple_test(value.test, name)
+            and isinstance(value.orelse, cst.Name)
+            and value.orelse.value == name
+            and _item_of(value.body, name)
+        )
+    if not (isinstance(guard, cst.If) and guard.orelse is None and _tuple_test(guard.test, name)):
+        return False
+    body = guard.body.body
+    last = body[-1] if body else None
+    if not (isinstance(last, cst.SimpleStatementLine) and len(last.body) == 1):
+        return False
+    small = last.body[0]
+    if isinstance(small, cst.Return):
+        return small.value is not None and _item_of(small.value, name)
+    return (
+        isinstance(small, cst.Assign)
+        and len(small.targets) == 1
+        and isinstance(small.targets[0].target, cst.Name)
+        and small.targets[0].target.value == name
+        and _item_of(small.value, name)
+    )
+
+
+def _item_of(node: cst.BaseExpression | None, name: str) -> bool:
+    """True for ``name[0]`` (the attention output of an ``(out, lse, ...)`` tuple)."""
+    return (
+        isinstance(node, cst.Subscript)
+        and isinstance(node.value, cst.Name)
+        and node.value.value == name
+        and len(node.slice) == 1
+        and isinstance(node.slice[0].slice, cst.Index)
+        and isinstance(node.slice[0].slice.value, cst.Integer)
+        and node.slice[0].slice.value.value == "0"
+    )
+
+
+def tuple_normalized(call: cst.Call, ctx: RuleContext) -> bool:
+    """True when the call's result works the same whether the call returns a tensor or a tuple:
+    it is assigned to a plain name (``out = f(...)``) whose next statement keeps only the first item
+    of a tuple (:func:`_normalizes`, e.g. ``if isinstance(out, tuple): return out[0]``). Code written
+    for both of an API's return conventions (FA3 before and after 2025-07-11) does this."""
+    node = locate(call, ctx)
+    assign = parent(node, ctx) if node is not None else None
+    if not (
+        isinstance(assign, cst.Assign)
+        and assign.value is node
+        and len(assign.targets) == 1
+        and isinstance(assign.targets[0].target, cst.Name)
+    ):
+        return False
+    name = assign.targets[0].target.value
+    line = parent(assign, ctx)
+    block = parent(line, ctx)
+    if not (isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1):
+        return False
+    if not isinstance(block, (cst.IndentedBlock, cst.Module)):
+        return False
+    statements = list(block.body)
+    index = next((i for i, s in enumerate(statements) if s is line), None)
+    if index is None or index + 1 >= len(statements) or _reads(assign.value, name):
+        return False
+    return _normalizes(statements[index + 1], name)
+
+
+def simple(node: cst.BaseExpression) -> bool:
+    """True for expressions that are cheap and side-effect free to evaluate twice (names,
+    attributes, subscripts of those with literal/name indices)."""
+    if isinstance(node, cst.Name):
+        return True
+    if isinstance(node, cst.Attribute):
+        return simple(node.value)
+    if isinstance(node, cst.Subscript):
+        return simple(node.value) and all(
+            isinstance(e.slice, cst.Index)
+            and isinstance(e.slice.value, (cst.Name, cst.Integer, cst.SimpleString))
+            for e in node.slice
+        )
+    return False
+
+
+SELECTORS = ("sdpa_kernel", "sdp_kernel")
+
+
+def _selector(item: cst.WithItem) -> cst.Call | None:
+    """The item's SDPA backend selector call (``sdpa_kernel(...)``/``sdp_kernel(...)``, by name), if any."""
+    call = item.item
+    if not isinstance(call, cst.Call):
+        return None
+    return call if callee_name(call).lstrip("_") in SELECTORS else None
+
+
+def _constant_backends(call: cst.Call) -> bool:
+    """False when the selector takes its backends from a local variable or parameter (a lower-case
+    bare name: ``sdpa_kernel([backend])``, ``sdpa_kernel(kernel)``), as a probe over candidates does;
+    True for literal backends (``SDPBackend.FLASH_ATTENTION``), UPPER_CASE constants, configured
+    attributes (``self.sdpa_backends``) and ``enable_*=`` flags."""
+
+    def constant(node: cst.BaseExpression) -> bool:
+        if isinstance(node, (cst.List, cst.Tuple)):
+            return all(constant(e.value) for e in node.elements)
+        if isinstance(node, cst.Name):
+            return node.value in ("True", "False", "None") or node.value.isupper()
+        return True
+
+    return all(
+        constant(arg.value) for arg in call.args if arg.keyword is None or arg.keyword.value != "set_priority"
+    )
+
+
+def backend_probe(ctx: RuleContext) -> str | None:
+    """Why the site looks like an SDPA backend probe -- it runs under a ``with sdpa_kernel(...)``
+    selector that sits in a ``try`` body or picks its backends from a variable (``with
+    sdpa_kernel([backend]): F.scaled_dot_product_attention(q, q, q)`` asks whether that kernel runs
+    here) -- else None. Only the enclosing function is searched."""
+    path = _path(ctx)
+    for index, up in enumerate(path):
+        if isinstance(up, (cst.FunctionDef, cst.Lambda, cst.Module)):
+            return None
+        if not isinstance(up, cst.With):
+            continue
+        selector = next((s for s in map(_selector, up.items) if s is not None), None)
+        if selector is None:
+            continue
+        if not _constant_backends(selector):
+            return "it runs under an SDPA backend selector whose backends are a variable"
+        for outer in path[index + 1 :]:
+            if isinstance(outer, (cst.FunctionDef, cst.Lambda)):
+                break
+            if isinstance(outer, cst.Try) and outer.handlers:
+                return "it runs under an SDPA backend selector inside a try block"
+    return None
+
+
+_SYNTHETIC = re.compile(r"\btorch\.(randn|rand|zeros|ones|empty|full)\(")
+
+
+def enclosing_function(node: cst.CSTNode, ctx: RuleContext) -> cst.FunctionDef | None:
+    """The innermost ``def`` around ``node`` (None at module level or when unknown)."""
+    return next((a for a in ancestors(node, ctx) if isinstance(a, cst.FunctionDef)), None)
+
+
+def synthetic_query(call: cst.Call, function: cst.FunctionDef | None) -> bool:
+    """True when the call's query (first positional or ``query=``) is a local name of ``function``
+    (not a parameter) that every assignment in it binds to ``torch.randn/rand/zeros/ones/empty/full(...)``:
+    the call runs on tensors made up for the occasion (a kernel probe), not on model data."""
+    query = next((a.value for a in call.args if a.keyword is None and not a.star), None)
+    query = next((a.value for a in call.args if a.keyword and a.keyword.value == "query"), query)
+    if function is None or not isinstance(query, cst.Name):
+        return False
+    name = query.value
+    params = function.params
+    every = [
+        *params.posonly_params,
+        *params.params,
+        *params.kwonly_params,
+        params.star_arg,
+        params.star_kwarg,
+    ]
+    if any(isinstance(p, cst.Param) and p.name.value == name for p in every):
+        return False
+    values: list[bool] = []
+
+    class _Assigns(cst.CSTVisitor):
+        def visit_Assign(self, assign: cst.Assign) -> None:
+            bound = set().union(*(_target_names(t.target) for t in assign.targets))
+            if name in bound:
+                values.append(bool(_SYNTHETIC.search(cst.Module([]).code_for_node(assign.value))))
+
+        def visit_AugAssign(self, assign: cst.AugAssign) -> None:
+            if name in _target_names(assign.target):
+                values.append(False)
+
+    function.body.visit(_Assigns())
+    return bool(values) and all(values)
+
+
+def _target_names(target: cst.BaseExpression) -> set[str]:
+    """Names an assignment target binds (``q`` or ``q, k, v``)."""
+    if isinstance(target, cst.Name):
+        return {target.value}
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return set().union(set(), *(_target_names(e.value) for e in target.elements))
+    return set()

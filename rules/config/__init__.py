@@ -1,0 +1,1 @@
+"""Scan rules for configuration: attention-implementation switches, config flags, environment variables."""

@@ -1,0 +1,143 @@
+"""FPA012 fa3-flash-attn-with-kvcache: FlashAttention-3 ``flash_attn_with_kvcache`` -> functional ``kvcache_attention`` or the FA3 drop-in.
+
+What it rewrites:
+  ``flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, ...,
+  cache_seqlens=..., cache_batch_idx=..., cache_leftpad=..., page_table=..., cu_seqlens_q=...,
+  cu_seqlens_k_new=..., max_seqlen_q=..., rotary_seqlens=..., softmax_scale=..., causal=...,
+  window_size=..., softcap=..., return_softmax_lse=...)`` from ``flash_attn_interface`` /
+  ``flash_attn_3.flash_attn_interface`` / ``hopper.flash_attn_interface``, as FPA007 does for FA2:
+
+  * a pure read of the cache, or new ``k``/``v`` whose in-place update provably is not relied on
+    (FPA007's rule), with none of the arguments below: the functional
+    ``flashport.integrations.flash_attn_compat.kvcache_attention(...)``;
+  * every other call -- an in-place update that may be relied on, ``rotary_cos``/``rotary_sin``,
+    ``rotary_seqlens``, ``cache_batch_idx``, ``cache_leftpad``, ``page_table`` (paged cache),
+    varlen decode (``cu_seqlens_q``, ``cu_seqlens_k_new``, ``max_seqlen_q``), ``qv`` (MLA),
+    ``return_softmax_lse`` that is not literally false (FA3 returns ``(out, softmax_lse, *rest)``,
+    the functional form ``(out, lse)``), a ``*args``/``**kwargs`` splat -- keeps its arguments and
+    becomes a call of the drop-in ``flashport.integrations.flash_attn3_compat.flash_attn_with_kvcache``,
+    which has FA3's signature and full behaviour (the new rows are written **in place** into the
+    caches the caller holds).
+
+  The function used as a value (a dispatch table, an alias, ``@functools.wraps(...)``) becomes that
+  drop-in too: FA3's cache call returns ``out`` unless ``return_softmax_lse=True`` (unchanged when
+  ``flash_attn_func``'s return type changed on 2025-07-11), so the callers out of sight get what
+  they got.
+
+Semantics mapping:
+  as FPA007 (per-sequence bottom-right causal/window over ``cache_seqlens[b] (+ S_new)`` keys). The drop-in returns FA3's
+  ``(out, softmax_lse, *rest)`` (``rest``: FA3's two split-KV accumulators, empty) and follows
+  FA3's semantics for what FA2 lacks: ``page_table`` with ``cache_batch_idx`` picks page-table rows,
+  varlen decode is bottom-right on each sequence's own query count (lse ``[H, total_q]``),
+  ``rotary_seqlens`` is the rotary position of the first new row, and ``qv`` adds ``qv . v`` to the
+  scores with the default scale ``(D + Dv) ** -0.5``. ``scheduler_metadata``, ``num_splits``,
+  ``pack_gqa``, ``sm_margin`` and (without rotary) ``rotary_interleaved`` are dropped or ignored
+  (tuning / rotary only).
+
+What it refuses:
+  FP8 ``q_descale``/``k_descale``/``v_descale``, non-zero ``attention_chunk``, only one of
+  ``k``/``v``, new ``k``/``v`` without ``cache_seqlens``, positional arguments after ``v`` (FA3
+  inserted ``qv`` there), unknown arguments (other vendors' builds of ``flash_attn_interface``
+  take more, e.g. ``sinks``).
+
+Example::
+
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True)
+    # becomes
+    out = flashport.integrations.flash_attn_compat.kvcache_attention(q, k_cache, v_cache, cache_seqlens=lens, scale=None, causal=True)
+    out = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, page_table=table, causal=True)
+    # becomes
+    out = flashport.integrations.flash_attn3_compat.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, page_table=table, causal=True)
+"""
+
+from __future__ import annotations
+
+from flashport.rules.base import Refuse, Rewrite, register
+from flashport.rules.common.calls import dotted
+from flashport.rules.common.literals import is_zero
+from flashport.rules.flash_attn.fa3_fa4 import fa3_sources
+from flashport.rules.flash_attn.kvcache import KVCacheRule
+
+DROP_IN_MODULE = "flashport.integrations.flash_attn3_compat"
+KEYWORDS = (
+    "qv",
+    "rotary_cos",
+    "rotary_sin",
+    "cache_seqlens",
+    "cache_batch_idx",
+    "cache_leftpad",
+    "page_table",
+    "cu_seqlens_q",
+    "cu_seqlens_k_new",
+    "max_seqlen_q",
+    "rotary_seqlens",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+    "softmax_scale",
+    "causal",
+    "window_size",
+    "attention_chunk",
+    "softcap",
+    "rotary_interleaved",
+    "scheduler_metadata",
+    "num_splits",
+    "pack_gqa",
+    "sm_margin",
+    "return_softmax_lse",
+)
+# Only the drop-in (FA3's full behaviour) implements these; the functional form cannot.
+DROP_IN_ONLY = (
+    "rotary_cos",
+    "rotary_sin",
+    "rotary_seqlens",
+    "cache_batch_idx",
+    "cache_leftpad",
+    "page_table",
+    "cu_seqlens_q",
+    "cu_seqlens_k_new",
+    "max_seqlen_q",
+    "qv",
+)
+UNSUPPORTED = {
+    name: "FP8 descale factors: flashport has no FP8 attention path"
+    for name in ("q_descale", "k_descale", "v_descale")
+}
+
+
+@register
+class FA3FlashAttnWithKVCache(KVCacheRule):
+    """Rewrite FlashAttention-3 ``flash_attn_with_kvcache`` like FPA007 (FA3 argument names, FA3 drop-in)."""
+
+    CODE = "FPA012"
+    NAME = "fa3-flash-attn-with-kvcache"
+    API = "flash_attn_interface.flash_attn_with_kvcache"
+    FRAMEWORK = "torch"
+    SOURCES = fa3_sources("flash_attn_with_kvcache")
+    TRIGGERS = (b"flash_attn_interface",)
+    GPU_MODULES = ("flash_attn_interface", "flash_attn_3", "hopper")
+    KEYWORDS = KEYWORDS
+    UNSUPPORTED = UNSUPPORTED
+    DROP_IN_ONLY = DROP_IN_ONLY
+    DROPPED = ("scheduler_metadata", "num_splits", "pack_gqa", "sm_margin", "rotary_interleaved")
+    DROP_IN_MODULE = DROP_IN_MODULE
+    DROP_IN = DROP_IN_MODULE + ".flash_attn_with_kvcache"
+    LSE_DROP_IN = "return_softmax_lse=True returns (out, softmax_lse, *rest), not (out, lse)"
+
+    def splat(self, call, ctx):
+        """A ``*args``/``**kwargs`` splat on the FA3 drop-in, which binds it at run time with FA3's
+        signature (FA3's cache call returns ``out`` unless ``return_softmax_lse=True``)."""
+        if not any(arg.star for arg in call.args):
+            return None
+        note = (
+            "drop-in flash_attn_with_kvcache (FA3's signature; updates the caches in place like FA3): "
+            "a *args/**kwargs splat is bound at run time"
+        )
+        return Rewrite(call.with_changes(func=dotted(self.DROP_IN)), imports=(DROP_IN_MODULE,), notes=(note,))
+
+    def check_extra(self, value, ctx):
+        """Refuse a non-zero ``attention_chunk`` (neither form implements chunked attention)."""
+        if "attention_chunk" in value and not is_zero(value["attention_chunk"]):
+            raise Refuse(
+                f"attention_chunk={ctx.code(value['attention_chunk'])}: no portable equivalent (only 0 is accepted)"
+            )

@@ -1,0 +1,1 @@
+"""Rules for xformers: ``memory_efficient_attention`` and its attention-bias classes."""
