@@ -283,6 +283,47 @@ def test_block_defaults_per_generation():
     assert b.block_q == b.block_q_dkv == b.block_q_dq == 256
 
 
+def _has_fully_visible_tile(sq: int, window: int, bq: int, bk: int) -> bool:
+    i, j = np.arange(sq)[:, None], np.arange(sq)[None, :]
+    visible = (j <= i) & (j >= i - window)
+    tiles = visible.reshape(sq // bq, bq, sq // bk, bk).all(axis=(1, 3))
+    return bool(tiles.any())
+
+
+def test_band_fits_default_blocks():
+    """A sliding window narrower than the default tiles leaves every visited tile masked; the default
+    blocks are halved (not below 512) until whole tiles fit in the band. A causal dQ kernel over at
+    most two tall query blocks gets square tiles. Blocks the user set stay."""
+    from flashport.kernels.backends.pallas_tpu.backend import Config
+
+    s, window = 2048, 1024
+    spec = _spec(s, s, causal=True, left=window)
+    q = jnp.zeros((1, 8, s, 128), jnp.bfloat16)
+    v6e = GENERATION_DEFAULTS["v6e"]
+    assert not _has_fully_visible_tile(s, window, v6e.block_q, v6e.block_k)
+    narrowed = {
+        kind: Config(spec, v6e, False, "v6e").geometry(kind, q, q, q) for kind in ("fwd", "dkv", "dq")
+    }
+    assert {(g.bq, g.bk) for g in narrowed.values()} == {(512, 512)}
+    assert _has_fully_visible_tile(s, window, 512, 512)
+    wide = Config(_spec(s, s, causal=True, left=4096), v6e, False, "v6e").geometry("fwd", q, q, q)
+    assert (wide.bq, wide.bk) == (v6e.block_q, v6e.block_k)
+    narrow = Config(_spec(s, s, causal=True, left=100), v6e, False, "v6e").geometry("dkv", q, q, q)
+    assert (narrow.bq, narrow.bk) == (512, 512)
+    causal = Config(_spec(s, s, causal=True), v6e, False, "v6e")
+    assert (causal.geometry("dq", q, q, q).bq, causal.geometry("fwd", q, q, q).bq) == (512, 1024)
+    long_q = jnp.zeros((1, 8, 4 * s, 128), jnp.bfloat16)
+    causal_long = Config(_spec(4 * s, 4 * s, causal=True), v6e, False, "v6e").geometry("dq", *[long_q] * 3)
+    assert causal_long.bq == v6e.block_q_dq
+    v5e = GENERATION_DEFAULTS["v5e"]
+    for mask, want in ((dict(causal=True), (512, 512)), ({}, (v5e.block_q_dkv, v5e.block_k_dkv))):
+        dkv = Config(_spec(s, s, **mask), v5e, False, "v5e").geometry("dkv", q, q, q)
+        assert (dkv.bq, dkv.bk) == want
+    _, user = resolve_blocks({"generation": "v6e", "block_q": 1024, "block_k": 512}, "pallas_tpu")
+    kept = Config(spec, user, False, "v6e").geometry("fwd", q, q, q)
+    assert (kept.bq, kept.bk) == (1024, 512)
+
+
 def test_registry_and_auto_on_cpu():
     rows = flashport.backends() if hasattr(flashport, "backends") else registry.backends()
     assert rows["pallas_tpu"]["platforms"] == ["tpu"] and all(rows["pallas_tpu"]["features"].values())

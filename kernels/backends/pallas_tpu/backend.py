@@ -19,16 +19,18 @@ from flashport.kernels.backends.pallas_platform import tpu_only
 from flashport.kernels.backends.pallas_tpu.backward import dkv_call, dq_call
 from flashport.kernels.backends.pallas_tpu.blocks import (
     FORWARD_VMEM_BUDGET,
+    GENERATION_DEFAULTS,
     GENERATION_DEVICE_KINDS,
     LANES,
     TOKEN_MAJOR_VMEM,
     BlockSizes,
     fit_backward_blocks,
+    fit_band,
     fit_forward_block_q,
     resolve_blocks,
     tile_operand_bytes,
 )
-from flashport.kernels.backends.pallas_tpu.classify import with_full_ranges
+from flashport.kernels.backends.pallas_tpu.classify import with_full_ranges, with_step_codes
 from flashport.kernels.backends.pallas_tpu.forward import forward_call
 from flashport.kernels.backends.pallas_tpu.layout import token_major_pays
 from flashport.kernels.backends.pallas_tpu.sharding import partitioned
@@ -72,7 +74,8 @@ class Config:
         From the canonical operands ``q, k, v``: the blocks are shrunk until the heads of one step
         (the G heads of a GQA group in the forward and dQ; every head when ``token_major``) fit VMEM
         together (:func:`~flashport.kernels.pallas_tpu.blocks.fit_forward_block_q`,
-        :func:`~flashport.kernels.pallas_tpu.blocks.fit_backward_blocks`).
+        :func:`~flashport.kernels.pallas_tpu.blocks.fit_backward_blocks`); default blocks are first
+        fitted to a causal or sliding-window band (:func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_band`).
         """
         b = self.blocks
         bq, bk = {
@@ -80,6 +83,12 @@ class Config:
             "dkv": (b.block_q_dkv, b.block_k_dkv),
             "dq": (b.block_q_dq, b.block_k_dq),
         }[kind]
+        if b == GENERATION_DEFAULTS[self.generation]:  # the user's own blocks are kept as given
+            spec = self.spec
+            seq = max(spec.seq_q, spec.seq_k)
+            bq, bk = fit_band(
+                self.generation, kind, bq, bk, causal=spec.causal, left=spec.window_left, seq=seq
+            )
         hq, hkv, itemsize = q.shape[1], k.shape[1], jnp.dtype(q.dtype).itemsize
         dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
         kv_heads = hkv if token_major else 1
@@ -233,6 +242,7 @@ def _tables(
     """A kernel's scalar-prefetch tables: block ranges and full-tile ranges, plus the dropout head
     seeds, the arrays of the user mods and the tile classes of their block mask when given."""
     tables = with_full_ranges(g, block_tables(g, q_seg, kv_seg, by_rows=by_rows), has_mask=has_mask)
+    tables = with_step_codes(g, tables, by_rows=by_rows, has_mask=has_mask)
     if mod_consts is not None:
         tables = tables._replace(mod_consts=tuple(mod_consts))
     if g.mask_mod_classified:

@@ -199,7 +199,7 @@ def _dkv_kernel(
     def _compute(masked):  # one head (heads-major) or a loop over every head (token-major)
         for_each_head(lay.heads, lambda h: head(h, masked))
 
-    is_full = lambda: tile_is_full(tables, bi, st.block, j, g.nq, g.nk)  # noqa: E731
+    is_full = lambda: st.full if st.full is not None else tile_is_full(tables, bi, st.block, j, g.nq, g.nk)  # noqa: E731
     when_by_class(st.run, is_full, _compute, full_body=lay.classes[0], partial_body=lay.classes[1])
 
     @pl.when(jnp.logical_and(gi == pl.num_programs(3) - 1, i == g.steps_q - 1))
@@ -375,7 +375,7 @@ def _dq_kernel(
     def _compute(masked):
         for_each_head(lay.heads, lambda gi: head(gi, masked))
 
-    is_full = lambda: tile_is_full(tables, bi, i, st.block, g.nq, g.nk)  # noqa: E731
+    is_full = lambda: st.full if st.full is not None else tile_is_full(tables, bi, i, st.block, g.nq, g.nk)  # noqa: E731
     when_by_class(st.run, is_full, _compute, full_body=lay.classes[0], partial_body=lay.classes[1])
 
     if has_bias:

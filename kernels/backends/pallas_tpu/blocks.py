@@ -73,8 +73,9 @@ GENERATION_DEFAULTS = {
         block_q=512, block_k=512, block_q_dkv=256, block_k_dkv=512, block_q_dq=512, block_k_dq=256
     ),
     # 128 MiB VMEM, 4x 128x128 MXU, ridge ~240.
+    # Backward 512x1024 / 1024x512 (not 512x512): 7% fewer cycles on the schedule ruler at S=2048.
     "v5e": BlockSizes(
-        block_q=512, block_k=1024, block_q_dkv=512, block_k_dkv=512, block_q_dq=512, block_k_dq=512
+        block_q=512, block_k=1024, block_q_dkv=512, block_k_dkv=1024, block_q_dq=1024, block_k_dq=512
     ),
     # 64 MiB VMEM per core (megacore), ridge ~166-187.
     "v5p": BlockSizes(
@@ -164,6 +165,48 @@ def resolve_blocks(options: dict[str, Any], backend: str, *arrays) -> tuple[str,
     blocks = dataclasses.replace(base, **overrides)
     blocks.validate()
     return generation, blocks
+
+
+# Blocks a sliding window narrows no further: below 512 the per-step scalar/DMA work outweighs what
+# the masked area saves (measured on the schedule ruler, benchmarks/tpu_ruler.py).
+WINDOW_MIN_BLOCK = 512
+
+
+# Per generation, the kernels whose default tiles become square under a causal mask over a short
+# query (:func:`fit_band`); measured on the schedule ruler (``benchmarks/tpu_ruler.py``, S=2048,
+# D=128): v6e dQ 1024x512 -> 512x512 12% fewer cycles (but 2.5% more at S=8192, four times the
+# blocks), v5e forward 512x1024 -> 512x512 10% fewer, v5e backward 9% fewer; v6e forward
+# 1024x512 -> 512x512 6% more.
+CAUSAL_SQUARE_KERNELS = {"v5e": ("fwd", "dkv", "dq"), "v6e": ("dq",)}
+
+
+def fit_band(
+    generation: str, kind: str, bq: int, bk: int, *, causal: bool, left: int | None, seq: int
+) -> tuple[int, int]:
+    """Default blocks of kernel ``kind`` for a causal or sliding-window band: every kernel's tiles are
+    narrowed to a window (:func:`fit_window`); under a causal mask, the kernels of
+    :data:`CAUSAL_SQUARE_KERNELS` get square tiles when the sequence (``seq``, the longer of query and
+    key) spans at most two of their longer blocks. There the oblong tiles on the diagonal compute a
+    large share of masked scores; with more blocks the diagonal's share shrinks and the oblong tile's
+    lower per-step cost wins."""
+    if causal and kind in CAUSAL_SQUARE_KERNELS.get(generation, ()) and seq <= 2 * max(bq, bk):
+        bq = bk = min(bq, bk)
+    return fit_window(bq, bk, left)
+
+
+def fit_window(bq: int, bk: int, left: int | None) -> tuple[int, int]:
+    """``(bq, bk)`` halved, the larger first (ties: ``bq``), until a sliding window reaching ``left``
+    keys back holds whole [bq, bk] tiles (``bq + bk - 2 <= left``), not below
+    :data:`WINDOW_MIN_BLOCK`. Tiles straddling the band's edges run the masked body; with blocks wider
+    than the band every visited tile does (a 1024-key window under 1024x512 tiles)."""
+    if left is None:
+        return bq, bk
+    while bq + bk - 2 > left and max(bq, bk) > WINDOW_MIN_BLOCK:
+        if bq >= bk:
+            bq = max(WINDOW_MIN_BLOCK, round_to_align(bq // 2))
+        else:
+            bk = max(WINDOW_MIN_BLOCK, bk // 2 // K_ALIGN * K_ALIGN)
+    return bq, bk
 
 
 # What the grouped forward's blocks may occupy in VMEM: the 16 MiB default scoped VMEM less a margin

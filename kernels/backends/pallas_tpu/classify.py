@@ -30,7 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from flashport.kernels.backends.pallas_tpu.tiling import Geometry, Tables, mod_class
+from flashport.kernels.backends.pallas_tpu.tiling import (
+    STEP_CODE_BITS,
+    STEP_FULL,
+    STEP_PARTIAL,
+    STEP_SKIP,
+    Geometry,
+    Tables,
+    mod_class,
+)
 from flashport.kernels.semantics import block_mask as block_mask_lib
 from flashport.kernels.semantics import block_ranges
 
@@ -73,6 +81,37 @@ def with_full_ranges(g: Geometry, tables: Tables, *, has_mask: bool) -> Tables:
     return tables._replace(
         full_lo=jnp.asarray(np.asarray(lo, np.int32)), full_hi=jnp.asarray(np.asarray(hi, np.int32))
     )
+
+
+def with_step_codes(g: Geometry, tables: Tables, *, by_rows: bool, has_mask: bool) -> Tables:
+    """``tables`` plus the per-step codes (``Tables.step_code``) of a call without segment ids
+    (unchanged with them: their ranges depend on the ids).
+
+    For resident block ``r`` (query block ``by_rows``, else key block) and step ``s``: the streamed
+    block :class:`~flashport.kernels.backends.pallas_tpu.tiling.Step` visits (the range's last block once the
+    range is done, so no DMA is repeated) and whether the tile is skipped, partial or fully visible
+    (the ranges of :func:`with_full_ranges`). Unchanged too when a mask_mod's tile classes decide
+    which tiles run and which are full (:attr:`Tables.mod_classes`, read per step by ``Step``).
+    """
+    if tables.segmented or g.mask_mod_classified:
+        return tables
+    lo, hi = (g.row_lo, g.row_hi) if by_rows else (g.col_lo, g.col_hi)
+    n_rows, n_cols = (g.nq, g.nk) if by_rows else (g.nk, g.nq)
+    steps = g.steps_k if by_rows else g.steps_q
+    full = np.zeros((g.nq, g.nk), bool)
+    if not (has_mask or g.has_mask_mod):
+        for i, (a, b) in enumerate(zip(*full_block_ranges(g), strict=True)):
+            full[i, a:b] = True
+    if not by_rows:
+        full = full.T
+    code = np.zeros((n_rows, steps), np.int64)
+    for r in range(n_rows):
+        count = hi[r] - lo[r]
+        for s in range(steps):
+            block = min(lo[r] + min(s, max(count - 1, 0)), n_cols - 1)
+            cls = STEP_SKIP if s >= count else (STEP_FULL if full[r, block] else STEP_PARTIAL)
+            code[r, s] = block << STEP_CODE_BITS | cls
+    return tables._replace(step_code=jnp.asarray(code.reshape(-1).astype(np.int32)))
 
 
 def bodies(g: Geometry, *, has_mask: bool, segmented: bool) -> tuple[bool, bool]:

@@ -177,7 +177,7 @@ def _forward_kernel(
 
     when_by_class(
         st.run,
-        lambda: tile_is_full(tables, bi, i, st.block, g.nq, g.nk),
+        lambda: st.full if st.full is not None else tile_is_full(tables, bi, i, st.block, g.nq, g.nk),
         body,
         full_body=lay.full_body,
         partial_body=lay.partial_body,

@@ -171,6 +171,9 @@ class Tables(NamedTuple):
     head_seeds: Any = None
     full_lo: Any = None
     full_hi: Any = None
+    # int32 [n_rows * steps], without segment ids: per (resident block, step) the streamed block to
+    # visit and the tile's class in one word (see :func:`with_step_codes`); None: computed from lo/hi.
+    step_code: Any = None
     mod_consts: Any = None  # the arrays the score_mod then the mask_mod close over (Geometry.mods)
     # int32 [(B or 1) * nq * nk]: the mask_mod's class of each tile (block_mask EMPTY / PARTIAL /
     # FULL, one class for all heads; see mod_class_table), or None.
@@ -240,12 +243,24 @@ class Step:
 
     def __init__(self, tables: Tables, b, row, step, n_rows, n_cols, by_rows):
         segmented = tables.segmented
+        self.full = None  # scalar "tile fully visible" when the step codes carry it
+        self._count = None
+        self._tables, self._base = tables, (b * n_rows + row if segmented else row)
+        if tables.step_code is not None and not segmented:
+            # One scalar load per step instead of a dependent chain of loads, clamps and selects: the
+            # chain sat on every grid step's critical path (index maps and kernel alike).
+            code = tables.step_code[row * (tables.step_code.shape[0] // n_rows) + step]
+            self.block = jnp.right_shift(code, STEP_CODE_BITS)
+            cls = jnp.bitwise_and(code, STEP_CLASS_MASK)
+            self.run = cls != STEP_SKIP
+            self.full = cls == STEP_FULL
+            return
         base = b * n_rows + row if segmented else row
         lo, hi = tables.lo[base], tables.hi[base]
-        self.count = hi - lo
+        self._count = hi - lo
         # Clamp to the last visited block (or lo, for an empty range): an unchanged index means no DMA.
-        self.block = jnp.minimum(lo + jnp.minimum(step, jnp.maximum(self.count - 1, 0)), n_cols - 1)
-        self.run = step < self.count
+        self.block = jnp.minimum(lo + jnp.minimum(step, jnp.maximum(self._count - 1, 0)), n_cols - 1)
+        self.run = step < self._count
         if segmented:
             other = b * n_cols + self.block
             qi, kj = (base, other) if by_rows else (other, base)
@@ -269,6 +284,19 @@ def mod_class(tables: Tables, b, q_block, k_block, nq: int, nk: int):
     """In-kernel scalar: the mask_mod's class of tile (``q_block``, ``k_block``) of batch row ``b``."""
     per_batch = tables.mod_classes.shape[0] != nq * nk
     return tables.mod_classes[((b if per_batch else 0) * nq + q_block) * nk + k_block]
+
+    @property
+    def count(self):
+        """Blocks the resident block visits along the streamed axis."""
+        if self._count is None:
+            self._count = self._tables.hi[self._base] - self._tables.lo[self._base]
+        return self._count
+
+
+# Step codes (Tables.step_code): ``block << STEP_CODE_BITS | class``.
+STEP_CODE_BITS = 2
+STEP_CLASS_MASK = 3
+STEP_SKIP, STEP_PARTIAL, STEP_FULL = 0, 1, 2
 
 
 def load(ref):
