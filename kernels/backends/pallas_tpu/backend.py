@@ -534,7 +534,7 @@ def count_tiles_by_class(
     return _forward_local(cfg, q, k, v, bias, mask, q_seg, kv_seg, count_tiles=True, classify=classify)
 
 
-# Deliberately parallel registrations (here and in kernels/pallas_gpu.py): each backend declares
+# Deliberately parallel registrations (here and in kernels/backends/pallas_gpu/backend.py): each backend declares
 # the same BackendInfo fields; the values are what differ.
 registry.register(
     registry.BackendInfo(
