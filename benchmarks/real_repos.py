@@ -98,6 +98,11 @@ FRESH = (
     ("AI-Hypercomputer/maxtext", "e591f30cbbf217ed67ef71263ec0538239f9c3b8"),
     ("young-geng/EasyLM", "fe5b2c354e25d697fce7cd225e23bbbe72570da3"),
     ("google-research/big_vision", "0127fb6b337ee2a27bf4e54dea79cff176527356"),
+    # added later, measured once before and once after the rule changes of the same session
+    ("jzhang38/EasyContext", "6b0d31047e4e326cbd603f89d57cf8b1db3ff762"),  # context parallelism
+    ("genmoai/mochi", "0c86aebf386e6622deadfb47ff1996878cefc0ac"),  # video diffusion
+    ("huggingface/text-generation-inference", "db931fcf42da018a3657580c64bf2720f167f9ab"),  # inference server
+    ("AI-Hypercomputer/maxdiffusion", "7cfb8801d41d1728f0232cd7ee59e900a151fecf"),  # JAX diffusion
 )
 BLOCKED = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper", "xformers", "flash_attn_jax")
 TEST_PARTS = {"tests", "test", "testing", "benchmarks", "benchmark", "examples", "example"}

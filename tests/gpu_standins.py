@@ -11,6 +11,8 @@ reference gradients:
   private ``_flash_attn_forward`` (2.7+: ``(out, lse, S_dmask, rng_state)``), ``__version__``;
 * ``flash_attn_interface`` (FA3 as released before 2025-07-11: ``flash_attn_func`` and
   ``flash_attn_varlen_func`` return ``(out, lse)``);
+* ``flash_attn.ops.triton.cross_entropy.cross_entropy_loss`` (flash-attn 2.8.3's docstring): per row
+  ``(lse - logits[label], 0)`` without smoothing, scale or z-loss, rows at ``ignore_index`` zero;
 * ``xformers.ops``: ``memory_efficient_attention`` with ``BlockDiagonalMask`` (``from_seqlens``,
   ``make_causal``: top-left per block) and ``LowerTriangularMask``.
 
@@ -208,6 +210,27 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
     return _dense(query, key, value, scale, False, (-1, -1), 0.0, visible=visible)[0]
 
 
+def cross_entropy_loss(
+    logits,
+    labels,
+    precomputed_lse=None,
+    label_smoothing=0.0,
+    logit_scale=1.0,
+    lse_square_scale=0.0,
+    ignore_index=-100,
+    inplace_backward=False,
+    process_group=None,
+):
+    """flash-attn's fused cross entropy, for the plain case its docstring states: (losses, z_losses)."""
+    CALLS["cross_entropy_loss"] += 1
+    assert precomputed_lse is None and label_smoothing == 0.0 and logit_scale == 1.0
+    assert lse_square_scale == 0.0 and process_group is None
+    z = logits.double()
+    picked = z.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    losses = torch.where(labels == ignore_index, 0.0, torch.logsumexp(z, dim=-1) - picked)
+    return losses, torch.zeros_like(losses)
+
+
 def _module(name, **attributes):
     module = types.ModuleType(name)
     module.__dict__.update(attributes)
@@ -238,6 +261,11 @@ def modules() -> dict[str, types.ModuleType]:
         "flash_attn.flash_attn_interface": interface,
         "flash_attn_interface": _module(
             "flash_attn_interface", flash_attn_varlen_func=fa3_flash_attn_varlen_func
+        ),
+        "flash_attn.ops": _module("flash_attn.ops"),
+        "flash_attn.ops.triton": _module("flash_attn.ops.triton"),
+        "flash_attn.ops.triton.cross_entropy": _module(
+            "flash_attn.ops.triton.cross_entropy", cross_entropy_loss=cross_entropy_loss
         ),
         "xformers": _module("xformers", ops=ops),
         "xformers.ops": ops,

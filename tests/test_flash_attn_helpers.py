@@ -86,3 +86,93 @@ def test_bert_padding_rearrange_is_einops_rearrange(monkeypatch):
     monkeypatch.setitem(sys.modules, "einops", fake)
     assert bert_padding.rearrange("t", "(b s) d -> b s d", b=2) == "done"
     assert calls == [("t", "(b s) d -> b s d", {"b": 2})]
+
+
+def _rotary_module_reference(x, dim, base, interleaved, positions, magnitude=None):
+    """float64, from flash-attn's RotaryEmbedding docstring: feature pair i of the first ``dim``
+    features turns by ``position * base ** (-2 i / dim)``; with XPos (``magnitude``: [S, dim / 2])
+    it is also scaled."""
+    inv_freq = base ** (-np.arange(0, dim, 2) / dim)
+    angles = torch.from_numpy(np.arange(positions.max() + 1)[:, None] * inv_freq)
+    out = _reference(x, angles, interleaved, positions)
+    if magnitude is None:
+        return out
+    pairs = (
+        (slice(0, dim, 2), slice(1, dim, 2)) if interleaved else (slice(0, dim // 2), slice(dim // 2, dim))
+    )
+    for index in np.ndindex(*positions.shape):
+        for part in pairs:
+            out[index][:, part] *= magnitude[int(positions[index])]
+    return out
+
+
+def _xpos(seqlen, dim, scale_base):
+    """XPos's per-pair scale at every cached position: ((2 i + 0.4 dim) / (1.4 dim)) ** ((p - L // 2) / scale_base)."""
+    zeta = (np.arange(0, dim, 2) + 0.4 * dim) / (1.4 * dim)
+    return zeta[None, :] ** ((np.arange(seqlen)[:, None] - seqlen // 2) / scale_base)
+
+
+# the tables are built in fp32 (pos_idx_in_fp32, as flash-attn does): measured error ~1.4e-7
+ROTARY_MODULE_TOL = 5e-7
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_module_rotates_packed_qkv_in_place(interleaved):
+    module = rotary.RotaryEmbedding(8, base=100.0, interleaved=interleaved)
+    qkv = _rand(2, 5, 3, 2, 12, seed=11)
+    original = qkv.clone()
+    returned = module(qkv, seqlen_offset=2)
+    assert returned is qkv
+    positions = np.arange(5)[None, :].repeat(2, 0) + 2
+    for part in (0, 1):
+        want = _rotary_module_reference(original[:, :, part], 8, 100.0, interleaved, positions)
+        np.testing.assert_allclose(qkv[:, :, part].numpy(), want, atol=ROTARY_MODULE_TOL)
+    np.testing.assert_array_equal(qkv[:, :, 2].numpy(), original[:, :, 2].numpy())
+
+
+def test_rotary_module_grouped_heads_and_xpos_keys():
+    """MQA/GQA packing ([B, S, Hq + 2 Hk, D] with num_heads_q) and a separate kv with XPos: queries
+    scaled up, keys scaled down."""
+    module = rotary.RotaryEmbedding(6, scale_base=4.0)
+    qkv = _rand(1, 4, 4 + 2 * 1, 6, seed=12)
+    original = qkv.clone()
+    module(qkv, num_heads_q=4)
+    positions = np.arange(4)[None, :]
+    magnitude = _xpos(4, 6, 4.0)
+    np.testing.assert_allclose(
+        qkv[:, :, :4].numpy(),
+        _rotary_module_reference(original[:, :, :4], 6, 10000.0, False, positions, magnitude),
+        atol=ROTARY_MODULE_TOL,
+    )
+    np.testing.assert_allclose(
+        qkv[:, :, 4:5].numpy(),
+        _rotary_module_reference(original[:, :, 4:5], 6, 10000.0, False, positions, 1 / magnitude),
+        atol=ROTARY_MODULE_TOL,
+    )
+    np.testing.assert_array_equal(qkv[:, :, 5:].numpy(), original[:, :, 5:].numpy())
+
+    q, kv = _rand(1, 4, 2, 6, seed=13), _rand(1, 4, 2, 2, 6, seed=14)
+    q0, kv0 = q.clone(), kv.clone()
+    fresh = rotary.RotaryEmbedding(6, scale_base=4.0)
+    got_q, got_kv = fresh(q, kv)
+    assert got_q is q and got_kv is kv
+    np.testing.assert_allclose(
+        q.numpy(),
+        _rotary_module_reference(q0, 6, 10000.0, False, positions, magnitude),
+        atol=ROTARY_MODULE_TOL,
+    )
+    np.testing.assert_allclose(
+        kv[:, :, 0].numpy(),
+        _rotary_module_reference(kv0[:, :, 0], 6, 10000.0, False, positions, 1 / magnitude),
+        atol=ROTARY_MODULE_TOL,
+    )
+    np.testing.assert_array_equal(kv[:, :, 1].numpy(), kv0[:, :, 1].numpy())
+
+
+def test_rotary_module_keeps_flash_attns_cache_attributes_for_subclasses():
+    """Subclasses in the wild override _update_cos_sin_cache and read these attributes."""
+    module = rotary.RotaryEmbedding(4)
+    module(_rand(1, 3, 3, 1, 4, seed=15))
+    assert module._seq_len_cached == 3 and module._cos_cached.shape == (3, 2)
+    assert module._cos_k_cached is None and module.inv_freq.dtype == torch.float32
+    assert isinstance(module, torch.nn.Module) and "inv_freq" not in module.state_dict()

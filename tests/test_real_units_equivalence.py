@@ -93,6 +93,11 @@ CASES = {
         True,
     ),
     "yunchang_versions": (_dense_inputs(sq=6, sk=6), {"causal": True, "window_size": (3, 0)}, False),
+    "verl_logprobs": (
+        {"logits": _rand(6, 11, seed=16)},
+        {"labels": torch.tensor([3, 0, -100, 10, 7, 1])},
+        True,
+    ),
 }
 
 

@@ -6,7 +6,11 @@
 * :mod:`flashport.integrations.flash_attn3_compat` / :mod:`flashport.integrations.flash_attn4_compat`
   -- FlashAttention-3 / -4 ``flash_attn_func`` and ``flash_attn_varlen_func`` with their return types.
 * :mod:`flashport.integrations.bert_padding` -- ``flash_attn.bert_padding`` in plain torch.
-* :mod:`flashport.integrations.rotary` -- ``flash_attn.layers.rotary.apply_rotary_emb`` in plain torch.
+* :mod:`flashport.integrations.rotary` -- ``flash_attn.layers.rotary`` (``apply_rotary_emb``, the packed
+  in-place variants, the ``RotaryEmbedding`` module) in plain torch.
+* :mod:`flashport.integrations.cross_entropy` -- ``flash_attn.ops.triton.cross_entropy.cross_entropy_loss``
+  in plain torch; :mod:`flashport.integrations.distributed` -- ``flash_attn.utils.distributed``'s
+  collectives on ``torch.distributed``.
 * :mod:`flashport.integrations.sdpa_compat` -- ``torch.nn.functional.scaled_dot_product_attention``'s
   signature on the contract, for SDPA calls whose arguments are only known at run time (splats) and
   for every SDPA call of a repository that patches SDPA at run time: it runs the installed patch

@@ -56,7 +56,9 @@ from flashport.rules.base import (
     Rule,
     RuleContext,
     RuleOptions,
+    runs_as_is,
 )
+from flashport.rules.common import values
 from flashport.rules.common.calls import keep_comments
 from flashport.rules.common.values import call_drop_in
 
@@ -675,6 +677,8 @@ class SiteTransformer(cst.CSTTransformer):
         if veto := self._vetoed(rule, where):
             return Refusal(veto)
         why = self._value_may_differ(value)
+        if why and values.family(api) in values.TORCH_OWN:
+            return runs_as_is(values.kept_torch_value(why, api))
         return (
             Report(f"{why}: not rewritten") if why else run_context.refuse_patched(outcome, api, self.options)
         )

@@ -15,6 +15,8 @@ BERT_PADDING = "flashport.integrations.bert_padding"
 FA3 = "flashport.integrations.flash_attn3_compat"
 FA4 = "flashport.integrations.flash_attn4_compat"
 ROTARY = "flashport.integrations.rotary"
+CROSS_ENTROPY = "flashport.integrations.cross_entropy"
+DISTRIBUTED = "flashport.integrations.distributed"
 
 MODULES = ("flash_attn.", "flash_attn.flash_attn_interface.")  # FA2's public import paths
 FA2_RELEASES: tuple[Version, ...] = ((2, 6, 0), (2, 7, 0), (2, 8, 3))  # the drop-ins' (2.8.3's) signature
@@ -388,6 +390,97 @@ ROTARY_APIS = (
             DropIn(ROTARY, "apply_rotary_emb_func", ((2, 8, 3),)),
         ),
     ),
+    Api(  # rotates q and k of a packed qkv in place; returns qkv
+        names=("flash_attn.layers.rotary.apply_rotary_emb_qkv_",),
+        signatures=(
+            (
+                (2, 8, 3),
+                params(
+                    "qkv",
+                    "cos",
+                    "sin",
+                    cos_k=None,
+                    sin_k=None,
+                    interleaved=False,
+                    seqlen_offsets=0,
+                    num_heads_q=None,
+                ),
+            ),
+        ),
+        returns="qkv",
+        drop_ins=(DropIn(ROTARY, "apply_rotary_emb_qkv_", ((2, 8, 3),)),),
+    ),
+    Api(  # rotates kv[:, :, 0] in place; returns kv
+        names=("flash_attn.layers.rotary.apply_rotary_emb_kv_",),
+        signatures=(((2, 8, 3), params("kv", "cos", "sin", interleaved=False, seqlen_offsets=0)),),
+        returns="kv",
+        drop_ins=(DropIn(ROTARY, "apply_rotary_emb_kv_", ((2, 8, 3),)),),
+    ),
+    Api(  # an nn.Module: the constructor's parameters
+        names=("flash_attn.layers.rotary.RotaryEmbedding",),
+        signatures=(
+            (
+                (2, 8, 3),
+                params(
+                    "dim", base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True, device=None
+                ),
+            ),
+        ),
+        returns="the module",
+        drop_ins=(DropIn(ROTARY, "RotaryEmbedding", ((2, 8, 3),)),),
+    ),
+    Api(
+        names=("flash_attn.layers.rotary.RotaryEmbedding.forward",),
+        signatures=(
+            ((2, 8, 3), params("self", "qkv", kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None)),
+        ),
+        returns="qkv, or (q, kv) when kv is given (rotated in place)",
+        drop_ins=(DropIn(ROTARY, "RotaryEmbedding.forward", ((2, 8, 3),)),),
+    ),
+)
+
+# flash_attn.ops.triton.cross_entropy (2.8.3): (losses, z_losses); precomputed_lse is third
+CROSS_ENTROPY_APIS = (
+    Api(
+        names=("flash_attn.ops.triton.cross_entropy.cross_entropy_loss",),
+        signatures=(
+            (
+                (2, 8, 3),
+                params(
+                    "logits",
+                    "labels",
+                    precomputed_lse=None,
+                    label_smoothing=0.0,
+                    logit_scale=1.0,
+                    lse_square_scale=0.0,
+                    ignore_index=-100,
+                    inplace_backward=False,
+                    process_group=None,
+                ),
+            ),
+        ),
+        returns="(losses, z_losses), both [N] fp32",
+        drop_ins=(DropIn(CROSS_ENTROPY, "cross_entropy_loss", ((2, 8, 3),)),),
+    ),
+)
+
+# flash_attn.utils.distributed (2.8.3): the autograd collectives are Functions' ``apply``, recorded
+# with their ``forward``'s parameters (less ``ctx``)
+DISTRIBUTED_APIS = tuple(
+    Api(
+        names=(f"flash_attn.utils.distributed.{name}",),
+        signatures=(((2, 8, 3), parameters),),
+        returns=returns,
+        drop_ins=(DropIn(DISTRIBUTED, name, ((2, 8, 3),)),),
+    )
+    for name, parameters, returns in (
+        ("all_gather_raw", params("input_", "process_group", async_op=False), "(output, handle)"),
+        ("reduce_scatter_raw", params("input_", "process_group", async_op=False), "(output, handle)"),
+        ("all_reduce_raw", params("input_", "process_group", async_op=False), "(input_, handle)"),
+        ("all_gather", params("input_", "process_group"), "output"),
+        ("reduce_scatter", params("input_", "process_group"), "output"),
+        ("all_reduce", params("input_", "process_group"), "output"),
+    )
 )
 
 # --- FA3 (hopper/flash_attn_interface.py; releases are commit dates) --------------------------------
@@ -569,6 +662,8 @@ APIS: tuple[Api, ...] = (
     + tuple(_private(name) for name in PRIVATE_FUNCTIONS)
     + BERT_PADDING_APIS
     + ROTARY_APIS
+    + CROSS_ENTROPY_APIS
+    + DISTRIBUTED_APIS
     + FA3_APIS
     + FA4_APIS
 )

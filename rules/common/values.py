@@ -16,6 +16,8 @@ replicate every use (FA3's ``flash_attn_func``/``flash_attn_varlen_func`` change
 -- except for a value passed to ``@functools.wraps``, which only copies its name, docstring and
 signature; FA3's ``flash_attn_with_kvcache`` did not and gets its drop-in --, FA4's drop-in
 lacks mask mods and block sparsity, SDPA values are wrapped, patched or compared) or that have none.
+An SDPA or FlexAttention value that is probed, compared or patched runs as is: it is torch's own
+function, present on every host (:data:`TORCH_OWN`).
 Local aliases whose calls can be resolved are ported call by call by the engine
 (:mod:`flashport.rewriter.source.aliases`; a module-level SDPA alias whose every read is a ported call gets
 the SDPA drop-in: :func:`call_drop_in`).
@@ -33,7 +35,7 @@ from flashport.rules.apis import torch as apis_torch
 from flashport.rules.apis import xformers as apis_xformers
 from flashport.rules.apis.model import pad
 from flashport.rules.common.calls import dotted
-from flashport.rules.site import Outcome, Report, Rewrite, RuleContext
+from flashport.rules.site import Outcome, Report, Rewrite, RuleContext, runs_as_is
 
 FA2 = apis_flash_attn.COMPAT
 FA2_NAMES = (*apis_flash_attn.FA2_LEADING, "flash_attn_with_kvcache")
@@ -99,6 +101,16 @@ PROVIDES = {
     XFORMERS: ("memory_efficient_attention",),
     FLEX: ("flex_attention", "create_block_mask"),
 }
+
+
+TORCH_OWN = (SDPA, FLEX)  # drop-in families whose source API is torch's own: it runs on every host
+
+
+def kept_torch_value(why: str, api: str) -> str:
+    """The as-is reason of a torch attention function kept as a value (probed, compared, patched,
+    named in an import guard, bound beside a fallback): torch's own function, so the same object on
+    a TPU host."""
+    return f"{why}: torch's own {api.rsplit('.', 1)[-1]}, present on every host"
 
 
 _INEXACT = {  # drop-ins that serve explicit calls but do not replicate every call a value may get
@@ -273,6 +285,8 @@ def answer(node: cst.BaseExpression, ctx: RuleContext) -> Outcome:
             "answers alike and the file no longer needs the GPU library for it"
         )
         return Rewrite(dotted(f"{module}.{name}"), imports=(module,), notes=(note,))
+    if why is not None and family(ctx.qualified_name) in TORCH_OWN:
+        return runs_as_is(kept_torch_value(why, ctx.qualified_name))
     if why is not None:
         return Report(f"{why}: not a call to port; kept")
     if isinstance(found, str):

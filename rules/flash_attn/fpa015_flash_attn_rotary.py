@@ -1,8 +1,10 @@
-"""FPA015 flash-attn-rotary: ``flash_attn.layers.rotary.apply_rotary_emb`` -> ``flashport.integrations.rotary``.
+"""FPA015 flash-attn-rotary: ``flash_attn.layers.rotary`` -> ``flashport.integrations.rotary``.
 
 What it rewrites:
-  calls and values of ``apply_rotary_emb`` and its alias ``apply_rotary_emb_func`` from
-  ``flash_attn.layers.rotary``: flash-attn's Triton rotary kernel, imported next to the attention
+  calls and values of ``apply_rotary_emb`` (and its alias ``apply_rotary_emb_func``),
+  ``apply_rotary_emb_qkv_``, ``apply_rotary_emb_kv_`` and the ``RotaryEmbedding`` module (its
+  construction, and the class as a value: a base class, a factory) from
+  ``flash_attn.layers.rotary``: flash-attn's Triton rotary kernels, imported next to the attention
   call in model code. Importing ``flash_attn.layers.rotary`` needs flash-attn (and Triton), so a
   file whose attention is ported would still need the GPU library for it.
 
@@ -10,12 +12,17 @@ Semantics mapping:
   the same function, arguments and result in plain torch (``flashport/integrations/rotary.py``:
   ``[B, S, H, D]`` or varlen ``[total, H, D]`` with ``cu_seqlens``, ``cos``/``sin`` ``[S_rotary,
   rotary_dim / 2]``, per-sequence ``seqlen_offsets``, GPT-NeoX halves or GPT-J pairs
-  (``interleaved``), ``inplace``). The call keeps its arguments, their order and comments.
+  (``interleaved``), ``inplace``); the packed ``qkv_``/``kv_`` variants rotate in place and return
+  their input; ``RotaryEmbedding`` keeps flash-attn's constructor, ``forward``, buffers
+  (``inv_freq``, ``scale``), cache attributes and private methods, so subclasses that override
+  ``_update_cos_sin_cache`` behave alike. The call keeps its arguments, their order and comments.
 
 What it refuses:
-  value uses that probe or compare the function (reported with the reason). The module's other
-  names (``RotaryEmbedding``, ``apply_rotary_emb_qkv_``, ``apply_rotary_emb_kv_``) are not covered:
-  a file using them keeps its ``flash_attn`` import, which the results list.
+  value uses that probe or compare a function (reported with the reason). ``RotaryEmbedding``
+  travels with its constructions: ``isinstance``/``issubclass`` checks and annotations name the
+  drop-in class; where it stays flash-attn's (compared, listed in ``__all__``, inside an import
+  guard), every rewrite of the file is refused, since the modules built there must pass that
+  check. A module built by code left on flash-attn is not an instance of the drop-in class.
 
 Example::
 
@@ -26,17 +33,27 @@ Example::
 
 from __future__ import annotations
 
+import ast
+
 from flashport.rules.base import Rewrite, Rule, register
 from flashport.rules.common import values
 from flashport.rules.common.calls import dotted
 
 MODULE = "flashport.integrations.rotary"
-FUNCTIONS = ("apply_rotary_emb", "apply_rotary_emb_func")
+CLASS = "RotaryEmbedding"
+TYPE_CHECKS = ("inspected with isinstance(", "inspected with issubclass(")
+FUNCTIONS = (
+    "apply_rotary_emb",
+    "apply_rotary_emb_func",
+    "apply_rotary_emb_qkv_",
+    "apply_rotary_emb_kv_",
+    "RotaryEmbedding",
+)
 
 
 @register
 class FlashAttnRotary(Rule):
-    """Rewrite flash-attn's rotary embedding function to flashport's plain-torch drop-in."""
+    """Rewrite flash-attn's rotary embedding functions and module to flashport's plain-torch drop-ins."""
 
     CODE = "FPA015"
     NAME = "flash-attn-rotary"
@@ -54,10 +71,53 @@ class FlashAttnRotary(Rule):
         return Rewrite(call.with_changes(func=dotted(f"{MODULE}.{name}")), imports=(MODULE,), notes=(note,))
 
     def check_reference(self, node, ctx):
-        """A value is the drop-in of the same name unless it is probed or compared."""
+        """A value is the drop-in of the same name unless it is probed or compared; the class
+        travels with its constructions into ``isinstance``/``issubclass`` checks."""
         why = values.probe(ctx)
+        name = ctx.qualified_name.rsplit(".", 1)[-1]
+        if name == CLASS and why is not None and why.startswith(TYPE_CHECKS):
+            note = f"{why}: the class is flashport's drop-in {MODULE}.{name}, as its constructions are"
+            return Rewrite(dotted(f"{MODULE}.{name}"), imports=(MODULE,), notes=(note,))
         if why is not None and not values.inspects_signature(ctx):
             return values.Report(f"{why}: not a call to port; kept")
         name = ctx.qualified_name.rsplit(".", 1)[-1]
         note = f"{values.describe(node, ctx)}: the value is now flashport's drop-in {MODULE}.{name} (same signature)"
         return Rewrite(dotted(f"{MODULE}.{name}"), imports=(MODULE,), notes=(note,))
+
+    def settle(self, sites, tree):
+        """Keep the file's rewrites when flash-attn's ``RotaryEmbedding`` stays somewhere in it (a
+        comparison, ``__all__``, an import guard): a module built by the drop-in would then fail
+        that check."""
+        for site in sites:
+            if site.rule == self.CODE and site.api.endswith("." + CLASS) and site.status != "rewrite":
+                return (
+                    f"{CLASS} on line {site.line} stays flash-attn's class; the rotary modules built "
+                    "in this file must stay flash-attn's too"
+                )
+        if not any(s.rule == self.CODE and s.api.endswith("." + CLASS) for s in sites):
+            return None
+        line = _compared_class(tree)
+        if line is not None:
+            return (
+                f"{CLASS} is compared on line {line} (identity or equality with flash-attn's class); "
+                "the rotary modules built in this file must stay flash-attn's too"
+            )
+        return None
+
+
+def _compared_class(tree: ast.Module) -> int | None:
+    """The first line comparing a name imported for flash-attn's ``RotaryEmbedding`` (``type(m) is
+    RotaryEmbedding``), which the rule sees no value site for."""
+    names = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "flash_attn.layers.rotary"
+        for alias in node.names
+        if alias.name == CLASS
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(
+            isinstance(side, ast.Name) and side.id in names for side in (node.left, *node.comparators)
+        ):
+            return node.lineno
+    return None

@@ -32,6 +32,12 @@ What it refuses:
   scaled_dot_product_attention``, ``original = F.scaled_dot_product_attention``): whether it holds
   torch's SDPA or the patch depends on import order (the reason names the patch).
 
+What runs as is:
+  SDPA itself used as a value that is inspected, compared, wrapped and assigned back, looked up by
+  identity (``target=``), listed in ``__all__`` or named in an import guard: torch's own function,
+  present on every host, so the value keeps its meaning unchanged on a TPU host (reported as
+  running as is).
+
 Run-time patches:
   a run whose files replace ``torch.nn.functional.scaled_dot_product_attention`` (``F.scaled_dot_product_attention =
   cp_sdpa``, ``setattr(F, "scaled_dot_product_attention", ...)``, ``mock.patch(...)``, any alias of

@@ -9,11 +9,13 @@ Layers, each importing only the ones above it:
   batch-indexed caches); :mod:`.fa3_kvcache` -- FA3's additions to it;
 * the drop-ins: :mod:`.fa2` (FA1/FA2 public functions), :mod:`.private` (FA2's private kernel
   entry points per release, on :mod:`flashport.torch.kernel_calls`), :mod:`.fa3`, :mod:`.fa4`,
-  :mod:`.bert_padding`, :mod:`.rotary`.
+  :mod:`.bert_padding`, :mod:`.rotary`; flash-attn's non-attention helpers that model code imports
+  beside the attention call: :mod:`.cross_entropy` (the fused Triton cross entropy) and
+  :mod:`.distributed` (sequence-parallel collectives).
 
 Ported code imports the drop-ins by their stable paths, which re-export these modules:
 ``flashport.integrations.flash_attn_compat`` (FA2 with its kvcache, ``bert_padding`` helpers and
 private kernels), ``flash_attn3_compat``, ``flash_attn4_compat``, ``flash_attn_private``,
-``bert_padding``, ``rotary`` and ``flash_attn_core``. The modules import torch only when a function
+``bert_padding``, ``rotary``, ``cross_entropy``, ``distributed`` and ``flash_attn_core``. The modules import torch only when a function
 runs, so importing them costs neither torch nor jax.
 """
