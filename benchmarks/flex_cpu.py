@@ -9,7 +9,10 @@ forward+backward (medians). Pairs: softcap (``softcap=30`` vs ``30 * tanh(s / 30
 Part 2, tile skipping: a document mask_mod over packed documents of uneven lengths. The tiles the
 blockwise backend computes are counted while it runs (a score_mod that reports each computed
 entry's tile through ``jax.debug.callback``), next to the analytic count (the tiles some document
-covers both rows and columns of) and the total.
+covers both rows and columns of) and the total. Then the Pallas TPU forward kernel (in the TPU
+interpreter, with its visit counters): tiles computed through the mask-free body and through the
+masked body, and tiles skipped, next to the block mask's FULL / PARTIAL / EMPTY counts of the dense
+mask at the kernel's tiles.
 
     python benchmarks/flex_cpu.py                 # S = 2048
     python benchmarks/flex_cpu.py --sizes 1024 --repeats 3
@@ -133,6 +136,39 @@ def count_tiles(seq: int, tile: int, lengths: list[int]) -> str:
     )
 
 
+def count_pallas_tiles(seq: int, lengths: list[int], block_q: int, block_k: int) -> str:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from flashport.kernels.backends.pallas_tpu import backend
+    from flashport.kernels.contract.spec import make_spec
+    from flashport.kernels.contract.validate import prepare_mods
+
+    docs_np = np.repeat(np.arange(len(lengths)), lengths)
+    docs = jnp.asarray(docs_np)
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((1, 1, seq, 32)), jnp.float32)
+    mods = prepare_mods(q, q, None, lambda b, h, i, j: docs[i] == docs[j], None, "BHSD")
+    spec = make_spec(
+        q.shape, q.shape, scale=None, causal=False, window=None, align="bottom_right", softcap=None
+    )
+    options = dict(block_q=block_q, block_k=block_k)
+    _, _, full, partial = backend.count_tiles_by_class(q, q, q, spec=spec, options=options, mods=mods)
+    dense = docs_np[:, None] == docs_np[None, :]
+    nq, nk = seq // block_q, seq // block_k
+    tiles = dense.reshape(nq, block_q, nk, block_k)
+    want_full = int(np.sum(tiles.all(axis=(1, 3))))
+    want_partial = int(np.sum(tiles.any(axis=(1, 3)))) - want_full
+    got_full, got_partial = int(np.sum(full)), int(np.sum(partial))
+    skipped = nq * nk - got_full - got_partial
+    equal = (got_full, got_partial) == (want_full, want_partial)
+    return (
+        f"| {seq} | {block_q}x{block_k} | {len(lengths)} | {got_full} / {want_full} | "
+        f"{got_partial} / {want_partial} | {skipped} / {nq * nk - want_full - want_partial} | {nq * nk} | "
+        f"{'yes' if equal else 'NO'} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048])
@@ -153,6 +189,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     print(count_tiles(512, 32, [40, 72, 24, 120, 56, 88, 48, 64]))
     print(count_tiles(256, 64, [100, 60, 96]))
+    print("\nPallas TPU forward kernel (TPU interpreter), same kind of mask_mod (kernel / analytic):\n")
+    print("| S | tile | documents | mask-free body | masked body | skipped | total | equal |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(count_pallas_tiles(1024, [128, 256, 100, 284, 256], 128, 128))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import dataclasses
 
 import libcst as cst
 
+from flashport.rewriter.source import semantic
+
 # ----------------------------------------------------------------------------------- outcomes
 
 
@@ -158,7 +160,13 @@ class RuleContext:
         engine's traversal path: the links libcst's ``ParentNodeProvider`` would give).
       module: the parsed chunk module the nodes belong to (None outside the engine).
       tree: the whole file's ``ast.Module`` (None outside the engine): what lies outside the parsed
-        chunks, such as module-level constants (read only).
+        chunks, such as module-level constants (read only). Rules ask about it through the
+        accessors below (the file's :class:`~flashport.rewriter.source.semantic.SemanticModel`),
+        not by walking it.
+
+    The accessors answer from the whole file, whatever part of it the engine parsed with libcst
+    (thin or pruned chunks): a libcst node is matched to the model by its dotted text and the
+    site's line.
     """
 
     path: str
@@ -176,3 +184,67 @@ class RuleContext:
         if callable(self.code_for_node):
             return self.code_for_node(node)
         return cst.Module(body=[]).code_for_node(node)
+
+    @property
+    def semantic(self) -> semantic.SemanticModel | None:
+        """The file's semantic model (None outside the engine)."""
+        return semantic.of(self.tree) if self.tree is not None else None
+
+    def qualified_names(self, node: cst.CSTNode | ast.AST) -> set[str]:
+        """The qualified names a Name/Attribute chain read at this site resolves to through the
+        file's imports (:meth:`~flashport.rewriter.source.semantic.SemanticModel.imports_at`);
+        empty when its first name is no such import, or outside the engine. An ``ast`` node (a
+        module constant's value) resolves at this site's line too."""
+        model = self.semantic
+        if model is None:
+            return set()
+        if isinstance(node, ast.AST):
+            name = model.qualified_name_at(semantic.dotted(node), self.line)
+        else:
+            name = model.qualified_name_at(dotted_text(node), self.line)
+        return {name} if name else set()
+
+    def module_constant(self, name: str) -> ast.expr | None:
+        """The value of ``name`` when the file binds it exactly once, by ``name = value`` in the
+        module's scope, and nothing rebinds it (its reads: :meth:`loads`); else None."""
+        model = self.semantic
+        return model.module_constant(name) if model is not None else None
+
+    def loads(self, name: str) -> list[ast.Name]:
+        """Every read of ``name`` in the file (empty outside the engine)."""
+        model = self.semantic
+        return model.loads(name) if model is not None else []
+
+    def parent(self, node: cst.CSTNode | ast.AST) -> cst.CSTNode | ast.AST | None:
+        """The parent of ``node``: of the site's node or one of its ancestors (libcst), or of an
+        ``ast`` node of the file; None when unknown."""
+        if isinstance(node, ast.AST):
+            model = self.semantic
+            return model.parent(node) if model is not None else None
+        path = [self.node, *self.ancestors] if self.node is not None else []
+        for index, item in enumerate(path[:-1]):
+            if item is node:
+                return path[index + 1]
+        return None
+
+    def enclosing(
+        self, node: cst.CSTNode, kind: type | tuple[type, ...] = cst.FunctionDef
+    ) -> cst.CSTNode | None:
+        """The nearest ancestor of ``node`` (the site's node or one of its ancestors) of type
+        ``kind``; None when there is none or it is unknown."""
+        current = self.parent(node)
+        while current is not None and not isinstance(current, kind):
+            current = self.parent(current)
+        return current  # type: ignore[return-value]
+
+
+def dotted_text(node: cst.CSTNode) -> str:
+    """``a.b.c`` for a libcst Name/Attribute chain; ``""`` for anything else."""
+    parts = []
+    while isinstance(node, cst.Attribute):
+        parts.append(node.attr.value)
+        node = node.value
+    if not isinstance(node, cst.Name):
+        return ""
+    parts.append(node.value)
+    return ".".join(reversed(parts))

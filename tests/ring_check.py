@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from reference import reference_attention, reference_attention_vjp
+from reference import reference_attention, reference_attention_vjp, reference_mod_vjp
 
 import flashport
 from flashport.kernels.contract import registry
@@ -358,7 +358,178 @@ def auto_axes_jit():
     print("auto_axes_jit ok", flush=True)
 
 
-CHECKS = {"auto_dispatch": auto_dispatch, "auto_axes_jit": auto_axes_jit}
+def mods(which=("blockwise", "xla")):
+    """score_mod / mask_mod on the ring, at global positions (``which``: the configurations to run):
+    ALiBi with learnable slopes and a
+    document mask_mod (zigzag, batch-sharded, GQA, Sq < Sk bottom-right, blockwise), a relative-bias
+    table with a sliding-window block_mask (head-sharded, Pallas TPU interpreter) and a prefix-LM
+    mask_mod with segment ids (xla, BHSD). Forward, lse and the gradients of q, k, v and of the
+    arrays the score_mod closes over, against the float64 reference on the gathered arrays."""
+    rng = np.random.default_rng(5)
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    table = rng.standard_normal((4, 11)).astype(np.float32)
+    docs = np.sort(rng.integers(0, 3, (4, 64)), axis=1).astype(np.int32)
+    prefix = np.array([5, 19, 40, 2], np.int32)
+
+    def bucket(i, j, xp):
+        return xp.clip(i - j, -5, 5) + 5
+
+    def alibi_grad(ds):
+        return np.einsum("bhij,ij->h", ds, np.arange(ds.shape[3])[None, :] - np.arange(ds.shape[2])[:, None])
+
+    def table_grad(ds):
+        buckets = bucket(np.arange(ds.shape[2])[:, None], np.arange(ds.shape[3])[None, :], np)
+        return np.stack([np.einsum("bhij,ij->h", ds, buckets == r) for r in range(11)], axis=1)
+
+    def doc_mask(xp, ids, b, i, j, sq, sk):  # query i of a [sq] row sits at key position i + sk - sq
+        if xp is np:
+            rows = ids[b[..., 0, 0]]
+            return rows[..., sk - sq :, None][..., :sq, :] == rows[..., None, :sk]
+        return ids[b, i + sk - sq] == ids[b, j]
+
+    # (mesh, ring kwargs, backend, shape (b, sq, sk, hq, hkv, d), contract, jax mods, numpy mods, grad)
+    configs = [
+        (
+            ((2, 4), ("data", "seq")),
+            dict(seq_layout="zigzag", batch_axis="data"),
+            BLOCKWISE,
+            (4, 32, 64, 4, 2, 8),
+            dict(causal=True),
+            lambda p: dict(
+                score_mod=lambda s, b, h, i, j: s + p[h] * (j - i),
+                mask_mod=lambda b, h, i, j: doc_mask(jnp, jnp.asarray(docs), b, i, j, 32, 64),
+            ),
+            dict(
+                score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i),
+                mask_mod=lambda b, h, i, j: doc_mask(np, docs, b, i, j, 32, 64),
+            ),
+            (slopes, alibi_grad),
+        ),
+        (
+            ((2, 4), ("model", "seq")),
+            dict(head_axis="model"),
+            INTERPRET,
+            (1, 256, 256, 4, 2, 32),
+            dict(),
+            lambda p: dict(
+                score_mod=lambda s, b, h, i, j: s + p[h, bucket(i, j, jnp)],
+                block_mask=flashport.block_mask(
+                    lambda b, h, i, j: jnp.abs(i - j) <= 70, None, None, 256, 256
+                ),
+            ),
+            dict(
+                score_mod=lambda s, b, h, i, j: s + table[h, bucket(i, j, np)],
+                mask_mod=lambda b, h, i, j: np.abs(i - j) <= 70,
+            ),
+            (table, table_grad),
+        ),
+        (
+            ((8,), ("seq",)),
+            dict(layout="BHSD"),
+            "xla",
+            (4, 64, 64, 4, 4, 8),
+            dict(q_segment_ids=docs, kv_segment_ids=docs),
+            lambda p: dict(mask_mod=lambda b, h, i, j: (j <= i) | (j < jnp.asarray(prefix)[b])),
+            dict(mask_mod=lambda b, h, i, j: (j <= i) | (j < prefix[b])),
+            None,
+        ),
+    ]
+    names = ("blockwise", "interpret", "xla")
+    for name, config in zip(names, configs, strict=True):
+        if name not in which:
+            continue
+        (mshape, axes), ring_kw, backend, shape, contract, make, ref_mods, captured = config
+        b, sq, sk, hq, hkv, d = shape
+        mesh = Mesh(np.array(jax.devices()).reshape(mshape), axes)
+        n = mesh.shape["seq"]
+        zig, bhsd = ring_kw.get("seq_layout") == "zigzag", ring_kw.get("layout") == "BHSD"
+        q, d_out = (rng.standard_normal((b, sq, hq, d)) for _ in range(2))
+        k, v = (rng.standard_normal((b, sk, hkv, d)) for _ in range(2))
+        d_lse = rng.standard_normal((b, hq, sq))
+        ref_contract = dict(contract)
+        for key in ("q_segment_ids", "kv_segment_ids"):
+            if key in ref_contract:
+                ref_contract[key] = (
+                    ref_contract[key][:b, :sq] if key[0] == "q" else ref_contract[key][:b, :sk]
+                )
+        want_out, want_lse = reference_attention(q, k, v, **ref_contract, **ref_mods)
+        fin = np.isfinite(want_lse)
+        *want_g, _, d_scores = reference_mod_vjp(
+            q, k, v, d_out, d_lse=np.where(fin, d_lse, 0.0), **ref_contract, **ref_mods
+        )
+        batch, heads = ring_kw.get("batch_axis"), ring_kw.get("head_axis")
+        spec = P(batch, heads, "seq", None) if bhsd else P(batch, "seq", heads, None)
+
+        def put(x, spec=spec, zig=zig, bhsd=bhsd, n=n, mesh=mesh):
+            x = flashport.seq_layout.to_zigzag(x, n, axis=1) if zig else x
+            x = np.swapaxes(x, 1, 2) if bhsd else x
+            return jax.device_put(jnp.asarray(x, jnp.float32), NamedSharding(mesh, spec))
+
+        def back(x, zig=zig, bhsd=bhsd, n=n):
+            x = np.asarray(x, np.float64)
+            x = np.swapaxes(x, 1, 2) if bhsd else x
+            return flashport.seq_layout.from_zigzag(x, n, axis=1) if zig else x
+
+        ids = {
+            key: jax.device_put(
+                flashport.seq_layout.to_zigzag(x, n, axis=1) if zig else x,
+                NamedSharding(mesh, P(batch, "seq")),
+            )
+            for key, x in ref_contract.items()
+            if key.endswith("segment_ids")
+        }
+        plain = {key: x for key, x in contract.items() if not key.endswith("segment_ids")}
+        lse_in = np.swapaxes(d_lse, 1, 2)
+        lse_in = np.swapaxes(flashport.seq_layout.to_zigzag(lse_in, n, axis=1) if zig else lse_in, 1, 2)
+
+        def loss(
+            q,
+            k,
+            v,
+            d_out,
+            d_lse,
+            param,
+            ids=ids,
+            plain=plain,
+            ring_kw=ring_kw,
+            mesh=mesh,
+            make=make,
+            backend=backend,
+        ):
+            out, lse = flashport.ring_attention(
+                q, k, v, mesh=mesh, axis_name="seq", backend=backend, return_lse=True,
+                **ring_kw, **plain, **ids, **make(param),
+            )  # fmt: skip
+            lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse)
+            return jnp.sum(out * d_out) + lse_term, (out, lse)
+
+        param = jnp.asarray(captured[0] if captured else slopes)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 5), has_aux=True))
+        (_, (out, lse)), grads = step(
+            put(q), put(k), put(v), put(d_out), jnp.asarray(lse_in, jnp.float32), param
+        )
+        lse = np.swapaxes(back(np.swapaxes(np.asarray(lse), 1, 2)[..., None])[..., 0], 1, 2) if zig else lse
+        np.testing.assert_allclose(back(out), want_out, atol=2e-5, rtol=2e-5)
+        np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+        np.testing.assert_allclose(np.asarray(lse, np.float64)[fin], want_lse[fin], atol=2e-5, rtol=2e-5)
+        for got, want in zip(grads[:3], want_g[:3], strict=True):
+            np.testing.assert_allclose(back(got), want, atol=1e-4, rtol=1e-4)
+        if captured:
+            np.testing.assert_allclose(np.asarray(grads[3]), captured[1](d_scores), atol=1e-4, rtol=1e-4)
+    print("mods" if "xla" in which else "mods_interpret", "ok", flush=True)
+
+
+def mods_interpret():
+    """:func:`mods` on the Pallas TPU interpreter (head-sharded, relative-bias table, block_mask)."""
+    mods(which=("interpret",))
+
+
+CHECKS = {
+    "auto_dispatch": auto_dispatch,
+    "auto_axes_jit": auto_axes_jit,
+    "mods": mods,
+    "mods_interpret": mods_interpret,
+}
 
 if __name__ == "__main__":
     # Read when JAX initialises its backend (first device query), so importing this module for its

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import jaxprs_in_params
-from reference import reference_attention, reference_attention_vjp
+from reference import reference_attention, reference_attention_vjp, reference_mod_vjp
 
 import flashport
 from flashport.kernels.contract import deferred
@@ -96,12 +96,64 @@ def test_deferred_branch_under_vmap_and_grad(monkeypatch):
     np.testing.assert_allclose(of_batch[1], dk_total, atol=5e-4)
 
 
+def test_deferred_branch_runs_mods(cpu_branch_deferred):
+    """score_mod / mask_mod cross the deferred equation: forward, lse and the gradients of q, k, v
+    and of the array the score_mod closes over (ALiBi slopes) match the float64 reference."""
+    q, k, v, _, d_out = _inputs()
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    docs = np.array([0] * 14 + [1] * 18, np.int32)
+    ids = jnp.asarray(docs)
+    ref_mods = dict(
+        score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i),
+        mask_mod=lambda b, h, i, j: docs[i + 8] == docs[j],
+    )
+    want_out, _ = reference_attention(q, k, v, **ref_mods, **OPTIONS)
+    *want, _, d_scores = reference_mod_vjp(q, k, v, d_out, **ref_mods, **OPTIONS)
+
+    def loss(q, k, v, sl):
+        out = flashport.attention(
+            q,
+            k,
+            v,
+            score_mod=lambda s, b, h, i, j: s + sl[h] * (j - i),
+            mask_mod=lambda b, h, i, j: ids[i + 8] == ids[j],
+            **OPTIONS,
+        )
+        return jnp.sum(out * d_out), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    (_, out), grads = step(q, k, v, jnp.asarray(slopes))
+    np.testing.assert_allclose(out, want_out, atol=3e-5)
+    for got, ref in zip(grads[:3], want[:3], strict=True):
+        np.testing.assert_allclose(got, ref, atol=3e-4)
+    d_slopes = np.einsum("bhij,ij->h", d_scores, np.arange(32)[None, :] - np.arange(24)[:, None])
+    np.testing.assert_allclose(grads[3], d_slopes, atol=3e-4, rtol=1e-4)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q: loss(q, k, v, jnp.asarray(slopes))[0]))(q)
+    assert "flashport_deferred_backend" in _eqn_names(jaxpr.jaxpr)
+
+
 def test_only_this_platforms_branch_is_traced():
     """On this CPU host the gradient's jaxpr holds no Pallas kernel: the TPU and CUDA branches are
     single deferred equations (forward, tangent), not traced kernels."""
     q, k, v, bias, _ = _inputs()
     jaxpr = jax.make_jaxpr(jax.grad(lambda q: flashport.attention(q, k, v, bias=bias, **OPTIONS).sum()))(q)
     names = _eqn_names(jaxpr.jaxpr)
+    assert "pallas_call" not in names and "flashport_tpu_only" not in names
+    assert "flashport_deferred_backend" in names
+    # with a score_mod and a mask_mod too: the TPU and CUDA kernels are not traced here
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+
+    def with_mods(q, slopes):
+        out = flashport.attention(
+            q,
+            k,
+            v,
+            score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i),
+            mask_mod=lambda b, h, i, j: j <= i,
+        )
+        return out.sum()
+
+    names = _eqn_names(jax.make_jaxpr(jax.grad(with_mods, argnums=(0, 1)))(q, slopes).jaxpr)
     assert "pallas_call" not in names and "flashport_tpu_only" not in names
     assert "flashport_deferred_backend" in names
 

@@ -9,6 +9,7 @@ w.r.t. the score_mod's output) must agree on every backend that serves mods.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -18,7 +19,10 @@ import pytest
 from reference import reference_attention, reference_mod_vjp
 
 import flashport
+from flashport.kernels.backends.pallas_tpu import backend as pallas_tpu_backend
+from flashport.kernels.contract import validate
 from flashport.kernels.contract.registry import use
+from flashport.kernels.contract.spec import make_spec
 from flashport.kernels.semantics import block_mask as block_mask_lib
 from flashport.kernels.semantics import mods as mods_lib
 
@@ -183,12 +187,12 @@ def _inputs(shape, seed=0):
     return q, k, v, d_out, d_lse
 
 
-def _check(case, backend, extra=None, ref_extra=None):
+def _check(case, backend, extra=None, ref_extra=None, attend=flashport.attention):
     q, k, v, d_out, d_lse = _inputs(case.shape)
     extra, ref_extra = extra or {}, ref_extra or {}
 
     def loss(q, k, v, params):
-        out, lse = flashport.attention(
+        out, lse = attend(
             q, k, v, backend=backend, return_lse=True, **case.make(params), **case.options, **extra
         )
         return jnp.sum(out * d_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse), (out, lse)
@@ -316,6 +320,10 @@ def test_explicit_block_mask_jit_vmap_and_cache():
     first = block_mask_lib.cached_block_mask(*mods_lib.trace(mask_mod, "mask_mod"), 1, 2, 40, 40)
     again = block_mask_lib.cached_block_mask(*mods_lib.trace(mask_mod, "mask_mod"), 1, 2, 40, 40)
     assert first is again
+    fresh = lambda b, h, i, j: (docs[i] == docs[j]) & (j >= 0)  # noqa: E731  (not cached yet)
+    for _ in range(2):  # a block mask built and cached inside one jit trace serves the next trace
+        traced_once = jax.jit(lambda q: flashport.attention(q, k, v, mask_mod=fresh, backend=blockwise))
+        np.testing.assert_allclose(traced_once(q), want, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(
         flashport.attention(q, k, v, mask_mod=mask_mod, backend=blockwise), want, rtol=RTOL, atol=ATOL
     )
@@ -332,25 +340,73 @@ def test_explicit_block_mask_jit_vmap_and_cache():
         np.testing.assert_allclose(batched[n], alibi(slopes[n]), rtol=1e-6, atol=1e-6)
 
 
-def test_empty_tiles_are_skipped():
-    """The score_mod runs only on tiles the block mask does not mark empty: counted with a callback."""
-    docs = jnp.array([0] * 16 + [1] * 16 + [2] * 16 + [3] * 16)
-    seen = []
+def _tile_classes(dense, bq, bk):
+    """Each [bq, bk] tile of the boolean ``dense`` [Sq, Sk] mask: 0 empty, 1 partial, 2 full."""
+    nq, nk = -(-dense.shape[0] // bq), -(-dense.shape[1] // bk)
+    out = np.zeros((nq, nk), np.int8)
+    for a in range(nq):
+        for c in range(nk):
+            tile = dense[a * bq : (a + 1) * bq, c * bk : (c + 1) * bk]
+            out[a, c] = 2 if tile.all() else (1 if tile.any() else 0)
+    return out
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [use("blockwise", block_q=16, block_k=16), use("pallas_gpu_interpret", block_q=16, block_k=16)],
+    ids=["blockwise", "pallas_gpu"],
+)
+def test_empty_tiles_are_skipped(backend):
+    """The score_mod runs only on tiles the block mask does not mark empty, the mask_mod only on the
+    ones it marks partial: counted with callbacks, next to the classes of the dense mask."""
+    docs_np = np.array([0] * 16 + [1] * 20 + [2] * 12 + [3] * 16)
+    docs = jnp.asarray(docs_np)
+    scored, masked = set(), set()
 
     def score_mod(s, b, h, i, j):
-        jax.debug.callback(lambda i, j: seen.append((int(i) // 16, int(j) // 16)), i, j)
+        jax.debug.callback(lambda i, j: scored.add((int(i) // 16, int(j) // 16)), i, j)
         return s
 
+    def mask_mod(b, h, i, j):
+        jax.debug.callback(lambda i, j: masked.add((int(i) // 16, int(j) // 16)), i, j)
+        return docs[i] == docs[j]
+
+    bm = flashport.block_mask(mask_mod, None, None, 64, 64, BLOCK_SIZE=16)
+    masked.clear()  # the block mask evaluated the mask_mod everywhere; the kernel's calls count
     q, k, v, _, _ = _inputs((1, 64, 64, 1, 1, 8))
-    flashport.attention(
-        q,
-        k,
-        v,
-        score_mod=score_mod,
-        mask_mod=lambda b, h, i, j: docs[i] == docs[j],
-        backend=use("blockwise", block_q=16, block_k=16),
-    ).block_until_ready()
-    assert set(seen) == {(n, n) for n in range(4)}
+    out = flashport.attention(q, k, v, score_mod=score_mod, block_mask=bm, backend=backend)
+    dense = docs_np[:, None] == docs_np[None, :]
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask=dense)[0], rtol=RTOL, atol=ATOL)
+    classes = _tile_classes(dense, 16, 16)
+    assert scored == {tuple(t) for t in np.argwhere(classes != 0)}
+    assert masked == {tuple(t) for t in np.argwhere(classes == 1)}
+
+
+def test_pallas_tpu_tiles_follow_the_mask_mods_block_mask():
+    """Pallas TPU forward with per-batch document masks: per query block, the tiles computed through
+    the mask-free body are the block mask's FULL ones, those through the masked body its PARTIAL
+    ones, and its EMPTY ones are skipped; the output is the reference's."""
+    docs_np = np.array([[0] * 128 + [1] * 172 + [2] * 212, [0] * 300 + [1] * 212])
+    docs = jnp.asarray(docs_np)
+    q, k, v, _, _ = _inputs((2, 512, 512, 4, 2, 32))
+    q, k, v = (np.swapaxes(x, 1, 2) for x in (q, k, v))
+    mods = validate.prepare_mods(q, k, None, lambda b, h, i, j: docs[b, i] == docs[b, j], None, "BHSD")
+    spec = make_spec(
+        q.shape, k.shape, scale=None, causal=False, window=None, align="bottom_right", softcap=None
+    )
+    out, _, full, partial = pallas_tpu_backend.count_tiles_by_class(
+        q, k, v, spec=spec, options=dict(block_q=128, block_k=128), mods=mods
+    )
+    dense = docs_np[:, :, None] == docs_np[:, None, :]
+    want = reference_attention(q, k, v, layout="BHSD", mask=dense[:, None])[0]
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+    group = 2  # query heads per kv head: each head tile counts once
+    for b in range(2):
+        classes = _tile_classes(dense[b], 128, 128)
+        for hk in range(2):
+            np.testing.assert_array_equal(np.asarray(full)[b, hk], group * np.sum(classes == 2, axis=1))
+            np.testing.assert_array_equal(np.asarray(partial)[b, hk], group * np.sum(classes == 1, axis=1))
+    assert np.sum(_tile_classes(dense[0], 128, 128) == 0) > 0  # the case skips tiles at all
 
 
 def test_refusals_name_the_feature():
@@ -364,8 +420,16 @@ def test_refusals_name_the_feature():
         flashport.attention(q, k, v, block_mask=bm, backend="xla")
 
 
-def test_ring_attention_refuses_mods_with_the_reason():
+def test_one_shard_ring_runs_mods_like_the_reference():
+    """ring_attention with mods (tests/ring_check.py runs them on 8 devices): on a one-device ring
+    the mods see the same indices as the contract; a backend without mods refuses naming them."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+    case, alibi = _documents(), _alibi()
+    case.make = lambda p, base=case.make: {**base(p), **alibi.make(p)}
+    case.ref = lambda p, base=case.ref: {**base(p), **alibi.ref(p)}
+    case.params, case.grads = alibi.params, alibi.grads
+    ring = functools.partial(flashport.ring_attention, mesh=mesh, axis_name="seq")
+    _check(case, "xla", attend=ring)
     q, k, v, _, _ = _inputs((1, 8, 8, 2, 2, 8))
-    with pytest.raises(ValueError, match="does not run score_mod"):
-        flashport.ring_attention(q, k, v, mesh=mesh, axis_name="seq", score_mod=lambda s, b, h, i, j: s)
+    with pytest.raises(ValueError, match="score_mod"):
+        ring(q, k, v, score_mod=lambda s, b, h, i, j: s, backend="cudnn")

@@ -3,7 +3,7 @@
 torch_xla runs with ``PJRT_DEVICE=CPU`` (its XLA:CPU client: the same lowering of
 ``torch_xla.core.xla_builder.call_jax`` that runs on TPU), torchax on JAX's CPU backend. Forward,
 backward (through ``out`` and ``lse``), GQA, causal, window, softcap, segments, bias, mask,
-``flashport.varlen_attention``, ``xformers_compat.memory_efficient_attention`` and a rewritten example
+``flashport.torch.flex_attention`` with torch mods, ``flashport.varlen_attention``, ``xformers_compat.memory_efficient_attention`` and a rewritten example
 model are compared with the float64 reference (tests/reference.py). The backward of the torch_xla
 route is read from torch_xla's own HLO: it must hold no recomputed forward (tests/hlo_dots.py).
 
@@ -140,6 +140,58 @@ def test_attention_forward_backward_lse(route, case):
         _close(route.numpy(t[name].grad), w, f"d{name}")
     if bias is not None:
         _close(route.numpy(bias.grad), reduce_to_shape(want[3], bias.shape), "dbias")
+
+
+# CPU tensors the mods close over, made outside any route's environment (module import).
+FLEX_SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+FLEX_DOCS = torch.tensor([0] * 7 + [1] * 9 + [2] * 4)
+
+
+def test_flex_attention_with_torch_mods():
+    """``flashport.torch.flex_attention`` on torch_xla: a torch ALiBi ``score_mod`` (closed-over
+    slopes) and a document ``mask_mod`` (its ``create_block_mask``) traced into JAX, GQA, Sq < Sk;
+    out, lse and the q, k, v gradients through both against the float64 reference."""
+    with Route("torch_xla") as route:
+        _flex_with_torch_mods(route)
+
+
+def _flex_with_torch_mods(route):
+    rng, x = _inputs(2)
+    slopes, docs = FLEX_SLOPES, FLEX_DOCS
+    shift = SK - SQ  # query i sits at key position i + shift
+
+    def alibi(score, b, h, i, j):
+        return score + slopes[h] * (j - i - shift)
+
+    def documents(b, h, i, j):
+        return (docs[i + shift] == docs[j]) & (j <= i + shift)
+
+    ref_mods = dict(
+        score_mod=lambda s, b, h, i, j: s + slopes.numpy()[h] * (j - i - shift),
+        mask_mod=lambda b, h, i, j: (docs.numpy()[i + shift] == docs.numpy()[j]) & (j <= i + shift),
+    )
+    block_mask = ft.create_block_mask(documents, None, None, SQ, SK, device="cpu")
+    t = {n: route.put(np.swapaxes(a, 1, 2), grad=True) for n, a in x.items()}
+    out, lse = ft.flex_attention(
+        t["query"],
+        t["key"],
+        t["value"],
+        score_mod=alibi,
+        block_mask=block_mask,
+        enable_gqa=True,
+        return_lse=True,
+    )
+    assert ft.device_kind(out) == ft.device_kind(t["query"])
+    want_out, want_lse = reference_attention(x["query"], x["key"], x["value"], **ref_mods)
+    _close(np.swapaxes(route.numpy(out), 1, 2), want_out, "out")
+    _close(route.numpy(lse), want_lse, "lse")
+
+    d_out, d_lse = rng.standard_normal(want_out.shape), rng.standard_normal(want_lse.shape)
+    loss = (out * route.put(np.swapaxes(d_out, 1, 2))).sum() + (lse * route.put(d_lse)).sum()
+    loss.backward()
+    want = reference_attention_vjp(x["query"], x["key"], x["value"], d_out, d_lse=d_lse, **ref_mods)
+    for name, w in zip(("query", "key", "value"), want[:3], strict=True):
+        _close(np.swapaxes(route.numpy(t[name].grad), 1, 2), w, f"d{name}", atol=1e-4)
 
 
 def test_torch_xla_backward_hlo_reuses_the_forward_residuals():

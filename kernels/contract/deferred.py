@@ -8,6 +8,10 @@ platform (:func:`host_platform`) is traced as usual, and every other one is a si
 :data:`deferred_p` equation that names its backend and call: it is traced and lowered only when a
 module is lowered for that platform, and otherwise costs nothing.
 
+A call's ``score_mod`` / ``mask_mod`` (:class:`~flashport.kernels.semantics.mods.Mods`) cross the equation
+as its arrays (operands after the canonical ones, the floating ones differentiable) and its pytree
+structure (a static parameter holding the traced mods).
+
 Transformations keep it deferred: its JVP is the deferred forward plus a deferred linear tangent
 equation whose transpose is the backend's residual backward
 (:func:`flashport.kernels.contract.execute.run_backend`, from ``out`` and ``lse``), and ``vmap`` records the
@@ -43,8 +47,19 @@ def host_platform() -> str:
     return "rocm" if "rocm" in version else "cuda"
 
 
-def run(choice, call, *args: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """``(out, lse)`` of backend ``choice`` on the canonical ``args``, traced when lowered."""
+def _mod_leaves(mods) -> tuple[list, Any, tuple[int, ...]]:
+    """``(leaves, treedef, float positions)`` of a :class:`~flashport.kernels.semantics.mods.Mods` (or None):
+    its arrays travel as operands after the canonical ones; the floating ones are differentiable."""
+    if mods is None:
+        return [], None, ()
+    leaves, tree = jax.tree_util.tree_flatten(mods)
+    floats = tuple(n for n, x in enumerate(leaves) if jnp.issubdtype(jnp.result_type(x), jnp.floating))
+    return leaves, tree, floats
+
+
+def run(choice, call, *args: jax.Array | None, mods=None) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` of backend ``choice`` on the canonical ``args`` (and the call's ``mods``, or
+    None), traced when lowered."""
     present = tuple(a is not None for a in args)
     b, hq, sq, _ = call.q_shape
     avals = (
@@ -52,29 +67,35 @@ def run(choice, call, *args: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         core.ShapedArray((b, hq, sq), jnp.float32),
     )
     operands = [a for a in args if a is not None]
-    params = dict(choice=choice, call=call, present=present, levels=(), out_avals=avals)
-    return tuple(deferred_p.bind(*operands, mode="forward", **params))
+    leaves, tree, floats = _mod_leaves(mods)
+    diff = (*range(_n_diff(present)), *(len(operands) + n for n in floats))
+    params = dict(choice=choice, call=call, present=present, mods_tree=tree, diff=diff)
+    return tuple(deferred_p.bind(*operands, *leaves, mode="forward", levels=(), out_avals=avals, **params))
 
 
-def run_backward(choice, call, *args: jax.Array | None) -> tuple[jax.Array | None, ...]:
+def run_backward(choice, call, *args: jax.Array | None, mods=None) -> tuple[jax.Array | None, ...]:
     """``(dq, dk, dv, dbias)`` of backend ``choice``'s residual backward, traced when lowered.
 
     ``args``: the canonical arrays, then ``out``, ``lse``, ``d_out``, ``d_lse``
-    (:func:`flashport.kernels.contract.execute.run_backend`).
+    (:func:`flashport.kernels.contract.execute.run_backend`); ``mods``: the forward's, or None.
     """
     canonical, residuals = args[:N_CANONICAL], args[N_CANONICAL:]
     present = tuple(a is not None for a in canonical)
     operands = [a for a in canonical if a is not None]
-    diff = operands[: _n_diff(present)]
+    leaves, tree, _ = _mod_leaves(mods)
+    diff = tuple(range(_n_diff(present)))
     grads = deferred_p.bind(
         *operands,
+        *leaves,
         *residuals,
         mode="backward",
         choice=choice,
         call=call,
         present=present,
+        mods_tree=tree,
+        diff=diff,
         levels=(),
-        out_avals=tuple(core.ShapedArray(x.shape, x.dtype) for x in diff),
+        out_avals=tuple(core.ShapedArray(operands[n].shape, operands[n].dtype) for n in diff),
     )
     return (*grads[:3], grads[3] if present[3] else None)
 
@@ -90,12 +111,28 @@ def _full(present, operands) -> list[Any]:
     return [next(it) if p else None for p in present]
 
 
-def _base(mode: str, choice, call, present) -> Callable[..., tuple]:
-    """The unbatched function an equation of ``mode`` lowers to."""
-    n, n_diff = sum(present), _n_diff(present)
+def _n_primals(present, mods_tree) -> int:
+    """Operands before the residuals: the present canonical arrays and the mods' arrays."""
+    return sum(present) + (0 if mods_tree is None else mods_tree.num_leaves)
+
+
+def _base(mode: str, choice, call, present, mods_tree, diff) -> Callable[..., tuple]:
+    """The unbatched function an equation of ``mode`` lowers to. Operands: the present canonical
+    arrays, the mods' arrays, then (tangent) ``out``, ``lse`` and the tangents of the ``diff``
+    operands, or (backward) ``out``, ``lse``, ``d_out``, ``d_lse``; the backward returns the
+    cotangents of the ``diff`` operands."""
+    from flashport.kernels.backends.blockwise import mods_cotangent
+
+    n_c, n = sum(present), _n_primals(present, mods_tree)
+
+    def split(primals):
+        canonical = tuple(_full(present, primals[:n_c]))
+        mods = None if mods_tree is None else jax.tree_util.tree_unflatten(mods_tree, primals[n_c:n])
+        return canonical, mods
 
     def forward(*operands):
-        return tuple(execute.run(choice, call, tuple(_full(present, operands))))
+        canonical, mods = split(operands)
+        return tuple(execute.run(choice, call, canonical, mods))
 
     if mode == "forward":
         return forward
@@ -104,25 +141,36 @@ def _base(mode: str, choice, call, present) -> Callable[..., tuple]:
         def tangent(*operands):
             primals, tangents = operands[:n], operands[n + 2 :]
 
-            def of_diff(*diff):
-                return forward(*diff, *primals[n_diff:])
+            def of_diff(*chosen):
+                full = list(primals)
+                for i, x in zip(diff, chosen, strict=True):
+                    full[i] = x
+                return forward(*full)
 
-            return tuple(jax.jvp(of_diff, tuple(primals[:n_diff]), tuple(tangents))[1])
+            return tuple(jax.jvp(of_diff, tuple(primals[i] for i in diff), tuple(tangents))[1])
 
         return tangent
 
     def backward_fn(*operands):  # operands: primals, out, lse, d_out, d_lse
         primals, (out, lse, d_out, d_lse) = operands[:n], operands[n:]
-        full = _full(present, primals)
-        grads = execute.run_backend(choice, call, (*full, out, lse, d_out.astype(out.dtype), d_lse))
-        pairs = zip(grads[:n_diff], full[:n_diff], strict=True)
-        return tuple(jnp.zeros_like(p) if g is None else g.astype(p.dtype) for g, p in pairs)
+        canonical, mods = split(primals)
+        residuals = (out, lse, d_out.astype(out.dtype), d_lse)
+        grads = execute.run_backend(choice, call, (*canonical, *residuals), mods)
+        by_index = {i: g for i, g in zip(range(_n_diff(present)), grads, strict=False)}
+        if any(i >= n_c for i in diff):  # the score_mod's arrays (the mask_mod's have none)
+            d_mods = mods_cotangent(*canonical, *residuals, spec=call.spec, mods=mods)
+            for m, g in enumerate(d_mods.score_consts):
+                by_index[n_c + m] = g
+        return tuple(
+            jnp.zeros_like(primals[i]) if by_index.get(i) is None else by_index[i].astype(primals[i].dtype)
+            for i in diff
+        )
 
     return backward_fn
 
 
-def _lowered(mode, choice, call, present, levels) -> Callable[..., tuple]:
-    fn = _base(mode, choice, call, present)
+def _lowered(mode, choice, call, present, mods_tree, diff, levels) -> Callable[..., tuple]:
+    fn = _base(mode, choice, call, present, mods_tree, diff)
     for in_axes, place in levels:
         fn = _vmapped(fn, in_axes, place)
     return fn
@@ -154,26 +202,25 @@ def _impl(*operands, **params):
 deferred_p.def_impl(_impl)
 
 
-def _lowering(ctx, *operands, mode, choice, call, present, levels, out_avals):
-    fn = _lowered(mode, choice, call, present, levels)
+def _lowering(ctx, *operands, mode, choice, call, present, mods_tree, diff, levels, out_avals):
+    fn = _lowered(mode, choice, call, present, mods_tree, diff, levels)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
 mlir.register_lowering(deferred_p, _lowering)
 
 
-def _jvp(primals, tangents, *, mode, choice, call, present, levels, out_avals):
+def _jvp(primals, tangents, *, mode, choice, call, present, mods_tree, diff, levels, out_avals):
     if mode != "forward":
         raise NotImplementedError("flashport: a deferred auto branch is differentiable once")
-    params = dict(choice=choice, call=call, present=present)
+    params = dict(choice=choice, call=call, present=present, mods_tree=mods_tree, diff=diff)
     outs = deferred_p.bind(*primals, mode="forward", levels=levels, out_avals=out_avals, **params)
-    n_diff = _n_diff(present)
-    if all(type(t) is ad.Zero for t in tangents[:n_diff]):
+    if all(type(tangents[i]) is ad.Zero for i in diff):
         return outs, [ad.Zero(a.to_tangent_aval()) for a in out_avals]
-    diff = [ad.instantiate_zeros(t) for t in tangents[:n_diff]]
-    tangent_levels = tuple(((*axes, 0, 0, *axes[:n_diff]), None) for axes, _ in levels)
+    chosen = [ad.instantiate_zeros(tangents[i]) for i in diff]
+    tangent_levels = tuple(((*axes, 0, 0, *(axes[i] for i in diff)), None) for axes, _ in levels)
     t_out = deferred_p.bind(
-        *primals, *outs, *diff, mode="tangent", levels=tangent_levels, out_avals=out_avals, **params
+        *primals, *outs, *chosen, mode="tangent", levels=tangent_levels, out_avals=out_avals, **params
     )
     return outs, t_out
 
@@ -181,10 +228,10 @@ def _jvp(primals, tangents, *, mode, choice, call, present, levels, out_avals):
 ad.primitive_jvps[deferred_p] = _jvp
 
 
-def _transpose(cts, *operands, mode, choice, call, present, levels, out_avals):
+def _transpose(cts, *operands, mode, choice, call, present, mods_tree, diff, levels, out_avals):
     if mode != "tangent":
         raise NotImplementedError(f"flashport: a deferred {mode} equation is not linear")
-    n = sum(present)
+    n = _n_primals(present, mods_tree)
     primals, (out, lse), tangents = operands[:n], operands[n : n + 2], operands[n + 2 :]
     d_out, d_lse = (ad.instantiate_zeros(c) if type(c) is ad.Zero else c for c in cts)
     backward_levels = tuple(((*axes[: n + 2], 0, 0), axes[n + 2 :]) for axes, _ in levels)
@@ -198,6 +245,8 @@ def _transpose(cts, *operands, mode, choice, call, present, levels, out_avals):
         choice=choice,
         call=call,
         present=present,
+        mods_tree=mods_tree,
+        diff=diff,
         levels=backward_levels,
         out_avals=tuple(t.aval for t in tangents),
     )

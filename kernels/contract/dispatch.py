@@ -78,10 +78,9 @@ def _per_platform(picks, call: Call, args: tuple, mods: Mods | None, run, run_po
     names = {name for name, _ in picks.values()}
     if len(names) == 1:
         return run(registry.BackendChoice(names.pop()), call, args, mods)
-    if mods is None:
-        branches = platform_branches(picks, call, run_positional, later)
-    else:  # a mod's closed-over arrays cannot cross a deferred equation: every branch is traced
-        branches = platform_branches(picks, call, functools.partial(run_positional, mods=mods))
+    branches = platform_branches(
+        picks, call, functools.partial(run_positional, mods=mods), functools.partial(later, mods=mods)
+    )
     return jax.lax.platform_dependent(*args, **branches)
 
 

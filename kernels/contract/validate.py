@@ -79,24 +79,36 @@ def prepare_mods(
     cached for this shape); ``None`` when the call has no mods."""
     if score_mod is None and mask_mod is None and blocks is None:
         return None
-    score, score_consts = trace(score_mod, "score_mod") if score_mod is not None else (None, ())
-    if blocks is not None and not isinstance(blocks, block_mask_lib.BlockMask):
-        raise TypeError(f"block_mask must be a flashport.block_mask(...), got {type(blocks).__name__}")
     batch, sq, hq = query.shape[:3]
     sk = key.shape[1]
     if layout == "BHSD":
         hq, sq, sk = query.shape[1], query.shape[2], key.shape[2]
+    return trace_mods(score_mod, mask_mod, blocks, (batch, hq, sq, sk))
+
+
+def trace_mods(
+    score_mod: Any, mask_mod: Any, blocks: Any, shape: tuple[int, int, int, int], *, build_blocks: bool = True
+) -> Mods | None:
+    """:func:`prepare_mods` for a call of canonical ``shape`` ``(B, Hq, Sq, Sk)``; ``build_blocks=False``
+    leaves a bare ``mask_mod`` without a block mask (and drops a given one's classes, keeping its
+    ``mask_mod``)."""
+    if score_mod is None and mask_mod is None and blocks is None:
+        return None
+    score, score_consts = trace(score_mod, "score_mod") if score_mod is not None else (None, ())
+    if blocks is not None and not isinstance(blocks, block_mask_lib.BlockMask):
+        raise TypeError(f"block_mask must be a flashport.block_mask(...), got {type(blocks).__name__}")
     if blocks is not None:
         if mask_mod is not None and trace(mask_mod, "mask_mod")[0] != blocks.mod:
             raise ValueError("mask_mod and block_mask.mask_mod differ; pass the block_mask alone")
-        block_mask_lib.check_for_call(blocks, batch, hq, sq, sk)
+        block_mask_lib.check_for_call(blocks, *shape)
         mask, mask_consts = blocks.mod, blocks.consts
     elif mask_mod is not None:
         mask, mask_consts = trace(mask_mod, "mask_mod")
-        blocks = block_mask_lib.cached_block_mask(mask, mask_consts, batch, hq, sq, sk)
+        if build_blocks:
+            blocks = block_mask_lib.cached_block_mask(mask, mask_consts, *shape)
     else:
         mask, mask_consts = None, ()
-    return Mods(score, score_consts, mask, mask_consts, blocks)
+    return Mods(score, score_consts, mask, mask_consts, blocks if build_blocks else None)
 
 
 def _as_array(x: Any, name: str) -> jax.Array:

@@ -33,6 +33,15 @@ probabilities restricted to the visiting keys, so each step's dQ/dK/dV contribut
 dQ stays local; dK/dV (f32) travel around the ring with their K/V and take one last hop home.
 Training memory stays O(S / n) per device too.
 
+``score_mod`` / ``mask_mod`` (and a ``block_mask``'s mask_mod) see global indices: every step's
+backend call gets the mods shifted by its pieces' global starts (and, with ``batch_axis`` /
+``head_axis``, the shard's first batch / query head), so ALiBi, relative-bias tables and document
+masks keep their meaning in both layouts. Such calls always take the backend-call engine (the
+blockwise backend then runs per step); the pieces are classified by position only (a ``mask_mod``
+skips tiles inside each step's backend, not whole ring steps). The gradients of the arrays a
+score_mod closes over are summed over the steps and, by the ``shard_map`` (they enter replicated),
+over the shards.
+
 Not supported (clear errors): ``bias`` and ``mask`` arrays (they span the key sequence; express
 document masking with segment ids), and dropout (the contract's dropout hash takes positions in the
 arrays a backend receives, and backends take no global position offset yet).
@@ -52,7 +61,7 @@ from flashport.kernels.contract import registry
 from flashport.kernels.contract.call import PLATFORMS
 from flashport.kernels.contract.keywords import SPEC_KEYWORDS, pick, takes_contract_keywords
 from flashport.kernels.contract.spec import AttentionSpec, make_spec
-from flashport.kernels.contract.validate import prepare
+from flashport.kernels.contract.validate import prepare, trace_mods
 from flashport.kernels.parallel.ring_backend import BackendRing
 from flashport.kernels.parallel.ring_blockwise import BlockwiseRing
 from flashport.kernels.semantics import seq_layout as layouts
@@ -103,10 +112,14 @@ def ring_attention(
         ``block_k`` options, rounded down to divisors of the per-shard pieces) runs the ring's own
         tile loop with the running state carried in place, the leanest in memory.
       return_lse: also return the global log-sum-exp, float32 [B, Hq, Sq] (in the layout's order).
+      score_mod, mask_mod, block_mask: as in :func:`flashport.attention`, over the global indices
+        (natural positions whatever ``seq_layout``; the global batch and query head). Inside a
+        ``shard_map`` that also shards the batch or head dim, name it as ``batch_axis`` /
+        ``head_axis`` so the mods see global batch / head indices.
 
     Raises:
-      ValueError naming the argument for ``bias``/``mask`` arrays, dropout or ``score_mod`` /
-      ``mask_mod`` / ``block_mask`` (not supported by the ring), a sequence length that does not split over the axis, an unknown mesh axis, and whatever
+      ValueError naming the argument for ``bias``/``mask`` arrays or dropout (not supported by the
+      ring), a sequence length that does not split over the axis, an unknown mesh axis, and whatever
       :func:`flashport.attention` raises for the call itself.
     """
     for name in ("bias", "mask"):
@@ -116,12 +129,6 @@ def ring_attention(
                 f"ring shards; express document masking with q_segment_ids/kv_segment_ids, or call "
                 f"flashport.attention (which gathers the sequence on every shard)"
             )
-    if score_mod is not None or mask_mod is not None or block_mask is not None:
-        raise ValueError(
-            "ring_attention does not run score_mod / mask_mod / block_mask: its tiles see shard-local "
-            "positions and the mods' indices are global; express document masks with "
-            "q_segment_ids/kv_segment_ids, or call flashport.attention (which gathers the sequence)"
-        )
     if dropout_rate:
         raise ValueError(
             "ring_attention does not support dropout_rate > 0: the contract's dropout mask hashes "
@@ -136,6 +143,9 @@ def ring_attention(
         (b, hq, sq, d), (_, hkv, sk, _) = call.q_shape, call.kv_shape
         spec = make_spec((b, hq, n * sq, d), (b, hkv, n * sk, d), **pick(contract, SPEC_KEYWORDS))
         call = dataclasses.replace(call, spec=spec)
+    mods = _global_mods(call, score_mod, mask_mod, block_mask, inside, batch_axis, head_axis, mesh)
+    if mods is not None:
+        call = dataclasses.replace(call, features=call.features | mods.features)
     _axis_size(mesh, batch_axis, "batch_axis")
     hsize = _axis_size(mesh, head_axis, "head_axis")
     for name, length in (("query", call.spec.seq_q), ("key", call.spec.seq_k)):
@@ -153,12 +163,13 @@ def ring_attention(
         )
     plan = Plan.make(call.spec, n, seq_layout_)
     layout = contract["layout"]
-    engine = engine_for(plan, call, backend, layout, mesh)
+    engine = engine_for(plan, call, backend, layout, mesh, mods=mods, mod_axes=(batch_axis, head_axis))
     run = functools.partial(_ring_shard, engine=engine, axis_name=axis_name)
+    consts = () if mods is None else (mods.score_consts, mods.mask_consts)
     if inside:
         if layout == "BSHD":
             q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        out, lse = run(q, k, v, q_seg, kv_seg)
+        out, lse = run(q, k, v, q_seg, kv_seg, consts)
         return (out, lse) if return_lse else out
     # The shard_map takes the user's layout: the blockwise engine reads it directly, the others
     # transpose each shard once (the transposes of `prepare` and back cancel in XLA).
@@ -171,15 +182,28 @@ def ring_attention(
     fn = jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(x_spec, x_spec, x_spec, seg_spec, seg_spec),
+        # The mods' arrays are whole on every shard (their gradients are summed over the shards).
+        in_specs=(x_spec, x_spec, x_spec, seg_spec, seg_spec, jax.tree.map(lambda _: P(), consts)),
         out_specs=(x_spec, P(batch_axis, head_axis, axis_name)),
         check_vma=False,
     )
     if _has_explicit_axes(mesh):  # explicit-sharding mode: shard_map wants inputs already laid out
         q, k, v = (_reshard(x, mesh, x_spec) for x in (q, k, v))
         q_seg, kv_seg = (_reshard(x, mesh, seg_spec) for x in (q_seg, kv_seg))
-    out, lse = fn(q, k, v, q_seg, kv_seg)
+    out, lse = fn(q, k, v, q_seg, kv_seg, consts)
     return (out, lse) if return_lse else out
+
+
+def _global_mods(call, score_mod, mask_mod, blocks, inside, batch_axis, head_axis, mesh):
+    """The call's :class:`~flashport.kernels.semantics.mods.Mods` over the global arrays, or None without
+    mods. A ``block_mask`` gives its ``mask_mod``; its classes are not used (the ring classifies its
+    pieces by position only, and each step's backend runs the shifted mods without a block mask)."""
+    (b, hq, _, _), spec = call.q_shape, call.spec
+    if inside:  # the global batch and head counts, from the axes that shard them
+        b *= _axis_size(mesh, batch_axis, "batch_axis")
+        hq *= _axis_size(mesh, head_axis, "head_axis")
+    shape = (b, hq, spec.seq_q, spec.seq_k)
+    return trace_mods(score_mod, mask_mod, blocks, shape, build_blocks=False)
 
 
 def _inside_shard_map(axis_name) -> bool:
@@ -230,6 +254,8 @@ class Plan:
       specs: the distinct local specs (``None`` for the empty branch), one ``lax.switch`` branch each.
       table: int ``[n, m, n, m]`` (nested tuples): branch of (query shard, query piece, key shard,
         key piece).
+      q_starts, k_starts: int ``[n, m]`` (nested tuples): the global position of each piece's first
+        query / key (:func:`flashport.kernels.seq_layout.piece_starts`).
     """
 
     n: int
@@ -238,6 +264,8 @@ class Plan:
     pk: int
     specs: tuple[AttentionSpec | None, ...]
     table: tuple
+    q_starts: tuple = ()
+    k_starts: tuple = ()
 
     @staticmethod
     def make(spec: AttentionSpec, n: int, layout: str) -> Plan:
@@ -253,12 +281,19 @@ class Plan:
             if local not in specs:
                 specs.append(local)
             table[r, a, s, b] = specs.index(local)
-        return Plan(n, m, pq, pk, tuple(specs), tuple(map(tuple, table.reshape(n * m, n * m))))
+        starts = tuple(tuple(tuple(int(x) for x in row) for row in st) for st in (q_starts, k_starts))
+        return Plan(n, m, pq, pk, tuple(specs), tuple(map(tuple, table.reshape(n * m, n * m))), *starts)
 
     def branches_of(self, a: int, b: int) -> set[int]:
         """The branch ids query piece ``a`` x key piece ``b`` can take over all shard pairs."""
         table = np.asarray(self.table).reshape(self.n, self.m, self.n, self.m)
         return set(np.unique(table[:, a, :, b]).tolist())
+
+    def starts(self, r, a, s, b):
+        """Traced global positions of the first query of shard ``r``'s piece ``a`` and of the first
+        key of shard ``s``'s piece ``b``."""
+        q0 = jnp.asarray(np.asarray(self.q_starts, np.int32))[r, a]
+        return q0, jnp.asarray(np.asarray(self.k_starts, np.int32))[s, b]
 
     def index(self, r, a, s, b):
         """Traced branch id for query shard ``r`` piece ``a``, key shard ``s`` piece ``b``."""
@@ -303,10 +338,13 @@ def local_spec(spec: AttentionSpec, pq: int, pk: int, delta: int) -> AttentionSp
 # ------------------------------------------------------------------------------- the ring loops
 
 
-def engine_for(plan: Plan, call, backend, layout: str, mesh=None):
+def engine_for(plan: Plan, call, backend, layout: str, mesh=None, *, mods=None, mod_axes=(None, None)):
     """The per-step engine of a ring: the blockwise ring steps for ``backend="blockwise"`` (running
-    state carried through the tiles, :mod:`flashport.kernels.parallel.ring_blockwise`), backend calls merged
-    through the lse for every other backend (:mod:`flashport.kernels.parallel.ring_backend`).
+    state carried through the tiles, :mod:`flashport.kernels.parallel.ring_blockwise`), backend calls
+    merged through the lse for every other backend (:mod:`flashport.kernels.parallel.ring_backend`),
+    and for every backend when the call has ``mods`` (each step's backend runs them at the pieces'
+    global positions; ``mod_axes``: the call's ``(batch_axis, head_axis)``, whose shard index gives
+    the global batch and head offsets).
 
     ``backend="auto"`` on a mesh whose devices are all of one known platform takes that platform's
     pick now; when the pick is ``blockwise`` the ring runs the blockwise steps (no per-step output
@@ -315,8 +353,12 @@ def engine_for(plan: Plan, call, backend, layout: str, mesh=None):
     choice = backend if isinstance(backend, registry.BackendChoice) else None
     if backend == "auto":
         platform = mesh_platform(mesh)
-        if platform is not None and registry.choose(platform, call)[0] == "blockwise":
+        if platform is not None and mods is not None:  # one backend traced, not every platform's
+            backend = registry.BackendChoice(registry.choose(platform, call)[0])
+        elif platform is not None and registry.choose(platform, call)[0] == "blockwise":
             backend = "blockwise"
+    if mods is not None:
+        return BackendRing(plan, backend, call.features, layout, mods=mods, mod_axes=mod_axes)
     if backend == "blockwise" or (choice is not None and choice.name == "blockwise"):
         options = {} if choice is None else choice.options_dict
         return BlockwiseRing(plan, call.spec, options, layout)
@@ -335,23 +377,24 @@ def mesh_platform(mesh) -> str | None:
     return platform if platform in PLATFORMS else None  # a "gpu" device does not say cuda or rocm
 
 
-def _ring_shard(q, k, v, q_seg, kv_seg, *, engine, axis_name):
-    """Body of the shard_map: this shard's queries against every shard's K/V (user layout in and out)."""
+def _ring_shard(q, k, v, q_seg, kv_seg, consts, *, engine, axis_name):
+    """Body of the shard_map: this shard's queries against every shard's K/V (user layout in and
+    out). ``consts``: ``(score_mod arrays, mask_mod arrays)`` of the engine's mods, or ``()``."""
 
     @jax.custom_vjp
-    def core(q, k, v, q_seg, kv_seg):
-        return _forward(engine, axis_name, q, k, v, q_seg, kv_seg)
+    def core(q, k, v, q_seg, kv_seg, consts):
+        return _forward(engine, axis_name, q, k, v, q_seg, kv_seg, consts)
 
-    def core_fwd(q, k, v, q_seg, kv_seg):
-        out, lse = _forward(engine, axis_name, q, k, v, q_seg, kv_seg)
-        return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+    def core_fwd(q, k, v, q_seg, kv_seg, consts):
+        out, lse = _forward(engine, axis_name, q, k, v, q_seg, kv_seg, consts)
+        return (out, lse), (q, k, v, q_seg, kv_seg, consts, out, lse)
 
     def core_bwd(res, cotangents):
-        dq, dk, dv = _backward(engine, axis_name, *res, *cotangents)
-        return dq, dk, dv, None, None
+        dq, dk, dv, d_consts = _backward(engine, axis_name, *res, *cotangents)
+        return dq, dk, dv, None, None, d_consts
 
     core.defvjp(core_fwd, core_bwd)
-    return core(q, k, v, q_seg, kv_seg)
+    return core(q, k, v, q_seg, kv_seg, consts)
 
 
 def _rotate(tree, axis_name, n):
@@ -371,18 +414,19 @@ def _rotate(tree, axis_name, n):
     return jax.tree.map(send, tree)
 
 
-def _forward(engine, axis_name, q, k, v, q_seg, kv_seg):
+def _forward(engine, axis_name, q, k, v, q_seg, kv_seg, consts=()):
     """The ring forward: at step t this shard holds the K/V of shard (r − t) mod n; the next chunk's
     ``ppermute`` is issued before the step's compute so the two overlap. The last step sends
     nothing (n − 1 rotations)."""
     plan, n = engine.plan, engine.plan.n
     r = jax.lax.axis_index(axis_name)
     q, k, v = engine.enter(q), engine.enter(k), engine.enter(v)
+    extra = () if not consts else (consts,)  # only engines with mods take their arrays
 
     def step(state, kv, t):
         s = (r - t) % n
         for a, b in plan.pairs:
-            state = engine.forward_pair(state, a, b, r, s, q, q_seg, *kv)
+            state = engine.forward_pair(state, a, b, r, s, q, q_seg, *kv, *extra)
         return state
 
     def body(carry, t):
@@ -395,19 +439,27 @@ def _forward(engine, axis_name, q, k, v, q_seg, kv_seg):
     return engine.leave(out), lse
 
 
-def _backward(engine, axis_name, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+def _backward(engine, axis_name, q, k, v, q_seg, kv_seg, consts, out, lse, d_out, d_lse):
     """The ring backward from the forward's residuals: dQ stays local; dK/dV (f32) travel with their
-    K/V (n − 1 rotations) and take one more hop home after the last step."""
+    K/V (n − 1 rotations) and take one more hop home after the last step. With mods, the gradients
+    of their arrays stay local too (the engine keeps them beside dQ); the ``shard_map``'s transpose
+    sums them over the shards, since the arrays enter it replicated. Returns
+    ``(dq, dk, dv, d_consts)``."""
     plan, n = engine.plan, engine.plan.n
     r = jax.lax.axis_index(axis_name)
     q, k, v, out, d_out = (engine.enter(x) for x in (q, k, v, out, d_out))
-    context, dq, dk, dv = engine.init_backward(q, k, v, out, lse, d_out, d_lse)
+    context, dq, dk, dv = engine.init_backward(
+        q, k, v, out, lse, d_out, d_lse, *((consts,) if consts else ())
+    )
+    extra = () if not consts else (consts,)
 
     def step(dq, kv, t):
         k_, v_, ks_, dk_, dv_ = kv
         s = (r - t) % n
         for a, b in plan.pairs:
-            dq, dk_, dv_ = engine.backward_pair((dq, dk_, dv_), context, a, b, r, s, q, q_seg, k_, v_, ks_)
+            dq, dk_, dv_ = engine.backward_pair(
+                (dq, dk_, dv_), context, a, b, r, s, q, q_seg, k_, v_, ks_, *extra
+            )
         return dq, (k_, v_, ks_, dk_, dv_)
 
     def body(carry, t):
@@ -417,8 +469,9 @@ def _backward(engine, axis_name, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse)
     (dq, kv), _ = jax.lax.scan(body, (dq, (k, v, kv_seg, dk, dv)), jnp.arange(n - 1))
     dq, kv = step(dq, kv, n - 1)
     dk, dv = _rotate(kv[3:], axis_name, n)
+    d_consts = engine.mods_gradients(dq, consts) if consts else ()
     dq = engine.finish_backward(dq, q.dtype)
-    return engine.leave(dq), engine.leave(dk.astype(k.dtype)), engine.leave(dv.astype(v.dtype))
+    return engine.leave(dq), engine.leave(dk.astype(k.dtype)), engine.leave(dv.astype(v.dtype)), d_consts
 
 
 # ------------------------------------------------------------------- auto-dispatch from sharding

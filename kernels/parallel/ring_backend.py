@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flashport.kernels.contract import dispatch, execute
 from flashport.kernels.contract.call import Call
 from flashport.kernels.contract.spec import AttentionSpec
+from flashport.kernels.semantics.mods import Mods
 
 
 def local_call(spec: AttentionSpec, features, q, k, v) -> Call:
@@ -62,15 +63,26 @@ def merge(acc, part):
     return out, lse
 
 
-def _forward_local(call, choice, q, k, v, qs, ks):
-    return dispatch.flashport_attention(q, k, v, None, None, qs, ks, None, call=call, choice=choice)
+def _forward_local(call, choice, q, k, v, qs, ks, mods=None):
+    return dispatch.flashport_attention(q, k, v, None, None, qs, ks, None, mods, call=call, choice=choice)
 
 
-def _backward_local(call, choice, q, k, v, qs, ks, out, lse, d_out, d_lse):
-    grads = dispatch.flashport_attention_backward(
-        q, k, v, None, None, qs, ks, None, out, lse, d_out, d_lse, call=call, choice=choice
-    )
-    return tuple(g.astype(jnp.float32) for g in grads[:3])
+def _backward_local(call, choice, floats, q, k, v, qs, ks, out, lse, d_out, d_lse, mods=None):
+    """f32 ``(dq, dk, dv)`` of one piece pair, and with mods the f32 gradients of the score_mod's
+    float arrays at indices ``floats`` (from the blockwise backend's pass over the tiles, as the
+    Pallas backends get theirs)."""
+    from flashport.kernels.backends.blockwise import mods_cotangent
+
+    args = (q, k, v, None, None, qs, ks, None, out, lse, d_out, d_lse)
+    grads = dispatch.flashport_attention_backward(*args, mods, call=call, choice=choice)
+    grads = tuple(g.astype(jnp.float32) for g in grads[:3])
+    if mods is None:
+        return grads
+    d_mods = ()
+    if floats:
+        cotangent = mods_cotangent(*args, spec=call.spec, mods=mods)
+        d_mods = tuple(cotangent.score_consts[n].astype(jnp.float32) for n in floats)
+    return (*grads, d_mods)
 
 
 class BackendRing:
@@ -78,12 +90,23 @@ class BackendRing:
 
     ``forward_pair`` / ``backward_pair`` take the query piece ``a`` of shard ``r`` and key piece
     ``b`` of the visiting chunk of shard ``s``; the state is a tuple of per-query-piece
-    ``(out f32, lse)`` (forward) and ``(dq pieces, dk, dv)`` in f32 (backward).
+    ``(out f32, lse)`` (forward) and ``((dq pieces, d mods), dk, dv)`` in f32 (backward).
+
+    With ``mods`` (:class:`~flashport.kernels.semantics.mods.Mods` of the global call; their arrays arrive per
+    call as ``consts``), every step runs them :meth:`~flashport.kernels.semantics.mods.Mods.shifted` to the
+    global (batch, head, q_idx, kv_idx) of its pieces: the pieces' starts from the plan, the batch
+    and head offsets from the shard index of ``mod_axes`` (``(batch_axis, head_axis)``).
     """
 
-    def __init__(self, plan, backend, features, layout: str):
+    def __init__(self, plan, backend, features, layout: str, *, mods=None, mod_axes=(None, None)):
         self.plan, self.backend, self.features, self.layout = plan, backend, features, layout
         self._fwd = self._bwd = None
+        self.mods, self.mod_axes = mods, mod_axes
+        consts = () if mods is None else mods.score_consts
+        # the score_mod's float arrays: the ones with gradients
+        self.floats = tuple(
+            n for n, c in enumerate(consts) if jnp.issubdtype(jnp.result_type(c), jnp.floating)
+        )
 
     def enter(self, x):
         """A shard array of the user's layout in the canonical BHSD layout."""
@@ -101,13 +124,34 @@ class BackendRing:
             for sp in plan.specs:
                 if sp is None:
                     self._fwd.append(functools.partial(_empty_forward, out_shape, q.dtype))
-                    self._bwd.append(_empty_backward)
+                    self._bwd.append(functools.partial(_empty_backward, self.floats))
                     continue
                 call = local_call(sp, self.features, *shapes)
                 choice = execute.resolve_backend(self.backend, call)
                 self._fwd.append(functools.partial(_forward_local, call, choice))
-                self._bwd.append(functools.partial(_backward_local, call, choice))
+                self._bwd.append(functools.partial(_backward_local, call, choice, self.floats))
         return self._fwd, self._bwd
+
+    def _shifted(self, consts, q, r, a, s, b):
+        """The call's mods at the global positions of query piece ``a`` (shard ``r``) and key piece
+        ``b`` (shard ``s``), as extra arguments of a step (``()`` without mods)."""
+        if self.mods is None:
+            return ()
+        offsets = []
+        for axes, size in zip(self.mod_axes, q.shape[:2], strict=True):
+            offsets.append(0 if axes is None else jax.lax.axis_index(axes) * size)
+        offsets.extend(self.plan.starts(r, a, s, b))
+        mods = Mods(self.mods.score, consts[0], self.mods.mask, consts[1])
+        return (mods.shifted(jnp.stack([jnp.asarray(x, jnp.int32) for x in offsets])),)
+
+    def mods_gradients(self, dq, consts):
+        """The cotangent of the mods' arrays ``consts`` (``(score arrays, mask arrays)``) from the
+        backward state's dQ part: the score_mod's float arrays get their summed gradients (in their
+        dtype), the rest none."""
+        score = [None] * len(consts[0])
+        for n, grad in zip(self.floats, dq[1], strict=True):
+            score[n] = grad.astype(jnp.result_type(consts[0][n]))
+        return tuple(score), tuple(None for _ in consts[1])
 
     def _dispatch(self, fns, a, b, r, s, *args):
         ids = sorted(self.plan.branches_of(a, b))
@@ -123,12 +167,13 @@ class BackendRing:
             for _ in range(self.plan.m)
         )
 
-    def forward_pair(self, state, a, b, r, s, q, q_seg, k, v, kv_seg):
+    def forward_pair(self, state, a, b, r, s, q, q_seg, k, v, kv_seg, consts=None):
         """Merge the backend's attention of query piece ``a`` over key piece ``b`` into the state."""
         fwd, _ = self._branches(q, k, v)
         pq, pk = self.plan.pq, self.plan.pk
         args = (piece(q, 2, a, pq), piece(k, 2, b, pk), piece(v, 2, b, pk))
-        part = self._dispatch(fwd, a, b, r, s, *args, piece(q_seg, 1, a, pq), piece(kv_seg, 1, b, pk))
+        segs = (piece(q_seg, 1, a, pq), piece(kv_seg, 1, b, pk))
+        part = self._dispatch(fwd, a, b, r, s, *args, *segs, *self._shifted(consts, q, r, a, s, b))
         state = list(state)
         state[a] = merge(state[a], part)
         return tuple(state)
@@ -138,8 +183,9 @@ class BackendRing:
         out = jnp.concatenate([o for o, _ in state], axis=2).astype(dtype)
         return out, jnp.concatenate([l for _, l in state], axis=2)
 
-    def init_backward(self, q, k, v, out, lse, d_out, d_lse):
-        """``(context, dq0, dk0, dv0)``: the per-piece residual rows and zero f32 gradients."""
+    def init_backward(self, q, k, v, out, lse, d_out, d_lse, consts=None):
+        """``(context, dq0, dk0, dv0)``: the per-piece residual rows and zero f32 gradients (dq0 =
+        ``(dq pieces, d mods)``, the latter one zero per float array of the score_mod)."""
         pq = self.plan.pq
         d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
         rows = tuple(
@@ -152,30 +198,38 @@ class BackendRing:
             for a in range(self.plan.m)
         )
         dq = tuple(jnp.zeros(piece(q, 2, a, pq).shape, jnp.float32) for a in range(self.plan.m))
-        return rows, dq, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+        d_mods = tuple(jnp.zeros(jnp.shape(consts[0][n]), jnp.float32) for n in self.floats)
+        return rows, (dq, d_mods), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
 
-    def backward_pair(self, grads, context, a, b, r, s, q, q_seg, k, v, kv_seg):
+    def backward_pair(self, grads, context, a, b, r, s, q, q_seg, k, v, kv_seg, consts=None):
         """Add the backend's residual-backward gradients of piece pair (a, b) into ``grads``."""
         _, bwd = self._branches(q, k, v)
         pq, pk = self.plan.pq, self.plan.pk
-        dq, dk, dv = grads
+        (dq, d_mods), dk, dv = grads
         args = (piece(q, 2, a, pq), piece(k, 2, b, pk), piece(v, 2, b, pk), piece(q_seg, 1, a, pq))
-        gq, gk, gv = self._dispatch(bwd, a, b, r, s, *args, piece(kv_seg, 1, b, pk), *context[a])
-        dq = dq[:a] + (dq[a] + gq,) + dq[a + 1 :]
+        mods = self._shifted(consts, q, r, a, s, b)
+        got = self._dispatch(bwd, a, b, r, s, *args, piece(kv_seg, 1, b, pk), *context[a], *mods)
+        gq, gk, gv = got[:3]
+        if mods:
+            d_mods = tuple(x + g for x, g in zip(d_mods, got[3], strict=True))
+        dq = (dq[:a] + (dq[a] + gq,) + dq[a + 1 :], d_mods)
         dk = jax.lax.dynamic_update_slice_in_dim(dk, piece(dk, 2, b, pk) + gk, b * pk, 2)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, piece(dv, 2, b, pk) + gv, b * pk, 2)
         return dq, dk, dv
 
     def finish_backward(self, dq, dtype):
         """The shard's dQ from its per-piece accumulators."""
-        return jnp.concatenate(dq, axis=2).astype(dtype)
+        return jnp.concatenate(dq[0], axis=2).astype(dtype)
 
 
-def _empty_forward(out_shape, dtype, q, k, v, qs, ks):
-    del q, k, v, qs, ks
+def _empty_forward(out_shape, dtype, q, k, v, qs, ks, mods=None):
+    del q, k, v, qs, ks, mods
     return jnp.zeros(out_shape, dtype), jnp.full(out_shape[:3], -jnp.inf, jnp.float32)
 
 
-def _empty_backward(q, k, v, qs, ks, out, lse, d_out, d_lse):
+def _empty_backward(floats, q, k, v, qs, ks, out, lse, d_out, d_lse, mods=None):
     del qs, ks, out, lse, d_out, d_lse
-    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    grads = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    if mods is None:
+        return grads
+    return (*grads, tuple(jnp.zeros(jnp.shape(mods.score_consts[n]), jnp.float32) for n in floats))

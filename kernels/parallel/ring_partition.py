@@ -147,7 +147,8 @@ class _Op:
         return ring._forward(self.engine(mesh, axis), axis, q, k, v, qs, ks)
 
     def ring_backward(self, mesh, axis, q, k, v, qs, ks, out, lse, d_out, d_lse):
-        return ring._backward(self.engine(mesh, axis), axis, q, k, v, qs, ks, out, lse, d_out, d_lse)
+        engine = self.engine(mesh, axis)
+        return ring._backward(engine, axis, q, k, v, qs, ks, (), out, lse, d_out, d_lse)[:3]
 
     # --------------------------------------------------------------------------- the decision
 

@@ -184,7 +184,8 @@ def cached_block_mask(
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    built = build(traced, consts, batch, heads, sq, sk, (DEFAULT_BLOCK, DEFAULT_BLOCK))
+    with jax.ensure_compile_time_eval():  # concrete classes, even when called under a jit trace
+        built = build(traced, consts, batch, heads, sq, sk, (DEFAULT_BLOCK, DEFAULT_BLOCK))
     _CACHE[key] = built
     while len(_CACHE) > MAX_CACHED:
         _CACHE.popitem(last=False)
@@ -222,4 +223,14 @@ def tile_classes(blocks: BlockMask, tile_q: int, tile_k: int, *, per_head: bool 
         return classes
     seen = jnp.any(classes != EMPTY, axis=(0, 1))
     full = jnp.all(classes == FULL, axis=(0, 1))
+    return jnp.where(seen, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+
+def tile_classes_over_heads(blocks: BlockMask, tile_q: int, tile_k: int) -> jax.Array:
+    """:func:`tile_classes` with one class for all heads, per batch row: int8 ``[B|1, nq, nk]`` (a
+    tile is empty when it is for every head, full when it is for every head), what kernels whose
+    grid steps serve several heads skip and classify by."""
+    classes = tile_classes(blocks, tile_q, tile_k)
+    seen = jnp.any(classes != EMPTY, axis=1)
+    full = jnp.all(classes == FULL, axis=1)
     return jnp.where(seen, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int8)

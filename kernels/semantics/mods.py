@@ -42,6 +42,9 @@ class TracedMod:
     kind: str
     jaxpr: Any  # jax.core.Jaxpr whose constvars are the closed-over arrays
     key: str
+    # True: the last closed-over array is an int32 [4] of (batch, head, q_idx, kv_idx) offsets added
+    # to the indices before the jaxpr runs (see :meth:`Mods.shifted`).
+    shifted: bool = False
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -51,8 +54,19 @@ class TracedMod:
 
     def __call__(self, consts: tuple, *scalars: Any) -> Any:
         """Evaluate on scalars (or under ``vmap``) with the closed-over arrays ``consts``."""
-        (out,) = jax.core.eval_jaxpr(self.jaxpr, list(consts), *scalars)
+        arrays = list(consts)
+        if self.shifted:
+            offsets = arrays.pop()
+            n = len(scalars) - 4  # the score (score_mod) stays as it is
+            scalars = (*scalars[:n], *(x + offsets[a] for a, x in enumerate(scalars[n:])))
+        (out,) = jax.core.eval_jaxpr(self.jaxpr, arrays, *scalars)
         return out
+
+    def shift(self) -> TracedMod:
+        """This mod reading its indices shifted by offsets passed as one more closed-over array."""
+        if self.shifted:
+            raise ValueError("a shifted mod cannot be shifted again")
+        return dataclasses.replace(self, shifted=True, key=self.key + "|shifted")
 
 
 def trace(fn: Any, kind: str) -> tuple[TracedMod, tuple]:
@@ -141,6 +155,18 @@ class Mods:
         return frozenset(
             name for name, mod in (("score_mod", self.score), ("mask_mod", self.mask)) if mod is not None
         )
+
+    def shifted(self, offsets: Any) -> Mods:
+        """These mods seen from a piece of the arrays: ``offsets`` int32 ``[4]`` = the global
+        (batch, head, q_idx, kv_idx) of the piece's first entry, added to the indices a backend
+        passes (which count from 0 in the piece). The offsets ride as the last closed-over array of
+        each mod, so they may be traced (ring attention's shard indices); there is no block mask."""
+        offsets = jnp.asarray(offsets, jnp.int32)
+        score = None if self.score is None else self.score.shift()
+        mask = None if self.mask is None else self.mask.shift()
+        score_consts = () if score is None else (*self.score_consts, offsets)
+        mask_consts = () if mask is None else (*self.mask_consts, offsets)
+        return Mods(score, score_consts, mask, mask_consts, None)
 
     def apply_score(self, s: Any, b: Any, h: Any, q: Any, k: Any) -> Any:
         """``score_mod`` over the float32 scores ``s`` at broadcasting indices (``s`` if none)."""

@@ -21,6 +21,7 @@ import subprocess
 import textwrap
 import tomllib
 
+from flashport.rewriter.source import semantic
 from flashport.rewriter.source import text as src
 
 DEFAULT_LINE_LENGTH = 88  # black's and ruff's default
@@ -100,7 +101,7 @@ def _left_as_written(block: list[str]) -> bool:
         tree = ast.parse(textwrap.dedent("".join(block)))
     except SyntaxError:
         return False
-    return bool(tree.body) and all(isinstance(node, (ast.Import, ast.ImportFrom)) for node in tree.body)
+    return bool(tree.body) and all(semantic.is_import(node) for node in tree.body)
 
 
 def _whole_statements(text: str, blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -62,7 +62,7 @@ from flashport.rewriter.engine import cuda_notes, formatting, prune, run_context
 from flashport.rewriter.engine.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult
 from flashport.rewriter.engine.transform import SiteTransformer
 from flashport.rewriter.imports import edits as import_edits
-from flashport.rewriter.source import astindex, newsyntax
+from flashport.rewriter.source import newsyntax, semantic
 from flashport.rewriter.source import pieces as mini_parse
 from flashport.rewriter.source import text as src
 from flashport.rewriter.source.names import Names
@@ -346,7 +346,7 @@ def _site_pattern(
     text_pattern = re.compile(
         "|".join(re.escape(t.decode("utf-8")) for r in rules for t in r.TRIGGERS) or "(?!x)x"
     )
-    aliases = _aliases(header_units, text_pattern) | _value_aliases(units, text_pattern)
+    aliases = _aliases(tree, header_units, text_pattern) | _value_aliases(tree, units, text_pattern)
     attributes = _attribute_aliases(
         tree, text_pattern
     )  # self.fn = flash_attn_func: calls self.fn(...) are reported
@@ -428,24 +428,14 @@ def _relevant_pattern(tree: ast.Module, text_pattern: re.Pattern[str], rules: li
     name bound, at any depth, by an import or an assignment of something ``text_pattern`` matches
     (``from flash_attn import flash_attn_func as fa``, ``fn = flash_attn_func``: calls through
     them carry no trigger text). The libcst pass skips statements that mention none of these."""
-    names: set[str] = set()
-    assigns = []  # what SiteTransformer.visit_Assign tracks: `x = <name>`, `o.x = <name>`
-    for node in astindex.of_type(tree, ast.Import, ast.ImportFrom, ast.Assign):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                dotted = (
-                    f"{node.module or ''}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
-                )
-                if text_pattern.search(dotted):
-                    names.add(alias.asname or alias.name.split(".")[0])
-        elif isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute)):
-            assigns.append(node)
+    model = semantic.of(tree)
+    names = {b.name for b in model.imports if text_pattern.search(b.imported)}
+    # what SiteTransformer.visit_Assign tracks: `x = <name>`, `o.x = <name>`
     bound = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(names))) + r")\b") if names else None
-    for node in assigns:
-        value = _dotted(node.value)
-        if text_pattern.search(value) or (bound is not None and bound.search(value)):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-            names.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
+    for assignment in model.assignments():
+        if text_pattern.search(assignment.value) or (bound is not None and bound.search(assignment.value)):
+            names.update(assignment.names)
+            names.update(assignment.attributes)
     names.discard("*")
     parts = [text_pattern.pattern] + [re.escape(v) for r in rules for v in r.STRINGS]
     if names:
@@ -658,61 +648,26 @@ def _fix_imports(
     return edits
 
 
-def _aliases(header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:
+def _aliases(tree: ast.Module, header_units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:
     """Names bound by module-level imports of trigger names (``... import x as alias``)."""
-    names: set[str] = set()
-    for unit in header_units:
-        for stmt in unit.nodes:
-            for node in ast.walk(stmt):
-                if isinstance(node, ast.ImportFrom):
-                    for alias in node.names:
-                        if pattern.search(f"{node.module or ''}.{alias.name}"):
-                            names.add(alias.asname or alias.name)
-                elif isinstance(node, ast.Import):
-                    for alias in node.names:
-                        if pattern.search(alias.name):
-                            names.add(alias.asname or alias.name.split(".")[0])
+    header = {id(stmt) for unit in header_units for stmt in unit.nodes}
+    names = {b.name for b in semantic.of(tree).imports if id(b.top) in header and pattern.search(b.imported)}
     names.discard("*")
     return names
 
 
-def _value_aliases(units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:
+def _value_aliases(tree: ast.Module, units: Iterable[src.Unit], pattern: re.Pattern[str]) -> set[str]:
     """Names bound at module level by ``name = <trigger name>`` (``attn = flash_attn_func``): calls
     through them (rewriter/source/aliases.py) sit in statements without trigger text."""
-    names: set[str] = set()
-    for unit in units:
-        for stmt in unit.nodes:
-            if (
-                isinstance(stmt, ast.Assign)
-                and len(stmt.targets) == 1
-                and isinstance(stmt.targets[0], ast.Name)
-                and isinstance(stmt.value, (ast.Name, ast.Attribute))
-                and pattern.search(_dotted(stmt.value))
-            ):
-                names.add(stmt.targets[0].id)
-    return names
+    statements = (stmt for unit in units for stmt in unit.nodes)
+    return {name for name, value in semantic.of(tree).value_aliases(statements) if pattern.search(value)}
 
 
 def _attribute_aliases(tree: ast.Module, pattern: re.Pattern[str]) -> frozenset[str]:
     """Attribute names assigned a trigger name anywhere (``self.fn = flash_attn_func``)."""
-    names: set[str] = set()
-    for node in astindex.of_type(tree, ast.Assign):
-        if (
-            isinstance(node, ast.Assign)
-            and isinstance(node.value, (ast.Name, ast.Attribute))
-            and pattern.search(_dotted(node.value))
-        ):
-            names.update(t.attr for t in node.targets if isinstance(t, ast.Attribute))
-    return frozenset(names)
-
-
-def _dotted(node: ast.expr) -> str:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    parts.append(node.id if isinstance(node, ast.Name) else "")
-    return ".".join(reversed(parts))
+    return frozenset(
+        name for a in semantic.of(tree).assignments() if pattern.search(a.value) for name in a.attributes
+    )
 
 
 _SENTINEL = re.compile(r"^(?:class _flashport_chunk_\d+_:|# flashport-chunk-(\d+))(?:\r\n|\r|\n)", re.M)
@@ -739,7 +694,7 @@ def _chunks(units: Iterable[src.Unit], lines: list[str], pattern: re.Pattern[str
     for unit in units:
         if not pattern.search(src.unit_text(lines, unit)):
             continue
-        if unit.importish and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in unit.nodes):
+        if unit.importish and all(semantic.is_import(n) for n in unit.nodes):
             continue
         inner = src.class_body_units(unit)
         if inner:

@@ -39,7 +39,7 @@ import ast
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from flashport.rewriter.source import astindex
+from flashport.rewriter.source import semantic
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -67,13 +67,11 @@ def watch_of(rules: Iterable) -> Watch:
 
 def import_aliases(tree: ast.Module, watch: Watch) -> frozenset[str]:
     """Names bound anywhere in ``tree`` by an ``as`` import of a watched last component."""
-    names = set()
-    for node in astindex.of_type(tree, ast.Import, ast.ImportFrom):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                if alias.asname and alias.name.rsplit(".", 1)[-1] in watch.lasts:
-                    names.add(alias.asname)
-    return frozenset(names)
+    return frozenset(
+        b.asname
+        for b in semantic.of(tree).imports
+        if b.asname and b.alias.name.rsplit(".", 1)[-1] in watch.lasts
+    )
 
 
 def _root(node: ast.AST) -> str | None:
@@ -169,12 +167,8 @@ def _bindings(node: ast.AST, out: set[str]) -> None:
     """Names ``node`` itself binds in its scope (besides plain ``Name`` targets)."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         out.add(node.name)
-    elif isinstance(node, ast.Import):
-        for alias in node.names:
-            out.add(alias.asname or alias.name.split(".")[0])
-    elif isinstance(node, ast.ImportFrom):
-        for alias in node.names:
-            out.add(alias.asname or alias.name)
+    elif semantic.is_import(node):
+        out.update(semantic.import_names(node))
     elif isinstance(node, ast.ExceptHandler) and node.name:
         out.add(node.name)
     elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:

@@ -40,6 +40,7 @@ import os
 import re
 from collections.abc import Iterable
 
+from flashport.rewriter.source import semantic
 from flashport.rewriter.source.files import read_regular
 from flashport.rules.base import Outcome, Patch, Refusal, Rewrite, RuleOptions
 
@@ -138,10 +139,10 @@ def refuse_patched(outcome: Outcome, api: str, options: RuleOptions) -> Outcome:
 
 def file_patches(tree: ast.Module, path: str) -> list[Patch]:
     """The patches in one parsed file (module docstring)."""
-    modules = _module_aliases(tree)
+    model = semantic.of(tree)
     found: list[Patch] = []
     for node in ast.walk(tree):
-        api, how = _patched_api(node, modules)
+        api, how = _patched_api(node, model)
         if api is not None:
             found.append(Patch(api, path, getattr(node, "lineno", 0), how))
     return found
@@ -152,32 +153,32 @@ def _merged(options: RuleOptions, found: list[Patch]) -> RuleOptions:
     return options if patches == options.patches else dataclasses.replace(options, patches=patches)
 
 
-def _patched_api(node: ast.AST, modules: dict[str, str]) -> tuple[str | None, str]:
+def _patched_api(node: ast.AST, model: semantic.SemanticModel) -> tuple[str | None, str]:
     """``(api, how)`` when ``node`` replaces a source API, else ``(None, "")``."""
     if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         for target in (t for top in targets for t in ast.walk(top) if isinstance(t, ast.Attribute)):
-            api = _patchable(_resolve(target, modules))  # `name = None` rebinds a name, patches nothing
+            api = _patchable(model.resolve(target))  # `name = None` rebinds a name, patches nothing
             if api is not None:
                 return api, _shown(node)
     elif isinstance(node, ast.Call):
-        api = _patchable(_patch_call_target(node, modules))
+        api = _patchable(_patch_call_target(node, model))
         if api is not None:
             return api, _shown(node)
-    elif isinstance(node, (ast.ImportFrom, ast.Attribute)):
-        if _uses_context_parallel(node, modules):
+    elif isinstance(node, ast.Attribute) or semantic.is_import(node):
+        if _uses_context_parallel(node, model):
             return SDPA, "torch's context_parallel replaces F.scaled_dot_product_attention while active"
     return None, ""
 
 
-def _patch_call_target(call: ast.Call, modules: dict[str, str]) -> str:
+def _patch_call_target(call: ast.Call, model: semantic.SemanticModel) -> str:
     """The dotted name a ``setattr``/``monkeypatch.setattr``/``mock.patch(.object)`` call replaces."""
-    callee = _dotted(call.func)
+    callee = semantic.dotted(call.func)
     args = call.args
     last = callee.rsplit(".", 1)[-1]
     if last == "setattr" or callee.endswith("patch.object"):
         if len(args) >= 2 and _string(args[1]) is not None:
-            return f"{_resolve(args[0], modules)}.{_string(args[1])}"
+            return f"{model.resolve(args[0])}.{_string(args[1])}"
         if last == "setattr" and args and _string(args[0]) is not None:
             return _string(args[0]) or ""
     elif last == "patch" and args and _string(args[0]) is not None:
@@ -195,51 +196,17 @@ def _patchable(dotted: str) -> str | None:
     return None
 
 
-def _uses_context_parallel(node: ast.AST, modules: dict[str, str]) -> bool:
-    if isinstance(node, ast.ImportFrom):
-        return (node.module or "").startswith(_CONTEXT_PARALLEL) and any(
-            alias.name == "context_parallel" for alias in node.names
+def _uses_context_parallel(node: ast.AST, model: semantic.SemanticModel) -> bool:
+    if semantic.is_import(node):
+        return any(
+            b.node is node
+            and b.from_module.startswith(_CONTEXT_PARALLEL)
+            and b.alias.name == "context_parallel"
+            for b in model.imports
         )
     if isinstance(node, ast.Attribute) and node.attr == "context_parallel":
-        return _resolve(node, modules).startswith(_CONTEXT_PARALLEL)
+        return model.resolve(node).startswith(_CONTEXT_PARALLEL)
     return False
-
-
-def _module_aliases(tree: ast.Module) -> dict[str, str]:
-    """Local name -> module (or module attribute) it is bound to by an import anywhere in the file."""
-    modules: dict[str, str] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.asname:
-                    modules[alias.asname] = alias.name
-                else:
-                    top = alias.name.split(".")[0]
-                    modules[top] = top
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            for alias in node.names:
-                modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-    return modules
-
-
-def _resolve(node: ast.AST, modules: dict[str, str]) -> str:
-    """The dotted name ``node`` refers to, its first part resolved through the file's imports."""
-    dotted = _dotted(node)
-    head, _, rest = dotted.partition(".")
-    if head in modules:
-        return modules[head] + (f".{rest}" if rest else "")
-    return dotted
-
-
-def _dotted(node: ast.AST) -> str:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return ""
-    parts.append(node.id)
-    return ".".join(reversed(parts))
 
 
 def _string(node: ast.AST) -> str | None:

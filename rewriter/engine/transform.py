@@ -42,7 +42,7 @@ from libcst.metadata import MetadataWrapper, ScopeProvider
 
 from flashport.rewriter.engine import run_context, suppress, thin
 from flashport.rewriter.engine.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
-from flashport.rewriter.source import aliases, newsyntax
+from flashport.rewriter.source import aliases, newsyntax, semantic
 from flashport.rewriter.source.names import Names
 from flashport.rewriter.source.positions import Span, line_positions
 from flashport.rewriter.source.spans import StatementSpans, indents
@@ -849,12 +849,7 @@ def import_fallbacks(tree: ast.Module) -> frozenset[str]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Try):
             continue
-        imported = {
-            alias.asname or alias.name.split(".")[0]
-            for stmt in node.body
-            if isinstance(stmt, (ast.Import, ast.ImportFrom))
-            for alias in stmt.names
-        }
+        imported = {name for stmt in node.body for name in semantic.import_names(stmt)}
         for handler in node.handlers:
             names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
             if handler.type is not None and not any(

@@ -40,9 +40,7 @@ from collections.abc import Iterable
 import libcst as cst
 from libcst.helpers import get_full_name_for_node
 
-from flashport.rewriter.source import astindex
-
-_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+from flashport.rewriter.source import astindex, semantic
 
 
 @dataclasses.dataclass
@@ -108,22 +106,14 @@ class Names:
         self._import_bound: set[str] = set()  # every name any import binds (dotted prefixes too)
         self._source_bound: set[str] = set()  # names an import binds to a source itself
         self._other: set[str] = set(wrappers)  # roots with any binding that is not a header import
-        in_header = self._header(header)
-        for node in astindex.of_type(tree, ast.Import, ast.ImportFrom):
-            self._import(node, id(node) in in_header)  # type: ignore[arg-type]
+        header_ids = {id(statement) for statement in header}
+        statements: dict[int, list[semantic.ImportBinding]] = {}
+        for binding in semantic.of(tree).imports:
+            statements.setdefault(id(binding.node), []).append(binding)
+        for bindings in statements.values():
+            first = bindings[0]  # every alias of a statement shares its place
+            self._import(bindings, not first.scopes and id(first.top) in header_ids)
         self._bindings(tree)
-
-    def _header(self, statements: Iterable[ast.stmt]) -> set[int]:
-        """ids of the imports that run at module level in ``statements`` (not in a def or class)."""
-        found: set[int] = set()
-        stack: list[ast.AST] = list(statements)
-        while stack:
-            node = stack.pop()
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                found.add(id(node))
-            elif not isinstance(node, _SCOPES):
-                stack.extend(ast.iter_child_nodes(node))
-        return found
 
     def _bindings(self, tree: ast.Module) -> None:
         """Every name the file binds other than by an import (assignment and loop targets, ``del``,
@@ -140,12 +130,10 @@ class Names:
                 other.add(node.name)  # type: ignore[attr-defined]
         other.update(n.rest for n in astindex.of_type(tree, ast.MatchMapping) if n.rest)  # type: ignore[attr-defined]
 
-    def _import(self, node: ast.Import | ast.ImportFrom, in_header_scope: bool) -> None:
-        module = ""
-        if isinstance(node, ast.ImportFrom):
-            module = "." * node.level + (node.module or "")
-        aliases = tuple((a.name, a.asname) for a in node.names if a.name != "*")
-        statement = _Import(module, aliases)
+    def _import(self, bindings: list[semantic.ImportBinding], in_header_scope: bool) -> None:
+        """Note the names one import statement (``bindings``: its aliases) binds."""
+        aliases = tuple((b.alias.name, b.asname) for b in bindings if not b.star)
+        statement = _Import(bindings[0].base, aliases)
         for dotted, asname in aliases:
             for name in _bound_names(dotted, asname):
                 self._import_bound.add(name)

@@ -14,6 +14,8 @@ import io
 import re
 import tokenize
 
+from flashport.rewriter.source import semantic
+
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 
@@ -119,18 +121,6 @@ class Unit:
     parent: Unit | None = None
 
 
-def _contains_import(node: ast.AST) -> bool:
-    stack = [node]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, (ast.Import, ast.ImportFrom)):
-            return True
-        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            continue
-        stack.extend(ast.iter_child_nodes(item))
-    return False
-
-
 def first_line(stmt: ast.stmt) -> int:
     """The 1-based first line of a statement, its decorators included."""
     return min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
@@ -138,7 +128,9 @@ def first_line(stmt: ast.stmt) -> int:
 
 def top_level_units(tree: ast.Module) -> list[Unit]:
     """Group the module's statements into line-disjoint :class:`Unit` s."""
-    return _group(tree.body)
+    # top-level statements holding an import that runs at module level (not in a def or class)
+    holding = {id(b.top) for b in semantic.of(tree).imports if not b.scopes}
+    return _group(tree.body, holding)
 
 
 def class_body_units(unit: Unit) -> list[Unit] | None:
@@ -146,16 +138,18 @@ def class_body_units(unit: Unit) -> list[Unit] | None:
     plain class."""
     if len(unit.nodes) != 1 or not isinstance(unit.nodes[0], ast.ClassDef):
         return None
-    return [dataclasses.replace(u, importish=False, in_class=True) for u in _group(unit.nodes[0].body)]
+    return [dataclasses.replace(u, importish=False, in_class=True) for u in _group(unit.nodes[0].body, set())]
 
 
-def _group(body: list[ast.stmt]) -> list[Unit]:
+def _group(body: list[ast.stmt], holding: set[int]) -> list[Unit]:
+    """``body`` as line-disjoint units; ``holding``: ids of the statements that hold an import
+    outside any def or class (a ``try``/``if``/``with`` among them is importish)."""
     units: list[Unit] = []
     for stmt in body:
         start = first_line(stmt)
         end = stmt.end_lineno or stmt.lineno
-        importish = isinstance(stmt, (ast.Import, ast.ImportFrom)) or (
-            isinstance(stmt, (ast.Try, ast.If, ast.With)) and _contains_import(stmt)
+        importish = semantic.is_import(stmt) or (
+            isinstance(stmt, (ast.Try, ast.If, ast.With)) and id(stmt) in holding
         )
         if units and start <= units[-1].end:
             last = units.pop()

@@ -27,11 +27,7 @@ def locate(call: cst.Call, ctx: RuleContext) -> cst.CSTNode | None:
 
 def parent(node: cst.CSTNode | None, ctx: RuleContext) -> cst.CSTNode | None:
     """The parent of the site's node or of one of its ancestors (None when unknown)."""
-    path = _path(ctx)
-    for index, item in enumerate(path[:-1]):
-        if item is node:
-            return path[index + 1]
-    return None
+    return ctx.parent(node) if node is not None else None  # type: ignore[return-value]
 
 
 def ancestors(node: cst.CSTNode, ctx: RuleContext):
@@ -263,7 +259,7 @@ _SYNTHETIC = re.compile(r"\btorch\.(randn|rand|zeros|ones|empty|full)\(")
 
 def enclosing_function(node: cst.CSTNode, ctx: RuleContext) -> cst.FunctionDef | None:
     """The innermost ``def`` around ``node`` (None at module level or when unknown)."""
-    return next((a for a in ancestors(node, ctx) if isinstance(a, cst.FunctionDef)), None)
+    return ctx.enclosing(node, cst.FunctionDef)  # type: ignore[return-value]
 
 
 def synthetic_query(call: cst.Call, function: cst.FunctionDef | None) -> bool:

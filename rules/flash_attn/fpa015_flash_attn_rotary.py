@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ast
 
+from flashport.rewriter.source import semantic
 from flashport.rules.base import Rewrite, register
 from flashport.rules.common import values
 from flashport.rules.flash_attn.same_name import SameNameRule
@@ -101,11 +102,9 @@ def _compared_class(tree: ast.Module) -> int | None:
     """The first line comparing a name imported for flash-attn's ``RotaryEmbedding`` (``type(m) is
     RotaryEmbedding``), which the rule sees no value site for."""
     names = {
-        alias.asname or alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module == "flash_attn.layers.rotary"
-        for alias in node.names
-        if alias.name == CLASS
+        b.name
+        for b in semantic.of(tree).imports
+        if b.is_from and b.from_module == "flash_attn.layers.rotary" and b.alias.name == CLASS
     }
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and any(

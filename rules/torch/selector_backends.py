@@ -21,14 +21,15 @@ import ast
 
 import libcst as cst
 
-from flashport.rules.torch.selector_body import import_bindings, qualified
+from flashport.rewriter.source import semantic
+from flashport.rules.site import RuleContext
 
 SDPA_KERNEL = "torch.nn.attention.sdpa_kernel"
 MATH = frozenset({"torch.nn.attention.SDPBackend.MATH", "torch.backends.cuda.SDPBackend.MATH"})
 SDP_KERNEL = ("enable_flash", "enable_math", "enable_mem_efficient", "enable_cudnn")
 
 
-def includes_math(call: cst.Call, ctx) -> bool:
+def includes_math(call: cst.Call, ctx: RuleContext) -> bool:
     """True when the selector ``call`` (``ctx.qualified_name`` says which one) provably keeps
     ``SDPBackend.MATH`` among its backends; False when it does not or that cannot be told."""
     selector = ctx.qualified_name.rsplit(".", 1)[-1]
@@ -37,58 +38,10 @@ def includes_math(call: cst.Call, ctx) -> bool:
     if selector == "sdp_kernel":
         flag = _argument(call, SDP_KERNEL.index("enable_math"), "enable_math")
         return flag is None or (isinstance(flag, cst.Name) and flag.value == "True")
-    if selector != "sdpa_kernel" or ctx.module is None:
+    if selector != "sdpa_kernel" or ctx.semantic is None:
         return False
     backends = _argument(call, 0, "backends")
-    bindings = _bindings(ctx.tree, ctx.line) if ctx.tree is not None else import_bindings(ctx.module)
-    return backends is not None and _has_math(backends, bindings, ctx.tree)
-
-
-def _module_scope(tree: ast.Module):
-    """The statements that run in the module's own scope: top level and inside module-level
-    ``if``/``try``/``with`` blocks (not in functions or classes)."""
-    pending: list[ast.stmt] = list(tree.body)
-    while pending:
-        statement = pending.pop(0)
-        yield statement
-        if isinstance(statement, (ast.If, ast.With)):
-            pending.extend(statement.body)
-            pending.extend(getattr(statement, "orelse", []))
-        elif isinstance(statement, ast.Try):
-            pending.extend(statement.body + statement.orelse + statement.finalbody)
-            for handler in statement.handlers:
-                pending.extend(handler.body)
-
-
-def _bindings(tree: ast.Module, line: int) -> dict[str, str]:
-    """Import bindings (local name -> qualified name) at module scope and in the innermost function
-    around ``line``; a name imported as two different things, or also assigned anywhere, is left out."""
-    imports = [s for s in _module_scope(tree) if isinstance(s, (ast.Import, ast.ImportFrom))]
-    functions = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.lineno <= line <= (node.end_lineno or node.lineno)
-    ]
-    if functions:
-        inner = max(functions, key=lambda f: f.lineno)
-        imports += [n for n in ast.walk(inner) if isinstance(n, (ast.Import, ast.ImportFrom))]
-    found: dict[str, set[str]] = {}
-    last_star = max(_star_import_lines(tree), default=0)
-    for statement in imports:
-        if isinstance(statement, ast.ImportFrom) and (statement.level or not statement.module):
-            continue
-        if statement.lineno < last_star:
-            continue  # a later `from m import *` may rebind the name
-        for alias in statement.names:
-            if isinstance(statement, ast.ImportFrom):
-                local, target = alias.asname or alias.name, f"{statement.module}.{alias.name}"
-            else:
-                local = alias.asname or alias.name.split(".")[0]
-                target = alias.name if alias.asname else local
-            found.setdefault(local, set()).add(target)
-    assigned = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    return {name: next(iter(t)) for name, t in found.items() if len(t) == 1 and name not in assigned}
+    return backends is not None and _has_math(backends, ctx)
 
 
 def _argument(call: cst.Call, index: int, name: str) -> cst.BaseExpression | None:
@@ -99,101 +52,42 @@ def _argument(call: cst.Call, index: int, name: str) -> cst.BaseExpression | Non
     return next((arg.value for arg in call.args if arg.keyword and arg.keyword.value == name), None)
 
 
-def _has_math(node: cst.BaseExpression, bindings: dict[str, str], tree: ast.Module | None) -> bool:
-    """``node`` is ``SDPBackend.MATH``, a list/tuple holding it, or a module constant that is one."""
+def _has_math(node: cst.BaseExpression, ctx: RuleContext) -> bool:
+    """``node`` is ``SDPBackend.MATH``, a list/tuple holding it, or a module constant that is one
+    (:func:`constant_backends`)."""
     if isinstance(node, (cst.List, cst.Tuple)):
-        return any(isinstance(e, cst.Element) and qualified(e.value, bindings) in MATH for e in node.elements)
-    if qualified(node, bindings) in MATH:
+        return any(isinstance(e, cst.Element) and ctx.qualified_names(e.value) & MATH for e in node.elements)
+    if ctx.qualified_names(node) & MATH:
         return True
-    if isinstance(node, cst.Name) and tree is not None:
-        value = module_constant(tree, node.value)
+    if isinstance(node, cst.Name):
+        value = constant_backends(node.value, ctx)
         if isinstance(value, (ast.List, ast.Tuple)):
-            return any(_dotted_in(e, bindings) in MATH for e in value.elts)
-        return value is not None and _dotted_in(value, bindings) in MATH
+            return any(ctx.qualified_names(e) & MATH for e in value.elts)
+        return value is not None and bool(ctx.qualified_names(value) & MATH)
     return False
 
 
-def _dotted_in(node: ast.expr, bindings: dict[str, str]) -> str:
-    """The qualified name of an ``ast`` Name/Attribute chain through ``bindings``; "" otherwise."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name) or node.id not in bindings:
-        return ""
-    return ".".join([bindings[node.id], *reversed(parts)])
-
-
-def module_constant(tree: ast.Module, name: str) -> ast.expr | None:
-    """The value of ``name`` when the file binds it exactly once, by ``name = value`` at module scope
-    (:func:`_module_scope`), and reads it only as the backends argument of ``sdpa_kernel(...)``
-    calls (nothing can rebind or mutate it); else None. A star import after that statement may
-    rebind any name, so it makes the value unknown (one before it is overridden by it)."""
-    binding: ast.Assign | None = None
-    for statement in _module_scope(tree):
-        if (
-            isinstance(statement, ast.Assign)
-            and len(statement.targets) == 1
-            and isinstance(statement.targets[0], ast.Name)
-            and statement.targets[0].id == name
-        ):
-            binding = statement
-    if binding is None or max(_star_import_lines(tree), default=0) > binding.lineno:
+def constant_backends(name: str, ctx: RuleContext) -> ast.expr | None:
+    """The value of the module constant ``name`` (:meth:`RuleContext.module_constant`) when the
+    file reads it only as the backends argument of ``sdpa_kernel(...)`` calls (nothing can
+    mutate it); else None."""
+    value = ctx.module_constant(name)
+    if value is None or not all(_selector_argument(read, ctx) for read in ctx.loads(name)):
         return None
-    allowed = _selector_arguments(tree, name)
-    stores = 0
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == name:
-            if not isinstance(node.ctx, ast.Load):
-                stores += 1
-            elif id(node) not in allowed:
-                return None
-        elif _binds(node, name):
-            return None
-    return binding.value if stores == 1 else None
+    return value
 
 
-def _star_import_lines(tree: ast.Module) -> list[int]:
-    """Lines of the file's ``from m import *`` statements (module scope: the only place Python allows them)."""
-    return [
-        s.lineno
-        for s in _module_scope(tree)
-        if isinstance(s, ast.ImportFrom) and any(a.name == "*" for a in s.names)
-    ]
-
-
-def _selector_arguments(tree: ast.Module, name: str) -> set[int]:
-    """ids of the ``name`` Loads passed as the backends of a call that resolves to torch's
-    ``sdpa_kernel`` (through the imports, aliases included: ``sdpa_kernel as _sdpa_kernel``)."""
-    found: set[int] = set()
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call) or not any(
-            isinstance(a, ast.Name) and a.id == name
-            for a in [*node.args[:1], *(k.value for k in node.keywords)]
-        ):
-            continue
-        if _dotted_in(node.func, _bindings(tree, node.lineno)) != SDPA_KERNEL:
-            continue
-        values = node.args[:1] + [k.value for k in node.keywords if k.arg == "backends"]
-        found.update(id(v) for v in values if isinstance(v, ast.Name) and v.id == name)
-    return found
-
-
-def _binds(node: ast.AST, name: str) -> bool:
-    """Whether ``node`` binds ``name`` other than as an ``ast.Name`` target (counted apart; star
-    imports: :func:`_star_import_lines`)."""
-    if isinstance(node, ast.arg):
-        return node.arg == name
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return node.name == name
-    if isinstance(node, ast.alias):
-        return (node.asname or node.name.split(".")[0]) == name
-    if isinstance(node, (ast.Global, ast.Nonlocal)):
-        return name in node.names
-    if isinstance(node, ast.ExceptHandler):
-        return node.name == name
-    if isinstance(node, (ast.MatchAs, ast.MatchStar)):
-        return node.name == name
-    if isinstance(node, ast.MatchMapping):
-        return node.rest == name
-    return False
+def _selector_argument(read: ast.Name, ctx: RuleContext) -> bool:
+    """Whether ``read`` is the backends argument (first positional or ``backends=``) of a call that
+    resolves to torch's ``sdpa_kernel`` where it stands (aliases included: ``sdpa_kernel as _k``)."""
+    model = ctx.semantic
+    up = model.parent(read) if model is not None else None
+    if isinstance(up, ast.keyword) and up.arg == "backends":
+        up = model.parent(up) if model is not None else None
+    elif not (isinstance(up, ast.Call) and up.args[:1] == [read]):
+        return False
+    return (
+        model is not None
+        and isinstance(up, ast.Call)
+        and model.qualified_name_at(semantic.dotted(up.func), up.lineno) == SDPA_KERNEL
+    )

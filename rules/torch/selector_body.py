@@ -2,8 +2,8 @@
 
 A selector only picks CUDA kernels for the SDPA calls that run inside it. It may be replaced by
 ``contextlib.nullcontext()`` only when every call in its body is either a direct
-``torch.nn.functional.scaled_dot_product_attention`` call (resolved through the file's top-level
-imports) or a tensor method from a short list (``.transpose``, ``.view``, ...): any other call
+``torch.nn.functional.scaled_dot_product_attention`` call (resolved through the file's imports:
+:meth:`~flashport.rules.site.RuleContext.qualified_names`) or a tensor method from a short list (``.transpose``, ``.view``, ...): any other call
 (``self.proj(x)``, ``model(x)``) may reach SDPA indirectly, so the selector stays. Whether those SDPA
 calls end rewritten is not asked here (no rule asks another): the rewrite names them
 (``Rewrite.requires``) and the engine's per-file phase refuses it when one of them stays torch SDPA
@@ -43,51 +43,6 @@ TENSOR_METHODS = frozenset(
         "dim",
     }
 )
-
-
-def import_bindings(module: cst.Module) -> dict[str, str]:
-    """Top-level import bindings: local name -> qualified module or object name."""
-    out: dict[str, str] = {}
-    for statement in module.body:
-        if not isinstance(statement, cst.SimpleStatementLine):
-            continue
-        for small in statement.body:
-            if isinstance(small, cst.Import):
-                for alias in small.names:
-                    name = _dotted_text(alias.name)
-                    if alias.asname is not None:
-                        out[_dotted_text(alias.asname.name)] = name
-                    else:
-                        out[name.split(".")[0]] = name.split(".")[0]
-            elif isinstance(small, cst.ImportFrom) and small.module is not None and not small.relative:
-                if isinstance(small.names, cst.ImportStar):
-                    continue
-                base = _dotted_text(small.module)
-                for alias in small.names:
-                    local = _dotted_text(alias.asname.name if alias.asname is not None else alias.name)
-                    out[local] = f"{base}.{_dotted_text(alias.name)}"
-    return out
-
-
-def _dotted_text(node: cst.BaseExpression) -> str:
-    """``a.b.c`` for a Name/Attribute chain; "" for anything else."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        return f"{_dotted_text(node.value)}.{node.attr.value}"
-    return ""
-
-
-def qualified(func: cst.BaseExpression, bindings: dict[str, str]) -> str:
-    """The qualified name of a Name/Attribute chain through ``bindings`` (:func:`import_bindings`);
-    "" when its first name is not imported at the top of the file."""
-    text = _dotted_text(func)
-    if not text:
-        return ""
-    head, _, rest = text.partition(".")
-    if head not in bindings:
-        return ""
-    return bindings[head] + ("." + rest if rest else "")
 
 
 def _bound_with(node: cst.CSTNode, ctx) -> cst.With | str:
@@ -195,13 +150,12 @@ def neutral_selector(call: cst.Call, ctx, otherwise: str) -> Rewrite | str:
         if isinstance(bound, str):
             return bound
         with_node = bound
-    module = ctx.module
-    if not isinstance(with_node, cst.With) or module is None:
+    if not isinstance(with_node, cst.With) or ctx.semantic is None:
         return "its `with` statement could not be located"
-    return _neutral_body(with_node, ctx, import_bindings(module), otherwise)
+    return _neutral_body(with_node, ctx, otherwise)
 
 
-def _neutral_body(with_node: cst.With, ctx, bindings: dict[str, str], otherwise: str) -> Rewrite | str:
+def _neutral_body(with_node: cst.With, ctx, otherwise: str) -> Rewrite | str:
     """The nullcontext rewrite, requiring every SDPA call of the ``with`` body, when every call in
     it is an SDPA call or a tensor method, else why not."""
     calls: list[cst.CSTNode] = []
@@ -223,7 +177,7 @@ def _neutral_body(with_node: cst.With, ctx, bindings: dict[str, str], otherwise:
     for inner in calls:
         if not isinstance(inner, cst.Call):
             return "its body defines a function or lambda"
-        if qualified(inner.func, bindings) == SDPA:
+        if SDPA in ctx.qualified_names(inner.func):
             sdpa_calls.append(inner)
         elif not (isinstance(inner.func, cst.Attribute) and inner.func.attr.value in TENSOR_METHODS):
             return f"its body calls {ctx.code(inner.func)}(...), which may run SDPA under this selector"

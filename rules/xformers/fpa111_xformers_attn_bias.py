@@ -49,6 +49,7 @@ from __future__ import annotations
 import ast
 from collections import Counter
 
+from flashport.rewriter.source import semantic
 from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common import values
 from flashport.rules.common.calls import dotted
@@ -165,11 +166,9 @@ def _attention_uses(tree: ast.Module) -> Counter:
     outside import statements: calls, values, ``getattr`` strings. Over-counting only keeps
     constructors, which is the safe direction."""
     names = {
-        a.asname
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom)
-        for a in node.names
-        if a.asname and a.name.startswith(ATTENTION_PREFIX)
+        b.asname
+        for b in semantic.of(tree).imports
+        if b.is_from and b.asname and b.alias.name.startswith(ATTENTION_PREFIX)
     }
     uses: Counter = Counter()
     for node in ast.walk(tree):

@@ -35,7 +35,13 @@ import numpy as np
 
 from flashport.kernels.backends.pallas_gpu.backward import dbias_layout, dkv_call, dq_call
 from flashport.kernels.backends.pallas_gpu.forward import forward_call
-from flashport.kernels.backends.pallas_gpu.tiling import MIN_BLOCK, Geometry, dropout_rows, next_power_of_two
+from flashport.kernels.backends.pallas_gpu.tiling import (
+    MIN_BLOCK,
+    Geometry,
+    dropout_rows,
+    mod_class_input,
+    next_power_of_two,
+)
 from flashport.kernels.backends.pallas_platform import cuda_only
 from flashport.kernels.contract import registry
 from flashport.kernels.contract.spec import FEATURES, AttentionSpec
@@ -127,6 +133,8 @@ def _operands(g: Geometry, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
     b, hq = q.shape[:2]
     consts = () if mods is None else (*mods.score_consts, *mods.mask_consts)
     arrays = {f"mod{n}": jnp.asarray(c).reshape(jnp.shape(c) or (1,)) for n, c in enumerate(consts)}
+    if g.mods is not None and g.mods[4]:
+        arrays["mod_classes"] = mod_class_input(g, mods.blocks)
     return {
         "q": _pad_head(pad_to(q, 2, g.sqp)),
         "k": _pad_head(pad_to(k, 2, g.skp)),
@@ -243,7 +251,8 @@ def _make_backend_fn(name: str, interpret: bool):
         cfg = Config(spec=spec, interpret=interpret, **opts)
         if mods is not None:
             shapes = tuple(jnp.shape(c) for c in (*mods.score_consts, *mods.mask_consts))
-            cfg = dataclasses.replace(cfg, mods=(mods.score, len(mods.score_consts), mods.mask, shapes))
+            rows = 0 if mods.mask is None or mods.blocks is None else mods.blocks.classes.shape[0]
+            cfg = dataclasses.replace(cfg, mods=(mods.score, len(mods.score_consts), mods.mask, shapes, rows))
         return _attention(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, mods)
 
     fn.__name__ = f"{name}_attention"

@@ -40,6 +40,7 @@ from flashport.kernels.backends.pallas_gpu.tiling import (
     full_query_blocks,
     key_block_bounds,
     mod_arrays,
+    mod_classes,
     mod_grad,
     query_block_bounds,
     segment_visit,
@@ -98,7 +99,7 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
         jax.lax.fori_loop(0, lo, zero, None)
         jax.lax.fori_loop(hi, g.nk, zero, None)
 
-    def body(j, carry, positional):
+    def body(j, carry, positional, mask_mod=True):
         dq, db = carry
         ks = pl.ds(j * g.bk, g.bk)
         k = r["k"][ks, :]
@@ -116,6 +117,7 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
             q_seg=q_seg,
             positional=positional,
             at=at,
+            mask_mod=mask_mod,
             **key_slices(r, ks),
         )
         dq = dq + dot(ds.astype(k.dtype), k)
@@ -129,7 +131,8 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((g.bq,), jnp.float32))
     visit = segment_visit(q_seg, lambda j: r["kv_seg"][pl.ds(j * g.bk, g.bk)])
-    dq, db = split_loop((lo, hi), full_key_blocks(g, i), body, init, visit, zero)
+    classes = mod_classes(g, r, at[1], q_block=i)
+    dq, db = split_loop((lo, hi), full_key_blocks(g, i), body, init, visit, zero, classes)
     r["dq_out"][...] = dq.astype(r["dq_out"].dtype)
     if layout == "rows":
         r["dbias_out"][...] = db
@@ -210,9 +213,10 @@ def _dkv_kernel(*refs, g: Geometry, names, group: int):
     bounds, full = query_block_bounds(g, j), full_query_blocks(g, j)
     visit = segment_visit(kv_seg, lambda i: r["q_seg"][pl.ds(i * g.bq, g.bq)])
     consts, bi, hk = mod_arrays(g, r), pl.program_id(1), pl.program_id(2)
+    classes = mod_classes(g, r, bi, k_block=j)
 
     def head(h, carry):
-        def body(i, carry, positional):
+        def body(i, carry, positional, mask_mod=True):
             dk, dv = carry
             qs = pl.ds(i * g.bq, g.bq)
             q, do = r["q"][h, qs, :], r["do"][h, qs, :]
@@ -233,12 +237,13 @@ def _dkv_kernel(*refs, g: Geometry, names, group: int):
                 kv_seg=kv_seg,
                 positional=positional,
                 at=(consts, bi, hk * group + h),
+                mask_mod=mask_mod,
             )
             dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
             dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
             return dk, dv
 
-        return split_loop(bounds, full, body, carry, visit)
+        return split_loop(bounds, full, body, carry, visit, classes=classes)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = jax.lax.fori_loop(0, group, head, init)

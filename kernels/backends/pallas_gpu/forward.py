@@ -29,6 +29,7 @@ from flashport.kernels.backends.pallas_gpu.tiling import (
     full_key_blocks,
     key_block_bounds,
     mod_arrays,
+    mod_classes,
     segment_visit,
     split_loop,
     tile_logits,
@@ -36,7 +37,8 @@ from flashport.kernels.backends.pallas_gpu.tiling import (
 
 
 def whole_spec(name: str, x):
-    """The BlockSpec of an operand every program reads whole: the user mods' arrays (``mod<n>``)."""
+    """The BlockSpec of an operand every program reads whole: the user mods' arrays (``mod<n>``) and
+    their block mask's tile classes (``mod_classes``)."""
     if not name.startswith("mod"):
         raise AssertionError(name)
     return pl.BlockSpec(x.shape, lambda *grid: (0,) * x.ndim)
@@ -114,7 +116,7 @@ def _forward_kernel(*refs, g: Geometry, names):
     v_dtype = r["v"].dtype
     at = (mod_arrays(g, r), pl.program_id(1), pl.program_id(2))
 
-    def body(j, carry, positional):
+    def body(j, carry, positional, mask_mod=True):
         acc, m, l = carry
         ks = pl.ds(j * g.bk, g.bk)
         logits, _ = tile_logits(
@@ -126,6 +128,7 @@ def _forward_kernel(*refs, g: Geometry, names):
             q_seg=q_seg,
             positional=positional,
             at=at,
+            mask_mod=mask_mod,
             **key_slices(r, ks),
         )
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
@@ -142,7 +145,8 @@ def _forward_kernel(*refs, g: Geometry, names):
         jnp.zeros((g.bq,), jnp.float32),
     )
     visit = segment_visit(q_seg, lambda j: r["kv_seg"][pl.ds(j * g.bk, g.bk)])
-    acc, m, l = split_loop(key_block_bounds(g, i), full_key_blocks(g, i), body, init, visit)
+    classes = mod_classes(g, r, at[1], q_block=i)
+    acc, m, l = split_loop(key_block_bounds(g, i), full_key_blocks(g, i), body, init, visit, classes=classes)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     r["out"][...] = (acc / l_safe[:, None]).astype(r["out"].dtype)

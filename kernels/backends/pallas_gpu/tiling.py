@@ -22,7 +22,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashport.kernels.contract.spec import AttentionSpec, apply_softcap, positional_visible
+from flashport.kernels.semantics import block_mask as block_mask_lib
 from flashport.kernels.semantics import block_ranges, dropout
+from flashport.kernels.semantics.padding import pad_to
 
 MIN_BLOCK = 16  # Triton's smallest dot operand dimension
 
@@ -43,8 +45,10 @@ class Geometry:
     spec: AttentionSpec
     bq: int
     bk: int
-    # (score TracedMod, its array count, mask TracedMod, array shapes) or None: the user mods the
-    # tiles run (kernels/semantics/mods.py); their arrays are kernel inputs named ``mod0``, ``mod1``...
+    # (score TracedMod, its array count, mask TracedMod, array shapes, class rows) or None: the user
+    # mods the tiles run (kernels/semantics/mods.py); their arrays are kernel inputs named ``mod0``,
+    # ``mod1``... Class rows: 0, or the batch rows (1 = shared) of the ``mod_classes`` input, the
+    # mask_mod's block-mask class of every tile (:func:`mod_classes`).
     mods: Any = None
 
     @classmethod
@@ -97,12 +101,14 @@ def full_query_blocks(g: Geometry, j):
     return block_ranges.full_query_blocks(g.spec, j, g.bq, g.bk, JAX_OPS)
 
 
-def split_loop(bounds, full, body, carry, visit=None, skip=None):
+def split_loop(bounds, full, body, carry, visit=None, skip=None, classes=None):
     """``fori_loop`` over ``bounds`` = (lo, hi) calling ``body(n, carry, positional)``: tiles in the
     ``full`` range run with ``positional=False`` (no position masking), the rest with True.
 
     ``visit(n)`` (traced bool, optional) skips tile ``n`` when False: ``skip(n, carry)`` (default: the
     carry unchanged) runs instead, e.g. to write the zero gradient of a tile that is not computed.
+    ``classes(n)`` (optional): tile ``n``'s class in the mask_mod's block mask; EMPTY tiles are
+    skipped too, FULL ones run ``body(n, carry, positional, False)`` (no mask_mod test).
     """
     lo, hi = bounds
     f_lo = jnp.clip(full[0], lo, hi)
@@ -110,16 +116,45 @@ def split_loop(bounds, full, body, carry, visit=None, skip=None):
 
     def step(positional):
         def run(n, c):
-            if visit is None:
-                return body(n, c, positional)
+            go = None if visit is None else visit(n)
+            compute = lambda c: body(n, c, positional)  # noqa: E731
+            if classes is not None:
+                cls = classes(n)
+                go = cls != block_mask_lib.EMPTY if go is None else go & (cls != block_mask_lib.EMPTY)
+                compute = lambda c: jax.lax.cond(  # noqa: E731
+                    cls == block_mask_lib.FULL,
+                    lambda c: body(n, c, positional, False),
+                    lambda c: body(n, c, positional, True),
+                    c,
+                )
+            if go is None:
+                return compute(c)
             pass_over = (lambda c: c) if skip is None else (lambda c: skip(n, c))
-            return jax.lax.cond(visit(n), lambda c: body(n, c, positional), pass_over, c)
+            return jax.lax.cond(go, compute, pass_over, c)
 
         return run
 
     carry = jax.lax.fori_loop(lo, f_lo, step(True), carry)
     carry = jax.lax.fori_loop(f_lo, f_hi, step(False), carry)
     return jax.lax.fori_loop(f_hi, hi, step(True), carry)
+
+
+def mod_classes(g: Geometry, refs: dict, b, *, q_block=None, k_block=None):
+    """``classes(n)`` for :func:`split_loop` over key blocks (``q_block`` given) or query blocks
+    (``k_block`` given) of batch row ``b``, read from the ``mod_classes`` input; None without one."""
+    if g.mods is None or not g.mods[4]:
+        return None
+    row = (b if g.mods[4] > 1 else 0) * g.nq
+    table = refs["mod_classes"]
+    if q_block is not None:
+        return lambda j: table[(row + q_block) * g.nk + j]
+    return lambda i: table[(row + i) * g.nk + k_block]
+
+
+def mod_class_input(g: Geometry, blocks) -> jax.Array:
+    """The ``mod_classes`` kernel input: int32 ``[(B or 1) * nq * nk]`` (padded to a power of two)."""
+    table = block_mask_lib.tile_classes_over_heads(blocks, g.bq, g.bk).reshape(-1).astype(jnp.int32)
+    return pad_to(table, 0, next_power_of_two(table.shape[0]))
 
 
 def segment_visit(own, other):
@@ -171,7 +206,19 @@ def dropout_rows(seed, batch: int, heads: int, sqp: int):
 
 
 def tile_logits(
-    g: Geometry, q, k, i, j, *, bias=None, mask=None, q_seg=None, kv_seg=None, positional=True, at=None
+    g: Geometry,
+    q,
+    k,
+    i,
+    j,
+    *,
+    bias=None,
+    mask=None,
+    q_seg=None,
+    kv_seg=None,
+    positional=True,
+    at=None,
+    mask_mod=True,
 ):
     """Scores of tile (query block ``i``, key block ``j``) with every contract feature applied.
 
@@ -181,6 +228,7 @@ def tile_logits(
       q_seg: int32 [bq] and kv_seg: int32 [bk], or None.
       positional: apply causal/window/length masking; False for tiles in :func:`full_key_blocks`.
       at: ``(mod arrays, batch, query head)`` when the call has user mods (:func:`mod_arrays`).
+      mask_mod: evaluate the mods' mask_mod; False for tiles its block mask marks full.
 
     Returns:
       ``(logits, raw)``: float32 [bq, bk] logits with hidden entries at -inf (positions past the
@@ -203,7 +251,7 @@ def tile_logits(
     if g.mods is not None and at is not None:
         mods, where = _mods(g, at), _indices(g, at, i, j)
         logits = mods.apply_score(logits, *where)
-        seen = mods.visible(*where)
+        seen = mods.visible(*where) if mask_mod else None
         if seen is not None:
             visible = seen if visible is None else visible & seen
     return (logits if visible is None else jnp.where(visible, logits, -jnp.inf)), raw
@@ -220,7 +268,7 @@ def mod_arrays(g: Geometry, refs: dict) -> tuple:
 def _mods(g: Geometry, at):
     from flashport.kernels.semantics.mods import Mods
 
-    score, n_score, mask, _ = g.mods
+    score, n_score, mask = g.mods[:3]
     consts = at[0]
     return Mods(score, consts[:n_score], mask, consts[n_score:])
 

@@ -38,6 +38,7 @@ from flashport.kernels.backends.pallas_tpu.tiling import (
     Tables,
     block_tables,
     head_seed_table,
+    mod_class_table,
     pad_lanes,
     prepare_operands,
     round_up,
@@ -62,7 +63,7 @@ class Config:
     # always, ``False`` never.
     read_bshd: bool | None = None
     # The user mods the kernels run (``Geometry.mods``: score TracedMod, its array count, mask
-    # TracedMod) or None; their arrays travel in the tables (``Tables.mod_consts``).
+    # TracedMod, block mask given) or None; their arrays and tile classes travel in the tables.
     mods: Any = None
 
     def geometry(self, kind: str, q, k, v, *, token_major: bool = False, bias=None, mask=None) -> Geometry:
@@ -227,13 +228,15 @@ def _loadable(x):
 
 
 def _tables(
-    g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool, has_mask: bool, mod_consts=None
+    g: Geometry, q_seg, kv_seg, head_seeds, *, by_rows: bool, has_mask: bool, mod_consts=None, mod_blocks=None
 ) -> Tables:
     """A kernel's scalar-prefetch tables: block ranges and full-tile ranges, plus the dropout head
-    seeds and the arrays of the user mods when given."""
+    seeds, the arrays of the user mods and the tile classes of their block mask when given."""
     tables = with_full_ranges(g, block_tables(g, q_seg, kv_seg, by_rows=by_rows), has_mask=has_mask)
     if mod_consts is not None:
         tables = tables._replace(mod_consts=tuple(mod_consts))
+    if g.mask_mod_classified:
+        tables = tables._replace(mod_classes=mod_class_table(g, mod_blocks))
     return tables if head_seeds is None else tables._replace(head_seeds=head_seeds.reshape(-1))
 
 
@@ -248,6 +251,7 @@ def _forward_local(
     kv_seg,
     head_seeds=None,
     mod_consts=None,
+    mod_blocks=None,
     *,
     write_lse=True,
     count_tiles=False,
@@ -274,7 +278,14 @@ def _forward_local(
         qp, kp, vp = _pad_qkv(g, q, k, v)
     bias, mask, qs, ks = prepare_operands(g, bias, mask, q_seg, kv_seg)
     tables = _tables(
-        g, q_seg, kv_seg, head_seeds, by_rows=True, has_mask=mask is not None, mod_consts=mod_consts
+        g,
+        q_seg,
+        kv_seg,
+        head_seeds,
+        by_rows=True,
+        has_mask=mask is not None,
+        mod_consts=mod_consts,
+        mod_blocks=mod_blocks,
     )
     res = _launch(
         cfg,
@@ -300,7 +311,21 @@ def _forward_local(
 
 
 def _backward_local(
-    cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds, mod_consts=None
+    cfg: Config,
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    q_seg,
+    kv_seg,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    head_seeds,
+    mod_consts=None,
+    mod_blocks=None,
 ):
     """dQ, dK, dV (and the bias gradient, or None) for one shard (canonical arrays; like the forward,
     the kernels read token-major ``swapaxes`` views when :func:`reads_bshd`)."""
@@ -332,6 +357,7 @@ def _backward_local(
             by_rows=(kind == "dq"),
             has_mask=mask is not None,
             mod_consts=mod_consts,
+            mod_blocks=mod_blocks,
         )
         call = dkv_call if kind == "dkv" else dq_call
         arrays = [*operands(g), _rows(lse, g), _rows(di, g), b_, m_, qs, ks]
@@ -401,7 +427,7 @@ def _attention_mods(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed, head_
 
 def _attention_mods_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, head_seeds, mods):
     consts = (*mods.score_consts, *mods.mask_consts)
-    out, lse = _forward_local(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds, consts)
+    out, lse = _forward_local(cfg, q, k, v, bias, mask, q_seg, kv_seg, head_seeds, consts, mods.blocks)
     return (out, lse), (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, head_seeds, mods)
 
 
@@ -412,7 +438,7 @@ def _attention_mods_bwd(cfg, residuals, cotangents):
     d_out, d_lse = cotangents
     consts = (*mods.score_consts, *mods.mask_consts)
     dq, dk, dv, dbias = _backward_local(
-        cfg, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds, consts
+        cfg, q, k, v, bias, mask, q_seg, kv_seg, out, lse, d_out, d_lse, head_seeds, consts, mods.blocks
     )
     arrays = (q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse)
     d_mods = mods_cotangent(*arrays, d_out, d_lse, spec=cfg.spec, mods=mods)
@@ -424,7 +450,9 @@ _attention_mods.defvjp(_attention_mods_fwd, _attention_mods_bwd)
 
 def _mods_config(cfg: Config, mods) -> Config:
     """``cfg`` with the static part of ``mods`` (see ``Config.mods``)."""
-    return dataclasses.replace(cfg, mods=(mods.score, len(mods.score_consts), mods.mask))
+    return dataclasses.replace(
+        cfg, mods=(mods.score, len(mods.score_consts), mods.mask, mods.blocks is not None)
+    )
 
 
 def _make_backend_fns(name: str, interpret: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -522,16 +550,36 @@ def count_tiles_by_class(
     q_seg=None,
     kv_seg=None,
     classify=True,
+    mods=None,
 ):
     """Like :func:`count_visited_tiles`, split by tile class: returns ``(out, lse, full, partial)``.
 
     ``full`` [B, Hkv, nq] counts head tiles computed through the mask-free body, ``partial`` those
     computed through the masked body (see :mod:`flashport.kernels.pallas_tpu.classify`);
-    ``classify=False`` masks every tile, as the kernel did before tiles were classified.
+    ``classify=False`` masks every tile, as the kernel did before tiles were classified. ``mods``: a
+    :class:`~flashport.kernels.semantics.mods.Mods` (``contract.validate.prepare_mods``) the tiles run.
     """
     _, blocks = resolve_blocks(dict(options or {}), "pallas_tpu_interpret")
     cfg = Config(spec, blocks, interpret=True)
-    return _forward_local(cfg, q, k, v, bias, mask, q_seg, kv_seg, count_tiles=True, classify=classify)
+    consts, blocks_of_mods = None, None
+    if mods is not None:
+        cfg = _mods_config(cfg, mods)
+        consts, blocks_of_mods = (*mods.score_consts, *mods.mask_consts), mods.blocks
+    return _forward_local(
+        cfg,
+        q,
+        k,
+        v,
+        bias,
+        mask,
+        q_seg,
+        kv_seg,
+        None,
+        consts,
+        blocks_of_mods,
+        count_tiles=True,
+        classify=classify,
+    )
 
 
 # Deliberately parallel registrations (here and in kernels/backends/pallas_gpu/backend.py): each backend declares

@@ -14,7 +14,9 @@ A tile is full when (1) causal/window structure keeps every pair of the tile and
 padding (static: per query block, the full key blocks form one contiguous range
 ``[full_lo_i, full_hi_i)``, computed here), (2) with segment ids, every real query and key of the tile
 carries one and the same id (run time: the per-block min/max ids of the tables are all equal), and
-(3) no ``mask`` array is given (a mask is always tested element-wise). Padded query rows never
+(3) no ``mask`` array is given (a mask is always tested element-wise), and (4) with a ``mask_mod``,
+its block mask marks the tile FULL (run time: ``Tables.mod_classes``, also read to skip the tiles
+it marks EMPTY; a ``mask_mod`` without a block mask makes every tile partial). Padded query rows never
 matter: their outputs are sliced off and their (zero) ``dO`` adds nothing to dK/dV.
 
 The full ranges travel as two more scalar-prefetch tables (``Tables.full_lo``/``full_hi``, int32
@@ -28,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from flashport.kernels.backends.pallas_tpu.tiling import Geometry, Tables
+from flashport.kernels.backends.pallas_tpu.tiling import Geometry, Tables, mod_class
+from flashport.kernels.semantics import block_mask as block_mask_lib
 from flashport.kernels.semantics import block_ranges
 
 # Named scopes of the kernels' tile bodies; the counting harness (``counting.py``) finds the mask
@@ -62,9 +65,10 @@ def full_block_ranges(g: Geometry) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def with_full_ranges(g: Geometry, tables: Tables, *, has_mask: bool) -> Tables:
-    """``tables`` plus the full-tile ranges (empty everywhere when a ``mask`` array is given)."""
+    """``tables`` plus the full-tile ranges (empty everywhere when a ``mask`` array, or a
+    ``mask_mod`` without a block mask, is given)."""
     lo, hi = full_block_ranges(g)
-    if has_mask or g.has_mask_mod:
+    if has_mask or (g.has_mask_mod and not g.mask_mod_classified):
         hi = lo
     return tables._replace(
         full_lo=jnp.asarray(np.asarray(lo, np.int32)), full_hi=jnp.asarray(np.asarray(hi, np.int32))
@@ -78,9 +82,9 @@ def bodies(g: Geometry, *, has_mask: bool, segmented: bool) -> tuple[bool, bool]
     be partial (always with a mask or segment ids), or when no tile is full at all.
     """
     lo, hi = full_block_ranges(g)
-    has_mask = has_mask or g.has_mask_mod
-    full = not has_mask and any(h > l for l, h in zip(lo, hi, strict=True))
-    partial = has_mask or segmented or not full
+    full = not has_mask and not (g.has_mask_mod and not g.mask_mod_classified)
+    full = full and any(h > l for l, h in zip(lo, hi, strict=True))
+    partial = has_mask or segmented or g.has_mask_mod or not full
     partial = partial or any(
         (h - l) != (rh - rl) for l, h, rl, rh in zip(lo, hi, g.row_lo, g.row_hi, strict=True)
     )
@@ -115,7 +119,8 @@ def tile_is_full(tables: Tables, b, q_block, k_block, nq: int, nk: int):
     """In-kernel scalar bool: tile (``q_block``, ``k_block``) of batch row ``b`` is fully visible.
 
     Reads the static full range of the query block and, with segment ids, requires the query and key
-    blocks to hold one single, equal segment id.
+    blocks to hold one single, equal segment id; with a ``mask_mod``, the tile's class in its block
+    mask must be FULL.
     """
     full = jnp.logical_and(tables.full_lo[q_block] <= k_block, k_block < tables.full_hi[q_block])
     if tables.segmented:
@@ -123,4 +128,6 @@ def tile_is_full(tables: Tables, b, q_block, k_block, nq: int, nk: int):
         qi, kj = b * nq + q_block, b * nk + k_block
         same = jnp.logical_and(t.q_min[qi] == t.q_max[qi], t.k_min[kj] == t.k_max[kj])
         full = jnp.logical_and(full, jnp.logical_and(same, t.q_min[qi] == t.k_min[kj]))
+    if tables.mod_classes is not None:
+        full = jnp.logical_and(full, mod_class(tables, b, q_block, k_block, nq, nk) == block_mask_lib.FULL)
     return full

@@ -23,6 +23,7 @@ import numpy as np
 
 from flashport.kernels.backends.pallas_tpu.blocks import K_ALIGN, LANES, Q_ALIGN, SHORT_Q_ALIGN
 from flashport.kernels.contract.spec import AttentionSpec, apply_softcap
+from flashport.kernels.semantics import block_mask as block_mask_lib
 from flashport.kernels.semantics import block_ranges, dropout
 from flashport.kernels.semantics.padding import pad_broadcastable, pad_to
 from flashport.kernels.semantics.visibility import band_visible
@@ -51,14 +52,21 @@ class Geometry:
     row_hi: tuple[int, ...]
     col_lo: tuple[int, ...]
     col_hi: tuple[int, ...]
-    # (score TracedMod, number of its closed-over arrays, mask TracedMod) or None: the user mods the
-    # tiles run (kernels/mods.py); their arrays travel in ``Tables.mod_consts``.
+    # (score TracedMod, number of its closed-over arrays, mask TracedMod, block mask given) or None:
+    # the user mods the tiles run (kernels/mods.py); their arrays travel in ``Tables.mod_consts``,
+    # the tile classes of the mask_mod's block mask in ``Tables.mod_classes``.
     mods: Any = None
 
     @property
     def has_mask_mod(self) -> bool:
-        """Whether a ``mask_mod`` hides entries (every tile then takes the masked body)."""
+        """Whether a ``mask_mod`` hides entries."""
         return self.mods is not None and self.mods[2] is not None
+
+    @property
+    def mask_mod_classified(self) -> bool:
+        """Whether the ``mask_mod`` comes with a block mask: its empty tiles are skipped and its full
+        tiles may take the mask-free body (without one, every tile takes the masked body)."""
+        return self.has_mask_mod and bool(self.mods[3])
 
     @staticmethod
     def make(spec: AttentionSpec, block_q: int, block_k: int) -> Geometry:
@@ -164,6 +172,9 @@ class Tables(NamedTuple):
     full_lo: Any = None
     full_hi: Any = None
     mod_consts: Any = None  # the arrays the score_mod then the mask_mod close over (Geometry.mods)
+    # int32 [(B or 1) * nq * nk]: the mask_mod's class of each tile (block_mask EMPTY / PARTIAL /
+    # FULL, one class for all heads; see mod_class_table), or None.
+    mod_classes: Any = None
 
     @property
     def segmented(self) -> bool:
@@ -241,6 +252,23 @@ class Step:
             t = tables
             overlap = jnp.logical_and(t.q_min[qi] <= t.k_max[kj], t.k_min[kj] <= t.q_max[qi])
             self.run = jnp.logical_and(self.run, overlap)
+        if tables.mod_classes is not None:  # the mask_mod hides every entry of an EMPTY tile
+            q_block, k_block = (row, self.block) if by_rows else (self.block, row)
+            n_q, n_k = (n_rows, n_cols) if by_rows else (n_cols, n_rows)
+            cls = mod_class(tables, b, q_block, k_block, n_q, n_k)
+            self.run = jnp.logical_and(self.run, cls != block_mask_lib.EMPTY)
+
+
+def mod_class_table(g: Geometry, blocks) -> jax.Array:
+    """The mask_mod's tile classes at ``g``'s tiles from its block mask ``blocks``, flattened for
+    SMEM: int32 ``[(B or 1) * nq * nk]``; a tile is empty (full) when it is for every head."""
+    return block_mask_lib.tile_classes_over_heads(blocks, g.bq, g.bk).reshape(-1).astype(jnp.int32)
+
+
+def mod_class(tables: Tables, b, q_block, k_block, nq: int, nk: int):
+    """In-kernel scalar: the mask_mod's class of tile (``q_block``, ``k_block``) of batch row ``b``."""
+    per_batch = tables.mod_classes.shape[0] != nq * nk
+    return tables.mod_classes[((b if per_batch else 0) * nq + q_block) * nk + k_block]
 
 
 def load(ref):
@@ -287,7 +315,7 @@ def _mods(g: Geometry, at):
     """The call's :class:`~flashport.kernels.mods.Mods` with their arrays read from the tables."""
     from flashport.kernels.semantics.mods import Mods
 
-    score, n_score, mask = g.mods
+    score, n_score, mask = g.mods[:3]
     consts = [ref[...] for ref in at[0].mod_consts]
     return Mods(score, consts[:n_score], mask, consts[n_score:])
 

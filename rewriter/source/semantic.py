@@ -1,0 +1,462 @@
+"""One semantic model per file: what each name of the file's ``ast`` is bound to.
+
+Built once per parsed file (:func:`of` keeps it on the tree object, like
+:mod:`~flashport.rewriter.source.astindex`) and asked by the engine, the chunk pruning, the run
+context and, through :class:`~flashport.rules.site.RuleContext`, the rules:
+
+* :attr:`SemanticModel.imports`: every name an import binds, with its scope chain and the
+  qualified name it binds (``import a.b`` binds ``a`` to ``a``; ``import a.b as c`` binds ``c``
+  to ``a.b``; ``from m import x as y`` binds ``y`` to ``m.x``);
+* :meth:`SemanticModel.bindings` / :meth:`SemanticModel.binding`: the imports, assignments and
+  definitions of a scope;
+* :meth:`SemanticModel.resolve` (file-wide import table) and :meth:`SemanticModel.qualified_name_at`
+  (the unambiguous imports visible at a line): "what does this name resolve to";
+* value and attribute aliases (:meth:`SemanticModel.assignments`: ``fn = flash_attn.flash_attn_func``,
+  ``self.fn = flash_attn_func``), :meth:`SemanticModel.module_constant`, :attr:`SemanticModel.exports`
+  (``__all__``), :meth:`SemanticModel.parent` and :meth:`SemanticModel.enclosing`.
+
+Everything is computed on first use and kept: a file whose engine run asks nothing pays nothing. The
+statement walk visits statements only (imports and assignments are statements), in ``ast.walk``'s
+order, so "the last import wins" reads as it did over ``ast.walk``. This module and the import edits
+(:mod:`flashport.rewriter.imports`) are the only code that reads ``ast.Import``/``ast.ImportFrom``
+(``tests/test_semantic_model.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections import deque
+from collections.abc import Iterable
+
+from flashport.rewriter.source import astindex
+
+_ATTRIBUTE = "_flashport_semantic"
+_IMPORTS = (ast.Import, ast.ImportFrom)
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+# Statements whose bodies run in the module's own scope for :meth:`SemanticModel.module_scope`.
+_MODULE_BLOCKS = (ast.If, ast.With, ast.Try)
+
+
+def is_import(node: object) -> bool:
+    """Whether ``node`` is an ``import``/``from ... import`` statement."""
+    return isinstance(node, _IMPORTS)
+
+
+def import_names(node: ast.AST) -> list[str]:
+    """The names an import statement binds (``import a.b`` binds ``a``; ``"*"`` for a star
+    import); empty for any other node."""
+    if isinstance(node, ast.Import):
+        return [alias.asname or alias.name.split(".")[0] for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [alias.asname or alias.name for alias in node.names]
+    return []
+
+
+def dotted(node: ast.AST) -> str:
+    """``a.b.c`` for a Name/Attribute chain; ``""`` for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return ""
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def attribute_path(node: ast.AST) -> str:
+    """Like :func:`dotted`, but an attribute chain on anything else keeps its attributes with an
+    empty root (``f().fn`` -> ``".fn"``): what text searches for a trigger name look at."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    parts.append(node.id if isinstance(node, ast.Name) else "")
+    return ".".join(reversed(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportBinding:
+    """One name bound by one alias of an import statement.
+
+    Attributes:
+      name: the bound name (``"*"`` for a star import).
+      qualified: what it is bound to (``a.b`` for ``import a.b as c``, ``a`` for ``import a.b``,
+        ``m.x`` for ``from m import x``; a relative import keeps its dots: ``.m.x``).
+      imported: the imported path as written, module and name (``a.b``; ``m.x``; ``.x`` for
+        ``from . import x``): what text searches look at.
+      asname: the alias's ``as`` name, or None.
+      node: the import statement; ``alias``: its alias.
+      top: the module-level statement holding it.
+      scopes: the defs, lambdas and classes around it, outermost first (empty at module level).
+      module_scope: it runs in the module's scope through ``if``/``with``/``try`` blocks only.
+    """
+
+    name: str
+    qualified: str
+    imported: str
+    asname: str | None
+    node: ast.Import | ast.ImportFrom
+    alias: ast.alias
+    top: ast.stmt
+    scopes: tuple[ast.AST, ...]
+    module_scope: bool
+
+    @property
+    def relative(self) -> bool:
+        """``from . import x`` / ``from .m import x``, or a ``from`` import without a module."""
+        return isinstance(self.node, ast.ImportFrom) and bool(self.node.level or not self.node.module)
+
+    @property
+    def is_from(self) -> bool:
+        """A ``from ... import`` (relative ones too)."""
+        return isinstance(self.node, ast.ImportFrom)
+
+    @property
+    def base(self) -> str:
+        """The module of a ``from`` import with its leading dots (``..m``); ``""`` for ``import``."""
+        if isinstance(self.node, ast.ImportFrom):
+            return "." * self.node.level + (self.node.module or "")
+        return ""
+
+    @property
+    def from_module(self) -> str:
+        """The module of a ``from`` import as written, without its dots (``""`` for ``import``)."""
+        return (self.node.module or "") if isinstance(self.node, ast.ImportFrom) else ""
+
+    @property
+    def star(self) -> bool:
+        """``from m import *``."""
+        return self.alias.name == "*"
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """A name bound in a scope other than by an import: ``kind`` is ``"assign"`` (a plain ``Name``
+    target of ``=``), ``"def"`` or ``"class"``; ``node`` the statement."""
+
+    name: str
+    kind: str
+    node: ast.stmt
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """An ``=`` whose value is a Name/Attribute chain: a value alias (``fn = flash_attn_func``) or
+    an attribute alias (``self.fn = flash_attn_func``).
+
+    Attributes:
+      node: the ``ast.Assign``.
+      names: its plain ``Name`` targets; ``attributes``: the last names of its ``Attribute`` targets.
+      value: :func:`attribute_path` of the value.
+    """
+
+    node: ast.Assign
+    names: tuple[str, ...]
+    attributes: tuple[str, ...]
+    value: str
+
+
+class SemanticModel:
+    """The bindings of one parsed file (see the module docstring). Do not change the tree after
+    building it."""
+
+    def __init__(self, tree: ast.Module):
+        self.tree = tree
+        self._imports: list[ImportBinding] | None = None
+        self._scoped: dict[int, list[Binding]] | None = None
+        self._parents: dict[int, ast.AST] | None = None
+        self._import_table: dict[str, str] | None = None
+        self._at: dict[int, dict[str, str]] = {}
+        self._stored: frozenset[str] | None = None
+        self._functions: list[ast.AST] | None = None
+        self._assignments: list[Assignment] | None = None
+
+    # -- the statement walk ------------------------------------------------------------------------
+
+    def _walk(self) -> None:
+        """Visit every statement once, in ``ast.walk`` order, noting imports and scope bindings."""
+        imports: list[ImportBinding] = []
+        scoped: dict[int, list[Binding]] = {}
+        module = self.tree
+        # (node, top-level statement, scopes around it, in the module's scope)
+        todo: deque[tuple[ast.AST, ast.stmt | None, tuple[ast.AST, ...], bool]] = deque(
+            [(module, None, (), True)]
+        )
+        while todo:
+            node, top, scopes, in_module = todo.popleft()
+            owner = scopes[-1] if scopes else module
+            if isinstance(node, _IMPORTS):
+                for alias in node.names:
+                    imports.append(_import_binding(node, alias, top, scopes, in_module))  # type: ignore[arg-type]
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        scoped.setdefault(id(owner), []).append(Binding(target.id, "assign", node))
+            elif isinstance(node, (*_DEFS, ast.ClassDef)):
+                kind = "class" if isinstance(node, ast.ClassDef) else "def"
+                scoped.setdefault(id(owner), []).append(Binding(node.name, kind, node))
+            inner = (*scopes, node) if isinstance(node, SCOPES) else scopes
+            keeps_module = node is module or (
+                in_module and isinstance(node, (*_MODULE_BLOCKS, ast.ExceptHandler))
+            )
+            for field in node._fields:
+                value = getattr(node, field, None)
+                if not isinstance(value, list):
+                    continue
+                for item in value:
+                    if isinstance(item, (ast.stmt, ast.ExceptHandler, ast.match_case)):
+                        todo.append((item, top if top is not None else item, inner, keeps_module))  # type: ignore[arg-type]
+        self._imports, self._scoped = imports, scoped
+
+    @property
+    def imports(self) -> list[ImportBinding]:
+        """Every name bound by an import anywhere in the file, in ``ast.walk`` order."""
+        if self._imports is None:
+            self._walk()
+        return self._imports  # type: ignore[return-value]
+
+    def import_statements(self) -> list[ast.Import | ast.ImportFrom]:
+        """Every import statement of the file, once each, in ``ast.walk`` order."""
+        return list({id(b.node): b.node for b in self.imports}.values())
+
+    def bindings(self, scope: ast.AST | None = None) -> list[Binding]:
+        """The assignments and definitions of ``scope`` (a def, lambda or class; None: the module)
+        other than imports (those: :attr:`imports`, by their ``scopes``)."""
+        if self._scoped is None:
+            self._walk()
+        return list(self._scoped.get(id(scope if scope is not None else self.tree), ()))  # type: ignore[union-attr]
+
+    def binding(self, name: str, scope: ast.AST | None = None) -> list[ImportBinding | Binding]:
+        """Every binding of ``name`` made directly in ``scope`` (None: the module), imports first."""
+        found: list[ImportBinding | Binding] = [
+            b for b in self.imports if b.name == name and (b.scopes[-1] if b.scopes else None) is scope
+        ]
+        return found + [b for b in self.bindings(scope) if b.name == name]
+
+    # -- what a name resolves to -------------------------------------------------------------------
+
+    def import_table(self) -> dict[str, str]:
+        """Bound name -> qualified name, over every absolute import anywhere in the file (the last
+        one in ``ast.walk`` order wins): a file-wide reading, blind to scopes."""
+        if self._import_table is None:
+            self._import_table = {b.name: b.qualified for b in self.imports if not b.relative}
+        return self._import_table
+
+    def resolve(self, node: ast.AST) -> str:
+        """The dotted name ``node`` refers to, its first part resolved through :meth:`import_table`
+        (unchanged when that part is not imported; ``""`` when ``node`` is no Name/Attribute chain)."""
+        text = dotted(node)
+        head, _, rest = text.partition(".")
+        table = self.import_table()
+        if head in table:
+            return table[head] + (f".{rest}" if rest else "")
+        return text
+
+    def imports_at(self, line: int) -> dict[str, str]:
+        """The imports a name read at ``line`` provably resolves through: bound name -> qualified
+        name, from the module's scope (:meth:`module_scope`) and the innermost ``def`` around
+        ``line``. Left out: relative imports, imports before the file's last star import (it may
+        rebind any name), and names imported as two different things or also assigned anywhere."""
+        if line in self._at:
+            return self._at[line]
+        inner = self.function_at(line)
+        found: dict[str, set[str]] = {}
+        last_star = max(self.star_import_lines(), default=0)
+        for b in self.imports:
+            if not (b.module_scope or (inner is not None and any(s is inner for s in b.scopes))):
+                continue
+            if b.relative or b.node.lineno < last_star:
+                continue
+            found.setdefault(b.name, set()).add(b.qualified)
+        stored = self.stored_names()
+        table = {name: next(iter(t)) for name, t in found.items() if len(t) == 1 and name not in stored}
+        self._at[line] = table
+        return table
+
+    def qualified_name_at(self, text: str, line: int) -> str:
+        """The qualified name of the dotted name ``text`` read at ``line``, through
+        :meth:`imports_at`; ``""`` when its first name is not such an import."""
+        head, _, rest = text.partition(".")
+        table = self.imports_at(line)
+        if not text or head not in table:
+            return ""
+        return table[head] + (f".{rest}" if rest else "")
+
+    def qualified_names(self, node: ast.AST) -> set[str]:
+        """The qualified names of an ``ast`` Name/Attribute chain (:meth:`qualified_name_at` at its
+        line); empty when it resolves to no import."""
+        name = self.qualified_name_at(dotted(node), getattr(node, "lineno", 0))
+        return {name} if name else set()
+
+    def star_import_lines(self) -> list[int]:
+        """Lines of the module-scope ``from m import *`` statements."""
+        return sorted({b.node.lineno for b in self.imports if b.star and b.module_scope})
+
+    def stored_names(self) -> frozenset[str]:
+        """Every name the file assigns or deletes anywhere (``Name`` targets)."""
+        if self._stored is None:
+            names = astindex.of_type(self.tree, ast.Name)
+            self._stored = frozenset(n.id for n in names if not isinstance(n.ctx, ast.Load))  # type: ignore[attr-defined]
+        return self._stored
+
+    def loads(self, name: str) -> list[ast.Name]:
+        """Every read of ``name`` (``Name`` nodes in ``Load`` context) in the file."""
+        nodes = astindex.of_type(self.tree, ast.Name)
+        return [n for n in nodes if n.id == name and isinstance(n.ctx, ast.Load)]  # type: ignore[attr-defined,misc]
+
+    # -- aliases, constants, exports ---------------------------------------------------------------
+
+    def assignments(self) -> list[Assignment]:
+        """Every ``=`` anywhere whose value is a Name/Attribute chain, in ``ast.walk`` order."""
+        if self._assignments is None:
+            self._assignments = [
+                Assignment(
+                    node,  # type: ignore[arg-type]
+                    tuple(t.id for t in node.targets if isinstance(t, ast.Name)),  # type: ignore[attr-defined]
+                    tuple(t.attr for t in node.targets if isinstance(t, ast.Attribute)),  # type: ignore[attr-defined]
+                    attribute_path(node.value),  # type: ignore[attr-defined]
+                )
+                for node in astindex.of_type(self.tree, ast.Assign)
+                if isinstance(node.value, (ast.Name, ast.Attribute))  # type: ignore[attr-defined]
+            ]
+        return self._assignments
+
+    def value_aliases(self, statements: Iterable[ast.stmt]) -> list[tuple[str, str]]:
+        """``(name, value)`` of the ``name = <Name/Attribute chain>`` among ``statements`` (one
+        plain target): local aliases of whatever the value names."""
+        return [
+            (stmt.targets[0].id, attribute_path(stmt.value))
+            for stmt in statements
+            if isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+            and isinstance(stmt.value, (ast.Name, ast.Attribute))
+        ]
+
+    def module_scope(self) -> Iterable[ast.stmt]:
+        """The statements that run in the module's own scope: top level and inside module-level
+        ``if``/``try``/``with`` blocks (not in loops, functions or classes), in source order."""
+        pending: list[ast.stmt] = list(self.tree.body)
+        while pending:
+            statement = pending.pop(0)
+            yield statement
+            if isinstance(statement, (ast.If, ast.With)):
+                pending.extend(statement.body)
+                pending.extend(getattr(statement, "orelse", []))
+            elif isinstance(statement, ast.Try):
+                pending.extend(statement.body + statement.orelse + statement.finalbody)
+                for handler in statement.handlers:
+                    pending.extend(handler.body)
+
+    def module_constant(self, name: str) -> ast.expr | None:
+        """The value of ``name`` when the file binds it exactly once anywhere, by ``name = value``
+        in the module's scope (:meth:`module_scope`), with no star import after it; else None. Its
+        reads (:meth:`loads`) are the caller's to judge: a mutation through one is not seen here."""
+        binding: ast.Assign | None = None
+        for statement in self.module_scope():
+            if (
+                isinstance(statement, ast.Assign)
+                and len(statement.targets) == 1
+                and isinstance(statement.targets[0], ast.Name)
+                and statement.targets[0].id == name
+            ):
+                binding = statement
+        if binding is None or max(self.star_import_lines(), default=0) > binding.lineno:
+            return None
+        stores = 0
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Name) and node.id == name:
+                stores += not isinstance(node.ctx, ast.Load)
+            elif _binds(node, name):
+                return None
+        return binding.value if stores == 1 else None
+
+    @property
+    def exports(self) -> tuple[str, ...] | None:
+        """The names of a module-scope ``__all__ = [...]``/``(...)`` of string literals (the last
+        such assignment), or None when the file has none or it is not that plain."""
+        value = None
+        for statement in self.module_scope():
+            if isinstance(statement, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in statement.targets
+            ):
+                value = statement.value
+        if isinstance(value, (ast.List, ast.Tuple)) and all(
+            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts
+        ):
+            return tuple(e.value for e in value.elts)  # type: ignore[attr-defined]
+        return None
+
+    # -- structure ---------------------------------------------------------------------------------
+
+    def parent(self, node: ast.AST) -> ast.AST | None:
+        """The node that holds ``node`` (None for the module or a node of another tree)."""
+        if self._parents is None:
+            self._parents = {
+                id(child): item for item in ast.walk(self.tree) for child in ast.iter_child_nodes(item)
+            }
+        return self._parents.get(id(node))
+
+    def enclosing(self, node: ast.AST, kind: type | tuple[type, ...] = SCOPES) -> ast.AST | None:
+        """The nearest ancestor of ``node`` of type ``kind`` (a def, lambda or class by default)."""
+        current = self.parent(node)
+        while current is not None and not isinstance(current, kind):
+            current = self.parent(current)
+        return current
+
+    def function_at(self, line: int) -> ast.AST | None:
+        """The innermost ``def`` whose lines hold ``line`` (the one starting last), or None."""
+        if self._functions is None:
+            self._functions = astindex.of_type(self.tree, *_DEFS)
+            self._functions.sort(key=lambda f: f.lineno)  # type: ignore[attr-defined]
+        around = [f for f in self._functions if f.lineno <= line <= (f.end_lineno or f.lineno)]  # type: ignore[attr-defined]
+        return max(around, key=lambda f: f.lineno, default=None)  # type: ignore[attr-defined]
+
+
+def of(tree: ast.Module) -> SemanticModel:
+    """The :class:`SemanticModel` of ``tree``, built on first use and kept on the tree object."""
+    model = getattr(tree, _ATTRIBUTE, None)
+    if model is None:
+        model = SemanticModel(tree)
+        setattr(tree, _ATTRIBUTE, model)
+    return model
+
+
+def _import_binding(
+    node: ast.Import | ast.ImportFrom,
+    alias: ast.alias,
+    top: ast.stmt,
+    scopes: tuple[ast.AST, ...],
+    module: bool,
+) -> ImportBinding:
+    """The :class:`ImportBinding` of one alias of ``node``."""
+    if isinstance(node, ast.ImportFrom):
+        base = "." * node.level + (node.module or "")
+        qualified = f"{base}.{alias.name}" if base and not base.endswith(".") else base + alias.name
+        name = alias.asname or alias.name
+        imported = f"{node.module or ''}.{alias.name}"
+    else:
+        name = alias.asname or alias.name.split(".")[0]
+        qualified = alias.name if alias.asname else name
+        imported = alias.name
+    return ImportBinding(name, qualified, imported, alias.asname, node, alias, top, scopes, module)
+
+
+def _binds(node: ast.AST, name: str) -> bool:
+    """Whether ``node`` binds ``name`` other than as an ``ast.Name`` target."""
+    if isinstance(node, ast.arg):
+        return node.arg == name
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, ast.alias):
+        return (node.asname or node.name.split(".")[0]) == name
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return name in node.names
+    if isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)):
+        return node.name == name
+    if isinstance(node, ast.MatchMapping):
+        return node.rest == name
+    return False

@@ -1,0 +1,246 @@
+"""The per-file semantic model (``rewriter/source/semantic.py``): its answers checked against libcst's
+own scope analysis (an independent implementation) and small hand-read files, and the structure rule
+that only the model and the import edits read import statements."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import textwrap
+
+import libcst as cst
+import pytest
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+
+from flashport.rewriter.source import semantic
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The only product code that may read import statements itself: the model and the import edits.
+IMPORT_READERS = {
+    ROOT / "rewriter" / "source" / "semantic.py",
+    *sorted((ROOT / "rewriter" / "imports").glob("*.py")),
+}
+IMPORT_NODES = {"Import", "ImportFrom"}
+
+
+def import_node_reads(source: str) -> list[int]:
+    """Lines of ``source`` that name ``ast.Import``/``ast.ImportFrom`` (as ``ast.X`` or imported from ``ast``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in IMPORT_NODES
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "ast"
+        ):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "ast":
+            lines.extend(node.lineno for a in node.names if a.name in IMPORT_NODES)
+    return lines
+
+
+def test_the_structure_check_sees_an_import_read():
+    assert import_node_reads("isinstance(n, (ast.Import, ast.ImportFrom))") == [1, 1]
+    assert import_node_reads("from ast import ImportFrom") == [1]
+    assert import_node_reads("isinstance(n, cst.Import)") == []
+
+
+def test_only_the_model_and_the_import_edits_read_import_statements():
+    product = [*(ROOT / "rewriter").rglob("*.py"), *(ROOT / "rules").rglob("*.py")]
+    assert len(product) > 50
+    offenders = {
+        str(path.relative_to(ROOT)): lines
+        for path in product
+        if path not in IMPORT_READERS and (lines := import_node_reads(path.read_text(encoding="utf-8")))
+    }
+    assert offenders == {}, "ask rewriter.source.semantic (SemanticModel.imports, is_import, import_names)"
+
+
+SAMPLE = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    import flash_attn.flash_attn_interface
+    from flash_attn import flash_attn_func as fa, flash_attn_varlen_func
+    from torch.nn.attention import sdpa_kernel, SDPBackend
+    try:
+        from xformers.ops import memory_efficient_attention as mea
+    except ImportError:
+        mea = None
+
+    def f(q, k, v):
+        from torch.nn.attention import SDPBackend as B
+        F.scaled_dot_product_attention(q, k, v)
+        fa(q, k, v)
+        flash_attn.flash_attn_interface.flash_attn_func(q, k, v)
+        torch.nn.functional.softmax(q)
+        flash_attn_varlen_func(q, k, v)
+        sdpa_kernel(B.MATH)
+        return SDPBackend.FLASH_ATTENTION
+    """
+)
+
+
+def _libcst_names(source: str) -> dict[tuple[int, str], set[str]]:
+    """libcst's qualified names of every Name/Attribute chain, by (line, dotted text)."""
+    out: dict[tuple[int, str], set[str]] = {}
+
+    class Collect(cst.CSTVisitor):
+        METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
+
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, (cst.Name, cst.Attribute)):
+                text = cst.helpers.get_full_name_for_node(node)
+                line = self.get_metadata(PositionProvider, node).start.line
+                out[(line, text)] = {n.name for n in self.get_metadata(QualifiedNameProvider, node, set())}
+            return True
+
+    MetadataWrapper(cst.parse_module(source)).visit(Collect())
+    return out
+
+
+def test_import_resolution_agrees_with_libcst():
+    tree = ast.parse(SAMPLE)
+    model = semantic.of(tree)
+    reference = _libcst_names(SAMPLE)
+    function = tree.body[-1]
+    chains = [
+        n
+        for n in ast.walk(function)
+        if isinstance(n, (ast.Name, ast.Attribute)) and isinstance(n.ctx, ast.Load)
+    ]
+    imported = {"torch", "F", "flash_attn", "fa", "flash_attn_varlen_func", "sdpa_kernel", "SDPBackend", "B"}
+    checked = 0
+    for node in chains:
+        text = semantic.dotted(node)
+        if text.split(".")[0] not in imported:
+            continue  # parameters: libcst names them `f.<locals>.q`; the model resolves imports only
+        expected = reference[(node.lineno, text)]
+        assert model.qualified_names(node) == expected, text
+        assert {model.resolve(node)} == expected, text
+        checked += 1
+    assert checked >= 12
+
+
+def test_imports_carry_their_scope_and_qualified_name():
+    model = semantic.of(ast.parse(SAMPLE))
+    table = {(b.name, b.qualified, bool(b.scopes), b.module_scope) for b in model.imports}
+    assert ("F", "torch.nn.functional", False, True) in table
+    assert ("flash_attn", "flash_attn", False, True) in table
+    assert ("fa", "flash_attn.flash_attn_func", False, True) in table
+    assert ("mea", "xformers.ops.memory_efficient_attention", False, True) in table  # in a try: module scope
+    assert ("B", "torch.nn.attention.SDPBackend", True, False) in table
+
+
+def test_imports_at_a_line_leave_out_what_cannot_be_told():
+    source = textwrap.dedent(
+        """
+        from torch.nn.attention import sdpa_kernel
+        from a import x
+        from b import x
+        from torch import y
+        y = 1
+        from .rel import z
+
+        def g():
+            from torch.nn.attention import SDPBackend
+            return SDPBackend
+
+        def h():
+            return 0
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    assert model.imports_at(11) == {
+        "sdpa_kernel": "torch.nn.attention.sdpa_kernel",
+        "SDPBackend": "torch.nn.attention.SDPBackend",
+    }
+    assert model.imports_at(14) == {"sdpa_kernel": "torch.nn.attention.sdpa_kernel"}
+    assert model.qualified_name_at("SDPBackend.MATH", 11) == "torch.nn.attention.SDPBackend.MATH"
+    assert model.qualified_name_at("SDPBackend.MATH", 14) == ""
+
+
+def test_a_star_import_hides_what_came_before():
+    model = semantic.of(
+        ast.parse("from torch.nn.attention import SDPBackend\nfrom m import *\nSDPBackend.MATH\n")
+    )
+    assert "SDPBackend" not in model.imports_at(3)
+    assert model.star_import_lines() == [2]
+
+
+def test_module_constants_aliases_and_exports():
+    source = textwrap.dedent(
+        """
+        from flash_attn import flash_attn_func
+        BACKENDS = [1, 2]
+        if True:
+            GUARDED = (3,)
+        TWICE = 1
+        TWICE = 2
+        REBOUND = 1
+
+        def f(REBOUND):
+            return REBOUND
+
+        attn = flash_attn_func
+        other = get().flash_attn_func
+
+        class M:
+            def __init__(self):
+                self.fn = flash_attn_func
+
+        __all__ = ["attn", "M"]
+        """
+    )
+    tree = ast.parse(source)
+    model = semantic.of(tree)
+    assert isinstance(model.module_constant("BACKENDS"), ast.List)
+    assert isinstance(model.module_constant("GUARDED"), ast.Tuple)
+    assert model.module_constant("TWICE") is None
+    assert model.module_constant("REBOUND") is None  # a parameter binds it too
+    assert model.module_constant("missing") is None
+    assert model.value_aliases(tree.body) == [("attn", "flash_attn_func"), ("other", ".flash_attn_func")]
+    assert {(a.names, a.attributes, a.value) for a in model.assignments()} == {
+        (("attn",), (), "flash_attn_func"),
+        (("other",), (), ".flash_attn_func"),
+        ((), ("fn",), "flash_attn_func"),
+    }
+    assert model.exports == ("attn", "M")
+    assert [b.kind for b in model.binding("TWICE")] == ["assign", "assign"]
+    (imported,) = model.binding("flash_attn_func")
+    assert isinstance(imported, semantic.ImportBinding) and imported.qualified == "flash_attn.flash_attn_func"
+    method = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert model.binding("fn", method) == []  # an attribute is no binding of the scope
+
+
+def test_parent_and_enclosing():
+    tree = ast.parse("class C:\n    def m(self):\n        return f(x)\n")
+    model = semantic.of(tree)
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call))
+    assert isinstance(model.parent(call), ast.Return)
+    assert model.enclosing(call).name == "m"
+    assert model.enclosing(call, ast.ClassDef).name == "C"
+    assert model.parent(tree) is None
+    assert model.function_at(3).name == "m"
+    assert model.function_at(1) is None
+
+
+def test_the_model_is_built_once_per_tree():
+    tree = ast.parse("import torch\n")
+    assert semantic.of(tree) is semantic.of(tree)
+    assert semantic.of(ast.parse("import torch\n")) is not semantic.of(tree)
+
+
+@pytest.mark.parametrize(
+    ("statement", "names"),
+    [
+        ("import a.b.c", ["a"]),
+        ("import a.b as c", ["c"]),
+        ("from m import x, y as z", ["x", "z"]),
+        ("x = 1", []),
+    ],
+)
+def test_import_names(statement, names):
+    node = ast.parse(statement).body[0]
+    assert semantic.import_names(node) == names
+    assert semantic.is_import(node) == bool(names)
