@@ -249,7 +249,7 @@ def test_cudnn_dispatch_guards(monkeypatch):
         q, k, v, _ = make_inputs(0, dtype=dtype, **dict(dict(sq=12, sk=28), **(shape or {})))
         return api.prepare(q, k, v, **kw)[1]
 
-    monkeypatch.setattr(cudnn, "gpu_present", lambda: True)
+    monkeypatch.setattr(cudnn, "cuda_present", lambda: True)
     assert cudnn.check_call(call()) is None
     assert cudnn.check_call(call(causal=True, align="top_left")) is None
     assert cudnn.check_call(call(shape=dict(sq=16, sk=16), causal=True)) is None
@@ -260,7 +260,7 @@ def test_cudnn_dispatch_guards(monkeypatch):
     assert "odd sequence length" in cudnn.check_call(call(shape=dict(sq=13)))
     assert registry.missing_features(registry.get("cudnn"), call(dtype="float32")) == ["float32"]
     assert registry.choose("cuda", call(softcap=2.0))[0] == "pallas_gpu"  # the Triton kernel serves softcap
-    monkeypatch.setattr(cudnn, "gpu_present", lambda: False)
+    monkeypatch.setattr(cudnn, "cuda_present", lambda: False)
     assert "CUDA device" in cudnn.check_call(call())
 
 

@@ -3,7 +3,7 @@ refuses before lowering.
 
 The CUDA branch of ``auto`` is :func:`flashport.kernels.contract.registry.choose` for platform ``"cuda"`` (what
 ``flashport.attention`` evaluates per platform while lowering). It is exercised here without a GPU:
-``cudnn.gpu_present`` is patched to True, and JAX's own cuDNN module is told a cuDNN version and an
+``cudnn.cuda_present`` is patched to True, and JAX's own cuDNN module is told a cuDNN version and an
 Ampere (8.0) GPU, so ``jax.nn.dot_product_attention(implementation="cudnn")`` runs its real shape and
 dtype checks while tracing (``check_layout``, and ``check_is_flash_attention`` in the forward and the
 training forward). Those checks, not flashport's ``cudnn.check_call``, are the oracle: wherever
@@ -64,7 +64,7 @@ def broadcast_shapes(sq, sk):
 @pytest.fixture
 def simulated_cuda(monkeypatch):
     """A CUDA process as far as the cudnn backend and JAX's cuDNN checks can tell (Ampere, cuDNN 9.10)."""
-    monkeypatch.setattr(cudnn, "gpu_present", lambda: True)
+    monkeypatch.setattr(cudnn, "cuda_present", lambda: True)
     monkeypatch.setattr(jax_cudnn, "check_cudnn_version", lambda: 91000)
     ampere = (8, 0)
     monkeypatch.setattr(
@@ -209,7 +209,7 @@ def test_long_sequences_never_take_the_materialized_path(simulated_cuda):
 
 def test_no_cudnn_without_a_gpu():
     """In a process without a CUDA device (this one), auto's CUDA branch never traces cuDNN."""
-    assert not cudnn.gpu_present()
+    assert not cudnn.cuda_present()
     name, why = registry.choose("cuda", make_call(8, 16))
     assert name == "pallas_gpu" and "CUDA device" in why
 

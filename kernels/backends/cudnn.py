@@ -25,24 +25,14 @@ Used only where the call provably means the same thing under cuDNN's rules, whic
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from flashport.kernels.contract import registry
+from flashport.kernels.contract.registry import cuda_present
 
 FEATURES = frozenset({"causal", "window", "bias", "gqa", "bfloat16", "float16"})
 MAX_HEAD_DIM = 128
-
-
-@functools.lru_cache(maxsize=1)
-def gpu_present() -> bool:
-    """Whether this process has a CUDA device (cached: device discovery is not free)."""
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
 
 
 def check_call(call) -> str | None:
@@ -53,7 +43,7 @@ def check_call(call) -> str | None:
     for the forward and the training forward), at their strictest (pre-Hopper head dims), so a call
     this accepts never raises there; ``tests/test_auto_cuda_choice.py`` runs those checks as the oracle.
     """
-    if not gpu_present():
+    if not cuda_present():
         return "needs a CUDA device in this process (cuDNN is traced only where a GPU is present)"
     return _shape_reason(call) or _bias_reason(call) or _positional_reason(call.spec)
 
@@ -130,7 +120,7 @@ registry.register(
         features=frozenset(FEATURES) - {"dropout"},
         fn=cudnn_attention,
         check=check_call,
-        is_available=gpu_present,
+        is_available=cuda_present,
         deferrable=False,  # its custom_partitioning lowers only at the top of a module
     )
 )

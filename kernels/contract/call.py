@@ -50,3 +50,27 @@ class Call:
     dtype: str
     bias_shape: tuple[int, ...] | None
     layout: str = "BHSD"  # the caller's layout (the spec's ``layout`` hint for the backend)
+
+    @classmethod
+    def over(
+        cls,
+        spec: AttentionSpec,
+        features: set[str] | frozenset[str],
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        bias_shape: tuple[int, ...] | None = None,
+        layout: str = "BHSD",
+    ) -> Call:
+        """The call of ``spec`` with ``features`` over canonical (BHSD) ``q``, ``k``, ``v``: shapes,
+        value head dim and dtype read from the arrays."""
+        return cls(
+            spec=spec,
+            features=frozenset(features),
+            q_shape=tuple(q.shape),
+            kv_shape=tuple(k.shape),
+            v_head_dim=v.shape[-1],
+            dtype=DTYPES[q.dtype],
+            bias_shape=bias_shape,
+            layout=layout,
+        )

@@ -68,14 +68,18 @@ def _dispatch(
         execute.describe(call),
         "; ".join(f"{p}->{name} ({why})" for p, (name, why) in picks.items()),
     )
+    return _per_platform(picks, call, args, mods, execute.run, execute.run_positional, deferred.run)
+
+
+def _per_platform(picks, call: Call, args: tuple, mods: Mods | None, run, run_positional, later):
+    """Run the backend ``picks`` names on every platform with ``run(choice, call, args, mods)``, or,
+    where platforms pick differently, branch with ``lax.platform_dependent``
+    (:func:`platform_branches` with ``run_positional``, deferring the others with ``later``)."""
     names = {name for name, _ in picks.values()}
     if len(names) == 1:
-        return execute.run(registry.BackendChoice(names.pop()), call, args, mods)
+        return run(registry.BackendChoice(names.pop()), call, args, mods)
     branches = platform_branches(
-        picks,
-        call,
-        functools.partial(execute.run_positional, mods=mods),
-        functools.partial(deferred.run, mods=mods),
+        picks, call, functools.partial(run_positional, mods=mods), functools.partial(later, mods=mods)
     )
     return jax.lax.platform_dependent(*args, **branches)
 
@@ -143,14 +147,5 @@ def flashport_attention_backward(
             return (*zeros, None if bias is None else jnp.zeros_like(bias))
         if choice is not None:
             return execute.run_backend(choice, call, args, mods)
-        picks = {p: registry.choose(p, call) for p in PLATFORMS}
-        names = {name for name, _ in picks.values()}
-        if len(names) == 1:
-            return execute.run_backend(registry.BackendChoice(names.pop()), call, args, mods)
-        branches = platform_branches(
-            picks,
-            call,
-            functools.partial(execute.run_backend_positional, mods=mods),
-            functools.partial(deferred.run_backward, mods=mods),
-        )
-        return jax.lax.platform_dependent(*args, **branches)
+        runners = (execute.run_backend, execute.run_backend_positional, deferred.run_backward)
+        return _per_platform(_auto_picks(call), call, args, mods, *runners)

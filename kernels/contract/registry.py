@@ -12,10 +12,13 @@ and an optional ``check`` for limits that features alone cannot express (head_di
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
+
+import jax
 
 from flashport.kernels.contract.call import Call
 from flashport.kernels.contract.spec import FEATURES
@@ -136,6 +139,16 @@ def use(name: str, **options: Any) -> BackendChoice:
 
 _REGISTRY: dict[str, BackendInfo] = {}
 _loaded = False
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_present() -> bool:
+    """Whether this process has a CUDA device (an ``is_available`` probe; cached: device discovery
+    is not free)."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
 
 
 def register(info: BackendInfo) -> BackendInfo:

@@ -68,16 +68,7 @@ def prepare(
     ):
         if present:
             features.add(name)
-    call = Call(
-        spec=spec,
-        features=frozenset(features),
-        q_shape=tuple(q.shape),
-        kv_shape=tuple(k.shape),
-        v_head_dim=v.shape[-1],
-        dtype=DTYPES[q.dtype],
-        bias_shape=None if bias is None else tuple(bias.shape),
-        layout=layout,
-    )
+    call = Call.over(spec, features, q, k, v, None if bias is None else tuple(bias.shape), layout)
     return (q, k, v, bias, mask, q_seg, kv_seg, seed), call
 
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from flashport.kernels.contract import dispatch, execute
-from flashport.kernels.contract.call import DTYPES, Call
+from flashport.kernels.contract.call import Call
 from flashport.kernels.contract.spec import AttentionSpec
 from flashport.kernels.semantics.mods import Mods
 
@@ -38,15 +38,7 @@ def local_call(spec: AttentionSpec, features, q, k, v) -> Call:
     """The static :class:`~flashport.kernels.contract.api.Call` of one piece pair with local ``spec``."""
     feats = set(features) - {"causal", "window", "align_bottom_right", "bias", "mask", "dropout"}
     feats |= {"return_lse", *spec.positional_features}
-    return Call(
-        spec=spec,
-        features=frozenset(feats),
-        q_shape=tuple(q.shape),
-        kv_shape=tuple(k.shape),
-        v_head_dim=v.shape[-1],
-        dtype=DTYPES[q.dtype],
-        bias_shape=None,
-    )
+    return Call.over(spec, feats, q, k, v)
 
 
 def piece(x, axis, i, size):

@@ -45,43 +45,17 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, register
-from flashport.rules.common.binding import required
-from flashport.rules.common.calls import build_call, string
+from flashport.rules.base import register
 from flashport.rules.flash_attn import arguments as fa
+from flashport.rules.flash_attn.dense_varlen import DenseRule
 
 
-# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
-# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
-class FlashAttnFunc(Rule):
+class FlashAttnFunc(DenseRule):
     """Rewrite flash-attn 2.x ``flash_attn_func`` to ``flashport.torch.attention``."""
 
     CODE = "FPA001"
     NAME = "flash-attn-func"
     API = "flash_attn.flash_attn_func"
-    FRAMEWORK = "torch"
     SOURCES = fa.sources("flash_attn_func")
-    TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
-    TARGET = "flashport.torch.attention"
-
-    def check_call(self, call, ctx):
-        """Bind against the configured version's signature and map to the contract."""
-        splat = fa.splat_drop_in(call, ctx)
-        if splat is not None:
-            return splat
-        bound = fa.signature(("q", "k", "v"), ctx.options.flash_attn_version).bind(call, self.API)
-        q, k, v = required(bound, ("q", "k", "v"), self.API)
-        drop_in = fa.alibi_drop_in(call, bound, ctx, 3)
-        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, 3)
-        if drop_in is not None:
-            return drop_in
-        keywords, notes = fa.map_arguments(bound, ctx, self.API)
-        carried = fa.dropout_or_drop_in(call, [q, k, v], keywords, bound, ctx, 3)
-        if isinstance(carried, Rewrite):
-            return carried
-        keywords, more = carried
-        node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("BSHD"))], call)
-        notes += more
-        return Rewrite(node, notes=tuple(notes))
+    LEADING = ("q", "k", "v")

@@ -24,44 +24,22 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, register
-from flashport.rules.common.binding import required
-from flashport.rules.common.calls import build_call, string
+from flashport.rules.base import register
 from flashport.rules.flash_attn import arguments as fa
+from flashport.rules.flash_attn.dense_varlen import DenseRule
 
 
-# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
-# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
-class FlashAttnQKVPackedFunc(Rule):
+class FlashAttnQKVPackedFunc(DenseRule):
     """Rewrite flash-attn 2.x ``flash_attn_qkvpacked_func`` to ``flashport.torch.attention``."""
 
     CODE = "FPA002"
     NAME = "flash-attn-qkvpacked-func"
     API = "flash_attn.flash_attn_qkvpacked_func"
-    FRAMEWORK = "torch"
     SOURCES = fa.sources("flash_attn_qkvpacked_func")
-    TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
-    TARGET = "flashport.torch.attention"
+    LEADING = ("qkv",)
 
-    def check_call(self, call, ctx):
-        """Split the packed tensor once and map the rest like FPA001."""
-        splat = fa.splat_drop_in(call, ctx)
-        if splat is not None:
-            return splat
-        bound = fa.signature(("qkv",), ctx.options.flash_attn_version).bind(call, self.API)
-        (qkv,) = required(bound, ("qkv",), self.API)
-        drop_in = fa.alibi_drop_in(call, bound, ctx, 1)
-        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, 1)
-        if drop_in is not None:
-            return drop_in
-        keywords, notes = fa.map_arguments(bound, ctx, self.API)
-        positional = [fa.unbind(qkv, 2)]
-        carried = fa.dropout_or_drop_in(call, positional, keywords, bound, ctx, 1)
-        if isinstance(carried, Rewrite):
-            return carried
-        keywords, more = carried
-        node = build_call(self.TARGET, positional, keywords + [("layout", string("BSHD"))], call)
-        notes += more
-        return Rewrite(node, notes=tuple(notes))
+    def positional(self, tensors):
+        """Split the packed tensor once: ``*qkv.unbind(2)``."""
+        (qkv,) = tensors
+        return [fa.unbind(qkv, 2)]

@@ -43,41 +43,18 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, register
-from flashport.rules.common.binding import required
-from flashport.rules.common.calls import build_call, string
+from flashport.rules.base import register
 from flashport.rules.flash_attn import arguments as fa
-
-LEADING = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+from flashport.rules.flash_attn.dense_varlen import VarlenRule
 
 
 @register
-class FlashAttnVarlenFunc(Rule):
+class FlashAttnVarlenFunc(VarlenRule):
     """Rewrite flash-attn 2.x ``flash_attn_varlen_func`` to ``flashport.varlen_attention``."""
 
     CODE = "FPA004"
     NAME = "flash-attn-varlen-func"
     API = "flash_attn.flash_attn_varlen_func"
-    FRAMEWORK = "torch"
     SOURCES = fa.sources("flash_attn_varlen_func") + fa.fa1_sources("flash_attn_unpadded_func")
-    TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
-    TARGET = "flashport.varlen_attention"
-
-    def check_call(self, call, ctx):
-        """Bind, map like FPA001, and pass cu_seqlens to the varlen helper."""
-        splat = fa.splat_drop_in(call, ctx)
-        if splat is not None:
-            return splat
-        sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
-        bound = sig.bind(call, self.API)
-        q, k, v, cu_q, cu_k = required(bound, LEADING[:5], self.API)
-        drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
-        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, len(LEADING))
-        if drop_in is not None:
-            return drop_in
-        keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
-        keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords
-        notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
-        node = build_call(self.TARGET, [q, k, v], keywords + [("layout", string("THD"))], call)
-        return Rewrite(node, notes=tuple(notes))
+    LEADING = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    REQUIRED = 5

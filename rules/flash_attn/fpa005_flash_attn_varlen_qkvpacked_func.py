@@ -29,50 +29,31 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.base import Refuse, register
 from flashport.rules.common import node_context
-from flashport.rules.common.binding import required
-from flashport.rules.common.calls import build_call, string
 from flashport.rules.flash_attn import arguments as fa
+from flashport.rules.flash_attn.dense_varlen import VarlenRule
 
-LEADING = ("qkv", "cu_seqlens", "max_seqlen")
 
-
-# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
-# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
-class FlashAttnVarlenQKVPackedFunc(Rule):
+class FlashAttnVarlenQKVPackedFunc(VarlenRule):
     """Rewrite flash-attn 2.x ``flash_attn_varlen_qkvpacked_func`` to ``flashport.varlen_attention``."""
 
     CODE = "FPA005"
     NAME = "flash-attn-varlen-qkvpacked-func"
     API = "flash_attn.flash_attn_varlen_qkvpacked_func"
-    FRAMEWORK = "torch"
     SOURCES = fa.sources("flash_attn_varlen_qkvpacked_func") + fa.fa1_sources(
         "flash_attn_unpadded_qkvpacked_func"
     )
-    TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
-    TARGET = "flashport.varlen_attention"
+    LEADING = ("qkv", "cu_seqlens", "max_seqlen")
+    REQUIRED = 2
+    DROPPED_NOTE = "dropped max_seqlen (kernel launch size only)"
 
-    def check_call(self, call, ctx):
-        """Split the packed tensor once, pass cu_seqlens for both sides, map the rest like FPA001."""
-        splat = fa.splat_drop_in(call, ctx)
-        if splat is not None:
-            return splat
-        sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
-        bound = sig.bind(call, self.API)
-        qkv, cu = required(bound, LEADING[:2], self.API)
-        drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
-        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, len(LEADING))
-        if drop_in is not None:
-            return drop_in
+    def split(self, values, ctx):
+        """Split the packed tensor once and pass the one ``cu_seqlens`` for both sides."""
+        qkv, cu = values
         if not node_context.simple(cu):
             raise Refuse(
                 f"cu_seqlens={ctx.code(cu)} would be evaluated twice (queries and keys); bind it to a name first"
             )
-        keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
-        keywords = [("cu_seqlens_q", cu), ("cu_seqlens_k", cu)] + keywords
-        notes.append("dropped max_seqlen (kernel launch size only)")
-        node = build_call(self.TARGET, [fa.unbind(qkv, 1)], keywords + [("layout", string("THD"))], call)
-        return Rewrite(node, notes=tuple(notes))
+        return [fa.unbind(qkv, 1)], cu, cu

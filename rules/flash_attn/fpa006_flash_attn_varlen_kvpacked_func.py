@@ -29,45 +29,25 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, register
-from flashport.rules.common.binding import required
-from flashport.rules.common.calls import build_call, string
+from flashport.rules.base import register
 from flashport.rules.flash_attn import arguments as fa
+from flashport.rules.flash_attn.dense_varlen import VarlenRule
 
-LEADING = ("q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
-
-# The class attributes are the rule's manifest (rules/base.py Rule): every rule lists the same fields,
-# so rules of one family read alike by design; the mapping they share lives in their helper module.
 @register
-class FlashAttnVarlenKVPackedFunc(Rule):
+class FlashAttnVarlenKVPackedFunc(VarlenRule):
     """Rewrite flash-attn 2.x ``flash_attn_varlen_kvpacked_func`` to ``flashport.varlen_attention``."""
 
     CODE = "FPA006"
     NAME = "flash-attn-varlen-kvpacked-func"
     API = "flash_attn.flash_attn_varlen_kvpacked_func"
-    FRAMEWORK = "torch"
     SOURCES = fa.sources("flash_attn_varlen_kvpacked_func") + fa.fa1_sources(
         "flash_attn_unpadded_kvpacked_func"
     )
-    TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
-    TARGET = "flashport.varlen_attention"
+    LEADING = ("q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    REQUIRED = 4
 
-    def check_call(self, call, ctx):
-        """Split kv once, pass both cu_seqlens, map the rest like FPA001."""
-        splat = fa.splat_drop_in(call, ctx)
-        if splat is not None:
-            return splat
-        sig, version = fa.varlen_signature(LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
-        bound = sig.bind(call, self.API)
-        q, kv, cu_q, cu_k = required(bound, LEADING[:4], self.API)
-        drop_in = fa.varlen_drop_in(call, bound, ctx, len(LEADING))
-        drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, len(LEADING))
-        if drop_in is not None:
-            return drop_in
-        keywords, notes = fa.map_arguments(bound, ctx, self.API, version, dropout=False)
-        keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords
-        notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
-        node = build_call(self.TARGET, [q, fa.unbind(kv, 1)], keywords + [("layout", string("THD"))], call)
-        return Rewrite(node, notes=tuple(notes))
+    def split(self, values, ctx):
+        """Split ``kv`` once: ``q, *kv.unbind(1)``."""
+        q, kv, cu_q, cu_k = values
+        return [q, fa.unbind(kv, 1)], cu_q, cu_k

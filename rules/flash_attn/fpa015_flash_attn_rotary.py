@@ -36,9 +36,9 @@ from __future__ import annotations
 import ast
 
 from flashport.rewriter.source import semantic
-from flashport.rules.base import Rewrite, Rule, register
+from flashport.rules.base import Rewrite, register
 from flashport.rules.common import values
-from flashport.rules.common.calls import dotted
+from flashport.rules.flash_attn.same_name import SameNameRule
 
 MODULE = "flashport.integrations.rotary"
 CLASS = "RotaryEmbedding"
@@ -53,7 +53,7 @@ FUNCTIONS = (
 
 
 @register
-class FlashAttnRotary(Rule):
+class FlashAttnRotary(SameNameRule):
     """Rewrite flash-attn's rotary embedding functions and module to flashport's plain-torch drop-ins."""
 
     CODE = "FPA015"
@@ -64,12 +64,8 @@ class FlashAttnRotary(Rule):
     TRIGGERS = (b"rotary",)
     GPU_MODULES = ("flash_attn",)
     TARGET = MODULE + ".apply_rotary_emb"
-
-    def check_call(self, call, ctx):
-        """The same call on the drop-in of the same name."""
-        name = ctx.qualified_name.rsplit(".", 1)[-1]
-        note = f"drop-in {name} (flash-attn's signature and result, plain torch)"
-        return Rewrite(call.with_changes(func=dotted(f"{MODULE}.{name}")), imports=(MODULE,), notes=(note,))
+    DROP_IN_MODULE = MODULE
+    DROP_IN_KIND = "plain torch"
 
     def check_reference(self, node, ctx):
         """A value is the drop-in of the same name unless it is probed or compared; the class
@@ -78,12 +74,8 @@ class FlashAttnRotary(Rule):
         name = ctx.qualified_name.rsplit(".", 1)[-1]
         if name == CLASS and why is not None and why.startswith(TYPE_CHECKS):
             note = f"{why}: the class is flashport's drop-in {MODULE}.{name}, as its constructions are"
-            return Rewrite(dotted(f"{MODULE}.{name}"), imports=(MODULE,), notes=(note,))
-        if why is not None and not values.inspects_signature(ctx):
-            return values.Report(f"{why}: not a call to port; kept")
-        name = ctx.qualified_name.rsplit(".", 1)[-1]
-        note = f"{values.describe(node, ctx)}: the value is now flashport's drop-in {MODULE}.{name} (same signature)"
-        return Rewrite(dotted(f"{MODULE}.{name}"), imports=(MODULE,), notes=(note,))
+            return Rewrite(self.drop_in(name), imports=(MODULE,), notes=(note,))
+        return super().check_reference(node, ctx)
 
     def settle(self, sites, tree):
         """Keep the file's rewrites when flash-attn's ``RotaryEmbedding`` stays somewhere in it (a

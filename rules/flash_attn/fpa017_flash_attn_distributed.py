@@ -25,9 +25,8 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Rewrite, Rule, register
-from flashport.rules.common import values
-from flashport.rules.common.calls import dotted
+from flashport.rules.base import register
+from flashport.rules.flash_attn.same_name import SameNameRule
 
 MODULE = "flashport.integrations.distributed"
 FUNCTIONS = (
@@ -41,7 +40,7 @@ FUNCTIONS = (
 
 
 @register
-class FlashAttnDistributed(Rule):
+class FlashAttnDistributed(SameNameRule):
     """Rewrite flash-attn's sequence-parallel collectives to flashport's torch.distributed drop-ins."""
 
     CODE = "FPA017"
@@ -52,18 +51,5 @@ class FlashAttnDistributed(Rule):
     TRIGGERS = (b"flash_attn.utils.distributed",)
     GPU_MODULES = ("flash_attn",)
     TARGET = MODULE + ".all_gather"
-
-    def check_call(self, call, ctx):
-        """The same call on the drop-in of the same name."""
-        name = ctx.qualified_name.rsplit(".", 1)[-1]
-        note = f"drop-in {name} (flash-attn's signature and result, torch.distributed)"
-        return Rewrite(call.with_changes(func=dotted(f"{MODULE}.{name}")), imports=(MODULE,), notes=(note,))
-
-    def check_reference(self, node, ctx):
-        """A value is the drop-in of the same name unless it is probed or compared."""
-        why = values.probe(ctx)
-        if why is not None and not values.inspects_signature(ctx):
-            return values.Report(f"{why}: not a call to port; kept")
-        name = ctx.qualified_name.rsplit(".", 1)[-1]
-        note = f"{values.describe(node, ctx)}: the value is now flashport's drop-in {MODULE}.{name} (same signature)"
-        return Rewrite(dotted(f"{MODULE}.{name}"), imports=(MODULE,), notes=(note,))
+    DROP_IN_MODULE = MODULE
+    DROP_IN_KIND = "torch.distributed"

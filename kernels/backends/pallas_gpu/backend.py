@@ -267,14 +267,6 @@ pallas_gpu_attention = _make_backend_fn("pallas_gpu", interpret=False)
 pallas_gpu_interpret_attention = _make_backend_fn("pallas_gpu_interpret", interpret=True)
 
 
-def cuda_present() -> bool:
-    """Whether JAX sees a CUDA device."""
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
 def check_call(call) -> str | None:
     """Limits features cannot express: head dims up to :data:`MAX_HEAD_DIM`."""
     d, dv = call.q_shape[3], call.v_head_dim
@@ -294,7 +286,7 @@ registry.register(
         features=frozenset(FEATURES),
         fn=pallas_gpu_attention,
         check=check_call,
-        is_available=cuda_present,
+        is_available=registry.cuda_present,
         interpret=registry.InterpretTwin(
             description="The pallas_gpu kernels run by the Pallas interpreter on CPU (slow; for tests "
             "and debugging, never chosen by auto).",

@@ -26,7 +26,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flashport.kernels.backends.pallas_gpu.forward import key_side, row_operands, whole_spec
+from flashport.kernels.backends.pallas_gpu.forward import (
+    key_slices,
+    present_operands,
+    row_operands,
+    whole_spec,
+)
 from flashport.kernels.backends.pallas_gpu.tiling import (
     Geometry,
     apply_dropout,
@@ -109,13 +114,11 @@ def _dq_kernel(*refs, g: Geometry, names, layout):
             rows,
             i,
             j,
-            bias=key_side(r, "bias", ks),
-            mask=key_side(r, "mask", ks),
             q_seg=q_seg,
-            kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None,
             positional=positional,
             at=at,
             mask_mod=mask_mod,
+            **key_slices(r, ks),
         )
         dq = dq + dot(ds.astype(k.dtype), k)
         if layout == "full":
@@ -190,13 +193,7 @@ def _group_operands(g: Geometry, group: int, named: dict):
             return pl.BlockSpec((None, g.bk), lambda j, b, h: (b, j))
         return whole_spec(name, x)
 
-    names, arrays, specs = [], [], []
-    for name, x in named.items():
-        if x is not None:
-            names.append(name)
-            arrays.append(x)
-            specs.append(spec_for(name, x))
-    return tuple(names), arrays, specs
+    return present_operands(named, spec_for)
 
 
 def _query_side(refs: dict, name: str, head, qs):

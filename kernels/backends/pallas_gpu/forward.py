@@ -44,6 +44,18 @@ def whole_spec(name: str, x):
     return pl.BlockSpec(x.shape, lambda *grid: (0,) * x.ndim)
 
 
+def present_operands(named: dict, spec_for) -> tuple[tuple[str, ...], list, list]:
+    """``(names, arrays, in_specs)`` of the operands in ``named`` that are present (not None), in
+    order, each with its BlockSpec ``spec_for(name, array)``."""
+    names, arrays, specs = [], [], []
+    for name, x in named.items():
+        if x is not None:
+            names.append(name)
+            arrays.append(x)
+            specs.append(spec_for(name, x))
+    return tuple(names), arrays, specs
+
+
 def row_operands(g: Geometry, group: int, named: dict):
     """``(names, arrays, in_specs)`` for a grid (query block ``i``, batch ``b``, query head ``h``).
 
@@ -74,13 +86,7 @@ def row_operands(g: Geometry, group: int, named: dict):
             return pl.BlockSpec((None, x.shape[1]), lambda i, b, h: (b, 0))
         return whole_spec(name, x)
 
-    names, arrays, specs = [], [], []
-    for name, x in named.items():
-        if x is not None:
-            names.append(name)
-            arrays.append(x)
-            specs.append(spec_for(name, x))
-    return tuple(names), arrays, specs
+    return present_operands(named, spec_for)
 
 
 def key_side(refs: dict, name: str, ks):
@@ -89,6 +95,16 @@ def key_side(refs: dict, name: str, ks):
     if ref is None:
         return None
     return ref[:, ks] if ref.shape[1] > 1 else ref[...]
+
+
+def key_slices(refs: dict, ks) -> dict:
+    """``bias``, ``mask`` and ``kv_seg`` of key slice ``ks`` (None where absent), the key-side
+    keywords of :func:`~flashport.kernels.backends.pallas_gpu.tiling.tile_logits`."""
+    return {
+        "bias": key_side(refs, "bias", ks),
+        "mask": key_side(refs, "mask", ks),
+        "kv_seg": refs["kv_seg"][ks] if "kv_seg" in refs else None,
+    }
 
 
 def _forward_kernel(*refs, g: Geometry, names):
@@ -109,13 +125,11 @@ def _forward_kernel(*refs, g: Geometry, names):
             r["k"][ks, :],
             i,
             j,
-            bias=key_side(r, "bias", ks),
-            mask=key_side(r, "mask", ks),
             q_seg=q_seg,
-            kv_seg=r["kv_seg"][ks] if "kv_seg" in r else None,
             positional=positional,
             at=at,
             mask_mod=mask_mod,
+            **key_slices(r, ks),
         )
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)

@@ -592,7 +592,7 @@ def count_tiles_by_class(
     )
 
 
-# Deliberately parallel registrations (here and in kernels/pallas_gpu.py): each backend declares
+# Deliberately parallel registrations (here and in kernels/backends/pallas_gpu/backend.py): each backend declares
 # the same BackendInfo fields; the values are what differ.
 registry.register(
     registry.BackendInfo(

@@ -90,6 +90,23 @@ def _spec_for(role, shape, batch, heads, batch_axes, head_axes):
     return PartitionSpec(*dims)
 
 
+def _factors(role, shape, batch, heads, prefix, counter) -> str:
+    """The Shardy factor names of one operand's dims: 'b' for the batch, 'h' for query heads (of q
+    and a per-head bias), 'n' for kv heads, and every other dim a factor of its own
+    (``prefix`` and the next number of ``counter``)."""
+    names = []
+    for axis, size in enumerate(shape):
+        if axis == 0 and size == batch:
+            names.append("b")
+        elif axis == 1 and role in ("q", "bias") and size == heads and size > 1:
+            names.append("h")
+        elif axis == 1 and role == "kv":
+            names.append("n")
+        else:
+            names.append(f"{prefix}{next(counter)}")
+    return " ".join(names)
+
+
 @functools.cache
 def _rule(kind, present, shapes):
     """A Shardy rule: batch 'b', query heads 'h', kv heads 'n'; every other dim its own factor."""
@@ -97,21 +114,7 @@ def _rule(kind, present, shapes):
     q_shape, kv_shape = shapes[0], shapes[1]
     batch, heads, kv_heads = q_shape[0], q_shape[1], kv_shape[1]
     counter = iter(range(10_000))
-
-    def dims(role, shape):
-        names = []
-        for axis, size in enumerate(shape):
-            if axis == 0 and size == batch:
-                names.append("b")
-            elif axis == 1 and role in ("q", "bias") and size == heads and size > 1:
-                names.append("h")
-            elif axis == 1 and role == "kv":
-                names.append("n")
-            else:
-                names.append(f"x{next(counter)}")
-        return " ".join(names)
-
-    ins = [dims(r, s) for r, s in zip(roles, shapes, strict=False)]
+    ins = [_factors(r, s, batch, heads, "x", counter) for r, s in zip(roles, shapes, strict=False)]
     return ins, batch, heads, kv_heads, roles
 
 
@@ -133,19 +136,8 @@ def _wrapper(fn, kind, present, shapes, dtypes):
         names = []
         counter = iter(range(10_000))
         for role, shape in zip(_OUT_ROLES[kind], out_shapes, strict=False):
-            if shape is None:
-                continue
-            dims = []
-            for axis, size in enumerate(shape):
-                if axis == 0 and size == batch:
-                    dims.append("b")
-                elif axis == 1 and role in ("q", "bias") and size == heads and size > 1:
-                    dims.append("h")
-                elif axis == 1 and role == "kv":
-                    dims.append("n")
-                else:
-                    dims.append(f"y{next(counter)}")
-            names.append(" ".join(dims))
+            if shape is not None:
+                names.append(_factors(role, shape, batch, heads, "y", counter))
         return names
 
     def shardings(mesh, arg_shapes):
