@@ -255,7 +255,7 @@ class Plan:
       table: int ``[n, m, n, m]`` (nested tuples): branch of (query shard, query piece, key shard,
         key piece).
       q_starts, k_starts: int ``[n, m]`` (nested tuples): the global position of each piece's first
-        query / key (:func:`flashport.kernels.seq_layout.piece_starts`).
+        query / key (:func:`flashport.kernels.semantics.seq_layout.piece_starts`).
     """
 
     n: int

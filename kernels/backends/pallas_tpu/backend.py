@@ -1,6 +1,6 @@
 """The backend functions around the kernels: padding, the custom_vjp, dropout seeds, registration.
 
-See the package docstring (:mod:`flashport.kernels.pallas_tpu`) for what this adds around the
+See the package docstring (:mod:`flashport.kernels.backends.pallas_tpu`) for what this adds around the
 kernels and for the options.
 """
 
@@ -61,7 +61,7 @@ class Config:
     # BSHD calls whose head dims are multiples of 128 (:func:`reads_bshd`) read/write the caller's
     # arrays directly (token-major, no transposes around the kernels): by default (None) unless the
     # HBM byte model finds their smaller all-head blocks re-stream more than the transposes move
-    # (:func:`~flashport.kernels.pallas_tpu.layout.token_major_pays`); option ``read_bshd=True``
+    # (:func:`~flashport.kernels.backends.pallas_tpu.layout.token_major_pays`); option ``read_bshd=True``
     # always, ``False`` never.
     read_bshd: bool | None = None
     # The user mods the kernels run (``Geometry.mods``: score TracedMod, its array count, mask
@@ -73,8 +73,8 @@ class Config:
 
         From the canonical operands ``q, k, v``: the blocks are shrunk until the heads of one step
         (the G heads of a GQA group in the forward and dQ; every head when ``token_major``) fit VMEM
-        together (:func:`~flashport.kernels.pallas_tpu.blocks.fit_forward_block_q`,
-        :func:`~flashport.kernels.pallas_tpu.blocks.fit_backward_blocks`); default blocks are first
+        together (:func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_forward_block_q`,
+        :func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_backward_blocks`); default blocks are first
         fitted to a causal or sliding-window band (:func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_band`).
         """
         b = self.blocks
@@ -129,7 +129,7 @@ class Config:
 
     def vmem(self, token_major: bool) -> tuple[int, int | None]:
         """``(budget, vmem_limit_bytes)`` of the kernels: token-major steps get the chip's larger
-        budget (:data:`~flashport.kernels.pallas_tpu.blocks.TOKEN_MAJOR_VMEM`), heads-major ones the
+        budget (:data:`~flashport.kernels.backends.pallas_tpu.blocks.TOKEN_MAJOR_VMEM`), heads-major ones the
         default scoped VMEM."""
         return TOKEN_MAJOR_VMEM[self.generation] if token_major else (FORWARD_VMEM_BUDGET, None)
 
@@ -274,7 +274,7 @@ def _forward_local(
     kernel writes none and the returned lse is NaN (never read). When :func:`reads_bshd`, the kernel
     runs on ``swapaxes(q, 1, 2)`` etc.: under ``jit`` XLA cancels these against the API's BSHD ->
     BHSD transposes, so no copy is made. ``count_tiles``/``classify``: see
-    :func:`~flashport.kernels.pallas_tpu.forward.forward_call` (instrumentation).
+    :func:`~flashport.kernels.backends.pallas_tpu.forward.forward_call` (instrumentation).
     """
     out_dtype = q.dtype
     q, k, v, bias = map(_loadable, (q, k, v, bias))
@@ -431,7 +431,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def _attention_mods(cfg: Config, q, k, v, bias, mask, q_seg, kv_seg, seed, head_seeds, mods):
     """``_attention`` with user mods (one device: their arrays are not partitioned). The gradients of
     the score_mod's arrays come from the blockwise backend's pass over the tiles
-    (:func:`flashport.kernels.blockwise.mods_cotangent`); XLA drops it when they are not needed."""
+    (:func:`flashport.kernels.backends.blockwise.mods_cotangent`); XLA drops it when they are not needed."""
     return _attention_mods_fwd(cfg, q, k, v, bias, mask, q_seg, kv_seg, seed, head_seeds, mods)[0]
 
 
@@ -565,7 +565,7 @@ def count_tiles_by_class(
     """Like :func:`count_visited_tiles`, split by tile class: returns ``(out, lse, full, partial)``.
 
     ``full`` [B, Hkv, nq] counts head tiles computed through the mask-free body, ``partial`` those
-    computed through the masked body (see :mod:`flashport.kernels.pallas_tpu.classify`);
+    computed through the masked body (see :mod:`flashport.kernels.backends.pallas_tpu.classify`);
     ``classify=False`` masks every tile, as the kernel did before tiles were classified. ``mods``: a
     :class:`~flashport.kernels.semantics.mods.Mods` (``contract.validate.prepare_mods``) the tiles run.
     """

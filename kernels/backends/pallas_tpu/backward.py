@@ -16,7 +16,7 @@ With dropout both regenerate the forward's keep-mask Z from the head-seed table 
   as 0.
 
 Like the forward, both run on heads-major (BHSD) or token-major (the caller's BSHD) operands
-(:class:`~flashport.kernels.pallas_tpu.specs.Operands`); token-major steps serve every head (grid
+(:class:`~flashport.kernels.backends.pallas_tpu.specs.Operands`); token-major steps serve every head (grid
 extent 1 along the heads; the blocks are copied heads-major into VMEM scratch and the heads looped
 over, as in the forward), so a BSHD gradient needs no transpose either. The lse
 and ``di`` arrive as compact f32 rows ``[B, Hq, nq, 1, bq]``.
@@ -67,7 +67,7 @@ def _probs_and_dlogits(
     """Recompute one tile: returns ``(p_dropped, dlogits, raw)`` (all f32 [bq, bk]).
 
     ``masked=False`` (a fully visible tile) builds no mask at all. ``at``: the tile's
-    :func:`~flashport.kernels.pallas_tpu.tiling.mod_site` when the call has user mods; ``dlogits``
+    :func:`~flashport.kernels.backends.pallas_tpu.tiling.mod_site` when the call has user mods; ``dlogits``
     is then pulled back through the score_mod.
 
     ``dlogits = P * (dP - di)`` with ``dP = (dO·Vᵀ)∘Z/(1-rate)`` is the gradient w.r.t. the biased,
@@ -248,7 +248,7 @@ def dkv_call(
     """dK/dV kernel on padded operands in ``ops``'s layout; returns ``(dk, dv)`` in that layout.
 
     ``lse``/``di`` are f32 rows [B, Hq, nq, 1, bq]; ``tables`` is the call's column-major
-    :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
+    :class:`~flashport.kernels.backends.pallas_tpu.tiling.Tables`.
     """
     b, hq, hkv = ops.batch(q), ops.heads(q), ops.heads(k)
     dp, dvp, group = q.shape[-1], v.shape[-1], hq // hkv
@@ -414,7 +414,7 @@ def dq_call(
     Returns ``(dq, [dbias_tiles])``: ``dq`` in ``q``'s layout and, with a bias, f32 tiles
     [B, Hq, nq, nk, rq, rk] (see :func:`dbias_block`) that the caller reduces to the bias shape.
     ``lse``/``di`` are f32 rows [B, Hq, nq, 1, bq]; ``tables`` is the call's row-major
-    :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
+    :class:`~flashport.kernels.backends.pallas_tpu.tiling.Tables`.
     """
     b, hq, hkv = ops.batch(q), ops.heads(q), ops.heads(k)
     dp, dvp = q.shape[-1], v.shape[-1]

@@ -4,7 +4,7 @@ Every (query block, key block) tile a kernel could visit falls in one of three c
 attention's ``block_mask`` 0/2/1):
 
 * **skip**: nothing in it is visible. The block-range tables of
-  :mod:`~flashport.kernels.pallas_tpu.tiling` already leave these out of the grid (or skip them by
+  :mod:`~flashport.kernels.backends.pallas_tpu.tiling` already leave these out of the grid (or skip them by
   their segment-id intervals).
 * **full**: every (real query, key) pair of the tile is visible. The kernel runs a body without any
   mask computation (no iota, compare or select over the ``[bq, bk]`` tile).

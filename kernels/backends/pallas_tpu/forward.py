@@ -1,6 +1,6 @@
 """Forward Pallas TPU flash-attention kernel: online softmax over key/value blocks.
 
-Two operand layouts, one kernel body (:class:`~flashport.kernels.pallas_tpu.specs.Operands`):
+Two operand layouts, one kernel body (:class:`~flashport.kernels.backends.pallas_tpu.specs.Operands`):
 
 * heads-major (BHSD): grid ``(B, Hkv, nq, steps_k)``; one step serves the G query heads of a GQA
   group (their query rows form one ``[G, bq, D]`` block), so every K/V block is fetched once per
@@ -10,14 +10,14 @@ Two operand layouts, one kernel body (:class:`~flashport.kernels.pallas_tpu.spec
   caller's BSHD arrays (no transpose in XLA before or after the kernel), each K/V block is fetched
   once for all heads. Mosaic cannot index the packed head dim of a 16-bit block dynamically, so the
   blocks are first copied heads-major into VMEM scratch (a short static loop of loads and stores,
-  :meth:`~flashport.kernels.pallas_tpu.specs.Operands.stage`: Q when the query block is entered,
+  :meth:`~flashport.kernels.backends.pallas_tpu.specs.Operands.stage`: Q when the query block is entered,
   K/V on every computed step) and the tile body runs in a ``fori_loop`` over the heads on the copies,
   so Mosaic compiles one tile body, as heads-major.
 
 The key axis is last and ``"arbitrary"`` (it carries the running max ``m``, sum ``l`` and f32
 accumulator of each head in VMEM scratch), the others ``"parallel"``. Step j of query block i visits
-key block ``lo_i + j`` (see :mod:`flashport.kernels.pallas_tpu.tiling`). Each visited tile is
-classified (:mod:`flashport.kernels.pallas_tpu.classify`): fully visible tiles run a body without
+key block ``lo_i + j`` (see :mod:`flashport.kernels.backends.pallas_tpu.tiling`). Each visited tile is
+classified (:mod:`flashport.kernels.backends.pallas_tpu.classify`): fully visible tiles run a body without
 any mask computation, partial tiles the masked body. Broadcast bias/mask dims are indexed at 0
 instead of being materialized. Outputs: ``out`` in the operands' layout and, unless the caller needs
 neither gradient nor lse, the log-sum-exp stored compactly as f32 rows ``[B, Hq, nq, 1, bq]`` (4 bytes
@@ -235,7 +235,7 @@ def forward_call(
     ``q``, ``k``, ``v`` are in ``ops``'s layout (heads-major [B, H, S, D] or token-major [B, S, H, D]),
     sequences padded to whole blocks, ``bias``/``mask``/segment ids prepared by
     :func:`prepare_operands` (or ``None``), ``tables`` the call's
-    :class:`~flashport.kernels.pallas_tpu.tiling.Tables` with the full-tile ranges (``head_seeds`` set
+    :class:`~flashport.kernels.backends.pallas_tpu.tiling.Tables` with the full-tile ranges (``head_seeds`` set
     for dropout). ``out`` has ``q``'s layout; the lse is f32 [B, Hq, nq, 1, bq] (``None`` unless
     ``write_lse``). ``count_tiles`` adds two int32 outputs [B, Hkv or 1, nq * 8, 128] counting the head
     tiles computed per grid row and query block through the mask-free and the masked body - the

@@ -1,6 +1,6 @@
 """Which operand layout a BSHD call's kernels take by default: an HBM byte model.
 
-Token-major (the caller's BSHD arrays, :class:`~flashport.kernels.pallas_tpu.specs.Operands`) saves
+Token-major (the caller's BSHD arrays, :class:`~flashport.kernels.backends.pallas_tpu.specs.Operands`) saves
 the transposes around the kernels: each of them reads and writes a whole operand (forward: Q, K, V
 and the output; backward: Q, K, V, dO and dQ, dK, dV). But a token-major step holds every head of its
 rows in VMEM, so its blocks can be smaller than the heads-major ones (many heads, small VMEM: v4,

@@ -9,7 +9,7 @@ one arrives as ``None``). :class:`Operands` maps the same grids onto heads-major
 token-major (the caller's BSHD, every head per step) arrays. :class:`QueryMajor` is the previous
 per-query-head grid ``(B, Hq, nq, steps_k)``, kept as the counting harness's "before".
 
-Index maps receive the grid indices and the call's :class:`~flashport.kernels.pallas_tpu.tiling.Tables`.
+Index maps receive the grid indices and the call's :class:`~flashport.kernels.backends.pallas_tpu.tiling.Tables`.
 Step j along the streamed axis visits block ``Step(...).block``; skipped steps repeat a fetched block,
 so they cost no DMA. K/V use the kv head ``h // G``, so GQA/MQA never repeats K/V.
 """

@@ -158,7 +158,7 @@ class Tables(NamedTuple):
     and ``k_min``/``k_max`` [B * nk]: per-block segment-id intervals (segment ids only).
     ``head_seeds``: uint32 [B * Hq] dropout seeds ``t_bh`` (dropout only). ``full_lo``/``full_hi``
     int32 [nq]: per query block, the key blocks whose tiles are fully visible (see
-    :mod:`~flashport.kernels.pallas_tpu.classify`; ``None``: classify nothing). Passed to ``pallas_call``
+    :mod:`~flashport.kernels.backends.pallas_tpu.classify`; ``None``: classify nothing). Passed to ``pallas_call``
     as one scalar-prefetch argument, so index maps and kernels receive a ``Tables`` of refs.
     """
 
@@ -340,7 +340,7 @@ def mod_site(tables, batch, head, qi, kj):
 
 
 def _mods(g: Geometry, at):
-    """The call's :class:`~flashport.kernels.mods.Mods` with their arrays read from the tables."""
+    """The call's :class:`~flashport.kernels.semantics.mods.Mods` with their arrays read from the tables."""
     from flashport.kernels.semantics.mods import Mods
 
     score, n_score, mask = g.mods[:3]
@@ -394,7 +394,7 @@ def tile_keep(g: Geometry, head_seed, qi, kj):
 
     ``head_seed`` is the uint32 scalar ``t_bh`` of the tile's (global) batch and query head, read from
     the scalar-prefetch table. Positions are absolute (query and key axes are never sharded), so the
-    mask is :func:`flashport.kernels.dropout.keep_mask` itself, whatever the block sizes: the row hash
+    mask is :func:`flashport.kernels.semantics.dropout.keep_mask` itself, whatever the block sizes: the row hash
     is computed once per query row ([bq, 1]) and combined with each key column.
     """
     if g.spec.dropout_rate == 0:
