@@ -273,6 +273,13 @@ class Step:
             cls = mod_class(tables, b, q_block, k_block, n_q, n_k)
             self.run = jnp.logical_and(self.run, cls != block_mask_lib.EMPTY)
 
+    @property
+    def count(self):
+        """Blocks the resident block visits along the streamed axis."""
+        if self._count is None:
+            self._count = self._tables.hi[self._base] - self._tables.lo[self._base]
+        return self._count
+
 
 def mod_class_table(g: Geometry, blocks) -> jax.Array:
     """The mask_mod's tile classes at ``g``'s tiles from its block mask ``blocks``, flattened for
@@ -284,13 +291,6 @@ def mod_class(tables: Tables, b, q_block, k_block, nq: int, nk: int):
     """In-kernel scalar: the mask_mod's class of tile (``q_block``, ``k_block``) of batch row ``b``."""
     per_batch = tables.mod_classes.shape[0] != nq * nk
     return tables.mod_classes[((b if per_batch else 0) * nq + q_block) * nk + k_block]
-
-    @property
-    def count(self):
-        """Blocks the resident block visits along the streamed axis."""
-        if self._count is None:
-            self._count = self._tables.hi[self._base] - self._tables.lo[self._base]
-        return self._count
 
 
 # Step codes (Tables.step_code): ``block << STEP_CODE_BITS | class``.
