@@ -97,14 +97,14 @@ def test_a_version_read_is_pinned_and_the_ported_branch_runs_without_flash_attn(
 
 
 def test_the_version_stays_read_when_another_gpu_import_stays():
-    # the rotary kernel has no port: the host's real flash-attn version may still matter to it
+    # the fused dense layer has no port: the host's real flash-attn version may still matter to it
     text = port(
         _VERSIONED
         + textwrap.dedent("""
 
-        def rotate(x, cos, sin):
-            from flash_attn.layers.rotary import RotaryEmbedding
-            return RotaryEmbedding(x, cos, sin)
+        def project(x, weight):
+            from flash_attn.ops.fused_dense import fused_dense_func
+            return fused_dense_func(x, weight)
     """)
     )
     assert "version.parse(flash_attn.__version__)" in text and "    import flash_attn\n" in text
