@@ -25,16 +25,21 @@ def product_modules() -> dict[str, pathlib.Path]:
     return files
 
 
-def import_graph(files: dict[str, pathlib.Path]) -> dict[str, set[str]]:
-    """Module -> the modules of ``files`` it imports at module level."""
+def import_graph(files: dict[str, pathlib.Path], *, everywhere: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of ``files`` it imports at module level (``everywhere``: in functions
+    too)."""
     known = set(files)
-    return {name: module_imports(path, name, known) - {name} for name, path in files.items()}
+    return {
+        name: module_imports(path, name, known, everywhere=everywhere) - {name}
+        for name, path in files.items()
+    }
 
 
-def module_imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
+def module_imports(path: pathlib.Path, name: str, known: set[str], *, everywhere: bool = False) -> set[str]:
     """The modules of ``known`` that module ``name`` (file ``path``) imports when it is executed: its
-    module-level imports (not those in functions, nor under ``if TYPE_CHECKING``). ``from pkg import
-    sub`` counts as importing the submodule ``pkg.sub`` only; ``from pkg import name`` as ``pkg``."""
+    module-level imports (not those in functions, nor under ``if TYPE_CHECKING``; ``everywhere``:
+    every import statement of the file). ``from pkg import sub`` counts as importing the submodule
+    ``pkg.sub`` only; ``from pkg import name`` as ``pkg``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -62,7 +67,11 @@ def module_imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
                 visit(node.orelse)
                 visit(node.finalbody)
 
-    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if everywhere:
+        visit([node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))])
+    else:
+        visit(tree.body)
     return found & known
 
 
