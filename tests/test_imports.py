@@ -454,7 +454,7 @@ def test_a_handler_function_read_elsewhere_keeps_the_guard():
 
 
 def test_a_guard_stays_when_other_gpu_imports_remain_in_the_file():
-    # The flag also gates a flash-attn import the codemod does not port (the rotary kernel): forcing
+    # The flag also gates a flash-attn import the codemod does not port (the fused dense layer): forcing
     # it to True would make a host without flash-attn import it and fail where the original took
     # its fallback; the guard stays exactly as it was.
     guard = textwrap.dedent("""\
@@ -471,8 +471,8 @@ def test_a_guard_stays_when_other_gpu_imports_remain_in_the_file():
 
         def f(q, k, v):
             if HAS_FLASH_ATTN:
-                from flash_attn.layers.rotary import RotaryEmbedding
-                q = RotaryEmbedding(q)
+                from flash_attn.ops.fused_dense import fused_dense_func
+                q = fused_dense_func(q, q)
                 return flash_attn_func(q, k, v)
             return None
     """)
@@ -486,7 +486,7 @@ def test_a_dead_import_in_a_try_whose_handler_only_raises_goes_even_with_other_g
     # still raise on a host without flash-attn although the ported code no longer needs it. Another
     # GPU import elsewhere in the file (kept: its call is not ported) does not change that.
     text = port("""
-        from flash_attn.layers.rotary import RotaryEmbedding
+        from flash_attn.ops.fused_dense import fused_dense_func
 
         def load():
             try:
@@ -497,18 +497,18 @@ def test_a_dead_import_in_a_try_whose_handler_only_raises_goes_even_with_other_g
                 raise RuntimeError("pip install flash-attn") from e
 
         def other(x):
-            return RotaryEmbedding(x)
+            return fused_dense_func(x, x)
     """)
     assert "from flash_attn import flash_attn_func" not in text
     assert (
         "    try:\n        return lambda q, k, v: flashport.torch.attention(" in text
     )  # no blank line leads the block
-    assert "from flash_attn.layers.rotary import RotaryEmbedding" in text
+    assert "from flash_attn.ops.fused_dense import fused_dense_func" in text
 
 
 def test_a_dead_import_stays_in_a_try_whose_handler_also_falls_back():
     text = port("""
-        from flash_attn.layers.rotary import RotaryEmbedding
+        from flash_attn.ops.fused_dense import fused_dense_func
 
         def load():
             try:
@@ -520,7 +520,7 @@ def test_a_dead_import_stays_in_a_try_whose_handler_also_falls_back():
                 return None
 
         def other(x):
-            return RotaryEmbedding(x)
+            return fused_dense_func(x, x)
     """)
     assert "from flash_attn import flash_attn_func" in text
 
