@@ -55,11 +55,15 @@ class TracedMod:
     def __call__(self, consts: tuple, *scalars: Any) -> Any:
         """Evaluate on scalars (or under ``vmap``) with the closed-over arrays ``consts``."""
         arrays = list(consts)
+        n = len(scalars) - 4  # the score (score_mod) stays as it is
+        indices = scalars[n:]
         if self.shifted:
             offsets = arrays.pop()
-            n = len(scalars) - 4  # the score (score_mod) stays as it is
-            scalars = (*scalars[:n], *(x + offsets[a] for a, x in enumerate(scalars[n:])))
-        (out,) = jax.core.eval_jaxpr(self.jaxpr, arrays, *scalars)
+            indices = tuple(x + offsets[a] for a, x in enumerate(indices))
+        # The jaxpr was traced on int32 indices; under jax_enable_x64 a caller's grids (and index
+        # arithmetic with Python ints) are int64, which the jaxpr's lax ops would reject.
+        indices = tuple(jax.lax.convert_element_type(x, jnp.int32) for x in indices)
+        (out,) = jax.core.eval_jaxpr(self.jaxpr, arrays, *scalars[:n], *indices)
         return out
 
     def shift(self) -> TracedMod:
