@@ -433,3 +433,28 @@ def test_one_shard_ring_runs_mods_like_the_reference():
     q, k, v, _, _ = _inputs((1, 8, 8, 2, 2, 8))
     with pytest.raises(ValueError, match="score_mod"):
         ring(q, k, v, score_mod=lambda s, b, h, i, j: s, backend="cudnn")
+
+
+@pytest.mark.parametrize("backend", ["xla", "blockwise"])
+def test_mods_under_x64_read_int32_indices(backend):
+    """Under jax_enable_x64 the backends' index grids are int64; a mod traced on int32 indices (with
+    Python-int arithmetic on them, as in ``ids[i + 8]``) still runs and matches the reference."""
+    docs = np.array([0] * 14 + [1] * 18, np.int32)
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    ref = dict(
+        score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i),
+        mask_mod=lambda b, h, i, j: docs[i + 8] == docs[j],
+    )
+    with jax.enable_x64(True):
+        q, k, v, _, _ = _inputs((1, 24, 32, 4, 4, 8))
+        ids, sl = jnp.asarray(docs), jnp.asarray(slopes)
+        got = flashport.attention(
+            q,
+            k,
+            v,
+            score_mod=lambda s, b, h, i, j: s + sl[h] * (j - i),
+            mask_mod=lambda b, h, i, j: ids[i + 8] == ids[j],
+            backend=BACKENDS[backend],
+        )
+    want, _ = reference_attention(q, k, v, **ref)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=RTOL, atol=ATOL)
