@@ -244,3 +244,89 @@ def test_import_names(statement, names):
     node = ast.parse(statement).body[0]
     assert semantic.import_names(node) == names
     assert semantic.is_import(node) == bool(names)
+
+
+FLOW = textwrap.dedent(
+    """\
+    import torch
+    if cuda:
+        from flash_attn import flash_attn_func
+        probe(flash_attn_func)  # 4: the import above
+    if npu:
+        from npu import npu_func as flash_attn_func
+        probe(flash_attn_func)  # 7: the NPU import
+    probe(flash_attn_func)  # 8: either (no binding dominates)
+    def f():
+        probe(flash_attn_func)  # 10: a global: any caller may run first
+    def g(x, flash_attn_func):
+        probe(flash_attn_func)  # 12: the parameter
+        from flash_attn import flash_attn_func
+        flash_attn_func = wrap(flash_attn_func)  # 14: the read runs before the binding
+        probe(flash_attn_func)  # 15: the wrapper
+        for i in x:
+            probe(flash_attn_func)  # 17: the wrapper, or line 19's value on a later turn
+            if i: probe(flash_attn_func)  # 18: a one-line block
+            flash_attn_func = 3
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            probe(flash_attn_func)  # 23: the try may have run
+        probe(lambda: flash_attn_func)  # 24: deferred
+    with a as flash_attn_func:
+        probe(flash_attn_func)  # 26: the with target, or before
+    class C:
+        probe(flash_attn_func)  # 28: a class body
+    from flash_attn import flash_attn_func; probe(flash_attn_func)  # 29: two statements
+    from flash_attn import flash_attn_func
+    probe(flash_attn_func)  # 31: the import above
+    """
+)
+
+
+def reaching_lines(source: str, name: str, line: int) -> list[int] | None:
+    """The lines of the bindings ``reaching`` answers for a read at ``line`` (None: undecided)."""
+    found = semantic.of(ast.parse(source)).reaching(name, line)
+    if found is None:
+        return None
+    return sorted(b.node.lineno if isinstance(b, semantic.ImportBinding) else b.lineno for b in found)
+
+
+@pytest.mark.parametrize(
+    ("line", "lines"),
+    [
+        (4, [3]),
+        (7, [6]),
+        (8, None),
+        (10, None),
+        (12, [11]),
+        (14, None),
+        (15, [14]),
+        (17, [14, 19]),
+        (18, None),
+        (23, [14, 19, 21]),
+        (24, None),
+        (26, None),
+        (28, None),
+        (29, None),
+        (31, [30]),
+    ],
+)
+def test_reaching_bindings_follow_the_flow(line, lines):
+    assert reaching_lines(FLOW, "flash_attn_func", line) == lines
+
+
+def test_reaching_is_undecided_where_the_name_is_declared_global_or_star_imported():
+    declared = "from flash_attn import f\ndef init():\n    global f\n    f = None\nprobe(f)\n"
+    assert reaching_lines(declared, "f", 5) is None
+    starred = "from flash_attn import f\nfrom m import *\nprobe(f)\n"
+    assert reaching_lines(starred, "f", 3) is None
+    plain = "from flash_attn import f\nprobe(f)\n"
+    assert reaching_lines(plain, "f", 2) == [1]
+
+
+def test_reaching_is_undecided_where_a_header_shares_the_line_of_its_body():
+    one_line = "from flash_attn import f\nwith ctx(f) as g: probe(f)\nif f: probe(f)\n"
+    assert reaching_lines(one_line, "f", 2) is None
+    assert reaching_lines(one_line, "f", 3) is None
+    header = "from flash_attn import f\nif probe(f):\n    pass\n"
+    assert reaching_lines(header, "f", 2) == [1]

@@ -38,12 +38,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import libcst as cst
+from libcst.helpers import get_full_name_for_node
 from libcst.metadata import MetadataWrapper, ScopeProvider
 
 from flashport.rewriter.engine import run_context, suppress, thin
 from flashport.rewriter.engine.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rewriter.source import aliases, newsyntax, semantic
-from flashport.rewriter.source.names import Names
+from flashport.rewriter.source.names import Names, narrowed
 from flashport.rewriter.source.positions import Span, line_positions
 from flashport.rewriter.source.spans import StatementSpans, indents
 from flashport.rules.base import (
@@ -354,10 +355,57 @@ class SiteTransformer(cst.CSTTransformer):
             for name in names
             if (rule := self.by_source.get(name)) is not None
         ]
+        if found:  # a rebinding that dominates the read hides the bindings before it
+            kept = self._flow_names(node, names)
+            found = [item for item in found if item[2] in kept]
         if not found:
             return None
         *_, name, rule = min(found, key=lambda item: item[:2])
         return rule, name
+
+    def _reaching(self, node: cst.CSTNode) -> tuple[object, ...] | None:
+        """The bindings that may reach the read ``node`` (a Name/Attribute chain) by the flow of
+        its scope (:meth:`~flashport.rewriter.source.semantic.SemanticModel.reaching` of its first
+        name); None where the flow does not decide."""
+        base = node
+        while isinstance(base, cst.Attribute):
+            base = base.value
+        if self.tree is None or not isinstance(base, cst.Name):
+            return None
+        where = self._file_lines(base)
+        if where is None:
+            return None
+        return semantic.of(self.tree).reaching(base.value, where[0])
+
+    def _flow_names(self, node: cst.CSTNode, names: set[str]) -> set[str]:
+        """``names`` (``node``'s qualified names, blind to the flow) less those no binding that
+        reaches ``node`` gives it (:func:`~flashport.rewriter.source.names.narrowed`)."""
+        full_name = get_full_name_for_node(node)
+        if full_name is None:
+            return names
+        return narrowed(names, self._reaching(node), full_name)
+
+    def _rebound(self, func: cst.BaseExpression) -> str | None:
+        """Why a call of ``func`` (a source API by one of its bindings) may call something else: a
+        binding that reaches it by the flow (:meth:`_reaching`) assigns another value (a ``None``
+        fallback aside: calling it fails either way); None when none does or the flow does not decide."""
+        reaching = self._reaching(func)
+        if reaching is None or self.tree is None:
+            return None
+        model = semantic.of(self.tree)
+        for binding in reaching:
+            if isinstance(binding, semantic.ImportBinding):
+                continue
+            statement = model.parent(binding) if isinstance(binding, ast.Name) else None
+            if isinstance(statement, ast.Assign) and semantic.is_none(statement.value):
+                continue
+            line = getattr(binding, "lineno", 0)
+            name = binding.id if isinstance(binding, ast.Name) else getattr(binding, "name", "")
+            return (
+                f"{name} may hold another value here (bound on line {line} on a path to this call): "
+                "it does not always call the library function; not rewritten"
+            )
+        return None
 
     def _vetoed(self, rule: Rule, where: tuple[int, int, int]) -> str | None:
         """The per-file phase's reason to refuse this rule's rewrite at ``where`` (None: none)."""
@@ -495,7 +543,11 @@ class SiteTransformer(cst.CSTTransformer):
                 alias.suppressed += 1
             self._record(rule, api, "call", where, None, original_node)
             return updated_node
-        outcome = self._ask(rule.check_call, updated_node, self._context(where[0], api, original_node))
+        rebound = self._rebound(original_node.func) if alias is None else None
+        if rebound is not None:
+            outcome: Outcome = Refusal(rebound)
+        else:
+            outcome = self._ask(rule.check_call, updated_node, self._context(where[0], api, original_node))
         outcome = run_context.refuse_patched(outcome, api, self.options)
         if isinstance(outcome, Rewrite) and (veto := self._vetoed(rule, where)):
             outcome = Refusal(veto)
@@ -708,6 +760,10 @@ class SiteTransformer(cst.CSTTransformer):
             for b in bindings or ()
         )
         meanings = self._qualified_names(value) - ({base.value} if base.value in fallbacks else set())
+        reaching = self._reaching(base)
+        if reaching is not None:  # the binding that dominates the read decides, not every one
+            imports_only = all(isinstance(b, semantic.ImportBinding) for b in reaching)
+            meanings = self._flow_names(value, meanings)
         if not imports_only or len(meanings) != 1:
             # `import xformers` + `import xformers.ops.fmha` is fine: both give the value one meaning
             return (

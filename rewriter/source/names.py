@@ -82,6 +82,26 @@ def _import_qualified(statement: _Import, full_name: str) -> set[str]:
     return results
 
 
+def binding_qualified(binding: semantic.ImportBinding, full_name: str) -> set[str]:
+    """The qualified names one import alias gives the dotted name ``full_name`` (libcst's
+    ``ImportAssignment.get_qualified_names_for``, that alias alone)."""
+    return _import_qualified(_Import(binding.base, ((binding.alias.name, binding.asname),)), full_name)
+
+
+def narrowed(names: set[str], reaching: tuple[object, ...] | None, full_name: str) -> set[str]:
+    """``names`` (a node's qualified names, blind to the flow) less those no binding in
+    ``reaching`` gives it (:meth:`~flashport.rewriter.source.semantic.SemanticModel.reaching` of its
+    first name; None: the flow does not decide, ``names`` as they are). Only an import gives a
+    qualified name a rule's source can be."""
+    if reaching is None:
+        return names
+    given: set[str] = set()
+    for binding in reaching:
+        if isinstance(binding, semantic.ImportBinding):
+            given |= binding_qualified(binding, full_name)
+    return names & given
+
+
 class Names:
     """Qualified names of ``Name``/``Attribute`` nodes of one mini module, where provable.
 

@@ -11,6 +11,8 @@ context and, through :class:`~flashport.rules.site.RuleContext`, the rules:
   definitions of a scope;
 * :meth:`SemanticModel.resolve` (file-wide import table) and :meth:`SemanticModel.qualified_name_at`
   (the unambiguous imports visible at a line): "what does this name resolve to";
+* :meth:`SemanticModel.reaching`: the bindings of a name that may reach one read of it, where the
+  flow of its scope decides (a rebinding that dominates the read hides the earlier ones);
 * value and attribute aliases (:meth:`SemanticModel.assignments`: ``fn = flash_attn.flash_attn_func``,
   ``self.fn = flash_attn_func``), :meth:`SemanticModel.module_constant`, :attr:`SemanticModel.exports`
   (``__all__``), :meth:`SemanticModel.parent` and :meth:`SemanticModel.enclosing`.
@@ -52,6 +54,11 @@ def import_names(node: ast.AST) -> list[str]:
     if isinstance(node, ast.ImportFrom):
         return [alias.asname or alias.name for alias in node.names]
     return []
+
+
+def is_none(node: ast.AST | None) -> bool:
+    """Whether ``node`` is the literal ``None``."""
+    return isinstance(node, ast.Constant) and node.value is None
 
 
 def dotted(node: ast.AST) -> str:
@@ -173,6 +180,8 @@ class SemanticModel:
         self._stored: frozenset[str] | None = None
         self._functions: list[ast.AST] | None = None
         self._assignments: list[Assignment] | None = None
+        self._reaching: dict[tuple[str, int], tuple[ImportBinding | ast.AST, ...] | None] = {}
+        self._declared: frozenset[str] | None = None
 
     # -- the statement walk ------------------------------------------------------------------------
 
@@ -415,6 +424,85 @@ class SemanticModel:
         around = [f for f in self._functions if f.lineno <= line <= (f.end_lineno or f.lineno)]  # type: ignore[attr-defined]
         return max(around, key=lambda f: f.lineno, default=None)  # type: ignore[attr-defined]
 
+    # -- flow: the bindings that reach a read ------------------------------------------------------
+
+    def reaching(self, name: str, line: int) -> tuple[ImportBinding | ast.AST, ...] | None:
+        """The bindings of ``name`` that a read of it at ``line`` may see, where the flow of its
+        scope decides it; None where it does not (libcst's scope analysis, blind to the flow,
+        answers then).
+
+        Walking back from the read's statement through its blocks, the first statement that binds
+        ``name`` unconditionally (an import, ``name = ...``, a ``def``/``class`` of it, ``del``, the
+        function's parameter) hides every earlier binding; bindings met on the way inside a branch,
+        loop, ``try`` or ``with`` (and a loop's or a ``try``'s own bindings where the read is in its
+        body, handler or ``else``) may reach it too. An import is answered as its
+        :class:`ImportBinding`, any other binding as its ``ast`` node (a ``Name`` target, a
+        ``def``/``class``, a ``del``'s name, an ``arg``, an ``except ... as``/match capture).
+
+        None where the flow cannot tell: the read is in a class body, a lambda or a generator
+        expression, on a line holding more than one statement or a one-line block's header and
+        body, in a ``while`` test, an ``except``/``case`` line or a ``with`` binding ``name``; in a
+        function that does not bind ``name`` itself (a global or free variable: any caller may run
+        first); anywhere ``name`` is declared ``global``/``nonlocal`` or a star import exists; or
+        no unconditional binding precedes the read in its scope.
+        """
+        key = (name, line)
+        if key not in self._reaching:
+            self._reaching[key] = self._reaching_at(name, line)
+        return self._reaching[key]
+
+    def _reaching_at(self, name: str, line: int) -> tuple[ImportBinding | ast.AST, ...] | None:
+        if name in self._declared_names() or self.star_import_lines():
+            return None
+        located = _path_to(self.tree, line)
+        if located is None:
+            return None
+        path, in_header = located
+        owner, _, block, index = path[-1]
+        point = block[index]
+        if _binders(point, name, _header(point) if in_header else None):
+            return None  # `fn = wrap(fn)`, a walrus: which binding the read sees depends on the order
+        scope_at = max((i for i, step in enumerate(path) if isinstance(step[0], SCOPES)), default=-1)
+        if scope_at >= 0:
+            scope = path[scope_at][0]
+            if not isinstance(scope, _DEFS) or not _binds_locally(scope, name):
+                return None  # a class body; a global or free variable of the function
+            path = path[scope_at:]
+        found: list[ast.AST] = []
+        for owner, field, block, index in reversed(path):
+            for statement in reversed(block[:index]):
+                binders = _binders(statement, name)
+                if not binders:
+                    continue
+                found += binders
+                if _binds_unconditionally(statement, name):
+                    return self._as_bindings(found)
+            if isinstance(owner, _DEFS):  # the function's start: its parameters, or unbound
+                parameters: list[ast.AST] = [a for a in _arguments(owner.args) if a.arg == name]
+                return self._as_bindings(found + parameters) if parameters else None
+            if isinstance(owner, (*_LOOPS, ast.Match)) or (isinstance(owner, _TRY) and field != "body"):
+                # a loop's later statements reach its body again; a handler, `else` or `finally`
+                # may follow any part of the try; a case's pattern binds
+                found += _binders(owner, name)
+            else:  # `if (fn := ...):`, `with ... as fn:`
+                found += _binders(owner, name, _header(owner))
+        return None  # the module's start: unbound, or a builtin
+
+    def _as_bindings(self, nodes: list[ast.AST]) -> tuple[ImportBinding | ast.AST, ...]:
+        """``nodes`` with each import alias as its :class:`ImportBinding`."""
+        by_alias = {id(b.alias): b for b in self.imports}
+        return tuple(by_alias.get(id(node), node) for node in nodes)
+
+    def _declared_names(self) -> frozenset[str]:
+        """Every name some ``global``/``nonlocal`` statement of the file declares."""
+        if self._declared is None:
+            self._declared = frozenset(
+                n
+                for node in astindex.of_type(self.tree, ast.Global, ast.Nonlocal)
+                for n in node.names  # type: ignore[attr-defined]
+            )
+        return self._declared
+
 
 def of(tree: ast.Module) -> SemanticModel:
     """The :class:`SemanticModel` of ``tree``, built on first use and kept on the tree object."""
@@ -460,3 +548,135 @@ def _binds(node: ast.AST, name: str) -> bool:
     if isinstance(node, ast.MatchMapping):
         return node.rest == name
     return False
+
+
+_TRY = (ast.Try, *((ast.TryStar,) if hasattr(ast, "TryStar") else ()))
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+# a read that may run later than its line says: its flow is not the statement's
+_DEFERRED = (ast.Lambda, ast.GeneratorExp)
+_BLOCK_FIELDS = ("body", "orelse", "finalbody", "handlers", "cases")
+_Step = tuple[ast.AST, str, list, int]  # (owner, its field, the block, the read's statement's index in it)
+
+
+def _blocks(node: ast.AST) -> list[tuple[str, list]]:
+    """The statement blocks of ``node``, named by field (a handler's or case's block by its index)."""
+    out: list[tuple[str, list]] = []
+    for field in ("body", "orelse", "finalbody"):
+        block = getattr(node, field, None)
+        if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+            out.append((field, block))
+    for i, handler in enumerate(getattr(node, "handlers", ()) or ()):
+        out.append((f"handlers.{i}", handler.body))
+    for i, case in enumerate(getattr(node, "cases", ()) or ()):
+        out.append((f"cases.{i}", case.body))
+    return out
+
+
+def _header(node: ast.AST) -> list[ast.AST]:
+    """The parts of a compound statement outside its blocks (test, iter, target, with items,
+    decorators, arguments, bases); empty for a simple statement."""
+    if not _blocks(node):
+        return []
+    return [
+        child
+        for field, value in ast.iter_fields(node)
+        if field not in _BLOCK_FIELDS
+        for child in (value if isinstance(value, list) else [value])
+        if isinstance(child, ast.AST)
+    ]
+
+
+def _path_to(tree: ast.Module, line: int) -> tuple[list[_Step], bool] | None:
+    """The blocks from the module down to the statement holding ``line``: ``(owner, field, block,
+    index)`` per level, the last one the read's program point (its statement, or the compound
+    statement whose header holds ``line``: then True); None where that point is not one statement
+    (see :meth:`SemanticModel.reaching`)."""
+    path: list[_Step] = []
+    owner: ast.AST = tree
+    while True:
+        hits = [
+            (field, block, i)
+            for field, block in _blocks(owner)
+            for i, statement in enumerate(block)
+            if statement.lineno <= line <= (statement.end_lineno or statement.lineno)
+        ]
+        if len(hits) > 1:
+            return None  # `a; b` on one line
+        if not hits:
+            if owner is tree or isinstance(owner, (ast.While, *_TRY, ast.Match)):
+                return None  # a loop's test, an `except`/`case` line
+            in_header = True
+            break
+        if any(_spans(node, line) for part in _header(owner) for node in ast.walk(part)):
+            return None  # `if x: f(y)`: the header and the body share the line
+        field, block, index = hits[0]
+        path.append((owner, field, block, index))
+        owner = block[index]
+        if not _blocks(owner):
+            in_header = False
+            break
+    if any(isinstance(node, _DEFERRED) and _spans(node, line) for node in ast.walk(owner)):
+        return None
+    return path, in_header
+
+
+def _spans(node: ast.AST, line: int) -> bool:
+    """Whether ``node``'s lines hold ``line``."""
+    first = getattr(node, "lineno", None)
+    return first is not None and first <= line <= (getattr(node, "end_lineno", None) or first)
+
+
+def _binders(node: ast.AST, name: str, parts: list[ast.AST] | None = None) -> list[ast.AST]:
+    """The nodes in ``node`` (or only in ``parts`` of it) that bind ``name`` in ``node``'s scope:
+    ``Name`` targets (walrus ones too), import aliases, a nested ``def``/``class`` of that name (not
+    its body), ``except ... as`` and match captures."""
+    found: list[ast.AST] = []
+    pending: list[ast.AST] = list(parts) if parts is not None else [node]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, ast.Name):
+            if item.id == name and not isinstance(item.ctx, ast.Load):
+                found.append(item)
+            continue
+        if _binds(item, name):
+            found.append(item)
+        if isinstance(item, SCOPES):
+            continue  # its body is its own scope
+        pending.extend(ast.iter_child_nodes(item))
+    return found
+
+
+def _binds_unconditionally(statement: ast.stmt, name: str) -> bool:
+    """Whether running ``statement`` to its end always leaves ``name`` bound by it (or deleted)."""
+    if isinstance(statement, _IMPORTS):
+        return any(_binds(alias, name) for alias in statement.names)
+    if isinstance(statement, (*_DEFS, ast.ClassDef)):
+        return statement.name == name
+    targets: list[ast.AST] = []
+    if isinstance(statement, (ast.Assign, ast.Delete)):
+        targets = list(statement.targets)
+    elif isinstance(statement, ast.AugAssign) or (isinstance(statement, ast.AnnAssign) and statement.value):
+        targets = [statement.target]
+    while targets:
+        target = targets.pop()
+        if isinstance(target, ast.Name) and target.id == name:
+            return True
+        if isinstance(target, (ast.Tuple, ast.List)):
+            targets.extend(target.elts)
+        elif isinstance(target, ast.Starred):
+            targets.append(target.value)
+    return False
+
+
+def _arguments(args: ast.arguments) -> list[ast.arg]:
+    """Every parameter of a signature."""
+    extra = [a for a in (args.vararg, args.kwarg) if a is not None]
+    return [*args.posonlyargs, *args.args, *args.kwonlyargs, *extra]
+
+
+def _binds_locally(function: ast.AST, name: str) -> bool:
+    """Whether ``name`` is a local variable of ``function`` (a parameter or bound in its body)."""
+    return any(a.arg == name for a in _arguments(function.args)) or any(  # type: ignore[attr-defined]
+        _binders(statement, name)
+        for statement in function.body  # type: ignore[attr-defined]
+    )

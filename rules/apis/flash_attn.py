@@ -183,10 +183,16 @@ _LATEST = ("window_size_left", "window_size_right", "softcap", "alibi_slopes")
 # from 8 values to 4 (2.8.3's lists for the last range).
 PRIVATE_RELEASES: tuple[tuple[Version, Version | None, str | None, dict[str, tuple[str, ...]], int], ...] = (
     (
-        (0, 0, 0),
+        (2, 0, 2),
         (2, 3, 0),
-        None,
-        {"_flash_attn_forward": (*_HEAD, "return_softmax"), "_flash_attn_backward": (*_HEAD, "rng_state")},
+        "_v2_0",
+        {
+            # flash-attn 2.0.2 - 2.2.5 (2.0.0 / 2.0.1, no rng_state and a 7-value forward, are not listed)
+            "_flash_attn_forward": (*_HEAD, "return_softmax"),
+            "_flash_attn_backward": (*_HEAD, "rng_state"),
+            "_flash_attn_varlen_forward": (*_HEAD, "return_softmax"),
+            "_flash_attn_varlen_backward": (*_HEAD, "rng_state"),
+        },
         8,
     ),
     (
@@ -196,6 +202,8 @@ PRIVATE_RELEASES: tuple[tuple[Version, Version | None, str | None, dict[str, tup
         {
             "_flash_attn_forward": (*_HEAD, "window_size", "return_softmax"),
             "_flash_attn_backward": (*_HEAD, "window_size", "rng_state"),
+            "_flash_attn_varlen_forward": (*_HEAD, "window_size", "return_softmax"),
+            "_flash_attn_varlen_backward": (*_HEAD, "window_size", "rng_state"),
         },
         8,
     ),

@@ -11,8 +11,10 @@ What it rewrites:
   flash_attn_version >= version.parse("2.7.0"):``), else from ``--flash-attn-version`` (default
   2.8.3); the call must fit exactly one release's signature in that range (its arguments, and the
   number of names a forward's result is unpacked into): 2.7+ -> the drop-in of the same name;
-  2.6 / 2.4-2.5 (dense only: ``window_size=(l, r)``, 8 return values) -> ``_flash_attn_forward_v2_6``
-  / ``_v2_4`` and ``_flash_attn_backward_v2_6`` / ``_v2_4``. ``*args``/``**kwargs`` splats are bound at
+  2.6 / 2.4-2.5 (``window_size=(l, r)``, 8 return values) -> ``_flash_attn_forward_v2_6`` / ``_v2_4``,
+  ``_flash_attn_backward_v2_6`` / ``_v2_4`` and the varlen ones alike; 2.0.2-2.2 (no window, softcap
+  or ALiBi; a ``None`` bound to 2.3-2.6's ``window_size`` is such a release's ``rng_state``) ->
+  ``_v2_0``. ``*args``/``**kwargs`` splats are bound at
   run time (``rules/flash_attn/private_kernels.py``).
 
 Semantics mapping:
@@ -27,7 +29,7 @@ Semantics mapping:
 
 What it refuses:
   * a call that fits no release's signature in its range, or several with different conventions
-    (ambiguous), releases before 2.4 and varlen before 2.7 (no drop-in), ``return_softmax=True``,
+    (ambiguous), flash-attn 2.3 (no drop-in), ``return_softmax=True``,
     varlen ``alibi_slopes``/``block_table``/``leftpad_k``/``seqused_k`` given by an expression (a
     forwarded name is checked at run time: the drop-in raises when it is not None), value uses in a range whose
     releases differ, and values that are compared, listed in ``__all__`` or inside an import guard;
@@ -101,6 +103,7 @@ class FlashAttnTritonAndInternals(Rule):
         convention, bound, inferred = private_kernels.convention_for(call, function, ctx)
         _check_bound(bound, function)
         releases = "2.7+" if not convention.suffix else convention.suffix[2:].replace("_", ".") + ".x"
+        releases = "2.0.2-2.2" if convention.suffix == "_v2_0" else releases
         target = function + convention.suffix
         note = (
             f"drop-in {target} (flash-attn {releases}'s signature, return convention and in-place gradients)"

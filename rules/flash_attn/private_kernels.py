@@ -1,6 +1,7 @@
 """flash-attn's private kernel signatures per release, and which release a call was written for (FPA008).
 
-The private entry points changed with flash-attn's releases: 2.3 added ``window_size``, 2.4
+The private entry points changed with flash-attn's releases: 2.0.2 added ``rng_state`` (and the
+forward's 8th value), 2.3 added ``window_size``, 2.4
 ``alibi_slopes`` (and ``deterministic`` in the backward), 2.6 ``softcap`` before ``alibi_slopes``, and
 2.7 split ``window_size`` into ``window_size_left`` / ``window_size_right`` and cut the forward's
 return from 8 values to 4. A call's release range comes from the ``if``/``elif``/``else`` tests around
@@ -21,7 +22,7 @@ from flashport.rules.apis import flash_attn as apis_flash_attn
 from flashport.rules.apis.model import pad
 from flashport.rules.base import Refuse, RuleContext, RuleOptions
 from flashport.rules.common.binding import Signature
-from flashport.rules.common.literals import literal_string
+from flashport.rules.common.literals import is_none, literal_bool, literal_string
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,9 +159,7 @@ def value_convention(function: str, ctx: RuleContext) -> Convention:
     if len({c.signature(function) for c in found}) != 1 or len({c.returns for c in found}) != 1:
         raise Refuse(f"{function}'s signature differs between the releases of {span}: ambiguous for a value")
     if found[0].suffix is None:
-        raise Refuse(
-            f"{function} of flash-attn before 2.4 ({span}): flashport has no drop-in with its signature"
-        )
+        raise Refuse(f"{function} of flash-attn 2.3 ({span}): flashport has no drop-in with its signature")
     return found[0]
 
 
@@ -181,7 +180,13 @@ def _fits(convention: Convention, call: cst.Call, function: str, ctx: RuleContex
     if signature is None or any(arg.star for arg in call.args):
         return {}
     bound = signature.bind(call, function)
-    optional = OPTIONAL | (OPTIONAL_VARLEN_FORWARD if function == "_flash_attn_varlen_forward" else set())
+    window = bound["window_size"].value if "window_size" in bound else None
+    if window is not None and (
+        is_none(window) or literal_bool(window) is not None or isinstance(window, (cst.Integer, cst.Float))
+    ):  # flash-attn 2.3-2.6 read window_size[0]: this is another release's rng_state / return_softmax
+        raise Refuse(f"{function} call with a window_size that is no pair (flash-attn 2.3-2.6 index it)")
+    varlen_defaults = function == "_flash_attn_varlen_forward" and convention.start >= (2, 6, 0)  # 2.6.3 on
+    optional = OPTIONAL | (OPTIONAL_VARLEN_FORWARD if varlen_defaults else set())
     missing = [name for name in signature.names if name not in bound and name not in optional]
     if missing:
         raise Refuse(f"{function} call without {missing[0]!r}")
@@ -208,8 +213,17 @@ def convention_for(
     )
     inferred = None
     default = RuleOptions.__dataclass_fields__["flash_attn_version"].default
+    elsewhere = ""
     if not fits and single and not _has_version_test(ctx) and ctx.options.flash_attn_version == default:
         anywhere, _ = _fitting(call, function, ctx, (0, 0, 0), None, known_only=True)
+        if len(anywhere) > 1:
+            ranges = " and ".join(
+                f"{_text(c.start)} to {_text(c.end) if c.end else 'latest'}" for c, _ in anywhere
+            )
+            elsewhere = (
+                f"; it fits the private signatures of flash-attn {ranges}, which read its arguments "
+                "differently: set --flash-attn-version to the release it was written for"
+            )
         if len(anywhere) == 1 and anywhere[0][0].suffix is not None:
             fits = anywhere
             convention = anywhere[0][0]
@@ -220,7 +234,7 @@ def convention_for(
                 "release's drop-in"
             )
     if not fits:
-        raise Refuse(f"{reasons[-1] if reasons else 'no known signature'} ({span})")
+        raise Refuse(f"{reasons[-1] if reasons else 'no known signature'} ({span}){elsewhere}")
     if len(fits) > 1:
         raise Refuse(
             f"{function} fits the private signatures of several flash-attn releases in {span} "
@@ -228,9 +242,7 @@ def convention_for(
         )
     convention, bound = fits[0]
     if convention.suffix is None:
-        raise Refuse(
-            f"{function} of flash-attn before 2.4 ({span}): flashport has no drop-in with its signature"
-        )
+        raise Refuse(f"{function} of flash-attn 2.3 ({span}): flashport has no drop-in with its signature")
     return convention, bound, inferred
 
 

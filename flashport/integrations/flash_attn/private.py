@@ -7,7 +7,8 @@ directly: ``_flash_attn_forward`` / ``_flash_attn_varlen_forward`` return
 ``softmax_d``. The functions here have flash-attn 2.8.3's signatures (``window_size_left`` /
 ``window_size_right`` as ints since 2.7; before 2.7 the forward took ``window_size=(l, r)`` and
 returned 8 values: ``_flash_attn_forward_v2_4`` / ``_v2_6`` and ``_flash_attn_backward_v2_4`` / ``_v2_6``
-have those signatures and return conventions, as do the varlen ones of 2.4-2.5 / 2.6) and the same conventions:
+have those signatures and return conventions, as do the varlen ones of 2.4-2.5 / 2.6, and the ``_v2_0``
+ones those of 2.0.2-2.2, which had no window, softcap or ALiBi) and the same conventions:
 
 * q [B, Sq, H, D], k/v [B, Sk, Hk, D] (varlen: [total, H, D] with int ``cu_seqlens``); causal and
   window aligned bottom-right (per sequence for varlen); ``softcap`` 0 = off; contiguous GQA;
@@ -43,15 +44,19 @@ from flashport.kernels.contract.varlen import varlen_layout, varlen_plan
 
 __all__ = [
     "_flash_attn_backward",
+    "_flash_attn_backward_v2_0",
     "_flash_attn_backward_v2_4",
     "_flash_attn_backward_v2_6",
     "_flash_attn_forward",
+    "_flash_attn_forward_v2_0",
     "_flash_attn_forward_v2_4",
     "_flash_attn_forward_v2_6",
     "_flash_attn_varlen_backward",
+    "_flash_attn_varlen_backward_v2_0",
     "_flash_attn_varlen_backward_v2_4",
     "_flash_attn_varlen_backward_v2_6",
     "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_forward_v2_0",
     "_flash_attn_varlen_forward_v2_4",
     "_flash_attn_varlen_forward_v2_6",
 ]
@@ -307,9 +312,11 @@ def _release_kernel(latest, release, parameters):
 
     Args:
       latest: :func:`_flash_attn_forward`, :func:`_flash_attn_backward` or their varlen forms.
-      release: the releases it serves (``"2.4-2.5"``, ``"2.6"``); the name's suffix (``_v2_4``).
+      release: the releases it serves (``"2.0-2.2"``, ``"2.4-2.5"``, ``"2.6"``); the name's suffix
+        (``_v2_4``).
       parameters: its signature for :func:`.core.with_signature`. ``window_size=(l, r)`` stands for
-        2.7's two window ints; a release without ``softcap`` runs with 0.0 (off).
+        2.7's two window ints; a release without ``window_size`` / ``softcap`` / ``alibi_slopes`` runs
+        with none (full attention, off, no ALiBi).
 
     Returns:
       A function with exactly that signature that returns the release's values: the forward's 8,
@@ -318,9 +325,14 @@ def _release_kernel(latest, release, parameters):
     """
     forward = latest.__name__.endswith("_forward")
 
-    def kernel(window_size, softcap=0.0, **given):
+    def kernel(window_size=(-1, -1), softcap=0.0, alibi_slopes=None, **given):
         left, right = window_size
-        result = latest(window_size_left=left, window_size_right=right, softcap=softcap, **given)
+        if not forward:
+            given.setdefault("deterministic", False)
+        band = dict(
+            window_size_left=left, window_size_right=right, softcap=softcap, alibi_slopes=alibi_slopes
+        )
+        result = latest(**band, **given)
         if forward:
             out, lse, s_dmask, rng_state = result
             return out, given["q"], given["k"], given["v"], out, lse, s_dmask, rng_state
@@ -336,6 +348,15 @@ def _release_kernel(latest, release, parameters):
     return with_signature(parameters, _DEFAULTS)(kernel)
 
 
+# flash-attn 2.0.2-2.2: no window, softcap or ALiBi (2.0.0 / 2.0.1 had no rng_state, and a 7-value forward)
+_flash_attn_forward_v2_0 = _release_kernel(_flash_attn_forward, "2.0-2.2", f"q k v {_HEAD} return_softmax")
+_flash_attn_backward_v2_0 = _release_kernel(_flash_attn_backward, "2.0-2.2", f"{_GRADS} {_HEAD} | rng_state")
+_flash_attn_varlen_forward_v2_0 = _release_kernel(
+    _flash_attn_varlen_forward, "2.0-2.2", f"q k v {_VARLEN} {_HEAD} return_softmax"
+)
+_flash_attn_varlen_backward_v2_0 = _release_kernel(
+    _flash_attn_varlen_backward, "2.0-2.2", f"{_GRADS} {_VARLEN} {_HEAD} | rng_state"
+)
 _flash_attn_forward_v2_4 = _release_kernel(
     _flash_attn_forward, "2.4-2.5", f"q k v {_HEAD} window_size alibi_slopes return_softmax"
 )
