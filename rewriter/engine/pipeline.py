@@ -638,7 +638,7 @@ def _fix_imports(
     """Drop GPU imports a rewrite made unused, add the imports rewrites need, and say why each GPU
     import left in place stays (``result.imports_kept``); the edits of
     :func:`~flashport.rewriter.imports.edits.edit_imports`."""
-    before = import_edits.name_uses(tree)
+    before = import_edits.name_uses(tree, gpu_modules)
     edits = import_edits.edit_imports(
         new_text, ast.parse(new_text), before, gpu_modules, needed, newline, version
     )

@@ -764,6 +764,7 @@ class SiteTransformer(cst.CSTTransformer):
         if reaching is not None:  # the binding that dominates the read decides, not every one
             imports_only = all(isinstance(b, semantic.ImportBinding) for b in reaching)
             meanings = self._flow_names(value, meanings)
+        meanings = _one_library_path(meanings, self.by_source)
         if not imports_only or len(meanings) != 1:
             # `import xformers` + `import xformers.ops.fmha` is fine: both give the value one meaning
             return (
@@ -889,6 +890,20 @@ _IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError", "Exception", "BaseExcept
 _PROBE = re.compile(
     r"(^|\.)(callable|getattr|hasattr|isinstance|issubclass|id|type|signature|getfullargspec)$"
 )
+
+
+def _one_library_path(meanings: set[str], sources: Mapping[str, object]) -> set[str]:
+    """``meanings`` with the other import paths of a source dropped: names of the same package and
+    last name that no rule knows (``xformers.attn_bias.BlockDiagonalMask`` imported where
+    ``xformers.ops.fmha.attn_bias.BlockDiagonalMask`` failed: the library's other layout of the same
+    object). A second known source (flash-attn's Triton ``flash_attn_func``) is another API: kept."""
+    known = [m for m in meanings if m in sources]
+    if len(known) != 1 or len(meanings) == 1:
+        return meanings
+    package, _, rest = known[0].partition(".")
+    leaf = rest.rsplit(".", 1)[-1]
+    same = all(m.partition(".")[0] == package and m.rsplit(".", 1)[-1] == leaf for m in meanings)
+    return {known[0]} if same and rest else meanings
 
 
 @functools.lru_cache(maxsize=8)

@@ -22,17 +22,42 @@ from collections.abc import Iterable
 import libcst as cst
 
 from flashport.rewriter.imports import dead_imports, drop_in_imports, kept_imports
-from flashport.rewriter.source import astindex
+from flashport.rewriter.source import astindex, semantic
 from flashport.rewriter.source.text import first_line, split_lines
 
 
-def name_uses(tree: ast.AST) -> collections.Counter:
-    """How often each name is read (``Name`` loads, plus strings listed in ``__all__``)."""
+def name_uses(tree: ast.AST, gpu_modules: tuple[str, ...] = ()) -> collections.Counter:
+    """How often each name is read (``Name`` loads, plus strings listed in ``__all__``).
+
+    With ``gpu_modules``, a read of a name some import binds from one of them is left out where the
+    flow decides that it sees only imports from other modules
+    (:meth:`~flashport.rewriter.source.semantic.SemanticModel.reaching`: ``probe(fn)`` after an
+    unconditional ``from npu import npu_fn as fn``): it reads no GPU import."""
     uses = drop_in_imports.exported(tree)
+    model = semantic.of(tree) if gpu_modules and isinstance(tree, ast.Module) else None
+    gpu_bound = {b.name for b in model.imports if _from_gpu(b, gpu_modules)} if model else set()
     for node in astindex.of_type(tree, ast.Name):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
+            if model and node.id in gpu_bound and _reads_other_imports_only(model, node, gpu_modules):
+                continue
             uses[node.id] += 1
     return uses
+
+
+def _from_gpu(binding: semantic.ImportBinding, gpu_modules: tuple[str, ...]) -> bool:
+    """Whether an import binding imports from one of ``gpu_modules``."""
+    module = binding.qualified if not binding.is_from else binding.from_module
+    return not binding.relative and any(module == m or module.startswith(m + ".") for m in gpu_modules)
+
+
+def _reads_other_imports_only(
+    model: semantic.SemanticModel, node: ast.Name, gpu_modules: tuple[str, ...]
+) -> bool:
+    """Whether the flow decides that the read ``node`` sees only imports, none from ``gpu_modules``."""
+    reaching = model.reaching(node.id, node.lineno)
+    return bool(reaching) and all(
+        isinstance(b, semantic.ImportBinding) and not _from_gpu(b, gpu_modules) for b in reaching or ()
+    )
 
 
 def remove_unused(
@@ -54,11 +79,11 @@ def remove_unused(
     if not gpu_modules:
         return text, []
     tree = tree if tree is not None else ast.parse(text)
-    after = name_uses(tree)
+    after = name_uses(tree, gpu_modules)
     pinned = drop_in_imports.pin_versions(text, tree, before, after, gpu_modules, version)
     if pinned != text:
         text, tree = pinned, ast.parse(pinned)
-        after = name_uses(tree)
+        after = name_uses(tree, gpu_modules)
     return dead_imports.remove_dead(text, tree, before, after, gpu_modules, _drop_aliases, version)
 
 
@@ -99,7 +124,7 @@ def edit_imports(
         new_text, added, shift = ensure_imports(cleaned, modules, newline, cleaned_tree)
     kept: list[str] = []
     if imports_any(new_text, gpu_modules):
-        after = name_uses(cleaned_tree)
+        after = name_uses(cleaned_tree, gpu_modules)
         kept = kept_imports.explain(cleaned_tree, before, after, gpu_modules, version, shift)
     starts = [shift(first_line(node)) for node in cleaned_tree.body]
     return ImportEdits(new_text, added, removed, kept, starts)
