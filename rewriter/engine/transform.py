@@ -5,7 +5,12 @@ statements that mention a trigger (top-level ones, or single statements of a top
 a stand-in class), separated by sentinel comments. libcst's ``QualifiedNameProvider`` resolves names
 in it exactly as in the whole file (imports, aliases, function-level and guarded imports), while
 scope analysis only runs over the chunks, not the whole file. ``line_map`` maps mini-module lines
-back to file lines; nodes outside the chunks (the header) are ignored.
+back to file lines; nodes outside the chunks (the header) are ignored. Those names are blind to the
+flow; where the flow of the read's scope decides which bindings reach it (the file's ``ast``:
+:meth:`~flashport.rewriter.source.semantic.SemanticModel.reaching`, the same in every mode), the names
+no reaching binding gives are dropped: a read after an unconditional ``from npu import f as
+flash_attn_func`` is no site, and a call through a name that a path to it rebinds to another value
+is refused.
 
 When several selected rules watch the same qualified name or string, the one with the lowest code
 answers and the others are shadowed (``--ignore`` the first to let the next one answer); FPA905
