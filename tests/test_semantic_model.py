@@ -330,3 +330,17 @@ def test_reaching_is_undecided_where_a_header_shares_the_line_of_its_body():
     assert reaching_lines(one_line, "f", 3) is None
     header = "from flash_attn import f\nif probe(f):\n    pass\n"
     assert reaching_lines(header, "f", 2) == [1]
+
+
+def test_reaching_a_decorator_sees_the_bindings_before_its_definition():
+    source = textwrap.dedent(
+        """\
+        from flash_attn import f
+        if npu:
+            from npu import g as f
+            @register(f)
+            def h():
+                pass
+        """
+    )
+    assert reaching_lines(source, "f", 4) == [3]

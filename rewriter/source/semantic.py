@@ -598,13 +598,15 @@ def _path_to(tree: ast.Module, line: int) -> tuple[list[_Step], bool] | None:
             (field, block, i)
             for field, block in _blocks(owner)
             for i, statement in enumerate(block)
-            if statement.lineno <= line <= (statement.end_lineno or statement.lineno)
+            if _start(statement) <= line <= (statement.end_lineno or statement.lineno)
         ]
         if len(hits) > 1:
             return None  # `a; b` on one line
         if not hits:
             if owner is tree or isinstance(owner, (ast.While, *_TRY, ast.Match)):
                 return None  # a loop's test, an `except`/`case` line
+            if not _start(owner) <= line < min(block[0].lineno for _, block in _blocks(owner)):
+                return None  # not its header: an `else:` line, a comment
             in_header = True
             break
         if any(_spans(node, line) for part in _header(owner) for node in ast.walk(part)):
@@ -618,6 +620,12 @@ def _path_to(tree: ast.Module, line: int) -> tuple[list[_Step], bool] | None:
     if any(isinstance(node, _DEFERRED) and _spans(node, line) for node in ast.walk(owner)):
         return None
     return path, in_header
+
+
+def _start(statement: ast.stmt) -> int:
+    """The first line of ``statement``, its decorators included."""
+    decorators = getattr(statement, "decorator_list", None) or []
+    return min([statement.lineno, *(d.lineno for d in decorators)])
 
 
 def _spans(node: ast.AST, line: int) -> bool:
