@@ -82,6 +82,38 @@ def required(bound: dict[str, cst.Arg], names: tuple[str, ...], api: str) -> lis
     return out
 
 
+_LITERALS = (
+    cst.Integer,
+    cst.Float,
+    cst.Imaginary,
+    cst.SimpleString,
+    cst.ConcatenatedString,
+    cst.FormattedString,
+)
+
+
+def tensors(bound: dict[str, cst.Arg], names: tuple[str, ...], api: str) -> list[cst.BaseExpression]:
+    """The values of required tensor arguments (:func:`required`), none of them a literal.
+
+    Raises:
+      Refuse: for a missing one, or a literal number, string, ``None``/``True``/``False`` where a
+        tensor goes: the call was written for another signature under that name (flash-attn 1.x's
+        ``flash_attn_func(qkv, cu_seqlens, dropout_p, max_s)``), so binding it to this one would
+        change its meaning.
+    """
+    values = required(bound, names, api)
+    for name, value in zip(names, values, strict=True):
+        if isinstance(value, _LITERALS) or (
+            isinstance(value, cst.Name) and value.value in ("None", "True", "False")
+        ):
+            text = cst.Module([]).code_for_node(value)
+            raise Refuse(
+                f"{name}={text} is a literal, not a tensor: the call does not fit {api}'s signature "
+                "(it was written for another release's or another function's under that name)"
+            )
+    return values
+
+
 def no_dropout(
     node: cst.BaseExpression | None,
     name: str,

@@ -14,7 +14,7 @@ from typing import ClassVar
 import libcst as cst
 
 from flashport.rules.base import Rewrite, Rule
-from flashport.rules.common.binding import required
+from flashport.rules.common.binding import tensors as required_tensors
 from flashport.rules.common.calls import build_call, string
 from flashport.rules.flash_attn import arguments as fa
 
@@ -45,7 +45,7 @@ class DenseRule(Rule):
             return splat
         leading = len(self.LEADING)
         bound = fa.signature(self.LEADING, ctx.options.flash_attn_version).bind(call, self.API)
-        tensors = required(bound, self.LEADING, self.API)
+        tensors = required_tensors(bound, self.LEADING, self.API)
         drop_in = fa.alibi_drop_in(call, bound, ctx, leading)
         drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, leading)
         if drop_in is not None:
@@ -99,7 +99,7 @@ class VarlenRule(Rule):
             return splat
         sig, version = fa.varlen_signature(self.LEADING, ctx.qualified_name, ctx.options.flash_attn_version)
         bound = sig.bind(call, self.API)
-        values = required(bound, self.LEADING[: self.REQUIRED], self.API)
+        values = required_tensors(bound, self.LEADING[: self.REQUIRED], self.API)
         drop_in = fa.varlen_drop_in(call, bound, ctx, len(self.LEADING))
         drop_in = drop_in or fa.probs_drop_in(call, bound, ctx, len(self.LEADING))
         if drop_in is not None:
