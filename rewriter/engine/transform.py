@@ -390,6 +390,16 @@ class SiteTransformer(cst.CSTTransformer):
             return names
         return narrowed(names, self._reaching(node), full_name)
 
+    def _other_apis(self, func: cst.BaseExpression, api: str) -> list[str]:
+        """The source APIs other than ``api`` (another function: another last name) that ``func``
+        may also hold by another binding, sorted."""
+        names = self._names.qualified(func) if self._names is not None else None
+        if names is None:
+            names = self._qualified_names(func)
+        names = self._flow_names(func, names)
+        leaf = api.rsplit(".", 1)[-1]
+        return sorted(n for n in names if n in self.by_source and n.rsplit(".", 1)[-1] != leaf)
+
     def _rebound(self, func: cst.BaseExpression) -> str | None:
         """Why a call of ``func`` (a source API by one of its bindings) may call something else: a
         binding that reaches it by the flow (:meth:`_reaching`) assigns another value (a ``None``
@@ -566,6 +576,15 @@ class SiteTransformer(cst.CSTTransformer):
                 )
             else:
                 outcome = dataclasses.replace(outcome, node=node)
+        if (
+            isinstance(outcome, Refusal)
+            and alias is None
+            and (others := self._other_apis(original_node.func, api))
+        ):
+            outcome = Refusal(
+                f"{outcome.reason}; {self.module.code_for_node(original_node.func)} may also be "
+                f"{' or '.join(others)} here (another import binds it), whose arguments differ"
+            )
         if alias is not None and isinstance(outcome, Rewrite):
             alias.rewritten += 1
             outcome = dataclasses.replace(
