@@ -622,10 +622,10 @@ def _path_to(tree: ast.Module, line: int) -> tuple[list[_Step], bool] | None:
     return path, in_header
 
 
-def _start(statement: ast.stmt) -> int:
+def _start(statement: ast.AST) -> int:
     """The first line of ``statement``, its decorators included."""
     decorators = getattr(statement, "decorator_list", None) or []
-    return min([statement.lineno, *(d.lineno for d in decorators)])
+    return min([getattr(statement, "lineno", 0), *(d.lineno for d in decorators)])
 
 
 def _spans(node: ast.AST, line: int) -> bool:
