@@ -27,9 +27,10 @@ order, so "the last import wins" reads as it did over ``ast.walk``. This module 
 from __future__ import annotations
 
 import ast
+import bisect
 import dataclasses
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from flashport.rewriter.source import astindex
 
@@ -182,6 +183,8 @@ class SemanticModel:
         self._assignments: list[Assignment] | None = None
         self._reaching: dict[tuple[str, int], tuple[ImportBinding | ast.AST, ...] | None] = {}
         self._declared: frozenset[str] | None = None
+        self._block_starts: dict[int, list[int]] = {}
+        self._locals: dict[tuple[int, str], bool] = {}
 
     # -- the statement walk ------------------------------------------------------------------------
 
@@ -454,7 +457,7 @@ class SemanticModel:
     def _reaching_at(self, name: str, line: int) -> tuple[ImportBinding | ast.AST, ...] | None:
         if name in self._declared_names() or self.star_import_lines():
             return None
-        located = _path_to(self.tree, line)
+        located = _path_to(self.tree, line, self._starts)
         if located is None:
             return None
         path, in_header = located
@@ -465,7 +468,7 @@ class SemanticModel:
         scope_at = max((i for i, step in enumerate(path) if isinstance(step[0], SCOPES)), default=-1)
         if scope_at >= 0:
             scope = path[scope_at][0]
-            if not isinstance(scope, _DEFS) or not _binds_locally(scope, name):
+            if not isinstance(scope, _DEFS) or not self._local(scope, name):
                 return None  # a class body; a global or free variable of the function
             path = path[scope_at:]
         found: list[ast.AST] = []
@@ -487,6 +490,20 @@ class SemanticModel:
             else:  # `if (fn := ...):`, `with ... as fn:`
                 found += _binders(owner, name, _header(owner))
         return None  # the module's start: unbound, or a builtin
+
+    def _starts(self, block: list) -> list[int]:
+        """The first lines of ``block``'s statements (kept per block: a file's reads share them)."""
+        key = id(block)
+        if key not in self._block_starts:
+            self._block_starts[key] = [_start(statement) for statement in block]
+        return self._block_starts[key]
+
+    def _local(self, function: ast.AST, name: str) -> bool:
+        """:func:`_binds_locally`, kept per function and name."""
+        key = (id(function), name)
+        if key not in self._locals:
+            self._locals[key] = _binds_locally(function, name)
+        return self._locals[key]
 
     def _as_bindings(self, nodes: list[ast.AST]) -> tuple[ImportBinding | ast.AST, ...]:
         """``nodes`` with each import alias as its :class:`ImportBinding`."""
@@ -586,7 +603,9 @@ def _header(node: ast.AST) -> list[ast.AST]:
     ]
 
 
-def _path_to(tree: ast.Module, line: int) -> tuple[list[_Step], bool] | None:
+def _path_to(
+    tree: ast.Module, line: int, starts: Callable[[list], list[int]]
+) -> tuple[list[_Step], bool] | None:
     """The blocks from the module down to the statement holding ``line``: ``(owner, field, block,
     index)`` per level, the last one the read's program point (its statement, or the compound
     statement whose header holds ``line``: then True); None where that point is not one statement
@@ -594,12 +613,12 @@ def _path_to(tree: ast.Module, line: int) -> tuple[list[_Step], bool] | None:
     path: list[_Step] = []
     owner: ast.AST = tree
     while True:
-        hits = [
-            (field, block, i)
-            for field, block in _blocks(owner)
-            for i, statement in enumerate(block)
-            if _start(statement) <= line <= (statement.end_lineno or statement.lineno)
-        ]
+        hits = []
+        for field, block in _blocks(owner):
+            i = bisect.bisect_right(starts(block), line) - 1  # the last statement starting by `line`
+            while i >= 0 and line <= (block[i].end_lineno or block[i].lineno):
+                hits.append((field, block, i))  # `a; b`: more than one
+                i -= 1
         if len(hits) > 1:
             return None  # `a; b` on one line
         if not hits:
