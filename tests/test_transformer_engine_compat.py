@@ -1,0 +1,275 @@
+"""flashport.integrations.transformer_engine_compat.DotProductAttention against TransformerEngine's
+documented semantics, written out here in float64 (the visible-key matrix of each mask type, layout
+and window) and fed to the float64 reference as an explicit mask."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+
+from reference import reference_attention
+
+from flashport.integrations.transformer_engine_compat import DotProductAttention
+
+B, SQ, SK, HQ, HKV, D = 2, 6, 9, 4, 2, 8
+TOL = dict(rtol=2e-5, atol=2e-5)  # float32 on CPU vs float64: measured max error ~1e-6
+
+
+def inputs(sq=SQ, sk=SK, hq=HQ, hkv=HKV, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, sq, hq, D)).astype(np.float32)
+    k = rng.standard_normal((B, sk, hkv, D)).astype(np.float32)
+    v = rng.standard_normal((B, sk, hkv, D)).astype(np.float32)
+    return q, k, v
+
+
+def padding_mask(sq, sk, q_len=(4, 6), kv_len=(5, 9)):
+    """TE's convention: True = masked out, [b, 1, sq, sk]; row b keeps q < q_len[b], k < kv_len[b]."""
+    mask = np.ones((B, 1, sq, sk), bool)
+    for b in range(B):
+        mask[b, 0, : min(q_len[b], sq), : min(kv_len[b], sk)] = False
+    return mask
+
+
+def te_visible(mask_type, sq, sk, masked_out=None, window=None):
+    """Which key each query sees, from TE's definitions: 'causal' keeps j <= i, the bottom-right types
+    j <= i + sk - sq; padding types drop what the mask marks True; a window (l, r) keeps
+    [i - l, i + r] around the same diagonal (negative = unbounded). [b, 1, sq, sk] bool."""
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    offset = sk - sq if "bottom_right" in mask_type else 0
+    keep = np.ones((sq, sk), bool)
+    if "causal" in mask_type:
+        keep &= j <= i + offset
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep &= j >= i + offset - left
+        if right >= 0:
+            keep &= j <= i + offset + right
+    keep = np.broadcast_to(keep, (B, 1, sq, sk))
+    if "padding" in mask_type and masked_out is not None:
+        keep = keep & ~np.broadcast_to(masked_out, (B, 1, sq, sk))
+    return keep
+
+
+def expected(q, k, v, keep, scale=None, bias=None):
+    out, _ = reference_attention(q, k, v, scale=scale, mask=keep, bias=bias, layout="BSHD")
+    return out
+
+
+def run(module, *args, **kwargs):
+    return np.asarray(module.apply({}, *args, **kwargs))
+
+
+def assert_close_where_seen(out, want, keep):
+    """Compare rows that see at least one key (TE leaves other rows as padding; the contract gives 0)."""
+    seen = np.broadcast_to(keep.any(-1), (B, keep.shape[1], keep.shape[2]))[:, 0]  # [b, sq]
+    np.testing.assert_allclose(out[seen], want[seen], **TOL)
+
+
+def te(**fields):
+    fields.setdefault("transpose_batch_sequence", False)
+    return DotProductAttention(head_dim=D, num_attention_heads=HQ, num_gqa_groups=HKV, **fields)
+
+
+MASK_TYPES = [
+    "no_mask",
+    "causal",
+    "causal_bottom_right",
+    "padding",
+    "padding_causal",
+    "causal_padding",
+    "padding_causal_bottom_right",
+]
+
+
+@pytest.mark.parametrize("mask_type", MASK_TYPES)
+@pytest.mark.parametrize(("sq", "sk"), [(SQ, SK), (7, 7), (SK, SQ)])
+def test_mask_types_gqa(mask_type, sq, sk):
+    """Every mask type, with a padding mask passed (ignored by the non-padding types), GQA heads."""
+    q, k, v = inputs(sq, sk)
+    masked_out = padding_mask(sq, sk)
+    out = run(te(attn_mask_type=mask_type), q, k, v, masked_out)
+    keep = te_visible(mask_type, sq, sk, masked_out)
+    assert_close_where_seen(out, expected(q, k, v, keep), keep)
+
+
+@pytest.mark.parametrize("as_uint8", [False, True])
+def test_mask_keyword_uint8_and_five_dim(as_uint8):
+    """MaxText passes a uint8 mask (1 = masked out) of shape [b, 1, 1, sq, sk] as sequence_descriptor=."""
+    q, k, v = inputs(SQ, SQ)
+    masked_out = padding_mask(SQ, SQ)
+    keep = te_visible("padding_causal", SQ, SQ, masked_out)
+    five = masked_out[:, :, None].astype(np.uint8 if as_uint8 else bool)
+    module = te(attn_mask_type="padding_causal", scale_factor=1.0)
+    out = run(module, q, k, v, sequence_descriptor=five)
+    assert_close_where_seen(out, expected(q, k, v, keep, scale=1.0), keep)
+    np.testing.assert_array_equal(run(module, q, k, v, mask=five), out)
+
+
+def test_no_mask_layout_of_maxdiffusion():
+    """MaxDiffusion: MHA, 'no_mask', upper-case bias type and layout, the module applied with {}."""
+    q, k, v = inputs(SQ, SK, hq=HQ, hkv=HQ)
+    module = DotProductAttention(
+        head_dim=D,
+        num_attention_heads=HQ,
+        num_gqa_groups=HQ,
+        attn_mask_type="no_mask",
+        attn_bias_type="NO_BIAS",
+        dropout_rng_name="aqt",
+        dtype=jnp.float32,
+        qkv_layout="BSHD_BSHD_BSHD",
+        scale_factor=0.3,
+        transpose_batch_sequence=False,
+    )
+    out = np.asarray(functools.partial(module.apply, {})(q, k, v, mask=None))
+    keep = te_visible("no_mask", SQ, SK)
+    np.testing.assert_allclose(out, expected(q, k, v, keep, scale=0.3), **TOL)
+
+
+@pytest.mark.parametrize("layout", ["bs3hd", "BSHD_BS2HD", "bshd_bshd_bshd"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_packed_layouts_and_sequence_first(layout, transpose):
+    q, k, v = inputs(SQ, SQ, hq=HQ, hkv=HQ)
+    keep = te_visible("causal", SQ, SQ)
+    want = expected(q, k, v, keep)
+    if layout == "bs3hd":
+        args = (np.stack([q, k, v], axis=2), None, None)
+    elif layout == "BSHD_BS2HD":
+        args = (q, np.stack([k, v], axis=2), None)
+    else:
+        args = (q, k, v)
+    if transpose:
+        args = tuple(None if a is None else np.swapaxes(a, 0, 1) for a in args)
+    module = te(qkv_layout=layout, attn_mask_type="causal", transpose_batch_sequence=transpose)
+    out = run(module, *args)
+    if transpose:
+        out = np.swapaxes(out, 0, 1)
+    np.testing.assert_allclose(out, want, **TOL)
+
+
+def test_packed_layout_default_scale_uses_head_dim_field():
+    """Packed layouts scale by 1/sqrt(head_dim) from the field (TE reads no tensor for it)."""
+    q, k, v = inputs(SQ, SQ, hq=HQ, hkv=HQ)
+    module = DotProductAttention(
+        head_dim=2 * D,
+        num_attention_heads=HQ,
+        attn_mask_type="no_mask",
+        qkv_layout="bs3hd",
+        transpose_batch_sequence=False,
+    )
+    out = run(module, np.stack([q, k, v], axis=2), None, None)
+    np.testing.assert_allclose(
+        out, expected(q, k, v, te_visible("no_mask", SQ, SQ), scale=1 / np.sqrt(2 * D)), **TOL
+    )
+
+
+@pytest.mark.parametrize(
+    ("mask_type", "window", "sq", "sk"),
+    [
+        ("causal", (2, 0), SQ, SQ),
+        ("causal", (3, 0), SQ, SK),
+        ("no_mask", (2, 1), SQ, SK),
+        ("causal_bottom_right", (2, 0), SQ, SK),
+        ("padding_causal", (1, -1), SQ, SK),
+        ("no_mask", (-1, -1), SQ, SK),
+    ],
+)
+def test_window(mask_type, window, sq, sk):
+    q, k, v = inputs(sq, sk)
+    masked_out = padding_mask(sq, sk)
+    out = run(te(attn_mask_type=mask_type, window_size=window), q, k, v, masked_out)
+    keep = te_visible(mask_type, sq, sk, masked_out, window=window)
+    assert_close_where_seen(out, expected(q, k, v, keep), keep)
+
+
+@pytest.mark.parametrize("bias_type", [None, "post_scale_bias", "PRE_SCALE_BIAS"])
+def test_bias_types(bias_type):
+    q, k, v = inputs(SQ, SK)
+    bias = np.random.default_rng(7).standard_normal((1, HQ, SQ, SK)).astype(np.float32)
+    out = run(te(attn_mask_type="no_mask", attn_bias_type=bias_type, scale_factor=0.5), q, k, v, None, bias)
+    added = bias * 0.5 if bias_type == "PRE_SCALE_BIAS" else bias  # softmax(scale * (qk + bias))
+    keep = te_visible("no_mask", SQ, SK)
+    np.testing.assert_allclose(out, expected(q, k, v, keep, scale=0.5, bias=added), **TOL)
+
+
+def test_bias_type_and_bias_must_agree():
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="attn_bias_type='no_bias'"):
+        run(te(attn_bias_type="no_bias"), q, k, v, None, np.zeros((1, HQ, SQ, SK), np.float32))
+
+
+def test_dropout_draws_from_the_named_rng_only_when_not_deterministic():
+    q, k, v = inputs()
+    keep = te_visible("causal", SQ, SK)
+    module = te(attention_dropout=0.5, dropout_rng_name="aqt")
+    plain = expected(q, k, v, keep)
+    np.testing.assert_allclose(run(module, q, k, v, deterministic=True), plain, **TOL)
+    first = run(module, q, k, v, rngs={"aqt": jax.random.key(1)})
+    again = run(module, q, k, v, rngs={"aqt": jax.random.key(1)})
+    other = run(module, q, k, v, rngs={"aqt": jax.random.key(2)})
+    np.testing.assert_array_equal(first, again)
+    assert np.abs(first - plain).max() > 1e-2 and np.abs(first - other).max() > 1e-2
+    with pytest.raises(Exception, match="aqt"):
+        run(module, q, k, v)
+
+
+def test_runs_under_nnx_bridge_like_maxtext():
+    """MaxText wraps the module with nnx's ToNNX, lazy_inits it on zeros and calls it."""
+    nnx = pytest.importorskip("flax.nnx")
+    q, k, v = inputs(SQ, SQ)
+    masked_out = padding_mask(SQ, SQ).astype(np.uint8)[:, :, None]
+    layer = nnx.bridge.ToNNX(te(attn_mask_type="padding_causal", scale_factor=1.0), rngs=nnx.Rngs(0))
+    layer.lazy_init(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), sequence_descriptor=masked_out)
+    out = np.asarray(layer(q, k, v, sequence_descriptor=masked_out, deterministic=True))
+    keep = te_visible("padding_causal", SQ, SQ, masked_out[:, :, 0].astype(bool))
+    assert_close_where_seen(out, expected(q, k, v, keep, scale=1.0), keep)
+
+
+class _SequenceDescriptorLike:
+    """Stands for TE's SequenceDescriptor (segment ids and positions): no array."""
+
+
+@pytest.mark.parametrize(
+    ("fields", "call", "message"),
+    [
+        ({"qkv_layout": "thd_thd_thd"}, {}, "qkv_layout='thd_thd_thd'"),
+        ({"softmax_type": "off-by-one"}, {}, "softmax_type='off-by-one'"),
+        ({"score_mod": lambda s: s}, {}, "score_mod="),
+        ({}, {"score_mod_tensors": {}}, "score_mod_tensors="),
+        (
+            {"attn_mask_type": "padding"},
+            {"sequence_descriptor": _SequenceDescriptorLike()},
+            "SequenceDescriptor",
+        ),
+        (
+            {"context_parallel_causal_load_balanced": True, "context_parallel_axis": "context"},
+            {},
+            "context_parallel_causal_load_balanced=True",
+        ),
+    ],
+)
+def test_unsupported_configurations_raise_naming_the_argument(fields, call, message):
+    q, k, v = inputs()
+    with pytest.raises(NotImplementedError, match=message.replace("(", r"\(").replace("=", "=")):
+        run(te(**fields), q, k, v, **call)
+
+
+def test_load_balanced_flag_is_inert_without_a_context_parallel_axis():
+    q, k, v = inputs()
+    keep = te_visible("causal", SQ, SK)
+    out = run(te(context_parallel_causal_load_balanced=True, context_parallel_axis=""), q, k, v)
+    np.testing.assert_allclose(out, expected(q, k, v, keep), **TOL)
+
+
+def test_unknown_mask_type_is_a_value_error():
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="attn_mask_type='Causal'"):
+        run(te(attn_mask_type="Causal"), q, k, v)
