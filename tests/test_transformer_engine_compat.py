@@ -15,7 +15,7 @@ pytest.importorskip("flax")
 
 from reference import reference_attention
 
-from flashport.integrations.transformer_engine_compat import DotProductAttention
+from flashport.integrations.transformer_engine_compat import DotProductAttention, SequenceDescriptor
 
 B, SQ, SK, HQ, HKV, D = 2, 6, 9, 4, 2, 8
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32 on CPU vs float64: measured max error ~1e-6
@@ -86,7 +86,6 @@ MASK_TYPES = [
     "padding",
     "padding_causal",
     "causal_padding",
-    "padding_causal_bottom_right",
 ]
 
 
@@ -234,13 +233,32 @@ def test_runs_under_nnx_bridge_like_maxtext():
 
 
 class _SequenceDescriptorLike:
-    """Stands for TE's SequenceDescriptor (segment ids and positions): no array."""
+    """Stands for TE's own SequenceDescriptor class: no array."""
 
 
 @pytest.mark.parametrize(
     ("fields", "call", "message"),
     [
         ({"qkv_layout": "thd_thd_thd"}, {}, "qkv_layout='thd_thd_thd'"),
+        (
+            {"attn_mask_type": "padding_causal", "qkv_layout": "THD_THD_THD"},
+            {"sequence_descriptor": SequenceDescriptor.from_seqlens(np.array([3, 4]))},
+            "qkv_layout='THD_THD_THD'",
+        ),
+        (
+            {"attn_mask_type": "padding_causal"},
+            {
+                "sequence_descriptor": SequenceDescriptor.from_seqlens_and_offsets(
+                    np.zeros((2, 2)), np.zeros((2, 3))
+                )
+            },
+            "from_seqlens_and_offsets",
+        ),
+        (
+            {"attn_mask_type": "padding_causal_bottom_right"},
+            {"mask": np.zeros((B, 1, SQ, SK), bool)},
+            "padding_causal_bottom_right",
+        ),
         ({"softmax_type": "off-by-one"}, {}, "softmax_type='off-by-one'"),
         ({"score_mod": lambda s: s}, {}, "score_mod="),
         ({}, {"score_mod_tensors": {}}, "score_mod_tensors="),
@@ -273,3 +291,97 @@ def test_unknown_mask_type_is_a_value_error():
     q, k, v = inputs()
     with pytest.raises(ValueError, match="attn_mask_type='Causal'"):
         run(te(attn_mask_type="Causal"), q, k, v)
+
+
+def test_padding_bottom_right_without_a_mask_is_plain_bottom_right_causal():
+    q, k, v = inputs()
+    keep = te_visible("causal_bottom_right", SQ, SK)
+    out = run(te(attn_mask_type="padding_causal_bottom_right"), q, k, v)
+    np.testing.assert_allclose(out, expected(q, k, v, keep), **TOL)
+
+
+# ------------------------------------------------------------------------- SequenceDescriptor
+
+
+def te_segment_visible(mask_type, q_ids, kv_ids, q_pos, kv_pos, window=None):
+    """TE's make_mask (its fused-attention tests): equal non-zero segment ids; causal and window by
+    segment position. [b, 1, sq, sk] bool (True = attend)."""
+    b, sq = q_ids.shape
+    sk = kv_ids.shape[1]
+    keep = np.zeros((b, 1, sq, sk), bool)
+    for r in range(b):
+        for i in range(sq):
+            for j in range(sk):
+                ok = q_ids[r, i] == kv_ids[r, j] and q_ids[r, i] != 0
+                if "causal" in mask_type:
+                    ok = ok and q_pos[r, i] >= kv_pos[r, j]
+                if window is not None:
+                    left, right = window
+                    ok = ok and (left < 0 or kv_pos[r, j] >= q_pos[r, i] - left)
+                    ok = ok and (right < 0 or kv_pos[r, j] <= q_pos[r, i] + right)
+                keep[r, 0, i, j] = ok
+    return keep
+
+
+# TE's docstring examples: three segments packed with trailing padding; intra-segment padding
+SEGMENT_IDS = np.array([[1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 0, 0], [1, 1, 1, 2, 2, 3, 3, 3, 0, 0, 4, 4]], np.int32)
+SEGMENT_POS = np.array([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 0, 0], [0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 0, 1]], np.int32)
+
+
+@pytest.mark.parametrize("layout", ["bshd_bshd_bshd", "thd_thd_thd"])
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal"])
+@pytest.mark.parametrize("window", [None, (2, 0)])
+def test_segment_ids_and_positions(layout, mask_type, window):
+    s = SEGMENT_IDS.shape[1]
+    q, k, v = inputs(s, s)
+    descriptor = SequenceDescriptor.from_segment_ids_and_pos(SEGMENT_IDS, segment_pos=SEGMENT_POS)
+    module = te(attn_mask_type=mask_type, qkv_layout=layout, window_size=window, scale_factor=1.0)
+    out = run(module, q, k, v, sequence_descriptor=descriptor)
+    keep = te_segment_visible(mask_type, SEGMENT_IDS, SEGMENT_IDS, SEGMENT_POS, SEGMENT_POS, window)
+    assert_close_where_seen(out, expected(q, k, v, keep, scale=1.0), keep)
+
+
+def test_segment_positions_in_load_balanced_order():
+    """Context parallelism's load-balanced order permutes the tokens; causal follows the positions, so
+    the output is the permuted output of the natural order."""
+    s = SEGMENT_IDS.shape[1]
+    q, k, v = inputs(s, s)
+    order = np.array([0, 1, 10, 11, 2, 3, 8, 9, 4, 5, 6, 7])
+    module = te(
+        attn_mask_type="padding_causal",
+        qkv_layout="thd_thd_thd",
+        context_parallel_causal_load_balanced=True,
+        context_parallel_axis="context",
+    )
+    natural = SequenceDescriptor.from_segment_ids_and_pos(SEGMENT_IDS, SEGMENT_POS)
+    permuted = SequenceDescriptor.from_segment_ids_and_pos(SEGMENT_IDS[:, order], SEGMENT_POS[:, order])
+    want = run(module, q, k, v, sequence_descriptor=natural)[:, order]
+    got = run(module, q[:, order], k[:, order], v[:, order], sequence_descriptor=permuted)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_seqlens_descriptor_is_right_padding():
+    q, k, v = inputs(SQ, SK)
+    q_len, kv_len = np.array([4, 6]), np.array([5, 9])
+    descriptor = SequenceDescriptor.from_seqlens((q_len, kv_len))
+    out = run(te(attn_mask_type="padding_causal"), q, k, v, descriptor)
+    keep = te_visible("padding_causal", SQ, SK, padding_mask(SQ, SK, q_len, kv_len))
+    assert_close_where_seen(out, expected(q, k, v, keep), keep)
+
+
+def test_descriptor_is_a_pytree_through_jit():
+    s = SEGMENT_IDS.shape[1]
+    q, k, v = inputs(s, s)
+    module = te(attn_mask_type="padding_causal", qkv_layout="thd_thd_thd")
+    descriptor = SequenceDescriptor.from_segment_ids_and_pos(SEGMENT_IDS, SEGMENT_POS)
+    eager = run(module, q, k, v, descriptor)
+    jitted = np.asarray(jax.jit(lambda d: module.apply({}, q, k, v, d))(descriptor))
+    np.testing.assert_allclose(jitted, eager, **TOL)
+
+
+def test_segment_factory_needs_positions_and_takes_no_older_keywords():
+    """TE 2.18 requires segment_pos; MaxText retries without is_thd= on the TypeError."""
+    with pytest.raises(ValueError, match="segment_pos is now required"):
+        SequenceDescriptor.from_segment_ids_and_pos(SEGMENT_IDS)
+    with pytest.raises(TypeError):
+        SequenceDescriptor.from_segment_ids_and_pos(SEGMENT_IDS, segment_pos=SEGMENT_POS, is_thd=True)

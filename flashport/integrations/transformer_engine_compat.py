@@ -18,6 +18,11 @@ and runs :func:`flashport.attention` on any platform. Semantics (TE's docstrings
   ``[b, 1, s_q, s_kv]`` (a ``[b, 1, 1, s_q, s_kv]`` mask with singleton middle axes is accepted); it
   is ignored for ``'no_mask'`` and the causal-only types, and for the padding types it is combined
   with the causal mask where the type names one;
+* a :class:`SequenceDescriptor` instead of the mask array (padding types): ``from_seqlens`` -- query
+  ``i`` of row ``b`` sees key ``j`` when ``i < q_seqlens[b]`` and ``j < kv_seqlens[b]``;
+  ``from_segment_ids_and_pos`` (BSHD and THD packing) -- when the segment ids are equal and not 0
+  (0 = padding), causal and window by the segment positions (``pos_q >= pos_kv``), TE's definition
+  in its fused-attention tests (``make_mask``);
 * ``scale_factor=None`` means ``1/sqrt(head_dim)`` (the query's last axis for separate tensors, the
   ``head_dim`` field for packed layouts);
 * ``window_size=(left, right)``: query ``i`` sees keys in ``[i - left, i + right]`` (inclusive,
@@ -35,9 +40,10 @@ and runs :func:`flashport.attention` on any platform. Semantics (TE's docstrings
   always forms the logits and softmax in float32, and a context-parallel run computes the same
   attention over the whole sequence.
 
-What raises ``NotImplementedError`` naming the argument: the THD (packed-sequence) layouts and TE
-``SequenceDescriptor`` objects (segment ids and positions), ``softmax_type`` other than
-``'vanilla'``, ``score_mod``/``score_mod_bprop`` (cuDNN frontend callbacks), and
+What raises ``NotImplementedError`` naming the argument: THD layouts without segment ids and
+positions, ``SequenceDescriptor.from_seqlens_and_offsets`` descriptors, TE's own ``SequenceDescriptor``
+objects, the padding bottom-right mask types with a mask or descriptor (TE's fused backend aligns
+them to each sequence's own lengths), ``softmax_type`` other than ``'vanilla'``, ``score_mod``/``score_mod_bprop`` (cuDNN frontend callbacks), and
 ``context_parallel_causal_load_balanced=True`` with a causal mask type while the
 ``context_parallel_axis`` of the current mesh has more than one device (the sequence is then in
 TE's load-balanced order, whose causal mask is not by position in the array).
@@ -49,8 +55,9 @@ caller discards.
 
 from __future__ import annotations
 
-__all__ = ["DotProductAttention"]
+__all__ = ["DotProductAttention", "SequenceDescriptor"]
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -136,20 +143,37 @@ class DotProductAttention(nn.Module):
 
         if self.transpose_batch_sequence:
             query, key, value = (None if t is None else jnp.swapaxes(t, 0, 1) for t in (query, key, value))
-        if layout == "BS3HD":
+        if layout in ("BS3HD", "T3HD"):
             query, key, value = (query[..., i, :, :] for i in range(3))
-        elif layout == "BSHD_BS2HD":
+        elif layout in ("BSHD_BS2HD", "THD_T2HD"):
             key, value = key[..., 0, :, :], key[..., 1, :, :]
-        head_dim_qk = query.shape[-1] if layout == "BSHD_BSHD_BSHD" else self.head_dim
+        head_dim_qk = query.shape[-1] if layout in ("BSHD_BSHD_BSHD", "THD_THD_THD") else self.head_dim
         scale = 1.0 / math.sqrt(head_dim_qk) if self.scale_factor is None else self.scale_factor
         if bias_type == "PRE_SCALE_BIAS":
             bias = bias * scale
         elif bias_type == "NO_BIAS":
             bias = None
 
-        attend = None
+        attend, by_position = None, False
         if padding and sequence_descriptor is not None:
-            attend = _attend_mask(sequence_descriptor)
+            if align == "bottom_right":
+                raise NotImplementedError(
+                    f"attn_mask_type={self.attn_mask_type!r} with a mask or sequence_descriptor: TE's fused "
+                    "backend aligns the bottom-right diagonal to each sequence's own lengths; not supported "
+                    "by flashport's DotProductAttention"
+                )
+            if isinstance(sequence_descriptor, SequenceDescriptor):
+                attend = sequence_descriptor._attend(query.shape[1], key.shape[1], align, self.window_size)
+                by_position = sequence_descriptor.segment_ids is not None
+            else:
+                attend = _attend_mask(sequence_descriptor)
+        if layout in _THD_LAYOUTS and not by_position:
+            raise NotImplementedError(
+                f"qkv_layout={self.qkv_layout!r} (THD sequence packing) needs a padding mask type and a "
+                "SequenceDescriptor.from_segment_ids_and_pos in flashport's DotProductAttention"
+            )
+        if by_position:  # causal and window are by segment position, in the mask
+            align = None
         if align is not None and self.context_parallel_causal_load_balanced:
             _refuse_load_balanced_order(self.context_parallel_axis)
 
@@ -164,7 +188,7 @@ class DotProductAttention(nn.Module):
             scale=scale,
             causal=align is not None,
             align=align or "top_left",
-            window=_window(self.window_size),
+            window=None if by_position else _window(self.window_size),
             bias=bias,
             mask=attend,
             layout="BSHD",
@@ -180,12 +204,7 @@ class DotProductAttention(nn.Module):
         if self.attn_mask_type not in _MASK_TYPES:
             raise ValueError(f"Unsupported attn_mask_type={self.attn_mask_type!r}")
         layout = self.qkv_layout.upper()
-        if layout in _THD_LAYOUTS:
-            raise NotImplementedError(
-                f"qkv_layout={self.qkv_layout!r} (THD sequence packing) is not supported by flashport's "
-                "DotProductAttention"
-            )
-        if layout not in _LAYOUTS:
+        if layout not in _LAYOUTS + _THD_LAYOUTS:
             raise ValueError(f"Unsupported qkv_layout={self.qkv_layout!r}")
         if self.softmax_type != "vanilla":
             raise NotImplementedError(
@@ -222,8 +241,8 @@ def _attend_mask(masked_out):
     """The contract's mask (True = attend) from TE's (True/non-zero = masked out)."""
     if not hasattr(masked_out, "shape") or not hasattr(masked_out, "dtype"):
         raise NotImplementedError(
-            "sequence_descriptor: TE SequenceDescriptor objects (segment ids and positions) are not "
-            "supported by flashport's DotProductAttention; pass the mask array"
+            f"sequence_descriptor of type {type(masked_out).__name__}: pass a mask array or a "
+            "flashport.integrations.transformer_engine_compat.SequenceDescriptor"
         )
     masked_out = jnp.asarray(masked_out)
     while masked_out.ndim > 4 and masked_out.shape[1] == 1:
@@ -272,3 +291,71 @@ def _mesh_axis_size(axis: str) -> int | None:
     if not physical.empty and axis in physical.axis_names:
         return int(physical.shape[axis])
     return None
+
+
+def _pair(value):
+    """TE's ``_expand_to_pair``: one array for both query and key/value, or a ``(q, kv)`` pair."""
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError("Input tuple must have exactly 2 elements.")
+        return value
+    return value, value
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SequenceDescriptor:
+    """TransformerEngine-JAX's ``SequenceDescriptor`` (2.18): the sequences of a batch, as per-row
+    lengths or as segment ids and positions, each a ``(query, key/value)`` pair. Build it with the
+    factories; :class:`DotProductAttention` reads it with TE's meaning (the module docstring)."""
+
+    seqlens: Any = None
+    seq_offsets: Any = None
+    segment_ids: Any = None
+    segment_pos: Any = None
+
+    @classmethod
+    def from_seqlens(cls, seqlens):
+        """Per-row lengths (non-packed): ``seqlens`` is ``[batch]`` or a ``(q, kv)`` pair of them."""
+        return cls(seqlens=_pair(seqlens))
+
+    @classmethod
+    def from_seqlens_and_offsets(cls, seqlens, seq_offsets):
+        """Packed sequences as lengths and offsets (THD); :class:`DotProductAttention` raises for it."""
+        return cls(seqlens=_pair(seqlens), seq_offsets=_pair(seq_offsets))
+
+    @classmethod
+    def from_segment_ids_and_pos(cls, segment_ids, segment_pos=None):
+        """Segment ids (``[batch, seqlen]``, from 1; 0 = padding) and the position of each token in
+        its segment, each an array or a ``(q, kv)`` pair. ``segment_pos`` is required (TE 2.18)."""
+        if segment_pos is None:
+            raise ValueError("segment_pos is now required; generate the segment_pos explicitly.")
+        return cls(segment_ids=_pair(segment_ids), segment_pos=_pair(segment_pos))
+
+    def _attend(self, sq: int, sk: int, align: str | None, window_size):
+        """The contract's mask (True = attend) ``[b, 1, sq, sk]``: the lengths' padding; or the
+        segments with causal (``align`` not None, top-left) and window by position."""
+        if self.seq_offsets is not None:
+            raise NotImplementedError(
+                "SequenceDescriptor.from_seqlens_and_offsets (THD lengths and offsets) is not supported by "
+                "flashport's DotProductAttention; use from_segment_ids_and_pos"
+            )
+        if self.segment_ids is None:
+            q_len, kv_len = (jnp.asarray(n) for n in self.seqlens)
+            q_ok = jnp.arange(sq)[None, :] < q_len[:, None]
+            kv_ok = jnp.arange(sk)[None, :] < kv_len[:, None]
+            return (q_ok[:, :, None] & kv_ok[:, None, :])[:, None]
+        q_ids, kv_ids = (jnp.asarray(x) for x in self.segment_ids)
+        q_pos, kv_pos = (jnp.asarray(x) for x in self.segment_pos)
+        keep = (q_ids[:, :, None] == kv_ids[:, None, :]) & (q_ids[:, :, None] != 0)
+        pos_q, pos_kv = q_pos[:, :, None], kv_pos[:, None, :]
+        if align is not None:
+            keep &= pos_q >= pos_kv
+        window = _window(window_size)
+        if window is not None:
+            left, right = window
+            if left is not None:
+                keep &= pos_kv >= pos_q - left
+            if right is not None:
+                keep &= pos_kv <= pos_q + right
+        return keep[:, None]

@@ -1,7 +1,7 @@
 """JAX's attention entry points with drop-ins: ``jax.nn.dot_product_attention`` and the cuDNN
 ``dot_product_attention`` of ``jax._src.cudnn.fused_attention_stablehlo`` (jax 0.10.2's signatures),
 and TransformerEngine-JAX's Flax ``DotProductAttention`` module (its fields at TransformerEngine 2.18;
-Flax's own ``parent``/``name`` fields are not listed).
+Flax's own ``parent``/``name`` fields are not listed) with the ``SequenceDescriptor`` it reads.
 
 An enum default is recorded as ``"Enum.MEMBER"`` (no jax object in this module)."""
 
@@ -104,5 +104,19 @@ APIS = (
         signatures=((TE_RELEASE, TE_DOT_PRODUCT_ATTENTION),),
         returns="out (a Flax module: the output of its __call__)",
         drop_ins=(DropIn(TE_COMPAT, "DotProductAttention", (TE_RELEASE,)),),
+    ),
+    *(
+        Api(
+            names=(f"transformer_engine.jax.attention.SequenceDescriptor{method}",),
+            signatures=((TE_RELEASE, parameters),),
+            returns="a SequenceDescriptor",
+            drop_ins=(DropIn(TE_COMPAT, f"SequenceDescriptor{method}", (TE_RELEASE,)),),
+        )
+        for method, parameters in (
+            ("", params(seqlens=None, seq_offsets=None, segment_ids=None, segment_pos=None)),
+            (".from_seqlens", params("seqlens")),
+            (".from_seqlens_and_offsets", params("seqlens", "seq_offsets")),
+            (".from_segment_ids_and_pos", params("segment_ids", segment_pos=None)),
+        )
     ),
 )

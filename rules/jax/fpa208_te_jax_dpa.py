@@ -8,7 +8,10 @@ What it rewrites:
   ``flashport.integrations.transformer_engine_compat.DotProductAttention`` instead: the same fields
   (TransformerEngine 2.18), the same ``__call__(query, key, value, sequence_descriptor=None,
   bias=None, *, deterministic=False, mask=None)`` and the same meaning, on ``flashport.attention``.
-  Its call sites stay as written.
+  Its call sites stay as written. ``transformer_engine.jax.attention.SequenceDescriptor`` (the class
+and its ``from_seqlens`` / ``from_segment_ids_and_pos`` / ``from_seqlens_and_offsets`` factories)
+becomes the drop-in module's ``SequenceDescriptor`` (TE 2.18's signatures), which the drop-in module
+reads with TE's meaning, so the file no longer imports TransformerEngine for it.
 
 Semantics mapping:
   ``attn_mask_type`` **defaults to 'causal'** (top-left) -> ``causal=True, align="top_left"``;
@@ -19,7 +22,9 @@ Semantics mapping:
   ``bs3hd``, ``bshd_bs2hd`` (unpacked), ``transpose_batch_sequence`` (``sbhd``); ``num_gqa_groups``
   -> fewer kv heads; ``attn_bias_type`` post/pre-scale -> ``bias`` (pre-scale multiplied by the
   scale); ``attention_dropout`` (when not ``deterministic``) -> ``dropout_rate`` with a key from
-  ``self.make_rng(dropout_rng_name)``. Values known only at run time (MaxText's mask type, layout and
+  ``self.make_rng(dropout_rng_name)``. A descriptor from segment ids and positions (THD packing,
+  MaxText's packed batches) masks by equal non-zero segment ids, causal and window by segment
+  position (TE's definition in its fused-attention tests). Values known only at run time (MaxText's mask type, layout and
   window variables) are checked there: the drop-in raises ``NotImplementedError`` naming the
   argument for what it cannot run with TE's meaning.
 
@@ -31,7 +36,9 @@ What it refuses:
   arguments (the drop-in has none of them either). The Praxis wrappers
   (``transformer_engine.jax.praxis``) are reported with the mapping a manual port needs. The class
   used as a value (a base class, ``functools.partial``) is reported: its constructions are out of
-  sight.
+  sight. ``SequenceDescriptor`` is rewritten only where every TransformerEngine attention site of the
+  file is: a descriptor built by the drop-in is no TE object, and TE's ``fused_attn`` or a refused
+  construction would reject it (every rewrite of this rule in the file is then refused).
 
 Example::
 
@@ -44,6 +51,8 @@ Example::
 
 from __future__ import annotations
 
+import libcst as cst
+
 from flashport.rules.apis import jax as jax_apis
 from flashport.rules.base import Refuse, Report, Rewrite, Rule, register
 from flashport.rules.common.binding import Signature
@@ -52,6 +61,8 @@ from flashport.rules.common.literals import is_none, is_zero, literal_string
 
 FLAX_MODULES = ("transformer_engine.jax.flax", "transformer_engine.jax.flax.transformer")
 PRAXIS_MODULES = ("transformer_engine.jax.praxis", "transformer_engine.jax.praxis.transformer")
+DESCRIPTOR = "transformer_engine.jax.attention.SequenceDescriptor"
+DESCRIPTOR_FACTORIES = ("from_seqlens", "from_seqlens_and_offsets", "from_segment_ids_and_pos")
 DROP_IN = jax_apis.TE_COMPAT
 SIGNATURE = Signature.of(jax_apis.TE_DOT_PRODUCT_ATTENTION)
 MASK_MAPPING = {
@@ -90,14 +101,21 @@ class TransformerEngineDotProductAttention(Rule):
     NAME = "te-jax-dpa"
     API = "transformer_engine.jax.flax.DotProductAttention"
     FRAMEWORK = "jax"
-    SOURCES = tuple(f"{module}.DotProductAttention" for module in FLAX_MODULES + PRAXIS_MODULES)
-    TRIGGERS = (b"DotProductAttention",)
+    SOURCES = (
+        *(f"{module}.DotProductAttention" for module in FLAX_MODULES + PRAXIS_MODULES),
+        DESCRIPTOR,
+        *(f"{DESCRIPTOR}.{factory}" for factory in DESCRIPTOR_FACTORIES),
+    )
+    TRIGGERS = (b"DotProductAttention", b"SequenceDescriptor")
     GPU_MODULES = ("transformer_engine",)
     TARGET = DROP_IN + ".DotProductAttention"
 
     def check_call(self, call, ctx):
         """The same construction on the drop-in, when every literal argument is one it runs with
-        TE's meaning and ``transpose_batch_sequence`` is stated."""
+        TE's meaning and ``transpose_batch_sequence`` is stated; a ``SequenceDescriptor`` built by the
+        drop-in module's class of the same signatures."""
+        if ctx.qualified_name.startswith(DESCRIPTOR):
+            return self._descriptor(call, ctx)
         if ctx.qualified_name.rsplit(".", 1)[0] in PRAXIS_MODULES:
             return Report(
                 "TransformerEngine's Praxis DotProductAttention layer has no drop-in; port by hand to "
@@ -128,6 +146,34 @@ class TransformerEngineDotProductAttention(Rule):
             imports=(DROP_IN,),
             notes=tuple(notes),
         )
+
+    def check_reference(self, node, ctx):
+        """``SequenceDescriptor`` and its factories as values: the drop-in module's of the same name."""
+        if ctx.qualified_name.startswith(DESCRIPTOR):
+            return self._descriptor(node, ctx)
+        return super().check_reference(node, ctx)
+
+    @staticmethod
+    def _descriptor(node, ctx) -> Rewrite:
+        """``node`` (a ``SequenceDescriptor`` call or value) on the drop-in module's class."""
+        target = f"{DROP_IN}.SequenceDescriptor" + ctx.qualified_name[len(DESCRIPTOR) :]
+        note = f"TE's SequenceDescriptor -> {target} (TE 2.18's signature and meaning)"
+        if isinstance(node, cst.Call):
+            return Rewrite(node.with_changes(func=dotted(target)), imports=(DROP_IN,), notes=(note,))
+        return Rewrite(dotted(target), imports=(DROP_IN,), notes=(note,))
+
+    def settle(self, sites, tree):
+        """Keep the drop-in's ``SequenceDescriptor`` only where no TransformerEngine attention site of
+        the file stays TE's (it would be handed a descriptor that is no TE object)."""
+        if not any(s.rule == self.CODE and s.api.startswith(DESCRIPTOR) for s in sites):
+            return None
+        for site in sites:
+            if site.api.startswith("transformer_engine.") and site.status != "rewrite":
+                return (
+                    f"{site.api.rsplit('.', 1)[-1]} on line {site.line} stays TransformerEngine's; the "
+                    "SequenceDescriptor objects of this file must stay TE's too"
+                )
+        return None
 
     @staticmethod
     def _check_literals(value) -> None:
