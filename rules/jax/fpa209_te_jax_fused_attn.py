@@ -15,11 +15,16 @@ Semantics mapping (for the manual port):
   ``causal=True, align="top_left"``; ``*_BOTTOM_RIGHT_MASK`` -> ``align="bottom_right"``;
   ``NO_MASK`` -> ``causal=False``; padding masks -> segment ids; a boolean mask -> ``mask=~mask``;
   ``QKVLayout.BSHD_BSHD_BSHD`` -> ``layout="BSHD"``; ``window_size=(l, r)`` -> ``window``;
-  ``dropout_probability`` (when ``is_training``) -> ``dropout_rate`` with a PRNG key as
-  ``dropout_rng`` (TE's ``seed`` is its own rng state, not that key).
+  ``dropout_probability`` (when ``is_training``) -> ``dropout_rate`` with ``dropout_rng`` the PRNG
+  key passed as ``seed`` (TE checks it is the uint32 data of a key and seeds cuDNN's dropout
+  generator with its first two words: the port draws a different random mask, at the same rate).
 
 What it refuses:
-  every call; the reason names non-zero ``dropout_probability`` first, then the mask type found.
+  every call (flashport has no ``fused_attn`` drop-in). The reason names what an explicit
+  ``flashport.attention`` call could not state at the site: the release the call binds to (``mask=``
+  until TE 2.0, ``sequence_descriptor=`` since 2.1), a mask type that is not a literal
+  ``AttnMaskType`` member (computed at run time), and the dropout mapping when
+  ``dropout_probability`` may be non-zero.
 
 Example::
 
@@ -30,8 +35,10 @@ Example::
 
 from __future__ import annotations
 
+import libcst as cst
+
 from flashport.rules.base import Report, Rule, register
-from flashport.rules.common.literals import is_zero
+from flashport.rules.common.literals import is_none, is_zero, literal_bool, literal_number
 from flashport.rules.jax import shared as common
 
 MASKS = {
@@ -58,25 +65,41 @@ class TransformerEngineFusedAttn(Rule):
     REWRITES = False
 
     def check_call(self, call, ctx):
-        """Refuse with the blocking reason and the mask-type mapping found at this site."""
+        """Refuse with what blocks an explicit rewrite here and the manual mapping."""
         value = {arg.keyword.value: arg.value for arg in call.args if arg.keyword is not None}
         positional = [arg.value for arg in call.args if arg.keyword is None and not arg.star]
-        dropout = value.get("dropout_probability", positional[8] if len(positional) > 8 else None)
-        if dropout is not None and not is_zero(dropout):
-            head = (
-                f"dropout_probability={ctx.code(dropout)} may be non-zero and TE's seed= (per-device rng state, "
-                "gated by is_training) is not a PRNG key to carry: port with dropout_rate=/dropout_rng="
-            )
-        else:
-            head = "TE fused_attn's parameter list differs between TransformerEngine releases and its mask is True = masked out: not rewritten"
+
+        def argument(name: str, index: int):
+            return value.get(name, positional[index] if len(positional) > index else None)
+
         found = [
             common.enum_member(node, "AttnMaskType", tuple(MASKS))
             for node in list(value.values()) + positional
         ]
         mask = next((m for m in found if m), None)
-        tail = (
-            f"AttnMaskType.{mask} -> {MASKS[mask]}" if mask else "mask type not a literal AttnMaskType member"
-        )
-        return Report(
-            f"{head}; {tail}; port by hand: flashport.attention(q, k, v, scale=scaling_factor, ...)"
-        )
+        parts = ["TE fused_attn has no drop-in (its parameters changed between TransformerEngine releases)"]
+        if "mask" in value:
+            parts.append("mask= binds it to TE <= 2.0 (sequence_descriptor= since 2.1; True = masked out)")
+        mask_type = argument("attn_mask_type", 5)
+        if mask:
+            parts.append(f"AttnMaskType.{mask} -> {MASKS[mask]}")
+        elif mask_type is not None and not is_none(mask_type) and not isinstance(mask_type, cst.Attribute):
+            parts.append(
+                f"attn_mask_type={ctx.code(mask_type)} is not a literal AttnMaskType member (decided at run "
+                "time), so no explicit flashport.attention call states it"
+            )
+        else:
+            parts.append("mask type not a literal AttnMaskType member")
+        dropout, training = argument("dropout_probability", 8), argument("is_training", 9)
+        if dropout is not None and not is_zero(dropout) and literal_bool(training) is not False:
+            seed = argument("seed", 3)
+            gate = f" if {ctx.code(training)} else 0.0" if literal_bool(training) is None else ""
+            key = ctx.code(seed) if seed is not None else "<key>"
+            verb = "is" if literal_number(dropout) is not None else "may be"
+            parts.append(
+                f"dropout_probability={ctx.code(dropout)} {verb} non-zero: port with "
+                f"dropout_rate={ctx.code(dropout)}{gate}, dropout_rng={key} (seed= is a PRNG key's uint32 "
+                "data seeding cuDNN's dropout; the mask drawn differs, the rate does not)"
+            )
+        parts.append("port by hand: flashport.attention(q, k, v, scale=scaling_factor, ...)")
+        return Report("; ".join(parts))
