@@ -17,7 +17,8 @@ and runs :func:`flashport.attention` on any platform. Semantics (TE's docstrings
   ``sequence_descriptor``) array is **True/non-zero = masked out**, broadcastable to
   ``[b, 1, s_q, s_kv]`` (a ``[b, 1, 1, s_q, s_kv]`` mask with singleton middle axes is accepted); it
   is ignored for ``'no_mask'`` and the causal-only types, and for the padding types it is combined
-  with the causal mask where the type names one;
+  with the causal mask where the type names one (as documented and as TE's fused backend does; its
+  unfused backend applies the mask alone);
 * a :class:`SequenceDescriptor` instead of the mask array (padding types): ``from_seqlens`` -- query
   ``i`` of row ``b`` sees key ``j`` when ``i < q_seqlens[b]`` and ``j < kv_seqlens[b]``;
   ``from_segment_ids_and_pos`` (BSHD and THD packing) -- when the segment ids are equal and not 0
@@ -41,12 +42,14 @@ and runs :func:`flashport.attention` on any platform. Semantics (TE's docstrings
   attention over the whole sequence.
 
 What raises ``NotImplementedError`` naming the argument: THD layouts without segment ids and
-positions, ``SequenceDescriptor.from_seqlens_and_offsets`` descriptors, TE's own ``SequenceDescriptor``
-objects, the padding bottom-right mask types with a mask or descriptor (TE's fused backend aligns
-them to each sequence's own lengths), ``softmax_type`` other than ``'vanilla'``, ``score_mod``/``score_mod_bprop`` (cuDNN frontend callbacks), and
+positions, ``SequenceDescriptor.from_seqlens_and_offsets`` descriptors, TE's own
+``SequenceDescriptor`` objects, the padding bottom-right mask types with a mask or descriptor (TE's
+fused backend aligns them to each sequence's own lengths), ``softmax_type`` other than
+``'vanilla'``, ``score_mod``/``score_mod_bprop`` (cuDNN frontend callbacks), and
 ``context_parallel_causal_load_balanced=True`` with a causal mask type while the
-``context_parallel_axis`` of the current mesh has more than one device (the sequence is then in
-TE's load-balanced order, whose causal mask is not by position in the array).
+``context_parallel_axis`` of the current mesh has more than one device and no segment positions are
+given (the sequence is then in TE's load-balanced order, whose causal mask is not by position in the
+array).
 
 Known deviation: a query row that sees no key returns 0 (the contract's value for an empty row);
 TE's unfused backend returns the mean of ``value`` there and its fused backend leaves padding the
