@@ -24,6 +24,7 @@ from reference import reference_attention
 import flashport
 import flashport.integrations.jax_cudnn_compat
 import flashport.integrations.transformer_engine_compat
+import flashport.integrations.transformer_engine_flax
 from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules import all_rules
 
@@ -323,6 +324,28 @@ def test_te_module_construction_runs_on_the_drop_in(mask_type, causal, align, ma
     close(run(q, k, v, m=~mask), want)
 
 
+@pytest.mark.parametrize(
+    ("member", "causal", "masked"),
+    [("NO_MASK", False, False), ("CAUSAL_MASK", True, False), ("PADDING_CAUSAL_MASK", True, True)],
+)
+def test_te_fused_attn_keyword_call_runs_on_the_drop_in(member, causal, masked):
+    """levanter's form (every argument by keyword, mask= of TE <= 2.0): the call and the enum members
+    move to the drop-in module; TE's mask is True = masked out."""
+    call = (
+        "fused_attn(qkv=(q, k, v), bias=None, mask=m, seed=None, attn_bias_type=AttnBiasType.NO_BIAS, "
+        f"attn_mask_type=AttnMaskType.{member}, qkv_layout=QKVLayout.BSHD_BSHD_BSHD, scaling_factor=0.25, "
+        "dropout_probability=0.1, is_training=False)"
+    )
+    _, run = rewritten_run(
+        "from transformer_engine.jax.attention import AttnBiasType, AttnMaskType, QKVLayout, fused_attn", call
+    )
+    q, k, v, mask, _ = inputs()
+    want, _ = reference_attention(
+        q, k, v, scale=0.25, causal=causal, align="top_left", mask=mask if masked else None, layout="BSHD"
+    )
+    close(run(q, k, v, m=~mask), want)
+
+
 # ------------------------------------------------------------------------------ refusals, all rules
 
 REFUSALS = [
@@ -369,9 +392,15 @@ REFUSALS = [
         "Praxis",
     ),
     (
-        "from transformer_engine.jax.attention import fused_attn, AttnMaskType",
-        "fused_attn((q, k, v), None, seg, None, None, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, None, 0.1, 0.0, False)",
-        "align='bottom_right'",
+        "from transformer_engine.jax.attention import fused_attn",
+        "fused_attn((q, k, v), None, seg, None, None, mt, None, 0.1, 0.0, False)",
+        "mask= is not passed by keyword",
+    ),
+    (
+        "from transformer_engine.jax.attention import fused_attn",
+        "fused_attn(qkv=(q, k, v), bias=None, mask=m, seed=None, attn_bias_type=None, attn_mask_type=mt, "
+        "qkv_layout=None, scaling_factor=0.1, dropout_probability=0.0, is_training=False, softmax_type=st)",
+        "unknown argument 'softmax_type'",
     ),
     (
         "from transformer_engine.jax.attention import fused_attn",

@@ -1,10 +1,13 @@
-"""flashport.integrations.transformer_engine_compat.DotProductAttention against TransformerEngine's
-documented semantics, written out here in float64 (the visible-key matrix of each mask type, layout
-and window) and fed to the float64 reference as an explicit mask."""
+"""flashport.integrations.transformer_engine_flax.DotProductAttention and
+transformer_engine_compat.fused_attn against TransformerEngine's documented semantics, written out
+here in float64 (the visible-key matrix of each mask type, layout and window) and fed to the float64
+reference as an explicit mask."""
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +18,14 @@ pytest.importorskip("flax")
 
 from reference import reference_attention
 
-from flashport.integrations.transformer_engine_compat import DotProductAttention, SequenceDescriptor
+from flashport.integrations.transformer_engine_compat import (
+    AttnBiasType,
+    AttnMaskType,
+    QKVLayout,
+    SequenceDescriptor,
+    fused_attn,
+)
+from flashport.integrations.transformer_engine_flax import DotProductAttention
 
 B, SQ, SK, HQ, HKV, D = 2, 6, 9, 4, 2, 8
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32 on CPU vs float64: measured max error ~1e-6
@@ -385,3 +395,106 @@ def test_segment_factory_needs_positions_and_takes_no_older_keywords():
         SequenceDescriptor.from_segment_ids_and_pos(SEGMENT_IDS)
     with pytest.raises(TypeError):
         SequenceDescriptor.from_segment_ids_and_pos(SEGMENT_IDS, segment_pos=SEGMENT_POS, is_thd=True)
+
+
+# ------------------------------------------------------------------------------- fused_attn
+
+
+MEMBERS = {
+    "no_mask": "NO_MASK",
+    "causal": "CAUSAL_MASK",
+    "causal_bottom_right": "CAUSAL_BOTTOM_RIGHT_MASK",
+    "padding": "PADDING_MASK",
+    "padding_causal": "PADDING_CAUSAL_MASK",
+}
+
+
+def te_fused(qkv, mask, mask_type, layout="BSHD_BSHD_BSHD", **kwargs):
+    """A levanter-style keyword call of TE 2.0's fused_attn."""
+    options = dict(
+        bias=None,
+        seed=None,
+        attn_bias_type=AttnBiasType.NO_BIAS,
+        scaling_factor=0.3,
+        dropout_probability=0.0,
+        is_training=False,
+    )
+    options.update(kwargs)
+    return np.asarray(
+        fused_attn(
+            qkv=qkv,
+            mask=mask,
+            attn_mask_type=AttnMaskType[MEMBERS[mask_type]],
+            qkv_layout=QKVLayout[layout],
+            **options,
+        )
+    )
+
+
+@pytest.mark.parametrize("mask_type", list(MEMBERS))
+@pytest.mark.parametrize(("sq", "sk"), [(SQ, SK), (7, 7)])
+def test_fused_attn_mask_types_gqa(mask_type, sq, sk):
+    q, k, v = inputs(sq, sk)
+    masked_out = padding_mask(sq, sk)
+    out = te_fused((q, k, v), masked_out, mask_type)
+    keep = te_visible(mask_type, sq, sk, masked_out)
+    assert_close_where_seen(out, expected(q, k, v, keep, scale=0.3), keep)
+
+
+def test_fused_attn_ignores_levanters_placeholder_masks():
+    """levanter passes ones (all masked out, were it read) with NO_MASK and a [sq, sk, b] stack with
+    CAUSAL_MASK: TE reads the mask for the padding types only."""
+    q, k, v = inputs(SQ, SQ)
+    for mask_type, mask in (("no_mask", np.ones((B, SQ, SQ))), ("causal", np.ones((SQ, SQ, B), bool))):
+        keep = te_visible(mask_type, SQ, SQ)
+        np.testing.assert_allclose(
+            te_fused((q, k, v), mask, mask_type), expected(q, k, v, keep, scale=0.3), **TOL
+        )
+
+
+@pytest.mark.parametrize("layout", ["BS3HD", "BSHD_BS2HD"])
+def test_fused_attn_packed_layouts(layout):
+    q, k, v = inputs(SQ, SQ, hq=HQ, hkv=HQ)
+    qkv = (np.stack([q, k, v], axis=2),) if layout == "BS3HD" else (q, np.stack([k, v], axis=2))
+    keep = te_visible("causal", SQ, SQ)
+    out = te_fused(qkv, None, "causal", layout=layout)
+    np.testing.assert_allclose(out, expected(q, k, v, keep, scale=0.3), **TOL)
+
+
+def test_fused_attn_bias_types():
+    q, k, v = inputs()
+    bias = np.random.default_rng(3).standard_normal((1, HQ, SQ, SK)).astype(np.float32)
+    keep = te_visible("no_mask", SQ, SK)
+    for kind, added in (("POST_SCALE_BIAS", bias), ("PRE_SCALE_BIAS", bias * 0.3)):
+        out = te_fused((q, k, v), None, "no_mask", bias=bias, attn_bias_type=AttnBiasType[kind])
+        np.testing.assert_allclose(out, expected(q, k, v, keep, scale=0.3, bias=added), **TOL)
+
+
+def test_fused_attn_dropout_only_when_training_and_keyed_by_seed():
+    q, k, v = inputs()
+    keep = te_visible("causal", SQ, SK)
+    plain = expected(q, k, v, keep, scale=0.3)
+    np.testing.assert_allclose(te_fused((q, k, v), None, "causal", dropout_probability=0.5), plain, **TOL)
+    legacy = te_fused(
+        (q, k, v), None, "causal", dropout_probability=0.5, is_training=True, seed=jax.random.PRNGKey(4)
+    )
+    typed = te_fused(
+        (q, k, v), None, "causal", dropout_probability=0.5, is_training=True, seed=jax.random.key(4)
+    )
+    np.testing.assert_array_equal(legacy, typed)  # the same key, as data or typed
+    assert np.abs(legacy - plain).max() > 1e-2
+    with pytest.raises(ValueError, match="seed is not allowed to be None"):
+        te_fused((q, k, v), None, "causal", dropout_probability=0.5, is_training=True)
+
+
+def test_fused_attn_thd_raises():
+    q, k, v = inputs()
+    with pytest.raises(NotImplementedError, match="THD_THD_THD"):
+        te_fused((q, k, v), None, "padding_causal", layout="THD_THD_THD")
+
+
+def test_functional_module_needs_no_flax():
+    """fused_attn, its enums and SequenceDescriptor serve code without Flax (levanter is Equinox)."""
+    code = "import sys, flashport.integrations.transformer_engine_compat; print('flax' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

@@ -1,75 +1,62 @@
-"""TransformerEngine-JAX's Flax ``DotProductAttention`` module on the flashport contract.
-
-``transformer_engine.jax.flax.DotProductAttention`` (MaxText, MaxDiffusion) needs TransformerEngine,
-which only builds for NVIDIA GPUs. :class:`DotProductAttention` here is a ``flax.linen`` module with
-its fields (TransformerEngine 2.18: configuration at construction) and its ``__call__`` (tensors),
-and runs :func:`flashport.attention` on any platform. Semantics (TE's docstrings and
-``transformer_engine/jax/flax/transformer.py``, ``transformer_engine/jax/attention.py``):
-
-* ``qkv_layout`` (case-insensitive): ``bshd_bshd_bshd`` (separate ``[b, s, h, d]`` tensors),
-  ``bs3hd`` (``query`` is ``[b, s, 3, h, d]``; ``key``/``value`` are ignored), ``bshd_bs2hd`` (``key``
-  is ``[b, s, 2, h, d]``; ``value`` is ignored); ``transpose_batch_sequence=True`` swaps the first two
-  axes of the inputs and of the output (``[s, b, ...]``). The output is ``[b, s, h, d]`` (or
-  ``[s, b, h, d]``) in the query's dtype;
-* ``attn_mask_type``: ``'no_mask'``; ``'causal'`` (top-left: query ``i`` sees keys ``j <= i``);
-  ``'causal_bottom_right'``; ``'padding'``; ``'padding_causal'`` / ``'causal_padding'``;
-  ``'padding_causal_bottom_right'`` (and TE's other spellings of these). The ``mask`` (or
-  ``sequence_descriptor``) array is **True/non-zero = masked out**, broadcastable to
-  ``[b, 1, s_q, s_kv]`` (a ``[b, 1, 1, s_q, s_kv]`` mask with singleton middle axes is accepted); it
-  is ignored for ``'no_mask'`` and the causal-only types, and for the padding types it is combined
-  with the causal mask where the type names one (as documented and as TE's fused backend does; its
-  unfused backend applies the mask alone);
-* a :class:`SequenceDescriptor` instead of the mask array (padding types): ``from_seqlens`` -- query
-  ``i`` of row ``b`` sees key ``j`` when ``i < q_seqlens[b]`` and ``j < kv_seqlens[b]``;
-  ``from_segment_ids_and_pos`` (BSHD and THD packing) -- when the segment ids are equal and not 0
-  (0 = padding), causal and window by the segment positions (``pos_q >= pos_kv``), TE's definition
-  in its fused-attention tests (``make_mask``);
-* ``scale_factor=None`` means ``1/sqrt(head_dim)`` (the query's last axis for separate tensors, the
-  ``head_dim`` field for packed layouts);
-* ``window_size=(left, right)``: query ``i`` sees keys in ``[i - left, i + right]`` (inclusive,
-  measured from the diagonal of the mask type's alignment; a negative side is unbounded);
-* ``attn_bias_type``: ``None`` (``'post_scale_bias'`` when a ``bias`` is passed, else ``'no_bias'``),
-  ``'no_bias'``, ``'post_scale_bias'`` (``softmax(scale * q.k + bias)``), ``'pre_scale_bias'``
-  (``softmax(scale * (q.k + bias))``);
-* GQA: ``key``/``value`` with fewer heads, contiguous query groups (query head ``h`` uses kv head
-  ``h // (h_q // h_kv)``), as in the contract;
-* ``attention_dropout > 0`` and ``deterministic=False``: the contract's dropout with the rate and
-  ``1 / (1 - rate)`` scaling and a key from ``self.make_rng(dropout_rng_name)`` (a different random
-  mask than cuDNN's, as any two dropout draws are);
-* ``float32_logits``, ``dtype``, ``max_segments_per_seq``, ``context_parallel_axis``,
-  ``context_parallel_strategy`` and ``context_checkpoint_name`` change no value: the contract
-  always forms the logits and softmax in float32, and a context-parallel run computes the same
-  attention over the whole sequence.
-
-What raises ``NotImplementedError`` naming the argument: THD layouts without segment ids and
-positions, ``SequenceDescriptor.from_seqlens_and_offsets`` descriptors, TE's own
-``SequenceDescriptor`` objects, the padding bottom-right mask types with a mask or descriptor (TE's
-fused backend aligns them to each sequence's own lengths), ``softmax_type`` other than
-``'vanilla'``, ``score_mod``/``score_mod_bprop`` (cuDNN frontend callbacks), and
-``context_parallel_causal_load_balanced=True`` with a causal mask type while the
-``context_parallel_axis`` of the current mesh has more than one device and no segment positions are
-given (the sequence is then in TE's load-balanced order, whose causal mask is not by position in the
-array).
-
-Known deviation: a query row that sees no key returns 0 (the contract's value for an empty row);
-TE's unfused backend returns the mean of ``value`` there and its fused backend leaves padding the
-caller discards.
+"""TransformerEngine-JAX's functional attention pieces on the flashport contract: ``fused_attn``
+(TransformerEngine 2.0's signature), the ``SequenceDescriptor`` that ``DotProductAttention`` reads,
+and the ``AttnBiasType``/``AttnMaskType``/``QKVLayout``/``CPStrategy`` enums (TE's own where it is
+installed, else enums of the same member names). They need jax only; the Flax module is
+:mod:`flashport.integrations.transformer_engine_flax`, whose docstring gives the meaning both follow
+(mask types, ``mask`` True = masked out, layouts, bias types, windows, dropout, what raises).
 """
 
 from __future__ import annotations
 
-__all__ = ["DotProductAttention", "SequenceDescriptor"]
+__all__ = ["AttnBiasType", "AttnMaskType", "CPStrategy", "QKVLayout", "SequenceDescriptor", "fused_attn"]
 
 import dataclasses
-import math
-from collections.abc import Callable
+import enum
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 import flashport
+
+try:  # TE's own enums where it is installed: a member the codemod moved here means the same to TE
+    from transformer_engine.jax.attention import AttnBiasType, AttnMaskType, CPStrategy, QKVLayout
+except ImportError:  # no TransformerEngine: enums of the same member names
+
+    class AttnBiasType(enum.Enum):  # type: ignore[no-redef]
+        """TE's ``AttnBiasType`` (same member names)."""
+
+        NO_BIAS = 0
+        PRE_SCALE_BIAS = 1
+        POST_SCALE_BIAS = 2
+
+    class AttnMaskType(enum.Enum):  # type: ignore[no-redef]
+        """TE's ``AttnMaskType`` (same member names)."""
+
+        NO_MASK = 0
+        PADDING_MASK = 1
+        CAUSAL_MASK = 2
+        PADDING_CAUSAL_MASK = 3
+        CAUSAL_BOTTOM_RIGHT_MASK = 4
+        PADDING_CAUSAL_BOTTOM_RIGHT_MASK = 5
+
+    class QKVLayout(enum.Enum):  # type: ignore[no-redef]
+        """TE's ``QKVLayout`` (same member names)."""
+
+        BS3HD = 0
+        BSHD_BS2HD = 1
+        BSHD_BSHD_BSHD = 2
+        T3HD = 3
+        THD_T2HD = 4
+        THD_THD_THD = 5
+
+    class CPStrategy(enum.Enum):  # type: ignore[no-redef]
+        """TE's ``CPStrategy`` (same member names)."""
+
+        DEFAULT = 0
+        ALL_GATHER = 1
+        RING = 2
+
 
 _MASK_TYPES = {  # TE's canonicalize_attn_mask_type spellings -> (causal alignment or None, padding)
     "no_mask": (None, False),
@@ -85,159 +72,16 @@ _MASK_TYPES = {  # TE's canonicalize_attn_mask_type spellings -> (causal alignme
     "bottom_right_padding_causal": ("bottom_right", True),
 }
 _BIAS_TYPES = ("NO_BIAS", "PRE_SCALE_BIAS", "POST_SCALE_BIAS")
+_MASK_MEMBERS = {  # AttnMaskType member -> attn_mask_type string
+    "NO_MASK": "no_mask",
+    "PADDING_MASK": "padding",
+    "CAUSAL_MASK": "causal",
+    "PADDING_CAUSAL_MASK": "padding_causal",
+    "CAUSAL_BOTTOM_RIGHT_MASK": "causal_bottom_right",
+    "PADDING_CAUSAL_BOTTOM_RIGHT_MASK": "padding_causal_bottom_right",
+}
 _LAYOUTS = ("BSHD_BSHD_BSHD", "BS3HD", "BSHD_BS2HD")
 _THD_LAYOUTS = ("THD_THD_THD", "T3HD", "THD_T2HD")
-
-
-class DotProductAttention(nn.Module):
-    """TransformerEngine-JAX's ``DotProductAttention`` (same fields, call and meaning; the module
-    docstring) on :func:`flashport.attention`. It has no parameters.
-
-    ``transpose_batch_sequence=None`` means ``False``, as in TransformerEngine 2.10 and later
-    (earlier releases defaulted to ``True``; the codemod only rewrites constructions that state it).
-    """
-
-    head_dim: int
-    num_attention_heads: int
-    num_gqa_groups: int | None = None
-    attention_dropout: float = 0.0
-    attn_mask_type: str = "causal"
-    attn_bias_type: str | None = None
-    dtype: Any = None
-    dropout_rng_name: str = "dropout"
-    float32_logits: bool = False
-    qkv_layout: str = "bshd_bshd_bshd"
-    scale_factor: float | None = None
-    transpose_batch_sequence: bool | None = None
-    window_size: tuple[int, int] | None = None
-    max_segments_per_seq: int | None = 1
-    context_parallel_causal_load_balanced: bool = False
-    context_parallel_axis: str = ""
-    context_parallel_strategy: str = "DEFAULT"
-    context_checkpoint_name: str = "context"
-    softmax_type: str = "vanilla"
-    score_mod: Callable | None = None
-    score_mod_bprop: Callable | None = None
-
-    @nn.compact
-    def __call__(
-        self,
-        query,
-        key,
-        value,
-        sequence_descriptor=None,
-        bias=None,
-        *,
-        deterministic: bool = False,
-        mask=None,
-        score_mod_tensors=None,
-        score_mod_bprop_tensors=None,
-    ):
-        """Attention of ``query`` over ``key``/``value`` in the layout of ``qkv_layout``; ``mask``
-        (or ``sequence_descriptor``) True/non-zero = masked out; ``deterministic`` disables dropout."""
-        if mask is not None:
-            if sequence_descriptor is not None:
-                raise ValueError("sequence_descriptor and mask cannot be provided at the same time.")
-            sequence_descriptor = mask
-        self._check_supported(score_mod_tensors, score_mod_bprop_tensors)
-        layout = self.qkv_layout.upper()
-        align, padding = _MASK_TYPES[self.attn_mask_type]
-        bias_type = self._bias_type(bias)
-
-        if self.transpose_batch_sequence:
-            query, key, value = (None if t is None else jnp.swapaxes(t, 0, 1) for t in (query, key, value))
-        if layout in ("BS3HD", "T3HD"):
-            query, key, value = (query[..., i, :, :] for i in range(3))
-        elif layout in ("BSHD_BS2HD", "THD_T2HD"):
-            key, value = key[..., 0, :, :], key[..., 1, :, :]
-        head_dim_qk = query.shape[-1] if layout in ("BSHD_BSHD_BSHD", "THD_THD_THD") else self.head_dim
-        scale = 1.0 / math.sqrt(head_dim_qk) if self.scale_factor is None else self.scale_factor
-        if bias_type == "PRE_SCALE_BIAS":
-            bias = bias * scale
-        elif bias_type == "NO_BIAS":
-            bias = None
-
-        attend, by_position = None, False
-        if padding and sequence_descriptor is not None:
-            if align == "bottom_right":
-                raise NotImplementedError(
-                    f"attn_mask_type={self.attn_mask_type!r} with a mask or sequence_descriptor: TE's fused "
-                    "backend aligns the bottom-right diagonal to each sequence's own lengths; not supported "
-                    "by flashport's DotProductAttention"
-                )
-            if isinstance(sequence_descriptor, SequenceDescriptor):
-                attend = sequence_descriptor._attend(query.shape[1], key.shape[1], align, self.window_size)
-                by_position = sequence_descriptor.segment_ids is not None
-            else:
-                attend = _attend_mask(sequence_descriptor)
-        if layout in _THD_LAYOUTS and not by_position:
-            raise NotImplementedError(
-                f"qkv_layout={self.qkv_layout!r} (THD sequence packing) needs a padding mask type and a "
-                "SequenceDescriptor.from_segment_ids_and_pos in flashport's DotProductAttention"
-            )
-        if by_position:  # causal and window are by segment position, in the mask
-            align = None
-        if align is not None and self.context_parallel_causal_load_balanced:
-            _refuse_load_balanced_order(self.context_parallel_axis)
-
-        dropout_rate, dropout_rng = 0.0, None
-        if not deterministic and self.attention_dropout > 0.0:
-            dropout_rate, dropout_rng = self.attention_dropout, self.make_rng(self.dropout_rng_name)
-
-        out = flashport.attention(
-            query,
-            key,
-            value,
-            scale=scale,
-            causal=align is not None,
-            align=align or "top_left",
-            window=None if by_position else _window(self.window_size),
-            bias=bias,
-            mask=attend,
-            layout="BSHD",
-            dropout_rate=dropout_rate,
-            dropout_rng=dropout_rng,
-        )
-        if self.transpose_batch_sequence:
-            out = jnp.swapaxes(out, 0, 1)
-        return out
-
-    def _check_supported(self, score_mod_tensors, score_mod_bprop_tensors) -> None:
-        """Raise for the configurations the contract cannot run with TE's meaning."""
-        if self.attn_mask_type not in _MASK_TYPES:
-            raise ValueError(f"Unsupported attn_mask_type={self.attn_mask_type!r}")
-        layout = self.qkv_layout.upper()
-        if layout not in _LAYOUTS + _THD_LAYOUTS:
-            raise ValueError(f"Unsupported qkv_layout={self.qkv_layout!r}")
-        if self.softmax_type != "vanilla":
-            raise NotImplementedError(
-                f"softmax_type={self.softmax_type!r} (attention sink) is not supported by flashport's "
-                "DotProductAttention"
-            )
-        for name, given in (
-            ("score_mod", self.score_mod),
-            ("score_mod_bprop", self.score_mod_bprop),
-            ("score_mod_tensors", score_mod_tensors),
-            ("score_mod_bprop_tensors", score_mod_bprop_tensors),
-        ):
-            if given is not None:
-                raise NotImplementedError(
-                    f"{name}= (a cuDNN frontend score callback) is not supported by flashport's "
-                    "DotProductAttention"
-                )
-
-    def _bias_type(self, bias) -> str:
-        """TE's bias type: the field, or ``POST_SCALE_BIAS``/``NO_BIAS`` by whether a bias is given."""
-        if self.attn_bias_type is None:
-            return "NO_BIAS" if bias is None else "POST_SCALE_BIAS"
-        kind = self.attn_bias_type.upper()
-        if kind not in _BIAS_TYPES:
-            raise ValueError(f"Unsupported attn_bias_type={self.attn_bias_type!r}")
-        if (kind == "NO_BIAS") != (bias is None):
-            raise ValueError(
-                f"attn_bias_type={self.attn_bias_type!r} with bias={'None' if bias is None else 'an array'}"
-            )
-        return kind
 
 
 def _attend_mask(masked_out):
@@ -310,7 +154,8 @@ def _pair(value):
 class SequenceDescriptor:
     """TransformerEngine-JAX's ``SequenceDescriptor`` (2.18): the sequences of a batch, as per-row
     lengths or as segment ids and positions, each a ``(query, key/value)`` pair. Build it with the
-    factories; :class:`DotProductAttention` reads it with TE's meaning (the module docstring)."""
+    factories; ``DotProductAttention`` (:mod:`flashport.integrations.transformer_engine_flax`) reads
+    it with TE's meaning."""
 
     seqlens: Any = None
     seq_offsets: Any = None
@@ -324,7 +169,7 @@ class SequenceDescriptor:
 
     @classmethod
     def from_seqlens_and_offsets(cls, seqlens, seq_offsets):
-        """Packed sequences as lengths and offsets (THD); :class:`DotProductAttention` raises for it."""
+        """Packed sequences as lengths and offsets (THD); ``DotProductAttention`` raises for it."""
         return cls(seqlens=_pair(seqlens), seq_offsets=_pair(seq_offsets))
 
     @classmethod
@@ -362,3 +207,85 @@ class SequenceDescriptor:
             if right is not None:
                 keep &= pos_kv <= pos_q + right
         return keep[:, None]
+
+
+def fused_attn(
+    qkv,
+    bias,
+    mask,
+    seed,
+    attn_bias_type,
+    attn_mask_type,
+    qkv_layout,
+    scaling_factor,
+    dropout_probability,
+    is_training,
+    window_size=None,
+    context_parallel_strategy=CPStrategy.DEFAULT,
+    context_parallel_causal_load_balanced=False,
+    context_parallel_axis="",
+):
+    """TransformerEngine-JAX 2.0's ``fused_attn`` (its signature; ``mask`` is the third parameter)
+    on :func:`flashport.attention`, with the meaning of TE's ``DotProductAttention``
+    (:mod:`flashport.integrations.transformer_engine_flax`): ``qkv`` is ``(qkv_packed,)``, ``(query, kv_packed)`` or ``(query, key, value)`` by
+    ``qkv_layout``, ``[b, s, h, d]``; ``mask`` (True = masked out) is read for the padding mask types
+    only; ``bias`` by ``attn_bias_type``; ``scaling_factor`` multiplies ``q.k``; dropout at
+    ``dropout_probability`` when ``is_training``, keyed by ``seed`` (a PRNG key or its uint32 data;
+    TE seeds cuDNN with its first two words, the mask drawn here differs). THD layouts raise
+    ``NotImplementedError``."""
+    layout = qkv_layout.name
+    if layout in _THD_LAYOUTS:
+        raise NotImplementedError(
+            f"fused_attn qkv_layout=QKVLayout.{layout} (THD sequence packing) is not supported by flashport"
+        )
+    if layout == "BS3HD":
+        (packed,) = qkv
+        query, key, value = (packed[..., i, :, :] for i in range(3))
+    elif layout == "BSHD_BS2HD":
+        query, packed = qkv
+        key, value = packed[..., 0, :, :], packed[..., 1, :, :]
+    else:
+        query, key, value = qkv
+    align, padding = _MASK_TYPES[_MASK_MEMBERS[attn_mask_type.name]]
+    kind = attn_bias_type.name if attn_bias_type is not None else "NO_BIAS"
+    if kind == "NO_BIAS":
+        bias = None
+    elif kind == "PRE_SCALE_BIAS":
+        bias = bias * scaling_factor
+    attend = None
+    if padding and mask is not None:
+        if align == "bottom_right":
+            raise NotImplementedError(
+                f"fused_attn attn_mask_type=AttnMaskType.{attn_mask_type.name} with a mask: TE aligns the "
+                "bottom-right diagonal to each sequence's own lengths; not supported by flashport"
+            )
+        attend = _attend_mask(mask)
+    if align is not None and context_parallel_causal_load_balanced:
+        _refuse_load_balanced_order(context_parallel_axis)
+    dropout_rate, dropout_rng = 0.0, None
+    if is_training and dropout_probability > 0:
+        if seed is None:
+            raise ValueError("seed is not allowed to be None when dropout is enabled.")
+        dropout_rate, dropout_rng = dropout_probability, _key(seed)
+    return flashport.attention(
+        query,
+        key,
+        value,
+        scale=scaling_factor,
+        causal=align is not None,
+        align=align or "top_left",
+        window=_window(window_size),
+        bias=bias,
+        mask=attend,
+        layout="BSHD",
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+    )
+
+
+def _key(seed):
+    """A PRNG key from TE's ``seed``: a key, or key data whose first two uint32 words TE reads."""
+    seed = jnp.asarray(seed)
+    if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        return seed.reshape(-1)[0]
+    return jax.random.wrap_key_data(seed.reshape(-1)[:2].astype(jnp.uint32), impl="threefry2x32")

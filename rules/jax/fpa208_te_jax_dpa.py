@@ -5,7 +5,7 @@ What it rewrites:
   ``...flax.transformer.DotProductAttention``), a ``flax.linen`` module configured when it is built
   and given its tensors when called, often in another function or wrapped (a
   ``functools.partial`` of its ``apply``, nnx's ``ToNNX``). The construction keeps its arguments and builds
-  ``flashport.integrations.transformer_engine_compat.DotProductAttention`` instead: the same fields
+  ``flashport.integrations.transformer_engine_flax.DotProductAttention`` instead: the same fields
   (TransformerEngine 2.18), the same ``__call__(query, key, value, sequence_descriptor=None,
   bias=None, *, deterministic=False, mask=None)`` and the same meaning, on ``flashport.attention``.
   Its call sites stay as written. ``transformer_engine.jax.attention.SequenceDescriptor`` (the class
@@ -45,7 +45,7 @@ Example::
     attn = DotProductAttention(head_dim=64, num_attention_heads=8, attn_mask_type="no_mask",
                                transpose_batch_sequence=False)
     # becomes
-    attn = flashport.integrations.transformer_engine_compat.DotProductAttention(head_dim=64,
+    attn = flashport.integrations.transformer_engine_flax.DotProductAttention(head_dim=64,
                                num_attention_heads=8, attn_mask_type="no_mask", transpose_batch_sequence=False)
 """
 
@@ -63,7 +63,8 @@ FLAX_MODULES = ("transformer_engine.jax.flax", "transformer_engine.jax.flax.tran
 PRAXIS_MODULES = ("transformer_engine.jax.praxis", "transformer_engine.jax.praxis.transformer")
 DESCRIPTOR = "transformer_engine.jax.attention.SequenceDescriptor"
 DESCRIPTOR_FACTORIES = ("from_seqlens", "from_seqlens_and_offsets", "from_segment_ids_and_pos")
-DROP_IN = jax_apis.TE_COMPAT
+DROP_IN = jax_apis.TE_FLAX
+DESCRIPTOR_DROP_IN = jax_apis.TE_COMPAT
 SIGNATURE = Signature.of(jax_apis.TE_DOT_PRODUCT_ATTENTION)
 MASK_MAPPING = {
     "no_mask": "causal=False",
@@ -156,11 +157,13 @@ class TransformerEngineDotProductAttention(Rule):
     @staticmethod
     def _descriptor(node, ctx) -> Rewrite:
         """``node`` (a ``SequenceDescriptor`` call or value) on the drop-in module's class."""
-        target = f"{DROP_IN}.SequenceDescriptor" + ctx.qualified_name[len(DESCRIPTOR) :]
+        target = f"{DESCRIPTOR_DROP_IN}.SequenceDescriptor" + ctx.qualified_name[len(DESCRIPTOR) :]
         note = f"TE's SequenceDescriptor -> {target} (TE 2.18's signature and meaning)"
         if isinstance(node, cst.Call):
-            return Rewrite(node.with_changes(func=dotted(target)), imports=(DROP_IN,), notes=(note,))
-        return Rewrite(dotted(target), imports=(DROP_IN,), notes=(note,))
+            return Rewrite(
+                node.with_changes(func=dotted(target)), imports=(DESCRIPTOR_DROP_IN,), notes=(note,)
+            )
+        return Rewrite(dotted(target), imports=(DESCRIPTOR_DROP_IN,), notes=(note,))
 
     def settle(self, sites, tree):
         """Keep the drop-in's ``SequenceDescriptor`` only where no TransformerEngine attention site of
