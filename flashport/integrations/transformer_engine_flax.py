@@ -19,7 +19,8 @@ and runs :func:`flashport.attention` on any platform. Semantics (TE's docstrings
   is ignored for ``'no_mask'`` and the causal-only types, and for the padding types it is combined
   with the causal mask where the type names one (as documented and as TE's fused backend does; its
   unfused backend applies the mask alone);
-* a :class:`~flashport.integrations.transformer_engine_compat.SequenceDescriptor` instead of the mask array (padding types): ``from_seqlens`` -- query
+* a :class:`~flashport.integrations.transformer_engine_compat.SequenceDescriptor` instead of the
+  mask array (padding types): ``from_seqlens`` -- query
   ``i`` of row ``b`` sees key ``j`` when ``i < q_seqlens[b]`` and ``j < kv_seqlens[b]``;
   ``from_segment_ids_and_pos`` (BSHD and THD packing) -- when the segment ids are equal and not 0
   (0 = padding), causal and window by the segment positions (``pos_q >= pos_kv``), TE's definition
