@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import collections
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -184,6 +185,7 @@ class SemanticModel:
         self._reaching: dict[tuple[str, int], tuple[ImportBinding | ast.AST, ...] | None] = {}
         self._declared: frozenset[str] | None = None
         self._block_starts: dict[int, list[int]] = {}
+        self._counts: collections.Counter | None = None
         self._locals: dict[tuple[int, str], bool] = {}
 
     # -- the statement walk ------------------------------------------------------------------------
@@ -455,6 +457,8 @@ class SemanticModel:
         return self._reaching[key]
 
     def _reaching_at(self, name: str, line: int) -> tuple[ImportBinding | ast.AST, ...] | None:
+        if self._binding_counts()[name] < 2:
+            return None  # one binding at most: the flow cannot hide any (a site-dense file's usual case)
         if name in self._declared_names() or self.star_import_lines():
             return None
         located = _path_to(self.tree, line, self._starts)
@@ -509,6 +513,31 @@ class SemanticModel:
         """``nodes`` with each import alias as its :class:`ImportBinding`."""
         by_alias = {id(b.alias): b for b in self.imports}
         return tuple(by_alias.get(id(node), node) for node in nodes)
+
+    def _binding_counts(self) -> collections.Counter:
+        """How many times the file binds each name anywhere (imports, targets, definitions,
+        parameters, ``except ... as``, match captures)."""
+        if self._counts is None:
+            counts: collections.Counter = collections.Counter(b.name for b in self.imports)
+            counts.update(self.stored_names_counted())
+            kinds = (
+                ast.FunctionDef,
+                ast.AsyncFunctionDef,
+                ast.ClassDef,
+                ast.ExceptHandler,
+                ast.MatchAs,
+                ast.MatchStar,
+            )
+            counts.update(getattr(n, "name", None) for n in astindex.of_type(self.tree, *kinds))
+            counts.update(n.arg for n in astindex.of_type(self.tree, ast.arg))  # type: ignore[attr-defined]
+            counts.update(n.rest for n in astindex.of_type(self.tree, ast.MatchMapping))  # type: ignore[attr-defined]
+            self._counts = counts
+        return self._counts
+
+    def stored_names_counted(self) -> collections.Counter:
+        """How many ``Name`` targets (stores and deletes) of each name the file has."""
+        names = astindex.of_type(self.tree, ast.Name)
+        return collections.Counter(n.id for n in names if not isinstance(n.ctx, ast.Load))  # type: ignore[attr-defined]
 
     def _declared_names(self) -> frozenset[str]:
         """Every name some ``global``/``nonlocal`` statement of the file declares."""
