@@ -41,6 +41,24 @@ def sources(function: str) -> tuple[str, ...]:
     return tuple(m + function for m in FLASH_ATTN_MODULES)
 
 
+def sources_with_fa1(function: str) -> tuple[str, ...]:
+    """:func:`sources`, then the import paths of the function's flash-attn 1.x name, if it had one
+    (``flash_attn_unpadded_*`` for ``flash_attn_varlen_*``)."""
+    fa1 = apis_flash_attn.FA1_NAMES.get(function)
+    return sources(function) + (fa1_sources(fa1) if fa1 else ())
+
+
+PACKED = ("qkv", "kv")
+"""The leading parameters that pack several tensors along one dimension."""
+
+
+def split_packed(leading: tuple[str, ...], values: list, dim: int) -> list:
+    """``values`` of the first parameters of ``leading``, each packed one split once (:func:`unbind`)."""
+    return [
+        unbind(value, dim) if name in PACKED else value for name, value in zip(leading, values, strict=False)
+    ]
+
+
 def tail(version: tuple[int, ...]) -> tuple[str, ...]:
     """The parameters after the tensors (and cu_seqlens) at ``version`` (from the API catalogue)."""
     return apis_flash_attn.fa2_tail(version)

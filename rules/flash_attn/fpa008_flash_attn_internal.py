@@ -84,10 +84,8 @@ class FlashAttnTritonAndInternals(Rule):
     CODE = "FPA008"
     NAME = "flash-attn-triton-and-internals"
     API = "flash_attn.flash_attn_interface._flash_attn_forward"
-    FRAMEWORK = "torch"
     SOURCES = TRITON + PRIVATE + FA3_PRIVATE
     TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper")
     TARGET = "flashport.integrations.flash_attn_compat._flash_attn_* (drop-ins)"
 
     def check_call(self, call, ctx):

@@ -51,11 +51,8 @@ class FA4FlashAttnVarlenFunc(Rule):
 
     CODE = "FPA014"
     NAME = "fa4-flash-attn-varlen-func"
-    API = "flash_attn.cute.flash_attn_varlen_func"
-    FRAMEWORK = "torch"
     SOURCES = fa4_sources("flash_attn_varlen_func")
     TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
     TARGET = f"{FA4}.flash_attn_varlen_func"
 
     def check_call(self, call, ctx):

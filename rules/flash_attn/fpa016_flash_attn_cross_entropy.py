@@ -56,11 +56,7 @@ class FlashAttnCrossEntropy(Rule):
 
     CODE = "FPA016"
     NAME = "flash-attn-cross-entropy"
-    API = "flash_attn.ops.triton.cross_entropy.cross_entropy_loss"
-    FRAMEWORK = "torch"
     SOURCES = ("flash_attn.ops.triton.cross_entropy.cross_entropy_loss",)
-    TRIGGERS = (b"cross_entropy_loss",)
-    GPU_MODULES = ("flash_attn",)
     TARGET = MODULE + ".cross_entropy_loss"
 
     def check_call(self, call, ctx):

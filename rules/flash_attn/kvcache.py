@@ -6,8 +6,8 @@ read of the cache, or new rows whose in-place update provably is not relied on:
 paged caches, a return type known only at run time, splats) to their API's drop-in, which has the
 original signature and full behaviour (``flash_attn_compat.flash_attn_with_kvcache`` /
 ``flash_attn3_compat.flash_attn_with_kvcache``). :class:`KVCacheRule` holds that logic; each rule
-module sets the manifest and the per-API tables (keywords, what only the drop-in can do, what neither
-form can do).
+module sets the manifest and the per-API tables (what only the drop-in can do, what neither form can
+do); the keywords are the API catalogue's (:mod:`flashport.rules.apis`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import libcst as cst
 
+from flashport.rules import apis
 from flashport.rules.base import Refuse, Rewrite, Rule
 from flashport.rules.common import node_context
 from flashport.rules.common.binding import Signature, required
@@ -114,10 +115,19 @@ def cache_is_dead(call: cst.Call, names: list[str], ctx) -> str | None:
 
 class KVCacheRule(Rule):
     """``flash_attn_with_kvcache`` to the functional ``kvcache_attention`` where the in-place update
-    is not relied on, else to the API's drop-in (subclasses set the tables below; not registered)."""
+    is not relied on, else to the API's drop-in (subclasses set the tables below; not registered).
+    ``KEYWORDS``, the parameters after :data:`POSITIONAL`, are those of the catalogue's latest
+    signature of the first of ``SOURCES``."""
 
     TARGET = MODULE + ".kvcache_attention"
     KEYWORDS: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.SOURCES:
+            *_, (_, parameters) = apis.api(cls.SOURCES[0]).signatures
+            cls.KEYWORDS = tuple(p.name for p in parameters if p.name not in POSITIONAL)
+
     # Arguments only the drop-in implements (the functional form cannot); UNSUPPORTED gives the
     # functional form's refusal reasons, and those of its names outside DROP_IN_ONLY are what
     # neither form implements.

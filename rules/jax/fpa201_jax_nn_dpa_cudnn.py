@@ -79,10 +79,7 @@ class JaxNNDotProductAttentionCudnn(Rule):
 
     CODE = "FPA201"
     NAME = "jax-nn-dpa-cudnn"
-    API = "jax.nn.dot_product_attention"
-    FRAMEWORK = "jax"
     SOURCES = ("jax.nn.dot_product_attention", "jax._src.nn.functions.dot_product_attention")
-    TRIGGERS = (b"dot_product_attention",)
     TARGET = "flashport.attention"
 
     def check_call(self, call, ctx):

@@ -96,8 +96,6 @@ class CudnnFusedAttention(Rule):
 
     CODE = "FPA202"
     NAME = "cudnn-fused-attention"
-    API = "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention"
-    FRAMEWORK = "jax"
     SOURCES = (
         "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention",
         f"{PRIVATE}.MaskType",

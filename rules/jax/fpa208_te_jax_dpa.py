@@ -68,10 +68,7 @@ class TransformerEngineDotProductAttention(Rule):
 
     CODE = "FPA208"
     NAME = "te-jax-dpa"
-    API = "transformer_engine.jax.flax.DotProductAttention"
-    FRAMEWORK = "jax"
     SOURCES = tuple(f"{module}.DotProductAttention" for module in MODULES)
-    TRIGGERS = (b"DotProductAttention",)
     TARGET = "flashport.attention (manual)"
     REWRITES = False
 

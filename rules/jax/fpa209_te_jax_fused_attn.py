@@ -50,10 +50,7 @@ class TransformerEngineFusedAttn(Rule):
 
     CODE = "FPA209"
     NAME = "te-jax-fused-attn"
-    API = "transformer_engine.jax.attention.fused_attn"
-    FRAMEWORK = "jax"
     SOURCES = ("transformer_engine.jax.attention.fused_attn", "transformer_engine.jax.fused_attn.fused_attn")
-    TRIGGERS = (b"fused_attn",)
     TARGET = "flashport.attention (manual)"
     REWRITES = False
 

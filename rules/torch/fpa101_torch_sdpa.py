@@ -97,10 +97,7 @@ class TorchSDPA(Rule):
 
     CODE = "FPA101"
     NAME = "torch-sdpa"
-    API = "torch.nn.functional.scaled_dot_product_attention"
-    FRAMEWORK = "torch"
     SOURCES = ("torch.nn.functional.scaled_dot_product_attention",)
-    TRIGGERS = (b"scaled_dot_product_attention",)
     TARGET = "flashport.torch.attention"
 
     def check_call(self, call, ctx):

@@ -65,8 +65,6 @@ class TorchFlexAttention(Rule):
 
     CODE = "FPA103"
     NAME = "torch-flex-attention"
-    API = f"{MODULE}.flex_attention"
-    FRAMEWORK = "torch"
     SOURCES = tuple(f"{MODULE}.{name}" for name in SIGNATURES)
     TRIGGERS = (b"flex_attention",)
     TARGET = "flashport.torch.flex_attention"

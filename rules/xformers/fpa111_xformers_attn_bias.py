@@ -94,10 +94,8 @@ class XformersAttnBias(Rule):
     CODE = "FPA111"
     NAME = "xformers-attn-bias"
     API = "xformers.ops.fmha.attn_bias"
-    FRAMEWORK = "torch"
     SOURCES = tuple(p + n for n in _SUPPORTED + _REFUSED + TYPES for p in PREFIXES)
     TRIGGERS = (b"xformers",)
-    GPU_MODULES = ("xformers",)
     TARGET = MODULE + ".<class>"
 
     def check_call(self, call, ctx):
