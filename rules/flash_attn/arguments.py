@@ -17,9 +17,9 @@ from flashport.rules.apis import flash_attn as apis_flash_attn
 from flashport.rules.base import Refuse, Rewrite, RuleContext
 from flashport.rules.common.binding import Signature, carry_dropout, no_dropout
 from flashport.rules.common.calls import (
-    dotted,
     insert_in_source_order,
     number,
+    on_drop_in,
     parenthesized,
     string,
     tuple_of,
@@ -306,7 +306,7 @@ def varlen_drop_in(
             else "pages gathered through block_table"
         )
     note = f"drop-in {function} (flash-attn's signature; {passed}): flashport.varlen_attention does not take {what.split('=')[0]}"
-    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+    return on_drop_in(call, f"{COMPAT}.{function}", note)
 
 
 def dense_drop_in(call: cst.Call, ctx: RuleContext, leading: int, why: str) -> Rewrite | None:
@@ -330,7 +330,7 @@ def dense_drop_in(call: cst.Call, ctx: RuleContext, leading: int, why: str) -> R
         )
     function = ctx.qualified_name.rsplit(".", 1)[-1]
     note = f"drop-in {function} (flash-attn's signature and semantics): {why}"
-    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+    return on_drop_in(call, f"{COMPAT}.{function}", note)
 
 
 def splat_drop_in(call: cst.Call, ctx: RuleContext) -> Rewrite | None:
@@ -356,7 +356,7 @@ def splat_drop_in(call: cst.Call, ctx: RuleContext) -> Rewrite | None:
             )
     function = ctx.qualified_name.rsplit(".", 1)[-1]
     note = f"drop-in {function} (flash-attn's signature and semantics): a *args/**kwargs splat is bound at run time"
-    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+    return on_drop_in(call, f"{COMPAT}.{function}", note)
 
 
 def alibi_drop_in(

@@ -56,7 +56,7 @@ import libcst as cst
 
 from flashport.rules.base import Refuse, Report, Rewrite, Rule, register
 from flashport.rules.common import values
-from flashport.rules.common.calls import dotted
+from flashport.rules.common.calls import dotted, on_drop_in
 from flashport.rules.common.literals import is_none, literal_bool
 from flashport.rules.flash_attn import private_kernels
 from flashport.rules.flash_attn.arguments import COMPAT
@@ -104,7 +104,7 @@ class FlashAttnTritonAndInternals(Rule):
             f"drop-in {target} (flash-attn {releases}'s signature, return convention and in-place gradients)"
         )
         notes = (note,) if inferred is None else (note, inferred)
-        return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{target}")), imports=(COMPAT,), notes=notes)
+        return on_drop_in(call, f"{COMPAT}.{target}", *notes)
 
     def check_reference(self, node, ctx):
         """Value uses are reported: the callers of a value are out of sight."""

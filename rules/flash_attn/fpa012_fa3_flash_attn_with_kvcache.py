@@ -52,8 +52,8 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, register
-from flashport.rules.common.calls import dotted
+from flashport.rules.base import Refuse, register
+from flashport.rules.common.calls import on_drop_in
 from flashport.rules.common.literals import is_zero
 from flashport.rules.flash_attn.fa3_fa4 import fa3_sources
 from flashport.rules.flash_attn.kvcache import KVCacheRule
@@ -102,7 +102,7 @@ class FA3FlashAttnWithKVCache(KVCacheRule):
             "drop-in flash_attn_with_kvcache (FA3's signature; updates the caches in place like FA3): "
             "a *args/**kwargs splat is bound at run time"
         )
-        return Rewrite(call.with_changes(func=dotted(self.DROP_IN)), imports=(DROP_IN_MODULE,), notes=(note,))
+        return on_drop_in(call, self.DROP_IN, note)
 
     def check_extra(self, value, ctx):
         """Refuse a non-zero ``attention_chunk`` (neither form implements chunked attention)."""

@@ -20,7 +20,7 @@ from flashport.rules import apis
 from flashport.rules.base import Refuse, Rewrite, Rule
 from flashport.rules.common import node_context
 from flashport.rules.common.binding import Signature, required
-from flashport.rules.common.calls import build_call, callee_name, dotted
+from flashport.rules.common.calls import build_call, callee_name, on_drop_in
 from flashport.rules.common.literals import is_none, literal_bool
 from flashport.rules.flash_attn import arguments as fa
 
@@ -249,6 +249,4 @@ class KVCacheRule(Rule):
         if self.DROP_IN is None:
             raise Refuse(f"{self.API} has no drop-in replacement: {why}")
         note = f"drop-in flash_attn_with_kvcache (updates the caches in place like flash-attn): {why}"
-        return Rewrite(
-            call.with_changes(func=dotted(self.DROP_IN)), imports=(self.DROP_IN_MODULE,), notes=(note,)
-        )
+        return on_drop_in(call, self.DROP_IN, note)
