@@ -28,6 +28,7 @@ class _FA2Function(Rule):
     LEADING: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
+        """Take ``SOURCES`` and ``LEADING`` of the subclass's ``FUNCTION`` from the catalogue."""
         super().__init_subclass__(**kwargs)
         if cls.FUNCTION:
             cls.SOURCES = fa.sources_with_fa1(cls.FUNCTION)
@@ -105,6 +106,7 @@ class VarlenRule(_FA2Function):
         return fa.split_packed(self.LEADING, tensors, 1), cu_q, cu_k
 
     def __init_subclass__(cls, **kwargs):
+        """``REQUIRED``: the leading parameters up to the ``max_seqlen`` ones."""
         super().__init_subclass__(**kwargs)
         cls.REQUIRED = len([name for name in cls.LEADING if not name.startswith("max_seqlen")])
 

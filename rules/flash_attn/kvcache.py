@@ -123,6 +123,7 @@ class KVCacheRule(Rule):
     KEYWORDS: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
+        """``KEYWORDS`` of the subclass's API from the catalogue."""
         super().__init_subclass__(**kwargs)
         if cls.SOURCES:
             *_, (_, parameters) = apis.api(cls.SOURCES[0]).signatures
