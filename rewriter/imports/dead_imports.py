@@ -401,15 +401,18 @@ def _guard_names(stmt: _Guard, plan: _Plan) -> list[str]:
     return [_dotted(s, a) for body in bodies for s in _gpu_imports(body, plan) for a in s.names]
 
 
+def _wholly_dead(imports: list[_Import], plan: _Plan) -> bool:
+    """Every name of these absolute imports is dead (a relative import is never flashport's to drop)."""
+    return all(
+        len(_dead_aliases(s, plan)) == len(s.names) and not (isinstance(s, ast.ImportFrom) and s.level)
+        for s in imports
+    )
+
+
 def _guard_removable(stmt: _Guard, plan: _Plan, public: bool) -> bool:
     """A ``try``/``if`` that only imports dead GPU names and handles their absence (module doc)."""
     imports = _gpu_imports(stmt.body, plan)
-    if not imports:
-        return False
-    if any(
-        len(_dead_aliases(s, plan)) != len(s.names) or (isinstance(s, ast.ImportFrom) and s.level)
-        for s in imports
-    ):
+    if not imports or not _wholly_dead(imports, plan):
         return False
     names = {_bound(a) for s in imports for a in s.names}
     if isinstance(stmt, ast.If):
@@ -455,12 +458,7 @@ def _collapsed(stmt: ast.Try | ast.TryStar, plan: _Plan) -> list[ast.Assign] | N
         return None
     # Another GPU import left in the file may sit behind the flag (``if HAS_FA: from flash_attn...``):
     # forcing the flag on would make a host without the library fail where the original fell back.
-    if plan.gpu_import_count:
-        return None
-    if any(
-        len(_dead_aliases(s, plan)) != len(s.names) or (isinstance(s, ast.ImportFrom) and s.level)
-        for s in imports
-    ):
+    if plan.gpu_import_count or not _wholly_dead(imports, plan):
         return None
     names = {_bound(a) for s in imports for a in s.names}
     success = [s for s in stmt.body if s not in imports] + stmt.orelse

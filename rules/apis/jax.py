@@ -8,7 +8,7 @@ An enum default is recorded as ``"Enum.MEMBER"`` (no jax object in this module).
 
 from __future__ import annotations
 
-from flashport.rules.apis.model import Api, DropIn, Version, keyword_only, params
+from flashport.rules.apis.model import Api, DropIn, Version, keyword_only, one_release, params
 
 JAX_NN_COMPAT = "flashport.integrations.jax_nn_compat"
 JAX_CUDNN_COMPAT = "flashport.integrations.jax_cudnn_compat"
@@ -62,60 +62,54 @@ TE_DOT_PRODUCT_ATTENTION = params(
     score_mod_bprop=None,
 )
 
+_RETURNS = "out; (out, lse) with return_residual=True"
+
 APIS = (
-    Api(
-        names=("jax.nn.dot_product_attention",),
-        signatures=(
-            (
-                RELEASE,
-                params("query", "key", "value", bias=None, mask=None)
-                + keyword_only(
-                    scale=None,
-                    is_causal=False,
-                    query_seq_lengths=None,
-                    key_value_seq_lengths=None,
-                    local_window_size=None,
-                    implementation=None,
-                    return_residual=False,
-                ),
-            ),
+    one_release(
+        ("jax.nn.dot_product_attention",),
+        RELEASE,
+        params("query", "key", "value", bias=None, mask=None)
+        + keyword_only(
+            scale=None,
+            is_causal=False,
+            query_seq_lengths=None,
+            key_value_seq_lengths=None,
+            local_window_size=None,
+            implementation=None,
+            return_residual=False,
         ),
-        returns="out; (out, lse) with return_residual=True",
+        JAX_NN_COMPAT,
+        returns=_RETURNS,
         lse="[B, T, N] fp32",
-        drop_ins=(DropIn(JAX_NN_COMPAT, "dot_product_attention", (RELEASE,)),),
     ),
-    Api(
-        names=("jax._src.cudnn.fused_attention_stablehlo.dot_product_attention",),
-        signatures=(
-            (
-                RELEASE,
-                params(
-                    "query",
-                    "key",
-                    "value",
-                    bias=None,
-                    mask=None,
-                    q_seqlen=None,
-                    kv_seqlen=None,
-                    q_offsets=None,
-                    kv_offsets=None,
-                    fp8_params=None,
-                )
-                + keyword_only(
-                    scale=1.0,
-                    mask_type="MaskType.NO_MASK",
-                    seed=42,
-                    dropout_rate=0.0,
-                    qkv_layout="BTNH",
-                    sliding_window_length=None,
-                    use_fp8=False,
-                    return_residual=False,
-                ),
-            ),
+    one_release(
+        ("jax._src.cudnn.fused_attention_stablehlo.dot_product_attention",),
+        RELEASE,
+        params(
+            "query",
+            "key",
+            "value",
+            bias=None,
+            mask=None,
+            q_seqlen=None,
+            kv_seqlen=None,
+            q_offsets=None,
+            kv_offsets=None,
+            fp8_params=None,
+        )
+        + keyword_only(
+            scale=1.0,
+            mask_type="MaskType.NO_MASK",
+            seed=42,
+            dropout_rate=0.0,
+            qkv_layout="BTNH",
+            sliding_window_length=None,
+            use_fp8=False,
+            return_residual=False,
         ),
-        returns="out; (out, lse) with return_residual=True",
+        JAX_CUDNN_COMPAT,
+        returns=_RETURNS,
         lse="[B, N, T] fp32",
-        drop_ins=(DropIn(JAX_CUDNN_COMPAT, "dot_product_attention", (RELEASE,)),),
     ),
     Api(
         names=(

@@ -100,8 +100,6 @@ class TransformerEngineDotProductAttention(Rule):
 
     CODE = "FPA208"
     NAME = "te-jax-dpa"
-    API = "transformer_engine.jax.flax.DotProductAttention"
-    FRAMEWORK = "jax"
     SOURCES = (
         *(f"{module}.DotProductAttention" for module in FLAX_MODULES + PRAXIS_MODULES),
         DESCRIPTOR,

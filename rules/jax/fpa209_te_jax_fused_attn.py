@@ -79,8 +79,6 @@ class TransformerEngineFusedAttn(Rule):
 
     CODE = "FPA209"
     NAME = "te-jax-fused-attn"
-    API = "transformer_engine.jax.attention.fused_attn"
-    FRAMEWORK = "jax"
     SOURCES = (
         API,
         "transformer_engine.jax.fused_attn.fused_attn",
