@@ -434,6 +434,43 @@ def test_a_function_a_handler_defines_only_for_its_fallbacks_goes_with_the_guard
     assert "try:" not in text and "_unsupported" not in text and "flash_attn_func" not in text
 
 
+def test_a_guard_whose_handler_tries_another_path_goes_whole():
+    """A fallback import of the same kernels from another path, nested in the handler with its own
+    fallback: the whole block goes (it was left as ``try: <import> except: pass``)."""
+    text = port("""
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            try:
+                from flash_attn.flash_attn_interface import flash_attn_func
+            except ImportError:
+                flash_attn_func = None
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v)
+    """)
+    assert "try:" not in text and "pass" not in text and "flash_attn_func" not in text, text
+
+
+def test_a_try_whose_imports_all_went_goes_with_its_handlers():
+    """Once its ported imports went, nothing in the ``try`` can raise: its handlers are dead code,
+    whatever they do, and the block goes (it was left as ``try: pass`` with its handlers)."""
+    text = port("""
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            try:
+                from flash_attn.flash_attn_interface import flash_attn_func
+            except ImportError:
+                flash_attn_func = None
+                install_hint()
+
+        def f(q, k, v):
+            return flash_attn_func(q, k, v)
+    """)
+    assert "try:" not in text and "install_hint" not in text and "flash_attn_func" not in text, text
+
+
 def test_a_handler_function_read_elsewhere_keeps_the_guard():
     text = port("""
         try:

@@ -317,6 +317,9 @@ def _body(
                 )
             else:
                 whole.append(stmt)
+        elif isinstance(stmt, _TRY) and _alone(stmt, plan) and _emptied(stmt, plan):
+            whole.append(stmt)
+            plan.removed.extend(_guard_names(stmt, plan))
         else:
             _inner(stmt, plan, public, drop_aliases)
     if not whole:
@@ -348,6 +351,25 @@ def _inner(stmt: ast.stmt, plan: _Plan, public: bool, drop_aliases) -> None:
         _body(handler.body, plan, scope_public, drop_aliases, pad=True, fallbacks=frozenset(dropped))
     for case in getattr(stmt, "cases", []) or []:
         _body(case.body, plan, scope_public, drop_aliases, pad=True)
+
+
+def _emptied(stmt: ast.Try | ast.TryStar, plan: _Plan) -> bool:
+    """A ``try`` (no ``else``/``finally``) whose body is only dead GPU imports that go (the body
+    is not guarded, see :func:`_inner`): nothing in it can raise any more, so its handlers are dead
+    code and the whole block goes (it was left as ``try: pass`` with its handlers)."""
+    if stmt.orelse or stmt.finalbody:
+        return False
+    if not _required(stmt, plan) and (plan.gpu_import_count or not _handlers_idle(stmt, plan)):
+        return False
+    imports = []
+    for inner in stmt.body:
+        imp = _gpu_import(inner, plan)
+        if isinstance(inner, ast.Pass):
+            continue
+        if imp is None or not _alone(imp, plan) or plan.moved(imp):
+            return False
+        imports.append(imp)
+    return bool(imports) and _wholly_dead(imports, plan)
 
 
 def _required(stmt: ast.stmt, plan: _Plan) -> bool:
@@ -519,6 +541,8 @@ def _removable(stmt: ast.stmt, names: set[str], plan: _Plan, public: bool, handl
         )
     if handler and isinstance(stmt, ast.Raise):
         return True
+    if handler and isinstance(stmt, _Guard):  # a nested fallback guard: another path to the kernels
+        return _alone(stmt, plan) and _guard_removable(stmt, plan, public)
     if handler and isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
         return bool(_LOG_CALL.search(_name(stmt.value.func) or "")) and all(_pure(a) for a in stmt.value.args)
     return False
