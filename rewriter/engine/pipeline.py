@@ -37,7 +37,8 @@ module is parsed in one piece by ``cst.parse_module`` (no :mod:`~flashport.rewri
 come from libcst's ``ScopeProvider``/qualified names alone (no :mod:`~flashport.rewriter.source.names`),
 positions from libcst's ``PositionProvider`` (no :mod:`~flashport.rewriter.source.positions` or
 :mod:`~flashport.rewriter.source.spans`), the traversal visits every statement (no ``relevant`` skip) and
-the whole mini module is rendered and spliced chunk by chunk. Its output bytes and per-site results
+the whole mini module is rendered and spliced chunk by chunk, and the rewritten and cleaned texts are
+parsed whole (no :mod:`~flashport.rewriter.source.reparse`). Its output bytes and per-site results
 must equal the fast mode's (``tests/test_reference_mode.py``); a difference is a speed-layer bug.
 """
 
@@ -62,7 +63,7 @@ from flashport.rewriter.engine import cuda_notes, formatting, prune, run_context
 from flashport.rewriter.engine.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult
 from flashport.rewriter.engine.transform import SiteTransformer
 from flashport.rewriter.imports import edits as import_edits
-from flashport.rewriter.source import newsyntax, semantic
+from flashport.rewriter.source import newsyntax, reparse, semantic
 from flashport.rewriter.source import pieces as mini_parse
 from flashport.rewriter.source import text as src
 from flashport.rewriter.source.names import Names
@@ -115,15 +116,17 @@ def transform_source(
         text, encoding = src.decode(data)
     except (SyntaxError, UnicodeDecodeError, LookupError) as err:
         return _error(result, f"cannot decode: {err}")
-    parsed = _parse_for_analysis(text, path)
-    if isinstance(parsed, str):
-        return _error(result, parsed)
-    tree, text, masks = parsed
-    # the patches of this file's project; its own ones too (the run's pre-pass may lack this file)
-    options = run_context.with_file_patches(run_context.scoped(options, path), tree, path, text)
     collecting = gc.isenabled()
-    gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
+    # The parsers build ~10 objects a source token (ast and libcst); cyclic GC passes over them
+    # cost ~30% of a big file's time (and a full pass grows with every object alive).
+    gc.disable()
     try:
+        parsed = _parse_for_analysis(text, path)
+        if isinstance(parsed, str):
+            return _error(result, parsed)
+        tree, text, masks = parsed
+        # the patches of this file's project; its own ones too (the run's pre-pass may lack this file)
+        options = run_context.with_file_patches(run_context.scoped(options, path), tree, path, text)
         return _as_done(
             _transform(
                 result,
@@ -266,11 +269,13 @@ def _transform(
     edits = _fix_imports(
         result,
         _splice(lines, replacements),
+        _reparsed(tree, lines, replacements, reference),
         tree,
         gpu_modules,
         transformer.imports,
         newline,
         options.flash_attn_version,
+        reference,
     )
     new_text = edits.text
     try:
@@ -626,21 +631,36 @@ def _replacements(new_code: str, mini: _MiniModule, lines: list[str]) -> list[tu
     return replacements
 
 
+def _reparsed(
+    tree: ast.Module, lines: list[str], replacements: list[tuple[int, int, str]], reference: bool
+) -> Callable[[str], ast.Module]:
+    """A function parsing the text that ``replacements`` make of ``lines`` (``tree``'s source):
+    only the statements they touch, or the whole text in the reference mode. Call it once the
+    original tree is no longer needed (it moves the original's untouched statements)."""
+    if reference:
+        return ast.parse
+    edits = reparse.line_edits(replacements)
+    return lambda new_text: reparse.reparse(tree, len(lines), new_text, edits)
+
+
 def _fix_imports(
     result: FileResult,
     new_text: str,
+    parse: Callable[[str], ast.Module],
     tree: ast.Module,
     gpu_modules: tuple[str, ...],
     needed: Iterable[str],
     newline: str,
     version: tuple[int, ...],
+    reference: bool,
 ) -> import_edits.ImportEdits:
     """Drop GPU imports a rewrite made unused, add the imports rewrites need, and say why each GPU
     import left in place stays (``result.imports_kept``); the edits of
-    :func:`~flashport.rewriter.imports.edits.edit_imports`."""
+    :func:`~flashport.rewriter.imports.edits.edit_imports`. ``tree``: the original file's;
+    ``parse(new_text)`` gives the rewritten file's."""
     before = import_edits.name_uses(tree)
     edits = import_edits.edit_imports(
-        new_text, ast.parse(new_text), before, gpu_modules, needed, newline, version
+        new_text, parse(new_text), before, gpu_modules, needed, newline, version, whole_parse=reference
     )
     result.imports_added.extend(edits.added)
     result.imports_removed = edits.removed

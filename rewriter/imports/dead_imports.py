@@ -105,7 +105,7 @@ def remove_dead(
     gpu_modules: tuple[str, ...],
     drop_aliases,
     version: tuple[int, ...] = (2, 8, 3),
-) -> tuple[str, list[str]]:
+) -> tuple[str, list[str], list[tuple[int, int, int]]]:
     """Drop GPU imports (and their fallbacks) that became dead; see the module docstring.
 
     Args:
@@ -116,7 +116,8 @@ def remove_dead(
       version: the flash-attn release the port was written for (which drop-ins replicate it).
 
     Returns:
-      The new text and the dotted names removed.
+      The new text, the dotted names removed and the line edits made (``(first, last, new line
+      count)`` in ``text``'s lines; :func:`flashport.rewriter.source.reparse.reparse` takes them).
     """
     plan = _Plan(split_lines(text), before, after, gpu_modules, version)
     plan.probes = drop_in_imports.probe_reads(tree)
@@ -125,6 +126,7 @@ def remove_dead(
     plan.gpu_import_count = _count_gpu_imports(tree, plan)
     _body(tree.body, plan, public=True, drop_aliases=drop_aliases)
     lines = plan.lines
+    applied = []
     for start, end, new in sorted(_merged(plan.edits), reverse=True):
         if new == "" and _blank(lines, start - 2) and _blank(lines, end):
             while start > 1 and _blank(lines, start - 2):  # keep only the blank run below the block
@@ -133,7 +135,8 @@ def remove_dead(
             while _blank(lines, end):  # the block's first statement went: no blank line may lead it
                 end += 1
         lines[start - 1 : end] = [new] if new else []
-    return "".join(lines), plan.removed
+        applied.append((start, end, len(split_lines(new))))
+    return "".join(lines), plan.removed, applied
 
 
 def _moved_lines(node: ast.ImportFrom, moved: list[tuple[ast.alias, str]], plan: _Plan) -> str:
