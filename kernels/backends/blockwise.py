@@ -420,14 +420,13 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
             f_lo, f_a, f_b, f_hi = (jnp.asarray(t.fine_rows[r])[i] for r in range(4))
             narrow = x.span(0, i, t.fine_bk) or (lambda lo, hi: (lo, hi))
             fine = functools.partial(kv_step, positional=True, bk=t.fine_bk)
-            carry = jax.lax.fori_loop(*narrow(f_lo, f_a), fine, init)
+            f_lo, f_a = narrow(f_lo, f_a)
+            f_b, f_hi = narrow(f_b, f_hi)
+            carry = jax.lax.fori_loop(f_lo, f_a, fine, init)
             row = t.row_split
-            carry = jax.lax.fori_loop(
-                *coarse(jnp.asarray(row[1])[i], jnp.asarray(row[2])[i]),
-                lambda j, c: kv_step(j, c, False),
-                carry,
-            )
-            m, l, acc = jax.lax.fori_loop(*narrow(f_b, f_hi), fine, carry)
+            start, stop = coarse(jnp.asarray(row[1])[i], jnp.asarray(row[2])[i])
+            carry = jax.lax.fori_loop(start, stop, lambda j, c: kv_step(j, c, False), carry)
+            m, l, acc = jax.lax.fori_loop(f_b, f_hi, fine, carry)
         l_safe = jnp.where(l > 0, l, 1.0)
         out = (acc / l_safe[..., None]).astype(q.dtype)
         lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
@@ -662,11 +661,11 @@ def _fine_split(t: _Tiling, x: _Inputs, fine_cols, j, q_step, fine_step, carry):
         narrow = x.span(1, j * ratio + s, t.fine_bk) or (lambda lo, hi: (lo, hi))
         for lo, hi in fine[s]:
             step = functools.partial(fine_step, s)
-            carry = jax.lax.fori_loop(*narrow(jnp.asarray(lo)[j], jnp.asarray(hi)[j]), step, carry)
+            start, stop = narrow(jnp.asarray(lo)[j], jnp.asarray(hi)[j])
+            carry = jax.lax.fori_loop(start, stop, step, carry)
     for lo, hi in whole:
-        carry = jax.lax.fori_loop(
-            *coarse(jnp.asarray(lo)[j], jnp.asarray(hi)[j]), lambda i, c: q_step(i, c, True), carry
-        )
+        start, stop = coarse(jnp.asarray(lo)[j], jnp.asarray(hi)[j])
+        carry = jax.lax.fori_loop(start, stop, lambda i, c: q_step(i, c, True), carry)
     a, b = coarse(*(jnp.asarray(t.col_split[r])[j] for r in (1, 2)))
     return jax.lax.fori_loop(a, b, lambda i, c: q_step(i, c, False), carry)
 
