@@ -16,6 +16,7 @@ mask at the kernel's tiles.
 
     python benchmarks/flex_cpu.py                 # S = 2048
     python benchmarks/flex_cpu.py --sizes 1024 --repeats 3
+    python benchmarks/flex_cpu.py --features causal window --no-counts
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _pairs(seq: int):
     }
 
 
-def time_pairs(seq: int, repeats: int) -> list[str]:
+def time_pairs(seq: int, repeats: int, features: list[str] | None = None) -> list[str]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -68,6 +69,8 @@ def time_pairs(seq: int, repeats: int) -> list[str]:
     q, k, v = (jnp.asarray(rng.standard_normal((B, seq, H, D)), jnp.float32) for _ in range(3))
     rows = []
     for name, (builtin, mod) in _pairs(seq).items():
+        if features and name not in features:
+            continue
         fns = {}
         for label, kw in (("built-in", builtin), ("mod", mod)):
 
@@ -173,6 +176,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--features", nargs="+", help="time only these (softcap causal window alibi)")
+    parser.add_argument("--no-counts", action="store_true", help="only the timings")
     args = parser.parse_args()
     import jax
 
@@ -182,8 +187,10 @@ def main() -> None:
     print("| feature | S | pass | built-in ms | mod ms | mod / built-in |")
     print("|---|---|---|---|---|---|")
     for seq in args.sizes:
-        for row in time_pairs(seq, args.repeats):
+        for row in time_pairs(seq, args.repeats, args.features):
             print(row, flush=True)
+    if args.no_counts:
+        return
     print("\nTile skipping, document mask_mod (tiles computed, counted while running):\n")
     print("| S | tile | documents | tiles computed | analytic | total | equal |")
     print("|---|---|---|---|---|---|---|")

@@ -39,7 +39,7 @@ def _run(args, timeout=900):
 # Each case compiles a ring for 8 devices (7-40 s on 2 cores): the default run takes a
 # representative few (offsets + GQA + softcap, zigzag with bottom-right and segments, a second mesh
 # axis, BHSD, bfloat16, the Pallas TPU interpreter and the backend-call engine, auto-dispatch,
-# score_mod / mask_mod at global positions);
+# score_mod / mask_mod at global positions, ring steps a mask_mod skips);
 # `pytest -m slow` runs the rest.
 DEFAULT_CASES = (
     "causal_gqa_softcap",
@@ -52,6 +52,7 @@ DEFAULT_CASES = (
     "auto_dispatch",
     "auto_axes_jit",
     "mods",
+    "mods_skip",
 )
 
 

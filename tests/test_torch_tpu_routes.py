@@ -147,12 +147,53 @@ FLEX_SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 FLEX_DOCS = torch.tensor([0] * 7 + [1] * 9 + [2] * 4)
 
 
-def test_flex_attention_with_torch_mods():
-    """``flashport.torch.flex_attention`` on torch_xla: a torch ALiBi ``score_mod`` (closed-over
-    slopes) and a document ``mask_mod`` (its ``create_block_mask``) traced into JAX, GQA, Sq < Sk;
-    out, lse and the q, k, v gradients through both against the float64 reference."""
-    with Route("torch_xla") as route:
-        _flex_with_torch_mods(route)
+def test_flex_attention_with_torch_mods(route):
+    """``flashport.torch.flex_attention`` on both routes: a torch ALiBi ``score_mod`` (closed-over
+    slopes) and a document ``mask_mod`` (its ``create_block_mask``, called inside the route's
+    context: torchax's environment) traced into JAX, GQA, Sq < Sk; out, lse and the q, k, v
+    gradients through both against the float64 reference."""
+    _flex_with_torch_mods(route)
+
+
+def test_flex_attention_mods_index_tensors_made_on_the_route(route):
+    """Mods closing over tensors made inside the route's context (on torchax: one on its device,
+    one a CPU tensor made inside its environment): a relative-bias table indexed ``table[h, i - j +
+    shift]`` (a tuple index) and per-head slopes; out and the q, k, v gradients against the float64
+    reference."""
+    rng, x = _inputs(3)
+    table_np = rng.standard_normal((HQ, SQ + SK - 1))
+    slopes_np = np.array([0.5, -0.25, 0.125, 1.0])
+    table = route.put(table_np)  # on the route's device
+    slopes = torch.tensor(slopes_np, dtype=torch.float32)  # a CPU tensor, made in the context
+
+    def bias(score, b, h, i, j):
+        return score + table[h, i - j + SK - 1] * slopes[h]
+
+    def ref_bias(s, b, h, i, j):
+        return s + table_np[h, i - j + SK - 1] * slopes_np[h]
+
+    t = {n: route.put(np.swapaxes(a, 1, 2), grad=True) for n, a in x.items()}
+    out = ft.flex_attention(t["query"], t["key"], t["value"], score_mod=bias, enable_gqa=True)
+    want_out, _ = reference_attention(x["query"], x["key"], x["value"], score_mod=ref_bias)
+    _close(np.swapaxes(route.numpy(out), 1, 2), want_out, "out")
+    d_out = rng.standard_normal(want_out.shape)
+    (out * route.put(np.swapaxes(d_out, 1, 2))).sum().backward()
+    want = reference_attention_vjp(x["query"], x["key"], x["value"], d_out, score_mod=ref_bias)
+    for name, w in zip(("query", "key", "value"), want[:3], strict=True):
+        _close(np.swapaxes(route.numpy(t[name].grad), 1, 2), w, f"d{name}", atol=1e-4)
+
+
+def test_flex_attention_mods_refusals_name_the_argument():
+    """torchax: a closed-over tensor that requires grad is refused (its gradient would be lost), and
+    create_block_mask (built on the CPU) refuses a mask_mod reading a tensor on the torchax device."""
+    with Route("torchax") as route:
+        q = route.put(np.zeros((1, HQ, SQ, D), np.float32), grad=True)
+        slopes = torch.ones(HQ, requires_grad=True)
+        with pytest.raises(TypeError, match="score_mod closes over a tensor that requires grad"):
+            ft.flex_attention(q, q, q, score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i))
+        ids = route.put(np.arange(SQ) // 3)
+        with pytest.raises(TypeError, match=r"create_block_mask .* mask_mod may close over CPU tensors"):
+            ft.create_block_mask(lambda b, h, i, j: ids[i] == ids[j], None, None, SQ, SQ, device="jax")
 
 
 def _flex_with_torch_mods(route):

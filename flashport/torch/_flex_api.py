@@ -19,7 +19,9 @@ built on the CPU when the requested device is CUDA without a GPU, or an XLA / JA
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,9 +56,38 @@ def create_block_mask(
     kind = torch.device(device).type if isinstance(device, (str, torch.device)) else "cpu"
     if kind not in TORCH_DEVICES or (kind == "cuda" and not torch.cuda.is_available()):
         device = "cpu"
-    return _flex_module().create_block_mask(
-        mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE, _compile=_compile
-    )
+    with _plain_torch_on_cpu(device):
+        return _flex_module().create_block_mask(
+            mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE, _compile=_compile
+        )
+
+
+@contextlib.contextmanager
+def _plain_torch_on_cpu(device: Any) -> Iterator[None]:
+    """Inside torchax's environment (its torch function and dispatch modes), building a block mask
+    on the CPU runs with those modes set aside: torch's ``create_block_mask`` vmaps the mask_mod
+    with functorch, whose batched CPU tensors torchax's modes would otherwise take for its own."""
+    modes = torch.overrides._get_current_function_mode_stack()
+    torchax_env = any(type(m).__module__.split(".")[0] == "torchax" for m in modes)
+    if str(device) != "cpu" or not torchax_env:
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with contextlib.ExitStack() as stack:
+        for _ in modes:
+            stack.enter_context(torch.overrides._pop_mode_temporarily())
+        stack.enter_context(_disable_current_modes())
+        try:
+            yield
+        except AssertionError as err:  # torchax's "can only do math within the torchax environment"
+            if "torchax" not in str(err):
+                raise
+            raise TypeError(
+                "create_block_mask builds the block mask on the CPU for torchax tensors, so its mask_mod "
+                "may close over CPU tensors only; it reads a tensor on the torchax device: close over "
+                "its .cpu() copy (flex_attention traces the mask_mod into JAX either way)"
+            ) from err
 
 
 @torch.compiler.disable  # wrappers like torch.compile(flex_attention) run the dispatch as it is

@@ -167,9 +167,15 @@ def torchax_runner() -> CallJaxRunner:
     from torchax import interop
 
     def call(fn, args, kwargs):
-        return interop.call_jax(fn, *args, **kwargs)
+        # Only the tensors cross the bridge: call_jax would also wrap the callables among the static
+        # keywords (the traced score_mod / mask_mod) into torch functions of torchax tensors.
+        return interop.call_jax(functools.partial(_with_static, fn, kwargs), *args)
 
     return CallJaxRunner("torchax", call)
+
+
+def _with_static(fn, static, *args):
+    return fn(*args, **static)
 
 
 class JaxAttention(torch.autograd.Function):

@@ -12,8 +12,9 @@ What a mod may contain on these routes (anything else is refused with a TypeErro
 * arithmetic, comparisons, ``&``, ``|``, ``~`` and ``**`` between the arguments and Python numbers;
 * the torch functions / tensor methods in :data:`UNARY`, :data:`BINARY`, ``where``, ``clamp``,
   ``clip`` and dtype casts (``.to(dtype)``, ``.float()``, ``.int()``, ``.long()``, ``.bool()``);
-* closed-over tensors, read by indexing with the arguments (``table[h, q_idx - kv_idx]``); they are
-  constants of the traced function: gradients do not reach them on these routes, so a closed-over
+* closed-over tensors (CPU ones or the route's own), read by indexing with the arguments
+  (``table[h, q_idx - kv_idx]``); the mod runs with torchax's torch modes set aside, so only the
+  proxies see its torch calls. The tensors are constants of the traced function: gradients do not reach them on these routes, so a closed-over
   tensor that requires grad is refused (use ``backend="auto"`` on CPU/CUDA, where torch's own
   FlexAttention differentiates it).
 
@@ -23,6 +24,8 @@ FlexAttention either; use ``torch.where``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -111,6 +114,13 @@ CASTS = {
 }
 
 
+def _mod_error() -> type[TypeError]:
+    """The TypeError that :func:`flashport.kernels.semantics.mods.trace` passes on unchanged."""
+    from flashport.kernels.semantics.mods import ModError
+
+    return ModError
+
+
 def _jnp() -> Any:
     import jax.numpy as jnp
 
@@ -134,7 +144,7 @@ def _value(x: Any, kind: str, grad: bool = False) -> Any:
         return x.value
     if isinstance(x, torch.Tensor):
         if x.requires_grad and grad:
-            raise TypeError(
+            raise _mod_error()(
                 f"{kind} closes over a tensor that requires grad {tuple(x.shape)}: on the JAX routes of "
                 "flashport.torch.flex_attention closed-over tensors are constants, so its gradient would "
                 "be lost; detach it, or run on CPU/CUDA (torch's own FlexAttention differentiates it)"
@@ -166,7 +176,7 @@ class Scalar:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        first = next(a for a in args if isinstance(a, Scalar))
+        first = next(_scalars((args, kwargs)))  # ``table[h, i - j]`` passes them in a tuple
         return _apply(getattr(func, "__name__", str(func)), args, kwargs or {}, first)
 
     def __getattr__(self, name: str) -> Any:
@@ -175,12 +185,24 @@ class Scalar:
         return lambda *args, **kwargs: _apply(name, (self, *args), kwargs, self)
 
     def __bool__(self) -> bool:
-        raise TypeError(
+        raise _mod_error()(
             f"{self.kind} branches on a traced value (if/and/or/not on q_idx, score...): FlexAttention "
             "mods must be branch-free; use torch.where(cond, a, b) or & / |"
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _scalars(x: Any) -> Any:
+    """The :class:`Scalar` proxies in ``x`` (nested tuples, lists and dicts), in order."""
+    if isinstance(x, Scalar):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for e in x:
+            yield from _scalars(e)
+    elif isinstance(x, dict):
+        for e in x.values():
+            yield from _scalars(e)
 
 
 def _operator(name: str) -> Any:
@@ -202,7 +224,7 @@ def _apply(name: str, args: tuple, kwargs: dict, like: Scalar) -> Any:
     result = _compute(jnp, name, values, kw)
     if result is not None:
         return Scalar(result, kind, like.grad)
-    raise TypeError(
+    raise _mod_error()(
         f"{kind} uses torch {name}(...), which flashport cannot trace into JAX on this route; a mod may "
         "use arithmetic, comparisons, &, |, ~, torch.where, clamp, casts, indexing of closed-over "
         f"tensors and {', '.join(sorted(n for n in UNARY if not n.startswith('_')))}"
@@ -250,10 +272,26 @@ def to_jax_mod(fn: Any, kind: str, grad: bool) -> Any:
         return None
 
     def traced(*scalars: Any) -> Any:
-        out = fn(*(Scalar(x, kind, grad) for x in scalars))
+        with _without_torch_modes():
+            out = fn(*(Scalar(x, kind, grad) for x in scalars))
         value = _value(out, kind, grad)
         jnp = _jnp()
         return jnp.asarray(value, jnp.bool_ if kind == "mask_mod" else jnp.float32)
 
     traced.__name__ = getattr(fn, "__name__", kind)
     return traced
+
+
+@contextlib.contextmanager
+def _without_torch_modes() -> Iterator[None]:
+    """Set aside the torch function and dispatch modes (torchax's environment) while a mod runs on
+    proxies: only :meth:`Scalar.__torch_function__` may see its torch calls, or torchax would take
+    ``table[h]`` (a closed-over CPU tensor indexed by a proxy) for its own and index a JAX array
+    with the proxy."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with contextlib.ExitStack() as stack:
+        for _ in torch.overrides._get_current_function_mode_stack():
+            stack.enter_context(torch.overrides._pop_mode_temporarily())
+        stack.enter_context(_disable_current_modes())
+        yield

@@ -162,10 +162,13 @@ def _clip(lo, hi, at_least, below):
     return lo2, np.maximum(np.minimum(hi, below), lo2)
 
 
-def _loop_split(split, n, step, init):
+def _loop_split(split, n, step, init, clamp=None):
     """``step(m, carry, positional)`` over block ``n``'s visited range as three loops (masked,
-    mask-free, masked), so no tile pays a ``cond`` and mask-free tiles skip the position mask."""
+    mask-free, masked), so no tile pays a ``cond`` and mask-free tiles skip the position mask;
+    ``clamp(lo, hi)``: each loop's bounds narrowed (a block mask's span, :meth:`_Inputs.span`)."""
     lo, a, b, hi = (jnp.asarray(split[r])[n] for r in range(4))
+    if clamp is not None:
+        (lo, a), (a, b), (b, hi) = clamp(lo, a), clamp(a, b), clamp(b, hi)
     carry = jax.lax.fori_loop(lo, a, lambda m, c: step(m, c, True), init)
     carry = jax.lax.fori_loop(a, b, lambda m, c: step(m, c, False), carry)
     return jax.lax.fori_loop(b, hi, lambda m, c: step(m, c, True), carry)
@@ -230,6 +233,12 @@ class _Inputs:
             self.classes = {
                 bk: tile_classes(mods.blocks, t.bq, bk, per_head=False) for bk in {t.bk, t.fine_bk}
             }
+            if t.fine_bk < t.bk:  # the fine key blocks of the last coarse one's padding are empty
+                fine = self.classes[t.fine_bk]
+                width = t.nk * (t.bk // t.fine_bk) - fine.shape[1]
+                self.classes[t.fine_bk] = jnp.pad(fine, ((0, 0), (0, width)), constant_values=EMPTY)
+        # Per key block size, per row and per column of tiles, the [first, last] non-empty ones.
+        self.spans = None if self.classes is None else {bk: _spans(c) for bk, c in self.classes.items()}
         sqp, skp = t.nq * t.bq, t.nk * t.bk
         self.t, self.prescaled = t, prescale
         if prescale:  # one multiply of q instead of one per score tile
@@ -260,15 +269,55 @@ class _Inputs:
         keep = dropout.keep_mask(t.spec.dropout_rate, self.head_seeds, q_pos, k_pos)
         return dropout.apply(p, keep, t.spec.dropout_rate)
 
-    def sparse(self, i, j, bk, carry, run):
+    def span(self, axis, n, bk=None):
+        """``clamp(lo, hi)`` for the loops over tile row (``axis=0``: key blocks of query block
+        ``n``) or column (``axis=1``: query blocks of key block ``n``, of size ``bk``): the range
+        narrowed to the tiles from the first to the last one the block mask does not mark empty,
+        so a loop no longer runs (and switches on) the empty tiles around them. None without a
+        block mask."""
+        if self.spans is None:
+            return None
+        first, end = self.spans[bk or self.t.bk][axis]
+        first, end = first[n], end[n]
+
+        def clamp(lo, hi):
+            lo = jnp.maximum(lo, first)
+            return lo, jnp.maximum(jnp.minimum(hi, end), lo)
+
+        return clamp
+
+    def sparse(self, i, j, bk, carry, run, partial=None):
         """``run(carry, mask_mod)`` for tile (i, j) (key block size ``bk``) as its block-mask class
-        says: skipped when empty, without the mask_mod test when full."""
+        says: skipped when empty, without the mask_mod test when full; ``partial(carry)`` in place
+        of ``run(carry, True)`` for a partial tile (see :meth:`refine`)."""
         if self.classes is None:
             return run(carry, True)
-        branches = {EMPTY: lambda c: c, PARTIAL: lambda c: run(c, True), FULL: lambda c: run(c, False)}
+        branches = {
+            EMPTY: lambda c: c,
+            PARTIAL: partial or (lambda c: run(c, True)),
+            FULL: lambda c: run(c, False),
+        }
         return jax.lax.switch(
             self.classes[bk or self.t.bk][i, j], [branches[n] for n in sorted(branches)], carry
         )
+
+    def refine(self, i, j, bk, step):
+        """The ``partial`` of :meth:`sparse` for coarse tile (i, j): its fine sub-tiles (key blocks
+        of ``t.fine_bk``), each by its own class, ``carry = step(jf, carry)`` for fine block jf in
+        order. As the built-in masks' diagonal runs in fine blocks, a mask_mod's partial coarse tile
+        (a causal or sliding-window diagonal) so skips the fine blocks no query of it sees. None
+        without a block mask, for a fine tile, or when the tiling has no finer key blocks."""
+        t = self.t
+        if self.classes is None or (bk or t.bk) != t.bk or t.fine_bk == t.bk:
+            return None
+        r = t.bk // t.fine_bk
+
+        def run(carry):
+            for s in range(r):
+                carry = step(j * r + s, carry)
+            return carry
+
+        return run
 
     def mod_grad(self, i, j, raw, bk=None):
         """d score_mod / d score of tile (i, j) (None without a score_mod)."""
@@ -300,6 +349,20 @@ class _Inputs:
         )
 
 
+def _spans(classes):
+    """``((first, end) per row, (first, end) per column)`` of int8 tile classes ``[n, m]``: the
+    first non-empty tile and one past the last (both 0 where all are empty)."""
+    seen = classes != EMPTY
+    spans = []
+    for axis in (1, 0):
+        size = seen.shape[axis]
+        any_seen = jnp.any(seen, axis=axis)
+        first = jnp.argmax(seen, axis=axis).astype(jnp.int32)
+        end = size - jnp.argmax(jnp.flip(seen, axis=axis), axis=axis).astype(jnp.int32)
+        spans.append((jnp.where(any_seen, first, 0), jnp.where(any_seen, end, 0)))
+    return tuple(spans)
+
+
 def _unblock(stacked, axis_of_block, true_len):
     """[n, ..., block, ...] stacked per block -> [..., n*block, ...] cut to ``true_len``."""
     x = jnp.moveaxis(stacked, 0, axis_of_block)
@@ -321,9 +384,13 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
 
     def q_block(i):
         def kv_step(j, carry, positional, bk=t.bk):
-            return x.sparse(
-                i, j, bk, carry, lambda c, mm: update(j, c, x.logits(i, j, positional, bk, mm)[0], bk)
-            )
+            def tile(jj, b):
+                return lambda c, mm: update(jj, c, x.logits(i, jj, positional, b, mm)[0], b)
+
+            def fine(jf, c):
+                return x.sparse(i, jf, t.fine_bk, c, tile(jf, t.fine_bk))
+
+            return x.sparse(i, j, bk, carry, tile(j, bk), x.refine(i, j, bk, fine))
 
         def update(j, carry, logits, bk):
             m, l, acc = carry
@@ -346,16 +413,19 @@ def _forward(t: _Tiling, q, k, v, bias, mask, q_seg, kv_seg, seed, mods=None):
             jnp.zeros((b, hkv, g, t.bq), jnp.float32),
             jnp.zeros((b, hkv, g, t.bq, dv), jnp.float32),
         )
+        coarse = x.span(0, i) or (lambda lo, hi: (lo, hi))
         if t.fine_rows is None:
-            m, l, acc = _loop_split(t.row_split, i, kv_step, init)
+            m, l, acc = _loop_split(t.row_split, i, kv_step, init, x.span(0, i))
         else:  # masked tiles in fine key blocks, mask-free ones in coarse blocks
             f_lo, f_a, f_b, f_hi = (jnp.asarray(t.fine_rows[r])[i] for r in range(4))
+            narrow = x.span(0, i, t.fine_bk) or (lambda lo, hi: (lo, hi))
             fine = functools.partial(kv_step, positional=True, bk=t.fine_bk)
+            f_lo, f_a = narrow(f_lo, f_a)
+            f_b, f_hi = narrow(f_b, f_hi)
             carry = jax.lax.fori_loop(f_lo, f_a, fine, init)
             row = t.row_split
-            carry = jax.lax.fori_loop(
-                jnp.asarray(row[1])[i], jnp.asarray(row[2])[i], lambda j, c: kv_step(j, c, False), carry
-            )
+            start, stop = coarse(jnp.asarray(row[1])[i], jnp.asarray(row[2])[i])
+            carry = jax.lax.fori_loop(start, stop, lambda j, c: kv_step(j, c, False), carry)
             m, l, acc = jax.lax.fori_loop(f_b, f_hi, fine, carry)
         l_safe = jnp.where(l > 0, l, 1.0)
         out = (acc / l_safe[..., None]).astype(q.dtype)
@@ -460,7 +530,8 @@ def _split_backward(t: _Tiling, x: _Inputs, q, k, v, bias, probs_and_dlogits, ds
             shape = list(bias_g.shape)
             shape[3] = t.bq if shape[3] > 1 else 1
             dbias0 = jnp.zeros(shape, jnp.float32)
-        return _loop_split(t.row_split, i, kv_step, (jnp.zeros(q_i.shape, jnp.float32), dbias0))
+        init = (jnp.zeros(q_i.shape, jnp.float32), dbias0)
+        return _loop_split(t.row_split, i, kv_step, init, x.span(0, i))
 
     dq, dbias = jax.lax.map(dq_block, jnp.arange(t.nq))
     b, hq, sq, d = q.shape
@@ -488,7 +559,7 @@ def _split_backward(t: _Tiling, x: _Inputs, q, k, v, bias, probs_and_dlogits, ds
 
         k_j, v_j = _slice(x.k, 2, j, t.bk), _slice(x.v, 2, j, t.bk)
         init = (jnp.zeros(_t(k_j).shape, jnp.float32), jnp.zeros(_t(v_j).shape, jnp.float32))
-        dk_t, dv_t = _loop_split(t.col_split, j, q_step, init)
+        dk_t, dv_t = _loop_split(t.col_split, j, q_step, init, x.span(1, j))
         return _t(dk_t), _t(dv_t)
 
     dk, dv = jax.lax.map(dkv_block, jnp.arange(t.nk))
@@ -533,7 +604,21 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
                 return run(None, True)
             zeros = jax.eval_shape(lambda: run(None, True))
             zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), zeros)
-            return x.sparse(i, jj, bk, zeros, run)
+
+            def fine(jf, parts):  # a partial coarse tile's fine sub-tiles, dK/dV side by side
+                got = grads_of(i, jf, t.fine_bk, positional)
+                return (*parts, got)
+
+            refined = x.refine(i, jj, bk, fine)
+            partial = None
+            if refined is not None:
+
+                def partial(_):
+                    parts = refined(())
+                    dk_, dv_ = (jnp.concatenate([p[n] for p in parts], axis=-1) for n in (0, 1))
+                    return dk_, dv_, functools.reduce(jnp.add, [p[2] for p in parts])
+
+            return x.sparse(i, jj, bk, zeros, run, partial)
 
         def q_step(i, carry, positional):
             dk, dv, dq_acc = carry
@@ -551,9 +636,9 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
         shape_k, shape_v = _t(_slice(x.k, 2, j, t.bk)).shape, _t(_slice(x.v, 2, j, t.bk)).shape
         init = (jnp.zeros(shape_k, jnp.float32), jnp.zeros(shape_v, jnp.float32), dq_acc)
         if t.fine_cols is None:
-            dk_t, dv_t, dq_acc = _loop_split(t.col_split, j, q_step, init)
+            dk_t, dv_t, dq_acc = _loop_split(t.col_split, j, q_step, init, x.span(1, j))
         else:
-            dk_t, dv_t, dq_acc = _fine_split(t, t.fine_cols, j, q_step, fine_step, init)
+            dk_t, dv_t, dq_acc = _fine_split(t, x, t.fine_cols, j, q_step, fine_step, init)
         return dq_acc, (_t(dk_t), _t(dv_t))
 
     dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros(x.q.shape, jnp.float32), jnp.arange(t.nk))
@@ -564,20 +649,24 @@ def _single_pass_backward(t: _Tiling, x: _Inputs, q, k, probs_and_dlogits, dscor
     return dq, dk, dv, None, None, None, None, None
 
 
-def _fine_split(t: _Tiling, fine_cols, j, q_step, fine_step, carry):
+def _fine_split(t: _Tiling, x: _Inputs, fine_cols, j, q_step, fine_step, carry):
     """Key block ``j``'s query loops: masked tiles a query block sees in part per fine key block
     (``fine_step(s, i, carry)``), the other masked ones and the mask-free ones as whole [bq, bk]
-    tiles (``q_step(i, carry, positional)``); ``fine_cols``: ``t.fine_cols``, known to be set."""
+    tiles (``q_step(i, carry, positional)``); ``fine_cols``: ``t.fine_cols``, known to be set.
+    Each loop narrowed to the block mask's span of its column (:meth:`_Inputs.span`), if any."""
     whole, fine = fine_cols
-    for s in range(fine.shape[0]):
+    ratio = fine.shape[0]
+    coarse = x.span(1, j) or (lambda lo, hi: (lo, hi))
+    for s in range(ratio):
+        narrow = x.span(1, j * ratio + s, t.fine_bk) or (lambda lo, hi: (lo, hi))
         for lo, hi in fine[s]:
             step = functools.partial(fine_step, s)
-            carry = jax.lax.fori_loop(jnp.asarray(lo)[j], jnp.asarray(hi)[j], step, carry)
+            start, stop = narrow(jnp.asarray(lo)[j], jnp.asarray(hi)[j])
+            carry = jax.lax.fori_loop(start, stop, step, carry)
     for lo, hi in whole:
-        carry = jax.lax.fori_loop(
-            jnp.asarray(lo)[j], jnp.asarray(hi)[j], lambda i, c: q_step(i, c, True), carry
-        )
-    a, b = (jnp.asarray(t.col_split[r])[j] for r in (1, 2))
+        start, stop = coarse(jnp.asarray(lo)[j], jnp.asarray(hi)[j])
+        carry = jax.lax.fori_loop(start, stop, lambda i, c: q_step(i, c, True), carry)
+    a, b = coarse(*(jnp.asarray(t.col_split[r])[j] for r in (1, 2)))
     return jax.lax.fori_loop(a, b, lambda i, c: q_step(i, c, False), carry)
 
 
@@ -611,7 +700,7 @@ def _mods_cotangent(t: _Tiling, x: _Inputs, probs_and_dlogits):
             return x.sparse(i, j, None, acc, run)
 
         init = [jnp.zeros(jnp.shape(mods.score_consts[n]), jnp.float32) for n in floats]
-        return _loop_split(t.row_split, i, kv_step, init)
+        return _loop_split(t.row_split, i, kv_step, init, x.span(0, i))
 
     sums = jax.lax.map(q_block, jnp.arange(t.nq))
     consts: list[Any] = [None] * len(mods.score_consts)

@@ -37,8 +37,10 @@ Training memory stays O(S / n) per device too.
 backend call gets the mods shifted by its pieces' global starts (and, with ``batch_axis`` /
 ``head_axis``, the shard's first batch / query head), so ALiBi, relative-bias tables and document
 masks keep their meaning in both layouts. Such calls always take the backend-call engine (the
-blockwise backend then runs per step); the pieces are classified by position only (a ``mask_mod``
-skips tiles inside each step's backend, not whole ring steps). The gradients of the arrays a
+blockwise backend then runs per step). A ``mask_mod`` is also classified at the pieces once per
+call (:func:`piece_classes`): a step whose (query piece, key piece) pair it leaves empty for all of
+the shard's batches and heads takes the empty branch (no backend call, forward or backward), so a
+document mask skips whole ring steps as well as tiles inside them. The gradients of the arrays a
 score_mod closes over are summed over the steps and, by the ``shard_map`` (they enter replicated),
 over the shards.
 
@@ -64,6 +66,7 @@ from flashport.kernels.contract.spec import AttentionSpec, make_spec
 from flashport.kernels.contract.validate import prepare, trace_mods
 from flashport.kernels.parallel.ring_backend import BackendRing
 from flashport.kernels.parallel.ring_blockwise import BlockwiseRing
+from flashport.kernels.semantics import block_mask as block_mask_lib
 from flashport.kernels.semantics import seq_layout as layouts
 from flashport.kernels.semantics.block_ranges import key_range
 
@@ -166,6 +169,11 @@ def ring_attention(
     engine = engine_for(plan, call, backend, layout, mesh, mods=mods, mod_axes=(batch_axis, head_axis))
     run = functools.partial(_ring_shard, engine=engine, axis_name=axis_name)
     consts = () if mods is None else (mods.score_consts, mods.mask_consts)
+    if mods is not None and mods.mask is not None:  # which piece pairs the mask_mod leaves empty
+        consts = (
+            *consts,
+            piece_classes(mods, block_mask, _global_shape(call, inside, mesh, batch_axis, head_axis), plan),
+        )
     if inside:
         if layout == "BSHD":
             q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
@@ -196,14 +204,31 @@ def ring_attention(
 
 def _global_mods(call, score_mod, mask_mod, blocks, inside, batch_axis, head_axis, mesh):
     """The call's :class:`~flashport.kernels.semantics.mods.Mods` over the global arrays, or None without
-    mods. A ``block_mask`` gives its ``mask_mod``; its classes are not used (the ring classifies its
-    pieces by position only, and each step's backend runs the shifted mods without a block mask)."""
+    mods. A ``block_mask`` gives its ``mask_mod``; its classes only feed :func:`piece_classes` (each
+    step's backend runs the shifted mods without a block mask)."""
+    shape = _global_shape(call, inside, mesh, batch_axis, head_axis)
+    return trace_mods(score_mod, mask_mod, blocks, shape, build_blocks=False)
+
+
+def _global_shape(call, inside, mesh, batch_axis, head_axis):
+    """``(B, Hq, Sq, Sk)`` of the global call (inside a ``shard_map``, from the axes that shard it)."""
     (b, hq, _, _), spec = call.q_shape, call.spec
-    if inside:  # the global batch and head counts, from the axes that shard them
+    if inside:
         b *= _axis_size(mesh, batch_axis, "batch_axis")
         hq *= _axis_size(mesh, head_axis, "head_axis")
-    shape = (b, hq, spec.seq_q, spec.seq_k)
-    return trace_mods(score_mod, mask_mod, blocks, shape, build_blocks=False)
+    return (b, hq, spec.seq_q, spec.seq_k)
+
+
+def piece_classes(mods, blocks, shape, plan: Plan):
+    """The mask_mod's block classes at the ring's pieces: int8 ``[B|1, H|1, Sq / pq, Sk / pk]``
+    (:mod:`flashport.kernels.semantics.block_mask`; every piece of either layout is one block, since
+    pieces start at multiples of their size). Regrouped from a given ``block_mask`` whose blocks
+    divide the pieces, else evaluated from the mask_mod (once per call, before the ring). A ring
+    step whose pair is empty for all of its shard's batches and heads computes nothing."""
+    if blocks is not None and not (plan.pq % blocks.block_size[0] or plan.pk % blocks.block_size[1]):
+        return block_mask_lib.tile_classes(blocks, plan.pq, plan.pk)
+    b, h, sq, sk = shape
+    return block_mask_lib.build(mods.mask, mods.mask_consts, b, h, sq, sk, (plan.pq, plan.pk)).classes
 
 
 def _inside_shard_map(axis_name) -> bool:
@@ -379,7 +404,8 @@ def mesh_platform(mesh) -> str | None:
 
 def _ring_shard(q, k, v, q_seg, kv_seg, consts, *, engine, axis_name):
     """Body of the shard_map: this shard's queries against every shard's K/V (user layout in and
-    out). ``consts``: ``(score_mod arrays, mask_mod arrays)`` of the engine's mods, or ``()``."""
+    out). ``consts``: ``(score_mod arrays, mask_mod arrays[, piece classes])`` of the engine's mods
+    (the classes with a mask_mod, :func:`piece_classes`), or ``()``."""
 
     @jax.custom_vjp
     def core(q, k, v, q_seg, kv_seg, consts):

@@ -18,7 +18,9 @@ is transposed once on entry).
 
 Every (shard, piece, visiting shard, piece) combination takes one branch of the ring's plan
 (:class:`flashport.kernels.parallel.ring.Plan`): empty (skipped: out 0, lse −inf, zero gradients), full or
-partial, chosen by ``lax.switch`` on the traced branch id.
+partial, chosen by ``lax.switch`` on the traced branch id. With a ``mask_mod``, a pair that its
+piece classes (:func:`flashport.kernels.parallel.ring.piece_classes`) mark empty for all of the
+shard's batches and heads takes the empty branch too.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flashport.kernels.contract import dispatch, execute
 from flashport.kernels.contract.call import Call
 from flashport.kernels.contract.spec import AttentionSpec
+from flashport.kernels.semantics.block_mask import EMPTY
 from flashport.kernels.semantics.mods import Mods
 
 
@@ -130,6 +134,9 @@ class BackendRing:
                 choice = execute.resolve_backend(self.backend, call)
                 self._fwd.append(functools.partial(_forward_local, call, choice))
                 self._bwd.append(functools.partial(_backward_local, call, choice, self.floats))
+            # the last branch: the empty one, for pairs the mask_mod's piece classes skip
+            self._fwd.append(functools.partial(_empty_forward, out_shape, q.dtype))
+            self._bwd.append(functools.partial(_empty_backward, self.floats))
         return self._fwd, self._bwd
 
     def _shifted(self, consts, q, r, a, s, b):
@@ -145,19 +152,41 @@ class BackendRing:
         return (mods.shifted(jnp.stack([jnp.asarray(x, jnp.int32) for x in offsets])),)
 
     def mods_gradients(self, dq, consts):
-        """The cotangent of the mods' arrays ``consts`` (``(score arrays, mask arrays)``) from the
-        backward state's dQ part: the score_mod's float arrays get their summed gradients (in their
-        dtype), the rest none."""
+        """The cotangent of the mods' arrays ``consts`` (``(score arrays, mask arrays[, piece
+        classes])``) from the backward state's dQ part: the score_mod's float arrays get their
+        summed gradients (in their dtype), the rest none."""
         score = [None] * len(consts[0])
         for n, grad in zip(self.floats, dq[1], strict=True):
             score[n] = grad.astype(jnp.result_type(consts[0][n]))
-        return tuple(score), tuple(None for _ in consts[1])
+        return (tuple(score), tuple(None for _ in consts[1]), *(None for _ in consts[2:]))
 
-    def _dispatch(self, fns, a, b, r, s, *args):
+    def _live(self, consts, q, r, a, s, b):
+        """Traced bool: whether the mask_mod leaves anything of query piece ``a`` (shard ``r``) x key
+        piece ``b`` (shard ``s``) visible to some batch and head of this shard (``None`` without
+        piece classes, i.e. without a mask_mod)."""
+        if consts is None or len(consts) < 3:
+            return None
+        classes = consts[2]  # int8 [B|1, H|1, Sq / pq, Sk / pk] over the global batch and heads
+        for axis, (axes, size) in enumerate(zip(self.mod_axes, q.shape[:2], strict=True)):
+            if axes is not None and classes.shape[axis] > 1:  # this shard's rows
+                classes = jax.lax.dynamic_slice_in_dim(classes, jax.lax.axis_index(axes) * size, size, axis)
+        q0, k0 = self.plan.starts(r, a, s, b)
+        return jnp.any(classes[:, :, q0 // self.plan.pq, k0 // self.plan.pk] != EMPTY)
+
+    def _dispatch(self, fns, a, b, r, s, live, *args):
+        """Run the plan's branch of the pair (the empty one, the last of ``fns``, where ``live`` is
+        False), switching only among the branches the pair can take."""
         ids = sorted(self.plan.branches_of(a, b))
-        if len(ids) == 1:  # the same branch on every shard pair: no switch
+        if live is None and len(ids) == 1:  # the same branch on every shard pair: no switch
             return fns[ids[0]](*args)
-        return jax.lax.switch(self.plan.index(r, a, s, b), fns, *args)
+        branches = [fns[i] for i in ids]
+        position = np.zeros(len(fns), np.int32)
+        position[ids] = np.arange(len(ids))
+        index = jnp.asarray(position)[self.plan.index(r, a, s, b)]
+        if live is not None:
+            branches.append(fns[-1])
+            index = jnp.where(live, index, len(ids))
+        return jax.lax.switch(index, branches, *args)
 
     def init_forward(self, q, v):
         """The empty running state: per query piece, out 0 and lse −inf."""
@@ -173,7 +202,8 @@ class BackendRing:
         pq, pk = self.plan.pq, self.plan.pk
         args = (piece(q, 2, a, pq), piece(k, 2, b, pk), piece(v, 2, b, pk))
         segs = (piece(q_seg, 1, a, pq), piece(kv_seg, 1, b, pk))
-        part = self._dispatch(fwd, a, b, r, s, *args, *segs, *self._shifted(consts, q, r, a, s, b))
+        live = self._live(consts, q, r, a, s, b)
+        part = self._dispatch(fwd, a, b, r, s, live, *args, *segs, *self._shifted(consts, q, r, a, s, b))
         state = list(state)
         state[a] = merge(state[a], part)
         return tuple(state)
@@ -208,7 +238,8 @@ class BackendRing:
         (dq, d_mods), dk, dv = grads
         args = (piece(q, 2, a, pq), piece(k, 2, b, pk), piece(v, 2, b, pk), piece(q_seg, 1, a, pq))
         mods = self._shifted(consts, q, r, a, s, b)
-        got = self._dispatch(bwd, a, b, r, s, *args, piece(kv_seg, 1, b, pk), *context[a], *mods)
+        live = self._live(consts, q, r, a, s, b)
+        got = self._dispatch(bwd, a, b, r, s, live, *args, piece(kv_seg, 1, b, pk), *context[a], *mods)
         gq, gk, gv = got[:3]
         if mods:
             d_mods = tuple(x + g for x, g in zip(d_mods, got[3], strict=True))

@@ -35,6 +35,11 @@ SIGNATURES = {
 }
 
 
+class ModError(TypeError):
+    """A mod that cannot be traced, with a message that already names what it uses and what a mod may
+    contain (the torch routes' proxies raise it); :func:`trace` passes it on unchanged."""
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TracedMod:
     """A mod as a jaxpr over (closed-over arrays..., scalars...); equal when the jaxpr text is."""
@@ -86,6 +91,8 @@ def trace(fn: Any, kind: str) -> tuple[TracedMod, tuple]:
     names = "(score, batch, head, q_idx, kv_idx)" if kind == "score_mod" else "(batch, head, q_idx, kv_idx)"
     try:
         closed = jax.make_jaxpr(fn)(*args)
+    except ModError:
+        raise
     except TypeError as err:
         raise TypeError(
             f"{kind} must be a JAX function of the scalars {names} (index closed-over tables as "
