@@ -8,7 +8,10 @@ With dropout both regenerate the forward's keep-mask Z from the head-seed table 
 
 * dK/dV: grid ``(B, Hkv, nk, G, steps_q)``. K/V blocks stay resident while the query blocks that can
   see them (and, for GQA, all G query heads of the group) stream past; dK/dV accumulate in f32 VMEM
-  scratch and are written once, so K/V grads are never materialized per query head.
+  scratch and are written once, so K/V grads are never materialized per query head. Its tiles are
+  key-major, ``[bk, bq]`` (``K·Qᵀ``, ``V·dOᵀ``): the accumulated rows are keys, so ``P`` and ``dS``
+  multiply dO and Q as they are (``P·dO``, ``dS·Q``) and the lse/di rows broadcast along the lanes
+  without a transpose; a bias (or mask) tile, read ``[bq, bk]``, is transposed in the kernel.
 * dQ: the forward's grouped grid ``(B, Hkv, nq, steps_k)``: one step serves the G query heads of a
   kv head, so each K/V block is fetched once per group (not once per query head); dQ accumulates in
   f32 scratch. When a bias is given it also writes ``dS`` tiles (the bias gradient), row/column-summed

@@ -336,8 +336,10 @@ def tile_visible(
                 diag, k_pos, causal=spec.causal, left=spec.window_left, right=spec.window_right, visible=vis
             )
     if mask_tile is not None:
-        # Mosaic transposes 32-bit tiles; the int8 tile is widened first.
-        mask_tile = mask_tile.astype(jnp.int32).T if key_major else mask_tile
+        # Widened to 32 bits: an int8 compare gives a boolean in int8's (32, 128) vreg layout, which
+        # Mosaic cannot relayout to select over f32 scores; and it transposes 32-bit tiles only.
+        mask_tile = mask_tile.astype(jnp.int32)
+        mask_tile = mask_tile.T if key_major else mask_tile
         vis = both(vis, jnp.broadcast_to(mask_tile != 0, shape))
     if q_seg_tile is not None:
         vis = both(vis, q_seg_tile == kv_seg_tile)
