@@ -164,3 +164,28 @@ def test_flashport_is_not_slower_than_splash_on_the_ruler(validation, config, bo
     (row,) = [r for r in validation["rows"] if r["config"] == config]
     for layout in ("BHSD", "BSHD"):
         assert row[layout] / row["splash"] <= bound, (layout, row)
+
+
+@pytest.mark.tpu_compile
+def test_mxu_rates_are_read_per_chip():
+    # One process, two chips: the same matmul program lowers to the same text for both, so the
+    # schedules must be kept per chip (v5e's 4 MXUs of 128x128 against v6e's 256x256 arrays).
+    pytest.importorskip("libtpu", reason='needs libtpu: pip install "jax[tpu]==<installed jax version>"')
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    code = (
+        "import json, sys; sys.path.insert(0, 'benchmarks'); import tpu_ruler as r; r.enable();"
+        "print(json.dumps([r.mxu_rate('v5e'), r.mxu_rate('v6e')]))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=1800,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    v5e, v6e = json.loads(run.stdout.strip().splitlines()[-1])
+    assert v6e == pytest.approx(918e12 / 1.75e9, rel=0.02)
+    assert v6e / v5e > 3
