@@ -33,8 +33,8 @@ Adding a rule::
     @register
     class MyApi(Rule):
         '''What it rewrites / Semantics mapping / What it refuses / Example.'''
-        CODE, NAME, API = "FPA0NN", "my-api", "pkg.my_api"
-        SOURCES = ("pkg.my_api",); TRIGGERS = (b"my_api",)
+        CODE, NAME = "FPA0NN", "my-api"
+        SOURCES = ("pkg.my_api",)  # API, FRAMEWORK, TRIGGERS... derived (register)
         def check_call(self, call, ctx): ...
     # discovery finds it (rules/__init__.py walks the family packages); add tests/fixtures/codemod/FPA0NN/ and
     # regenerate the docs (python -m flashport.rules.coverage --update docs/rules.md;
@@ -94,15 +94,19 @@ __all__ = [
 class Rule:
     """Base class of every rule; subclasses set the class attributes and override ``check_*``.
 
-    Class attributes:
+    Class attributes (:func:`register` fills the ones marked *derived* that a rule leaves unset):
       CODE: stable id (``FPA001``); selection matches prefixes (``FPA0``).
       NAME: kebab-case name (``flash-attn-func``).
-      API: the source API, for tables (``flash_attn.flash_attn_func``).
-      FRAMEWORK: ``"torch"`` or ``"jax"``.
+      API: the source API, for tables (``flash_attn.flash_attn_func``); derived: the first of
+        :attr:`SOURCES` (the canonical import path).
+      FRAMEWORK: ``"torch"`` or ``"jax"``; derived: the family's (:data:`FAMILY_FRAMEWORKS`).
       SOURCES: fully qualified names that match (every public import path).
-      TRIGGERS: byte strings; a file containing none of them is never parsed for this rule.
+      TRIGGERS: byte strings; a file containing none of them is never parsed for this rule; derived:
+        the last component of each of :attr:`SOURCES`, then :attr:`STRINGS`.
       STRINGS: string literal values reported by :meth:`check_string`.
-      GPU_MODULES: module prefixes whose imports may be dropped once unused after a rewrite.
+      GPU_MODULES: module prefixes whose imports may be dropped once unused after a rewrite;
+        derived in the families of GPU-only packages (:data:`GPU_FAMILIES`): the top-level
+        packages of :attr:`SOURCES`.
       TARGET: what rewrites produce (docs only).
       REWRITES: False for scan-only rules (they only ever report or refuse).
     """
@@ -170,11 +174,38 @@ class Rule:
 
 REGISTRY: dict[str, type[Rule]] = {}
 
+FAMILY_FRAMEWORKS = {"flash_attn": "torch", "torch": "torch", "xformers": "torch", "jax": "jax"}
+"""The framework of every rule in a family package (``config`` rules name their own)."""
+GPU_FAMILIES = ("flash_attn", "xformers")
+"""Families whose source packages exist only for GPUs: their imports go once unused."""
+
+
+def _family(cls: type[Rule]) -> str:
+    """The family package of a rule module (``flashport.rules.<family>.fpaNNN_*``), else ``""``."""
+    parts = cls.__module__.split(".")
+    return parts[2] if parts[:2] == ["flashport", "rules"] and len(parts) == 4 else ""
+
+
+def _derive_manifest(cls: type[Rule]) -> None:
+    """Fill the manifest attributes a rule leaves unset from those it sets (:class:`Rule`)."""
+    family = _family(cls)
+    if not cls.API and cls.SOURCES:
+        cls.API = cls.SOURCES[0]
+    if not cls.FRAMEWORK:
+        cls.FRAMEWORK = FAMILY_FRAMEWORKS.get(family, "")
+    if not cls.TRIGGERS:
+        names = [source.rsplit(".", 1)[-1] for source in cls.SOURCES] + list(cls.STRINGS)
+        cls.TRIGGERS = tuple(dict.fromkeys(name.encode() for name in names))
+    if not cls.GPU_MODULES and family in GPU_FAMILIES:
+        cls.GPU_MODULES = tuple(dict.fromkeys(source.split(".")[0] for source in cls.SOURCES))
+
 
 def register(cls: type[Rule]) -> type[Rule]:
-    """Class decorator adding a rule to :data:`REGISTRY` (codes and names must be unique)."""
+    """Class decorator adding a rule to :data:`REGISTRY` (codes and names must be unique) once
+    :func:`_derive_manifest` has filled the attributes it leaves unset."""
     if not re.fullmatch(r"FPA\d{3}", cls.CODE):
         raise ValueError(f"rule code must look like FPA001, got {cls.CODE!r}")
+    _derive_manifest(cls)
     for other in REGISTRY.values():
         if other is not cls and (other.CODE == cls.CODE or other.NAME == cls.NAME):
             raise ValueError(f"duplicate rule code/name: {cls.CODE} {cls.NAME} vs {other.CODE} {other.NAME}")

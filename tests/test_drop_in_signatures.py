@@ -60,7 +60,18 @@ def described(obj) -> list[tuple[str, str, object]]:
     return [
         (p.name, p.kind.name, factories.get(p.name, _plain(p.default)))
         for p in inspect.signature(obj).parameters.values()
+        if not (p.name in FLAX_FIELDS and _is_flax_module(obj))
     ]
+
+
+FLAX_FIELDS = ("parent", "name")  # every flax.linen Module's own fields, after the upstream module's
+
+
+def _is_flax_module(obj) -> bool:
+    """Whether ``obj`` is a ``flax.linen.Module`` class (without importing flax)."""
+    return inspect.isclass(obj) and any(
+        c.__module__ == "flax.linen.module" and c.__name__ == "Module" for c in obj.__mro__
+    )
 
 
 def _plain(default):

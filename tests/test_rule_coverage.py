@@ -54,7 +54,7 @@ def test_cli_rules_json_has_rewritten_and_refused():
     ).stdout
     listed = {row["code"]: row for row in json.loads(out)}
     assert set(listed) == {rule.CODE for rule in all_rules()}
-    assert "base-2" in listed["FPA203"]["refused"] and listed["FPA208"]["rewrites"] is False
+    assert "base-2" in listed["FPA203"]["refused"] and listed["FPA901"]["rewrites"] is False
 
 
 @pytest.mark.parametrize("rule", all_rules(), ids=lambda r: r.CODE)

@@ -19,9 +19,12 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax_api_reference as ref
 import numpy as np
 import pytest
+from reference import reference_attention
 
 import flashport
 import flashport.integrations.jax_cudnn_compat
+import flashport.integrations.transformer_engine_compat
+import flashport.integrations.transformer_engine_flax
 from flashport.rewriter.engine.pipeline import transform_source
 from flashport.rules import all_rules
 
@@ -290,6 +293,59 @@ def test_keras_without_flash_is_not_reported_and_softcap_refused():
     assert new == source and "attn_logits_soft_cap" in sites[0].reason
 
 
+# ------------------------------------------------------------------------ FPA208 TE Flax module
+
+TE_HEADER = "from transformer_engine.jax.flax.transformer import DotProductAttention"
+
+
+@pytest.mark.parametrize(
+    ("mask_type", "causal", "align", "masked"),
+    [
+        ("no_mask", False, "top_left", False),
+        ("causal", True, "top_left", False),
+        ("causal_bottom_right", True, "bottom_right", False),
+        ("padding_causal", True, "top_left", True),
+        ("padding", False, "top_left", True),
+    ],
+)
+def test_te_module_construction_runs_on_the_drop_in(mask_type, causal, align, masked):
+    """The construction moves to flashport's Flax drop-in; the module's call (TE's mask: True =
+    masked out) keeps TE's meaning: the float64 reference with the mask negated."""
+    call = (
+        f"DotProductAttention(head_dim=16, num_attention_heads=4, num_gqa_groups=2, "
+        f"attn_mask_type={mask_type!r}, scale_factor=0.25, transpose_batch_sequence=False)"
+        ".apply({}, q, k, v, m)"
+    )
+    _, run = rewritten_run(TE_HEADER, call)
+    q, k, v, mask, _ = inputs()
+    want, _ = reference_attention(
+        q, k, v, scale=0.25, causal=causal, align=align, mask=mask if masked else None, layout="BSHD"
+    )
+    close(run(q, k, v, m=~mask), want)
+
+
+@pytest.mark.parametrize(
+    ("member", "causal", "masked"),
+    [("NO_MASK", False, False), ("CAUSAL_MASK", True, False), ("PADDING_CAUSAL_MASK", True, True)],
+)
+def test_te_fused_attn_keyword_call_runs_on_the_drop_in(member, causal, masked):
+    """levanter's form (every argument by keyword, mask= of TE <= 2.0): the call and the enum members
+    move to the drop-in module; TE's mask is True = masked out."""
+    call = (
+        "fused_attn(qkv=(q, k, v), bias=None, mask=m, seed=None, attn_bias_type=AttnBiasType.NO_BIAS, "
+        f"attn_mask_type=AttnMaskType.{member}, qkv_layout=QKVLayout.BSHD_BSHD_BSHD, scaling_factor=0.25, "
+        "dropout_probability=0.1, is_training=False)"
+    )
+    _, run = rewritten_run(
+        "from transformer_engine.jax.attention import AttnBiasType, AttnMaskType, QKVLayout, fused_attn", call
+    )
+    q, k, v, mask, _ = inputs()
+    want, _ = reference_attention(
+        q, k, v, scale=0.25, causal=causal, align="top_left", mask=mask if masked else None, layout="BSHD"
+    )
+    close(run(q, k, v, m=~mask), want)
+
+
 # ------------------------------------------------------------------------------ refusals, all rules
 
 REFUSALS = [
@@ -308,17 +364,43 @@ REFUSALS = [
     (
         "from transformer_engine.jax.flax import DotProductAttention",
         "DotProductAttention(head_dim=64, num_attention_heads=8)",
-        "attn_mask_type='causal' (default)",
+        "transpose_batch_sequence is not stated",
     ),
     (
         "from transformer_engine.jax.flax import DotProductAttention",
-        "DotProductAttention(head_dim=64, num_attention_heads=8, attn_mask_type='no_mask', attention_dropout=0.1)",
-        "attention_dropout",
+        "DotProductAttention(64, 8, qkv_layout='thd_thd_thd', transpose_batch_sequence=False)",
+        "THD sequence packing",
     ),
     (
-        "from transformer_engine.jax.attention import fused_attn, AttnMaskType",
-        "fused_attn((q, k, v), None, seg, None, None, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, None, 0.1, 0.0, False)",
-        "align='bottom_right'",
+        "from transformer_engine.jax.flax import DotProductAttention",
+        "DotProductAttention(64, 8, softmax_type='off-by-one', transpose_batch_sequence=False)",
+        "softmax_type='off-by-one'",
+    ),
+    (
+        "from transformer_engine.jax.flax import DotProductAttention",
+        "DotProductAttention(64, 8, transpose_batch_sequence=None)",
+        "transpose_batch_sequence=None",
+    ),
+    (
+        "from transformer_engine.jax.flax import DotProductAttention",
+        "DotProductAttention(**cfg, transpose_batch_sequence=False)",
+        "**kwargs splat",
+    ),
+    (
+        "from transformer_engine.jax.praxis import DotProductAttention",
+        "DotProductAttention(head_dim=64, num_attention_heads=8)",
+        "Praxis",
+    ),
+    (
+        "from transformer_engine.jax.attention import fused_attn",
+        "fused_attn((q, k, v), None, seg, None, None, mt, None, 0.1, 0.0, False)",
+        "mask= is not passed by keyword",
+    ),
+    (
+        "from transformer_engine.jax.attention import fused_attn",
+        "fused_attn(qkv=(q, k, v), bias=None, mask=m, seed=None, attn_bias_type=None, attn_mask_type=mt, "
+        "qkv_layout=None, scaling_factor=0.1, dropout_probability=0.0, is_training=False, softmax_type=st)",
+        "unknown argument 'softmax_type'",
     ),
     (
         "from transformer_engine.jax.attention import fused_attn",

@@ -69,6 +69,31 @@ _Dropout = tuple[float, "torch.Generator | None"]  # (dropout_p, generator), bot
 _Result = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """One call of :func:`attention` as the user gave it, its keywords sorted and dropout checked."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    options: _Options
+    tensors: _Tensors
+    return_lse: bool
+    dropout: _Dropout
+
+    def validated(self, **extra: Any) -> _checks.CanonicalCall:
+        """The call checked against the contract (:func:`check`; ``extra``: its other keywords)."""
+        return check(
+            self.query,
+            self.key,
+            self.value,
+            **self.options,
+            **self.tensors,
+            return_lse=self.return_lse,
+            **extra,
+        )
+
+
 # torch code holds both layouts (SDPA's [B, H, S, D], flash-attn's [B, S, H, D]) and a wrong guess is a
 # silently wrong answer, so this entry point has no default layout.
 LAYOUT_REQUIRED = (
@@ -129,41 +154,36 @@ def attention(
     tensors = pick(contract, TENSOR_KEYWORDS)
     if not isinstance(query, torch.Tensor):
         raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
-    return _dispatch(backend, (query, key, value), options, tensors, return_lse, dropout)
+    return _dispatch(backend, _Request(query, key, value, options, tensors, return_lse, dropout))
 
 
 _default_attention = attention  # varlen_attention's default: its `attention` parameter shadows the name
 
 
-def _dispatch(
-    backend: Any,
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    options: _Options,
-    tensors: _Tensors,
-    return_lse: bool,
-    dropout: _Dropout,
-) -> _Result:
+def _dispatch(backend: Any, request: _Request) -> _Result:
     """Route a call to the torch-native paths or the JAX implementation (module docstring's table)."""
-    kind = device_kind(qkv[0])
+    kind = device_kind(request.query)
     if isinstance(backend, str) and backend in NATIVE_BACKENDS:
-        return _run_native(backend, *qkv, options, tensors, return_lse, dropout)
+        return _run_native(backend, request)
     if backend == "auto" and kind not in ("cpu", "xla", "torchax"):
-        call = _native_call(*qkv, options, tensors, return_lse, dropout)
-        out, lse = _routing.cuda_attention(call, return_lse, flash="import" if kind == "cuda" else None)
-        return (out, lse) if return_lse else out
+        call = _native_call(request)
+        out, lse = _routing.cuda_attention(
+            call, request.return_lse, flash="import" if kind == "cuda" else None
+        )
+        return (out, lse) if request.return_lse else out
     validated = False  # the torch-side checks of the JAX path already ran (in `check`)
-    if backend == "auto" and kind == "cpu" and dropout[0] == 0:
-        out, validated = _cpu_sdpa(*qkv, options, tensors, return_lse)
+    if backend == "auto" and kind == "cpu" and request.dropout[0] == 0:
+        out, validated = _cpu_sdpa(request)
         if out is not None:
             return out
     if backend == "auto" and kind == "cpu" and not jax_available():
-        return _run_native("torch", *qkv, options, tensors, return_lse, dropout)
+        return _run_native("torch", request)
     if not jax_available():
         raise ValueError(
             f"backend={backend!r} runs flashport's JAX implementation, but jax is not importable here; "
             f"use backend='auto' or one of {', '.join(map(repr, NATIVE_BACKENDS))}"
         )
-    return _run_jax(kind, backend, *qkv, options, tensors, return_lse, dropout, validated=validated)
+    return _run_jax(kind, backend, request, validated=validated)
 
 
 def device_kind(t: torch.Tensor) -> str:
@@ -223,23 +243,17 @@ def jax_available() -> bool:
     return True
 
 
-def _cpu_sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    options: _Options,
-    tensors: _Tensors,
-    return_lse: bool,
-) -> tuple[torch.Tensor | None, bool]:
+def _cpu_sdpa(request: _Request) -> tuple[torch.Tensor | None, bool]:
     """``auto`` on CPU tensors: ``(torch SDPA's output, True)`` when it computes the call exactly,
     else ``(None, validated)``. Keywords that alone rule SDPA out are read before any validation
     (``validated`` False: the JAX path validates the call, once); otherwise the call is validated
     here to decide, and ``validated`` True spares the JAX path the same torch-side checks."""
+    options, tensors, return_lse = request.options, request.tensors, request.return_lse
     segments = (tensors["q_segment_ids"], tensors["kv_segment_ids"])
     reason = _native.cpu_sdpa_excluded(options["window"], options["softcap"], segments, return_lse)
     validated = reason is None
     if validated:
-        call = check(query, key, value, **options, **tensors, return_lse=return_lse)
+        call = request.validated()
         reason = _native.cpu_sdpa_unsupported(call, return_lse)
     if reason is not None:
         _native.log.debug("flashport.torch: SDPA passed over on CPU (%s)", reason)
@@ -261,33 +275,17 @@ def _cpu_sdpa_kernels() -> contextlib.AbstractContextManager[Any]:
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
 
 
-def _native_call(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    options: _Options,
-    tensors: _Tensors,
-    return_lse: bool,
-    dropout: _Dropout,
-) -> _checks.CanonicalCall:
+def _native_call(request: _Request) -> _checks.CanonicalCall:
     """The validated :class:`_checks.CanonicalCall`, with seed words drawn when ``dropout_p > 0``."""
-    p, generator = dropout
-    call = check(query, key, value, **options, **tensors, return_lse=return_lse, dropout_p=p)
+    p, generator = request.dropout
+    call = request.validated(dropout_p=p)
     return dataclasses.replace(call, seed=_dropout.draw_words(generator)) if p > 0 else call
 
 
-def _run_native(
-    backend: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    options: _Options,
-    tensors: _Tensors,
-    return_lse: bool,
-    dropout: _Dropout,
-) -> _Result:
+def _run_native(backend: str, request: _Request) -> _Result:
+    dropout = request.dropout
     if dropout[0] > 0 and backend != "torch":
-        check(query, key, value, **options, **tensors, return_lse=return_lse)  # argument errors first
+        request.validated()  # argument errors first
         why = {
             "sdpa": _native.DROPOUT_REASON.format(name="SDPA"),
             "flash_attn": _native.DROPOUT_REASON.format(name="flash-attn"),
@@ -297,13 +295,13 @@ def _run_native(
             f"backend={backend!r} cannot run dropout_p={dropout[0]}: {why}; use backend='torch' "
             f"(exact math), 'auto', or a JAX backend such as 'xla', which draw the contract's mask"
         )
-    call = _native_call(query, key, value, options, tensors, return_lse, dropout)
+    call = _native_call(request)
     lse: torch.Tensor | None
     if backend == "torch" or call.k.shape[2] == 0:  # no keys: the contract's zeros on every backend
         out, lse = _native.math_attention(call)
     else:
-        out, lse = _explicit_path(backend, call, return_lse)
-    if not return_lse:
+        out, lse = _explicit_path(backend, call, request.return_lse)
+    if not request.return_lse:
         return out
     assert lse is not None, f"backend={backend!r} returned no lse although return_lse=True"
     return out, lse
@@ -335,19 +333,14 @@ def _explicit_path(
     return _native.flash_attention(call, flash, return_lse)
 
 
-def _run_jax(
-    kind: str,
-    backend: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    options: _Options,
-    tensors: _Tensors,
-    return_lse: bool,
-    dropout: _Dropout,
-    *,
-    validated: bool = False,
-) -> _Result:
+def _run_jax(kind: str, backend: Any, request: _Request, *, validated: bool = False) -> _Result:
+    query, key, value, tensors, dropout = (
+        request.query,
+        request.key,
+        request.value,
+        request.tensors,
+        request.dropout,
+    )
     if not validated:  # `check` did these already when `validated`
         # JAX validates everything else, but DLPack would hand it float64 already cast down (no x64).
         for name, x in (("query", query), ("key", key), ("value", value)):
@@ -366,7 +359,7 @@ def _run_jax(
         ids.int() if ids is not None and ids.dtype == torch.int64 else ids  # JAX runs without x64
         for ids in (tensors["q_segment_ids"], tensors["kv_segment_ids"])
     )
-    static = dict(options, backend=backend)
+    static = dict(request.options, backend=backend)
     seed = None
     if dropout[0] > 0:  # the words ride as a tensor (not static), so a new draw compiles nothing new
         static["dropout_rate"] = dropout[0]
@@ -378,4 +371,4 @@ def _run_jax(
     out, lse = _jax.JaxAttention.apply(
         runner, static, need_grad, query, key, value, bias, tensors["mask"], q_seg, kv_seg, seed
     )
-    return (out, lse) if return_lse else out
+    return (out, lse) if request.return_lse else out

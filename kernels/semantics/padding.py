@@ -11,6 +11,34 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
+class PaddedLengths:
+    """The sequence lengths of a tiling padded to whole blocks, for a class with block sizes ``bq`` /
+    ``bk`` and block counts ``nq`` / ``nk`` (the Pallas geometries)."""
+
+    bq: int
+    bk: int
+
+    @property
+    def nq(self) -> int:
+        """Number of query blocks."""
+        raise NotImplementedError
+
+    @property
+    def nk(self) -> int:
+        """Number of key blocks."""
+        raise NotImplementedError
+
+    @property
+    def sqp(self) -> int:
+        """Padded query length."""
+        return self.nq * self.bq
+
+    @property
+    def skp(self) -> int:
+        """Padded key length."""
+        return self.nk * self.bk
+
+
 def pad_to(x, axis: int, size: int, value=0):
     """Pad ``x`` at the end of ``axis`` to length ``size`` with ``value``; ``None`` passes through.
 

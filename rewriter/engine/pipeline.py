@@ -37,7 +37,8 @@ module is parsed in one piece by ``cst.parse_module`` (no :mod:`~flashport.rewri
 come from libcst's ``ScopeProvider``/qualified names alone (no :mod:`~flashport.rewriter.source.names`),
 positions from libcst's ``PositionProvider`` (no :mod:`~flashport.rewriter.source.positions` or
 :mod:`~flashport.rewriter.source.spans`), the traversal visits every statement (no ``relevant`` skip) and
-the whole mini module is rendered and spliced chunk by chunk. Its output bytes and per-site results
+the whole mini module is rendered and spliced chunk by chunk, and the rewritten and cleaned texts are
+parsed whole (no :mod:`~flashport.rewriter.source.reparse`). Its output bytes and per-site results
 must equal the fast mode's (``tests/test_reference_mode.py``); a difference is a speed-layer bug.
 """
 
@@ -62,7 +63,7 @@ from flashport.rewriter.engine import cuda_notes, formatting, prune, run_context
 from flashport.rewriter.engine.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult
 from flashport.rewriter.engine.transform import SiteTransformer
 from flashport.rewriter.imports import edits as import_edits
-from flashport.rewriter.source import newsyntax, semantic
+from flashport.rewriter.source import newsyntax, reparse, semantic
 from flashport.rewriter.source import pieces as mini_parse
 from flashport.rewriter.source import text as src
 from flashport.rewriter.source.names import Names
@@ -115,15 +116,17 @@ def transform_source(
         text, encoding = src.decode(data)
     except (SyntaxError, UnicodeDecodeError, LookupError) as err:
         return _error(result, f"cannot decode: {err}")
-    parsed = _parse_for_analysis(text, path)
-    if isinstance(parsed, str):
-        return _error(result, parsed)
-    tree, text, masks = parsed
-    # the patches of this file's project; its own ones too (the run's pre-pass may lack this file)
-    options = run_context.with_file_patches(run_context.scoped(options, path), tree, path, text)
     collecting = gc.isenabled()
-    gc.disable()  # libcst builds ~10 objects a source token; cyclic GC passes over them cost ~30%
+    # The parsers build ~10 objects a source token (ast and libcst); cyclic GC passes over them
+    # cost ~30% of a big file's time (and a full pass grows with every object alive).
+    gc.disable()
     try:
+        parsed = _parse_for_analysis(text, path)
+        if isinstance(parsed, str):
+            return _error(result, parsed)
+        tree, text, masks = parsed
+        # the patches of this file's project; its own ones too (the run's pre-pass may lack this file)
+        options = run_context.with_file_patches(run_context.scoped(options, path), tree, path, text)
         return _as_done(
             _transform(
                 result,
@@ -242,18 +245,16 @@ def _transform(
         return result
     mini = _mini_module(lines, header_units, chunks, chunk_ids, newline)
     if reference:
-        ported = _port(result, lines, tree, mini, rules, options, table, None, reference=True)
+        ported = _port(_FilePass(result, lines, tree, options, table, None, reference=True), mini, rules)
     else:
-        relevant = _relevant_pattern(tree, text_pattern, rules)
-        ported = _thin_pass(result, lines, tree, mini, rules, options, table, relevant, attributes)
+        file = _FilePass(result, lines, tree, options, table, _relevant_pattern(tree, text_pattern, rules))
+        ported = _thin_pass(file, mini, rules, attributes)
         if ported is None:  # rules afresh: a given-up pass leaves no state in them
             rules = [type(rule)() for rule in rules]
-            pruned = len(chunks) < len(every)
-            ported = _port(result, lines, tree, mini, rules, options, table, relevant, watch_module=pruned)
+            ported = _port(file, mini, rules, watch_module=len(chunks) < len(every))
         if ported is None:  # a rule read the module, which pruning left incomplete: every chunk
             rules = [type(rule)() for rule in rules]
-            mini = _mini_module(lines, header_units, every, chunk_ids, newline)
-            ported = _port(result, lines, tree, mini, rules, options, table, relevant)
+            ported = _port(file, _mini_module(lines, header_units, every, chunk_ids, newline), rules)
     if ported is None:
         raise RuntimeError("the pass over every chunk was given up")  # only a watched one can be
     transformer, replacements = ported
@@ -266,11 +267,13 @@ def _transform(
     edits = _fix_imports(
         result,
         _splice(lines, replacements),
+        _reparsed(tree, lines, replacements, reference),
         tree,
         gpu_modules,
         transformer.imports,
         newline,
         options.flash_attn_version,
+        reference,
     )
     new_text = edits.text
     try:
@@ -455,78 +458,70 @@ def _weight(text: str) -> int:
     return len(text) - sum(len(m) for m in _SPACE.findall(text))
 
 
+@dataclasses.dataclass(frozen=True)
+class _FilePass:
+    """What every pass over one file's mini module shares: the file's result, its lines and tree, the
+    rule options, the suppression-comment table, the pattern of relevant text (None in the reference
+    mode) and whether it is the reference mode (module docstring)."""
+
+    result: FileResult
+    lines: list[str]
+    tree: ast.Module
+    options: RuleOptions
+    table: dict[int, frozenset[str]]
+    relevant: re.Pattern[str] | None
+    reference: bool = False
+
+
 def _thin_pass(
-    result: FileResult,
-    lines: list[str],
-    tree: ast.Module,
-    mini: _MiniModule,
-    rules: list[Rule],
-    options: RuleOptions,
-    table: dict[int, frozenset[str]],
-    relevant: re.Pattern[str] | None,
-    attributes: frozenset[str],
+    file: _FilePass, mini: _MiniModule, rules: list[Rule], attributes: frozenset[str]
 ) -> tuple[SiteTransformer, list[tuple[int, int, str]]] | None:
     """:func:`_port` over the thin chunks of ``mini`` (rewriter/engine/thin.py) when they leave out
     enough of its text; None when not tried or given up."""
-    if relevant is None:
+    if file.relevant is None:
         return None
     watch = _watch(rules, attributes)
-    may_hold = functools.partial(prune.may_hold_site, watch=watch, aliases=prune.import_aliases(tree, watch))
+    may_hold = functools.partial(
+        prune.may_hold_site, watch=watch, aliases=prune.import_aliases(file.tree, watch)
+    )
+    lines = file.lines
     newline = src.newline_of(lines)  # the same header and chunks in the same order, thinned
-    thinned = _mini_module(lines, mini.header_units, mini.ordered, set(), newline, (relevant, may_hold))
+    thinned = _mini_module(lines, mini.header_units, mini.ordered, set(), newline, (file.relevant, may_hold))
     if _weight(thinned.source) > _THIN_ENOUGH * _weight(mini.source):
         return None
-    return _port(result, lines, tree, thinned, rules, options, table, relevant, watch=True)
+    return _port(file, thinned, rules, watch=True)
 
 
 def _port(
-    result: FileResult,
-    lines: list[str],
-    tree: ast.Module,
+    file: _FilePass,
     mini: _MiniModule,
     rules: list[Rule],
-    options: RuleOptions,
-    table: dict[int, frozenset[str]],
-    relevant: re.Pattern[str] | None,
     watch: bool = False,
-    reference: bool = False,
     watch_module: bool = False,
 ) -> tuple[SiteTransformer, list[tuple[int, int, str]]] | None:
     """The transformer of :func:`_run_rules` and the ``(first, last line, text)`` replacements
     of the statements it changed. ``watch``: ``mini`` holds thin chunks; None when that pass may
     have seen a placeholder (a rule read above a site's statement or the module, the scope
     analysis ran, or a change cannot be placed statement by statement). ``watch_module``: ``mini``
-    holds pruned chunks; None when a rule read the module. ``reference``: the reference mode
-    (module docstring)."""
+    holds pruned chunks; None when a rule read the module."""
     try:
-        transformer, new_module, spans, beyond = _run_rules(
-            result, mini, tree, rules, options, table, relevant, watch, reference, watch_module
-        )
+        transformer, new_module, spans, beyond = _run_rules(file, mini, rules, watch, watch_module)
     except thin.Abandoned:
         return None
     if watch and (beyond or spans is None or spans.failed or transformer.whole):
         return None
     if not transformer.rewrites:
         return transformer, []
-    spliced = None if spans is None else _spliced(transformer, spans, mini, lines)
+    spliced = None if spans is None else _spliced(transformer, spans, mini, file.lines)
     if spliced is not None:
         return transformer, spliced
     if watch:
         return None
-    return transformer, _replacements(new_module.code, mini, lines)  # render it all
+    return transformer, _replacements(new_module.code, mini, file.lines)  # render it all
 
 
 def _run_rules(
-    result: FileResult,
-    mini: _MiniModule,
-    tree: ast.Module,
-    rules: list[Rule],
-    options: RuleOptions,
-    table: dict[int, frozenset[str]],
-    relevant: re.Pattern[str] | None = None,
-    watch: bool = False,
-    reference: bool = False,
-    watch_module: bool = False,
+    file: _FilePass, mini: _MiniModule, rules: list[Rule], watch: bool, watch_module: bool
 ) -> tuple[SiteTransformer, cst.Module, StatementSpans | None, bool]:
     """The libcst pass over the mini module, then the per-file phase: each rule's ``settle`` sees
     every site's final status and may veto its rewrites, and a rewrite whose required calls
@@ -535,6 +530,7 @@ def _run_rules(
     module, the statement spans (positions are rendered per statement,
     :mod:`~flashport.rewriter.source.spans`; None in the reference mode) and, with ``watch`` (thin chunks),
     whether a pass read beyond the sites' statements."""
+    tree, reference = file.tree, file.reference
     module = cst.parse_module(mini.source) if reference else mini_parse.parse(mini.pieces)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     if reference:  # libcst's own analyses only
@@ -550,13 +546,13 @@ def _run_rules(
     transformer_for = functools.partial(
         SiteTransformer,
         rules,
-        options,
-        result.path,
+        file.options,
+        file.result.path,
         mini.line_map,
-        table,
+        file.table,
         module,
         source=mini.source,
-        relevant=relevant,
+        relevant=file.relevant,
         wrapper=wrapper,
         names=names,
         positions=positions,
@@ -626,21 +622,36 @@ def _replacements(new_code: str, mini: _MiniModule, lines: list[str]) -> list[tu
     return replacements
 
 
+def _reparsed(
+    tree: ast.Module, lines: list[str], replacements: list[tuple[int, int, str]], reference: bool
+) -> Callable[[str], ast.Module]:
+    """A function parsing the text that ``replacements`` make of ``lines`` (``tree``'s source):
+    only the statements they touch, or the whole text in the reference mode. Call it once the
+    original tree is no longer needed (it moves the original's untouched statements)."""
+    if reference:
+        return ast.parse
+    edits = reparse.line_edits(replacements)
+    return lambda new_text: reparse.reparse(tree, len(lines), new_text, edits)
+
+
 def _fix_imports(
     result: FileResult,
     new_text: str,
+    parse: Callable[[str], ast.Module],
     tree: ast.Module,
     gpu_modules: tuple[str, ...],
     needed: Iterable[str],
     newline: str,
     version: tuple[int, ...],
+    reference: bool,
 ) -> import_edits.ImportEdits:
     """Drop GPU imports a rewrite made unused, add the imports rewrites need, and say why each GPU
     import left in place stays (``result.imports_kept``); the edits of
-    :func:`~flashport.rewriter.imports.edits.edit_imports`."""
+    :func:`~flashport.rewriter.imports.edits.edit_imports`. ``tree``: the original file's;
+    ``parse(new_text)`` gives the rewritten file's."""
     before = import_edits.name_uses(tree)
     edits = import_edits.edit_imports(
-        new_text, ast.parse(new_text), before, gpu_modules, needed, newline, version
+        new_text, parse(new_text), before, gpu_modules, needed, newline, version, whole_parse=reference
     )
     result.imports_added.extend(edits.added)
     result.imports_removed = edits.removed

@@ -529,17 +529,11 @@ class SiteTransformer(cst.CSTTransformer):
             held = None if key in self._attributes_dropped_in else self._attributes.get(key)
             where = self._file_lines(call) if held else None
             if held is not None and where is not None:
-                rule, api, line = held
-                self._record(
-                    rule,
-                    api,
-                    "call",
+                self._report_through(
+                    held,
                     where,
-                    Report(
-                        f"called through {call.func.value.value}.{call.func.attr.value}, which holds {api.rsplit('.', 1)[-1]} "
-                        f"(line {line}): an attribute can be rebound from anywhere, so the call does not resolve to one "
-                        "function; not rewritten"
-                    ),
+                    f"{call.func.value.value}.{call.func.attr.value}",
+                    ": an attribute can be rebound from anywhere, so the call does not resolve to one function",
                 )
             return
         if not self._values or not isinstance(call.func, cst.Name):
@@ -552,18 +546,27 @@ class SiteTransformer(cst.CSTTransformer):
                 hits = [self._values[b] for b in bound if b in self._values and b not in self._dropped_in]
                 where = self._file_lines(call)
                 if hits and where is not None:
-                    rule, api, line = hits[0]
-                    self._record(
-                        rule,
-                        api,
-                        "call",
+                    self._report_through(
+                        hits[0],
                         where,
-                        Report(
-                            f"called through {call.func.value}, which holds {api.rsplit('.', 1)[-1]} (line {line}) but may "
-                            "also hold something else: it does not resolve to one function; not rewritten"
-                        ),
+                        call.func.value,
+                        " but may also hold something else: it does not resolve to one function",
                     )
                 return
+
+    def _report_through(
+        self, held: tuple[Rule, str, int], where: tuple[int, int, int], through: str, why: str
+    ) -> None:
+        """Report a call through ``through``, which holds ``held``'s (rule, API, line of binding)."""
+        rule, api, line = held
+        short = api.rsplit(".", 1)[-1]
+        self._record(
+            rule,
+            api,
+            "call",
+            where,
+            Report(f"called through {through}, which holds {short} (line {line}){why}; not rewritten"),
+        )
 
     # -- local aliases (``attn = flash_attn_func``; rewriter/source/aliases.py) ------------------------
 

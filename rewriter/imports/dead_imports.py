@@ -105,7 +105,7 @@ def remove_dead(
     gpu_modules: tuple[str, ...],
     drop_aliases,
     version: tuple[int, ...] = (2, 8, 3),
-) -> tuple[str, list[str]]:
+) -> tuple[str, list[str], list[tuple[int, int, int]]]:
     """Drop GPU imports (and their fallbacks) that became dead; see the module docstring.
 
     Args:
@@ -116,7 +116,8 @@ def remove_dead(
       version: the flash-attn release the port was written for (which drop-ins replicate it).
 
     Returns:
-      The new text and the dotted names removed.
+      The new text, the dotted names removed and the line edits made (``(first, last, new line
+      count)`` in ``text``'s lines; :func:`flashport.rewriter.source.reparse.reparse` takes them).
     """
     plan = _Plan(split_lines(text), before, after, gpu_modules, version)
     plan.probes = drop_in_imports.probe_reads(tree)
@@ -125,6 +126,7 @@ def remove_dead(
     plan.gpu_import_count = _count_gpu_imports(tree, plan)
     _body(tree.body, plan, public=True, drop_aliases=drop_aliases)
     lines = plan.lines
+    applied = []
     for start, end, new in sorted(_merged(plan.edits), reverse=True):
         if new == "" and _blank(lines, start - 2) and _blank(lines, end):
             while start > 1 and _blank(lines, start - 2):  # keep only the blank run below the block
@@ -133,7 +135,8 @@ def remove_dead(
             while _blank(lines, end):  # the block's first statement went: no blank line may lead it
                 end += 1
         lines[start - 1 : end] = [new] if new else []
-    return "".join(lines), plan.removed
+        applied.append((start, end, len(split_lines(new))))
+    return "".join(lines), plan.removed, applied
 
 
 def _moved_lines(node: ast.ImportFrom, moved: list[tuple[ast.alias, str]], plan: _Plan) -> str:
@@ -398,15 +401,18 @@ def _guard_names(stmt: _Guard, plan: _Plan) -> list[str]:
     return [_dotted(s, a) for body in bodies for s in _gpu_imports(body, plan) for a in s.names]
 
 
+def _wholly_dead(imports: list[_Import], plan: _Plan) -> bool:
+    """Every name of these absolute imports is dead (a relative import is never flashport's to drop)."""
+    return all(
+        len(_dead_aliases(s, plan)) == len(s.names) and not (isinstance(s, ast.ImportFrom) and s.level)
+        for s in imports
+    )
+
+
 def _guard_removable(stmt: _Guard, plan: _Plan, public: bool) -> bool:
     """A ``try``/``if`` that only imports dead GPU names and handles their absence (module doc)."""
     imports = _gpu_imports(stmt.body, plan)
-    if not imports:
-        return False
-    if any(
-        len(_dead_aliases(s, plan)) != len(s.names) or (isinstance(s, ast.ImportFrom) and s.level)
-        for s in imports
-    ):
+    if not imports or not _wholly_dead(imports, plan):
         return False
     names = {_bound(a) for s in imports for a in s.names}
     if isinstance(stmt, ast.If):
@@ -452,12 +458,7 @@ def _collapsed(stmt: ast.Try | ast.TryStar, plan: _Plan) -> list[ast.Assign] | N
         return None
     # Another GPU import left in the file may sit behind the flag (``if HAS_FA: from flash_attn...``):
     # forcing the flag on would make a host without the library fail where the original fell back.
-    if plan.gpu_import_count:
-        return None
-    if any(
-        len(_dead_aliases(s, plan)) != len(s.names) or (isinstance(s, ast.ImportFrom) and s.level)
-        for s in imports
-    ):
+    if plan.gpu_import_count or not _wholly_dead(imports, plan):
         return None
     names = {_bound(a) for s in imports for a in s.names}
     success = [s for s in stmt.body if s not in imports] + stmt.orelse

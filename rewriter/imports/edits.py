@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import libcst as cst
 
 from flashport.rewriter.imports import dead_imports, drop_in_imports, kept_imports
-from flashport.rewriter.source import astindex
+from flashport.rewriter.source import astindex, reparse
 from flashport.rewriter.source.text import first_line, split_lines
 
 
@@ -51,15 +51,31 @@ def remove_unused(
 
     Returns the new text and the dotted names removed (or moved to a drop-in).
     """
+    cleaned, removed, _ = _remove_unused(text, before, gpu_modules, tree, version)
+    return cleaned, removed
+
+
+def _remove_unused(
+    text: str,
+    before: collections.Counter,
+    gpu_modules: tuple[str, ...],
+    tree: ast.Module | None,
+    version: tuple[int, ...],
+) -> tuple[str, list[str], list[reparse.Edit] | None]:
+    """:func:`remove_unused`, and the line edits that turned ``text`` into the new text (None when
+    they are not known line by line)."""
     if not gpu_modules:
-        return text, []
+        return text, [], []
     tree = tree if tree is not None else ast.parse(text)
     after = name_uses(tree)
     pinned = drop_in_imports.pin_versions(text, tree, before, after, gpu_modules, version)
-    if pinned != text:
-        text, tree = pinned, ast.parse(pinned)
-        after = name_uses(tree)
-    return dead_imports.remove_dead(text, tree, before, after, gpu_modules, _drop_aliases, version)
+    if pinned == text:
+        return dead_imports.remove_dead(text, tree, before, after, gpu_modules, _drop_aliases, version)
+    tree = ast.parse(pinned)
+    cleaned, removed, _ = dead_imports.remove_dead(
+        pinned, tree, before, name_uses(tree), gpu_modules, _drop_aliases, version
+    )
+    return cleaned, removed, None
 
 
 @dataclasses.dataclass
@@ -83,15 +99,23 @@ def edit_imports(
     needed: Iterable[str],
     newline: str,
     version: tuple[int, ...] = (2, 8, 3),
+    whole_parse: bool = False,
 ) -> ImportEdits:
     """Drop GPU imports a rewrite made unused (:func:`remove_unused`), add ``import <module>`` for
     each module in ``needed`` (:func:`ensure_imports`, in sorted order) and say why each GPU import
     left stays. ``text``: the rewritten file, ``tree``: ``ast.parse(text)``, ``before``: the
-    original file's :func:`name_uses`. The text is parsed again only when the clean-up changed it
-    (the added imports need no parse: their lines are counted, and no name is read in an import);
-    ``starts`` gives the first line of each top-level statement of the new text."""
-    cleaned, removed = remove_unused(text, before, gpu_modules, tree, version)
-    cleaned_tree = tree if cleaned == text else ast.parse(cleaned)
+    original file's :func:`name_uses`. The text is parsed again only when the clean-up changed it,
+    and then only the statements it changed (:func:`~flashport.rewriter.source.reparse.reparse`;
+    the whole text with ``whole_parse``, and ``tree`` must not be used afterwards). The added
+    imports need no parse: their lines are counted, and no name is read in an import. ``starts``
+    gives the first line of each top-level statement of the new text."""
+    cleaned, removed, changes = _remove_unused(text, before, gpu_modules, tree, version)
+    if cleaned == text:
+        cleaned_tree = tree
+    elif changes is None or whole_parse:
+        cleaned_tree = ast.parse(cleaned)
+    else:
+        cleaned_tree = reparse.reparse(tree, len(split_lines(text)), cleaned, changes)
     new_text, shift = cleaned, LineShift()
     added: list[str] = []
     modules = sorted(needed)

@@ -21,6 +21,18 @@ def catalogue() -> tuple[Api, ...]:
     return flash_attn.APIS + torch.APIS + xformers.APIS + jax.APIS
 
 
+def api(name: str) -> Api:
+    """The catalogued API one of whose qualified names is ``name``.
+
+    Raises:
+      KeyError: when no catalogued API has that name.
+    """
+    for entry in catalogue():
+        if name in entry.names:
+            return entry
+    raise KeyError(name)
+
+
 def own_api() -> dict[str, frozenset[str]]:
     """Public names of ``flashport.integrations`` modules that are flashport's own API (no source
     API to replicate), per module: everything else they export must be a catalogued drop-in."""

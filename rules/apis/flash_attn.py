@@ -7,7 +7,20 @@ v1.0.9 (FA1), ``hopper/flash_attn_interface.py`` after 2025-08-29 (FA3, versione
 
 from __future__ import annotations
 
-from flashport.rules.apis.model import VAR_KEYWORD, Api, DropIn, Param, Version, keyword_only, pad, params
+from typing import Any
+
+from flashport.rules.apis.model import (
+    VAR_KEYWORD,
+    Api,
+    DropIn,
+    Param,
+    Params,
+    Version,
+    keyword_only,
+    one_release,
+    pad,
+    params,
+)
 
 COMPAT = "flashport.integrations.flash_attn_compat"
 PRIVATE = "flashport.integrations.flash_attn_private"
@@ -82,11 +95,12 @@ FA2_LEADING = {
 }
 # FA1 (<= 1.0.9) names of the varlen functions (renamed flash_attn_varlen_* in 2.0): dropout_p is
 # required and deterministic comes after return_attn_probs.
-FA1_LEADING = {
-    "flash_attn_unpadded_func": FA2_LEADING["flash_attn_varlen_func"],
-    "flash_attn_unpadded_qkvpacked_func": FA2_LEADING["flash_attn_varlen_qkvpacked_func"],
-    "flash_attn_unpadded_kvpacked_func": FA2_LEADING["flash_attn_varlen_kvpacked_func"],
+FA1_NAMES = {
+    "flash_attn_varlen_func": "flash_attn_unpadded_func",
+    "flash_attn_varlen_qkvpacked_func": "flash_attn_unpadded_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func": "flash_attn_unpadded_kvpacked_func",
 }
+FA1_LEADING = {fa1: FA2_LEADING[fa2] for fa2, fa1 in FA1_NAMES.items()}
 FA2_RETURNS = "out; (out, softmax_lse, S_dmask) with return_attn_probs=True"
 
 
@@ -390,88 +404,65 @@ ROTARY_APIS = (
             DropIn(ROTARY, "apply_rotary_emb_func", ((2, 8, 3),)),
         ),
     ),
-    Api(  # rotates q and k of a packed qkv in place; returns qkv
-        names=("flash_attn.layers.rotary.apply_rotary_emb_qkv_",),
-        signatures=(
-            (
-                (2, 8, 3),
-                params(
-                    "qkv",
-                    "cos",
-                    "sin",
-                    cos_k=None,
-                    sin_k=None,
-                    interleaved=False,
-                    seqlen_offsets=0,
-                    num_heads_q=None,
-                ),
-            ),
+    one_release(  # rotates q and k of a packed qkv in place; returns qkv
+        ("flash_attn.layers.rotary.apply_rotary_emb_qkv_",),
+        (2, 8, 3),
+        params(
+            "qkv", "cos", "sin", cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0, num_heads_q=None
         ),
+        ROTARY,
         returns="qkv",
-        drop_ins=(DropIn(ROTARY, "apply_rotary_emb_qkv_", ((2, 8, 3),)),),
     ),
-    Api(  # rotates kv[:, :, 0] in place; returns kv
-        names=("flash_attn.layers.rotary.apply_rotary_emb_kv_",),
-        signatures=(((2, 8, 3), params("kv", "cos", "sin", interleaved=False, seqlen_offsets=0)),),
+    one_release(  # rotates kv[:, :, 0] in place; returns kv
+        ("flash_attn.layers.rotary.apply_rotary_emb_kv_",),
+        (2, 8, 3),
+        params("kv", "cos", "sin", interleaved=False, seqlen_offsets=0),
+        ROTARY,
         returns="kv",
-        drop_ins=(DropIn(ROTARY, "apply_rotary_emb_kv_", ((2, 8, 3),)),),
     ),
-    Api(  # an nn.Module: the constructor's parameters
-        names=("flash_attn.layers.rotary.RotaryEmbedding",),
-        signatures=(
-            (
-                (2, 8, 3),
-                params(
-                    "dim", base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True, device=None
-                ),
-            ),
-        ),
+    one_release(  # an nn.Module: the constructor's parameters
+        ("flash_attn.layers.rotary.RotaryEmbedding",),
+        (2, 8, 3),
+        params("dim", base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True, device=None),
+        ROTARY,
         returns="the module",
-        drop_ins=(DropIn(ROTARY, "RotaryEmbedding", ((2, 8, 3),)),),
     ),
-    Api(
-        names=("flash_attn.layers.rotary.RotaryEmbedding.forward",),
-        signatures=(
-            ((2, 8, 3), params("self", "qkv", kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None)),
-        ),
+    one_release(
+        ("flash_attn.layers.rotary.RotaryEmbedding.forward",),
+        (2, 8, 3),
+        params("self", "qkv", kv=None, seqlen_offset=0, max_seqlen=None, num_heads_q=None),
+        ROTARY,
         returns="qkv, or (q, kv) when kv is given (rotated in place)",
-        drop_ins=(DropIn(ROTARY, "RotaryEmbedding.forward", ((2, 8, 3),)),),
+        drop_in_name="RotaryEmbedding.forward",
     ),
 )
 
 # flash_attn.ops.triton.cross_entropy (2.8.3): (losses, z_losses); precomputed_lse is third
 CROSS_ENTROPY_APIS = (
-    Api(
-        names=("flash_attn.ops.triton.cross_entropy.cross_entropy_loss",),
-        signatures=(
-            (
-                (2, 8, 3),
-                params(
-                    "logits",
-                    "labels",
-                    precomputed_lse=None,
-                    label_smoothing=0.0,
-                    logit_scale=1.0,
-                    lse_square_scale=0.0,
-                    ignore_index=-100,
-                    inplace_backward=False,
-                    process_group=None,
-                ),
-            ),
+    one_release(
+        ("flash_attn.ops.triton.cross_entropy.cross_entropy_loss",),
+        (2, 8, 3),
+        params(
+            "logits",
+            "labels",
+            precomputed_lse=None,
+            label_smoothing=0.0,
+            logit_scale=1.0,
+            lse_square_scale=0.0,
+            ignore_index=-100,
+            inplace_backward=False,
+            process_group=None,
         ),
+        CROSS_ENTROPY,
         returns="(losses, z_losses), both [N] fp32",
-        drop_ins=(DropIn(CROSS_ENTROPY, "cross_entropy_loss", ((2, 8, 3),)),),
     ),
 )
 
 # flash_attn.utils.distributed (2.8.3): the autograd collectives are Functions' ``apply``, recorded
 # with their ``forward``'s parameters (less ``ctx``)
 DISTRIBUTED_APIS = tuple(
-    Api(
-        names=(f"flash_attn.utils.distributed.{name}",),
-        signatures=(((2, 8, 3), parameters),),
-        returns=returns,
-        drop_ins=(DropIn(DISTRIBUTED, name, ((2, 8, 3),)),),
+    one_release(
+        (f"flash_attn.utils.distributed.{name}",), (2, 8, 3), parameters, DISTRIBUTED, returns=returns
     )
     for name, parameters, returns in (
         ("all_gather_raw", params("input_", "process_group", async_op=False), "(output, handle)"),
@@ -502,75 +493,71 @@ _FA3_TAIL = {
     "return_attn_probs": False,
 }
 _FA3_RETURNS = "out; (out, lse) with return_attn_probs=True ((out, lse) always before 2025-07-11)"
+
+
+def _fa3(name: str, parameters: Params, **conventions: Any) -> Api:
+    """FA3's ``name`` (every FA3 import path) at :data:`FA3_RELEASE`, with its drop-in."""
+    return one_release(tuple(m + name for m in FA3_MODULES), FA3_RELEASE, parameters, FA3, **conventions)
+
+
 FA3_APIS = (
-    Api(
-        names=tuple(m + "flash_attn_func" for m in FA3_MODULES),
-        signatures=((FA3_RELEASE, params("q", "k", "v", softmax_scale=None, causal=False, **_FA3_TAIL)),),
+    _fa3(
+        "flash_attn_func",
+        params("q", "k", "v", softmax_scale=None, causal=False, **_FA3_TAIL),
         returns=_FA3_RETURNS,
         lse="[B, H, Sq] fp32",
-        drop_ins=(DropIn(FA3, "flash_attn_func", (FA3_RELEASE,), exact=False),),
+        exact=False,
     ),
-    Api(
-        names=tuple(m + "flash_attn_varlen_func" for m in FA3_MODULES),
-        signatures=(
-            (
-                FA3_RELEASE,
-                params(
-                    *FA2_LEADING["flash_attn_varlen_func"],
-                    seqused_q=None,
-                    seqused_k=None,
-                    softmax_scale=None,
-                    causal=False,
-                    **_FA3_TAIL,
-                ),
-            ),
+    _fa3(
+        "flash_attn_varlen_func",
+        params(
+            *FA2_LEADING["flash_attn_varlen_func"],
+            seqused_q=None,
+            seqused_k=None,
+            softmax_scale=None,
+            causal=False,
+            **_FA3_TAIL,
         ),
         returns=_FA3_RETURNS,
         lse="[H, total_q] fp32",
-        drop_ins=(DropIn(FA3, "flash_attn_varlen_func", (FA3_RELEASE,), exact=False),),
+        exact=False,
     ),
-    Api(
-        names=tuple(m + "flash_attn_with_kvcache" for m in FA3_MODULES),
-        signatures=(
-            (
-                FA3_RELEASE,
-                params(
-                    "q",
-                    "k_cache",
-                    "v_cache",
-                    k=None,
-                    v=None,
-                    qv=None,
-                    rotary_cos=None,
-                    rotary_sin=None,
-                    cache_seqlens=None,
-                    cache_batch_idx=None,
-                    cache_leftpad=None,
-                    page_table=None,
-                    cu_seqlens_q=None,
-                    cu_seqlens_k_new=None,
-                    max_seqlen_q=None,
-                    rotary_seqlens=None,
-                    q_descale=None,
-                    k_descale=None,
-                    v_descale=None,
-                    softmax_scale=None,
-                    causal=False,
-                    window_size=(-1, -1),
-                    attention_chunk=0,
-                    softcap=0.0,
-                    rotary_interleaved=True,
-                    scheduler_metadata=None,
-                    num_splits=0,
-                    pack_gqa=None,
-                    sm_margin=0,
-                    return_softmax_lse=False,
-                ),
-            ),
+    _fa3(
+        "flash_attn_with_kvcache",
+        params(
+            "q",
+            "k_cache",
+            "v_cache",
+            k=None,
+            v=None,
+            qv=None,
+            rotary_cos=None,
+            rotary_sin=None,
+            cache_seqlens=None,
+            cache_batch_idx=None,
+            cache_leftpad=None,
+            page_table=None,
+            cu_seqlens_q=None,
+            cu_seqlens_k_new=None,
+            max_seqlen_q=None,
+            rotary_seqlens=None,
+            q_descale=None,
+            k_descale=None,
+            v_descale=None,
+            softmax_scale=None,
+            causal=False,
+            window_size=(-1, -1),
+            attention_chunk=0,
+            softcap=0.0,
+            rotary_interleaved=True,
+            scheduler_metadata=None,
+            num_splits=0,
+            pack_gqa=None,
+            sm_margin=0,
+            return_softmax_lse=False,
         ),
         returns="out; (out, softmax_lse) with return_softmax_lse=True",
         lse="[B, H, Sq] fp32",
-        drop_ins=(DropIn(FA3, "flash_attn_with_kvcache", (FA3_RELEASE,)),),
     ),
 )
 
@@ -584,10 +571,32 @@ _FA4_DEVIATION = (
 _FA4_OWN = keyword_only(
     softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, return_lse=False
 )
+
+
+def _fa4(name: str, signatures: tuple[tuple[Version, Params], ...], lse: str, own: Params = ()) -> Api:
+    """FA4's ``name`` (both import paths) with its drop-in, which takes ``q, k, v``, then ``own``
+    and the keywords it implements by name, the rest through ``**extra`` (:data:`_FA4_DEVIATION`)."""
+    drop_in = DropIn(
+        FA4,
+        name,
+        (FA4_RELEASE,),
+        exact=False,
+        deviation=_FA4_DEVIATION,
+        signature=params("q", "k", "v") + own + _FA4_OWN + (Param("extra", kind=VAR_KEYWORD),),
+    )
+    return Api(
+        names=(f"flash_attn.cute.{name}", f"flash_attn.cute.interface.{name}"),
+        signatures=signatures,
+        returns="out; (out, lse) with return_lse=True",
+        lse=lse,
+        drop_ins=(drop_in,),
+    )
+
+
 FA4_APIS = (
-    Api(
-        names=("flash_attn.cute.flash_attn_func", "flash_attn.cute.interface.flash_attn_func"),
-        signatures=(
+    _fa4(
+        "flash_attn_func",
+        (
             (
                 FA4_RELEASE,
                 params(
@@ -615,37 +624,11 @@ FA4_APIS = (
                 ),
             ),
         ),
-        returns="out; (out, lse) with return_lse=True",
-        lse="[B, H, Sq] fp32",
-        drop_ins=(
-            DropIn(
-                FA4,
-                "flash_attn_func",
-                (FA4_RELEASE,),
-                exact=False,
-                deviation=_FA4_DEVIATION,
-                signature=params("q", "k", "v") + _FA4_OWN + (Param("extra", kind=VAR_KEYWORD),),
-            ),
-        ),
+        "[B, H, Sq] fp32",
     ),
-    Api(  # its upstream parameter list changed between betas and is not recorded here
-        names=("flash_attn.cute.flash_attn_varlen_func", "flash_attn.cute.interface.flash_attn_varlen_func"),
-        signatures=(),
-        returns="out; (out, lse) with return_lse=True",
-        lse="[H, total_q] fp32",
-        drop_ins=(
-            DropIn(
-                FA4,
-                "flash_attn_varlen_func",
-                (FA4_RELEASE,),
-                exact=False,
-                deviation=_FA4_DEVIATION,
-                signature=params("q", "k", "v")
-                + keyword_only(cu_seqlens_q=None, cu_seqlens_k=None)
-                + _FA4_OWN
-                + (Param("extra", kind=VAR_KEYWORD),),
-            ),
-        ),
+    # its upstream parameter list changed between betas and is not recorded here
+    _fa4(
+        "flash_attn_varlen_func", (), "[H, total_q] fp32", keyword_only(cu_seqlens_q=None, cu_seqlens_k=None)
     ),
 )
 

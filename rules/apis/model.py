@@ -1,6 +1,7 @@
 """The data model of the source-API catalogue: :class:`Api` (qualified names, signature per release,
-return and lse conventions), :class:`DropIn` (flashport's replacement), :class:`Param`, and the
-compact signature builders :func:`params` and :func:`keyword_only`."""
+return and lse conventions), :class:`DropIn` (flashport's replacement), :class:`Param`, the
+compact signature builders :func:`params` and :func:`keyword_only`, and :func:`one_release` for an
+API recorded at one release with a drop-in of its own name."""
 
 from __future__ import annotations
 
@@ -87,6 +88,29 @@ class Api:
             if pad(release) >= pad(since):
                 found = parameters
         return found
+
+
+def one_release(
+    names: tuple[str, ...],
+    release: Version,
+    parameters: Params,
+    drop_in_module: str,
+    *,
+    returns: str = "out",
+    lse: str = "",
+    exact: bool = True,
+    drop_in_name: str = "",
+) -> Api:
+    """An API recorded at one ``release`` whose drop-in, in ``drop_in_module``, replicates that release
+    under the API's own name (its last component, unless ``drop_in_name`` says otherwise)."""
+    name = drop_in_name or names[0].rsplit(".", 1)[-1]
+    return Api(
+        names=names,
+        signatures=((release, parameters),),
+        returns=returns,
+        lse=lse,
+        drop_ins=(DropIn(drop_in_module, name, (release,), exact=exact),),
+    )
 
 
 def pad(version: Version) -> Version:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import libcst as cst
 
 from flashport.rules.common.literals import is_pure, literal_number
-from flashport.rules.site import Refuse, RuleContext
+from flashport.rules.site import Refuse, Rewrite, RuleContext
 
 
 def _is_literal(node: cst.BaseExpression) -> bool:
@@ -131,6 +131,14 @@ def callee_name(call: cst.Call) -> str:
     if isinstance(func, cst.Attribute):
         return func.attr.value
     return func.value if isinstance(func, cst.Name) else ""
+
+
+def on_drop_in(call: cst.Call, target: str, *notes: str, module: str = "") -> Rewrite:
+    """``call``, its arguments kept, on flashport's drop-in ``target`` (a dotted name) from ``module``,
+    which the engine imports (default: ``target`` less its last component; a classmethod's
+    ``module.Class.method`` names its module)."""
+    module = module or target.rsplit(".", 1)[0]
+    return Rewrite(call.with_changes(func=dotted(target)), imports=(module,), notes=notes)
 
 
 def dotted(name: str) -> cst.BaseExpression:

@@ -33,7 +33,6 @@ class AttnImplementationConfig(Rule):
     API = "transformers attn_implementation"
     FRAMEWORK = "torch"
     STRINGS = ("flash_attention_2", "flash_attention_3")
-    TRIGGERS = (b"flash_attention_2", b"flash_attention_3")
     REWRITES = False
 
     def check_string(self, node, value, ctx):

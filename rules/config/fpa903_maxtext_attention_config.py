@@ -39,7 +39,6 @@ class MaxTextAttentionConfig(Rule):
     API = "MaxText attention= config"
     FRAMEWORK = "jax"
     STRINGS = tuple(VALUES)
-    TRIGGERS = tuple(v.encode() for v in VALUES)
     REWRITES = False
 
     def check_string(self, node, value, ctx):

@@ -97,7 +97,6 @@ class TransformersAttnImplementation(Rule):
     API = "transformers attn_implementation (rewrite)"
     FRAMEWORK = "torch"
     STRINGS = ("flash_attention_2", "flash_attention_3")
-    TRIGGERS = (b"flash_attention_2", b"flash_attention_3")
     TARGET = MODULE + ".ATTN_IMPLEMENTATION"
 
     def check_string(self, node, value, ctx):

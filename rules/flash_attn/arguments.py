@@ -17,9 +17,9 @@ from flashport.rules.apis import flash_attn as apis_flash_attn
 from flashport.rules.base import Refuse, Rewrite, RuleContext
 from flashport.rules.common.binding import Signature, carry_dropout, no_dropout
 from flashport.rules.common.calls import (
-    dotted,
     insert_in_source_order,
     number,
+    on_drop_in,
     parenthesized,
     string,
     tuple_of,
@@ -39,6 +39,24 @@ FLASH_ATTN_MODULES = apis_flash_attn.MODULES
 def sources(function: str) -> tuple[str, ...]:
     """Every public import path of a flash-attn 2.x function."""
     return tuple(m + function for m in FLASH_ATTN_MODULES)
+
+
+def sources_with_fa1(function: str) -> tuple[str, ...]:
+    """:func:`sources`, then the import paths of the function's flash-attn 1.x name, if it had one
+    (``flash_attn_unpadded_*`` for ``flash_attn_varlen_*``)."""
+    fa1 = apis_flash_attn.FA1_NAMES.get(function)
+    return sources(function) + (fa1_sources(fa1) if fa1 else ())
+
+
+PACKED = ("qkv", "kv")
+"""The leading parameters that pack several tensors along one dimension."""
+
+
+def split_packed(leading: tuple[str, ...], values: list, dim: int) -> list:
+    """``values`` of the first parameters of ``leading``, each packed one split once (:func:`unbind`)."""
+    return [
+        unbind(value, dim) if name in PACKED else value for name, value in zip(leading, values, strict=False)
+    ]
 
 
 def tail(version: tuple[int, ...]) -> tuple[str, ...]:
@@ -288,7 +306,7 @@ def varlen_drop_in(
             else "pages gathered through block_table"
         )
     note = f"drop-in {function} (flash-attn's signature; {passed}): flashport.varlen_attention does not take {what.split('=')[0]}"
-    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+    return on_drop_in(call, f"{COMPAT}.{function}", note)
 
 
 def dense_drop_in(call: cst.Call, ctx: RuleContext, leading: int, why: str) -> Rewrite | None:
@@ -312,7 +330,7 @@ def dense_drop_in(call: cst.Call, ctx: RuleContext, leading: int, why: str) -> R
         )
     function = ctx.qualified_name.rsplit(".", 1)[-1]
     note = f"drop-in {function} (flash-attn's signature and semantics): {why}"
-    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+    return on_drop_in(call, f"{COMPAT}.{function}", note)
 
 
 def splat_drop_in(call: cst.Call, ctx: RuleContext) -> Rewrite | None:
@@ -338,7 +356,7 @@ def splat_drop_in(call: cst.Call, ctx: RuleContext) -> Rewrite | None:
             )
     function = ctx.qualified_name.rsplit(".", 1)[-1]
     note = f"drop-in {function} (flash-attn's signature and semantics): a *args/**kwargs splat is bound at run time"
-    return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{function}")), imports=(COMPAT,), notes=(note,))
+    return on_drop_in(call, f"{COMPAT}.{function}", note)
 
 
 def alibi_drop_in(

@@ -15,7 +15,7 @@ import libcst as cst
 
 from flashport.rules.base import Refuse, Rewrite
 from flashport.rules.common import node_context
-from flashport.rules.common.calls import as_args, dotted, number, string, tuple_of
+from flashport.rules.common.calls import as_args, dotted, number, on_drop_in, string, tuple_of
 from flashport.rules.common.literals import is_none, is_zero, literal_bool, literal_number
 from flashport.rules.flash_attn import arguments as fa
 
@@ -160,9 +160,7 @@ def fa3_splat_drop_in(call: cst.Call, ctx, function: str) -> Rewrite | None:
         f"drop-in {function} (FA3's signature): a *args/**kwargs splat is bound at run time; the result "
         "is normalized with isinstance(..., tuple), so FA3's return-type change does not matter"
     )
-    return Rewrite(
-        call.with_changes(func=dotted(f"{FA3_COMPAT}.{function}")), imports=(FA3_COMPAT,), notes=(note,)
-    )
+    return on_drop_in(call, f"{FA3_COMPAT}.{function}", note)
 
 
 # ----------------------------------------------------------------------------------- FA3 (FPA010-FPA012)

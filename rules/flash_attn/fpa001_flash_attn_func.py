@@ -46,7 +46,6 @@ Example::
 from __future__ import annotations
 
 from flashport.rules.base import register
-from flashport.rules.flash_attn import arguments as fa
 from flashport.rules.flash_attn.dense_varlen import DenseRule
 
 
@@ -56,6 +55,4 @@ class FlashAttnFunc(DenseRule):
 
     CODE = "FPA001"
     NAME = "flash-attn-func"
-    API = "flash_attn.flash_attn_func"
-    SOURCES = fa.sources("flash_attn_func")
-    LEADING = ("q", "k", "v")
+    FUNCTION = "flash_attn_func"

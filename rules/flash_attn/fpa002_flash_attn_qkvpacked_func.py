@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 from flashport.rules.base import register
-from flashport.rules.flash_attn import arguments as fa
 from flashport.rules.flash_attn.dense_varlen import DenseRule
 
 
@@ -35,11 +34,4 @@ class FlashAttnQKVPackedFunc(DenseRule):
 
     CODE = "FPA002"
     NAME = "flash-attn-qkvpacked-func"
-    API = "flash_attn.flash_attn_qkvpacked_func"
-    SOURCES = fa.sources("flash_attn_qkvpacked_func")
-    LEADING = ("qkv",)
-
-    def positional(self, tensors):
-        """Split the packed tensor once: ``*qkv.unbind(2)``."""
-        (qkv,) = tensors
-        return [fa.unbind(qkv, 2)]
+    FUNCTION = "flash_attn_qkvpacked_func"

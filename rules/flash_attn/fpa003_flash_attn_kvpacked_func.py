@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 from flashport.rules.base import register
-from flashport.rules.flash_attn import arguments as fa
 from flashport.rules.flash_attn.dense_varlen import DenseRule
 
 
@@ -35,11 +34,4 @@ class FlashAttnKVPackedFunc(DenseRule):
 
     CODE = "FPA003"
     NAME = "flash-attn-kvpacked-func"
-    API = "flash_attn.flash_attn_kvpacked_func"
-    SOURCES = fa.sources("flash_attn_kvpacked_func")
-    LEADING = ("q", "kv")
-
-    def positional(self, tensors):
-        """Split ``kv`` once: ``q, *kv.unbind(2)``."""
-        q, kv = tensors
-        return [q, fa.unbind(kv, 2)]
+    FUNCTION = "flash_attn_kvpacked_func"

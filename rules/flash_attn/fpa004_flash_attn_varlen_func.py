@@ -44,7 +44,6 @@ Example::
 from __future__ import annotations
 
 from flashport.rules.base import register
-from flashport.rules.flash_attn import arguments as fa
 from flashport.rules.flash_attn.dense_varlen import VarlenRule
 
 
@@ -54,7 +53,4 @@ class FlashAttnVarlenFunc(VarlenRule):
 
     CODE = "FPA004"
     NAME = "flash-attn-varlen-func"
-    API = "flash_attn.flash_attn_varlen_func"
-    SOURCES = fa.sources("flash_attn_varlen_func") + fa.fa1_sources("flash_attn_unpadded_func")
-    LEADING = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-    REQUIRED = 5
+    FUNCTION = "flash_attn_varlen_func"

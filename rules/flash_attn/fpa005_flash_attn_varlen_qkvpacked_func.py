@@ -41,12 +41,7 @@ class FlashAttnVarlenQKVPackedFunc(VarlenRule):
 
     CODE = "FPA005"
     NAME = "flash-attn-varlen-qkvpacked-func"
-    API = "flash_attn.flash_attn_varlen_qkvpacked_func"
-    SOURCES = fa.sources("flash_attn_varlen_qkvpacked_func") + fa.fa1_sources(
-        "flash_attn_unpadded_qkvpacked_func"
-    )
-    LEADING = ("qkv", "cu_seqlens", "max_seqlen")
-    REQUIRED = 2
+    FUNCTION = "flash_attn_varlen_qkvpacked_func"
     DROPPED_NOTE = "dropped max_seqlen (kernel launch size only)"
 
     def split(self, values, ctx):

@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 from flashport.rules.base import register
-from flashport.rules.flash_attn import arguments as fa
 from flashport.rules.flash_attn.dense_varlen import VarlenRule
 
 
@@ -40,14 +39,4 @@ class FlashAttnVarlenKVPackedFunc(VarlenRule):
 
     CODE = "FPA006"
     NAME = "flash-attn-varlen-kvpacked-func"
-    API = "flash_attn.flash_attn_varlen_kvpacked_func"
-    SOURCES = fa.sources("flash_attn_varlen_kvpacked_func") + fa.fa1_sources(
-        "flash_attn_unpadded_kvpacked_func"
-    )
-    LEADING = ("q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-    REQUIRED = 4
-
-    def split(self, values, ctx):
-        """Split ``kv`` once: ``q, *kv.unbind(1)``."""
-        q, kv, cu_q, cu_k = values
-        return [q, fa.unbind(kv, 1)], cu_q, cu_k
+    FUNCTION = "flash_attn_varlen_kvpacked_func"

@@ -46,28 +46,10 @@ Example::
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from flashport.rules.base import register
 from flashport.rules.flash_attn import arguments as fa
 from flashport.rules.flash_attn.kvcache import MODULE, KVCacheRule
 
-KEYWORDS = (
-    "rotary_cos",
-    "rotary_sin",
-    "cache_seqlens",
-    "cache_batch_idx",
-    "cache_leftpad",
-    "block_table",
-    "softmax_scale",
-    "causal",
-    "window_size",
-    "softcap",
-    "rotary_interleaved",
-    "alibi_slopes",
-    "num_splits",
-    "return_softmax_lse",
-)
 UNSUPPORTED = {
     "rotary_cos": "fused rotary embedding (rotary_cos/rotary_sin) is not part of the attention contract; apply rotary first",
     "rotary_sin": "fused rotary embedding (rotary_cos/rotary_sin) is not part of the attention contract; apply rotary first",
@@ -87,12 +69,8 @@ class FlashAttnWithKVCache(KVCacheRule):
 
     CODE = "FPA007"
     NAME = "flash-attn-with-kvcache"
-    API = "flash_attn.flash_attn_with_kvcache"
-    FRAMEWORK = "torch"
     SOURCES = fa.sources("flash_attn_with_kvcache")
     TRIGGERS = (b"flash_attn",)
-    GPU_MODULES: ClassVar[tuple[str, ...]] = ("flash_attn",)
-    KEYWORDS = KEYWORDS
     UNSUPPORTED = UNSUPPORTED
     DROP_IN_ONLY = DROP_IN_ONLY
     DROPPED = ("num_splits", "rotary_interleaved")

@@ -56,7 +56,7 @@ import libcst as cst
 
 from flashport.rules.base import Refuse, Report, Rewrite, Rule, register
 from flashport.rules.common import values
-from flashport.rules.common.calls import dotted
+from flashport.rules.common.calls import dotted, on_drop_in
 from flashport.rules.common.literals import is_none, literal_bool
 from flashport.rules.flash_attn import private_kernels
 from flashport.rules.flash_attn.arguments import COMPAT
@@ -84,10 +84,8 @@ class FlashAttnTritonAndInternals(Rule):
     CODE = "FPA008"
     NAME = "flash-attn-triton-and-internals"
     API = "flash_attn.flash_attn_interface._flash_attn_forward"
-    FRAMEWORK = "torch"
     SOURCES = TRITON + PRIVATE + FA3_PRIVATE
     TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper")
     TARGET = "flashport.integrations.flash_attn_compat._flash_attn_* (drop-ins)"
 
     def check_call(self, call, ctx):
@@ -106,7 +104,7 @@ class FlashAttnTritonAndInternals(Rule):
             f"drop-in {target} (flash-attn {releases}'s signature, return convention and in-place gradients)"
         )
         notes = (note,) if inferred is None else (note, inferred)
-        return Rewrite(call.with_changes(func=dotted(f"{COMPAT}.{target}")), imports=(COMPAT,), notes=notes)
+        return on_drop_in(call, f"{COMPAT}.{target}", *notes)
 
     def check_reference(self, node, ctx):
         """Value uses are reported: the callers of a value are out of sight."""

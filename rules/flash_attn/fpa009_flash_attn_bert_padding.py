@@ -59,11 +59,8 @@ class FlashAttnBertPadding(Rule):
 
     CODE = "FPA009"
     NAME = "flash-attn-bert-padding"
-    API = "flash_attn.bert_padding.unpad_input"
-    FRAMEWORK = "torch"
     SOURCES = tuple(f"flash_attn.bert_padding.{name}" for name in FUNCTIONS)
     TRIGGERS = (b"bert_padding",)
-    GPU_MODULES = ("flash_attn",)
     TARGET = MODULE + ".*"
 
     def check_call(self, call, ctx):

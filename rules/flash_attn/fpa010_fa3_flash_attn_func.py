@@ -56,11 +56,8 @@ class FA3FlashAttnFunc(Rule):
 
     CODE = "FPA010"
     NAME = "fa3-flash-attn-func"
-    API = "flash_attn_interface.flash_attn_func"
-    FRAMEWORK = "torch"
     SOURCES = fa3_sources("flash_attn_func")
     TRIGGERS = (b"flash_attn_interface",)
-    GPU_MODULES = ("flash_attn_interface", "flash_attn_3", "hopper")
     TARGET = "flashport.torch.attention"
 
     def check_call(self, call, ctx):

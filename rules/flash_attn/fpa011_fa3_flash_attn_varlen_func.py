@@ -51,11 +51,8 @@ class FA3FlashAttnVarlenFunc(Rule):
 
     CODE = "FPA011"
     NAME = "fa3-flash-attn-varlen-func"
-    API = "flash_attn_interface.flash_attn_varlen_func"
-    FRAMEWORK = "torch"
     SOURCES = fa3_sources("flash_attn_varlen_func")
     TRIGGERS = (b"flash_attn_interface",)
-    GPU_MODULES = ("flash_attn_interface", "flash_attn_3", "hopper")
     TARGET = "flashport.varlen_attention"
 
     def check_call(self, call, ctx):

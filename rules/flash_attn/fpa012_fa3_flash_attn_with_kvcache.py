@@ -52,40 +52,13 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, register
-from flashport.rules.common.calls import dotted
+from flashport.rules.base import Refuse, register
+from flashport.rules.common.calls import on_drop_in
 from flashport.rules.common.literals import is_zero
 from flashport.rules.flash_attn.fa3_fa4 import fa3_sources
 from flashport.rules.flash_attn.kvcache import KVCacheRule
 
 DROP_IN_MODULE = "flashport.integrations.flash_attn3_compat"
-KEYWORDS = (
-    "qv",
-    "rotary_cos",
-    "rotary_sin",
-    "cache_seqlens",
-    "cache_batch_idx",
-    "cache_leftpad",
-    "page_table",
-    "cu_seqlens_q",
-    "cu_seqlens_k_new",
-    "max_seqlen_q",
-    "rotary_seqlens",
-    "q_descale",
-    "k_descale",
-    "v_descale",
-    "softmax_scale",
-    "causal",
-    "window_size",
-    "attention_chunk",
-    "softcap",
-    "rotary_interleaved",
-    "scheduler_metadata",
-    "num_splits",
-    "pack_gqa",
-    "sm_margin",
-    "return_softmax_lse",
-)
 # Only the drop-in (FA3's full behaviour) implements these; the functional form cannot.
 DROP_IN_ONLY = (
     "rotary_cos",
@@ -111,12 +84,8 @@ class FA3FlashAttnWithKVCache(KVCacheRule):
 
     CODE = "FPA012"
     NAME = "fa3-flash-attn-with-kvcache"
-    API = "flash_attn_interface.flash_attn_with_kvcache"
-    FRAMEWORK = "torch"
     SOURCES = fa3_sources("flash_attn_with_kvcache")
     TRIGGERS = (b"flash_attn_interface",)
-    GPU_MODULES = ("flash_attn_interface", "flash_attn_3", "hopper")
-    KEYWORDS = KEYWORDS
     UNSUPPORTED = UNSUPPORTED
     DROP_IN_ONLY = DROP_IN_ONLY
     DROPPED = ("scheduler_metadata", "num_splits", "pack_gqa", "sm_margin", "rotary_interleaved")
@@ -133,7 +102,7 @@ class FA3FlashAttnWithKVCache(KVCacheRule):
             "drop-in flash_attn_with_kvcache (FA3's signature; updates the caches in place like FA3): "
             "a *args/**kwargs splat is bound at run time"
         )
-        return Rewrite(call.with_changes(func=dotted(self.DROP_IN)), imports=(DROP_IN_MODULE,), notes=(note,))
+        return on_drop_in(call, self.DROP_IN, note)
 
     def check_extra(self, value, ctx):
         """Refuse a non-zero ``attention_chunk`` (neither form implements chunked attention)."""

@@ -46,11 +46,8 @@ class FA4FlashAttnFunc(Rule):
 
     CODE = "FPA013"
     NAME = "fa4-flash-attn-func"
-    API = "flash_attn.cute.flash_attn_func"
-    FRAMEWORK = "torch"
     SOURCES = fa4_sources("flash_attn_func")
     TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
     TARGET = "flashport.torch.attention"
 
     def check_call(self, call, ctx):

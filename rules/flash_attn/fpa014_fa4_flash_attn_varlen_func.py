@@ -26,9 +26,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.base import Refuse, Rule, register
 from flashport.rules.common.binding import Signature, required
-from flashport.rules.common.calls import dotted
+from flashport.rules.common.calls import on_drop_in
 from flashport.rules.common.literals import is_none
 from flashport.rules.common.values import FA4
 from flashport.rules.flash_attn import fa3_fa4
@@ -51,11 +51,8 @@ class FA4FlashAttnVarlenFunc(Rule):
 
     CODE = "FPA014"
     NAME = "fa4-flash-attn-varlen-func"
-    API = "flash_attn.cute.flash_attn_varlen_func"
-    FRAMEWORK = "torch"
     SOURCES = fa4_sources("flash_attn_varlen_func")
     TRIGGERS = (b"flash_attn",)
-    GPU_MODULES = ("flash_attn",)
     TARGET = f"{FA4}.flash_attn_varlen_func"
 
     def check_call(self, call, ctx):
@@ -73,4 +70,4 @@ class FA4FlashAttnVarlenFunc(Rule):
                 raise Refuse(f"{name} (padded or paged per-sequence buffers) has no portable equivalent")
         fa4_keywords(bound, value, ctx, self.API)  # refuses unsupported features first
         note = "drop-in flash_attn_varlen_func: returns (out, lse [H, total_q]) as FA4 always does"
-        return Rewrite(call.with_changes(func=dotted(self.TARGET)), imports=(FA4,), notes=(note,))
+        return on_drop_in(call, self.TARGET, note)

@@ -58,11 +58,8 @@ class FlashAttnRotary(SameNameRule):
 
     CODE = "FPA015"
     NAME = "flash-attn-rotary"
-    API = "flash_attn.layers.rotary.apply_rotary_emb"
-    FRAMEWORK = "torch"
     SOURCES = tuple(f"flash_attn.layers.rotary.{name}" for name in FUNCTIONS)
     TRIGGERS = (b"rotary",)
-    GPU_MODULES = ("flash_attn",)
     TARGET = MODULE + ".apply_rotary_emb"
     DROP_IN_MODULE = MODULE
     DROP_IN_KIND = "plain torch"

@@ -31,7 +31,7 @@ from __future__ import annotations
 from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common import values
 from flashport.rules.common.binding import Signature
-from flashport.rules.common.calls import dotted
+from flashport.rules.common.calls import dotted, on_drop_in
 from flashport.rules.common.literals import is_none
 
 MODULE = "flashport.integrations.cross_entropy"
@@ -56,11 +56,7 @@ class FlashAttnCrossEntropy(Rule):
 
     CODE = "FPA016"
     NAME = "flash-attn-cross-entropy"
-    API = "flash_attn.ops.triton.cross_entropy.cross_entropy_loss"
-    FRAMEWORK = "torch"
     SOURCES = ("flash_attn.ops.triton.cross_entropy.cross_entropy_loss",)
-    TRIGGERS = (b"cross_entropy_loss",)
-    GPU_MODULES = ("flash_attn",)
     TARGET = MODULE + ".cross_entropy_loss"
 
     def check_call(self, call, ctx):
@@ -78,7 +74,7 @@ class FlashAttnCrossEntropy(Rule):
                 "replicated by flashport's cross_entropy_loss"
             )
         note = "drop-in cross_entropy_loss (flash-attn's signature, (losses, z_losses) and gradient, plain torch)"
-        return Rewrite(call.with_changes(func=dotted(self.TARGET)), imports=(MODULE,), notes=(note,))
+        return on_drop_in(call, self.TARGET, note)
 
     def check_reference(self, node, ctx):
         """A value is the drop-in unless it is probed or compared (a process group then raises

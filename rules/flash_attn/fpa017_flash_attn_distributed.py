@@ -45,11 +45,8 @@ class FlashAttnDistributed(SameNameRule):
 
     CODE = "FPA017"
     NAME = "flash-attn-distributed"
-    API = "flash_attn.utils.distributed.all_gather"
-    FRAMEWORK = "torch"
     SOURCES = tuple(f"flash_attn.utils.distributed.{name}" for name in FUNCTIONS)
     TRIGGERS = (b"flash_attn.utils.distributed",)
-    GPU_MODULES = ("flash_attn",)
     TARGET = MODULE + ".all_gather"
     DROP_IN_MODULE = MODULE
     DROP_IN_KIND = "torch.distributed"

@@ -6,8 +6,8 @@ read of the cache, or new rows whose in-place update provably is not relied on:
 paged caches, a return type known only at run time, splats) to their API's drop-in, which has the
 original signature and full behaviour (``flash_attn_compat.flash_attn_with_kvcache`` /
 ``flash_attn3_compat.flash_attn_with_kvcache``). :class:`KVCacheRule` holds that logic; each rule
-module sets the manifest and the per-API tables (keywords, what only the drop-in can do, what neither
-form can do).
+module sets the manifest and the per-API tables (what only the drop-in can do, what neither form can
+do); the keywords are the API catalogue's (:mod:`flashport.rules.apis`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import ClassVar
 
 import libcst as cst
 
+from flashport.rules import apis
 from flashport.rules.base import Refuse, Rewrite, Rule
 from flashport.rules.common import node_context
 from flashport.rules.common.binding import Signature, required
-from flashport.rules.common.calls import build_call, callee_name, dotted
+from flashport.rules.common.calls import build_call, callee_name, on_drop_in
 from flashport.rules.common.literals import is_none, literal_bool
 from flashport.rules.flash_attn import arguments as fa
 
@@ -114,10 +115,20 @@ def cache_is_dead(call: cst.Call, names: list[str], ctx) -> str | None:
 
 class KVCacheRule(Rule):
     """``flash_attn_with_kvcache`` to the functional ``kvcache_attention`` where the in-place update
-    is not relied on, else to the API's drop-in (subclasses set the tables below; not registered)."""
+    is not relied on, else to the API's drop-in (subclasses set the tables below; not registered).
+    ``KEYWORDS``, the parameters after :data:`POSITIONAL`, are those of the catalogue's latest
+    signature of the first of ``SOURCES``."""
 
     TARGET = MODULE + ".kvcache_attention"
     KEYWORDS: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        """``KEYWORDS`` of the subclass's API from the catalogue."""
+        super().__init_subclass__(**kwargs)
+        if cls.SOURCES:
+            *_, (_, parameters) = apis.api(cls.SOURCES[0]).signatures
+            cls.KEYWORDS = tuple(p.name for p in parameters if p.name not in POSITIONAL)
+
     # Arguments only the drop-in implements (the functional form cannot); UNSUPPORTED gives the
     # functional form's refusal reasons, and those of its names outside DROP_IN_ONLY are what
     # neither form implements.
@@ -239,6 +250,4 @@ class KVCacheRule(Rule):
         if self.DROP_IN is None:
             raise Refuse(f"{self.API} has no drop-in replacement: {why}")
         note = f"drop-in flash_attn_with_kvcache (updates the caches in place like flash-attn): {why}"
-        return Rewrite(
-            call.with_changes(func=dotted(self.DROP_IN)), imports=(self.DROP_IN_MODULE,), notes=(note,)
-        )
+        return on_drop_in(call, self.DROP_IN, note)

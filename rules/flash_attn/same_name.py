@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from flashport.rules.base import Rewrite, Rule
 from flashport.rules.common import values
-from flashport.rules.common.calls import dotted
+from flashport.rules.common.calls import dotted, on_drop_in
 
 
 class SameNameRule(Rule):
@@ -28,9 +28,7 @@ class SameNameRule(Rule):
         """The same call on the drop-in of the same name."""
         name = ctx.qualified_name.rsplit(".", 1)[-1]
         note = f"drop-in {name} (flash-attn's signature and result, {self.DROP_IN_KIND})"
-        return Rewrite(
-            call.with_changes(func=self.drop_in(name)), imports=(self.DROP_IN_MODULE,), notes=(note,)
-        )
+        return on_drop_in(call, f"{self.DROP_IN_MODULE}.{name}", note)
 
     def check_reference(self, node, ctx):
         """A value is the drop-in of the same name unless it is probed or compared."""

@@ -45,7 +45,7 @@ import libcst as cst
 
 from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common.binding import Signature
-from flashport.rules.common.calls import build_call, dotted, number, string, tuple_of
+from flashport.rules.common.calls import build_call, number, on_drop_in, string, tuple_of
 from flashport.rules.common.literals import is_none, literal_bool, literal_number, literal_string
 
 
@@ -79,10 +79,7 @@ class JaxNNDotProductAttentionCudnn(Rule):
 
     CODE = "FPA201"
     NAME = "jax-nn-dpa-cudnn"
-    API = "jax.nn.dot_product_attention"
-    FRAMEWORK = "jax"
     SOURCES = ("jax.nn.dot_product_attention", "jax._src.nn.functions.dot_product_attention")
-    TRIGGERS = (b"dot_product_attention",)
     TARGET = "flashport.attention"
 
     def check_call(self, call, ctx):
@@ -99,11 +96,7 @@ class JaxNNDotProductAttentionCudnn(Rule):
                 f"drop-in {DROP_IN}.dot_product_attention (jax.nn's signature; implementation='xla' "
                 f"stays XLA, None/'cudnn' run flashport.attention): {refusal.reason.split(';')[0]}"
             )
-            return Rewrite(
-                call.with_changes(func=dotted(f"{DROP_IN}.dot_product_attention")),
-                imports=(DROP_IN,),
-                notes=(note,),
-            )
+            return on_drop_in(call, f"{DROP_IN}.dot_product_attention", note)
 
     def _explicit(self, call, ctx):
         """The explicit ``flashport.attention`` call (None: a call that runs everywhere).

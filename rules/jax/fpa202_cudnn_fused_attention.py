@@ -50,7 +50,7 @@ import libcst as cst
 
 from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common.binding import Signature, no_dropout
-from flashport.rules.common.calls import build_call, dotted, number, string, tuple_of
+from flashport.rules.common.calls import build_call, dotted, number, on_drop_in, string, tuple_of
 from flashport.rules.common.literals import is_none, literal_number, literal_string
 from flashport.rules.jax import shared as common
 
@@ -96,8 +96,6 @@ class CudnnFusedAttention(Rule):
 
     CODE = "FPA202"
     NAME = "cudnn-fused-attention"
-    API = "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention"
-    FRAMEWORK = "jax"
     SOURCES = (
         "jax._src.cudnn.fused_attention_stablehlo.dot_product_attention",
         f"{PRIVATE}.MaskType",
@@ -122,11 +120,7 @@ class CudnnFusedAttention(Rule):
                 f"drop-in {DROP_IN}.dot_product_attention (the cuDNN signature and meaning on "
                 f"flashport.attention); the contract call could not state it: {refusal.reason.split(';')[0]}"
             )
-            return Rewrite(
-                call.with_changes(func=dotted(f"{DROP_IN}.dot_product_attention")),
-                imports=(DROP_IN,),
-                notes=(note,),
-            )
+            return on_drop_in(call, f"{DROP_IN}.dot_product_attention", note)
 
     def check_reference(self, node, ctx):
         """``MaskType`` and its members: the drop-in module's enum of the same names and values."""

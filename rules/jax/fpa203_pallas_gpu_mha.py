@@ -72,10 +72,7 @@ class PallasGpuMha(Rule):
 
     CODE = "FPA203"
     NAME = "pallas-gpu-mha"
-    API = "jax.experimental.pallas.ops.gpu.attention.mha"
-    FRAMEWORK = "jax"
     SOURCES = tuple(f"{module}.mha" for module in MODULES)
-    TRIGGERS = (b"mha",)
     GPU_MODULES = MODULES
     TARGET = "flashport.attention"
 

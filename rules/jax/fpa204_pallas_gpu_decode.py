@@ -53,9 +53,7 @@ class PallasGpuDecode(Rule):
     CODE = "FPA204"
     NAME = "pallas-gpu-decode"
     API = f"{MODULE}.mqa / .gqa"
-    FRAMEWORK = "jax"
     SOURCES = (f"{MODULE}.mqa", f"{MODULE}.gqa")
-    TRIGGERS = (b"mqa", b"gqa")
     GPU_MODULES = (MODULE,)
     TARGET = "flashport.attention"
 

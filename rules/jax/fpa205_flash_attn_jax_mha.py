@@ -44,10 +44,7 @@ class FlashAttnJaxMha(Rule):
 
     CODE = "FPA205"
     NAME = "flash-attn-jax-mha"
-    API = "flash_attn_jax.flash_mha"
-    FRAMEWORK = "jax"
     SOURCES = ("flash_attn_jax.flash_mha", "flash_attn_jax.flash.flash_mha")
-    TRIGGERS = (b"flash_mha",)
     GPU_MODULES = ("flash_attn_jax",)
     TARGET = "flashport.attention"
 

@@ -60,10 +60,7 @@ class FlashAttnJaxVarlen(Rule):
 
     CODE = "FPA206"
     NAME = "flash-attn-jax-varlen"
-    API = "flash_attn_jax.flash_mha_varlen"
-    FRAMEWORK = "jax"
     SOURCES = ("flash_attn_jax.flash_mha_varlen", "flash_attn_jax.varlen.flash_mha_varlen")
-    TRIGGERS = (b"flash_mha_varlen",)
     GPU_MODULES = ("flash_attn_jax",)
     TARGET = "flashport.varlen_attention"
 

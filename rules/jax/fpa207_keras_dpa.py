@@ -53,14 +53,11 @@ class KerasDotProductAttentionFlash(Rule):
 
     CODE = "FPA207"
     NAME = "keras-dpa-flash"
-    API = "keras.ops.dot_product_attention"
-    FRAMEWORK = "jax"
     SOURCES = (
         "keras.ops.dot_product_attention",
         "keras.ops.nn.dot_product_attention",
         "keras.src.ops.nn.dot_product_attention",
     )
-    TRIGGERS = (b"dot_product_attention",)
     TARGET = "flashport.attention"
 
     def check_call(self, call, ctx):

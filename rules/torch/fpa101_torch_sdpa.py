@@ -79,7 +79,7 @@ from flashport.rules.apis import torch as apis_torch
 from flashport.rules.base import Patch, Refuse, Rewrite, Rule, RuleContext, register, runs_as_is
 from flashport.rules.common import node_context
 from flashport.rules.common.binding import Signature, carry_dropout
-from flashport.rules.common.calls import build_call, dotted, insert_in_source_order, string
+from flashport.rules.common.calls import build_call, dotted, insert_in_source_order, on_drop_in, string
 from flashport.rules.common.literals import is_none, literal_bool
 
 DROP_IN = "flashport.integrations.sdpa_compat"
@@ -97,10 +97,7 @@ class TorchSDPA(Rule):
 
     CODE = "FPA101"
     NAME = "torch-sdpa"
-    API = "torch.nn.functional.scaled_dot_product_attention"
-    FRAMEWORK = "torch"
     SOURCES = ("torch.nn.functional.scaled_dot_product_attention",)
-    TRIGGERS = (b"scaled_dot_product_attention",)
     TARGET = "flashport.torch.attention"
 
     def check_call(self, call, ctx):
@@ -124,12 +121,10 @@ class TorchSDPA(Rule):
         if patch is not None:
             return _patch_aware(call, patch, ctx)
         if any(arg.star for arg in call.args):
-            return Rewrite(
-                call.with_changes(func=dotted(f"{DROP_IN}.scaled_dot_product_attention")),
-                imports=(DROP_IN,),
-                notes=(
-                    "drop-in scaled_dot_product_attention (SDPA's signature): a *args/**kwargs splat is bound at run time",
-                ),
+            return on_drop_in(
+                call,
+                f"{DROP_IN}.scaled_dot_product_attention",
+                "drop-in scaled_dot_product_attention (SDPA's signature): a *args/**kwargs splat is bound at run time",
             )
         bound = sdpa_signature(ctx.options.torch_version).bind(call, self.API)
         for name in ("query", "key", "value"):
@@ -174,11 +169,9 @@ def _patch_aware(call: cst.Call, patch: Patch, ctx: RuleContext) -> Rewrite:
             f"{ctx.code(call.func)} holds torch's SDPA or the patch depends on the order the program runs "
             "in; call F.scaled_dot_product_attention(...) through the module to have it ported"
         )
-    return Rewrite(
-        call.with_changes(func=dotted(f"{DROP_IN}.scaled_dot_product_attention")),
-        imports=(DROP_IN,),
-        notes=(
-            f"patch-aware drop-in, arguments verbatim: {where}; the drop-in runs that patch when it is "
-            "installed, flashport's SDPA otherwise",
-        ),
+    return on_drop_in(
+        call,
+        f"{DROP_IN}.scaled_dot_product_attention",
+        f"patch-aware drop-in, arguments verbatim: {where}; the drop-in runs that patch when it is "
+        "installed, flashport's SDPA otherwise",
     )

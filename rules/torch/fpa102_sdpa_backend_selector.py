@@ -58,12 +58,9 @@ class SDPABackendSelector(Rule):
 
     CODE = "FPA102"
     NAME = "sdpa-backend-selector"
-    API = "torch.nn.attention.sdpa_kernel"
-    FRAMEWORK = "torch"
     SOURCES = ("torch.nn.attention.sdpa_kernel", "torch.backends.cuda.sdp_kernel") + tuple(
         f"torch.backends.cuda.{name}" for name in SWITCHES
     )
-    TRIGGERS = (b"sdpa_kernel", b"sdp_kernel") + tuple(name.encode() for name in SWITCHES)
     TARGET = "contextlib.nullcontext"
 
     def check_call(self, call, ctx):

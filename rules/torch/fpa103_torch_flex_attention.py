@@ -32,9 +32,9 @@ Example::
 
 from __future__ import annotations
 
-from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.base import Refuse, Rule, register
 from flashport.rules.common.binding import Signature
-from flashport.rules.common.calls import dotted
+from flashport.rules.common.calls import on_drop_in
 
 MODULE = "torch.nn.attention.flex_attention"
 TARGET_MODULE = "flashport.torch"
@@ -65,8 +65,6 @@ class TorchFlexAttention(Rule):
 
     CODE = "FPA103"
     NAME = "torch-flex-attention"
-    API = f"{MODULE}.flex_attention"
-    FRAMEWORK = "torch"
     SOURCES = tuple(f"{MODULE}.{name}" for name in SIGNATURES)
     TRIGGERS = (b"flex_attention",)
     TARGET = "flashport.torch.flex_attention"
@@ -78,10 +76,8 @@ class TorchFlexAttention(Rule):
         first = SIGNATURES[name].positional[0]
         if first not in bound:
             raise Refuse(f"{ctx.qualified_name} call without {first!r}")
-        return Rewrite(
-            call.with_changes(func=dotted(f"{TARGET_MODULE}.{name}")),
-            imports=(TARGET_MODULE,),
-            notes=(
-                f"flashport.torch.{name}: torch's signature; torch's FlexAttention on CPU/CUDA, JAX on TPU",
-            ),
+        return on_drop_in(
+            call,
+            f"{TARGET_MODULE}.{name}",
+            f"flashport.torch.{name}: torch's signature; torch's FlexAttention on CPU/CUDA, JAX on TPU",
         )

@@ -59,11 +59,8 @@ class XformersMemoryEfficientAttention(Rule):
 
     CODE = "FPA110"
     NAME = "xformers-memory-efficient-attention"
-    API = "xformers.ops.memory_efficient_attention"
-    FRAMEWORK = "torch"
     SOURCES = tuple(p + f for f in REWRITTEN + REPORTED for p in PREFIXES)
     TRIGGERS = (b"memory_efficient_attention",)
-    GPU_MODULES = ("xformers",)
     TARGET = MODULE + ".memory_efficient_attention"
 
     def check_call(self, call, ctx):

@@ -52,7 +52,7 @@ from collections import Counter
 from flashport.rewriter.source import semantic
 from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common import values
-from flashport.rules.common.calls import dotted
+from flashport.rules.common.calls import dotted, on_drop_in
 from flashport.rules.xformers.names import ATTENTION_PREFIX, UNSUPPORTED
 
 MODULE = "flashport.integrations.xformers_compat"
@@ -94,10 +94,8 @@ class XformersAttnBias(Rule):
     CODE = "FPA111"
     NAME = "xformers-attn-bias"
     API = "xformers.ops.fmha.attn_bias"
-    FRAMEWORK = "torch"
     SOURCES = tuple(p + n for n in _SUPPORTED + _REFUSED + TYPES for p in PREFIXES)
     TRIGGERS = (b"xformers",)
-    GPU_MODULES = ("xformers",)
     TARGET = MODULE + ".<class>"
 
     def check_call(self, call, ctx):
@@ -114,7 +112,7 @@ class XformersAttnBias(Rule):
             )
         if name not in _SUPPORTED:
             raise Refuse(f"{name}: padded, paged or gappy block layouts have no flashport equivalent")
-        return Rewrite(call.with_changes(func=dotted(f"{MODULE}.{name}")), imports=(MODULE,))
+        return on_drop_in(call, f"{MODULE}.{name}", module=MODULE)
 
     def check_reference(self, node, ctx):
         """A bias class named in a type check, an annotation or as a value moves with the

@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 from flashport.kernels.contract.spec import AttentionSpec, apply_softcap, positional_visible
 from flashport.kernels.semantics import block_mask as block_mask_lib
 from flashport.kernels.semantics import block_ranges, dropout
-from flashport.kernels.semantics.padding import pad_to
+from flashport.kernels.semantics.padding import PaddedLengths, pad_to
 
 MIN_BLOCK = 16  # Triton's smallest dot operand dimension
 
@@ -35,7 +35,7 @@ def next_power_of_two(n: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Geometry:
+class Geometry(PaddedLengths):
     """Static tiling of one kernel: block sizes, padded lengths and block counts.
 
     ``bq`` / ``bk`` are the option's block sizes clipped to the (power-of-two rounded) sequence, so
@@ -65,14 +65,6 @@ class Geometry:
     @property
     def nk(self) -> int:
         return -(-self.spec.seq_k // self.bk)
-
-    @property
-    def sqp(self) -> int:
-        return self.nq * self.bq
-
-    @property
-    def skp(self) -> int:
-        return self.nk * self.bk
 
 
 # The block-range builder's integer ops on traced int32 scalars (inputs are clamped >= 0 before div).

@@ -25,7 +25,7 @@ from flashport.kernels.backends.pallas_tpu.blocks import K_ALIGN, LANES, Q_ALIGN
 from flashport.kernels.contract.spec import AttentionSpec, apply_softcap
 from flashport.kernels.semantics import block_mask as block_mask_lib
 from flashport.kernels.semantics import block_ranges, dropout
-from flashport.kernels.semantics.padding import pad_broadcastable, pad_to
+from flashport.kernels.semantics.padding import PaddedLengths, pad_broadcastable, pad_to
 from flashport.kernels.semantics.visibility import band_visible
 
 _BIG = np.iinfo(np.int32).max
@@ -37,7 +37,7 @@ def round_up(x: int, m: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Geometry:
+class Geometry(PaddedLengths):
     """Block geometry of one kernel: tile sizes, padded sizes and the static visible block ranges.
 
     ``rows`` are query blocks and ``cols`` key blocks. ``row_lo/row_hi[i]`` is the half-open range of
@@ -89,16 +89,6 @@ class Geometry:
     def nk(self) -> int:
         """Number of key blocks."""
         return len(self.col_lo)
-
-    @property
-    def sqp(self) -> int:
-        """Padded query length."""
-        return self.nq * self.bq
-
-    @property
-    def skp(self) -> int:
-        """Padded key length."""
-        return self.nk * self.bk
 
     @property
     def steps_k(self) -> int:
