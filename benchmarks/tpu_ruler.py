@@ -312,10 +312,12 @@ def compile_schedules(fn, *specs, compile_fn=None) -> dict[str, str]:
     """Compile ``jax.jit(fn)`` for TPU on ``specs``; ``{kernel name: final bundles text}`` of its
     Mosaic kernels (needs :func:`enable` first). ``compile_fn(fn, *specs)`` replaces the compile
     (e.g. one that also reads libtpu's static profile). JAX reuses the executable of a program it
-    compiled before, so no schedule is dumped again: results are kept per lowered program."""
+    compiled before, so no schedule is dumped again: results are kept per lowered program and chip
+    (the lowered text of one program is the same for every TPU generation)."""
     import jax
 
-    key = jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",)).as_text()
+    chips = sorted({d.device_kind for s in specs if s.sharding is not None for d in s.sharding.device_set})
+    key = (*chips, jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",)).as_text())
     if key in _SCHEDULES:
         return _SCHEDULES[key]
     directory = _DUMP[0]
@@ -340,7 +342,7 @@ def compile_schedules(fn, *specs, compile_fn=None) -> dict[str, str]:
     return out
 
 
-_SCHEDULES: dict[str, dict[str, str]] = {}
+_SCHEDULES: dict[tuple[str, ...], dict[str, str]] = {}
 
 
 def _matmul_bundles(gen: str, tile: int, depth: int) -> int:

@@ -46,6 +46,8 @@ FEATURES = {
         ),
         {},
     ),
+    # A boolean mask per head: whole [bq, bk] tiles of it (int8 in the kernels).
+    "mask": ({}, dict(mask=((2, 4, SEQ, SEQ), jnp.bool_)), {}),
     "bottom_right_sq_ne_sk": (dict(causal=True), {}, dict(sq=SEQ // 2 + 7)),
     "decode_sq1": (dict(causal=True), {}, dict(sq=1)),
     # Dropout (the key is a traced raw uint32[2] key): with GQA and causal, and with every masking feature.
@@ -80,7 +82,11 @@ def compile_fwd_and_grad(sharding, dtype, feature, backend="pallas_tpu"):
     q, kv = spec((b, sq, hq, d), jnp.dtype(dtype)), spec((b, sk, hkv, d), jnp.dtype(dtype))
     arrays = {}
     for name, (s, dt) in extra.items():
-        s = (s[0], s[1], sq, s[3]) if name == "bias" else ((s[0], sq) if name == "q_segment_ids" else s)
+        s = (
+            (s[0], s[1], sq, s[3])
+            if name in ("bias", "mask")
+            else ((s[0], sq) if name == "q_segment_ids" else s)
+        )
         arrays[name] = spec(s, dt)
 
     def fwd(q, k, v, arrays):
@@ -97,7 +103,7 @@ def compile_fwd_and_grad(sharding, dtype, feature, backend="pallas_tpu"):
 
 
 # Every generation x dtype, each with one feature (cycled so every feature meets several chips and
-# dtypes), then every feature in the two 16-bit dtypes: 20 configurations, forward and gradient each.
+# dtypes), then every feature in the two 16-bit dtypes: 30 configurations, forward and gradient each.
 GEN_DTYPE = [
     (g, dt, f)
     for (g, dt), f in zip(

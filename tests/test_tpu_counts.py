@@ -156,6 +156,24 @@ def test_backward_kernels_have_mask_free_full_bodies():
         assert ops["partial"] >= 4, kind  # the masked body is built and counted
 
 
+def test_dkv_tiles_are_key_major_without_transposes():
+    # The dK/dV kernel accumulates key rows, so it computes [bk, bq] tiles (K·Qᵀ, dO-side V·dOᵀ):
+    # P and dS then multiply dO and Q as they are and the lse/di rows broadcast as they arrive.
+    # Query-major [bq, bk] tiles need Pᵀ·dO, dSᵀ·Q and the rows as columns (a transpose each).
+    # Non-square blocks tell the orientations apart; segment ids exercise their key-major layout.
+    spec = band_spec(512, 512, causal=True, left=300)
+    q, k, v = _arrays(1, 512, 512, 4, 2, 128)
+    seg = jnp.asarray(np.repeat([[0, 1]], 256, axis=1), jnp.int32)
+    bq, bk = 128, 256
+    opts = dict(block_q_dkv=bq, block_k_dkv=bk)
+    kernel = counting.backward_kernel_jaxprs(q, k, v, spec=spec, options=opts, q_seg=seg, kv_seg=seg)["dkv"]
+    eqns = [eqn for eqn, _ in counting._walk(kernel, "")]
+    assert not [e for e in eqns if e.primitive.name == "transpose"]
+    dots = [tuple(e.outvars[0].aval.shape) for e in eqns if e.primitive.name == "dot_general"]
+    assert (bk, bq) in dots and (bq, bk) not in dots, dots
+    assert set(dots) <= {(bk, bq), (bk, 128)}, dots
+
+
 def _grid(fn, args, name):
     """The grid of the ``pallas_call`` named ``name`` in ``fn``'s traced program."""
     for eqn, _ in counting._walk(jax.make_jaxpr(fn)(*args).jaxpr, ""):

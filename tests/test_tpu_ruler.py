@@ -155,8 +155,37 @@ def test_no_estimate_falls_below_the_mxu_floor(validation):
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("config", ["v6e S=2048 D=128 full fwd", "v6e S=2048 D=128 full bwd"])
-def test_flashport_is_not_slower_than_splash_on_the_ruler(validation, config):
+@pytest.mark.parametrize(
+    "config,bound",
+    # bwd: 0.93 (BHSD) and 0.95 (BSHD) with key-major dK/dV tiles (0.96 / 0.99 before).
+    [("v6e S=2048 D=128 full fwd", 1.0), ("v6e S=2048 D=128 full bwd", 0.97)],
+)
+def test_flashport_is_not_slower_than_splash_on_the_ruler(validation, config, bound):
     (row,) = [r for r in validation["rows"] if r["config"] == config]
     for layout in ("BHSD", "BSHD"):
-        assert row[layout] / row["splash"] <= 1.0, (layout, row)
+        assert row[layout] / row["splash"] <= bound, (layout, row)
+
+
+@pytest.mark.tpu_compile
+def test_mxu_rates_are_read_per_chip():
+    # One process, two chips: the same matmul program lowers to the same text for both, so the
+    # schedules must be kept per chip (v5e's 4 MXUs of 128x128 against v6e's 256x256 arrays).
+    pytest.importorskip("libtpu", reason='needs libtpu: pip install "jax[tpu]==<installed jax version>"')
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    code = (
+        "import json, sys; sys.path.insert(0, 'benchmarks'); import tpu_ruler as r; r.enable();"
+        "print(json.dumps([r.mxu_rate('v5e'), r.mxu_rate('v6e')]))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=1800,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    v5e, v6e = json.loads(run.stdout.strip().splitlines()[-1])
+    assert v6e == pytest.approx(918e12 / 1.75e9, rel=0.02)
+    assert v6e / v5e > 3

@@ -8,7 +8,10 @@ With dropout both regenerate the forward's keep-mask Z from the head-seed table 
 
 * dK/dV: grid ``(B, Hkv, nk, G, steps_q)``. K/V blocks stay resident while the query blocks that can
   see them (and, for GQA, all G query heads of the group) stream past; dK/dV accumulate in f32 VMEM
-  scratch and are written once, so K/V grads are never materialized per query head.
+  scratch and are written once, so K/V grads are never materialized per query head. Its tiles are
+  key-major, ``[bk, bq]`` (``K·Qᵀ``, ``V·dOᵀ``): the accumulated rows are keys, so ``P`` and ``dS``
+  multiply dO and Q as they are (``P·dO``, ``dS·Q``) and the lse/di rows broadcast along the lanes
+  without a transpose; a bias (or mask) tile, read ``[bq, bk]``, is transposed in the kernel.
 * dQ: the forward's grouped grid ``(B, Hkv, nq, steps_k)``: one step serves the G query heads of a
   kv head, so each K/V block is fetched once per group (not once per query head); dQ accumulates in
   f32 scratch. When a bias is given it also writes ``dS`` tiles (the bias gradient), row/column-summed
@@ -53,7 +56,6 @@ from flashport.kernels.semantics import dropout
 _SQ = pl.Squeezed()
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 def _dot(a, b, dims):
@@ -62,9 +64,10 @@ def _dot(a, b, dims):
 
 
 def _probs_and_dlogits(
-    g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, head_seed, masked=True, at=None
+    g, st_q, st_k, q, k, v, do, lse, di, bias, mask, qs, ks, head_seed, masked=True, at=None, key_major=False
 ):
-    """Recompute one tile: returns ``(p_dropped, dlogits, raw)`` (all f32 [bq, bk]).
+    """Recompute one tile: returns ``(p_dropped, dlogits, raw)`` (all f32 [bq, bk], or all [bk, bq]
+    with ``key_major``: then ``bias``, ``qs`` and ``ks`` come in that orientation too).
 
     ``masked=False`` (a fully visible tile) builds no mask at all. ``at``: the tile's
     :func:`~flashport.kernels.backends.pallas_tpu.tiling.mod_site` when the call has user mods; ``dlogits``
@@ -77,27 +80,31 @@ def _probs_and_dlogits(
     """
     fold = folds_scale(g, bias is not None)
     if fold:  # unscaled scores; exp(scale * raw - lse) = exp2(c * raw - lse * log2(e))
-        s = raw = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+        a, b = (k, q) if key_major else (q, k)
+        s = raw = jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
     else:
-        s, raw = scores(g, q, k, bias, at)
-    vis = tile_visible(g, st_q, st_k, mask, qs, ks, at) if masked else None
+        s, raw = scores(g, q, k, bias, at, key_major)
+    vis = tile_visible(g, st_q, st_k, mask, qs, ks, at, key_major) if masked else None
     if vis is not None:
         s = jnp.where(vis, s, -jnp.inf)
-    # lse and di arrive as compact [1, bq] rows; the tile needs [bq, 1] columns.
-    lse0, di = jnp.where(lse == -jnp.inf, 0.0, lse).T, di.T
+    # lse and di arrive as compact [1, bq] rows: a key-major tile broadcasts them as they are, a
+    # query-major one needs [bq, 1] columns (a transpose per tile).
+    lse0 = jnp.where(lse == -jnp.inf, 0.0, lse)
+    if not key_major:
+        lse0, di = lse0.T, di.T
     if fold:
         p = jnp.exp2(s * (g.spec.scale * LOG2_E) - lse0 * LOG2_E)
     else:
         p = jnp.exp(s - lse0)
-    dp = _dot(do, v, _NT)
+    dp = _dot(v, do, _NT) if key_major else _dot(do, v, _NT)
     p_dropped = p
     if g.spec.dropout_rate:
         with jax.named_scope(DROPOUT_SCOPE):
-            keep = tile_keep(g, head_seed, st_q, st_k)
+            keep = tile_keep(g, head_seed, st_q, st_k, key_major)
             rate = g.spec.dropout_rate
             p_dropped, dp = dropout.apply(p, keep, rate), dropout.apply(dp, keep, rate)
     dlogits = p * (dp - di)
-    grad = mod_grad(g, raw, bias, at)
+    grad = mod_grad(g, raw, bias, at, key_major)
     if grad is not None:
         dlogits = jnp.where(p > 0, dlogits * grad, 0.0)
     return p_dropped, dlogits, raw
@@ -185,16 +192,17 @@ def _dkv_kernel(
             do,
             lse_ref[h],
             di_ref[h],
-            _tile(bias_ref, h, lay.bias_heads),
+            _key_major(_tile(bias_ref, h, lay.bias_heads)),
             _tile(mask_ref, h, lay.mask_heads),
             load(q_seg_ref),
             load(kv_seg_ref),
             _head_seed(tables, g, lay, bi, hk * group + gi + h),
             masked,
             mod_site(tables, bi, hk * group + gi + h, st.block, j),
+            key_major=True,
         )
-        dv_scr[kv] += _dot(p, do, _TN)
-        dk_scr[kv] += _dot(_dscores(g, dlogits, raw), q, _TN)
+        dv_scr[kv] += _dot(p, do, _NN)
+        dk_scr[kv] += _dot(_dscores(g, dlogits, raw), q, _NN)
 
     def _compute(masked):  # one head (heads-major) or a loop over every head (token-major)
         for_each_head(lay.heads, lambda h: head(h, masked))
@@ -207,6 +215,12 @@ def _dkv_kernel(
         _scaled(g, dk_scr)
         ops.write_rows(dk_ref, dk_scr)
         ops.write_rows(dv_ref, dv_scr)
+
+
+def _key_major(bias_tile):
+    """A [bq, bk]-oriented bias tile (or a broadcast [1, bk] / [bq, 1] one) as the key-major tile's
+    [bk, bq] (f32: Mosaic transposes 32-bit tiles; the scores it is added to are f32 anyway)."""
+    return None if bias_tile is None else bias_tile.astype(jnp.float32).T
 
 
 def _tile(ref, h, per_head: bool):
@@ -248,10 +262,15 @@ def dkv_call(
     """dK/dV kernel on padded operands in ``ops``'s layout; returns ``(dk, dv)`` in that layout.
 
     ``lse``/``di`` are f32 rows [B, Hq, nq, 1, bq]; ``tables`` is the call's column-major
-    :class:`~flashport.kernels.backends.pallas_tpu.tiling.Tables`.
+    :class:`~flashport.kernels.backends.pallas_tpu.tiling.Tables`. The kernel computes key-major
+    [bk, bq] tiles (K·Qᵀ, as the accumulated dK/dV rows are keys): ``P`` and ``dS`` then multiply dO
+    and Q untransposed and the lse/di rows broadcast as they are. The segment ids (``q_seg``
+    [B, Sqp, 1], ``kv_seg`` [B, 1, Skp]) are laid out for it here: queries along lanes, keys along rows.
     """
     b, hq, hkv = ops.batch(q), ops.heads(q), ops.heads(k)
     dp, dvp, group = q.shape[-1], v.shape[-1], hq // hkv
+    if q_seg is not None:
+        q_seg, kv_seg = jnp.swapaxes(q_seg, 1, 2), jnp.swapaxes(kv_seg, 1, 2)
     heads, kv_heads = (hq, hkv) if ops.token_major else (1, 1)
     maps, in_specs = key_major_specs(g, ops, q, k, v, bias, mask, q_seg is not None)
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]

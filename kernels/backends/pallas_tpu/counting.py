@@ -139,14 +139,16 @@ def _kernel_jaxpr(closed, name: str):
 def mask_ops_per_tile(kernel_jaxpr, bq: int, bk: int) -> dict[str, int]:
     """Mask operations over a ``[bq, bk]`` tile in each tile body: ``{"full": n, "partial": n}``.
 
-    Counts equations of :data:`MASK_PRIMITIVES` with a ``[bq, bk]`` output inside the body's named
-    scope, outside the online-softmax and dropout scopes. A body the kernel does not build counts 0.
+    Counts equations of :data:`MASK_PRIMITIVES` with a ``[bq, bk]`` output (or ``[bk, bq]``: the
+    dK/dV kernel's key-major tiles) inside the body's named scope, outside the online-softmax and
+    dropout scopes. A body the kernel does not build counts 0.
     """
     counts = {"full": 0, "partial": 0}
+    tiles = {(bq, bk), (bk, bq)}
     for eqn, stack in _walk(kernel_jaxpr, ""):
         if eqn.primitive.name not in MASK_PRIMITIVES or any(s in stack for s in UNCOUNTED_SCOPES):
             continue
-        if not any(tuple(getattr(v.aval, "shape", ())) == (bq, bk) for v in eqn.outvars):
+        if not any(tuple(getattr(v.aval, "shape", ())) in tiles for v in eqn.outvars):
             continue
         if FULL_SCOPE in stack:
             counts["full"] += 1

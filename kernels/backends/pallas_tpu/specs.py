@@ -264,12 +264,13 @@ def key_major_specs(g: Geometry, ops: Operands, q, k, v, bias, mask, segmented: 
         lse_rows_spec(g, heads, maps.q),
         None if bias is None else grouped_bias_spec(g, bias.shape, heads, maps.bias),
         None if mask is None else grouped_bias_spec(g, mask.shape, heads, maps.bias),
+        # Key-major tiles: query ids along lanes [B, 1, Sqp], key ids along rows [B, Skp, 1].
         pl.BlockSpec(
-            (_SQ, g.bq, 1), lambda bi, hk, j, gi, i, t: (bi, maps.step(bi, hk, j, gi, i, t).block, 0)
+            (_SQ, 1, g.bq), lambda bi, hk, j, gi, i, t: (bi, 0, maps.step(bi, hk, j, gi, i, t).block)
         )
         if segmented
         else None,
-        pl.BlockSpec((_SQ, 1, g.bk), lambda bi, hk, j, gi, i, t: (bi, 0, j)) if segmented else None,
+        pl.BlockSpec((_SQ, g.bk, 1), lambda bi, hk, j, gi, i, t: (bi, j, 0)) if segmented else None,
     ]
     return maps, specs
 

@@ -294,33 +294,47 @@ def load(ref):
     return None if ref is None else ref[...]
 
 
-def tile_visible(g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_tile=None, at=None):
+def tile_shape(g: Geometry, key_major: bool = False) -> tuple[int, int]:
+    """Shape of one score tile: [bq, bk], or [bk, bq] for a key-major tile (keys along the rows)."""
+    return (g.bk, g.bq) if key_major else (g.bq, g.bk)
+
+
+def tile_visible(
+    g: Geometry, qi, kj, mask_tile=None, q_seg_tile=None, kv_seg_tile=None, at=None, key_major=False
+):
     """In-kernel boolean [bq, bk] (or ``None`` = all visible) for query block ``qi``, key block ``kj``.
 
     Positions come from 2-D iotas; keys past ``seq_k`` and causal/window structure are hidden; the
-    mask tile (int8, broadcastable) and segment id tiles ([bq, 1] vs [1, bk]) are applied if given,
-    and the ``mask_mod`` of ``g.mods`` at ``at`` (:func:`mod_site`).
+    mask tile (int8, broadcastable, [bq, bk] orientation) and segment id tiles ([bq, 1] vs [1, bk], or
+    [1, bq] vs [bk, 1] key-major) are applied if given, and the ``mask_mod`` of ``g.mods`` at ``at``
+    (:func:`mod_site`). ``key_major``: the [bk, bq] tile of :func:`tile_shape`.
     """
     spec = g.spec
     vis = None
+    shape = tile_shape(g, key_major)
+    q_axis, k_axis = (1, 0) if key_major else (0, 1)
 
     def both(a, b):
         return b if a is None else jnp.logical_and(a, b)
 
     if g.needs_position_mask:
-        k_pos = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 1)
+        k_pos = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, shape, k_axis)
         vis = k_pos < spec.seq_k if g.skp != spec.seq_k else None
         if spec.has_positional_mask:
-            diag = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 0) + spec.offset
+            diag = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis) + spec.offset
             vis = band_visible(
                 diag, k_pos, causal=spec.causal, left=spec.window_left, right=spec.window_right, visible=vis
             )
     if mask_tile is not None:
-        vis = both(vis, jnp.broadcast_to(mask_tile != 0, (g.bq, g.bk)))
+        # Widened to 32 bits: an int8 compare gives a boolean in int8's (32, 128) vreg layout, which
+        # Mosaic cannot relayout to select over f32 scores; and it transposes 32-bit tiles only.
+        mask_tile = mask_tile.astype(jnp.int32)
+        mask_tile = mask_tile.T if key_major else mask_tile
+        vis = both(vis, jnp.broadcast_to(mask_tile != 0, shape))
     if q_seg_tile is not None:
         vis = both(vis, q_seg_tile == kv_seg_tile)
     if g.has_mask_mod and at is not None:
-        vis = both(vis, _mods(g, at).visible(*_indices(g, at)))
+        vis = both(vis, _mods(g, at).visible(*_indices(g, at, key_major)))
     return vis
 
 
@@ -338,11 +352,15 @@ def _mods(g: Geometry, at):
     return Mods(score, consts[:n_score], mask, consts[n_score:])
 
 
-def _indices(g: Geometry, at):
-    """Batch, query head (scalars), query rows [bq, 1] and key columns [1, bk] of the tile ``at``."""
+def _indices(g: Geometry, at, key_major=False):
+    """Batch, query head (scalars), query rows [bq, 1] and key columns [1, bk] of the tile ``at``
+    (key-major: query positions [1, bq] and keys [bk, 1], so that they broadcast to [bk, bq])."""
     _, batch, head, qi, kj = at
-    rows = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, 1), 0)
-    cols = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, (1, g.bk), 1)
+    q_shape, k_shape, q_axis, k_axis = (
+        ((1, g.bq), (g.bk, 1), 1, 0) if key_major else ((g.bq, 1), (1, g.bk), 0, 1)
+    )
+    rows = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, q_shape, q_axis)
+    cols = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, k_shape, k_axis)
     return batch, head, rows, cols
 
 
@@ -351,22 +369,23 @@ def _pre_mod(g: Geometry, raw, bias_tile):
     return s if bias_tile is None else s + bias_tile
 
 
-def scores(g: Geometry, q, k, bias_tile, at=None):
+def scores(g: Geometry, q, k, bias_tile, at=None, key_major=False):
     """Scaled (and soft-capped, biased, score_mod-ed at ``at``) f32 scores [bq, bk] of one tile plus
-    the pre-softcap ``raw``."""
-    raw = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    the pre-softcap ``raw``; ``key_major``: the [bk, bq] tile (K·Qᵀ; ``bias_tile`` oriented alike)."""
+    a, b = (k, q) if key_major else (q, k)
+    raw = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     raw = raw * g.spec.scale
     s = _pre_mod(g, raw, bias_tile)
     if g.mods is not None and g.mods[0] is not None and at is not None:
-        s = _mods(g, at).apply_score(s, *_indices(g, at))
+        s = _mods(g, at).apply_score(s, *_indices(g, at, key_major))
     return s, raw
 
 
-def mod_grad(g: Geometry, raw, bias_tile, at):
+def mod_grad(g: Geometry, raw, bias_tile, at, key_major=False):
     """d score_mod / d score over the tile (``None`` without a score_mod)."""
     if g.mods is None or g.mods[0] is None or at is None:
         return None
-    return _mods(g, at).score_derivative(_pre_mod(g, raw, bias_tile), *_indices(g, at))
+    return _mods(g, at).score_derivative(_pre_mod(g, raw, bias_tile), *_indices(g, at, key_major))
 
 
 LOG2_E = 1.4426950408889634
@@ -379,18 +398,18 @@ def folds_scale(g: Geometry, has_bias: bool) -> bool:
     return g.spec.softcap is None and not has_bias and (g.mods is None or g.mods[0] is None)
 
 
-def tile_keep(g: Geometry, head_seed, qi, kj):
-    """In-kernel dropout keep-mask [bq, bk] of query block ``qi`` x key block ``kj`` (``None``: no dropout).
+def tile_keep(g: Geometry, head_seed, qi, kj, key_major=False):
+    """In-kernel dropout keep-mask [bq, bk] (key-major: [bk, bq]) of query block ``qi`` x key block ``kj``
+    (``None``: no dropout).
 
     ``head_seed`` is the uint32 scalar ``t_bh`` of the tile's (global) batch and query head, read from
     the scalar-prefetch table. Positions are absolute (query and key axes are never sharded), so the
-    mask is :func:`flashport.kernels.semantics.dropout.keep_mask` itself, whatever the block sizes: the row hash
-    is computed once per query row ([bq, 1]) and combined with each key column.
+    mask is :func:`flashport.kernels.semantics.dropout.keep_mask` itself, whatever the block sizes and
+    orientation: the row hash is computed once per query position and combined with each key.
     """
     if g.spec.dropout_rate == 0:
         return None
-    rows = qi * g.bq + jax.lax.broadcasted_iota(jnp.int32, (g.bq, 1), 0)
-    cols = kj * g.bk + jax.lax.broadcasted_iota(jnp.int32, (1, g.bk), 1)
+    _, _, rows, cols = _indices(g, (None, None, None, qi, kj), key_major)
     return dropout.keep_mask(g.spec.dropout_rate, head_seed, rows, cols)
 
 
