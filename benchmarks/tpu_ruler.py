@@ -503,18 +503,30 @@ def _kwargs(cfg: Config) -> dict:
     return kw
 
 
-def flashport_kernels(cfg: Config, layout: str, **options):
-    """(program, specs, {kernel name prefix: Counts}) of flashport's ``pallas_tpu`` backend."""
+def _mask_mod_kwargs(cfg: Config) -> dict:
+    """The mask of ``cfg`` (causal or sliding window) written as a FlexAttention-style mask_mod."""
+    if cfg.mask == "causal":
+        return {"mask_mod": lambda b, h, i, j: j <= i}
+    if cfg.mask == "window":
+        return {"mask_mod": lambda b, h, i, j: (j <= i) & (i - j <= cfg.window)}
+    raise ValueError(f"no mask_mod form for the {cfg.mask} rows")
+
+
+def flashport_kernels(cfg: Config, layout: str, as_mod: bool = False, **options):
+    """(program, specs, {kernel name prefix: Counts}) of flashport's ``pallas_tpu`` backend.
+    ``as_mod``: the mask goes in as a ``mask_mod`` (its block mask gives the same tile classes),
+    not as the built-in ``causal`` / ``window`` arguments."""
     import flashport
     from flashport.kernels.contract import registry
 
     backend = registry.use("pallas_tpu", generation=cfg.gen, **options)
-    kw = _kwargs(cfg)
+    kw = _mask_mod_kwargs(cfg) if as_mod else _kwargs(cfg)
     fn = lambda q, k, v: flashport.attention(q, k, v, layout=layout, backend=backend, **kw)  # noqa: E731
     prog, specs = _program(fn, cfg, layout)
     counts = {}
+    shape = dataclasses.replace(cfg, mask="full") if as_mod else cfg  # what the wrapper's blocks see
     for kind in ("dkv", "dq") if cfg.backward else ("fwd",):
-        g, token_major = flashport_geometry(cfg, layout, kind, **options)
+        g, token_major = flashport_geometry(shape, layout, kind, **options)
         full, partial = tile_classes(cfg, g.bq, g.bk, skip_segments=True, full_segments=True)
         groups = 1 if token_major else cfg.kv_heads  # grid extent along the heads
         if kind == "dkv":  # heads-major: one query head per step (grid axis G)
@@ -669,6 +681,9 @@ def main(argv=None) -> None:
     parser.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--out", help="also append the rows to this file")
     parser.add_argument("--validate", action="store_true", help="print validation() as JSON and exit")
+    parser.add_argument(
+        "--mods", action="store_true", help="compare each causal/window mask with the same mask as a mask_mod"
+    )
     args = parser.parse_args(argv)
     if args.validate:
         import json
@@ -677,6 +692,10 @@ def main(argv=None) -> None:
         return
     enable()
     import jax
+
+    if args.mods:
+        _mods_table(configs(args.gens, args.seqs, args.dims, args.masks, args.directions), args.out)
+        return
 
     header = (
         f"{'config':<36} {'splash':>11} {'fp BHSD':>11} {'fp BSHD':>11} {'BHSD/spl':>8} {'BSHD/spl':>8}"
@@ -704,6 +723,25 @@ def main(argv=None) -> None:
     if out:
         out.close()
     sys.stdout.flush()
+
+
+def _mods_table(rows: list[Config], out_path: str | None) -> None:
+    """flashport's Pallas TPU kernels with a built-in mask vs the same mask as a mask_mod (BHSD)."""
+    header = f"{'config':<36} {'built-in':>11} {'mask_mod':>11} {'mod/built-in':>12}"
+    print(header)
+    lines = [header]
+    for cfg in rows:
+        if cfg.mask not in ("causal", "window"):
+            continue
+        t0 = time.time()
+        builtin, _ = ruler_cycles(*flashport_kernels(cfg, "BHSD"))
+        mod, _ = ruler_cycles(*flashport_kernels(cfg, "BHSD", as_mod=True))
+        row = f"{cfg.name:<36} {builtin:>11,} {mod:>11,} {mod / builtin:>12.2f}  ({time.time() - t0:.0f}s)"
+        print(row, flush=True)
+        lines.append(row)
+    if out_path:
+        with open(out_path, "a") as out:
+            out.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
