@@ -171,7 +171,7 @@ def _compiled_flex() -> Any:
 
 def _jax_flex(kind, query, key, value, score_mod, block_mask, scale, return_lse, backend):
     """:func:`flashport.attention` with the torch mods traced into JAX (module docstring)."""
-    from flashport.torch import _run_jax
+    from flashport.torch import _Request, _run_jax
 
     mask_mod = None
     if block_mask is not None:
@@ -197,4 +197,5 @@ def _jax_flex(kind, query, key, value, score_mod, block_mask, scale, return_lse,
     }
     tensors = {"bias": None, "mask": None, "q_segment_ids": None, "kv_segment_ids": None}
     jax_backend = "auto" if backend == "auto" else backend
-    return _run_jax(kind, jax_backend, query, key, value, options, tensors, return_lse, (0.0, None))
+    request = _Request(query, key, value, options, tensors, return_lse, (0.0, None))
+    return _run_jax(kind, jax_backend, request)
