@@ -701,7 +701,7 @@ def _fake_call_jax(log):
                 hash(leaf)  # static leaves key the bridge's compilation cache
             else:
                 assert leaf.dtype != torch.int64, "int64 would not survive JAX without x64"
-        log.append((fn.__name__, [leaves[i].shape for i in tensor_at], {k: v for k, v in kwargs.items()}))
+        log.append((fn.__name__, [leaves[i].shape for i in tensor_at], _jax.unpack_static(dict(kwargs))))
 
         def traced(*tensors):
             new = list(leaves)

@@ -17,9 +17,34 @@ module import time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticKeywords:
+    """A call's static keywords as one hashable leaf that is not callable.
+
+    torchax's ``call_jax`` turns every callable among its arguments into a torch function of torchax
+    tensors, which would make the traced ``score_mod`` / ``mask_mod`` torch code; one opaque leaf
+    crosses it untouched, and :func:`jax_forward` / :func:`jax_backward` (stable functions, as the
+    bridges' caches need) unpack it."""
+
+    items: tuple
+
+    @classmethod
+    def of(cls, keywords: dict) -> StaticKeywords:
+        """The keywords, packed."""
+        return cls(tuple(sorted(keywords.items())))
+
+
+def unpack_static(static: dict[str, Any]) -> dict[str, Any]:
+    """``static`` with a :class:`StaticKeywords` under ``static_keywords`` spread into it."""
+    packed = static.pop("static_keywords", None)
+    return {**static, **dict(packed.items)} if packed is not None else static
 
 
 def jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed=None, **static):
@@ -31,6 +56,7 @@ def jax_forward(q, k, v, bias, mask, q_seg, kv_seg, seed=None, **static):
     """
     from flashport.kernels.contract.api import attention
 
+    static = unpack_static(static)
     if seed is not None:
         import jax
         import jax.numpy as jnp
@@ -48,6 +74,7 @@ def jax_backward(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, d_out, d_ls
     forward is not run again). ``seed`` is the forward's dropout seed (the same mask) or None."""
     from flashport.kernels.contract.backward import attention_backward
 
+    static = unpack_static(static)
     if seed is not None:
         import jax
         import jax.numpy as jnp
@@ -167,15 +194,9 @@ def torchax_runner() -> CallJaxRunner:
     from torchax import interop
 
     def call(fn, args, kwargs):
-        # Only the tensors cross the bridge: call_jax would also wrap the callables among the static
-        # keywords (the traced score_mod / mask_mod) into torch functions of torchax tensors.
-        return interop.call_jax(functools.partial(_with_static, fn, kwargs), *args)
+        return interop.call_jax(fn, *args, static_keywords=StaticKeywords.of(kwargs))
 
     return CallJaxRunner("torchax", call)
-
-
-def _with_static(fn, static, *args):
-    return fn(*args, **static)
 
 
 class JaxAttention(torch.autograd.Function):

@@ -109,6 +109,22 @@ class TransformerEngineFusedAttn(Rule):
             note = (
                 f"TE's {ctx.qualified_name[len(prefix) :]} -> {target} (TE's own enum where TE is installed)"
             )
+            # an argument of a TE call moves with it: a refused call stays byte for byte as it was
+            calls = []
+            call = ctx.enclosing(node, cst.Call)
+            while call is not None:
+                if ctx.qualified_names(call.func) & {API, self.SOURCES[1]}:
+                    calls.append(call)
+                call = ctx.enclosing(call, cst.Call)
+            if calls:
+                otherwise = "an argument of a TransformerEngine fused_attn call that is not rewritten"
+                return Rewrite(
+                    dotted(target),
+                    imports=(DROP_IN,),
+                    notes=(note,),
+                    requires=tuple(calls),
+                    otherwise=otherwise,
+                )
             return Rewrite(dotted(target), imports=(DROP_IN,), notes=(note,))
         return super().check_reference(node, ctx)
 
