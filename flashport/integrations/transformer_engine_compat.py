@@ -19,43 +19,25 @@ import jax.numpy as jnp
 
 import flashport
 
+_BIAS_TYPES = ("NO_BIAS", "PRE_SCALE_BIAS", "POST_SCALE_BIAS")
+_MASK_MEMBERS = {  # AttnMaskType member -> attn_mask_type string
+    "NO_MASK": "no_mask",
+    "PADDING_MASK": "padding",
+    "CAUSAL_MASK": "causal",
+    "PADDING_CAUSAL_MASK": "padding_causal",
+    "CAUSAL_BOTTOM_RIGHT_MASK": "causal_bottom_right",
+    "PADDING_CAUSAL_BOTTOM_RIGHT_MASK": "padding_causal_bottom_right",
+}
+_LAYOUTS = ("BSHD_BSHD_BSHD", "BS3HD", "BSHD_BS2HD")
+_THD_LAYOUTS = ("THD_THD_THD", "T3HD", "THD_T2HD")
+
 try:  # TE's own enums where it is installed: a member the codemod moved here means the same to TE
     from transformer_engine.jax.attention import AttnBiasType, AttnMaskType, CPStrategy, QKVLayout
 except ImportError:  # no TransformerEngine: enums of the same member names
-
-    class AttnBiasType(enum.Enum):  # type: ignore[no-redef]
-        """TE's ``AttnBiasType`` (same member names)."""
-
-        NO_BIAS = 0
-        PRE_SCALE_BIAS = 1
-        POST_SCALE_BIAS = 2
-
-    class AttnMaskType(enum.Enum):  # type: ignore[no-redef]
-        """TE's ``AttnMaskType`` (same member names)."""
-
-        NO_MASK = 0
-        PADDING_MASK = 1
-        CAUSAL_MASK = 2
-        PADDING_CAUSAL_MASK = 3
-        CAUSAL_BOTTOM_RIGHT_MASK = 4
-        PADDING_CAUSAL_BOTTOM_RIGHT_MASK = 5
-
-    class QKVLayout(enum.Enum):  # type: ignore[no-redef]
-        """TE's ``QKVLayout`` (same member names)."""
-
-        BS3HD = 0
-        BSHD_BS2HD = 1
-        BSHD_BSHD_BSHD = 2
-        T3HD = 3
-        THD_T2HD = 4
-        THD_THD_THD = 5
-
-    class CPStrategy(enum.Enum):  # type: ignore[no-redef]
-        """TE's ``CPStrategy`` (same member names)."""
-
-        DEFAULT = 0
-        ALL_GATHER = 1
-        RING = 2
+    AttnBiasType = enum.Enum("AttnBiasType", _BIAS_TYPES)  # type: ignore[misc,no-redef]
+    AttnMaskType = enum.Enum("AttnMaskType", tuple(_MASK_MEMBERS))  # type: ignore[misc,no-redef]
+    QKVLayout = enum.Enum("QKVLayout", (*_LAYOUTS, *_THD_LAYOUTS))  # type: ignore[misc,no-redef]
+    CPStrategy = enum.Enum("CPStrategy", ("DEFAULT", "ALL_GATHER", "RING"))  # type: ignore[no-redef]
 
 
 _MASK_TYPES = {  # TE's canonicalize_attn_mask_type spellings -> (causal alignment or None, padding)
@@ -71,17 +53,6 @@ _MASK_TYPES = {  # TE's canonicalize_attn_mask_type spellings -> (causal alignme
     "bottom_right_causal_padding": ("bottom_right", True),
     "bottom_right_padding_causal": ("bottom_right", True),
 }
-_BIAS_TYPES = ("NO_BIAS", "PRE_SCALE_BIAS", "POST_SCALE_BIAS")
-_MASK_MEMBERS = {  # AttnMaskType member -> attn_mask_type string
-    "NO_MASK": "no_mask",
-    "PADDING_MASK": "padding",
-    "CAUSAL_MASK": "causal",
-    "PADDING_CAUSAL_MASK": "padding_causal",
-    "CAUSAL_BOTTOM_RIGHT_MASK": "causal_bottom_right",
-    "PADDING_CAUSAL_BOTTOM_RIGHT_MASK": "padding_causal_bottom_right",
-}
-_LAYOUTS = ("BSHD_BSHD_BSHD", "BS3HD", "BSHD_BS2HD")
-_THD_LAYOUTS = ("THD_THD_THD", "T3HD", "THD_T2HD")
 
 
 def _attend_mask(masked_out):

@@ -17,6 +17,11 @@ TE_FLAX = "flashport.integrations.transformer_engine_flax"
 RELEASE: Version = (0, 10, 2)
 TE_RELEASE: Version = (2, 18, 0)
 TE_FUSED_ATTN_RELEASE: Version = (2, 0, 0)
+# TransformerEngine-JAX's QKVLayout and AttnBiasType members (transformer_engine/jax/attention.py);
+# the drop-ins serve the separate and packed layouts, not THD sequence packing.
+TE_LAYOUTS = ("BSHD_BSHD_BSHD", "BS3HD", "BSHD_BS2HD")
+TE_THD_LAYOUTS = ("THD_THD_THD", "T3HD", "THD_T2HD")
+TE_BIAS_TYPES = ("NO_BIAS", "PRE_SCALE_BIAS", "POST_SCALE_BIAS")
 
 # transformer_engine/jax/attention.py at v2.0 (v2.1 renamed ``mask`` to ``sequence_descriptor``).
 TE_FUSED_ATTN = params(

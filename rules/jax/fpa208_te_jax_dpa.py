@@ -79,9 +79,7 @@ MASK_MAPPING = {
     "bottom_right_causal_padding": "causal=True, align='bottom_right' plus the mask (True = masked out)",
     "bottom_right_padding_causal": "causal=True, align='bottom_right' plus the mask (True = masked out)",
 }
-LAYOUTS = ("BSHD_BSHD_BSHD", "BS3HD", "BSHD_BS2HD")
-THD_LAYOUTS = ("THD_THD_THD", "T3HD", "THD_T2HD")
-BIAS_TYPES = ("NO_BIAS", "PRE_SCALE_BIAS", "POST_SCALE_BIAS")
+LAYOUTS, THD_LAYOUTS, BIAS_TYPES = jax_apis.TE_LAYOUTS, jax_apis.TE_THD_LAYOUTS, jax_apis.TE_BIAS_TYPES
 
 
 def mask_type_note(node, default: str, ctx) -> str:

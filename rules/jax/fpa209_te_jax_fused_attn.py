@@ -65,12 +65,12 @@ API = "transformer_engine.jax.attention.fused_attn"
 DROP_IN = jax_apis.TE_COMPAT
 SIGNATURE = Signature.of(jax_apis.TE_FUSED_ATTN)
 ENUMS = {  # TE's enums with the members the drop-in module's fallback enums have
-    "AttnBiasType": ("NO_BIAS", "PRE_SCALE_BIAS", "POST_SCALE_BIAS"),
+    "AttnBiasType": jax_apis.TE_BIAS_TYPES,
     "AttnMaskType": tuple(MASKS),
-    "QKVLayout": ("BS3HD", "BSHD_BS2HD", "BSHD_BSHD_BSHD", "T3HD", "THD_T2HD", "THD_THD_THD"),
+    "QKVLayout": (*jax_apis.TE_LAYOUTS, *jax_apis.TE_THD_LAYOUTS),
     "CPStrategy": ("DEFAULT", "ALL_GATHER", "RING"),
 }
-THD = ("T3HD", "THD_T2HD", "THD_THD_THD")
+THD = jax_apis.TE_THD_LAYOUTS
 
 
 @register
