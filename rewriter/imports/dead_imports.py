@@ -342,9 +342,7 @@ def _inner(stmt: ast.stmt, plan: _Plan, public: bool, drop_aliases) -> None:
         inner = getattr(stmt, field, None)
         if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
             in_try = field == "body" and isinstance(stmt, _TRY)
-            # a dead import in a try body that stays can no longer fail (flashport stands in for it)
-            guarded = in_try and not _required(stmt, plan)
-            guarded = guarded and (bool(plan.gpu_import_count) or not _handlers_idle(stmt, plan))
+            guarded = in_try and _guarded(stmt, plan)
             found = _body(inner, plan, scope_public, drop_aliases, pad=True, guarded=guarded)
             dropped.update(found if in_try else ())
     for handler in getattr(stmt, "handlers", []) or []:
@@ -355,11 +353,9 @@ def _inner(stmt: ast.stmt, plan: _Plan, public: bool, drop_aliases) -> None:
 
 def _emptied(stmt: ast.Try | ast.TryStar, plan: _Plan) -> bool:
     """A ``try`` (no ``else``/``finally``) whose body is only dead GPU imports that go (the body
-    is not guarded, see :func:`_inner`): nothing in it can raise any more, so its handlers are dead
+    is not guarded, :func:`_guarded`): nothing in it can raise any more, so its handlers are dead
     code and the whole block goes (it was left as ``try: pass`` with its handlers)."""
-    if stmt.orelse or stmt.finalbody:
-        return False
-    if not _required(stmt, plan) and (plan.gpu_import_count or not _handlers_idle(stmt, plan)):
+    if stmt.orelse or stmt.finalbody or _guarded(stmt, plan):
         return False
     imports = []
     for inner in stmt.body:
@@ -370,6 +366,16 @@ def _emptied(stmt: ast.Try | ast.TryStar, plan: _Plan) -> bool:
             return False
         imports.append(imp)
     return bool(imports) and _wholly_dead(imports, plan)
+
+
+def _guarded(stmt: ast.stmt, plan: _Plan) -> bool:
+    """The wholly dead GPU imports of this ``try`` body must stay: the imports were probed, not
+    required (:func:`_required`), and another GPU import of the file may still fail there or a
+    handler binds a name read elsewhere (:func:`_handlers_idle`). Otherwise a dead import in it can
+    no longer fail (flashport stands in for it) and goes."""
+    if _required(stmt, plan):
+        return False
+    return bool(plan.gpu_import_count) or not _handlers_idle(stmt, plan)
 
 
 def _required(stmt: ast.stmt, plan: _Plan) -> bool:
