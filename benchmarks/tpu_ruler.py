@@ -231,8 +231,9 @@ def _static(span: Span) -> int:
     return _own(span) + sum(c.trips * _static(c) if c.trips else _static(c) for c in span.children)
 
 
-def measure(sched: Schedule, counts: Counts) -> Breakdown:
-    """The kernel's static cycles: every region's bundles times how often it runs."""
+def measure(sched: Schedule, counts: Counts, grid_trips: int | None = None) -> Breakdown:
+    """The kernel's static cycles: every region's bundles times how often it runs. ``grid_trips``
+    replaces the grid loop's trip count read from the schedule (see :func:`derived_cycles`)."""
     root = sched.root
     classify(sched, root, inside_grid=False)
     loops: list[Span] = []
@@ -268,6 +269,10 @@ def measure(sched: Schedule, counts: Counts) -> Breakdown:
         for t in tiles:  # unknown structure: every body on every tile (an upper bound)
             runs_of_tile[id(t)] = total_tiles
     steps = grid.trips if grid is not None else 1
+    if grid_trips is not None:
+        if grid is None:
+            raise ValueError("the schedule has no grid loop to rescale")
+        steps = grid_trips
     regions: list[tuple[str, int, int]] = []
 
     def walk(span: Span, runs: int) -> int:
@@ -528,7 +533,8 @@ def flashport_kernels(cfg: Config, layout: str, as_mod: bool = False, **options)
     for kind in ("dkv", "dq") if cfg.backward else ("fwd",):
         g, token_major = flashport_geometry(shape, layout, kind, **options)
         full, partial = tile_classes(cfg, g.bq, g.bk, skip_segments=True, full_segments=True)
-        groups = 1 if token_major else cfg.kv_heads  # grid extent along the heads
+        # Grid extent along the heads: heads-major steps hold g.head_block kv heads (1 in the backward).
+        groups = 1 if token_major else cfg.kv_heads // g.head_block
         if kind == "dkv":  # heads-major: one query head per step (grid axis G)
             units = 1 if token_major else cfg.heads
             rows = g.nk * groups
@@ -612,6 +618,90 @@ def ruler_cycles(prog, specs, counts: dict[str, Counts], compile_fn=None) -> tup
     return sum(b.cycles for b in out.values()), out
 
 
+# The grid loop of a final schedule runs the grid's steps plus two pipeline steps (prologue, epilogue).
+PIPELINE_TRIPS = 2
+
+
+def kernel_grids(prog, specs) -> dict[str, set[tuple[tuple[int, ...], str]]]:
+    """``{pallas_call name: {(grid, block shapes)}}`` of the Pallas kernels of ``prog`` at ``specs``,
+    read from its jaxpr: traced, not compiled (seconds, where a compile takes minutes)."""
+    import jax
+
+    found: dict[str, set[tuple[tuple[int, ...], str]]] = {}
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                gm = eqn.params["grid_mapping"]
+                blocks = repr([tuple(map(str, bm.block_shape)) for bm in gm.block_mappings])
+                name = str(eqn.params["name"])
+                found.setdefault(name, set()).add((tuple(gm.grid), blocks))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(prog)(*specs).jaxpr)
+    return found
+
+
+def _grid_of(grids: dict, prefix: str) -> tuple[tuple[int, ...], str]:
+    (entry,) = {g for name, gs in grids.items() if name.startswith(prefix) for g in gs}
+    return entry
+
+
+def derived_cycles(build, cfg: Config, base_seq: int) -> tuple[int, dict[str, Breakdown]]:
+    """:func:`ruler_cycles` of ``build(cfg)`` (``build``: :func:`splash_kernels` or a
+    :func:`flashport_kernels` partial) from the schedules compiled at sequence length ``base_seq``.
+
+    A tile body, a first/last-step region and a grid step run the same code at any S when the kernel's
+    blocks are the same: only how often they run depends on S. So the schedules compiled at
+    ``base_seq`` are counted with ``cfg``'s runs: tiles per class and rows from ``build(cfg)``'s
+    counts (as a direct row), grid trips from the kernel's grid at ``cfg.seq`` (traced, not compiled)
+    plus the pipeline's two. Raises ``ValueError`` when a kernel's block shapes differ between the
+    two lengths (e.g. the causal square tiles of short sequences, :func:`fit_band`) or when the grid
+    loop of a base schedule does not run the base grid's steps + 2."""
+    import math
+
+    prog, specs, counts = build(cfg)
+    bprog, bspecs, _ = build(dataclasses.replace(cfg, seq=base_seq))
+    target, base = kernel_grids(prog, specs), kernel_grids(bprog, bspecs)
+    for prefix in counts:
+        if _grid_of(target, prefix)[1] != _grid_of(base, prefix)[1]:
+            raise ValueError(f"{prefix}: blocks at S={cfg.seq} differ from those at S={base_seq}")
+    schedules = compile_schedules(bprog, *bspecs)
+    out: dict[str, Breakdown] = {}
+    for name, text in sorted(schedules.items()):
+        match = [p for p in counts if name.startswith(p)]
+        if not match:
+            continue
+        at_base = measure(parse(text), counts[match[0]])
+        if at_base.grid_trips != math.prod(_grid_of(base, match[0])[0]) + PIPELINE_TRIPS:
+            raise ValueError(f"{name}: grid loop of {at_base.grid_trips} trips is not the base grid's + 2")
+        trips = math.prod(_grid_of(target, match[0])[0]) + PIPELINE_TRIPS
+        out[name] = measure(parse(text), counts[match[0]], grid_trips=trips)
+    missing = [p for p in counts if not any(n.startswith(p) for n in out)]
+    if missing:
+        raise ValueError(f"kernels {missing} not found among {sorted(schedules)}")
+    return sum(b.cycles for b in out.values()), out
+
+
+def base_seq_for(build, cfg: Config, candidates=(2048, 4096)) -> int | None:
+    """The shortest of ``candidates`` below ``cfg.seq`` at which ``build``'s kernels have ``cfg``'s
+    block shapes (a schedule :func:`derived_cycles` may rescale), or ``None``."""
+    prog, specs, counts = build(cfg)
+    target = kernel_grids(prog, specs)
+    for seq in candidates:
+        if seq >= cfg.seq:
+            break
+        bprog, bspecs, _ = build(dataclasses.replace(cfg, seq=seq))
+        base = kernel_grids(bprog, bspecs)
+        if all(_grid_of(target, p)[1] == _grid_of(base, p)[1] for p in counts):
+            return seq
+    return None
+
+
 def configs(gens, seqs, dims, masks, directions) -> list[Config]:
     """Every ruler row."""
     return [
@@ -635,7 +725,8 @@ def validation(gen: str = "v6e") -> dict:
     ``jax_flash``: ruler cycles and libtpu's static estimate of JAX's ``flash_attention`` (gated by
     grid arithmetic, so the estimate is valid), full and causal; ``grid``: flashport's forward at S and
     2S (cycles and computed tiles); ``rows``: ruler cycles, MXU floor and ceiling of splash and
-    flashport (BHSD, BSHD) forward and backward on small configs.
+    flashport (BHSD, BSHD) forward and backward on small configs; ``derived``: splash and flashport
+    (BHSD) causal forward at S=8192 compiled directly and derived from S=2048 (:func:`derived_cycles`).
     """
     import importlib.util
 
@@ -668,6 +759,14 @@ def validation(gen: str = "v6e") -> dict:
         for layout in ("BHSD", "BSHD"):
             row[layout] = ruler_cycles(*flashport_kernels(cfg, layout))[0]
         out["rows"].append(row)
+    cfg = Config(gen, 8192, 128, "causal", False)
+    out["derived"] = {
+        name: {"direct": ruler_cycles(*build(cfg))[0], "derived": derived_cycles(build, cfg, 2048)[0]}
+        for name, build in (
+            ("splash", splash_kernels),
+            ("BHSD", functools.partial(flashport_kernels, layout="BHSD")),
+        )
+    }
     return out
 
 
@@ -680,6 +779,11 @@ def main(argv=None) -> None:
     parser.add_argument("--masks", nargs="+", default=["full", "causal", "window", "gqa", "segments"])
     parser.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--out", help="also append the rows to this file")
+    parser.add_argument(
+        "--derive",
+        action="store_true",
+        help="rows at S > 2048 from the schedules of a shorter S with the same blocks (derived_cycles)",
+    )
     parser.add_argument("--validate", action="store_true", help="print validation() as JSON and exit")
     parser.add_argument(
         "--mods", action="store_true", help="compare each causal/window mask with the same mask as a mask_mod"
@@ -706,9 +810,15 @@ def main(argv=None) -> None:
     out = open(args.out, "a") if args.out else None
     for cfg in configs(args.gens, args.seqs, args.dims, args.masks, args.directions):
         t0 = time.time()
-        spl, _ = ruler_cycles(*splash_kernels(cfg))
-        bhsd, parts = ruler_cycles(*flashport_kernels(cfg, "BHSD"))
-        bshd, _ = ruler_cycles(*flashport_kernels(cfg, "BSHD"))
+        bases: list[str] = []
+        (spl, _), (bhsd, parts), (bshd, _) = (
+            _row_cycles(build, cfg, args.derive, bases)
+            for build in (
+                splash_kernels,
+                functools.partial(flashport_kernels, layout="BHSD"),
+                functools.partial(flashport_kernels, layout="BSHD"),
+            )
+        )
         best = min(bhsd, bshd)
         tiles = " ".join(f"{k.split('.')[0][16:]}:{v.tile_bundles}" for k, v in parts.items())
         row = (
@@ -716,6 +826,8 @@ def main(argv=None) -> None:
             f" {100 * floor_cycles(cfg) / spl:>9.1f}% {100 * floor_cycles(cfg) / best:>8.1f}%"
             f" {100 * ceiling_cycles(cfg) / best:>7.1f}%  {tiles}  ({time.time() - t0:.0f}s)"
         )
+        if any(bases):
+            row += f"  derived: splash/BHSD/BSHD from S={'/'.join(b or 'direct' for b in bases)}"
         print(row, flush=True)
         if out:
             out.write(row + "\n")
@@ -723,6 +835,16 @@ def main(argv=None) -> None:
     if out:
         out.close()
     sys.stdout.flush()
+
+
+def _row_cycles(build, cfg: Config, derive: bool, bases: list[str]) -> tuple[int, dict[str, Breakdown]]:
+    """One column of a row: :func:`derived_cycles` from a shorter S when ``derive`` and one has the
+    same blocks, else a direct compile; appends the base S used ("" when direct) to ``bases``."""
+    base = base_seq_for(build, cfg) if derive else None
+    bases.append(str(base or ""))
+    if base is None:
+        return ruler_cycles(*build(cfg))
+    return derived_cycles(build, cfg, base)
 
 
 def _mods_table(rows: list[Config], out_path: str | None) -> None:

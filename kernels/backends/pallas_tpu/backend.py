@@ -22,11 +22,12 @@ from flashport.kernels.backends.pallas_tpu.blocks import (
     GENERATION_DEFAULTS,
     GENERATION_DEVICE_KINDS,
     LANES,
-    TOKEN_MAJOR_VMEM,
+    MULTI_HEAD_VMEM,
     BlockSizes,
     fit_backward_blocks,
     fit_band,
     fit_forward_block_q,
+    fit_head_block,
     resolve_blocks,
     tile_operand_bytes,
 )
@@ -76,6 +77,8 @@ class Config:
         together (:func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_forward_block_q`,
         :func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_backward_blocks`); default blocks are first
         fitted to a causal or sliding-window band (:func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_band`).
+        The heads-major forward then takes as many kv heads per step as the larger VMEM budget holds
+        (``Geometry.head_block``, :func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_head_block`).
         """
         b = self.blocks
         bq, bk = {
@@ -93,6 +96,7 @@ class Config:
         dp, dvp = round_up(q.shape[3], LANES), round_up(v.shape[3], LANES)
         kv_heads = hkv if token_major else 1
         budget = self.vmem(token_major)[0]
+        head_block = 1
         if kind == "fwd":
             heads = hq if token_major else hq // hkv
             tiles = tile_operand_bytes(kind, heads, bias, mask)
@@ -108,6 +112,18 @@ class Config:
                 staged=token_major,
                 tile_bytes=tiles,
             )
+            if not token_major:  # several kv heads per step where the larger budget holds them
+                head_block = fit_head_block(
+                    bq,
+                    bk,
+                    heads,
+                    hkv,
+                    dp,
+                    dvp,
+                    itemsize,
+                    self.vmem(True)[0],
+                    lambda n: tile_operand_bytes(kind, n, bias, mask),
+                )
         else:
             heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
             tiles = tile_operand_bytes(kind, heads, bias, mask)
@@ -125,13 +141,14 @@ class Config:
                 staged=token_major,
                 tile_bytes=tiles,
             )
-        return dataclasses.replace(Geometry.make(self.spec, bq, bk), mods=self.mods)
+        return dataclasses.replace(Geometry.make(self.spec, bq, bk), mods=self.mods, head_block=head_block)
 
-    def vmem(self, token_major: bool) -> tuple[int, int | None]:
-        """``(budget, vmem_limit_bytes)`` of the kernels: token-major steps get the chip's larger
-        budget (:data:`~flashport.kernels.backends.pallas_tpu.blocks.TOKEN_MAJOR_VMEM`), heads-major ones the
-        default scoped VMEM."""
-        return TOKEN_MAJOR_VMEM[self.generation] if token_major else (FORWARD_VMEM_BUDGET, None)
+    def vmem(self, multi_head: bool) -> tuple[int, int | None]:
+        """``(budget, vmem_limit_bytes)`` of the kernels: steps holding several kv heads' blocks
+        (token-major, or the heads-major forward's head blocks) get the chip's larger budget
+        (:data:`~flashport.kernels.backends.pallas_tpu.blocks.MULTI_HEAD_VMEM`), others the default
+        scoped VMEM."""
+        return MULTI_HEAD_VMEM[self.generation] if multi_head else (FORWARD_VMEM_BUDGET, None)
 
     def operands(self, q, k, v, kinds) -> Operands:
         """The operand layout of kernels ``kinds`` for canonical ``q, k, v``: token-major when
@@ -304,7 +321,7 @@ def _forward_local(
         [qp, kp, vp, bias, mask, qs, ks],
         tables,
         ops=ops,
-        vmem_limit=cfg.vmem(ops.token_major)[1],
+        vmem_limit=cfg.vmem(ops.token_major or g.head_block > 1)[1],
         write_lse=write_lse,
         count_tiles=count_tiles,
         classify=classify,
@@ -316,7 +333,10 @@ def _forward_local(
     else:
         lse, counts = jnp.full((b, hq, sq), jnp.nan, jnp.float32), res[1:]
     if count_tiles:
-        return out, lse, counts[0][:, :, ::8, 0], counts[1][:, :, ::8, 0]
+        full, partial = (c[:, :, ::8, 0] for c in counts)
+        if g.head_block > 1:  # a step counts the tiles of its head block's hb * G heads: G per kv head
+            full, partial = (jnp.repeat(c // g.head_block, g.head_block, axis=1) for c in (full, partial))
+        return out, lse, full, partial
     return out, lse
 
 

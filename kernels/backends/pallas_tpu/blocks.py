@@ -213,10 +213,11 @@ def fit_window(bq: int, bk: int, left: int | None) -> tuple[int, int]:
 # for Mosaic's own temporaries.
 FORWARD_VMEM_BUDGET = 12 * 2**20
 
-# Token-major (BSHD) steps hold every head of their rows, so their blocks fit a larger budget on chips
-# with the VMEM for it: (budget the blocks fit, ``vmem_limit_bytes`` the kernels request). Physical
-# VMEM per core: 128 MiB on v5e/v6e, 64 MiB on v5p; v4 keeps the 16 MiB default scoped VMEM.
-TOKEN_MAJOR_VMEM = {
+# Steps holding the blocks of several kv heads (token-major: every head of their rows; the heads-major
+# forward's head blocks, :func:`fit_head_block`) fit a larger budget on chips with the VMEM for it:
+# (budget the blocks fit, ``vmem_limit_bytes`` the kernels request). Physical VMEM per core: 128 MiB
+# on v5e/v6e, 64 MiB on v5p; v4 keeps the 16 MiB default scoped VMEM.
+MULTI_HEAD_VMEM = {
     "v4": (FORWARD_VMEM_BUDGET, None),
     "v5e": (48 * 2**20, 64 * 2**20),
     "v5p": (24 * 2**20, 32 * 2**20),
@@ -290,6 +291,33 @@ def fit_forward_block_q(
     ):
         bq = max(Q_ALIGN, round_to_align(bq // 2))
     return bq
+
+
+def fit_head_block(
+    bq: int,
+    bk: int,
+    group: int,
+    kv_heads: int,
+    dp: int,
+    dvp: int,
+    itemsize: int,
+    budget: int,
+    tile_bytes=lambda heads: 0,
+) -> int:
+    """Kv heads per step of the heads-major forward: the largest divisor ``hb`` of ``kv_heads`` whose
+    step (``hb * group`` query heads, ``hb`` kv heads, blocks ``bq`` x ``bk``) fits ``budget``
+    (:func:`forward_vmem_bytes`); ``tile_bytes(heads)`` gives the bias/mask bytes per score element
+    of a step serving ``heads`` query heads (:func:`tile_operand_bytes`). A grid step costs a fixed
+    scalar and DMA set-up (~200 bundles on the schedule ruler) whatever it holds: one step per head
+    block instead of per head pays it once per ``hb`` heads."""
+    best = 1
+    for hb in range(2, kv_heads + 1):
+        heads = hb * group
+        if kv_heads % hb == 0 and (
+            forward_vmem_bytes(bq, bk, heads, dp, dvp, itemsize, hb, tile_bytes=tile_bytes(heads)) <= budget
+        ):
+            best = hb
+    return best
 
 
 def round_to_align(rows: int) -> int:

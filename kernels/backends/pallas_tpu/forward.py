@@ -2,9 +2,10 @@
 
 Two operand layouts, one kernel body (:class:`~flashport.kernels.backends.pallas_tpu.specs.Operands`):
 
-* heads-major (BHSD): grid ``(B, Hkv, nq, steps_k)``; one step serves the G query heads of a GQA
-  group (their query rows form one ``[G, bq, D]`` block), so every K/V block is fetched once per
-  group rather than once per query head;
+* heads-major (BHSD): grid ``(B, Hkv / hb, nq, steps_k)``; one step serves the G query heads of
+  each of ``hb`` kv heads (``Geometry.head_block``: as many as VMEM holds; their query rows form one
+  ``[hb * G, bq, D]`` block, K/V ``[hb, bk, D]``), so every K/V block is fetched once per group
+  rather than once per query head, and a step's fixed cost is paid once per hb kv heads;
 * token-major (BSHD, the contract's default layout): grid ``(B, 1, nq, steps_k)``; one step serves
   every head: blocks ``[bq, Hq, D]`` of Q and ``[bk, Hkv, D]`` of K/V are read straight from the
   caller's BSHD arrays (no transpose in XLA before or after the kernel), each K/V block is fetched
@@ -63,7 +64,7 @@ _SQ = pl.Squeezed()
 class Layout:
     """Static shape facts of one forward call the kernel body needs."""
 
-    group: int  # query heads per grid step: G (heads-major) or Hq (token-major)
+    group: int  # query heads per grid step: head_block * G (heads-major) or Hq (token-major)
     ops: Operands  # the operands' layout and how a head's rows are read from a block
     fold_scale: bool  # scores stay unscaled; the scale is folded into exp2 (tiling.folds_scale)
     bias_heads: bool  # the bias has a per-head dim (indexed by gi) rather than a broadcast one
@@ -237,14 +238,13 @@ def forward_call(
     :func:`prepare_operands` (or ``None``), ``tables`` the call's
     :class:`~flashport.kernels.backends.pallas_tpu.tiling.Tables` with the full-tile ranges (``head_seeds`` set
     for dropout). ``out`` has ``q``'s layout; the lse is f32 [B, Hq, nq, 1, bq] (``None`` unless
-    ``write_lse``). ``count_tiles`` adds two int32 outputs [B, Hkv or 1, nq * 8, 128] counting the head
+    ``write_lse``). ``count_tiles`` adds two int32 outputs [B, Hkv / head_block or 1, nq * 8, 128] counting the head
     tiles computed per grid row and query block through the mask-free and the masked body - the
     instrumentation of the counting harness and the block-skipping tests. ``classify=False`` runs the
     masked body on every tile (the previous kernel's behaviour; the counting harness's "before").
     """
     b, hq, hkv, dvp = ops.batch(q), ops.heads(q), ops.heads(k), v.shape[-1]
-    group = hq // hkv
-    step_heads = hq if ops.token_major else group
+    step_heads = hq if ops.token_major else g.head_block * (hq // hkv)
     maps, in_specs = grouped_specs(g, ops, q, k, v, bias, mask, q_seg is not None)
     full_body, partial_body = bodies(g, has_mask=mask is not None, segmented=q_seg is not None)
     if not classify:
@@ -265,7 +265,7 @@ def forward_call(
     if write_lse:
         out_shape.append(jax.ShapeDtypeStruct((b, hq, g.nq, 1, g.bq), jnp.float32))
         out_specs.append(lse_rows_spec(g, step_heads, maps.q))
-    grid_kv = 1 if ops.token_major else hkv
+    grid_kv = 1 if ops.token_major else hkv // g.head_block
     if count_tiles:
         for _ in range(2):
             out_shape.append(jax.ShapeDtypeStruct((b, grid_kv, g.nq * 8, LANES), jnp.int32))

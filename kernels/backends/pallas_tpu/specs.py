@@ -88,9 +88,10 @@ class Operands:
     def kv_rows(self, ref, gi):
         """K/V rows [rows, D] for query head ``gi`` of the step's heads (its kv head ``gi // G``).
 
-        ``ref`` is a heads-major one-head block, or a token-major block's VMEM copy (:meth:`stage`).
+        ``ref`` is a heads-major one-head block [rows, D], a heads-major block of several kv heads
+        [heads, rows, D] (the forward's head blocks) or a token-major block's VMEM copy (:meth:`stage`).
         """
-        return ref[gi // self.kv_group] if self.token_major else ref[...]
+        return ref[gi // self.kv_group] if len(ref.shape) == 3 else ref[...]
 
     def stage(self, ref, scratch) -> None:
         """Copy a token-major block ``ref`` [rows, H, D] into heads-major VMEM ``scratch`` [H, rows, D].
@@ -276,11 +277,13 @@ def key_major_specs(g: Geometry, ops: Operands, q, k, v, bias, mask, segmented: 
 
 
 class GroupMajor:
-    """Index maps of the forward's grouped grid ``(B, Hkv, nq, steps_k)``: one kv head per step.
+    """Index maps of the forward's grouped grid ``(B, Hkv / head_block, nq, steps_k)``: one block of
+    kv heads per step (one kv head unless ``Geometry.head_block`` says more).
 
     The G query heads of a GQA group share the step: their query rows form one ``[G, bq, D]`` block
     (query head ``hk * G + gi`` at index gi), so each K/V block is fetched once per group instead of
-    once per query head.
+    once per query head. With a head block of ``hb`` kv heads, index ``hk`` counts blocks: query
+    heads ``hk * hb * G + gi``, kv heads ``hk * hb + gi // G``.
     """
 
     def __init__(self, g: Geometry, group: int):
@@ -323,17 +326,19 @@ def grouped_specs(g: Geometry, ops: Operands, q, k, v, bias, mask, segmented: bo
     """Input specs of the grouped forward (``q, k, v, bias, mask, q_seg, kv_seg``) or, with
     ``grads``, of the grouped dQ kernel (``do, lse, di`` after ``v``); ``None`` where absent.
 
-    Heads-major: one step serves a GQA group; token-major: one step serves every head (grid extent 1
-    along the kv heads). Either way each K/V block is fetched once per group, not per query head.
+    Heads-major: one step serves the GQA groups of ``g.head_block`` kv heads (the grid's head axis
+    counts head blocks); token-major: one step serves every head (grid extent 1 along the kv heads).
+    Either way each K/V block is fetched once per group, not per query head.
     """
     hq, hkv = ops.heads(q), ops.heads(k)
     maps = GroupMajor(g, hq // hkv)
-    step_heads = hq if ops.token_major else hq // hkv
+    kv_heads = hkv if ops.token_major else g.head_block
+    step_heads = kv_heads * (hq // hkv)
     dp, dvp = q.shape[-1], v.shape[-1]
     specs = [
         ops.spec(step_heads, g.bq, dp, maps.q),
-        ops.spec(hkv, g.bk, dp, maps.kv, squeeze=True),
-        ops.spec(hkv, g.bk, dvp, maps.kv, squeeze=True),
+        ops.spec(kv_heads, g.bk, dp, maps.kv, squeeze=kv_heads == 1),
+        ops.spec(kv_heads, g.bk, dvp, maps.kv, squeeze=kv_heads == 1),
     ]
     if grads:
         specs += [

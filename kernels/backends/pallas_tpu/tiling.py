@@ -56,6 +56,9 @@ class Geometry(PaddedLengths):
     # the user mods the tiles run (kernels/mods.py); their arrays travel in ``Tables.mod_consts``,
     # the tile classes of the mask_mod's block mask in ``Tables.mod_classes``.
     mods: Any = None
+    # Kv heads per grid step of the heads-major forward (its query heads: head_block * G), from
+    # :func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_head_block`; 1 elsewhere.
+    head_block: int = 1
 
     @property
     def has_mask_mod(self) -> bool:
