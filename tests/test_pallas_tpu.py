@@ -149,34 +149,43 @@ def test_full_tiles_with_segments_and_gqa():
 
 
 def test_head_blocks_keep_each_heads_rows(monkeypatch):
-    """The heads-major forward serves several kv heads per grid step (``Geometry.head_block``). With a
-    VMEM budget that holds two of six kv heads (GQA 2: four query heads per step, three steps along
-    the heads), every query head must still read its own query rows, its own kv head's K/V, its own
-    slice of a per-head bias and write its own output and lse rows: a mix-up of heads within or
-    across steps changes the output."""
+    """The heads-major forward and dQ kernels serve several kv heads per grid step
+    (``Geometry.head_block``). With a VMEM budget that holds two of six kv heads (GQA 2: four query
+    heads per step, three steps along the heads), every query head must still read its own query
+    rows, its own kv head's K/V, its own slice of a per-head bias and write its own output, lse, dQ
+    and bias-gradient rows: a mix-up of heads within or across steps changes the results."""
     from flashport.kernels.backends.pallas_tpu import backend as pb
-    from flashport.kernels.backends.pallas_tpu.blocks import MULTI_HEAD_VMEM, forward_vmem_bytes
+    from flashport.kernels.backends.pallas_tpu.blocks import (
+        MULTI_HEAD_VMEM,
+        backward_vmem_bytes,
+        forward_vmem_bytes,
+    )
 
     hq, hkv, sq, sk = 12, 6, 70, 200
-    # float32, D = 64 (padded to 128 lanes: heads-major), a per-head f32 bias tile (2 buffers) per head.
-    budget = forward_vmem_bytes(32, 128, 2 * 2, 128, 128, 4, 2, tile_bytes=2 * 4 * 4)
+    # float32, D = 64 (padded to 128 lanes: heads-major), 32 x 128 tiles, a per-head f32 bias
+    # (2 buffers per head; the dQ kernel also double-buffers its f32 gradient tile).
+    fwd = forward_vmem_bytes(32, 128, 2 * 2, 128, 128, 4, 2, tile_bytes=2 * 4 * 4)
+    dq = backward_vmem_bytes("dq", 32, 128, 2 * 2, 2, 128, 128, 4, tile_bytes=4 * 4 * 4)
+    budget = max(fwd, dq)
+    assert forward_vmem_bytes(32, 128, 3 * 2, 128, 128, 4, 3, tile_bytes=2 * 4 * 6) > budget
     monkeypatch.setitem(MULTI_HEAD_VMEM, "v6e", (budget, None))
     q, k, v, d_out, kwargs = make_case(sq=sq, sk=sk, hq=hq, hkv=hkv, causal=True, bias=(1, hq, sq, sk))
     _, blocks = resolve_blocks({"block_q": 32, "block_k": 128}, "pallas_tpu_interpret")
     canon = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
-    g = pb.Config(_spec(sq, sk, causal=True), blocks, True, "v6e").geometry(
-        "fwd", *canon, bias=kwargs["bias"]
-    )
-    assert g.head_block == 2
+    cfg = pb.Config(_spec(sq, sk, causal=True), blocks, True, "v6e")
+    assert [cfg.geometry(kind, *canon, bias=kwargs["bias"]).head_block for kind in ("fwd", "dq", "dkv")] == [
+        2,
+        2,
+        1,
+    ]
     check(q, k, v, d_out, kwargs)
 
 
 def test_head_block_is_a_divisor_of_the_kv_heads_that_fits():
-    from flashport.kernels.backends.pallas_tpu.blocks import fit_head_block, forward_vmem_bytes
+    from flashport.kernels.backends.pallas_tpu.blocks import fit_head_block
 
-    def fitted(kv_heads, fits):  # G = 2; the budget holds ``fits`` kv heads' blocks and no more
-        budget = forward_vmem_bytes(512, 512, 2 * fits, 128, 128, 2, fits)
-        return fit_head_block(512, 512, 2, kv_heads, 128, 128, 2, budget)
+    def fitted(kv_heads, fits):  # the budget holds ``fits`` kv heads' blocks and no more
+        return fit_head_block(kv_heads, lambda hb: (hb, fits))
 
     assert fitted(6, 4) == 3  # 4 kv heads fit, but 4 does not divide 6
     assert fitted(6, 6) == 6

@@ -16,8 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RULER = ROOT / "benchmarks" / "tpu_ruler.py"
-# Rows derived from a shorter sequence's schedules vs a direct compile (measured: PLACEHOLDER).
-DERIVED_TOLERANCE = 0.01
+# Rows derived from a shorter sequence's schedules vs a direct compile: v6e S=8192 causal fwd from
+# S=2048 measured flashport BHSD and BSHD exact, splash 0.32% above (1,276,260 vs 1,272,160).
+DERIVED_TOLERANCE = 0.005
 
 
 def _ruler():

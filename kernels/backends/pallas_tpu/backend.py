@@ -24,10 +24,12 @@ from flashport.kernels.backends.pallas_tpu.blocks import (
     LANES,
     MULTI_HEAD_VMEM,
     BlockSizes,
+    backward_vmem_bytes,
     fit_backward_blocks,
     fit_band,
     fit_forward_block_q,
     fit_head_block,
+    forward_vmem_bytes,
     resolve_blocks,
     tile_operand_bytes,
 )
@@ -77,7 +79,8 @@ class Config:
         together (:func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_forward_block_q`,
         :func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_backward_blocks`); default blocks are first
         fitted to a causal or sliding-window band (:func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_band`).
-        The heads-major forward then takes as many kv heads per step as the larger VMEM budget holds
+        The heads-major forward and dQ kernels then take as many kv heads per step as the larger VMEM
+        budget holds
         (``Geometry.head_block``, :func:`~flashport.kernels.backends.pallas_tpu.blocks.fit_head_block`).
         """
         b = self.blocks
@@ -112,18 +115,6 @@ class Config:
                 staged=token_major,
                 tile_bytes=tiles,
             )
-            if not token_major:  # several kv heads per step where the larger budget holds them
-                head_block = fit_head_block(
-                    bq,
-                    bk,
-                    heads,
-                    hkv,
-                    dp,
-                    dvp,
-                    itemsize,
-                    self.vmem(True)[0],
-                    lambda n: tile_operand_bytes(kind, n, bias, mask),
-                )
         else:
             heads = hq if token_major else (hq // hkv if kind == "dq" else 1)
             tiles = tile_operand_bytes(kind, heads, bias, mask)
@@ -141,6 +132,20 @@ class Config:
                 staged=token_major,
                 tile_bytes=tiles,
             )
+        if not token_major and kind != "dkv":  # several kv heads per step where the larger budget holds them
+            group, wide = hq // hkv, self.vmem(True)[0]
+
+            def step_bytes(hb: int) -> tuple[int, int]:
+                tiles = tile_operand_bytes(kind, hb * group, bias, mask)
+                if kind == "fwd":
+                    need = forward_vmem_bytes(bq, bk, hb * group, dp, dvp, itemsize, hb, tile_bytes=tiles)
+                else:
+                    need = backward_vmem_bytes(
+                        kind, bq, bk, hb * group, hb, dp, dvp, itemsize, tile_bytes=tiles
+                    )
+                return need, wide
+
+            head_block = fit_head_block(hkv, step_bytes)
         return dataclasses.replace(Geometry.make(self.spec, bq, bk), mods=self.mods, head_block=head_block)
 
     def vmem(self, multi_head: bool) -> tuple[int, int | None]:
@@ -391,7 +396,7 @@ def _backward_local(
         )
         call = dkv_call if kind == "dkv" else dq_call
         arrays = [*operands(g), _rows(lse, g), _rows(di, g), b_, m_, qs, ks]
-        limit = cfg.vmem(ops.token_major)[1]
+        limit = cfg.vmem(ops.token_major or g.head_block > 1)[1]
         results[kind] = (g, _launch(cfg, call, g, arrays, tables, ops=ops, vmem_limit=limit))
     _, (dk, dv_) = results["dkv"]
     g, dq_out = results["dq"]

@@ -12,8 +12,9 @@ With dropout both regenerate the forward's keep-mask Z from the head-seed table 
   key-major, ``[bk, bq]`` (``K·Qᵀ``, ``V·dOᵀ``): the accumulated rows are keys, so ``P`` and ``dS``
   multiply dO and Q as they are (``P·dO``, ``dS·Q``) and the lse/di rows broadcast along the lanes
   without a transpose; a bias (or mask) tile, read ``[bq, bk]``, is transposed in the kernel.
-* dQ: the forward's grouped grid ``(B, Hkv, nq, steps_k)``: one step serves the G query heads of a
-  kv head, so each K/V block is fetched once per group (not once per query head); dQ accumulates in
+* dQ: the forward's grouped grid ``(B, Hkv / hb, nq, steps_k)``: one step serves the G query heads of
+  each of ``hb`` kv heads (``Geometry.head_block``), so each K/V block is fetched once per group (not
+  once per query head) and a step's fixed cost is paid once per hb kv heads; dQ accumulates in
   f32 scratch. When a bias is given it also writes ``dS`` tiles (the bias gradient), row/column-summed
   in-kernel over broadcast sequence dims, into an output aliased to zeros so that skipped tiles read
   as 0.
@@ -337,7 +338,7 @@ def _dq_kernel(
     dbias_block,
 ):
     """One grid step ``(b, hk, i, j)``: add key block ``Step(...).block`` to query block i's dQ of the
-    step's heads (the G heads of kv head hk, or every head when token-major).
+    step's heads (the G heads of each kv head of head block hk, or every head when token-major).
 
     ``rest`` is ``dq_ref, [dbias_ref,] dq_scratch`` and, token-major, the heads-major VMEM copies of
     the Q, dO, K, V blocks (:meth:`Operands.stage`). With a bias, ``dbias_zeros_ref`` (HBM, never
@@ -437,7 +438,7 @@ def dq_call(
     """
     b, hq, hkv = ops.batch(q), ops.heads(q), ops.heads(k)
     dp, dvp = q.shape[-1], v.shape[-1]
-    heads = hq if ops.token_major else hq // hkv
+    heads = hq if ops.token_major else g.head_block * (hq // hkv)
     maps, in_specs = grouped_specs(g, ops, q, k, v, bias, mask, q_seg is not None, grads=True)
     operands = [q, k, v, do, lse, di, bias, mask, q_seg, kv_seg]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -480,7 +481,7 @@ def dq_call(
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(b, 1 if ops.token_major else hkv, g.nq, g.steps_k),
+            grid=(b, 1 if ops.token_major else hkv // g.head_block, g.nq, g.steps_k),
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=[

@@ -293,30 +293,18 @@ def fit_forward_block_q(
     return bq
 
 
-def fit_head_block(
-    bq: int,
-    bk: int,
-    group: int,
-    kv_heads: int,
-    dp: int,
-    dvp: int,
-    itemsize: int,
-    budget: int,
-    tile_bytes=lambda heads: 0,
-) -> int:
-    """Kv heads per step of the heads-major forward: the largest divisor ``hb`` of ``kv_heads`` whose
-    step (``hb * group`` query heads, ``hb`` kv heads, blocks ``bq`` x ``bk``) fits ``budget``
-    (:func:`forward_vmem_bytes`); ``tile_bytes(heads)`` gives the bias/mask bytes per score element
-    of a step serving ``heads`` query heads (:func:`tile_operand_bytes`). A grid step costs a fixed
-    scalar and DMA set-up (~200 bundles on the schedule ruler) whatever it holds: one step per head
-    block instead of per head pays it once per ``hb`` heads."""
+def fit_head_block(kv_heads: int, step_bytes) -> int:
+    """Kv heads per step of the heads-major forward and dQ kernels: the largest divisor ``hb`` of
+    ``kv_heads`` whose step fits, ``step_bytes(hb)`` giving the step's VMEM bytes and its budget
+    (:func:`forward_vmem_bytes` / :func:`backward_vmem_bytes` of ``hb * G`` query heads and ``hb``
+    kv heads). A grid step costs a fixed scalar and DMA set-up (~200 bundles on the schedule ruler)
+    whatever it holds: one step per head block instead of per kv head pays it once per ``hb``."""
     best = 1
     for hb in range(2, kv_heads + 1):
-        heads = hb * group
-        if kv_heads % hb == 0 and (
-            forward_vmem_bytes(bq, bk, heads, dp, dvp, itemsize, hb, tile_bytes=tile_bytes(heads)) <= budget
-        ):
-            best = hb
+        if kv_heads % hb == 0:
+            need, budget = step_bytes(hb)
+            if need <= budget:
+                best = hb
     return best
 
 
