@@ -29,7 +29,12 @@ Rates: a chip's bf16 MXU rate in FLOP per cycle is derived the same way, from th
 that rate (forward ``4·B·Hq·pairs·D``, backward 2.5× that), the *ceiling* divides the floor by the
 MXU fill at head dim D (``min(1, D / array width)``: 256 from v6e on, 128 before).
 
-    python benchmarks/tpu_ruler.py --gens v6e --seqs 2048 8192 --dims 128 [--out FILE]
+Long sequences (``--derive``): a kernel's regions run the same code at any S when its blocks are
+the same, so a row at S = 8192 or 32768 may reuse the schedules compiled at a shorter S with the
+same block shapes (:func:`base_seq_for`) and count them with the long row's tiles, rows and grid
+(:func:`derived_cycles`; checked against a direct compile in ``tests/test_tpu_ruler.py``).
+
+    python benchmarks/tpu_ruler.py --gens v6e --seqs 2048 8192 --dims 128 [--derive] [--out FILE]
 """
 
 from __future__ import annotations
@@ -533,10 +538,10 @@ def flashport_kernels(cfg: Config, layout: str, as_mod: bool = False, **options)
     for kind in ("dkv", "dq") if cfg.backward else ("fwd",):
         g, token_major = flashport_geometry(shape, layout, kind, **options)
         full, partial = tile_classes(cfg, g.bq, g.bk, skip_segments=True, full_segments=True)
-        # Grid extent along the heads: heads-major steps hold g.head_block kv heads (1 in the backward).
+        # Grid extent along the heads: heads-major steps hold g.head_block kv heads.
         groups = 1 if token_major else cfg.kv_heads // g.head_block
-        if kind == "dkv":  # heads-major: one query head per step (grid axis G)
-            units = 1 if token_major else cfg.heads
+        if kind == "dkv":  # heads-major without a head block: one query head per step (grid axis G)
+            units = cfg.heads if not token_major and g.head_block == 1 else groups
             rows = g.nk * groups
         else:
             units, rows = groups, g.nq * groups

@@ -132,7 +132,7 @@ class Config:
                 staged=token_major,
                 tile_bytes=tiles,
             )
-        if not token_major and kind != "dkv":  # several kv heads per step where the larger budget holds them
+        if not token_major:  # several kv heads per step where the larger budget holds them
             group, wide = hq // hkv, self.vmem(True)[0]
 
             def step_bytes(hb: int) -> tuple[int, int]:

@@ -6,8 +6,9 @@ With dropout both regenerate the forward's keep-mask Z from the head-seed table 
 ``dV = (P∘Z/(1-p))ᵀ dO``, ``dP = (dO Vᵀ)∘Z/(1-p)``, ``dS = P∘(dP - di)``.
 
 
-* dK/dV: grid ``(B, Hkv, nk, G, steps_q)``. K/V blocks stay resident while the query blocks that can
-  see them (and, for GQA, all G query heads of the group) stream past; dK/dV accumulate in f32 VMEM
+* dK/dV: grid ``(B, Hkv, nk, G, steps_q)``, or ``(B, Hkv / hb, nk, 1, steps_q)`` with a head block
+  (a step serves hb kv heads and all their query heads). K/V blocks stay resident while the query
+  blocks that can see them (and, for GQA, all G query heads of the group) stream past; dK/dV accumulate in f32 VMEM
   scratch and are written once, so K/V grads are never materialized per query head. Its tiles are
   key-major, ``[bk, bq]`` (``K·Qᵀ``, ``V·dOᵀ``): the accumulated rows are keys, so ``P`` and ``dS``
   multiply dO and Q as they are (``P·dO``, ``dS·Q``) and the lse/di rows broadcast along the lanes
@@ -38,7 +39,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flashport.kernels.backends.pallas_tpu.classify import DROPOUT_SCOPE, bodies, tile_is_full, when_by_class
 from flashport.kernels.backends.pallas_tpu.forward import for_each_head
-from flashport.kernels.backends.pallas_tpu.specs import Operands, grouped_specs, key_major_specs
+from flashport.kernels.backends.pallas_tpu.specs import (
+    Operands,
+    grouped_specs,
+    key_major_heads,
+    key_major_specs,
+)
 from flashport.kernels.backends.pallas_tpu.tiling import (
     LOG2_E,
     Geometry,
@@ -128,7 +134,7 @@ class GradLayout:
     """Static facts a backward kernel body needs: operand layout, heads per step, tile classes."""
 
     ops: Operands
-    heads: int  # query heads per grid step: 1 (dK/dV heads-major), G (dQ heads-major) or Hq
+    heads: int  # query heads per grid step: 1 (dK/dV heads-major) or hb * G (head block hb), or Hq
     spec_heads: int  # Hq: the row length of the dropout head-seed table
     bias_heads: bool  # the bias has a per-head dim (one tile per head of the step)
     mask_heads: bool
@@ -180,8 +186,10 @@ def _dkv_kernel(
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
+    first = (hk * g.head_block * group + gi) if not ops.token_major else 0  # global query head of h = 0
+
     def head(h, masked):
-        kv = h // group if ops.token_major else 0
+        kv = h // group  # 0 when the step holds one query head
         q, do = ops.q_rows(q_ref, h), ops.q_rows(do_ref, h)
         p, dlogits, raw = _probs_and_dlogits(
             g,
@@ -197,15 +205,15 @@ def _dkv_kernel(
             _tile(mask_ref, h, lay.mask_heads),
             load(q_seg_ref),
             load(kv_seg_ref),
-            _head_seed(tables, g, lay, bi, hk * group + gi + h),
+            _head_seed(tables, g, lay, bi, first + h),
             masked,
-            mod_site(tables, bi, hk * group + gi + h, st.block, j),
+            mod_site(tables, bi, first + h, st.block, j),
             key_major=True,
         )
         dv_scr[kv] += _dot(p, do, _NN)
         dk_scr[kv] += _dot(_dscores(g, dlogits, raw), q, _NN)
 
-    def _compute(masked):  # one head (heads-major) or a loop over every head (token-major)
+    def _compute(masked):  # one head, or a loop over the head block's / every head (token-major)
         for_each_head(lay.heads, lambda h: head(h, masked))
 
     is_full = lambda: st.full if st.full is not None else tile_is_full(tables, bi, st.block, j, g.nq, g.nk)  # noqa: E731
@@ -272,13 +280,19 @@ def dkv_call(
     dp, dvp, group = q.shape[-1], v.shape[-1], hq // hkv
     if q_seg is not None:
         q_seg, kv_seg = jnp.swapaxes(q_seg, 1, 2), jnp.swapaxes(kv_seg, 1, 2)
-    heads, kv_heads = (hq, hkv) if ops.token_major else (1, 1)
+    heads, kv_heads = key_major_heads(g, ops, hq, hkv)
     maps, in_specs = key_major_specs(g, ops, q, k, v, bias, mask, q_seg is not None)
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_specs = [
-        ops.spec(kv_heads, g.bk, dp, maps.kv, squeeze=True),
-        ops.spec(kv_heads, g.bk, dvp, maps.kv, squeeze=True),
+        ops.spec(kv_heads, g.bk, dp, maps.kv, squeeze=kv_heads == 1),
+        ops.spec(kv_heads, g.bk, dvp, maps.kv, squeeze=kv_heads == 1),
     ]
+    if ops.token_major:
+        grid = (b, 1, g.nk, 1, g.steps_q)
+    elif g.head_block > 1:
+        grid = (b, hkv // g.head_block, g.nk, 1, g.steps_q)
+    else:
+        grid = (b, hkv, g.nk, group, g.steps_q)
     itemsize = jnp.dtype(q.dtype).itemsize
     tiles = b * hq * sum(h - l for l, h in zip(g.col_lo, g.col_hi, strict=False))
     cost = pl.CostEstimate(
@@ -292,7 +306,7 @@ def dkv_call(
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(b, 1, g.nk, 1, g.steps_q) if ops.token_major else (b, hkv, g.nk, group, g.steps_q),
+            grid=grid,
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=[

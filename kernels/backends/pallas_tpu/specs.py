@@ -224,7 +224,10 @@ class QueryMajor:
 
 
 class KeyMajor:
-    """Index maps of the key-major grid ``(B, Hkv, nk, G, steps_q)`` (dK/dV kernel)."""
+    """Index maps of the key-major grid ``(B, Hkv, nk, G, steps_q)`` (dK/dV kernel): one query head
+    per step. With a head block (``Geometry.head_block`` > 1) the grid is ``(B, Hkv / hb, nk, 1,
+    steps_q)``: a step serves the ``hb`` kv heads of block ``hk`` and all their ``hb * G`` query heads
+    (one query-side block), as a token-major step serves every head."""
 
     def __init__(self, g: Geometry, group: int):
         self.g, self.group = g, group
@@ -233,9 +236,13 @@ class KeyMajor:
         """The visit schedule entry of grid point (bi, hk, j, gi, i): the query block to visit."""
         return Step(tables, bi, j, i, self.g.nk, self.g.nq, by_rows=False)
 
+    def _q_head(self, hk, gi):
+        """Query-side head (block) index: head ``hk * G + gi``, or head block ``hk``."""
+        return hk if self.g.head_block > 1 else hk * self.group + gi
+
     def q(self, bi, hk, j, gi, i, tables):
-        """Query-side blocks of query head ``hk * G + gi``: the scheduled query block."""
-        return bi, hk * self.group + gi, self.step(bi, hk, j, gi, i, tables).block, 0
+        """Query-side blocks of the step's query heads: the scheduled query block."""
+        return bi, self._q_head(hk, gi), self.step(bi, hk, j, gi, i, tables).block, 0
 
     def kv(self, bi, hk, j, gi, i, tables):
         """K/V (and dK/dV) blocks: the resident key block j."""
@@ -243,23 +250,33 @@ class KeyMajor:
 
     def bias(self, bi, hk, j, gi, i, tables):
         """(b, h, q block, k block) indices of bias/mask tiles."""
-        return bi, hk * self.group + gi, self.step(bi, hk, j, gi, i, tables).block, j
+        return bi, self._q_head(hk, gi), self.step(bi, hk, j, gi, i, tables).block, j
+
+
+def key_major_heads(g: Geometry, ops: Operands, hq: int, hkv: int) -> tuple[int, int]:
+    """``(query heads, kv heads)`` of one dK/dV step (see :class:`KeyMajor`)."""
+    if ops.token_major:
+        return hq, hkv
+    if g.head_block > 1:
+        return g.head_block * (hq // hkv), g.head_block
+    return 1, 1
 
 
 def key_major_specs(g: Geometry, ops: Operands, q, k, v, bias, mask, segmented: bool):
     """Input specs of the dK/dV kernel: ``q, k, v, do, lse, di, bias, mask, q_seg, kv_seg``.
 
-    Heads-major: one query head per step (grid ``(B, Hkv, nk, G, steps_q)``); token-major: every head
-    per step (grid ``(B, 1, nk, 1, steps_q)``).
+    Heads-major: one query head per step (grid ``(B, Hkv, nk, G, steps_q)``) or, with a head block,
+    the ``hb * G`` query heads of ``hb`` kv heads (grid ``(B, Hkv / hb, nk, 1, steps_q)``); token-major:
+    every head per step (grid ``(B, 1, nk, 1, steps_q)``).
     """
     hq, hkv = ops.heads(q), ops.heads(k)
     maps = KeyMajor(g, hq // hkv)
-    heads, kv_heads = (hq, hkv) if ops.token_major else (1, 1)
+    heads, kv_heads = key_major_heads(g, ops, hq, hkv)
     dp, dvp = q.shape[-1], v.shape[-1]
     specs = [
         ops.spec(heads, g.bq, dp, maps.q),
-        ops.spec(kv_heads, g.bk, dp, maps.kv, squeeze=True),
-        ops.spec(kv_heads, g.bk, dvp, maps.kv, squeeze=True),
+        ops.spec(kv_heads, g.bk, dp, maps.kv, squeeze=kv_heads == 1),
+        ops.spec(kv_heads, g.bk, dvp, maps.kv, squeeze=kv_heads == 1),
         ops.spec(heads, g.bq, dvp, maps.q),
         lse_rows_spec(g, heads, maps.q),
         lse_rows_spec(g, heads, maps.q),
