@@ -168,8 +168,9 @@ def test_no_estimate_falls_below_the_mxu_floor(validation):
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize(
     "config,bound",
-    # bwd: 0.93 (BHSD) and 0.95 (BSHD) with key-major dK/dV tiles (0.96 / 0.99 before).
-    [("v6e S=2048 D=128 full fwd", 1.0), ("v6e S=2048 D=128 full bwd", 0.97)],
+    # fwd: 0.76 (BHSD, head blocks; 0.86 before) and 0.82 (BSHD); bwd: 0.95 (BSHD) with key-major
+    # dK/dV tiles (0.99 before), BHSD below it.
+    [("v6e S=2048 D=128 full fwd", 0.9), ("v6e S=2048 D=128 full bwd", 0.97)],
 )
 def test_flashport_is_not_slower_than_splash_on_the_ruler(validation, config, bound):
     (row,) = [r for r in validation["rows"] if r["config"] == config]
