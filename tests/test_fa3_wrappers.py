@@ -99,8 +99,9 @@ def test_wrappers_that_do_not_normalize_stay():
     assert "does not normalize the result" in sites[(5, "refused")]
     assert "does not normalize the result" in sites[(8, "refused")]
     # the cache call's return type never changed: its splat ports whatever the wrapper does with it
-    assert "return_softmax_lse= is not a parameter" in sites[(17, "refused")]
-    assert [key for key in sites if key[1] == "rewrite"] == [(14, "rewrite")]
+    # return_softmax_lse= is sgl-kernel's build: its drop-in returns what the keyword asks for
+    assert (17, "rewrite") in sites
+    assert [key for key in sites if key[1] == "rewrite"] == [(14, "rewrite"), (17, "rewrite")]
 
 
 def test_a_wrapper_that_keeps_another_item_stays():
@@ -116,3 +117,65 @@ def test_a_wrapper_that_keeps_another_item_stays():
         """
     )
     assert "does not normalize the result" in sites[(5, "refused")]
+
+
+SGL_BUILD = """
+from flash_attn_interface import flash_attn_varlen_func
+
+
+def attend(q, k, v, cu_q, cu_k, mq, mk, want_lse, **kwargs):
+    output = flash_attn_varlen_func(
+        q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk,
+        softmax_scale=0.3, causal=True, return_softmax_lse=want_lse, **kwargs,
+    )
+    if want_lse:
+        output, lse, *rest = output
+        return output, lse
+    return output
+"""
+
+
+def test_return_softmax_lse_ports_to_the_sgl_kernel_build():
+    """``return_softmax_lse=`` (sgl-kernel's build of flash_attn_interface, as sglang's vendor
+    backends call it): the drop-in returns out, or (out, lse [H, total_q], *rest), as the keyword
+    says at run time; out and lse against the float64 reference, per sequence."""
+    import numpy as np
+    from reference import reference_attention
+
+    namespace, code = port_and_run(SGL_BUILD, "call")
+    assert "flash_attn3_compat.sgl_flash_attn_varlen_func(" in code
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    q, k, v = rand(5, 4, 8, seed=3), rand(9, 2, 8, seed=4), rand(9, 2, 8, seed=5)
+    outs, lses = [], []
+    for b in range(2):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        out, lse = reference_attention(
+            *(np.float64(x[None, s].numpy()) for x, s in ((q, qs), (k, ks), (v, ks))), scale=0.3, causal=True
+        )
+        outs.append(torch.from_numpy(np.asarray(out))[0])
+        lses.append(torch.from_numpy(np.asarray(lse))[0])
+    want_out, want_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    close(namespace["attend"](q, k, v, cu_q, cu_k, 3, 5, False), want_out)
+    out, lse = namespace["attend"](q, k, v, cu_q, cu_k, 3, 5, True)
+    close(out, want_out)
+    assert lse.shape == (4, 5) and lse.dtype == torch.float32
+    close(lse, want_lse, atol=1e-5)
+    # a feature the drop-in lacks, passed through the splat, is loud
+    with pytest.raises(NotImplementedError):
+        namespace["attend"](q, k, v, cu_q, cu_k, 3, 5, False, sinks=torch.zeros(4))
+
+
+def test_sgl_kernel_build_features_without_a_port_stay():
+    sites = _sites(
+        """
+        from flash_attn_interface import flash_attn_varlen_func
+
+        def paged(q, k, v, cu, m, table):
+            return flash_attn_varlen_func(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, page_table=table, return_softmax_lse=True)
+
+        def positional(q, k, v, cu, m):
+            return flash_attn_varlen_func(q, k, v, cu, cu, m, m, None, None, None, return_softmax_lse=True)
+        """
+    )
+    assert "page_table" in sites[(5, "refused")]
+    assert "after max_seqlen_k" in sites[(8, "refused")]

@@ -567,6 +567,48 @@ FA3_APIS = (
         returns="out; (out, softmax_lse) with return_softmax_lse=True",
         lse="[B, H, Sq] fp32",
     ),
+    # sgl-kernel's build of FA3 (recorded as sglang 0.5.23 vendors it; vendor builds of
+    # flash_attn_interface copy it): page_table after seqused_k, return_softmax_lse for
+    # return_attn_probs, sinks and an out buffer
+    one_release(
+        (
+            "sglang.kernels.ops.attention.flash_attention_v3.flash_attn_varlen_func",
+            "sgl_kernel.flash_attn.flash_attn_varlen_func",
+        ),
+        (0, 5, 23),
+        params(
+            "q",
+            "k",
+            "v",
+            "cu_seqlens_q",
+            "cu_seqlens_k",
+            max_seqlen_q=None,
+            max_seqlen_k=None,
+            seqused_q=None,
+            seqused_k=None,
+            page_table=None,
+            softmax_scale=None,
+            causal=False,
+            qv=None,
+            q_descale=None,
+            k_descale=None,
+            v_descale=None,
+            window_size=(-1, -1),
+            attention_chunk=0,
+            softcap=0.0,
+            num_splits=1,
+            pack_gqa=None,
+            only_qv=False,
+            sm_margin=0,
+            return_softmax_lse=False,
+            sinks=None,
+            out=None,
+        ),
+        FA3,
+        returns="out; (out, softmax_lse, *rest) with return_softmax_lse=True",
+        lse="[H, total_q] fp32",
+        drop_in_name="sgl_flash_attn_varlen_func",
+    ),
 )
 
 # --- FA4 (flash_attn.cute; PyPI flash-attn-4 betas) -----------------------------------------------

@@ -30,7 +30,12 @@ from __future__ import annotations
 from flashport.integrations.flash_attn import fa3_kvcache as impl
 from flashport.integrations.flash_attn.core import flash_attn_window, varlen_core, with_signature
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "sgl_flash_attn_varlen_func",
+]
 
 
 def _fa3_lse(lse, no_keys):
@@ -72,6 +77,17 @@ _DEFAULTS = {
     "sm_margin": 0,
     "return_attn_probs": False,
 }
+# sgl-kernel's build of flash_attn_interface (and the vendor builds that copy it): its own defaults
+_SGL_DEFAULTS = {
+    **_DEFAULTS,
+    "max_seqlen_q": None,
+    "max_seqlen_k": None,
+    "page_table": None,
+    "only_qv": False,
+    "return_softmax_lse": False,
+    "sinks": None,
+    "out": None,
+}
 _FP8_AND_CHUNKS = ("q_descale", "k_descale", "v_descale", "attention_chunk")
 
 
@@ -109,6 +125,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
     return_lse = bool(options["return_attn_probs"])
     result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, **contract, return_lse=return_lse)
     return (result[0], _fa3_lse(result[1], k.shape[0] == 0)) if return_lse else result
+
+
+@with_signature(
+    "q k v cu_seqlens_q cu_seqlens_k | max_seqlen_q max_seqlen_k seqused_q seqused_k page_table "
+    "softmax_scale causal qv q_descale k_descale v_descale window_size attention_chunk softcap "
+    "num_splits pack_gqa only_qv sm_margin return_softmax_lse sinks out",
+    _SGL_DEFAULTS,
+)
+def sgl_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+    """sgl-kernel's FA3 ``flash_attn_varlen_func`` (the ``flash_attn_interface`` of sgl-kernel and of
+    the vendor builds that copy it): q [total_q, H, D], k/v [total_k, Hk, D] -> ``out``, or with
+    ``return_softmax_lse=True`` ``(out, softmax_lse [H, total_q], *rest)`` (``rest``: the two
+    split-KV accumulators, empty here as when the kernel does not split). ``page_table``,
+    ``seqused_*``, ``qv``, ``only_qv``, ``sinks`` and ``out`` raise NotImplementedError when given."""
+    contract = _contract(options, "seqused_q", "seqused_k", "page_table", "qv", "only_qv", "sinks", "out")
+    return_lse = bool(options["return_softmax_lse"])
+    result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, **contract, return_lse=return_lse)
+    if not return_lse:
+        return result
+    return impl.returned(result[0], _fa3_lse(result[1], k.shape[0] == 0))
 
 
 def flash_attn_with_kvcache(
