@@ -611,6 +611,147 @@ FA3_APIS = (
     ),
 )
 
+# FA3's private kernels (hopper/flash_attn_interface.py), per build: the date its signature first
+# appears in FA3's history (the drop-in's suffix; the latest build's drop-in has no suffix) and its
+# parameters, written as flashport.integrations.flash_attn.core.with_signature lists them (the names
+# after "|" have FA3's defaults, _FA3_PRIVATE_DEFAULTS). The forwards return (out, softmax_lse,
+# out_accum, softmax_lse_accum); the backwards (dq, dk, dv, softmax_d) before 2025-07-24, softmax_d
+# from then on. FA3's 2024 builds (dense only, a 7-value forward) are not listed.
+_FA3_FORWARD_HEAD = "q k v k_new v_new qv out"
+_FA3_VARLEN = "cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k max_seqlen_q max_seqlen_k"
+_FA3_CACHE = "page_table kv_batch_idx leftpad_k rotary_cos rotary_sin"
+_FA3_SCALE = "q_descale k_descale v_descale softmax_scale causal"
+_FA3_LATEST_TAIL = (
+    "window_size_left window_size_right attention_chunk softcap rotary_interleaved scheduler_metadata "
+    "num_splits pack_gqa sm_margin"
+)
+_FA3_BACKWARD_HEAD = "dout q k v out softmax_lse"
+_FA3_BACKWARD_VARLEN = "cu_seqlens_q cu_seqlens_k sequed_q sequed_k max_seqlen_q max_seqlen_k dq dk dv"
+FA3_PRIVATE_BUILDS: dict[str, tuple[tuple[Version, str], ...]] = {
+    "_flash_attn_forward": (
+        (
+            (2025, 1, 7),
+            f"q k v k_new v_new out {_FA3_VARLEN} {_FA3_CACHE} {_FA3_SCALE} | window_size "
+            "sink_token_length softcap rotary_interleaved num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 2, 7),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} {_FA3_SCALE} | window_size "
+            "sink_token_length softcap rotary_interleaved num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 3, 1),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} {_FA3_SCALE} | window_size softcap "
+            "rotary_interleaved num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 3, 15),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} {_FA3_SCALE} | window_size softcap "
+            "rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 3, 21),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} | window_size "
+            "softcap rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 4, 10),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} | window_size "
+            "attention_chunk softcap rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 7, 16),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} | {_FA3_LATEST_TAIL}",
+        ),
+        (
+            (2025, 8, 6),
+            f"q k v | k_new v_new qv out {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} "
+            f"{_FA3_LATEST_TAIL}",
+        ),
+        (
+            (2025, 11, 21),
+            f"q k v | k_new v_new qv out_ {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} "
+            f"{_FA3_LATEST_TAIL}",
+        ),
+    ),
+    "_flash_attn_backward": (
+        (
+            (2025, 1, 7),
+            f"{_FA3_BACKWARD_HEAD} {_FA3_BACKWARD_VARLEN} softmax_scale causal | window_size "
+            "sink_token_length softcap deterministic sm_margin",
+        ),
+        (
+            (2025, 3, 1),
+            f"{_FA3_BACKWARD_HEAD} {_FA3_BACKWARD_VARLEN} softmax_scale causal | window_size softcap "
+            "deterministic sm_margin",
+        ),
+        (
+            (2025, 7, 16),
+            f"{_FA3_BACKWARD_HEAD} {_FA3_BACKWARD_VARLEN} softmax_scale is_causal | window_size_left "
+            "window_size_right softcap deterministic sm_margin",
+        ),
+        (
+            (2025, 7, 24),
+            f"{_FA3_BACKWARD_HEAD} {_FA3_BACKWARD_VARLEN} softmax_scale is_causal | window_size_left "
+            "window_size_right softcap deterministic sm_margin",
+        ),
+        (
+            (2025, 8, 6),
+            f"{_FA3_BACKWARD_HEAD} | {_FA3_BACKWARD_VARLEN} softmax_scale is_causal window_size_left "
+            "window_size_right softcap deterministic sm_margin",
+        ),
+    ),
+}
+FA3_PRIVATE_GRADS_RETURNED: Version = (2025, 7, 24)  # the backward returns softmax_d alone from here
+_FA3_PRIVATE_DEFAULTS: dict[str, Any] = {
+    "causal": False,
+    "is_causal": False,
+    "window_size": (-1, -1),
+    "window_size_left": -1,
+    "window_size_right": -1,
+    "sink_token_length": 0,
+    "attention_chunk": 0,
+    "softcap": 0.0,
+    "rotary_interleaved": True,
+    "num_splits": 1,
+    "sm_margin": 0,
+    "deterministic": False,
+}
+
+
+def fa3_private_params(text: str) -> Params:
+    """The parameters of a :data:`FA3_PRIVATE_BUILDS` list (FA3's defaults after ``|``; None
+    where the table has none)."""
+    head, _, tail = text.partition("|")
+    return tuple(Param(n) for n in head.split()) + tuple(
+        Param(n, _FA3_PRIVATE_DEFAULTS.get(n)) for n in tail.split()
+    )
+
+
+def fa3_private_drop_in(function: str, build: Version) -> str:
+    """The drop-in's name for ``function`` of FA3's build ``build`` (the latest build's has none)."""
+    if build == FA3_PRIVATE_BUILDS[function][-1][0]:
+        return function
+    return f"{function}_v{build[0]}_{build[1]:02d}_{build[2]:02d}"
+
+
+def _fa3_private(function: str) -> Api:
+    builds = FA3_PRIVATE_BUILDS[function]
+    return Api(
+        names=tuple(m + function for m in FA3_MODULES),
+        signatures=tuple((build, fa3_private_params(text)) for build, text in builds),
+        returns=(
+            "(out, softmax_lse, out_accum, softmax_lse_accum)"
+            if function.endswith("forward")
+            else "(dq, dk, dv, softmax_d) before 2025-07-24, softmax_d from then on"
+        ),
+        lse="[B, H, Sq] fp32 ([H, total_q] for varlen)",
+        drop_ins=tuple(DropIn(FA3, fa3_private_drop_in(function, build), (build,)) for build, _ in builds),
+    )
+
+
+FA3_PRIVATE_APIS = tuple(_fa3_private(function) for function in FA3_PRIVATE_BUILDS)
+
 # --- FA4 (flash_attn.cute; PyPI flash-attn-4 betas) -----------------------------------------------
 FA4_RELEASE: Version = (4, 0, 0)
 _FA4_DEVIATION = (
@@ -698,6 +839,7 @@ APIS: tuple[Api, ...] = (
     + CROSS_ENTROPY_APIS
     + DISTRIBUTED_APIS
     + FA3_APIS
+    + FA3_PRIVATE_APIS
     + FA4_APIS
 )
 
