@@ -738,7 +738,8 @@ def fa3_private_drop_in(function: str, build: Version) -> str:
 def _fa3_private(function: str) -> Api:
     builds = FA3_PRIVATE_BUILDS[function]
     return Api(
-        names=tuple(m + function for m in FA3_MODULES),
+        # flashattn_hopper: the package name of FA3's builds before 2025-01-07
+        names=tuple(m + function for m in (*FA3_MODULES, "flashattn_hopper.flash_attn_interface.")),
         signatures=tuple((build, fa3_private_params(text)) for build, text in builds),
         returns=(
             "(out, softmax_lse, out_accum, softmax_lse_accum)"

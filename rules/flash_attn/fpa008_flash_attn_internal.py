@@ -60,9 +60,8 @@ from flashport.rules.base import Refuse, Report, Rewrite, Rule, register
 from flashport.rules.common import values
 from flashport.rules.common.calls import dotted, on_drop_in
 from flashport.rules.common.literals import is_none, literal_bool
-from flashport.rules.flash_attn import private_kernels
+from flashport.rules.flash_attn import fa3_private, private_kernels
 from flashport.rules.flash_attn.arguments import COMPAT
-from flashport.rules.flash_attn.fa3_fa4 import fa3_sources
 
 TRITON = tuple(
     f"flash_attn.flash_attn_triton.{name}"
@@ -75,7 +74,7 @@ PRIVATE = tuple(
     for step in ("forward", "backward")
 )
 # FlashAttention-3's private kernels (megatron-core calls them through inspect-driven argument lists)
-FA3_PRIVATE = tuple(name for step in ("forward", "backward") for name in fa3_sources(f"_flash_attn_{step}"))
+FA3_PRIVATE = fa3_private.SOURCES
 _UNSUPPORTED_VARLEN = ("alibi_slopes", "block_table", "leftpad_k", "seqused_k")
 
 
@@ -96,7 +95,7 @@ class FlashAttnTritonAndInternals(Rule):
         if ctx.qualified_name in TRITON:
             raise Refuse(_triton_reason(ctx.qualified_name))
         if ctx.qualified_name in FA3_PRIVATE:
-            raise Refuse(_fa3_reason(ctx.qualified_name))
+            return fa3_private.port_call(call, ctx)
         function = ctx.qualified_name.rsplit(".", 1)[-1].replace("_wrapped", "", 1)
         convention, bound, inferred = private_kernels.convention_for(call, function, ctx)
         _check_bound(bound, function)
@@ -114,7 +113,7 @@ class FlashAttnTritonAndInternals(Rule):
         if ctx.qualified_name in TRITON:
             raise Refuse(f"used as a value: {_triton_reason(ctx.qualified_name)}")
         if ctx.qualified_name in FA3_PRIVATE:
-            raise Refuse(f"used as a value: {_fa3_reason(ctx.qualified_name)}")
+            return fa3_private.port_value(node, ctx)
         why = values.probe(ctx)
         if why is not None and not values.inspects_signature(ctx):
             return Report(f"{why}: not a call to port; kept")
@@ -141,15 +140,6 @@ def _check_bound(bound: dict[str, cst.Arg], function: str) -> None:
             # a forwarded name (often None at run time) is checked by the drop-in, which raises
             if value is not None and not is_none(value) and not isinstance(value, (cst.Name, cst.Attribute)):
                 raise Refuse(f"{function}({name}=...): not supported by flashport's varlen drop-in")
-
-
-def _fa3_reason(name: str) -> str:
-    short = name.rsplit(".", 1)[-1]
-    return (
-        f"{short} is FlashAttention-3's private kernel: its arguments and results change between FA3 "
-        "builds and flashport has no drop-in of it; port the code around it by hand "
-        "(flashport.torch.attention(..., layout='BSHD', return_lse=True) computes the same attention and lse)"
-    )
 
 
 def _triton_reason(name: str) -> str:

@@ -107,7 +107,9 @@ def _forward(
 ):
     """Every build's forward, by FA3's parameter names (``tuning``: ignored)."""
     if sink_token_length:
-        raise NotImplementedError("FlashAttention-3 sink_token_length= is not supported by flashport's drop-in")
+        raise NotImplementedError(
+            "FlashAttention-3 sink_token_length= is not supported by flashport's drop-in"
+        )
     fp8 = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     band = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
     if cu_seqlens_k is not None:
@@ -171,7 +173,9 @@ def _backward(
 ):
     """Every build's backward, by FA3's parameter names, on FA2's private backward drop-ins;
     returns ``softmax_d``."""
-    for name, value in dict(sequed_q=sequed_q, sequed_k=sequed_k, sink_token_length=sink_token_length).items():
+    for name, value in dict(
+        sequed_q=sequed_q, sequed_k=sequed_k, sink_token_length=sink_token_length
+    ).items():
         if value:
             raise NotImplementedError(f"FlashAttention-3 {name}= is not supported by flashport's drop-in")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
