@@ -17,6 +17,16 @@ What it rewrites:
   ``_v2_0``. ``*args``/``**kwargs`` splats are bound at
   run time (``rules/flash_attn/private_kernels.py``).
 
+  FlashAttention-3's private ``_flash_attn_forward`` / ``_flash_attn_backward`` (``flash_attn_interface``,
+  ``flash_attn_3.flash_attn_interface``, ``hopper.flash_attn_interface``, before 2025 ``flashattn_hopper``)
+  go to the drop-in of the FA3 build whose signature the call fits, in
+  ``flashport.integrations.flash_attn3_compat`` (the latest build's under the same name, an older
+  build's with its date: ``_flash_attn_forward_v2025_03_15``): every build it fits must read its
+  arguments as the same parameters (their positions moved as ``qv`` and ``seqlens_rotary`` were
+  inserted) and, where the result is used, return the same values; a ``**kwargs`` splat and a
+  value (stored, passed on, inspected with ``inspect.*`` / ``isinstance``) go to the latest build's
+  (``rules/flash_attn/fa3_private.py``).
+
 Semantics mapping:
   the drop-ins keep flash-attn's conventions: the 2.7+ forwards return ``(out, softmax_lse,
   S_dmask, rng_state)``, the older ones ``(out, q, k, v, out_padded, softmax_lse, S_dmask,
@@ -40,10 +50,9 @@ What it refuses:
     rewriting them as the CUDA function would change the meaning. Port by hand to
     ``flashport.torch.attention(q, k, v, bias=bias, causal=causal, scale=softmax_scale, layout="BSHD")`` once its
     causal alignment is checked;
-  * FlashAttention-3's private ``_flash_attn_forward`` / ``_flash_attn_backward`` (``flash_attn_interface``,
-    ``flash_attn_3.flash_attn_interface``, ``hopper.flash_attn_interface``): reported, calls and values,
-    so a file that still needs them is never counted as ported (their arguments and results change
-    between FA3 builds; there is no drop-in).
+  * FlashAttention-3's private kernels called with a ``*args`` splat, fitting no build from
+    2025-01-07 on (FA3's 2024 dense-only builds, a 7-value forward, have no drop-in), or fitting
+    builds that read its arguments differently or return different values where the result is used.
 
 Example::
 
