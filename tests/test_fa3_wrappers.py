@@ -179,3 +179,29 @@ def test_sgl_kernel_build_features_without_a_port_stay():
     )
     assert "page_table" in sites[(5, "refused")]
     assert "after max_seqlen_k" in sites[(8, "refused")]
+
+
+FA4_WRAPPER = """
+from flash_attn.cute.interface import flash_attn_varlen_func as cute_varlen_func
+
+
+def flash_attn_varlen_func(*args, **kwargs):
+    output = cute_varlen_func(*args, **kwargs)
+    return output[0] if isinstance(output, tuple) else output
+"""
+
+
+def test_fa4_varlen_splat_wrapper_ports_and_computes():
+    """FA4's varlen function always returns (out, lse): a splat wrapper's call goes to the drop-in,
+    which binds it at run time (a 4th positional raises, as the drop-in takes only q, k, v so)."""
+    namespace, code = port_and_run(FA4_WRAPPER, "call")
+    assert "flash_attn4_compat.flash_attn_varlen_func(*args, **kwargs)" in code
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    q, k, v = rand(5, 4, 8, seed=3), rand(9, 2, 8, seed=4), rand(9, 2, 8, seed=5)
+    want = flash_attn_varlen_ref(q, k, v, cu_q, cu_k, causal=True, softmax_scale=0.3)
+    got = namespace["flash_attn_varlen_func"](
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, softmax_scale=0.3
+    )
+    close(got, want)
+    with pytest.raises(TypeError):
+        namespace["flash_attn_varlen_func"](q, k, v, cu_q, cu_k)
