@@ -181,6 +181,27 @@ def test_sgl_kernel_build_features_without_a_port_stay():
     assert "after max_seqlen_k" in sites[(8, "refused")]
 
 
+def test_a_name_also_bound_to_sgl_kernels_build_takes_its_convention():
+    """The platform branches of one import bind the name to sgl-kernel's build and to
+    flash_attn_interface's (a vendor copy): the call is written for sgl-kernel's convention (out
+    unless return_softmax_lse=True), so even a splat ports to that build's drop-in."""
+    sites = _sites(
+        """
+        import torch
+
+        if torch.version.hip is None:
+            from sgl_kernel.flash_attn import flash_attn_varlen_func
+        else:
+            from flash_attn_interface import flash_attn_varlen_func
+
+        def attend(*args, **kwargs):
+            return flash_attn_varlen_func(*args, **kwargs)
+        """
+    )
+    assert [key for key in sites if key[1] != "rewrite"] == []
+    assert (10, "rewrite") in sites
+
+
 FA4_WRAPPER = """
 from flash_attn.cute.interface import flash_attn_varlen_func as cute_varlen_func
 

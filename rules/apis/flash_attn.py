@@ -567,14 +567,12 @@ FA3_APIS = (
         returns="out; (out, softmax_lse) with return_softmax_lse=True",
         lse="[B, H, Sq] fp32",
     ),
-    # sgl-kernel's build of FA3 (recorded as sglang 0.5.23 vendors it; vendor builds of
-    # flash_attn_interface copy it): page_table after seqused_k, return_softmax_lse for
-    # return_attn_probs, sinks and an out buffer
+    # sgl-kernel's build of FA3 as sglang 0.5.23 vendors it (vendor builds of flash_attn_interface
+    # copy it): page_table after seqused_k, return_softmax_lse for return_attn_probs, sinks and an
+    # out buffer. sgl_kernel.flash_attn's own releases take a subset of these names (max_seqlen_q/k
+    # required, no page_table, attention_chunk or sinks), with the same return convention.
     one_release(
-        (
-            "sglang.kernels.ops.attention.flash_attention_v3.flash_attn_varlen_func",
-            "sgl_kernel.flash_attn.flash_attn_varlen_func",
-        ),
+        ("sglang.kernels.ops.attention.flash_attention_v3.flash_attn_varlen_func",),
         (0, 5, 23),
         params(
             "q",

@@ -20,7 +20,9 @@ Semantics mapping:
   ``return_softmax_lse`` for ``return_attn_probs``, ``sinks``, ``out``): it goes to the drop-in
   ``flash_attn3_compat.sgl_flash_attn_varlen_func``, which has that signature and returns ``out``, or
   ``(out, lse, *rest)`` when ``return_softmax_lse`` is true at run time, as that build does; its
-  ``**kwargs`` splat is bound at run time.
+  ``**kwargs`` splat is bound at run time. So does any call of the name when the file also binds it
+  to sgl-kernel's ``sgl_kernel.flash_attn.flash_attn_varlen_func`` (another platform's branch of the
+  import).
 
 What it refuses:
   ``seqused_q``/``seqused_k`` (per-sequence used lengths inside padded buffers), ``qv``, FP8
@@ -39,6 +41,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import libcst as cst
 
 from flashport.rules import apis
 from flashport.rules.base import Refuse, Rewrite, Rule, register
@@ -67,6 +71,13 @@ class FA3FlashAttnVarlenFunc(Rule):
         """Bind the stable prefix, refuse seqused/lse uses, map like FPA004."""
         if any(arg.keyword is not None and arg.keyword.value == "return_softmax_lse" for arg in call.args):
             return _sgl_build(call, ctx)
+        if _also_sgl_kernel(call, ctx):
+            return _sgl_build(
+                call,
+                ctx,
+                "the file binds this name to sgl-kernel's flash_attn_varlen_func in another branch "
+                "(another platform's build), so the call is written for that build's convention",
+            )
         splat = fa3_fa4.fa3_splat_drop_in(call, ctx, "flash_attn_varlen_func")
         if splat is not None:
             return splat
@@ -95,13 +106,30 @@ class FA3FlashAttnVarlenFunc(Rule):
         return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), notes=tuple(notes + more))
 
 
-SGL_API = "sgl_kernel.flash_attn.flash_attn_varlen_func"
+SGL_API = "sglang.kernels.ops.attention.flash_attention_v3.flash_attn_varlen_func"
 SGL_DROP_IN = f"{fa3_fa4.FA3_COMPAT}.sgl_flash_attn_varlen_func"
+# sgl-kernel's builds: the same return convention and parameter names (a subset of the drop-in's)
+SGL_BUILDS = frozenset(
+    (
+        SGL_API,
+        "sglang.kernels.ops.attention.flash_attention.flash_attn_varlen_func",
+        "sgl_kernel.flash_attn.flash_attn_varlen_func",
+    )
+)
 
 
-def _sgl_build(call, ctx) -> Rewrite:
-    """A call with ``return_softmax_lse=`` (not a parameter of FA3's): sgl-kernel's build of
-    ``flash_attn_interface`` (vendor builds copy it), on the drop-in with its signature, which
+def _also_sgl_kernel(call, ctx) -> bool:
+    """Whether the file binds the called name to one of sgl-kernel's ``flash_attn_varlen_func`` builds
+    too (in its module scope: the platform branches of one import site)."""
+    model = ctx.semantic
+    if model is None or not isinstance(call.func, cst.Name):
+        return False
+    return any(getattr(b, "qualified", None) in SGL_BUILDS for b in model.binding(call.func.value))
+
+
+def _sgl_build(call, ctx, why: str = "return_softmax_lse= is that build's parameter, not FA3's") -> Rewrite:
+    """A call written for sgl-kernel's build of ``flash_attn_interface`` (vendor builds copy it;
+    ``why``: how the call shows it), on the drop-in with that build's signature, which
     returns ``out`` or ``(out, lse, *rest)`` as that keyword says at run time. A ``**kwargs`` splat
     is bound by the drop-in at run time (an unknown key raises TypeError, an unsupported feature
     NotImplementedError).
@@ -124,9 +152,10 @@ def _sgl_build(call, ctx) -> Rewrite:
     notes = fa3_check_extras(value, ctx)
     splat = any(arg.star for arg in call.args)
     note = (
-        "drop-in sgl_flash_attn_varlen_func: return_softmax_lse= is sgl-kernel's (and its vendor "
-        "copies') build of flash_attn_interface, whose result is out, or (out, lse, *rest) when "
+        "drop-in sgl_flash_attn_varlen_func: sgl-kernel's (and its vendor copies') build of "
+        "flash_attn_interface, whose result is out, or (out, lse, *rest) when "
         "return_softmax_lse is true at run time"
+        + f" ({why})"
         + ("; the **kwargs splat is bound at run time" if splat else "")
     )
     return on_drop_in(call, SGL_DROP_IN, note, *notes)
