@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import textwrap
 
+import numpy as np
 import pytest
 
 from flashport import rules as registry
@@ -226,3 +227,63 @@ def test_fa4_varlen_splat_wrapper_ports_and_computes():
     close(got, want)
     with pytest.raises(TypeError):
         namespace["flash_attn_varlen_func"](q, k, v, cu_q, cu_k)
+
+
+def _sink_reference(q, k_cache, v_cache, lengths, sinks, scale):
+    """Materialized float64 attention over each sequence's cached rows (bottom-right causal, GQA)
+    with a per-head sink logit in the softmax that carries no value."""
+    q, k_cache, v_cache, sinks = (np.float64(x.numpy()) for x in (q, k_cache, v_cache, sinks))
+    batch, queries, heads, _ = q.shape
+    group = heads // k_cache.shape[2]
+    out = np.zeros((batch, queries, heads, v_cache.shape[-1]))
+    for b, n in enumerate(lengths):
+        for h in range(heads):
+            keys, values = k_cache[b, :n, h // group], v_cache[b, :n, h // group]
+            scores = scale * q[b, :, h] @ keys.T
+            visible = np.arange(n)[None, :] <= (n - queries + np.arange(queries))[:, None]
+            scores = np.where(visible, scores, -np.inf)
+            full = np.concatenate([scores, np.full((queries, 1), sinks[h])], axis=1)
+            weights = np.exp(full - full.max(axis=1, keepdims=True))
+            weights /= weights.sum(axis=1, keepdims=True)
+            out[b, :, h] = weights[:, :n] @ values
+    return out
+
+
+SGL_KVCACHE = """
+from flash_attn_interface import flash_attn_with_kvcache
+
+
+def decode(q, k_cache, v_cache, lengths, sinks):
+    return flash_attn_with_kvcache(
+        q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=lengths, softmax_scale=0.3, causal=True,
+        sinks=sinks,
+    )
+"""
+
+
+def test_sinks_port_to_the_sgl_kernel_cache_build():
+    """``sinks=`` (sgl-kernel's build, as sglang's MUSA backend passes it): the drop-in folds each
+    head's sink logit into the softmax; against a materialized float64 reference."""
+
+    namespace, code = port_and_run(SGL_KVCACHE, "call")
+    assert "flash_attn3_compat.sgl_flash_attn_with_kvcache(" in code
+    q, k_cache, v_cache = rand(2, 3, 4, 8, seed=6), rand(2, 6, 2, 8, seed=7), rand(2, 6, 2, 8, seed=8)
+    sinks = rand(4, seed=9) * 2
+    lengths = torch.tensor([4, 6], dtype=torch.int32)
+    got = namespace["decode"](q, k_cache, v_cache, lengths, sinks)
+    want = _sink_reference(q, k_cache, v_cache, (4, 6), sinks, 0.3)
+    close(got, torch.from_numpy(want), atol=1e-5)
+    without = namespace["decode"](q, k_cache, v_cache, lengths, None)
+    assert (got - without).abs().max() > 1e-2  # the sinks matter in this case
+
+
+def test_sgl_kernel_cache_build_refusals():
+    sites = _sites(
+        """
+        from flash_attn_interface import flash_attn_with_kvcache
+
+        def fp8(q, kc, vc, n, scales):
+            return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n, q_descale=scales[0], sinks=None)
+        """
+    )
+    assert "FP8" in sites[(5, "refused")]

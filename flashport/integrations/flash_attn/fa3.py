@@ -35,6 +35,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "sgl_flash_attn_varlen_func",
+    "sgl_flash_attn_with_kvcache",
 ]
 
 
@@ -241,3 +242,47 @@ def flash_attn_with_kvcache(
     if not return_softmax_lse:
         return out
     return impl.returned(out, _fa3_lse(lse, impl.no_key_rows(k_cache, k)))
+
+
+_SGL_KVCACHE = (
+    "q k_cache v_cache | k v qv rotary_cos rotary_sin cache_seqlens cache_batch_idx cache_leftpad "
+    "page_table cu_seqlens_q cu_seqlens_k_new max_seqlen_q rotary_seqlens q_descale k_descale v_descale "
+    "softmax_scale causal window_size attention_chunk softcap rotary_interleaved scheduler_metadata "
+    "num_splits pack_gqa only_qv sm_margin return_softmax_lse sinks out"
+)
+_SGL_KVCACHE_DEFAULTS = {
+    **_SGL_DEFAULTS,
+    **{name: None for name in _SGL_KVCACHE.split() if name not in _SGL_DEFAULTS},
+    "attention_chunk": None,
+    "rotary_interleaved": True,
+    "num_splits": 0,
+}
+
+
+@with_signature(_SGL_KVCACHE, _SGL_KVCACHE_DEFAULTS)
+def sgl_flash_attn_with_kvcache(q, k_cache, v_cache, only_qv, return_softmax_lse, sinks, out, **options):
+    """sgl-kernel's FA3 ``flash_attn_with_kvcache`` (vendor builds copy it): FA3's
+    (:func:`flash_attn_with_kvcache`, the caches updated in place) plus ``sinks``, an ``out`` buffer
+    and ``only_qv``. ``sinks`` [H]: one logit per head that joins each row's softmax without a value
+    (the row's weights shrink by ``sigmoid(lse - sink)``); with ``return_softmax_lse=True`` it raises
+    NotImplementedError (whether that build's lse counts the sink is not recorded), as does
+    ``only_qv=True``."""
+    import torch
+
+    _unsupported(only_qv=only_qv)
+    if sinks is not None and return_softmax_lse:
+        raise NotImplementedError(
+            "sinks= with return_softmax_lse=True is not supported by flashport's drop-in"
+        )
+    options["attention_chunk"] = options["attention_chunk"] or 0
+    want_lse = bool(return_softmax_lse) or sinks is not None
+    result = flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=want_lse, **options)
+    if sinks is not None:
+        attended, lse = result[0], result[1]
+        weight = torch.sigmoid(lse.float() - sinks.float()[:, None])  # [.., H, S_q]
+        weight = weight.transpose(-1, -2)[..., None]  # [.., S_q, H, 1]: out's layout
+        result = (attended.float() * weight).to(attended.dtype)
+    if out is not None:
+        out.copy_(result[0] if want_lse and sinks is None else result)
+        result = (out, *result[1:]) if want_lse and sinks is None else out
+    return result
