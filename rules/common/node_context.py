@@ -323,7 +323,10 @@ def splat_keys(call: cst.Call, ctx: RuleContext) -> frozenset[str]:
     functions[-1].visit(collector)  # the outermost: it holds the nested ones (closures)
     if collector.other or len(collector.displays) != 1 or collector.removed is None:
         return frozenset()
-    keys = [literal_string(element.key) for element in collector.displays[0].elements]
+    keys = [
+        literal_string(element.key) if isinstance(element, cst.DictElement) else None
+        for element in collector.displays[0].elements
+    ]
     if any(key is None for key in keys):
         return frozenset()
     return frozenset(k for k in keys if k is not None) - collector.removed
