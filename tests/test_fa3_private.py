@@ -126,6 +126,10 @@ def test_calls_go_to_the_build_whose_signature_they_fit():
 
         def positional_splat(q, k, v, *rest):
             return _flash_attn_forward(q, k, v, *rest)
+
+        def named_out(q, k, v):
+            out, lse, *_ = _flash_attn_forward(q, k, v, out=None, softmax_scale=0.3, window_size_left=-1, window_size_right=-1)
+            return out
         """
     )
     assert "_flash_attn_forward_v2025_03_15" in sites[(6, "call", "rewrite")]  # 2025-02-07 to 03-15
@@ -138,3 +142,5 @@ def test_calls_go_to_the_build_whose_signature_they_fit():
     assert (24, "reference", "rewrite") in sites
     assert "bound at run time" in sites[(25, "call", "rewrite")]
     assert "*args splat" in sites[(29, "call", "refused")]
+    # out=None (the forward's optional buffer, renamed out_ on 2025-11-21): the build before
+    assert "_flash_attn_forward_v2025_08_06" in sites[(32, "call", "rewrite")]

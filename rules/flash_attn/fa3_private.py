@@ -24,7 +24,8 @@ from flashport.rules.flash_attn.fa3_fa4 import FA3_COMPAT
 from flashport.rules.flash_attn.private_kernels import _unpacked
 
 SOURCES = tuple(name for api in apis_flash_attn.FA3_PRIVATE_APIS for name in api.names)
-_TENSORS = frozenset(("q", "k", "v", "dout", "out", "softmax_lse"))  # required tensors of some build
+_TENSORS = frozenset(("q", "k", "v", "dout", "softmax_lse"))  # tensors every build requires
+_BACKWARD_TENSORS = _TENSORS | {"out"}  # the forward's out/out_ is an optional output buffer
 _WINDOW = "window_size"
 _FORWARD_RETURNS = 4
 # probes that ask about the object itself: every use of the name becomes the same drop-in, so they
@@ -40,7 +41,7 @@ def _function(ctx) -> str:
     return ctx.qualified_name.rsplit(".", 1)[-1]
 
 
-def _bind(call: cst.Call, parameters) -> dict[int, str]:
+def _bind(call: cst.Call, parameters, tensors: frozenset[str]) -> dict[int, str]:
     """Argument index -> parameter name of ``call`` under one build's ``parameters``.
 
     Raises:
@@ -65,7 +66,7 @@ def _bind(call: cst.Call, parameters) -> dict[int, str]:
                 raise Refuse(f"no parameter {name!r}")
         if name in bound.values():
             raise Refuse(f"{name!r} given twice")
-        _check_literal(name, arg.value, parameters[names.index(name)].default is not None)
+        _check_literal(name, arg.value, tensors)
         bound[index] = name
     given = set(bound.values())
     missing = [p.name for p in parameters if p.default is REQUIRED and p.name not in given]
@@ -74,14 +75,14 @@ def _bind(call: cst.Call, parameters) -> dict[int, str]:
     return bound
 
 
-def _check_literal(name: str, value: cst.BaseExpression, optional: bool) -> None:
+def _check_literal(name: str, value: cst.BaseExpression, tensors: frozenset[str]) -> None:
     pair = isinstance(value, (cst.Tuple, cst.List))
     scalar = is_none(value) or literal_bool(value) is not None or isinstance(value, (cst.Integer, cst.Float))
     if name == _WINDOW and scalar:
         raise Refuse("a number, bool or None where its window_size pair goes")
     if name != _WINDOW and pair:
         raise Refuse(f"a tuple where its {name} goes")
-    if name in _TENSORS and scalar and not (name == "out" and optional and is_none(value)):
+    if name in tensors and scalar:
         raise Refuse(f"a literal where its tensor {name} goes")
 
 
@@ -114,7 +115,8 @@ def port_call(call: cst.Call, ctx) -> Rewrite:
     fits, reasons = [], []
     for build, text in builds[-1:] if splat else builds:
         try:
-            fits.append((build, _bind(call, apis_flash_attn.fa3_private_params(text))))
+            tensors = _BACKWARD_TENSORS if function.endswith("backward") else _TENSORS
+            fits.append((build, _bind(call, apis_flash_attn.fa3_private_params(text), tensors)))
         except Refuse as refusal:
             reasons.append(f"{_date(build)}: {refusal.reason}")
     if not fits:
