@@ -287,3 +287,39 @@ def test_sgl_kernel_cache_build_refusals():
         """
     )
     assert "FP8" in sites[(5, "refused")]
+
+
+def test_scheduler_metadata_ports_to_a_plan_of_none():
+    """FA3's ``get_scheduler_metadata`` (the plan passed as ``scheduler_metadata=``) goes to its
+    drop-in, which returns None ("plan each call"); the cache call that receives it computes the
+    float64 reference; an argument FA3 lacks stays."""
+    namespace, code = port_and_run(
+        """
+        from flash_attn_interface import flash_attn_with_kvcache, get_scheduler_metadata
+
+        def decode(q, k_cache, v_cache, lengths):
+            plan = get_scheduler_metadata(
+                batch_size=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k_cache.shape[1],
+                num_heads_q=q.shape[2], num_heads_kv=k_cache.shape[2], headdim=q.shape[3],
+                cache_seqlens=lengths, causal=True,
+            )
+            return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                           softmax_scale=0.3, scheduler_metadata=plan), plan
+        """,
+        "call",
+    )
+    assert "flash_attn3_compat.get_scheduler_metadata(" in code
+    q, k_cache, v_cache = rand(2, 3, 4, 8, seed=6), rand(2, 6, 2, 8, seed=7), rand(2, 6, 2, 8, seed=8)
+    out, plan = namespace["decode"](q, k_cache, v_cache, torch.tensor([4, 6], dtype=torch.int32))
+    assert plan is None
+    want = _sink_reference(q, k_cache, v_cache, (4, 6), torch.full((4,), -1e9), 0.3)  # no sink weight
+    close(out, torch.from_numpy(want), atol=1e-5)
+    sites = _sites(
+        """
+        from flash_attn_interface import get_scheduler_metadata
+
+        def plan(n, lengths):
+            return get_scheduler_metadata(n, 1, 64, 8, 8, 128, lengths, splits=2)
+        """
+    )
+    assert "unknown argument 'splits'" in sites[(5, "refused")]

@@ -24,6 +24,10 @@ What it rewrites:
   ``flash_attn_func``'s return type changed on 2025-07-11), so the callers out of sight get what
   they got.
 
+  FA3's ``get_scheduler_metadata`` (the launch plan passed as ``scheduler_metadata=``), called or
+  as a value, becomes the drop-in of the same signature, which returns None: FA3 reads None as
+  "plan each call", and flashport's drop-ins launch no split-KV kernel.
+
   A call passing ``sinks=``, ``only_qv=`` or ``out=`` (keywords of sgl-kernel's build of
   ``flash_attn_interface`` and its vendor copies, not of FA3's) goes to
   ``flash_attn3_compat.sgl_flash_attn_with_kvcache``, which has that build's signature and folds
@@ -60,9 +64,10 @@ from __future__ import annotations
 import libcst as cst
 
 from flashport.rules import apis
-from flashport.rules.base import Refuse, Rewrite, register
+from flashport.rules.base import Refuse, Report, Rewrite, register
+from flashport.rules.common import values
 from flashport.rules.common.binding import Signature
-from flashport.rules.common.calls import on_drop_in
+from flashport.rules.common.calls import dotted, on_drop_in
 from flashport.rules.common.literals import is_none, is_zero, literal_bool
 from flashport.rules.flash_attn.fa3_fa4 import fa3_sources
 from flashport.rules.flash_attn.kvcache import POSITIONAL, KVCacheRule
@@ -93,7 +98,7 @@ class FA3FlashAttnWithKVCache(KVCacheRule):
 
     CODE = "FPA012"
     NAME = "fa3-flash-attn-with-kvcache"
-    SOURCES = fa3_sources("flash_attn_with_kvcache")
+    SOURCES = fa3_sources("flash_attn_with_kvcache") + fa3_sources("get_scheduler_metadata")
     TRIGGERS = (b"flash_attn_interface",)
     UNSUPPORTED = UNSUPPORTED
     DROP_IN_ONLY = DROP_IN_ONLY
@@ -104,9 +109,25 @@ class FA3FlashAttnWithKVCache(KVCacheRule):
 
     def check_call(self, call, ctx):
         """sgl-kernel's build (a keyword only it has) on its drop-in; the rest as FPA007."""
+        if ctx.qualified_name.endswith(SCHEDULER):
+            parameters = apis.api(ctx.qualified_name).signatures[-1][1]
+            if not any(arg.star for arg in call.args):
+                Signature.of(parameters).bind(call, ctx.qualified_name)  # refuses unknown arguments
+            return on_drop_in(call, f"{DROP_IN_MODULE}.{SCHEDULER}", SCHEDULER_NOTE)
         if any(arg.keyword is not None and arg.keyword.value in SGL_ONLY for arg in call.args):
             return _sgl_build(call, ctx)
         return super().check_call(call, ctx)
+
+    def check_reference(self, node, ctx):
+        """``get_scheduler_metadata`` as a value is its drop-in too (unless probed or compared); the
+        cache call's values as every rule's."""
+        if not ctx.qualified_name.endswith(SCHEDULER):
+            return super().check_reference(node, ctx)
+        why = values.probe(ctx)
+        if why is not None and not values.inspects_signature(ctx):
+            return Report(f"{why}: not a call to port; kept")
+        note = f"{values.describe(node, ctx)}: the value is now the drop-in {SCHEDULER} ({SCHEDULER_NOTE})"
+        return Rewrite(dotted(f"{DROP_IN_MODULE}.{SCHEDULER}"), imports=(DROP_IN_MODULE,), notes=(note,))
 
     def splat(self, call, ctx):
         """A ``*args``/``**kwargs`` splat on the FA3 drop-in, which binds it at run time with FA3's
@@ -127,6 +148,11 @@ class FA3FlashAttnWithKVCache(KVCacheRule):
             )
 
 
+SCHEDULER = "get_scheduler_metadata"
+SCHEDULER_NOTE = (
+    "FA3's launch plan for its split-KV kernels (same signature): the drop-in returns None, which FA3 "
+    "reads as 'plan each call' and flashport's cache drop-ins ignore"
+)
 SGL_API = "sglang.kernels.ops.attention.flash_attention_v3.flash_attn_with_kvcache"
 SGL_ONLY = ("sinks", "only_qv", "out")  # keywords of sgl-kernel's build (and its vendor copies), not FA3's
 

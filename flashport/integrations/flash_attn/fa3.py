@@ -34,6 +34,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "get_scheduler_metadata",
     "sgl_flash_attn_varlen_func",
     "sgl_flash_attn_with_kvcache",
 ]
@@ -286,3 +287,36 @@ def sgl_flash_attn_with_kvcache(q, k_cache, v_cache, only_qv, return_softmax_lse
         out.copy_(result[0] if want_lse and sinks is None else result)
         result = (out, *result[1:]) if want_lse and sinks is None else out
     return result
+
+
+_SCHEDULER_DEFAULTS = {
+    "qkv_dtype": None,
+    "headdim_v": None,
+    "cu_seqlens_q": None,
+    "cu_seqlens_k_new": None,
+    "cache_leftpad": None,
+    "page_size": None,
+    "max_seqlen_k_new": 0,
+    "causal": False,
+    "window_size": (-1, -1),
+    "attention_chunk": 0,
+    "has_softcap": False,
+    "num_splits": 0,
+    "pack_gqa": None,
+    "sm_margin": 0,
+}
+
+
+@with_signature(
+    "batch_size max_seqlen_q max_seqlen_k num_heads_q num_heads_kv headdim cache_seqlens | qkv_dtype "
+    "headdim_v cu_seqlens_q cu_seqlens_k_new cache_leftpad page_size max_seqlen_k_new causal window_size "
+    "attention_chunk has_softcap num_splits pack_gqa sm_margin",
+    _SCHEDULER_DEFAULTS,
+)
+def get_scheduler_metadata(**launch):
+    """FA3's ``get_scheduler_metadata``: the split-KV launch plan its kernels take as
+    ``scheduler_metadata=``. Returns None, which FA3's functions read as "plan this call
+    yourself" and flashport's drop-ins ignore (they launch no split-KV kernel); the arguments only
+    describe the launch. ``qkv_dtype`` defaults to None (FA3: ``torch.bfloat16``), as this module
+    imports torch only when a function runs."""
+    return None
