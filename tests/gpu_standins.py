@@ -10,7 +10,8 @@ reference gradients:
   -1 unbounded; softcap; contiguous GQA; ``return_attn_probs`` -> ``(out, lse, S_dmask)``), the
   private ``_flash_attn_forward`` (2.7+: ``(out, lse, S_dmask, rng_state)``), ``__version__``;
 * ``flash_attn_interface`` (FA3 as released before 2025-07-11: ``flash_attn_func`` and
-  ``flash_attn_varlen_func`` return ``(out, lse)``);
+  ``flash_attn_varlen_func`` return ``(out, lse)``; the private ``_flash_attn_forward`` /
+  ``_flash_attn_backward`` at their 2025-03-15 signatures, the backward writing into dq/dk/dv);
 * ``flash_attn.ops.triton.cross_entropy.cross_entropy_loss`` (flash-attn 2.8.3's docstring): per row
   ``(lse - logits[label], 0)`` without smoothing, scale or z-loss, rows at ``ignore_index`` zero;
 * ``xformers.ops``: ``memory_efficient_attention`` with ``BlockDiagonalMask`` (``from_seqlens``,
@@ -159,6 +160,92 @@ def fa3_flash_attn_varlen_func(
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
 
 
+def fa3_flash_attn_forward(
+    q,
+    k,
+    v,
+    k_new,
+    v_new,
+    qv,
+    out,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    cu_seqlens_k_new,
+    seqused_q,
+    seqused_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    page_table,
+    kv_batch_idx,
+    leftpad_k,
+    rotary_cos,
+    rotary_sin,
+    q_descale,
+    k_descale,
+    v_descale,
+    softmax_scale,
+    causal,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=1,
+    pack_gqa=None,
+    sm_margin=0,
+):
+    """FA3's private forward at its 2025-03-15 signature (dense or varlen, no KV cache):
+    ``(out, softmax_lse, out_accum, softmax_lse_accum)``."""
+    CALLS["fa3_flash_attn_forward"] += 1
+    unsupported = (k_new, v_new, qv, out, cu_seqlens_k_new, seqused_q, seqused_k, page_table, kv_batch_idx)
+    assert all(x is None for x in unsupported + (leftpad_k, rotary_cos, q_descale, k_descale, v_descale))
+    if cu_seqlens_q is None:
+        out, lse = _dense(q, k, v, softmax_scale, causal, window_size, softcap)
+    else:
+        out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
+    return out, lse, q.new_empty(0), q.new_empty(0)
+
+
+def fa3_flash_attn_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    sequed_q,
+    sequed_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dq,
+    dk,
+    dv,
+    softmax_scale,
+    causal,
+    window_size=(-1, -1),
+    softcap=0.0,
+    deterministic=False,
+    sm_margin=0,
+):
+    """FA3's private backward at its 2025-03-01..2025-07-16 signature: the gradients of the
+    attention whose output ``out`` was, written **into** ``dq``/``dk``/``dv``; returns
+    ``(dq, dk, dv, softmax_d)`` with ``softmax_d = rowsum(dout * out)`` ``[B, H, Sq]``."""
+    CALLS["fa3_flash_attn_backward"] += 1
+    assert sequed_q is None and sequed_k is None
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        if cu_seqlens_q is None:
+            o, _ = _dense(*leaves, softmax_scale, causal, window_size, softcap)
+        else:
+            o, _ = _varlen(*leaves, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
+        grads = torch.autograd.grad(o, leaves, dout)
+    for buffer, g in zip((dq, dk, dv), grads, strict=True):
+        buffer.copy_(g)
+    softmax_d = (dout * out).sum(-1)
+    return dq, dk, dv, softmax_d.transpose(-1, -2) if cu_seqlens_q is None else softmax_d.transpose(0, 1)
+
+
 class AttentionBias:
     """xformers' bias base class."""
 
@@ -260,7 +347,10 @@ def modules() -> dict[str, types.ModuleType]:
         "flash_attn": _module("flash_attn", __version__="2.8.3", flash_attn_interface=interface, **fa2),
         "flash_attn.flash_attn_interface": interface,
         "flash_attn_interface": _module(
-            "flash_attn_interface", flash_attn_varlen_func=fa3_flash_attn_varlen_func
+            "flash_attn_interface",
+            flash_attn_varlen_func=fa3_flash_attn_varlen_func,
+            _flash_attn_forward=fa3_flash_attn_forward,
+            _flash_attn_backward=fa3_flash_attn_backward,
         ),
         "flash_attn.ops": _module("flash_attn.ops"),
         "flash_attn.ops.triton": _module("flash_attn.ops.triton"),

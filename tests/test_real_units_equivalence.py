@@ -93,6 +93,7 @@ CASES = {
         True,
     ),
     "yunchang_versions": (_dense_inputs(sq=6, sk=6), {"causal": True, "window_size": (3, 0)}, False),
+    "opensora_fa3_private": (_dense_inputs(), {"softmax_scale": 0.4}, False),
     "verl_logprobs": (
         {"logits": _rand(6, 11, seed=16)},
         {"labels": torch.tensor([3, 0, -100, 10, 7, 1])},
