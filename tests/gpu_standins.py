@@ -12,6 +12,8 @@ reference gradients:
 * ``flash_attn_interface`` (FA3 as released before 2025-07-11: ``flash_attn_func`` and
   ``flash_attn_varlen_func`` return ``(out, lse)``; the private ``_flash_attn_forward`` /
   ``_flash_attn_backward`` at their 2025-03-15 signatures, the backward writing into dq/dk/dv);
+* with ``installed("sgl-kernel")``, ``flash_attn_interface`` is sgl-kernel's build of FA3 instead
+  (``flash_attn_varlen_func(..., return_softmax_lse=True)`` -> ``(out, lse, *accumulators)``);
 * ``flash_attn.ops.triton.cross_entropy.cross_entropy_loss`` (flash-attn 2.8.3's docstring): per row
   ``(lse - logits[label], 0)`` without smoothing, scale or z-loss, rows at ``ignore_index`` zero;
 * ``xformers.ops``: ``memory_efficient_attention`` with ``BlockDiagonalMask`` (``from_seqlens``,
@@ -246,6 +248,50 @@ def fa3_flash_attn_backward(
     return dq, dk, dv, softmax_d.transpose(-1, -2) if cu_seqlens_q is None else softmax_d.transpose(0, 1)
 
 
+def sgl_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    seqused_q=None,
+    seqused_k=None,
+    page_table=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    only_qv=False,
+    sm_margin=0,
+    return_softmax_lse=False,
+    sinks=None,
+    out=None,
+):
+    """sgl-kernel's build of FA3's ``flash_attn_varlen_func`` (as sglang 0.5.23 vendors it in
+    ``sglang/kernels/ops/attention/flash_attention_v3.py``; MUSA's ``flash_attn_interface`` copies it):
+    dense ``[B, S, H, D]`` without ``cu_seqlens``; returns ``out``, or ``(out, softmax_lse,
+    out_accum, softmax_lse_accum)`` with ``return_softmax_lse=True``."""
+    CALLS["sgl_flash_attn_varlen_func"] += 1
+    assert sinks is None and out is None and page_table is None and qv is None
+    assert seqused_q is None and seqused_k is None and not attention_chunk
+    if cu_seqlens_q is None:
+        result, lse = _dense(q, k, v, softmax_scale, causal, window_size, softcap)
+    else:
+        result, lse = _varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap
+        )
+    return (result, lse, q.new_empty(0), q.new_empty(0)) if return_softmax_lse else result
+
+
 class AttentionBias:
     """xformers' bias base class."""
 
@@ -365,10 +411,16 @@ def modules() -> dict[str, types.ModuleType]:
 
 
 @contextlib.contextmanager
-def installed():
-    """The stand-ins importable under the GPU libraries' names, for the original code's run."""
-    saved = {name: sys.modules.get(name) for name in modules()}
-    sys.modules.update(modules())
+def installed(fa3_build: str = "flash-attention"):
+    """The stand-ins importable under the GPU libraries' names, for the original code's run;
+    ``fa3_build="sgl-kernel"`` makes ``flash_attn_interface`` sgl-kernel's build of FA3."""
+    standins = modules()
+    if fa3_build == "sgl-kernel":
+        standins["flash_attn_interface"] = _module(
+            "flash_attn_interface", flash_attn_varlen_func=sgl_flash_attn_varlen_func
+        )
+    saved = {name: sys.modules.get(name) for name in standins}
+    sys.modules.update(standins)
     try:
         yield
     finally:

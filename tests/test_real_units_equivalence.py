@@ -25,7 +25,7 @@ from flashport.rewriter.engine.pipeline import transform_source  # noqa: E402
 from flashport.rules.base import RuleOptions  # noqa: E402
 
 UNITS = pathlib.Path(__file__).parent / "fixtures" / "real_units"
-GPU = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper", "xformers")
+GPU = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper", "xformers", "sglang", "sgl_kernel")
 ATOL = 5e-5
 
 
@@ -94,12 +94,20 @@ CASES = {
     ),
     "yunchang_versions": (_dense_inputs(sq=6, sk=6), {"causal": True, "window_size": (3, 0)}, False),
     "opensora_fa3_private": (_dense_inputs(), {"softmax_scale": 0.4}, False),
+    "sglang_musa_mha_lse": (
+        {"q": _rand(8, 4, 8, seed=17), "k": _rand(8, 2, 8, seed=18), "v": _rand(8, 2, 8, seed=19)},
+        {"cu_seqlens_q": _cu([3, 5]), "scaling": 0.3},
+        True,
+    ),
     "verl_logprobs": (
         {"logits": _rand(6, 11, seed=16)},
         {"labels": torch.tensor([3, 0, -100, 10, 7, 1])},
         True,
     ),
 }
+
+# units written for another build of FA3's flash_attn_interface than flash-attention's own
+FA3_BUILD = {"sglang_musa_mha_lse": "sgl-kernel"}
 
 
 def _run(code: str, name: str, tensors: dict, kwargs: dict, grads: bool):
@@ -125,7 +133,7 @@ def test_ported_unit_matches_the_original_on_gpu_standins(name):
     source = (UNITS / f"{name}.py").read_text()
     tensors, kwargs, grads = CASES[name]
     gpu_standins.CALLS.clear()
-    with gpu_standins.installed():
+    with gpu_standins.installed(FA3_BUILD.get(name, "flash-attention")):
         want = _run(source, name, tensors, kwargs, grads)
     assert gpu_standins.CALLS, "the original unit ran on the stand-ins"
     result = transform_source(source.encode(), f"{name}.py", registry.all_rules(), RuleOptions())
