@@ -8,7 +8,9 @@ reference gradients:
 * ``flash_attn`` 2.8.3: ``flash_attn_func`` / ``flash_attn_varlen_func`` (``[B, S, H, D]`` /
   ``[total, H, D]`` with ``cu_seqlens``; causal and window bottom-right, ``(l, r)`` inclusive with
   -1 unbounded; softcap; contiguous GQA; ``return_attn_probs`` -> ``(out, lse, S_dmask)``), the
-  private ``_flash_attn_forward`` (2.7+: ``(out, lse, S_dmask, rng_state)``), ``__version__``;
+  private ``_flash_attn_forward`` (2.7+: ``(out, lse, S_dmask, rng_state)``), the private
+  ``_flash_attn_varlen_forward`` / ``_flash_attn_varlen_backward`` (2.7+; the backward writes into
+  dq/dk/dv), ``__version__``;
 * ``flash_attn_interface`` (FA3 as released before 2025-07-11: ``flash_attn_func`` and
   ``flash_attn_varlen_func`` return ``(out, lse)``; the private ``_flash_attn_forward`` /
   ``_flash_attn_backward`` at their 2025-03-15 signatures, the backward writing into dq/dk/dv);
@@ -138,6 +140,75 @@ def _flash_attn_forward(
     assert not dropout_p and alibi_slopes is None and not return_softmax
     out, lse = _dense(q, k, v, softmax_scale, causal, (window_size_left, window_size_right), softcap)
     return out, lse, None, None
+
+
+def _flash_attn_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+    leftpad_k=None,
+    seqused_k=None,
+    zero_tensors=False,
+):
+    """flash-attn 2.7+'s private varlen forward: ``(out, softmax_lse [H, total_q], S_dmask, rng_state)``."""
+    CALLS["_flash_attn_varlen_forward"] += 1
+    assert not dropout_p and alibi_slopes is None and not return_softmax
+    assert block_table is None and leftpad_k is None and seqused_k is None
+    window = (window_size_left, window_size_right)
+    out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window, softcap)
+    return out, lse, None, None
+
+
+def _flash_attn_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+    zero_tensors=False,
+):
+    """flash-attn 2.7+'s private varlen backward: the gradients written **into** ``dq``/``dk``/``dv``;
+    returns ``softmax_d`` ``[H, total_q]`` (2.8.3)."""
+    CALLS["_flash_attn_varlen_backward"] += 1
+    assert not dropout_p and alibi_slopes is None
+    window = (window_size_left, window_size_right)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        o, _ = _varlen(*leaves, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window, softcap)
+        grads = torch.autograd.grad(o, leaves, dout)
+    for buffer, g in zip((dq, dk, dv), grads, strict=True):
+        buffer.copy_(g)
+    return (dout * out).sum(-1).transpose(0, 1)
 
 
 def fa3_flash_attn_varlen_func(
@@ -373,7 +444,13 @@ def _module(name, **attributes):
 def modules() -> dict[str, types.ModuleType]:
     """The stand-in modules by import name."""
     fa2 = dict(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func)
-    interface = _module("flash_attn.flash_attn_interface", _flash_attn_forward=_flash_attn_forward, **fa2)
+    interface = _module(
+        "flash_attn.flash_attn_interface",
+        _flash_attn_forward=_flash_attn_forward,
+        _flash_attn_varlen_forward=_flash_attn_varlen_forward,
+        _flash_attn_varlen_backward=_flash_attn_varlen_backward,
+        **fa2,
+    )
     bias = _module(
         "xformers.ops.fmha.attn_bias",
         AttentionBias=AttentionBias,

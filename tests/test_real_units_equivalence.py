@@ -57,6 +57,11 @@ def _cu(lengths):
 # unit -> (tensor inputs, other keyword arguments, differentiable through the port)
 CASES = {
     "ring_flash_attn_block": (_dense_inputs(), {"softmax_scale": 0.3, "causal": True}, False),
+    "colossalai_ring_misc_kwargs": (
+        {"q": _rand(8, 4, 8, seed=20), "k": _rand(8, 2, 8, seed=21), "v": _rand(8, 2, 8, seed=22)},
+        {"cu_seqlens": _cu([3, 5]), "max_seqlen": 5, "softmax_scale": 0.35},
+        False,
+    ),
     "hunyuan_parallel": (
         {"q": _rand(2, 4, 2, 8, seed=4), "k": _rand(2, 4, 2, 8, seed=5), "v": _rand(2, 4, 2, 8, seed=6)},
         {
