@@ -14,6 +14,8 @@ reference gradients:
 * ``flash_attn_interface`` (FA3 as released before 2025-07-11: ``flash_attn_func`` and
   ``flash_attn_varlen_func`` return ``(out, lse)``; the private ``_flash_attn_forward`` /
   ``_flash_attn_backward`` at their 2025-03-15 signatures, the backward writing into dq/dk/dv);
+* ``flash_attn_3.flash_attn_interface._flash_attn_forward``: FA3's private forward at its latest
+  (2025-11-21) signature as a plain function, for a paged KV cache (``page_table``, ``seqused_k``);
 * with ``installed("sgl-kernel")``, ``flash_attn_interface`` is sgl-kernel's build of FA3 instead
   (``flash_attn_varlen_func(..., return_softmax_lse=True)`` -> ``(out, lse, *accumulators)``);
 * ``flash_attn.ops.triton.cross_entropy.cross_entropy_loss`` (flash-attn 2.8.3's docstring): per row
@@ -278,6 +280,63 @@ def fa3_flash_attn_forward(
     return out, lse, q.new_empty(0), q.new_empty(0)
 
 
+def fa3_latest_flash_attn_forward(
+    q,
+    k,
+    v,
+    k_new=None,
+    v_new=None,
+    qv=None,
+    out_=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    cu_seqlens_k_new=None,
+    seqused_q=None,
+    seqused_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    page_table=None,
+    kv_batch_idx=None,
+    leftpad_k=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    seqlens_rotary=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size_left=-1,
+    window_size_right=-1,
+    attention_chunk=0,
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=1,
+    pack_gqa=None,
+    sm_margin=0,
+):
+    """FA3's private forward at its latest (2025-11-21) signature, for a paged KV cache only:
+    ``k``/``v`` ``[num_pages, page_size, Hk, D]``, ``page_table`` ``[B, pages]``, ``seqused_k`` the
+    cache lengths, ``q`` varlen by ``cu_seqlens_q``; bottom-right causal per sequence. Returns
+    ``(out [total_q, H, Dv], softmax_lse [H, total_q], out_accum, softmax_lse_accum)``."""
+    CALLS["fa3_latest_flash_attn_forward"] += 1
+    assert page_table is not None and cu_seqlens_q is not None and seqused_k is not None
+    assert all(x is None for x in (k_new, v_new, qv, out_, cu_seqlens_k, seqused_q, kv_batch_idx, leftpad_k))
+    assert rotary_cos is None and q_descale is None and not attention_chunk
+    outs, lses = [], []
+    for b in range(len(cu_seqlens_q) - 1):
+        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        n = int(seqused_k[b])
+        keys = k[page_table[b].long()].flatten(0, 1)[None, :n]
+        values = v[page_table[b].long()].flatten(0, 1)[None, :n]
+        window = (window_size_left, window_size_right)
+        out, lse = _dense(q[None, rows], keys, values, softmax_scale, causal, window, softcap)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=-1), q.new_empty(0), q.new_empty(0)
+
+
 def fa3_flash_attn_backward(
     dout,
     q,
@@ -474,6 +533,10 @@ def modules() -> dict[str, types.ModuleType]:
             flash_attn_varlen_func=fa3_flash_attn_varlen_func,
             _flash_attn_forward=fa3_flash_attn_forward,
             _flash_attn_backward=fa3_flash_attn_backward,
+        ),
+        "flash_attn_3": _module("flash_attn_3"),
+        "flash_attn_3.flash_attn_interface": _module(
+            "flash_attn_3.flash_attn_interface", _flash_attn_forward=fa3_latest_flash_attn_forward
         ),
         "flash_attn.ops": _module("flash_attn.ops"),
         "flash_attn.ops.triton": _module("flash_attn.ops.triton"),

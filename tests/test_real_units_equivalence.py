@@ -92,6 +92,16 @@ CASES = {
         {"sliding_window": 2},
         True,
     ),
+    "megatron_fa3_paged_prefill": (
+        {"q": _rand(8, 1, 4, 8, seed=23), "k": _rand(5, 4, 2, 8, seed=24), "v": _rand(5, 4, 2, 8, seed=25)},
+        {
+            "cu_seqlens_q": _cu([3, 5]),
+            "seqlens_k": torch.tensor([6, 7], dtype=torch.int32),
+            "block_table": torch.tensor([[3, 0], [1, 4]], dtype=torch.int32),
+            "softmax_scale": 0.3,
+        },
+        False,
+    ),
     "mistral_block_bias": (
         {"xq": _rand(8, 2, 8, seed=13), "xk": _rand(8, 2, 8, seed=14), "xv": _rand(8, 2, 8, seed=15)},
         {"seqlens": (3, 5)},
