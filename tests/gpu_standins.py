@@ -17,7 +17,8 @@ reference gradients:
 * ``flash_attn_3.flash_attn_interface._flash_attn_forward``: FA3's private forward at its latest
   (2025-11-21) signature as a plain function, for a paged KV cache (``page_table``, ``seqused_k``);
 * with ``installed("sgl-kernel")``, ``flash_attn_interface`` is sgl-kernel's build of FA3 instead
-  (``flash_attn_varlen_func(..., return_softmax_lse=True)`` -> ``(out, lse, *accumulators)``);
+  (``flash_attn_varlen_func(..., return_softmax_lse=True)`` -> ``(out, lse, *accumulators)``;
+  ``flash_attn_with_kvcache`` reading a paged cache, with per-head ``sinks``);
 * ``flash_attn.ops.triton.cross_entropy.cross_entropy_loss`` (flash-attn 2.8.3's docstring): per row
   ``(lse - logits[label], 0)`` without smoothing, scale or z-loss, rows at ``ignore_index`` zero;
 * ``xformers.ops``: ``memory_efficient_attention`` with ``BlockDiagonalMask`` (``from_seqlens``,
@@ -39,8 +40,9 @@ import torch
 CALLS: collections.Counter = collections.Counter()
 
 
-def _dense(q, k, v, scale, causal, window, softcap, align="bottom_right", visible=None):
-    """(out [B, Sq, H, Dv], lse [B, H, Sq]) of softmax attention on [B, S, H, D] tensors."""
+def _dense(q, k, v, scale, causal, window, softcap, align="bottom_right", visible=None, sinks=None):
+    """(out [B, Sq, H, Dv], lse [B, H, Sq]) of softmax attention on [B, S, H, D] tensors; ``sinks``
+    [H]: one logit per head that joins every row's softmax with no value (lse without it)."""
     _b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     qh = q.transpose(1, 2)
@@ -63,8 +65,9 @@ def _dense(q, k, v, scale, causal, window, softcap, align="bottom_right", visibl
     ok = ok if visible is None else ok & visible
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    finite = torch.isfinite(lse)
-    p = torch.where(ok, torch.exp(s - torch.where(finite, lse, 0.0)[..., None]), 0.0)
+    total = lse if sinks is None else torch.logaddexp(lse, sinks[None, :, None].to(lse.dtype))
+    finite = torch.isfinite(total)
+    p = torch.where(ok, torch.exp(s - torch.where(finite, total, 0.0)[..., None]), 0.0)
     out = (p @ vh).transpose(1, 2)
     return out, torch.where(finite, lse, float("inf"))
 
@@ -337,6 +340,64 @@ def fa3_latest_flash_attn_forward(
     return torch.cat(outs), torch.cat(lses, dim=-1), q.new_empty(0), q.new_empty(0)
 
 
+def sgl_flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    qv=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    page_table=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    max_seqlen_q=None,
+    rotary_seqlens=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    attention_chunk=None,
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=0,
+    pack_gqa=None,
+    only_qv=False,
+    sm_margin=0,
+    return_softmax_lse=False,
+    sinks=None,
+    out=None,
+):
+    """sgl-kernel's build of FA3's ``flash_attn_with_kvcache`` (sglang 0.5.23's
+    ``flash_attention_v3.py``), for a paged cache read only: ``k_cache``/``v_cache``
+    ``[num_pages, page_size, Hk, D]``, ``page_table`` ``[B, pages]``, ``cache_seqlens`` the lengths,
+    ``q`` varlen by ``cu_seqlens_q``; bottom-right causal/window per sequence; ``sinks`` [H] join each
+    row's softmax without a value. Returns ``out`` (``return_softmax_lse`` not modelled)."""
+    CALLS["sgl_flash_attn_with_kvcache"] += 1
+    assert k is None and v is None and qv is None and rotary_cos is None and cache_batch_idx is None
+    assert cache_leftpad is None and cu_seqlens_k_new is None and q_descale is None and k_descale is None
+    assert page_table is not None and cu_seqlens_q is not None and not attention_chunk
+    assert not only_qv and not return_softmax_lse and out is None
+    outs = []
+    for b in range(len(cu_seqlens_q) - 1):
+        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        n = int(cache_seqlens[b])
+        keys = k_cache[page_table[b].long()].flatten(0, 1)[None, :n]
+        values = v_cache[page_table[b].long()].flatten(0, 1)[None, :n]
+        result, _ = _dense(
+            q[None, rows], keys, values, softmax_scale, causal, window_size, softcap, sinks=sinks
+        )
+        outs.append(result[0])
+    return torch.cat(outs)
+
+
 def fa3_flash_attn_backward(
     dout,
     q,
@@ -557,7 +618,9 @@ def installed(fa3_build: str = "flash-attention"):
     standins = modules()
     if fa3_build == "sgl-kernel":
         standins["flash_attn_interface"] = _module(
-            "flash_attn_interface", flash_attn_varlen_func=sgl_flash_attn_varlen_func
+            "flash_attn_interface",
+            flash_attn_varlen_func=sgl_flash_attn_varlen_func,
+            flash_attn_with_kvcache=sgl_flash_attn_with_kvcache,
         )
     saved = {name: sys.modules.get(name) for name in standins}
     sys.modules.update(standins)

@@ -109,6 +109,22 @@ CASES = {
     ),
     "yunchang_versions": (_dense_inputs(sq=6, sk=6), {"causal": True, "window_size": (3, 0)}, False),
     "opensora_fa3_private": (_dense_inputs(), {"softmax_scale": 0.4}, False),
+    "sglang_musa_decode_sinks": (
+        {
+            "q": _rand(3, 4, 8, seed=26),
+            "k_cache": _rand(5, 4, 2, 8, seed=27),
+            "v_cache": _rand(5, 4, 2, 8, seed=28),
+            "sinks": _rand(4, seed=29),
+        },
+        {
+            "cu_seqlens_q": _cu([1, 2]),
+            "cache_seqlens": torch.tensor([6, 7], dtype=torch.int32),
+            "page_table": torch.tensor([[3, 0], [1, 4]], dtype=torch.int32),
+            "sliding_window_size": 3,
+            "scaling": 0.4,
+        },
+        True,
+    ),
     "sglang_musa_mha_lse": (
         {"q": _rand(8, 4, 8, seed=17), "k": _rand(8, 2, 8, seed=18), "v": _rand(8, 2, 8, seed=19)},
         {"cu_seqlens_q": _cu([3, 5]), "scaling": 0.3},
@@ -122,7 +138,7 @@ CASES = {
 }
 
 # units written for another build of FA3's flash_attn_interface than flash-attention's own
-FA3_BUILD = {"sglang_musa_mha_lse": "sgl-kernel"}
+FA3_BUILD = {"sglang_musa_mha_lse": "sgl-kernel", "sglang_musa_decode_sinks": "sgl-kernel"}
 
 
 def _run(code: str, name: str, tensors: dict, kwargs: dict, grads: bool):
