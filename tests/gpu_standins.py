@@ -14,6 +14,8 @@ reference gradients:
 * ``flash_attn_interface`` (FA3 as released before 2025-07-11: ``flash_attn_func`` and
   ``flash_attn_varlen_func`` return ``(out, lse)``; the private ``_flash_attn_forward`` /
   ``_flash_attn_backward`` at their 2025-03-15 signatures, the backward writing into dq/dk/dv);
+* with ``installed("2025-04-10")``, ``flash_attn_interface`` is FA3's build of that date
+  (its private forward with ``seqlens_rotary``/``attention_chunk``, the backward as above);
 * ``flash_attn_3.flash_attn_interface._flash_attn_forward``: FA3's private forward at its latest
   (2025-11-21) signature as a plain function, for a paged KV cache (``page_table``, ``seqused_k``);
 * with ``installed("sgl-kernel")``, ``flash_attn_interface`` is sgl-kernel's build of FA3 instead
@@ -276,11 +278,59 @@ def fa3_flash_attn_forward(
     CALLS["fa3_flash_attn_forward"] += 1
     unsupported = (k_new, v_new, qv, out, cu_seqlens_k_new, seqused_q, seqused_k, page_table, kv_batch_idx)
     assert all(x is None for x in unsupported + (leftpad_k, rotary_cos, q_descale, k_descale, v_descale))
+    return _fa3_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
+
+
+def _fa3_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap):
     if cu_seqlens_q is None:
         out, lse = _dense(q, k, v, softmax_scale, causal, window_size, softcap)
     else:
         out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
     return out, lse, q.new_empty(0), q.new_empty(0)
+
+
+def fa3_flash_attn_forward_v2025_04_10(
+    q,
+    k,
+    v,
+    k_new,
+    v_new,
+    qv,
+    out,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    cu_seqlens_k_new,
+    seqused_q,
+    seqused_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    page_table,
+    kv_batch_idx,
+    leftpad_k,
+    rotary_cos,
+    rotary_sin,
+    seqlens_rotary,
+    q_descale,
+    k_descale,
+    v_descale,
+    softmax_scale,
+    causal,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=1,
+    pack_gqa=None,
+    sm_margin=0,
+):
+    """FA3's private forward at its 2025-04-10 signature (``seqlens_rotary``, ``attention_chunk``
+    added), dense or varlen: ``(out, softmax_lse, out_accum, softmax_lse_accum)``."""
+    CALLS["fa3_flash_attn_forward_v2025_04_10"] += 1
+    unsupported = (k_new, v_new, qv, out, cu_seqlens_k_new, seqused_q, seqused_k, page_table, kv_batch_idx)
+    assert all(x is None for x in unsupported + (leftpad_k, rotary_cos, q_descale, k_descale, v_descale))
+    assert not attention_chunk
+    return _fa3_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap)
 
 
 def fa3_latest_flash_attn_forward(
@@ -614,8 +664,15 @@ def modules() -> dict[str, types.ModuleType]:
 @contextlib.contextmanager
 def installed(fa3_build: str = "flash-attention"):
     """The stand-ins importable under the GPU libraries' names, for the original code's run;
-    ``fa3_build="sgl-kernel"`` makes ``flash_attn_interface`` sgl-kernel's build of FA3."""
+    ``fa3_build="sgl-kernel"`` makes ``flash_attn_interface`` sgl-kernel's build of FA3,
+    ``fa3_build="2025-04-10"`` FA3's build of that date (its private forward's signature)."""
     standins = modules()
+    if fa3_build == "2025-04-10":
+        standins["flash_attn_interface"] = _module(
+            "flash_attn_interface",
+            _flash_attn_forward=fa3_flash_attn_forward_v2025_04_10,
+            _flash_attn_backward=fa3_flash_attn_backward,
+        )
     if fa3_build == "sgl-kernel":
         standins["flash_attn_interface"] = _module(
             "flash_attn_interface",

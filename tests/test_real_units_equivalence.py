@@ -107,6 +107,7 @@ CASES = {
         {"seqlens": (3, 5)},
         True,
     ),
+    "yunchang_fa3_private": (_dense_inputs(), {"softmax_scale": 0.45}, False),
     "yunchang_versions": (_dense_inputs(sq=6, sk=6), {"causal": True, "window_size": (3, 0)}, False),
     "opensora_fa3_private": (_dense_inputs(), {"softmax_scale": 0.4}, False),
     "sglang_musa_decode_sinks": (
@@ -138,7 +139,11 @@ CASES = {
 }
 
 # units written for another build of FA3's flash_attn_interface than flash-attention's own
-FA3_BUILD = {"sglang_musa_mha_lse": "sgl-kernel", "sglang_musa_decode_sinks": "sgl-kernel"}
+FA3_BUILD = {
+    "sglang_musa_mha_lse": "sgl-kernel",
+    "sglang_musa_decode_sinks": "sgl-kernel",
+    "yunchang_fa3_private": "2025-04-10",
+}
 
 
 def _run(code: str, name: str, tensors: dict, kwargs: dict, grads: bool):
