@@ -193,14 +193,16 @@ def test_dq_fetches_kv_once_per_group():
         before = counting.kv_block_fetches(g, 1, hq, hkv, grouped=False)
         assert after == model_kv_fetches(spec, 128, 128, hkv, lambda h: h)
         assert before == group * after
-        # The dQ kernel itself walks kv heads: its grid is (B, Hkv, nq, steps_k), not (B, Hq, ...).
+        # The dQ kernel itself walks kv heads: its grid is (B, Hkv / head_block, nq, steps_k), not
+        # (B, Hq, ...); a head block fetches the K/V blocks of its kv heads in one DMA.
         cfg = counting._config(spec, BLOCKS)
         out, lse = jnp.zeros((1, hq, 512, 128)), jnp.zeros((1, hq, 512))
 
         def bwd(q, k, v, cfg=cfg, out=out, lse=lse):
             return backend._backward_local(cfg, q, k, v, None, None, None, None, out, lse, out, lse, None)
 
-        assert _grid(bwd, (q, k, v), "flashport_flash_dq") == (1, hkv, g.nq, g.steps_k)
+        assert hkv % g.head_block == 0
+        assert _grid(bwd, (q, k, v), "flashport_flash_dq") == (1, hkv // g.head_block, g.nq, g.steps_k)
 
 
 @pytest.mark.parametrize("grad,return_lse", [(False, False), (False, True), (True, False)])

@@ -172,9 +172,11 @@ def _walk(jaxpr, stack: str):
 def kv_block_fetches(
     g: Geometry, batch: int, hq: int, hkv: int, q_seg=None, kv_seg=None, *, grouped=True
 ) -> int:
-    """K (equally V) block DMAs of the forward over its grid: block-index changes in grid order, + 1.
+    """K (equally V) blocks of one kv head the forward fetches: block-index changes in grid order, + 1.
 
-    ``grouped=True`` evaluates the kernel's index map (grid ``(B, Hkv, nq, steps_k)``), ``False`` the
+    ``grouped=True`` evaluates the kernel's index map over one kv head per step (grid ``(B, Hkv, nq,
+    steps_k)``; with a head block the kernel fetches the blocks of its ``head_block`` kv heads in one
+    DMA, the same blocks), ``False`` the
     per-query-head map of the previous kernel (grid ``(B, Hq, nq, steps_k)``, kv head ``h // G``).
     """
     group = hq // hkv
@@ -188,7 +190,8 @@ def kv_block_fetches(
 
 
 def kernel_block_shapes(kernel_jaxpr) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """The VMEM block shapes of q ``[G, bq, Dp]``, k ``[bk, Dp]`` and v ``[bk, Dvp]`` in the kernel.
+    """The VMEM block shapes of q ``[G, bq, Dp]``, k ``[bk, Dp]`` and v ``[bk, Dvp]`` in the kernel (k and v
+    ``[hb, bk, D]`` with a head block of hb kv heads).
 
     Read from the kernel's own refs (after the rank-1 scalar-prefetch tables, the first three refs).
     """
@@ -198,5 +201,5 @@ def kernel_block_shapes(kernel_jaxpr) -> tuple[tuple[int, ...], tuple[int, ...],
 
 def padded_macs(kernel_jaxpr, counts: TileCounts) -> int:
     """Multiply-accumulates the forward executed: head tiles x ``bq x bk x (Dp + Dvp)`` (padding included)."""
-    (_, bq, dp), (bk, _), (_, dvp) = kernel_block_shapes(kernel_jaxpr)
+    (_, bq, dp), (*_, bk, _), (*_, dvp) = kernel_block_shapes(kernel_jaxpr)
     return (counts.full + counts.partial) * bq * bk * (dp + dvp)
