@@ -691,6 +691,8 @@ class SiteTransformer(cst.CSTTransformer):
         them then runs on flashport, ported or not)."""
         for alias in [a for a in self._aliases.values() if a.owner is original]:
             outcome: Outcome = Report(alias.own_reason or alias.reason())
+            if not alias.own_reason and alias.calls < alias.uses and (kept := self._kept_torch_alias(alias)):
+                outcome = runs_as_is(values.kept_torch_value(kept, alias.api))
             dropped = _drop_alias(original, updated, alias.statement) if alias.removable() else None
             swapped = None
             if dropped is None and alias.drop_in is None and alias.only_ported_calls():
@@ -711,6 +713,43 @@ class SiteTransformer(cst.CSTTransformer):
                 self.rewrites += 1
             self._record(alias.rule, alias.api, "reference", alias.where, outcome)
         return updated
+
+    def _kept_torch_alias(self, alias: aliases.Alias) -> str:
+        """Why a function-local alias of torch's own attention function (SDPA, flex) that is also read
+        as a value keeps its meaning as is -- every read that is not a call only copies its metadata
+        (``@functools.wraps(alias)``, ``wrapper.__wrapped__ = alias``), inspects it
+        (``getattr``/``hasattr``) or puts it back where it was read from (``F.scaled_dot_product_attention
+        = alias`` after a patch) -- else "". The calls through it are sites of their own."""
+        span = self._file_lines(alias.owner)
+        if (
+            not alias.local
+            or values.family(alias.api) not in values.TORCH_OWN
+            or span is None
+            or self.tree is None
+        ):
+            return ""
+        first, _, last = span
+        model = semantic.of(self.tree)
+        source = self.module.code_for_node(alias.statement.body[0].value)  # type: ignore[attr-defined]
+        kinds: set[str] = set()
+        for node in ast.walk(self.tree):
+            if not first <= getattr(node, "lineno", 0) <= last:
+                continue
+            if isinstance(node, ast.arg) and node.arg == alias.name:
+                return ""
+            if not (isinstance(node, ast.Name) and node.id == alias.name):
+                continue
+            if not isinstance(node.ctx, ast.Load):
+                if node.lineno != alias.where[0]:
+                    return ""  # bound again: another variable of that name
+                continue
+            kind = _torch_value_use(node, model, source)
+            if kind is None:
+                return ""
+            kinds.add(kind)
+        kinds.discard("call")
+        how = "also" if alias.calls else "only"
+        return f"alias {alias.name} is {how} {' and '.join(sorted(kinds))}" if kinds else ""
 
     def leave_FunctionDef(
         self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
@@ -1010,3 +1049,34 @@ def _drop_alias(
         return None  # `def f(): a = x; ...` on one line holds small statements, never an alias line
     body = aliases.drop_statement(block.body, original_block.body, statement, value)
     return None if body is None else updated.with_changes(body=block.with_changes(body=body))
+
+
+def _torch_value_use(read: ast.Name, model: semantic.SemanticModel, source: str) -> str | None:
+    """How a read of an alias of torch's attention function (bound to ``source``) uses it: "call",
+    or a use that keeps its meaning on every host (:meth:`Transformer._kept_torch_alias`); None for
+    any other use (stored, passed on: its callers are out of sight)."""
+    up = model.parent(read)
+    if isinstance(up, ast.Call) and up.func is read:
+        return "call"
+    if isinstance(up, ast.Call) and up.args == [read] and not up.keywords:
+        callee = semantic.dotted(up.func)
+        if callee in ("functools.wraps", "wraps") and isinstance(
+            model.parent(up), (ast.FunctionDef, ast.AsyncFunctionDef)
+        ):
+            return "copied by @functools.wraps (metadata only)"
+    if (
+        isinstance(up, ast.Call)
+        and up.args[:1] == [read]
+        and semantic.dotted(up.func) in ("getattr", "hasattr")
+    ):
+        return "inspected with getattr/hasattr"
+    if (
+        isinstance(up, ast.Assign)
+        and up.value is read
+        and all(isinstance(t, ast.Attribute) for t in up.targets)
+    ):
+        if all(t.attr == "__wrapped__" for t in up.targets):  # type: ignore[attr-defined]
+            return "stored as a wrapper's __wrapped__ (metadata only)"
+        if all(semantic.dotted(t) == source for t in up.targets):
+            return f"put back as {source} (a patch undone)"
+    return None
