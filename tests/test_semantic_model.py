@@ -210,6 +210,29 @@ def test_local_value_is_a_variable_an_enclosing_function_binds_once():
     assert model.local_value("missing", 8) is None
 
 
+def test_an_if_else_binding_in_both_branches_hides_what_came_before():
+    source = textwrap.dedent(
+        """
+        def f(npu):
+            from a import pad
+            if npu:
+                from b import pad
+            else:
+                from c import pad
+            return pad
+
+        def g(npu):
+            from a import pad
+            if npu:
+                from b import pad
+            return pad
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    assert sorted(b.qualified for b in model.reaching("pad", 8)) == ["b.pad", "c.pad"]
+    assert sorted(b.qualified for b in model.reaching("pad", 14)) == ["a.pad", "b.pad"]
+
+
 def test_a_star_import_hides_what_came_before():
     model = semantic.of(
         ast.parse("from torch.nn.attention import SDPBackend\nfrom m import *\nSDPBackend.MATH\n")

@@ -736,7 +736,14 @@ def _binders(node: ast.AST, name: str, parts: list[ast.AST] | None = None) -> li
 
 
 def _binds_unconditionally(statement: ast.stmt, name: str) -> bool:
-    """Whether running ``statement`` to its end always leaves ``name`` bound by it (or deleted)."""
+    """Whether running ``statement`` to its end always leaves ``name`` bound by it (or deleted):
+    also an ``if`` with an ``else`` each of whose branches does (``if npu: from a import f`` /
+    ``else: from b import f``; a branch that leaves first never reaches what follows)."""
+    if isinstance(statement, ast.If) and statement.orelse:
+        return all(
+            any(_binds_unconditionally(inner, name) for inner in branch)
+            for branch in (statement.body, statement.orelse)
+        )
     if isinstance(statement, _IMPORTS):
         return any(_binds(alias, name) for alias in statement.names)
     if isinstance(statement, (*_DEFS, ast.ClassDef)):
