@@ -432,8 +432,10 @@ def _conjuncts(test: cst.BaseExpression) -> list[cst.BaseExpression]:
 
 def _cuda_test(test: cst.BaseExpression, ctx: RuleContext) -> bool:
     """``x.device.type == "cuda"`` (either side), ``x.is_cuda`` or ``torch.cuda.is_available()``."""
-    if isinstance(test, cst.Attribute):
-        return test.attr.value == "is_cuda"
+    if isinstance(test, cst.Attribute):  # a tensor's flag, not a setting of the object (`self.is_cuda`)
+        return test.attr.value == "is_cuda" and not (
+            isinstance(test.value, cst.Name) and test.value.value in ("self", "cls")
+        )
     if isinstance(test, cst.Call):
         return not test.args and CUDA_ONLY in ctx.qualified_names(test.func)
     if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
