@@ -347,58 +347,6 @@ def _value_used(path: list[cst.CSTNode], index: int, ctx: RuleContext) -> bool:
     return True
 
 
-_SYNTHETIC = re.compile(r"\btorch\.(randn|rand|zeros|ones|empty|full)\(")
-
-
-def enclosing_function(node: cst.CSTNode, ctx: RuleContext) -> cst.FunctionDef | None:
-    """The innermost ``def`` around ``node`` (None at module level or when unknown)."""
-    return ctx.enclosing(node, cst.FunctionDef)  # type: ignore[return-value]
-
-
-def synthetic_query(call: cst.Call, function: cst.FunctionDef | None) -> bool:
-    """True when the call's query (first positional or ``query=``) is a local name of ``function``
-    (not a parameter) that every assignment in it binds to ``torch.randn/rand/zeros/ones/empty/full(...)``:
-    the call runs on tensors made up for the occasion (a kernel probe), not on model data."""
-    query = next((a.value for a in call.args if a.keyword is None and not a.star), None)
-    query = next((a.value for a in call.args if a.keyword and a.keyword.value == "query"), query)
-    if function is None or not isinstance(query, cst.Name):
-        return False
-    name = query.value
-    params = function.params
-    every = [
-        *params.posonly_params,
-        *params.params,
-        *params.kwonly_params,
-        params.star_arg,
-        params.star_kwarg,
-    ]
-    if any(isinstance(p, cst.Param) and p.name.value == name for p in every):
-        return False
-    values: list[bool] = []
-
-    class _Assigns(cst.CSTVisitor):
-        def visit_Assign(self, assign: cst.Assign) -> None:
-            bound = set().union(*(_target_names(t.target) for t in assign.targets))
-            if name in bound:
-                values.append(bool(_SYNTHETIC.search(cst.Module([]).code_for_node(assign.value))))
-
-        def visit_AugAssign(self, assign: cst.AugAssign) -> None:
-            if name in _target_names(assign.target):
-                values.append(False)
-
-    function.body.visit(_Assigns())
-    return bool(values) and all(values)
-
-
-def _target_names(target: cst.BaseExpression) -> set[str]:
-    """Names an assignment target binds (``q`` or ``q, k, v``)."""
-    if isinstance(target, cst.Name):
-        return {target.value}
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return set().union(set(), *(_target_names(e.value) for e in target.elements))
-    return set()
-
-
 CUDA_ONLY = "torch.cuda.is_available"
 
 
@@ -452,3 +400,55 @@ def _cuda_test(test: cst.BaseExpression, ctx: RuleContext) -> bool:
         and b.evaluated_value == "cuda"
         for a, b in (sides, sides[::-1])
     )
+
+
+_SYNTHETIC = re.compile(r"\btorch\.(randn|rand|zeros|ones|empty|full)\(")
+
+
+def enclosing_function(node: cst.CSTNode, ctx: RuleContext) -> cst.FunctionDef | None:
+    """The innermost ``def`` around ``node`` (None at module level or when unknown)."""
+    return ctx.enclosing(node, cst.FunctionDef)  # type: ignore[return-value]
+
+
+def synthetic_query(call: cst.Call, function: cst.FunctionDef | None) -> bool:
+    """True when the call's query (first positional or ``query=``) is a local name of ``function``
+    (not a parameter) that every assignment in it binds to ``torch.randn/rand/zeros/ones/empty/full(...)``:
+    the call runs on tensors made up for the occasion (a kernel probe), not on model data."""
+    query = next((a.value for a in call.args if a.keyword is None and not a.star), None)
+    query = next((a.value for a in call.args if a.keyword and a.keyword.value == "query"), query)
+    if function is None or not isinstance(query, cst.Name):
+        return False
+    name = query.value
+    params = function.params
+    every = [
+        *params.posonly_params,
+        *params.params,
+        *params.kwonly_params,
+        params.star_arg,
+        params.star_kwarg,
+    ]
+    if any(isinstance(p, cst.Param) and p.name.value == name for p in every):
+        return False
+    values: list[bool] = []
+
+    class _Assigns(cst.CSTVisitor):
+        def visit_Assign(self, assign: cst.Assign) -> None:
+            bound = set().union(*(_target_names(t.target) for t in assign.targets))
+            if name in bound:
+                values.append(bool(_SYNTHETIC.search(cst.Module([]).code_for_node(assign.value))))
+
+        def visit_AugAssign(self, assign: cst.AugAssign) -> None:
+            if name in _target_names(assign.target):
+                values.append(False)
+
+    function.body.visit(_Assigns())
+    return bool(values) and all(values)
+
+
+def _target_names(target: cst.BaseExpression) -> set[str]:
+    """Names an assignment target binds (``q`` or ``q, k, v``)."""
+    if isinstance(target, cst.Name):
+        return {target.value}
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return set().union(set(), *(_target_names(e.value) for e in target.elements))
+    return set()
