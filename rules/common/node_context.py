@@ -8,6 +8,7 @@ refuse or stay conservative) outside the engine, where the context carries no no
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
 
@@ -15,6 +16,32 @@ import libcst as cst
 
 from flashport.rules.common.calls import callee_name
 from flashport.rules.site import RuleContext
+
+# tensor methods that only reshape, view or cast: they run no attention and reduce nothing
+TENSOR_METHODS = frozenset(
+    {
+        "transpose",
+        "permute",
+        "contiguous",
+        "view",
+        "reshape",
+        "flatten",
+        "unflatten",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "to",
+        "float",
+        "half",
+        "bfloat16",
+        "type_as",
+        "chunk",
+        "split",
+        "unbind",
+        "size",
+        "dim",
+    }
+)
 
 
 def _path(ctx: RuleContext) -> list[cst.CSTNode]:
@@ -322,10 +349,32 @@ def _fallback_try(guard: cst.Try, with_node: cst.With, below: list[cst.CSTNode])
     )
 
 
+def _flows_on(name: str, ctx: RuleContext) -> bool:
+    """True when the site's function reads ``name`` (the site's value) again, and only to return it
+    or to reshape it (:data:`TENSOR_METHODS`: ``out.permute(...)``): it goes on as the attention.
+    A read that inspects it (``out.isnan().any()``, ``torch.allclose(out, ref)``) or passes it on
+    may judge the kernel instead."""
+    model = ctx.semantic
+    function = model.function_at(ctx.line) if model is not None else None
+    if model is None or function is None:
+        return False
+    span = range(function.lineno, (function.end_lineno or function.lineno) + 1)  # type: ignore[attr-defined]
+    reads = [read for read in model.loads(name) if read.lineno in span]
+    for read in reads:
+        up = model.parent(read)
+        if isinstance(up, ast.Return):
+            continue
+        if not (isinstance(up, ast.Attribute) and up.attr in TENSOR_METHODS):
+            return False
+        if not (isinstance(model.parent(up), ast.Call) and model.parent(up).func is up):  # type: ignore[union-attr]
+            return False
+    return bool(reads)
+
+
 def _value_used(path: list[cst.CSTNode], index: int, ctx: RuleContext) -> bool:
     """True when the site's value (``path[0]``) flows on in its function: returned, part of a larger
-    expression or statement, or assigned to names read again in the function; False when it is
-    discarded (an expression statement, or assigned to names nothing reads). ``path[index]``: the
+    expression or statement, or assigned to names the function goes on with (:func:`_flows_on`);
+    False when it is discarded (an expression statement) or only inspected. ``path[index]``: the
     selector's ``with``."""
     node = path[0]
     for up in path[1:index]:
@@ -337,10 +386,7 @@ def _value_used(path: list[cst.CSTNode], index: int, ctx: RuleContext) -> bool:
             names = [t.target.value for t in up.targets if isinstance(t.target, cst.Name)]
             if len(names) != len(up.targets) or up.value is not node:
                 return True  # stored into an attribute, an item or a tuple: kept
-            function = next((f for f in path if isinstance(f, cst.FunctionDef)), None)
-            return function is not None and any(
-                name != "_" and _reads(function.body, name) > _reads(up, name) for name in names
-            )
+            return all(_flows_on(name, ctx) for name in names)
         if isinstance(up, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
             return True
         node = up

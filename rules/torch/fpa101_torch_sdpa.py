@@ -26,9 +26,9 @@ What it refuses:
   backend probes on model data: a call under a ``with sdpa_kernel(...)`` selector that sits in a ``try`` block or
   takes its backends from a variable (``with sdpa_kernel([backend]): F.scaled_dot_product_attention(q,
   q, q)`` asks whether that kernel runs; rewritten, it would always succeed). Not probes, so
-  rewritten: under variable backends, a call whose value its function goes on with (returned,
-  assigned to a name read again: ``with sdpa_kernel(kernel): out = sdpa(q, k, v)`` then ``out``
-  used), and in a ``try`` whose body is only ``with sdpa_kernel(...): return <the call>`` (the
+  rewritten: under variable backends, a call whose value its function goes on with (returned, or
+  assigned to a name it only returns or reshapes: ``with sdpa_kernel(kernel): out = sdpa(q, k, v)``
+  then ``out.permute(...)``; a value inspected, ``out.isnan().any()``, or passed on stays a probe), and in a ``try`` whose body is only ``with sdpa_kernel(...): return <the call>`` (the
   handler's fallback runs only when that kernel fails; success is seen only as the attention
   returned, which flashport computes on every host);
   a dropout expression with side effects (a call) that the rewrite would evaluate out of its

@@ -19,30 +19,7 @@ from flashport.rules.common import node_context
 from flashport.rules.common.calls import callee_name
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
-TENSOR_METHODS = frozenset(
-    {
-        "transpose",
-        "permute",
-        "contiguous",
-        "view",
-        "reshape",
-        "flatten",
-        "unflatten",
-        "unsqueeze",
-        "squeeze",
-        "expand",
-        "to",
-        "float",
-        "half",
-        "bfloat16",
-        "type_as",
-        "chunk",
-        "split",
-        "unbind",
-        "size",
-        "dim",
-    }
-)
+TENSOR_METHODS = node_context.TENSOR_METHODS
 
 
 def _bound_with(node: cst.CSTNode, ctx) -> cst.With | str:
