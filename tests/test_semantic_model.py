@@ -160,6 +160,79 @@ def test_imports_at_a_line_leave_out_what_cannot_be_told():
     assert model.qualified_name_at("SDPBackend.MATH", 14) == ""
 
 
+def test_an_import_in_an_enclosing_function_reaches_its_closures_unless_a_parameter_shadows_it():
+    source = textwrap.dedent(
+        """
+        def factory():
+            import torch.nn.functional as G
+
+            class Processor:
+                def __call__(self, q):
+                    return G.scaled_dot_product_attention(q, q, q)
+
+            def shadowed(G):
+                return G.scaled_dot_product_attention(1)
+
+            return Processor
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    assert model.qualified_name_at("G.scaled_dot_product_attention", 7) == (
+        "torch.nn.functional.scaled_dot_product_attention"
+    )
+    assert model.qualified_name_at("G.scaled_dot_product_attention", 10) == ""
+
+
+def test_local_value_is_a_variable_an_enclosing_function_binds_once():
+    source = textwrap.dedent(
+        """
+        def f():
+            chosen = [1, 2]
+            twice = [1]
+            twice = [2]
+
+            def inner(param):
+                return chosen, twice, param
+
+            return inner
+
+        def g():
+            chosen = [3]
+            return chosen
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    value, function = model.local_value("chosen", 8)  # in inner: f's variable
+    assert isinstance(value, ast.List) and value.elts[0].value == 1 and function.name == "f"
+    assert model.local_value("chosen", 14)[0].elts[0].value == 3  # g's own variable
+    assert model.local_value("twice", 8) is None
+    assert model.local_value("param", 8) is None  # a parameter, no `=`
+    assert model.local_value("missing", 8) is None
+
+
+def test_an_if_else_binding_in_both_branches_hides_what_came_before():
+    source = textwrap.dedent(
+        """
+        def f(npu):
+            from a import pad
+            if npu:
+                from b import pad
+            else:
+                from c import pad
+            return pad
+
+        def g(npu):
+            from a import pad
+            if npu:
+                from b import pad
+            return pad
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    assert sorted(b.qualified for b in model.reaching("pad", 8)) == ["b.pad", "c.pad"]
+    assert sorted(b.qualified for b in model.reaching("pad", 14)) == ["a.pad", "b.pad"]
+
+
 def test_a_star_import_hides_what_came_before():
     model = semantic.of(
         ast.parse("from torch.nn.attention import SDPBackend\nfrom m import *\nSDPBackend.MATH\n")

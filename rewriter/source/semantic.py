@@ -277,10 +277,17 @@ class SemanticModel:
         if line in self._at:
             return self._at[line]
         inner = self.function_at(line)
+        around = self._enclosing_defs(line)
         found: dict[str, set[str]] = {}
         last_star = max(self.star_import_lines(), default=0)
         for b in self.imports:
-            if not (b.module_scope or (inner is not None and any(s is inner for s in b.scopes))):
+            visible = b.module_scope or (inner is not None and any(s is inner for s in b.scopes))
+            if not visible and b.scopes and any(b.scopes[-1] is f for f in around):
+                # an import in an enclosing def: Python's closures see it, unless a def between
+                # takes a parameter of that name
+                deeper = [f for f in around if f.lineno > b.scopes[-1].lineno]  # type: ignore[attr-defined]
+                visible = not any(a.arg == b.name for f in deeper for a in _arguments(f.args))  # type: ignore[attr-defined]
+            if not visible:
                 continue
             if b.relative or b.node.lineno < last_star:
                 continue
@@ -388,6 +395,27 @@ class SemanticModel:
                 return None
         return binding.value if stores == 1 else None
 
+    def local_value(self, name: str, line: int) -> tuple[ast.expr, ast.AST] | None:
+        """``(value, def)`` when a read of ``name`` at ``line`` resolves to a variable of an
+        enclosing ``def`` (the innermost that binds it) that binds it exactly once, by ``name =
+        value``, with no ``global``/``nonlocal`` of it there and no parameter of that name on the
+        way; else None. Its reads are the caller's to judge (a mutation through one is not seen)."""
+        if self.star_import_lines():
+            return None
+        for function in reversed(self._enclosing_defs(line)):
+            if any(a.arg == name for a in _arguments(function.args)):  # type: ignore[attr-defined]
+                return None
+            found = [b for statement in function.body for b in _binders(statement, name)]  # type: ignore[attr-defined]
+            if any(isinstance(n, (ast.Global, ast.Nonlocal)) and name in n.names for n in ast.walk(function)):
+                return None
+            if not found:
+                continue
+            parent = self.parent(found[0]) if len(found) == 1 else None
+            if isinstance(parent, ast.Assign) and parent.targets == [found[0]]:
+                return parent.value, function
+            return None
+        return None
+
     @property
     def exports(self) -> tuple[str, ...] | None:
         """The names of a module-scope ``__all__ = [...]``/``(...)`` of string literals (the last
@@ -420,6 +448,11 @@ class SemanticModel:
         while current is not None and not isinstance(current, kind):
             current = self.parent(current)
         return current
+
+    def _enclosing_defs(self, line: int) -> list[ast.AST]:
+        """Every ``def`` whose lines hold ``line``, outermost first."""
+        self.function_at(line)
+        return [f for f in self._functions or () if f.lineno <= line <= (f.end_lineno or f.lineno)]  # type: ignore[attr-defined]
 
     def function_at(self, line: int) -> ast.AST | None:
         """The innermost ``def`` whose lines hold ``line`` (the one starting last), or None."""
@@ -703,7 +736,14 @@ def _binders(node: ast.AST, name: str, parts: list[ast.AST] | None = None) -> li
 
 
 def _binds_unconditionally(statement: ast.stmt, name: str) -> bool:
-    """Whether running ``statement`` to its end always leaves ``name`` bound by it (or deleted)."""
+    """Whether running ``statement`` to its end always leaves ``name`` bound by it (or deleted):
+    also an ``if`` with an ``else`` each of whose branches does (``if npu: from a import f`` /
+    ``else: from b import f``; a branch that leaves first never reaches what follows)."""
+    if isinstance(statement, ast.If) and statement.orelse:
+        return all(
+            any(_binds_unconditionally(inner, name) for inner in branch)
+            for branch in (statement.body, statement.orelse)
+        )
     if isinstance(statement, _IMPORTS):
         return any(_binds(alias, name) for alias in statement.names)
     if isinstance(statement, (*_DEFS, ast.ClassDef)):
