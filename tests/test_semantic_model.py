@@ -225,6 +225,29 @@ def test_parent_and_enclosing():
     assert model.function_at(1) is None
 
 
+def test_comparisons_and_mentions():
+    source = textwrap.dedent(
+        """
+        from xformers.ops import memory_efficient_attention as mea
+        import xformers.ops as xops
+        \"\"\"memory_efficient_attention in a docstring is no mention\"\"\"
+        if flag:
+            ok = type(m) is RotaryEmbedding
+        y = mea(q, k, v) + xops.memory_efficient_attention(q, k, v)
+        fn = getattr(xops, "memory_efficient_attention_forward")
+        if RotaryEmbedding == other:
+            pass
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    assert model.first_comparison({"RotaryEmbedding"}) == 9  # ast.walk order: the shallower one
+    assert model.first_comparison({"m"}) is None  # `type(m)` is a call, no plain read as a side
+    assert model.first_comparison({"other_name"}) is None
+    assert model.first_comparison(set()) is None
+    uses = model.mentions(lambda text: text.startswith("memory_efficient_attention") or text == "mea")
+    assert dict(uses) == {7: 2, 8: 1}  # the import line and the docstring are no mentions
+
+
 def test_the_model_is_built_once_per_tree():
     tree = ast.parse("import torch\n")
     assert semantic.of(tree) is semantic.of(tree)

@@ -68,7 +68,7 @@ from flashport.rewriter.source import pieces as mini_parse
 from flashport.rewriter.source import text as src
 from flashport.rewriter.source.names import Names
 from flashport.rewriter.source.spans import StatementSpans
-from flashport.rules.base import Rule, RuleOptions
+from flashport.rules.base import Rule, RuleContext, RuleOptions
 
 
 def trigger_pattern(rules: Iterable[type[Rule]]) -> re.Pattern[bytes]:
@@ -564,11 +564,14 @@ def _run_rules(
     transformer = transformer_for()
     new_module = module.visit(transformer)
     beyond = transformer.read_beyond or transformer.used_scopes
+    whole_file = RuleContext.for_file(file.result.path, file.options, tree)
     vetoes: dict[str, str] = {}
     site_vetoes: dict[tuple[str, int, int], str] = {}
     while True:  # vetoes only grow, so this ends (at most one pass more per rule and per site)
         more = {
-            r.CODE: why for r in rules if r.CODE not in vetoes and (why := r.settle(transformer.sites, tree))
+            r.CODE: why
+            for r in rules
+            if r.CODE not in vetoes and (why := r.settle(transformer.sites, whole_file))
         }
         more_sites = {key: why for key, why in transformer.unmet().items() if key not in site_vetoes}
         if not more and not more_sites:

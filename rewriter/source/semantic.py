@@ -15,7 +15,9 @@ context and, through :class:`~flashport.rules.site.RuleContext`, the rules:
   flow of its scope decides (a rebinding that dominates the read hides the earlier ones);
 * value and attribute aliases (:meth:`SemanticModel.assignments`: ``fn = flash_attn.flash_attn_func``,
   ``self.fn = flash_attn_func``), :meth:`SemanticModel.module_constant`, :attr:`SemanticModel.exports`
-  (``__all__``), :meth:`SemanticModel.parent` and :meth:`SemanticModel.enclosing`.
+  (``__all__``), :meth:`SemanticModel.parent` and :meth:`SemanticModel.enclosing`;
+* mentions: :meth:`SemanticModel.first_comparison` and :meth:`SemanticModel.mentions` (names,
+  attribute names and identifier strings per line), what a rule's per-file phase looks for.
 
 Everything is computed on first use and kept: a file whose engine run asks nothing pays nothing. The
 statement walk visits statements only (imports and assignments are statements), in ``ast.walk``'s
@@ -403,6 +405,36 @@ class SemanticModel:
         ):
             return tuple(e.value for e in value.elts)  # type: ignore[attr-defined]
         return None
+
+    # -- mentions ----------------------------------------------------------------------------------
+
+    def first_comparison(self, names: Iterable[str]) -> int | None:
+        """The line of the first comparison (``ast.walk`` order) with a plain read of one of
+        ``names`` as a side (``type(m) is RotaryEmbedding``); None when there is none."""
+        wanted = set(names)
+        for node in astindex.of_type(self.tree, ast.Compare):
+            sides = (node.left, *node.comparators)  # type: ignore[attr-defined]
+            if any(isinstance(side, ast.Name) and side.id in wanted for side in sides):
+                return node.lineno  # type: ignore[attr-defined]
+        return None
+
+    def mentions(self, matches: Callable[[str], bool]) -> collections.Counter:
+        """Line -> how many mentions there ``matches`` accepts: a ``Name`` (read or written), an
+        attribute's name (``m.name``) or an identifier-like string constant (``getattr(m, "name")``;
+        a docstring is no identifier). An import statement's names are not mentions."""
+        uses: collections.Counter = collections.Counter()
+        for node in astindex.of_type(self.tree, ast.Name, ast.Attribute, ast.Constant):
+            if isinstance(node, ast.Name):
+                text = node.id
+            elif isinstance(node, ast.Attribute):
+                text = node.attr
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                text = node.value
+            else:
+                continue
+            if matches(text):
+                uses[node.lineno] += 1
+        return uses
 
     # -- structure ---------------------------------------------------------------------------------
 
