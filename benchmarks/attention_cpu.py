@@ -15,8 +15,10 @@ reference). Reported: median seconds, GFLOP/s, % of that matmul, and the through
 SDPA (> 1 = faster than SDPA). FLOPs: causal forward 2·B·H·S²·D (QKᵀ and PV, half the square);
 forward+backward 3.5x that (the backward's five S²·D matmuls, FlashAttention-2's convention).
 The torch rows use BHSD tensors (SDPA's layout; the adapter is called with ``layout="BHSD"``).
-Then flashport's compiled forward+backward scratch memory (linear in S), and a summary of the
-ratios flashport (JAX) / torch SDPA against the goal (>= 1.0x at S = 4096 and 8192).
+Then the compiled scratch memory of flashport and jax.nn, forward and forward+backward, side by
+side (flashport's linear in S, jax.nn's quadratic), and a summary of the ratios against the goals:
+flashport (JAX) / torch SDPA throughput >= 1.0x and flashport / jax.nn scratch <= 15% at S = 4096
+and 8192.
 
 Per call the worker also records the process CPU time and the CPU time of the busiest thread (Linux
 ``/proc/self/task/*/schedstat``). On a host shared with other jobs the wall clock measures the
@@ -47,6 +49,8 @@ import time
 
 B, H, D = 1, 8, 64
 IMPLS = ("flashport", "flashport.torch", "jax.nn", "torch sdpa")
+# flashport's compiled scratch may be at most this fraction of jax.nn's (same S, same pass).
+MEMORY_GOAL = 0.15
 # The reference square matmul's size (the parent sets it for its workers; --quick uses 2048).
 _MATMUL_N = int(os.environ.get("FLASHPORT_BENCH_MATMUL_N", "4096"))
 # --single-thread: workers run XLA and torch on one thread each and time process CPU time, which
@@ -171,18 +175,26 @@ def _worker(seq: int, rounds: int, train: bool, with_xla: bool) -> dict:
 
 
 def _scratch_worker(seq: int) -> dict:
-    """Compiled scratch memory of flashport's forward+backward at ``seq`` (compiled, not run)."""
+    """Compiled scratch memory (bytes) at ``seq`` of flashport's and jax.nn's forward and
+    forward+backward, keyed ``"<impl> <pass>"`` (compiled, not run: jax.nn's O(S²) scores need no
+    memory to be measured)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import flashport
 
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((B, seq, H, D)), jnp.float32) for _ in range(3))
-    loss = lambda q, k, v: jnp.sum(flashport.attention(q, k, v, causal=True))  # noqa: E731
-    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    return {"temp_bytes": fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes}
+    args = [jax.ShapeDtypeStruct((B, seq, H, D), jnp.float32)] * 3
+    impls = {
+        "flashport": lambda q, k, v: flashport.attention(q, k, v, causal=True),
+        "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+    }
+    out = {}
+    for name, attn in impls.items():
+        train = jax.grad(lambda q, k, v, f=attn: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
+        for kind, fn in (("forward", attn), ("fwd+bwd", train)):
+            compiled = jax.jit(fn).lower(*args).compile()
+            out[f"{name} {kind}"] = compiled.memory_analysis().temp_size_in_bytes
+    return out
 
 
 def _child(args: list[str], env: dict | None = None) -> dict:
@@ -272,19 +284,43 @@ def main() -> None:
     console.print(
         _table(f"forward+backward, {shape}", sizes, True, rounds, args.xla_max_train, matmul_n, ratios)
     )
+    memory: dict = {}
     if scratch:
-        mem = Table(title="flashport forward+backward: compiled scratch memory stays linear in S")
-        for col in ("S", "compiled scratch MB", "scratch / S (KB)"):
+        mem = Table(title="compiled scratch memory: flashport linear in S, jax.nn quadratic (side by side)")
+        cols = ("S", "pass", "flashport MB", "flashport / S (KB)", "jax.nn MB", "flashport / jax.nn")
+        for col in cols:
             mem.add_column(col, justify="right")
         for seq in scratch:
             r = _child(["--scratch", str(seq)])
-            mem.add_row(str(seq), f"{r['temp_bytes'] / 1e6:.1f}", f"{r['temp_bytes'] / seq / 1e3:.1f}")
+            for kind in ("forward", "fwd+bwd"):
+                ours, xla = r[f"flashport {kind}"], r[f"jax.nn {kind}"]
+                memory[(kind, seq)] = ours / xla
+                mem.add_row(
+                    str(seq),
+                    kind,
+                    f"{ours / 1e6:.1f}",
+                    f"{ours / seq / 1e3:.1f}",
+                    f"{xla / 1e6:.1f}",
+                    f"{ours / xla:.1%}",
+                )
+            mem.add_section()
         console.print(mem)
     console.print(f"load average after the run: {os.getloadavg()[0]:.1f}")
     console.print("flashport (JAX, auto) throughput / torch SDPA's (goal: >= 1.00x at S = 4096 and 8192):")
     for (kind, seq), ratio in sorted(ratios.items()):
         goal = "" if seq < 4096 else ("  goal met" if ratio >= 1.0 else "  goal NOT met")
         console.print(f"  {kind:8s} S={seq:5d}: {ratio:.2f}x{goal}")
+    if memory:
+        console.print(
+            f"flashport compiled scratch / jax.nn's (goal: <= {MEMORY_GOAL:.0%} at S = 4096 and 8192):"
+        )
+        for (kind, seq), ratio in sorted(memory.items()):
+            goal = (
+                ""
+                if seq not in (4096, 8192)
+                else ("  goal met" if ratio <= MEMORY_GOAL else "  goal NOT met")
+            )
+            console.print(f"  {kind:8s} S={seq:5d}: {ratio:.1%}{goal}")
 
 
 if __name__ == "__main__":

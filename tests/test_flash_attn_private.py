@@ -9,6 +9,7 @@ backwards on the merged residuals add up to the full attention's float64 gradien
 from __future__ import annotations
 
 import pathlib
+import textwrap
 
 import numpy as np
 import pytest
@@ -413,3 +414,44 @@ def test_kernels_written_for_2_0_run_on_their_drop_ins():
         for got, want_grad in zip((dq, dk, dv), grads[:3], strict=True):
             close(got[part], want_grad[0])
         start += n
+
+
+def test_a_dict_splat_with_known_keys_picks_the_release_that_has_them():
+    """``**kwargs`` built as a dict display in the function around the call (colossalai's ring
+    attention): a key a release lacks (``softcap`` before 2.6) would raise there, so only the
+    releases with every key remain; a key removed by ``del``/``pop`` does not count."""
+    from flashport import rules as registry
+    from flashport.rewriter.engine.pipeline import transform_source
+    from flashport.rules.base import RuleOptions
+
+    source = textwrap.dedent(
+        """
+        import flash_attn
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+        from packaging import version
+
+        def forward(q, k, v, cu, m, scale):
+            misc = {"softmax_scale": scale, "dropout_p": 0.0, "softcap": 0.0, "alibi_slopes": None,
+                    "return_softmax": False}
+            misc["window_size"] = (-1, -1)
+            def attend(q, k, v):
+                if version.parse(flash_attn.__version__) <= version.parse("2.6.3"):
+                    out, _, _, _, _, lse, _, rng = _flash_attn_varlen_forward(q, k, v, cu, cu, m, m, causal=True, **misc)
+                    return out, lse
+            return attend(q, k, v)
+
+        def popped(q, k, v, cu, m, scale):
+            misc = {"softmax_scale": scale, "dropout_p": 0.0, "softcap": 0.0, "window_size": (-1, -1)}
+            misc.pop("softcap")
+            if version.parse(flash_attn.__version__) <= version.parse("2.6.3"):
+                out, _, _, _, _, lse, _, rng = _flash_attn_varlen_forward(q, k, v, cu, cu, m, m, causal=True, **misc)
+                return out
+        """
+    )
+    result = transform_source(source.encode(), "case.py", registry.all_rules(), RuleOptions())
+    sites = {s.line: s for s in result.sites if s.kind == "call"}
+    assert [(line, s.status) for line, s in sites.items()] == [(12, "rewrite"), (20, "refused")], [
+        (line, s.reason) for line, s in sites.items()
+    ]
+    assert "_flash_attn_varlen_forward_v2_6" in " ".join(sites[12].notes)
+    assert "several flash-attn releases" in sites[20].reason

@@ -52,6 +52,7 @@ from flashport.rewriter.engine.results import AS_IS, REFUSED, REWRITE, SUPPRESSE
 from flashport.rewriter.source import aliases, newsyntax, semantic
 from flashport.rewriter.source.positions import Span, line_positions
 from flashport.rewriter.source.spans import StatementSpans, indents
+from flashport.rules import apis
 from flashport.rules.base import (
     RUNS_AS_IS,
     Outcome,
@@ -932,14 +933,27 @@ def _one_library_path(meanings: set[str], sources: Mapping[str, object]) -> set[
     """``meanings`` with the other import paths of a source dropped: names of the same package and
     last name that no rule knows (``xformers.attn_bias.BlockDiagonalMask`` imported where
     ``xformers.ops.fmha.attn_bias.BlockDiagonalMask`` failed: the library's other layout of the same
-    object). A second known source (flash-attn's Triton ``flash_attn_func``) is another API: kept."""
+    object). A second known source (flash-attn's Triton ``flash_attn_func``) is another API: kept, unless every one is an import
+    path of the same catalogued API."""
     known = [m for m in meanings if m in sources]
+    if len(known) > 1 and len(known) == len(meanings) and _one_api(known):
+        return {min(known)}
     if len(known) != 1 or len(meanings) == 1:
         return meanings
     package, _, rest = known[0].partition(".")
     leaf = rest.rsplit(".", 1)[-1]
     same = all(m.partition(".")[0] == package and m.rsplit(".", 1)[-1] == leaf for m in meanings)
     return {known[0]} if same and rest else meanings
+
+
+def _one_api(names: list[str]) -> bool:
+    """Whether ``names`` are import paths of one catalogued source API (FA3's builds under
+    ``flash_attn_3`` and, before 2025-01-07, ``flashattn_hopper``)."""
+    try:
+        found = {id(apis.api(name)) for name in names}
+    except KeyError:
+        return False
+    return len(found) == 1
 
 
 @functools.lru_cache(maxsize=8)

@@ -567,7 +567,296 @@ FA3_APIS = (
         returns="out; (out, softmax_lse) with return_softmax_lse=True",
         lse="[B, H, Sq] fp32",
     ),
+    Api(
+        names=tuple(m + "get_scheduler_metadata" for m in FA3_MODULES),
+        signatures=(
+            (
+                (2025, 4, 10),
+                params(
+                    "batch_size",
+                    "max_seqlen_q",
+                    "max_seqlen_k",
+                    "num_heads_q",
+                    "num_heads_kv",
+                    "headdim",
+                    "cache_seqlens",
+                    qkv_dtype="torch.bfloat16",
+                    headdim_v=None,
+                    cu_seqlens_q=None,
+                    cu_seqlens_k_new=None,
+                    cache_leftpad=None,
+                    page_size=None,
+                    max_seqlen_k_new=0,
+                    causal=False,
+                    window_size=(-1, -1),
+                    attention_chunk=0,
+                    has_softcap=False,
+                    num_splits=0,
+                    pack_gqa=None,
+                    sm_margin=0,
+                ),
+            ),
+        ),
+        returns="scheduler_metadata (the drop-in: None, FA3's 'no precomputed plan')",
+        drop_ins=(
+            DropIn(
+                FA3,
+                "get_scheduler_metadata",
+                ((2025, 4, 10),),
+                deviation="qkv_dtype defaults to None, not torch.bfloat16: the drop-in module imports torch "
+                "only when a function runs (the value is not used)",
+                signature=params(
+                    "batch_size",
+                    "max_seqlen_q",
+                    "max_seqlen_k",
+                    "num_heads_q",
+                    "num_heads_kv",
+                    "headdim",
+                    "cache_seqlens",
+                    qkv_dtype=None,
+                    headdim_v=None,
+                    cu_seqlens_q=None,
+                    cu_seqlens_k_new=None,
+                    cache_leftpad=None,
+                    page_size=None,
+                    max_seqlen_k_new=0,
+                    causal=False,
+                    window_size=(-1, -1),
+                    attention_chunk=0,
+                    has_softcap=False,
+                    num_splits=0,
+                    pack_gqa=None,
+                    sm_margin=0,
+                ),
+            ),
+        ),
+    ),
+    # sgl-kernel's build of FA3 as sglang 0.5.23 vendors it (vendor builds of flash_attn_interface
+    # copy it): page_table after seqused_k, return_softmax_lse for return_attn_probs, sinks and an
+    # out buffer. sgl_kernel.flash_attn's own releases take a subset of these names (max_seqlen_q/k
+    # required, no page_table, attention_chunk or sinks), with the same return convention.
+    one_release(
+        ("sglang.kernels.ops.attention.flash_attention_v3.flash_attn_varlen_func",),
+        (0, 5, 23),
+        params(
+            "q",
+            "k",
+            "v",
+            "cu_seqlens_q",
+            "cu_seqlens_k",
+            max_seqlen_q=None,
+            max_seqlen_k=None,
+            seqused_q=None,
+            seqused_k=None,
+            page_table=None,
+            softmax_scale=None,
+            causal=False,
+            qv=None,
+            q_descale=None,
+            k_descale=None,
+            v_descale=None,
+            window_size=(-1, -1),
+            attention_chunk=0,
+            softcap=0.0,
+            num_splits=1,
+            pack_gqa=None,
+            only_qv=False,
+            sm_margin=0,
+            return_softmax_lse=False,
+            sinks=None,
+            out=None,
+        ),
+        FA3,
+        returns="out; (out, softmax_lse, *rest) with return_softmax_lse=True",
+        lse="[H, total_q] fp32",
+        drop_in_name="sgl_flash_attn_varlen_func",
+    ),
+    one_release(
+        ("sglang.kernels.ops.attention.flash_attention_v3.flash_attn_with_kvcache",),
+        (0, 5, 23),
+        params(
+            "q",
+            "k_cache",
+            "v_cache",
+            k=None,
+            v=None,
+            qv=None,
+            rotary_cos=None,
+            rotary_sin=None,
+            cache_seqlens=None,
+            cache_batch_idx=None,
+            cache_leftpad=None,
+            page_table=None,
+            cu_seqlens_q=None,
+            cu_seqlens_k_new=None,
+            max_seqlen_q=None,
+            rotary_seqlens=None,
+            q_descale=None,
+            k_descale=None,
+            v_descale=None,
+            softmax_scale=None,
+            causal=False,
+            window_size=(-1, -1),
+            attention_chunk=None,
+            softcap=0.0,
+            rotary_interleaved=True,
+            scheduler_metadata=None,
+            num_splits=0,
+            pack_gqa=None,
+            only_qv=False,
+            sm_margin=0,
+            return_softmax_lse=False,
+            sinks=None,
+            out=None,
+        ),
+        FA3,
+        returns="out; (out, softmax_lse, *rest) with return_softmax_lse=True",
+        lse="[B, H, Sq] fp32",
+        drop_in_name="sgl_flash_attn_with_kvcache",
+    ),
 )
+
+# FA3's private kernels (hopper/flash_attn_interface.py), per build: the date its signature first
+# appears in FA3's history (the drop-in's suffix; the latest build's drop-in has no suffix) and its
+# parameters, written as flashport.integrations.flash_attn.core.with_signature lists them (the names
+# after "|" have FA3's defaults, _FA3_PRIVATE_DEFAULTS). The forwards return (out, softmax_lse,
+# out_accum, softmax_lse_accum); the backwards (dq, dk, dv, softmax_d) before 2025-07-24, softmax_d
+# from then on. FA3's 2024 builds (dense only, a 7-value forward) are not listed.
+_FA3_FORWARD_HEAD = "q k v k_new v_new qv out"
+_FA3_VARLEN = "cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k max_seqlen_q max_seqlen_k"
+_FA3_CACHE = "page_table kv_batch_idx leftpad_k rotary_cos rotary_sin"
+_FA3_SCALE = "q_descale k_descale v_descale softmax_scale causal"
+_FA3_LATEST_TAIL = (
+    "window_size_left window_size_right attention_chunk softcap rotary_interleaved scheduler_metadata "
+    "num_splits pack_gqa sm_margin"
+)
+_FA3_BACKWARD_HEAD = "dout q k v out softmax_lse"
+_FA3_BACKWARD_VARLEN = "cu_seqlens_q cu_seqlens_k sequed_q sequed_k max_seqlen_q max_seqlen_k dq dk dv"
+FA3_PRIVATE_BUILDS: dict[str, tuple[tuple[Version, str], ...]] = {
+    "_flash_attn_forward": (
+        (
+            (2025, 1, 7),
+            f"q k v k_new v_new out {_FA3_VARLEN} {_FA3_CACHE} {_FA3_SCALE} | window_size "
+            "sink_token_length softcap rotary_interleaved num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 2, 7),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} {_FA3_SCALE} | window_size "
+            "sink_token_length softcap rotary_interleaved num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 3, 1),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} {_FA3_SCALE} | window_size softcap "
+            "rotary_interleaved num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 3, 15),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} {_FA3_SCALE} | window_size softcap "
+            "rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 3, 21),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} | window_size "
+            "softcap rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 4, 10),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} | window_size "
+            "attention_chunk softcap rotary_interleaved scheduler_metadata num_splits pack_gqa sm_margin",
+        ),
+        (
+            (2025, 7, 16),
+            f"{_FA3_FORWARD_HEAD} {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} | {_FA3_LATEST_TAIL}",
+        ),
+        (
+            (2025, 8, 6),
+            f"q k v | k_new v_new qv out {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} "
+            f"{_FA3_LATEST_TAIL}",
+        ),
+        (
+            (2025, 11, 21),
+            f"q k v | k_new v_new qv out_ {_FA3_VARLEN} {_FA3_CACHE} seqlens_rotary {_FA3_SCALE} "
+            f"{_FA3_LATEST_TAIL}",
+        ),
+    ),
+    "_flash_attn_backward": (
+        (
+            (2025, 1, 7),
+            f"{_FA3_BACKWARD_HEAD} {_FA3_BACKWARD_VARLEN} softmax_scale causal | window_size "
+            "sink_token_length softcap deterministic sm_margin",
+        ),
+        (
+            (2025, 3, 1),
+            f"{_FA3_BACKWARD_HEAD} {_FA3_BACKWARD_VARLEN} softmax_scale causal | window_size softcap "
+            "deterministic sm_margin",
+        ),
+        (
+            (2025, 7, 16),
+            f"{_FA3_BACKWARD_HEAD} {_FA3_BACKWARD_VARLEN} softmax_scale is_causal | window_size_left "
+            "window_size_right softcap deterministic sm_margin",
+        ),
+        (
+            (2025, 7, 24),
+            f"{_FA3_BACKWARD_HEAD} {_FA3_BACKWARD_VARLEN} softmax_scale is_causal | window_size_left "
+            "window_size_right softcap deterministic sm_margin",
+        ),
+        (
+            (2025, 8, 6),
+            f"{_FA3_BACKWARD_HEAD} | {_FA3_BACKWARD_VARLEN} softmax_scale is_causal window_size_left "
+            "window_size_right softcap deterministic sm_margin",
+        ),
+    ),
+}
+FA3_PRIVATE_GRADS_RETURNED: Version = (2025, 7, 24)  # the backward returns softmax_d alone from here
+_FA3_PRIVATE_DEFAULTS: dict[str, Any] = {
+    "causal": False,
+    "is_causal": False,
+    "window_size": (-1, -1),
+    "window_size_left": -1,
+    "window_size_right": -1,
+    "sink_token_length": 0,
+    "attention_chunk": 0,
+    "softcap": 0.0,
+    "rotary_interleaved": True,
+    "num_splits": 1,
+    "sm_margin": 0,
+    "deterministic": False,
+}
+
+
+def fa3_private_params(text: str) -> Params:
+    """The parameters of a :data:`FA3_PRIVATE_BUILDS` list (FA3's defaults after ``|``; None
+    where the table has none)."""
+    head, _, tail = text.partition("|")
+    return tuple(Param(n) for n in head.split()) + tuple(
+        Param(n, _FA3_PRIVATE_DEFAULTS.get(n)) for n in tail.split()
+    )
+
+
+def fa3_private_drop_in(function: str, build: Version) -> str:
+    """The drop-in's name for ``function`` of FA3's build ``build`` (the latest build's has none)."""
+    if build == FA3_PRIVATE_BUILDS[function][-1][0]:
+        return function
+    return f"{function}_v{build[0]}_{build[1]:02d}_{build[2]:02d}"
+
+
+def _fa3_private(function: str) -> Api:
+    builds = FA3_PRIVATE_BUILDS[function]
+    return Api(
+        # flashattn_hopper: the package name of FA3's builds before 2025-01-07
+        names=tuple(m + function for m in (*FA3_MODULES, "flashattn_hopper.flash_attn_interface.")),
+        signatures=tuple((build, fa3_private_params(text)) for build, text in builds),
+        returns=(
+            "(out, softmax_lse, out_accum, softmax_lse_accum)"
+            if function.endswith("forward")
+            else "(dq, dk, dv, softmax_d) before 2025-07-24, softmax_d from then on"
+        ),
+        lse="[B, H, Sq] fp32 ([H, total_q] for varlen)",
+        drop_ins=tuple(DropIn(FA3, fa3_private_drop_in(function, build), (build,)) for build, _ in builds),
+    )
+
+
+FA3_PRIVATE_APIS = tuple(_fa3_private(function) for function in FA3_PRIVATE_BUILDS)
 
 # --- FA4 (flash_attn.cute; PyPI flash-attn-4 betas) -----------------------------------------------
 FA4_RELEASE: Version = (4, 0, 0)
@@ -656,6 +945,7 @@ APIS: tuple[Api, ...] = (
     + CROSS_ENTROPY_APIS
     + DISTRIBUTED_APIS
     + FA3_APIS
+    + FA3_PRIVATE_APIS
     + FA4_APIS
 )
 

@@ -13,6 +13,7 @@ import re
 import libcst as cst
 
 from flashport.rules.common.calls import callee_name
+from flashport.rules.common.literals import literal_string
 from flashport.rules.site import RuleContext
 
 
@@ -304,3 +305,83 @@ def _target_names(target: cst.BaseExpression) -> set[str]:
     if isinstance(target, (cst.Tuple, cst.List)):
         return set().union(set(), *(_target_names(e.value) for e in target.elements))
     return set()
+
+
+def splat_keys(call: cst.Call, ctx: RuleContext) -> frozenset[str]:
+    """The keywords a ``**name`` splat of ``call`` certainly passes: ``name`` is assigned exactly once
+    in the functions around the call, to a dict display of string keys, and the keys that any
+    ``del name[...]`` / ``name.pop(...)`` there may remove are left out (a non-literal one leaves
+    nothing); empty when unknown (another splat form, another binding, no context)."""
+    splats = [arg.value for arg in call.args if arg.star == "**"]
+    if len(splats) != 1 or not isinstance(splats[0], cst.Name):
+        return frozenset()
+    name = splats[0].value
+    functions = [up for up in ctx.ancestors if isinstance(up, cst.FunctionDef)]
+    if not functions:
+        return frozenset()
+    collector = _DictBinding(name)
+    functions[-1].visit(collector)  # the outermost: it holds the nested ones (closures)
+    if collector.other or len(collector.displays) != 1 or collector.removed is None:
+        return frozenset()
+    keys = [
+        literal_string(element.key) if isinstance(element, cst.DictElement) else None
+        for element in collector.displays[0].elements
+    ]
+    if any(key is None for key in keys):
+        return frozenset()
+    return frozenset(k for k in keys if k is not None) - collector.removed
+
+
+class _DictBinding(cst.CSTVisitor):
+    """The dict displays assigned to ``name``, whether anything else binds it, and the string keys
+    ``del name[...]`` / ``name.pop(...)`` remove (None when one is not a literal)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.displays: list[cst.Dict] = []
+        self.other = False
+        self.removed: set[str] | None = set()
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for target in node.targets:
+            if isinstance(target.target, cst.Name) and target.target.value == self.name:
+                dict_display = isinstance(node.value, cst.Dict) and all(
+                    isinstance(e, cst.DictElement) for e in node.value.elements
+                )
+                if dict_display and len(node.targets) == 1:
+                    self.displays.append(node.value)  # type: ignore[arg-type]
+                else:
+                    self.other = True
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        if isinstance(node.target, cst.Name) and node.target.value == self.name:
+            self.other = True
+
+    def visit_Param(self, node: cst.Param) -> None:
+        if node.name.value == self.name:
+            self.other = True
+
+    def visit_Del(self, node: cst.Del) -> None:
+        target = node.target
+        if isinstance(target, cst.Subscript) and self._is_name(target.value):
+            index = target.slice[0].slice if len(target.slice) == 1 else None
+            self._remove(index.value if isinstance(index, cst.Index) else None)
+
+    def visit_Call(self, node: cst.Call) -> None:
+        func = node.func
+        if (
+            isinstance(func, cst.Attribute)
+            and self._is_name(func.value)
+            and func.attr.value in ("pop", "popitem", "clear")
+        ):
+            self._remove(node.args[0].value if func.attr.value == "pop" and node.args else None)
+
+    def _is_name(self, node: cst.BaseExpression) -> bool:
+        return isinstance(node, cst.Name) and node.value == self.name
+
+    def _remove(self, key: cst.BaseExpression | None) -> None:
+        text = literal_string(key) if key is not None else None
+        if text is None or self.removed is None:
+            self.removed = None
+        else:
+            self.removed.add(text)

@@ -17,6 +17,16 @@ What it rewrites:
   ``_v2_0``. ``*args``/``**kwargs`` splats are bound at
   run time (``rules/flash_attn/private_kernels.py``).
 
+  FlashAttention-3's private ``_flash_attn_forward`` / ``_flash_attn_backward`` (``flash_attn_interface``,
+  ``flash_attn_3.flash_attn_interface``, ``hopper.flash_attn_interface``, before 2025 ``flashattn_hopper``)
+  go to the drop-in of the FA3 build whose signature the call fits, in
+  ``flashport.integrations.flash_attn3_compat`` (the latest build's under the same name, an older
+  build's with its date: ``_flash_attn_forward_v2025_03_15``): every build it fits must read its
+  arguments as the same parameters (their positions moved as ``qv`` and ``seqlens_rotary`` were
+  inserted) and, where the result is used, return the same values; a ``**kwargs`` splat and a
+  value (stored, passed on, inspected with ``inspect.*`` / ``isinstance``) go to the latest build's
+  (``rules/flash_attn/fa3_private.py``).
+
 Semantics mapping:
   the drop-ins keep flash-attn's conventions: the 2.7+ forwards return ``(out, softmax_lse,
   S_dmask, rng_state)``, the older ones ``(out, q, k, v, out_padded, softmax_lse, S_dmask,
@@ -40,10 +50,9 @@ What it refuses:
     rewriting them as the CUDA function would change the meaning. Port by hand to
     ``flashport.torch.attention(q, k, v, bias=bias, causal=causal, scale=softmax_scale, layout="BSHD")`` once its
     causal alignment is checked;
-  * FlashAttention-3's private ``_flash_attn_forward`` / ``_flash_attn_backward`` (``flash_attn_interface``,
-    ``flash_attn_3.flash_attn_interface``, ``hopper.flash_attn_interface``): reported, calls and values,
-    so a file that still needs them is never counted as ported (their arguments and results change
-    between FA3 builds; there is no drop-in).
+  * FlashAttention-3's private kernels called with a ``*args`` splat, fitting no build from
+    2025-01-07 on (FA3's 2024 dense-only builds, a 7-value forward, have no drop-in), or fitting
+    builds that read its arguments differently or return different values where the result is used.
 
 Example::
 
@@ -60,9 +69,8 @@ from flashport.rules.base import Refuse, Report, Rewrite, Rule, register
 from flashport.rules.common import values
 from flashport.rules.common.calls import dotted, on_drop_in
 from flashport.rules.common.literals import is_none, literal_bool
-from flashport.rules.flash_attn import private_kernels
+from flashport.rules.flash_attn import fa3_private, private_kernels
 from flashport.rules.flash_attn.arguments import COMPAT
-from flashport.rules.flash_attn.fa3_fa4 import fa3_sources
 
 TRITON = tuple(
     f"flash_attn.flash_attn_triton.{name}"
@@ -75,7 +83,7 @@ PRIVATE = tuple(
     for step in ("forward", "backward")
 )
 # FlashAttention-3's private kernels (megatron-core calls them through inspect-driven argument lists)
-FA3_PRIVATE = tuple(name for step in ("forward", "backward") for name in fa3_sources(f"_flash_attn_{step}"))
+FA3_PRIVATE = fa3_private.SOURCES
 _UNSUPPORTED_VARLEN = ("alibi_slopes", "block_table", "leftpad_k", "seqused_k")
 
 
@@ -96,7 +104,7 @@ class FlashAttnTritonAndInternals(Rule):
         if ctx.qualified_name in TRITON:
             raise Refuse(_triton_reason(ctx.qualified_name))
         if ctx.qualified_name in FA3_PRIVATE:
-            raise Refuse(_fa3_reason(ctx.qualified_name))
+            return fa3_private.port_call(call, ctx)
         function = ctx.qualified_name.rsplit(".", 1)[-1].replace("_wrapped", "", 1)
         convention, bound, inferred = private_kernels.convention_for(call, function, ctx)
         _check_bound(bound, function)
@@ -114,7 +122,7 @@ class FlashAttnTritonAndInternals(Rule):
         if ctx.qualified_name in TRITON:
             raise Refuse(f"used as a value: {_triton_reason(ctx.qualified_name)}")
         if ctx.qualified_name in FA3_PRIVATE:
-            raise Refuse(f"used as a value: {_fa3_reason(ctx.qualified_name)}")
+            return fa3_private.port_value(node, ctx)
         why = values.probe(ctx)
         if why is not None and not values.inspects_signature(ctx):
             return Report(f"{why}: not a call to port; kept")
@@ -141,15 +149,6 @@ def _check_bound(bound: dict[str, cst.Arg], function: str) -> None:
             # a forwarded name (often None at run time) is checked by the drop-in, which raises
             if value is not None and not is_none(value) and not isinstance(value, (cst.Name, cst.Attribute)):
                 raise Refuse(f"{function}({name}=...): not supported by flashport's varlen drop-in")
-
-
-def _fa3_reason(name: str) -> str:
-    short = name.rsplit(".", 1)[-1]
-    return (
-        f"{short} is FlashAttention-3's private kernel: its arguments and results change between FA3 "
-        "builds and flashport has no drop-in of it; port the code around it by hand "
-        "(flashport.torch.attention(..., layout='BSHD', return_lse=True) computes the same attention and lse)"
-    )
 
 
 def _triton_reason(name: str) -> str:

@@ -15,13 +15,22 @@ Semantics mapping:
   ``flashport.integrations.flash_attn3_compat.flash_attn_varlen_func``, and the function passed to
   ``@functools.wraps(...)`` (only its name, docstring and signature are copied) becomes that drop-in.
 
+  A call that passes ``return_softmax_lse=`` (not a parameter of FA3's) was written for sgl-kernel's
+  build of ``flash_attn_interface`` (vendor builds copy it: ``page_table`` after ``seqused_k``,
+  ``return_softmax_lse`` for ``return_attn_probs``, ``sinks``, ``out``): it goes to the drop-in
+  ``flash_attn3_compat.sgl_flash_attn_varlen_func``, which has that signature and returns ``out``, or
+  ``(out, lse, *rest)`` when ``return_softmax_lse`` is true at run time, as that build does; its
+  ``**kwargs`` splat is bound at run time. So does any call of the name when the file also binds it
+  to sgl-kernel's ``sgl_kernel.flash_attn.flash_attn_varlen_func`` (another platform's branch of the
+  import).
+
 What it refuses:
   ``seqused_q``/``seqused_k`` (per-sequence used lengths inside padded buffers), ``qv``, FP8
   descales, non-zero ``attention_chunk``, a result used as ``(out, lse)`` or
   ``return_attn_probs`` that is not literally False (``varlen_attention`` has no lse), a result whose
   type cannot be told, positional arguments after ``max_seqlen_k``, splats whose result is not
-  normalized, ``return_softmax_lse=`` (a parameter of sgl-kernel's and other vendors' builds of
-  ``flash_attn_interface``, not of FA3's), unknown arguments.
+  normalized, unknown arguments; for sgl-kernel's build also ``seqused_*``, ``page_table``,
+  ``sinks`` and ``out`` given statically, and positional arguments after ``max_seqlen_k``.
 
 Example::
 
@@ -33,9 +42,12 @@ Example::
 
 from __future__ import annotations
 
+import libcst as cst
+
+from flashport.rules import apis
 from flashport.rules.base import Refuse, Rewrite, Rule, register
 from flashport.rules.common.binding import Signature, required
-from flashport.rules.common.calls import build_call, string
+from flashport.rules.common.calls import build_call, on_drop_in, string
 from flashport.rules.common.literals import is_none
 from flashport.rules.flash_attn import fa3_fa4
 from flashport.rules.flash_attn.fa3_fa4 import FA3_HISTORY, FA3_KEYWORDS, fa3_check_extras, fa3_sources
@@ -58,10 +70,13 @@ class FA3FlashAttnVarlenFunc(Rule):
     def check_call(self, call, ctx):
         """Bind the stable prefix, refuse seqused/lse uses, map like FPA004."""
         if any(arg.keyword is not None and arg.keyword.value == "return_softmax_lse" for arg in call.args):
-            raise Refuse(
-                "return_softmax_lse= is not a parameter of FlashAttention-3's flash_attn_varlen_func "
-                "(sgl-kernel's and other vendors' builds of flash_attn_interface take it and return "
-                "(out, lse, *rest)): another API, not ported"
+            return _sgl_build(call, ctx)
+        if _also_sgl_kernel(call, ctx):
+            return _sgl_build(
+                call,
+                ctx,
+                "the file binds this name to sgl-kernel's flash_attn_varlen_func in another branch "
+                "(another platform's build), so the call is written for that build's convention",
             )
         splat = fa3_fa4.fa3_splat_drop_in(call, ctx, "flash_attn_varlen_func")
         if splat is not None:
@@ -89,3 +104,58 @@ class FA3FlashAttnVarlenFunc(Rule):
         keywords = [("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)] + keywords + [("layout", string("THD"))]
         notes.append("dropped max_seqlen_q/max_seqlen_k (kernel launch sizes only)")
         return Rewrite(build_call(self.TARGET, [q, k, v], keywords, call), notes=tuple(notes + more))
+
+
+SGL_API = "sglang.kernels.ops.attention.flash_attention_v3.flash_attn_varlen_func"
+SGL_DROP_IN = f"{fa3_fa4.FA3_COMPAT}.sgl_flash_attn_varlen_func"
+# sgl-kernel's builds: the same return convention and parameter names (a subset of the drop-in's)
+SGL_BUILDS = frozenset(
+    (
+        SGL_API,
+        "sglang.kernels.ops.attention.flash_attention.flash_attn_varlen_func",
+        "sgl_kernel.flash_attn.flash_attn_varlen_func",
+    )
+)
+
+
+def _also_sgl_kernel(call, ctx) -> bool:
+    """Whether the file binds the called name to one of sgl-kernel's ``flash_attn_varlen_func`` builds
+    too (in its module scope: the platform branches of one import site)."""
+    model = ctx.semantic
+    if model is None or not isinstance(call.func, cst.Name):
+        return False
+    return any(getattr(b, "qualified", None) in SGL_BUILDS for b in model.binding(call.func.value))
+
+
+def _sgl_build(call, ctx, why: str = "return_softmax_lse= is that build's parameter, not FA3's") -> Rewrite:
+    """A call written for sgl-kernel's build of ``flash_attn_interface`` (vendor builds copy it;
+    ``why``: how the call shows it), on the drop-in with that build's signature, which
+    returns ``out`` or ``(out, lse, *rest)`` as that keyword says at run time. A ``**kwargs`` splat
+    is bound by the drop-in at run time (an unknown key raises TypeError, an unsupported feature
+    NotImplementedError).
+
+    Raises:
+      Refuse: a positional argument after ``max_seqlen_k`` (sgl-kernel put ``page_table`` where FA3
+        has ``softmax_scale``), unknown keywords, statically given FA3-only features.
+    """
+    fa3_fa4.positional_limit(
+        call,
+        len(POSITIONAL),
+        "arguments after max_seqlen_k must be passed by keyword: sgl-kernel's and FA3's builds differ there",
+    )
+    signature = Signature.of(apis.api(SGL_API).signature_at((0, 5, 23)) or ())
+    bound = signature.bind(call.with_changes(args=[a for a in call.args if not a.star]), SGL_API)
+    value = {name: arg.value for name, arg in bound.items()}
+    for name in ("seqused_q", "seqused_k", "page_table", "sinks", "out"):
+        if not is_none(value.get(name)):
+            raise Refuse(f"{name}= (sgl-kernel's build): no portable equivalent in flashport's drop-in")
+    notes = fa3_check_extras(value, ctx)
+    splat = any(arg.star for arg in call.args)
+    note = (
+        "drop-in sgl_flash_attn_varlen_func: sgl-kernel's (and its vendor copies') build of "
+        "flash_attn_interface, whose result is out, or (out, lse, *rest) when "
+        "return_softmax_lse is true at run time"
+        + f" ({why})"
+        + ("; the **kwargs splat is bound at run time" if splat else "")
+    )
+    return on_drop_in(call, SGL_DROP_IN, note, *notes)

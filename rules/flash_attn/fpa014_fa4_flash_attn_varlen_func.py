@@ -11,11 +11,13 @@ Semantics mapping:
 
   FA4's ``flash_attn_varlen_func`` always returns ``(out, lse)`` (whatever ``return_lse`` says), so
   the call keeps its arguments and goes to ``flashport.integrations.flash_attn4_compat.flash_attn_varlen_func``,
-  which returns the same ``(out, lse [H, total_q])`` on the contract's varlen path.
+  which returns the same ``(out, lse [H, total_q])`` on the contract's varlen path. A
+  ``*args``/``**kwargs`` splat (a thin wrapper) goes there too: the drop-in binds it at run time
+  and its return never depends on the arguments.
 
 What it refuses:
-  what FPA013 refuses, plus ``seqused_q``/``seqused_k``/``page_table`` (padded or paged buffers) and
-  missing ``cu_seqlens_*``.
+  what FPA013 refuses but splats, plus ``seqused_q``/``seqused_k``/``page_table`` (padded or paged
+  buffers) and missing ``cu_seqlens_*``.
 
 Example::
 
@@ -57,6 +59,13 @@ class FA4FlashAttnVarlenFunc(Rule):
 
     def check_call(self, call, ctx):
         """Check the arguments like FPA013, then call the FA4 drop-in (it returns (out, lse) as FA4 does)."""
+        if any(arg.star for arg in call.args):
+            note = (
+                "drop-in flash_attn_varlen_func: the *args/**kwargs splat is bound at run time (only q, k, v "
+                "positional, as the drop-in takes them: more raise TypeError; FA4 features it lacks raise "
+                "NotImplementedError); it returns (out, lse) as FA4 always does"
+            )
+            return on_drop_in(call, self.TARGET, note)
         fa3_fa4.positional_limit(
             call,
             3,

@@ -21,6 +21,7 @@ import libcst as cst
 from flashport.rules.apis import flash_attn as apis_flash_attn
 from flashport.rules.apis.model import pad
 from flashport.rules.base import Refuse, RuleContext, RuleOptions
+from flashport.rules.common import node_context
 from flashport.rules.common.binding import Signature
 from flashport.rules.common.literals import is_none, literal_bool, literal_string
 
@@ -177,7 +178,13 @@ def _fits(convention: Convention, call: cst.Call, function: str, ctx: RuleContex
             f"not the {convention.returns} it returns"
         )
     signature = convention.signature(function)
-    if signature is None or any(arg.star for arg in call.args):
+    if signature is None:
+        return {}
+    if any(arg.star for arg in call.args):
+        # a **dict splat whose keys are known: a key this release lacks would raise TypeError there
+        lacking = sorted(node_context.splat_keys(call, ctx) - set(signature.names))
+        if lacking:
+            raise Refuse(f"{function}'s **kwargs splat passes {lacking[0]!r}, which this release lacks")
         return {}
     bound = signature.bind(call, function)
     window = bound["window_size"].value if "window_size" in bound else None

@@ -30,7 +30,14 @@ from __future__ import annotations
 from flashport.integrations.flash_attn import fa3_kvcache as impl
 from flashport.integrations.flash_attn.core import flash_attn_window, varlen_core, with_signature
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "get_scheduler_metadata",
+    "sgl_flash_attn_varlen_func",
+    "sgl_flash_attn_with_kvcache",
+]
 
 
 def _fa3_lse(lse, no_keys):
@@ -72,6 +79,17 @@ _DEFAULTS = {
     "sm_margin": 0,
     "return_attn_probs": False,
 }
+# sgl-kernel's build of flash_attn_interface (and the vendor builds that copy it): its own defaults
+_SGL_DEFAULTS = {
+    **_DEFAULTS,
+    "max_seqlen_q": None,
+    "max_seqlen_k": None,
+    "page_table": None,
+    "only_qv": False,
+    "return_softmax_lse": False,
+    "sinks": None,
+    "out": None,
+}
 _FP8_AND_CHUNKS = ("q_descale", "k_descale", "v_descale", "attention_chunk")
 
 
@@ -109,6 +127,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
     return_lse = bool(options["return_attn_probs"])
     result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, **contract, return_lse=return_lse)
     return (result[0], _fa3_lse(result[1], k.shape[0] == 0)) if return_lse else result
+
+
+@with_signature(
+    "q k v cu_seqlens_q cu_seqlens_k | max_seqlen_q max_seqlen_k seqused_q seqused_k page_table "
+    "softmax_scale causal qv q_descale k_descale v_descale window_size attention_chunk softcap "
+    "num_splits pack_gqa only_qv sm_margin return_softmax_lse sinks out",
+    _SGL_DEFAULTS,
+)
+def sgl_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+    """sgl-kernel's FA3 ``flash_attn_varlen_func`` (the ``flash_attn_interface`` of sgl-kernel and of
+    the vendor builds that copy it): q [total_q, H, D], k/v [total_k, Hk, D] -> ``out``, or with
+    ``return_softmax_lse=True`` ``(out, softmax_lse [H, total_q], *rest)`` (``rest``: the two
+    split-KV accumulators, empty here as when the kernel does not split). ``page_table``,
+    ``seqused_*``, ``qv``, ``only_qv``, ``sinks`` and ``out`` raise NotImplementedError when given."""
+    contract = _contract(options, "seqused_q", "seqused_k", "page_table", "qv", "only_qv", "sinks", "out")
+    return_lse = bool(options["return_softmax_lse"])
+    result = varlen_core(q, k, v, cu_seqlens_q, cu_seqlens_k, **contract, return_lse=return_lse)
+    if not return_lse:
+        return result
+    return impl.returned(result[0], _fa3_lse(result[1], k.shape[0] == 0))
 
 
 def flash_attn_with_kvcache(
@@ -205,3 +243,80 @@ def flash_attn_with_kvcache(
     if not return_softmax_lse:
         return out
     return impl.returned(out, _fa3_lse(lse, impl.no_key_rows(k_cache, k)))
+
+
+_SGL_KVCACHE = (
+    "q k_cache v_cache | k v qv rotary_cos rotary_sin cache_seqlens cache_batch_idx cache_leftpad "
+    "page_table cu_seqlens_q cu_seqlens_k_new max_seqlen_q rotary_seqlens q_descale k_descale v_descale "
+    "softmax_scale causal window_size attention_chunk softcap rotary_interleaved scheduler_metadata "
+    "num_splits pack_gqa only_qv sm_margin return_softmax_lse sinks out"
+)
+_SGL_KVCACHE_DEFAULTS = {
+    **_SGL_DEFAULTS,
+    **{name: None for name in _SGL_KVCACHE.split() if name not in _SGL_DEFAULTS},
+    "attention_chunk": None,
+    "rotary_interleaved": True,
+    "num_splits": 0,
+}
+
+
+@with_signature(_SGL_KVCACHE, _SGL_KVCACHE_DEFAULTS)
+def sgl_flash_attn_with_kvcache(q, k_cache, v_cache, only_qv, return_softmax_lse, sinks, out, **options):
+    """sgl-kernel's FA3 ``flash_attn_with_kvcache`` (vendor builds copy it): FA3's
+    (:func:`flash_attn_with_kvcache`, the caches updated in place) plus ``sinks``, an ``out`` buffer
+    and ``only_qv``. ``sinks`` [H]: one logit per head that joins each row's softmax without a value
+    (the row's weights shrink by ``sigmoid(lse - sink)``); with ``return_softmax_lse=True`` it raises
+    NotImplementedError (whether that build's lse counts the sink is not recorded), as does
+    ``only_qv=True``."""
+    import torch
+
+    _unsupported(only_qv=only_qv)
+    if sinks is not None and return_softmax_lse:
+        raise NotImplementedError(
+            "sinks= with return_softmax_lse=True is not supported by flashport's drop-in"
+        )
+    options["attention_chunk"] = options["attention_chunk"] or 0
+    want_lse = bool(return_softmax_lse) or sinks is not None
+    result = flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=want_lse, **options)
+    if sinks is not None:
+        attended, lse = result[0], result[1]
+        weight = torch.sigmoid(lse.float() - sinks.float()[:, None])  # [.., H, S_q]
+        weight = weight.transpose(-1, -2)[..., None]  # [.., S_q, H, 1]: out's layout
+        result = (attended.float() * weight).to(attended.dtype)
+    if out is not None:
+        out.copy_(result[0] if want_lse and sinks is None else result)
+        result = (out, *result[1:]) if want_lse and sinks is None else out
+    return result
+
+
+_SCHEDULER_DEFAULTS = {
+    "qkv_dtype": None,
+    "headdim_v": None,
+    "cu_seqlens_q": None,
+    "cu_seqlens_k_new": None,
+    "cache_leftpad": None,
+    "page_size": None,
+    "max_seqlen_k_new": 0,
+    "causal": False,
+    "window_size": (-1, -1),
+    "attention_chunk": 0,
+    "has_softcap": False,
+    "num_splits": 0,
+    "pack_gqa": None,
+    "sm_margin": 0,
+}
+
+
+@with_signature(
+    "batch_size max_seqlen_q max_seqlen_k num_heads_q num_heads_kv headdim cache_seqlens | qkv_dtype "
+    "headdim_v cu_seqlens_q cu_seqlens_k_new cache_leftpad page_size max_seqlen_k_new causal window_size "
+    "attention_chunk has_softcap num_splits pack_gqa sm_margin",
+    _SCHEDULER_DEFAULTS,
+)
+def get_scheduler_metadata(**launch):
+    """FA3's ``get_scheduler_metadata``: the split-KV launch plan its kernels take as
+    ``scheduler_metadata=``. Returns None, which FA3's functions read as "plan this call
+    yourself" and flashport's drop-ins ignore (they launch no split-KV kernel); the arguments only
+    describe the launch. ``qkv_dtype`` defaults to None (FA3: ``torch.bfloat16``), as this module
+    imports torch only when a function runs."""
+    return None
