@@ -25,7 +25,7 @@ from flashport.rewriter.engine.pipeline import transform_source  # noqa: E402
 from flashport.rules.base import RuleOptions  # noqa: E402
 
 UNITS = pathlib.Path(__file__).parent / "fixtures" / "real_units"
-GPU = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper", "xformers")
+GPU = ("flash_attn", "flash_attn_interface", "flash_attn_3", "hopper", "xformers", "sglang", "sgl_kernel")
 ATOL = 5e-5
 
 
@@ -57,6 +57,11 @@ def _cu(lengths):
 # unit -> (tensor inputs, other keyword arguments, differentiable through the port)
 CASES = {
     "ring_flash_attn_block": (_dense_inputs(), {"softmax_scale": 0.3, "causal": True}, False),
+    "colossalai_ring_misc_kwargs": (
+        {"q": _rand(8, 4, 8, seed=20), "k": _rand(8, 2, 8, seed=21), "v": _rand(8, 2, 8, seed=22)},
+        {"cu_seqlens": _cu([3, 5]), "max_seqlen": 5, "softmax_scale": 0.35},
+        False,
+    ),
     "hunyuan_parallel": (
         {"q": _rand(2, 4, 2, 8, seed=4), "k": _rand(2, 4, 2, 8, seed=5), "v": _rand(2, 4, 2, 8, seed=6)},
         {
@@ -87,17 +92,57 @@ CASES = {
         {"sliding_window": 2},
         True,
     ),
+    "megatron_fa3_paged_prefill": (
+        {"q": _rand(8, 1, 4, 8, seed=23), "k": _rand(5, 4, 2, 8, seed=24), "v": _rand(5, 4, 2, 8, seed=25)},
+        {
+            "cu_seqlens_q": _cu([3, 5]),
+            "seqlens_k": torch.tensor([6, 7], dtype=torch.int32),
+            "block_table": torch.tensor([[3, 0], [1, 4]], dtype=torch.int32),
+            "softmax_scale": 0.3,
+        },
+        False,
+    ),
     "mistral_block_bias": (
         {"xq": _rand(8, 2, 8, seed=13), "xk": _rand(8, 2, 8, seed=14), "xv": _rand(8, 2, 8, seed=15)},
         {"seqlens": (3, 5)},
         True,
     ),
+    "yunchang_fa3_private": (_dense_inputs(), {"softmax_scale": 0.45}, False),
     "yunchang_versions": (_dense_inputs(sq=6, sk=6), {"causal": True, "window_size": (3, 0)}, False),
+    "opensora_fa3_private": (_dense_inputs(), {"softmax_scale": 0.4}, False),
+    "sglang_musa_decode_sinks": (
+        {
+            "q": _rand(3, 4, 8, seed=26),
+            "k_cache": _rand(5, 4, 2, 8, seed=27),
+            "v_cache": _rand(5, 4, 2, 8, seed=28),
+            "sinks": _rand(4, seed=29),
+        },
+        {
+            "cu_seqlens_q": _cu([1, 2]),
+            "cache_seqlens": torch.tensor([6, 7], dtype=torch.int32),
+            "page_table": torch.tensor([[3, 0], [1, 4]], dtype=torch.int32),
+            "sliding_window_size": 3,
+            "scaling": 0.4,
+        },
+        True,
+    ),
+    "sglang_musa_mha_lse": (
+        {"q": _rand(8, 4, 8, seed=17), "k": _rand(8, 2, 8, seed=18), "v": _rand(8, 2, 8, seed=19)},
+        {"cu_seqlens_q": _cu([3, 5]), "scaling": 0.3},
+        True,
+    ),
     "verl_logprobs": (
         {"logits": _rand(6, 11, seed=16)},
         {"labels": torch.tensor([3, 0, -100, 10, 7, 1])},
         True,
     ),
+}
+
+# units written for another build of FA3's flash_attn_interface than flash-attention's own
+FA3_BUILD = {
+    "sglang_musa_mha_lse": "sgl-kernel",
+    "sglang_musa_decode_sinks": "sgl-kernel",
+    "yunchang_fa3_private": "2025-04-10",
 }
 
 
@@ -124,7 +169,7 @@ def test_ported_unit_matches_the_original_on_gpu_standins(name):
     source = (UNITS / f"{name}.py").read_text()
     tensors, kwargs, grads = CASES[name]
     gpu_standins.CALLS.clear()
-    with gpu_standins.installed():
+    with gpu_standins.installed(FA3_BUILD.get(name, "flash-attention")):
         want = _run(source, name, tensors, kwargs, grads)
     assert gpu_standins.CALLS, "the original unit ran on the stand-ins"
     result = transform_source(source.encode(), f"{name}.py", registry.all_rules(), RuleOptions())
