@@ -46,8 +46,10 @@ def test_the_structure_check_sees_an_import_read():
 
 
 def test_only_the_model_and_the_import_edits_read_import_statements():
-    product = [*(ROOT / "rewriter").rglob("*.py"), *(ROOT / "rules").rglob("*.py")]
-    assert len(product) > 50
+    product = [
+        p for package in ("flashport", "rewriter", "rules", "kernels") for p in (ROOT / package).rglob("*.py")
+    ]
+    assert len(product) > 150
     offenders = {
         str(path.relative_to(ROOT)): lines
         for path in product
@@ -296,6 +298,29 @@ def test_parent_and_enclosing():
     assert model.parent(tree) is None
     assert model.function_at(3).name == "m"
     assert model.function_at(1) is None
+
+
+def test_comparisons_and_mentions():
+    source = textwrap.dedent(
+        """
+        from xformers.ops import memory_efficient_attention as mea
+        import xformers.ops as xops
+        \"\"\"memory_efficient_attention in a docstring is no mention\"\"\"
+        if flag:
+            ok = type(m) is RotaryEmbedding
+        y = mea(q, k, v) + xops.memory_efficient_attention(q, k, v)
+        fn = getattr(xops, "memory_efficient_attention_forward")
+        if RotaryEmbedding == other:
+            pass
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    assert model.first_comparison({"RotaryEmbedding"}) == 9  # ast.walk order: the shallower one
+    assert model.first_comparison({"m"}) is None  # `type(m)` is a call, no plain read as a side
+    assert model.first_comparison({"other_name"}) is None
+    assert model.first_comparison(set()) is None
+    uses = model.mentions(lambda text: text.startswith("memory_efficient_attention") or text == "mea")
+    assert dict(uses) == {7: 2, 8: 1}  # the import line and the docstring are no mentions
 
 
 def test_the_model_is_built_once_per_tree():

@@ -24,9 +24,10 @@ code, line, column) -> reason) one site's: the engine's per-file phase sets them
 Cost: positions come from rendering only the statement a site sits in, located by the file's
 ``ast`` line numbers (:mod:`~flashport.rewriter.source.spans`; the whole mini module once when that cannot
 tell), and ``changed`` lists the smallest statements holding every change so the engine renders
-and splices only those; qualified names come from the imports
-(:mod:`~flashport.rewriter.source.names`) and libcst's scope analysis runs, once, only for a question they
-cannot answer (aliases, value uses, names bound in more than one way). The traversal does not
+and splices only those; qualified names come from the file's semantic model
+(:meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`) and libcst's scope analysis
+runs, once, only for a question it cannot answer (aliases, value uses, names bound in more than one
+way). The traversal does not
 descend into nodes that cannot hold a site, nor into statements whose text matches nothing of
 ``relevant`` (the engine's triggers, watched strings and names bound to a source). Rules still see
 every original ancestor and sibling: skipping only saves the visit.
@@ -50,7 +51,6 @@ from flashport.rewriter.engine import run_context, suppress, thin
 from flashport.rewriter.engine.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
 from flashport.rewriter.imports import drop_in_imports
 from flashport.rewriter.source import aliases, newsyntax, semantic
-from flashport.rewriter.source.names import Names, narrowed
 from flashport.rewriter.source.positions import Span, line_positions
 from flashport.rewriter.source.spans import StatementSpans, indents
 from flashport.rules import apis
@@ -131,9 +131,10 @@ class SiteTransformer(cst.CSTTransformer):
     """Visits a mini module; collects :class:`Site` s and applies :class:`Rewrite` s in the chunk."""
 
     # Qualified names are asked only for the nodes :meth:`_match` looks at: exactly what
-    # ``QualifiedNameProvider`` would give them. :class:`~flashport.rewriter.source.names.Names` answers
-    # from the imports where that is provably the same; the scope analysis (``ScopeProvider``) runs
-    # only when a question needs it (:meth:`_scope`), once per file. Positions come from
+    # ``QualifiedNameProvider`` would give them (:meth:`_qualified_names`). The file's semantic
+    # model answers from the imports where that is provably the same
+    # (:class:`~flashport.rewriter.source.semantic.HeaderNames`); the scope analysis
+    # (``ScopeProvider``) runs only when a question needs it (:meth:`_scope`), once per file. Positions come from
     # ``spans`` (one statement rendered at a time), or as a plain mapping
     # (:func:`~flashport.rewriter.source.positions.line_positions`): declaring them as a metadata
     # dependency would make libcst's resolver walk the whole module once more for nothing.
@@ -151,7 +152,7 @@ class SiteTransformer(cst.CSTTransformer):
         relevant: re.Pattern[str] | None = None,
         *,
         wrapper: MetadataWrapper | None = None,
-        names: Names | None = None,
+        names: semantic.HeaderNames | None = None,
         positions: Mapping[cst.CSTNode, Span] | None = None,
         spans: StatementSpans | None = None,
         site_vetoes: Mapping[tuple[str, int, int], str] | None = None,
@@ -345,6 +346,19 @@ class SiteTransformer(cst.CSTTransformer):
         return self._scopes.get(node)  # type: ignore[attr-defined]
 
     def _qualified_names(self, node: cst.CSTNode) -> set[str]:
+        """``QualifiedNameProvider``'s names for ``node``, blind to the flow: the semantic model's
+        (:meth:`~flashport.rewriter.source.semantic.HeaderNames.qualified`, a speed layer: the
+        exact names or none a source can be) where the imports decide them, else libcst's scope
+        analysis (:meth:`_scope_names`; the reference mode asks only that, an independent
+        computation the both-modes check compares)."""
+        if self._names is not None and isinstance(node, (cst.Name, cst.Attribute)):
+            full_name = get_full_name_for_node(node)
+            names = self._names.qualified(full_name) if full_name is not None else None
+            if names is not None:
+                return names
+        return self._scope_names(node)
+
+    def _scope_names(self, node: cst.CSTNode) -> set[str]:
         """``QualifiedNameProvider``'s names for ``node`` (same computation, on demand)."""
         scope = self._scope(node)
         if scope:
@@ -357,9 +371,7 @@ class SiteTransformer(cst.CSTTransformer):
         # A node may have several qualified names (conditional imports): answer deterministically
         # (a set's order varies with PYTHONHASHSEED): lowest rule code, then the rule's first-listed
         # source (its canonical path).
-        names = self._names.qualified(node) if self._names is not None else None
-        if names is None:
-            names = self._qualified_names(node)
+        names = self._qualified_names(node)
         found = [
             (rule.CODE, rule.SOURCES.index(name), name, rule)
             for name in names
@@ -389,19 +401,16 @@ class SiteTransformer(cst.CSTTransformer):
 
     def _flow_names(self, node: cst.CSTNode, names: set[str]) -> set[str]:
         """``names`` (``node``'s qualified names, blind to the flow) less those no binding that
-        reaches ``node`` gives it (:func:`~flashport.rewriter.source.names.narrowed`)."""
+        reaches ``node`` gives it (:func:`~flashport.rewriter.source.semantic.narrowed`)."""
         full_name = get_full_name_for_node(node)
         if full_name is None:
             return names
-        return narrowed(names, self._reaching(node), full_name)
+        return semantic.narrowed(names, self._reaching(node), full_name)
 
     def _other_apis(self, func: cst.BaseExpression, api: str) -> list[str]:
         """The source APIs other than ``api`` (another function: another last name) that ``func``
         may also hold by another binding, sorted."""
-        names = self._names.qualified(func) if self._names is not None else None
-        if names is None:
-            names = self._qualified_names(func)
-        names = self._flow_names(func, names)
+        names = self._flow_names(func, self._qualified_names(func))
         leaf = api.rsplit(".", 1)[-1]
         return sorted(n for n in names if n in self.by_source and n.rsplit(".", 1)[-1] != leaf)
 
@@ -885,7 +894,7 @@ class SiteTransformer(cst.CSTTransformer):
             or (isinstance(getattr(b, "node", None), cst.Name) and b.node.value in fallbacks)
             for b in bindings or ()
         )
-        meanings = self._qualified_names(value) - ({base.value} if base.value in fallbacks else set())
+        meanings = self._scope_names(value) - ({base.value} if base.value in fallbacks else set())
         reaching = self._reaching(base)
         if reaching is not None:  # the binding that dominates the read decides, not every one
             imports_only = all(isinstance(b, semantic.ImportBinding) for b in reaching)

@@ -95,11 +95,6 @@ def from_import_names(node: ast.stmt) -> tuple[str, list[tuple[str, str | None]]
     return node.module or "", [(a.name, a.asname) for a in node.names]
 
 
-def parents(tree: ast.AST) -> dict[int, ast.AST]:
-    """``id(node) -> parent`` for every node of ``tree``."""
-    return {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-
-
 def probe_reads(tree: ast.AST) -> collections.Counter:
     """How often each name is read only to test whether it is there: ``name is None`` / ``is not
     None``, or its truth in an ``if``/``while``/``assert`` test (through ``not``, ``and``, ``or``)."""
