@@ -719,3 +719,32 @@ def test_a_pure_probe_that_ports_nothing_stays_as_it_is():
     """
     )
     assert textwrap.dedent(guard) in text
+
+
+def test_a_ported_name_kept_in_a_guard_that_stays_is_not_called_read_nowhere():
+    source = textwrap.dedent("""\
+        import inspect
+
+        try:
+            from flash_attn_interface import _flash_attn_forward
+            from flash_attn_interface import flash_attn_with_kvcache as f3
+            HAVE_FA3 = True
+        except ImportError:
+            HAVE_FA3 = False
+
+
+        def names():
+            return inspect.signature(_flash_attn_forward._init_fn).parameters
+
+
+        def decode(q, k_cache, v_cache):
+            return f3(q, k_cache, v_cache, causal=True)
+    """)
+    result = transform_source(source.encode(), "m.py", registry.all_rules(), RuleOptions())
+    assert "f3(" not in result.new.decode()
+    [ported] = [line for line in result.imports_kept if "flash_attn_with_kvcache" in line]
+    # f3 was called and ported: its import stays only because the guard does (for _flash_attn_forward)
+    assert ported.startswith(
+        "flash_attn_interface.flash_attn_with_kvcache (line 7): every use of `f3` was ported"
+    )
+    assert "read nowhere" not in ported and "availability probe" not in ported
