@@ -13,8 +13,9 @@ keeps, it keeps for a reason the user should see next to the diff:
   inspects the installed library, which has no flashport counterpart;
 * a name read nowhere in the file (a possible re-export) that flashport's drop-ins do not
   replicate for the configured flash-attn release;
-* a name whose every use was ported, in a ``try`` that stays for the GPU names still read there
-  (or a statement that shares its line with other code).
+* a name whose every use was ported, in a ``try`` that stays (it holds other code or GPU imports
+  still read), which still asks whether the library is installed; or in a statement that shares its
+  line with other code.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def _name_reason(bound, counts, in_try, version) -> str:
     if before[bound]:  # every use was ported: the statement it sits in is what stays
         if in_try:
             return (
-                f"every use of `{bound}` was ported, but its try stays: it still guards a GPU import the"
-                " file reads (the import's failure there may matter) or binds a fallback read elsewhere"
+                f"an availability probe: every use of `{bound}` was ported, but its try stays (it holds"
+                " other code or GPU imports still read) and still answers whether the library is installed"
             )
         return f"every use of `{bound}` was ported, but its import shares a line with other code, which stays"
     if in_try:
