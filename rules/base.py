@@ -47,7 +47,6 @@ family (``rules/flash_attn/arguments.py``, ``rules/jax/shared.py``, ...).
 
 from __future__ import annotations
 
-import ast
 import inspect
 import re
 from collections.abc import Sequence
@@ -137,7 +136,7 @@ class Rule:
         """Answer for a string literal whose value is in :attr:`STRINGS`."""
         return None
 
-    def settle(self, sites: Sequence[Site], tree: ast.Module) -> str | None:
+    def settle(self, sites: Sequence[Site], ctx: RuleContext) -> str | None:
         """Per-file phase, after every site of the file has its final status (rewritten, refused,
         suppressed by a comment or by the interactive review; rules left out by ``--ignore`` have
         no sites). Return a reason to refuse *all* of this rule's rewrites in the file (their
@@ -150,7 +149,8 @@ class Rule:
 
         Args:
           sites: every :class:`~flashport.rewriter.engine.results.Site` of the file, all rules.
-          tree: the file's ``ast.Module``.
+          ctx: the file's :class:`RuleContext` (:meth:`RuleContext.for_file`: no site); its
+            accessors answer from the file's semantic model.
         """
         return None
 

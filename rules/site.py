@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 import libcst as cst
 
 from flashport.rewriter.source import semantic
+from flashport.rewriter.source.semantic import ImportBinding
 
 # ----------------------------------------------------------------------------------- outcomes
 
@@ -209,6 +212,32 @@ class RuleContext:
         module's scope, and nothing rebinds it (its reads: :meth:`loads`); else None."""
         model = self.semantic
         return model.module_constant(name) if model is not None else None
+
+    @classmethod
+    def for_file(cls, path: str, options: RuleOptions, tree: ast.Module) -> RuleContext:
+        """The context of a rule's per-file phase (:meth:`~flashport.rules.base.Rule.settle`): no
+        site (line 0, no node); its accessors answer for the module's scope."""
+        return cls(path, 0, "", options, tree=tree)
+
+    def imports(self) -> list[ImportBinding]:
+        """Every name an import binds anywhere in the file (empty outside the engine)."""
+        model = self.semantic
+        return list(model.imports) if model is not None else []
+
+    def first_comparison(self, names: Iterable[str]) -> int | None:
+        """The line of the file's first comparison with a plain read of one of ``names`` as a side
+        (:meth:`~flashport.rewriter.source.semantic.SemanticModel.first_comparison`); None when
+        there is none, or outside the engine."""
+        model = self.semantic
+        return model.first_comparison(names) if model is not None else None
+
+    def mentions(self, matches: Callable[[str], bool]) -> Counter:
+        """Line -> how many names, attribute names and identifier strings there ``matches``
+        accepts, over the whole file
+        (:meth:`~flashport.rewriter.source.semantic.SemanticModel.mentions`; empty outside the
+        engine)."""
+        model = self.semantic
+        return model.mentions(matches) if model is not None else Counter()
 
     def loads(self, name: str) -> list[ast.Name]:
         """Every read of ``name`` in the file (empty outside the engine)."""

@@ -1,5 +1,5 @@
 """The engine's shortcuts around libcst's whole-module analyses must give libcst's answers:
-:class:`~flashport.rewriter.source.names.Names` (qualified names from the imports) against libcst's
+:class:`~flashport.rewriter.source.semantic.HeaderNames` (the semantic model's qualified names from the imports) against libcst's
 scope analysis (what ``QualifiedNameProvider`` returns), and :func:`~flashport.rewriter.source.pieces.parse` (piece by piece) against
 ``cst.parse_module`` of the whole text."""
 
@@ -11,12 +11,12 @@ import textwrap
 
 import libcst as cst
 import pytest
+from libcst.helpers import get_full_name_for_node
 from libcst.metadata import MetadataWrapper, ScopeProvider
 
 from flashport import rules as registry
 from flashport.rewriter.engine import pipeline as engine
-from flashport.rewriter.source import pieces
-from flashport.rewriter.source.names import Names
+from flashport.rewriter.source import pieces, semantic
 
 RULES = registry.all_rules()
 ROOT = pathlib.Path(__file__).parent
@@ -96,7 +96,7 @@ SHAPES = {
 def _answers(text: str, header_lines: int) -> list[tuple[str, set[str] | None, set[str]]]:
     tree = ast.parse(text)
     header = [s for s in tree.body if s.end_lineno is not None and s.end_lineno <= header_lines]
-    names = Names(tree, header, [], SOURCES)
+    names = semantic.of(tree).header_names(header, [], SOURCES)
     wrapper = MetadataWrapper(cst.parse_module(text), unsafe_skip_copy=True)
     scopes = wrapper.resolve(ScopeProvider)  # every expression has a scope: all candidates are here
     out = []
@@ -104,7 +104,9 @@ def _answers(text: str, header_lines: int) -> list[tuple[str, set[str] | None, s
         if isinstance(node, (cst.Name, cst.Attribute)) and scope is not None:
             # what QualifiedNameProvider computes for the node (it asks the same scope)
             theirs = {q.name for q in scope.get_qualified_names_for(node)}
-            out.append((wrapper.module.code_for_node(node), names.qualified(node), theirs))
+            full_name = get_full_name_for_node(node)
+            ours = names.qualified(full_name) if full_name is not None else None
+            out.append((wrapper.module.code_for_node(node), ours, theirs))
     return out
 
 

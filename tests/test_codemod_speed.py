@@ -229,8 +229,10 @@ def test_cache_key_covers_rule_set_and_options():
     [
         "rule",  # a rule module
         "rewriter/engine/run_context.py",  # an engine module a hand-kept list once missed
-        "rewriter/source/names.py",  # a module in another subpackage
+        "rewriter/source/semantic.py",  # a module in another subpackage
         "rules/common/values.py",  # a rule helper
+        "kernels/contract/keywords.py",  # the contract's defaults, which rules/common/calls.py reads
+        "flashport/integrations/flash_attn/core.py",  # a drop-in module
     ],
 )
 def test_cache_key_covers_every_package_source(source, monkeypatch):

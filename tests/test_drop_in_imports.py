@@ -217,3 +217,67 @@ def test_every_gpu_import_left_in_place_comes_with_its_reason():
     assert len(kept) == 2, kept
     assert kept[0].startswith("flash_attn (line 6): reads `fa` itself (fa.__file__)"), kept
     assert kept[1].startswith("flash_attn.cute.interface (line 13): an availability probe"), kept
+
+
+# verl-style dispatch: the NPU helpers in one branch, flash-attn's bert_padding in the other
+_BRANCHES = """\
+def get_functions(npu):
+    if npu:
+        from npu_utils import index_first_axis, pad_input, rearrange, unpad_input
+    else:
+        from flash_attn.bert_padding import index_first_axis, pad_input, rearrange, unpad_input
+    found = index_first_axis, pad_input, rearrange, unpad_input
+    return found
+"""
+
+_RUN_BRANCHES = """\
+import importlib.abc, sys
+import numpy as np
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "flash_attn":
+            raise ImportError(f"{name} is blocked (no GPU libraries here)")
+        return None
+sys.meta_path.insert(0, Blocker())
+sys.path.insert(0, sys.argv[1])
+import torch
+import model
+index_first_axis, pad_input, rearrange, unpad_input = model.get_functions(False)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(2, 5, 3, 4, generator=g, dtype=torch.float64)
+mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+flat = x.reshape(2, 5, 12)
+hidden, indices, cu_seqlens, max_seqlen, _ = unpad_input(flat, mask)
+assert callable(rearrange)  # einops' function, called through the drop-in (einops may be absent here)
+np.savez(sys.argv[2], x=x.numpy(), mask=mask.numpy(), hidden=hidden.numpy(),
+         cu=cu_seqlens.numpy(), max_seqlen=max_seqlen, padded=pad_input(hidden, indices, 2, 5).numpy(),
+         rows=index_first_axis(flat.reshape(10, 12), indices).numpy())
+"""
+
+
+def test_a_name_bound_per_branch_gets_the_drop_in_in_the_flash_attn_branch_and_runs_without_it(tmp_path):
+    pytest.importorskip("torch")
+    text = port(_BRANCHES)
+    assert "        from npu_utils import index_first_axis, pad_input, rearrange, unpad_input\n" in text
+    assert (
+        "        from flashport.integrations.bert_padding import index_first_axis, pad_input, rearrange, unpad_input\n"
+        in text
+    )
+    assert "flash_attn" not in text
+    (tmp_path / "model.py").write_text(text)
+    (tmp_path / "run.py").write_text(_RUN_BRANCHES)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "run.py"), str(tmp_path), str(tmp_path / "out.npz")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    flat = got["x"].reshape(2, 5, 12)  # numpy's own reshape and boolean indexing as the reference
+    mask = got["mask"]
+    np.testing.assert_array_equal(got["hidden"], flat[mask])
+    np.testing.assert_array_equal(got["cu"], [0, 3, 8])
+    assert int(got["max_seqlen"]) == 5
+    np.testing.assert_array_equal(got["padded"], flat * mask[..., None])
+    np.testing.assert_array_equal(got["rows"], flat.reshape(10, 12)[mask.reshape(-1)])

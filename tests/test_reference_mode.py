@@ -88,7 +88,7 @@ def test_reference_mode_uses_no_speed_layer(monkeypatch):
         (engine, "_relevant_pattern"),
         (engine, "_spliced"),
         (engine.mini_parse, "parse"),
-        (engine, "Names"),
+        (engine.semantic.SemanticModel, "header_names"),
         (engine, "StatementSpans"),
         (transform, "line_positions"),
     ]:

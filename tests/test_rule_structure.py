@@ -114,3 +114,36 @@ def test_rules_refuse_one_way(path: pathlib.Path):
         f"{path.name} builds a Refusal: refuse with `raise Refuse(reason)` (flashport.rules.base), the "
         "one way a rule or a helper refuses; the engine records the Refusal"
     )
+
+
+def tree_reads(source: str) -> list[int]:
+    """Lines of ``source`` that reach a file's tree other than through :class:`RuleContext`'s
+    accessors: ``semantic.of(...)``, ``ast.walk(...)`` or an attribute ``.tree``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "tree":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and (owner.id, node.func.attr) in {
+                ("semantic", "of"),
+                ("ast", "walk"),
+            }:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_tree_check_sees_a_tree_read():
+    assert tree_reads("names = semantic.of(ctx.tree).imports") == [1, 1]
+    assert tree_reads("for node in ast.walk(tree):\n    pass") == [1]
+    assert tree_reads("names = ctx.imports()\nline = ctx.first_comparison(names)") == []
+
+
+@pytest.mark.parametrize("path", sorted(RULES.rglob("*.py")), ids=lambda p: str(p.relative_to(RULES)))
+def test_rules_read_the_file_through_the_context(path: pathlib.Path):
+    if path.relative_to(RULES) == pathlib.Path("site.py"):
+        return  # RuleContext itself: its accessors ask the file's semantic model
+    assert not tree_reads(path.read_text(encoding="utf-8")), (
+        f"{path.name} reads the file's tree: ask the RuleContext's accessors (qualified_names, "
+        "module_constant, imports, mentions, parent, enclosing, ...), in settle too (its ctx)"
+    )

@@ -144,7 +144,7 @@ class _A(Rule):
     def check_call(self, call, ctx):
         return Rewrite(call.with_changes(func=dotted("mylib.a_new")), imports=())
 
-    def settle(self, sites, tree):
+    def settle(self, sites, ctx):
         return self.veto if any(s.rule == self.CODE and s.status == "rewrite" for s in sites) else None
 
 

@@ -46,8 +46,10 @@ def test_the_structure_check_sees_an_import_read():
 
 
 def test_only_the_model_and_the_import_edits_read_import_statements():
-    product = [*(ROOT / "rewriter").rglob("*.py"), *(ROOT / "rules").rglob("*.py")]
-    assert len(product) > 50
+    product = [
+        p for package in ("flashport", "rewriter", "rules", "kernels") for p in (ROOT / package).rglob("*.py")
+    ]
+    assert len(product) > 150
     offenders = {
         str(path.relative_to(ROOT)): lines
         for path in product
@@ -160,6 +162,79 @@ def test_imports_at_a_line_leave_out_what_cannot_be_told():
     assert model.qualified_name_at("SDPBackend.MATH", 14) == ""
 
 
+def test_an_import_in_an_enclosing_function_reaches_its_closures_unless_a_parameter_shadows_it():
+    source = textwrap.dedent(
+        """
+        def factory():
+            import torch.nn.functional as G
+
+            class Processor:
+                def __call__(self, q):
+                    return G.scaled_dot_product_attention(q, q, q)
+
+            def shadowed(G):
+                return G.scaled_dot_product_attention(1)
+
+            return Processor
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    assert model.qualified_name_at("G.scaled_dot_product_attention", 7) == (
+        "torch.nn.functional.scaled_dot_product_attention"
+    )
+    assert model.qualified_name_at("G.scaled_dot_product_attention", 10) == ""
+
+
+def test_local_value_is_a_variable_an_enclosing_function_binds_once():
+    source = textwrap.dedent(
+        """
+        def f():
+            chosen = [1, 2]
+            twice = [1]
+            twice = [2]
+
+            def inner(param):
+                return chosen, twice, param
+
+            return inner
+
+        def g():
+            chosen = [3]
+            return chosen
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    value, function = model.local_value("chosen", 8)  # in inner: f's variable
+    assert isinstance(value, ast.List) and value.elts[0].value == 1 and function.name == "f"
+    assert model.local_value("chosen", 14)[0].elts[0].value == 3  # g's own variable
+    assert model.local_value("twice", 8) is None
+    assert model.local_value("param", 8) is None  # a parameter, no `=`
+    assert model.local_value("missing", 8) is None
+
+
+def test_an_if_else_binding_in_both_branches_hides_what_came_before():
+    source = textwrap.dedent(
+        """
+        def f(npu):
+            from a import pad
+            if npu:
+                from b import pad
+            else:
+                from c import pad
+            return pad
+
+        def g(npu):
+            from a import pad
+            if npu:
+                from b import pad
+            return pad
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    assert sorted(b.qualified for b in model.reaching("pad", 8)) == ["b.pad", "c.pad"]
+    assert sorted(b.qualified for b in model.reaching("pad", 14)) == ["a.pad", "b.pad"]
+
+
 def test_a_star_import_hides_what_came_before():
     model = semantic.of(
         ast.parse("from torch.nn.attention import SDPBackend\nfrom m import *\nSDPBackend.MATH\n")
@@ -223,6 +298,29 @@ def test_parent_and_enclosing():
     assert model.parent(tree) is None
     assert model.function_at(3).name == "m"
     assert model.function_at(1) is None
+
+
+def test_comparisons_and_mentions():
+    source = textwrap.dedent(
+        """
+        from xformers.ops import memory_efficient_attention as mea
+        import xformers.ops as xops
+        \"\"\"memory_efficient_attention in a docstring is no mention\"\"\"
+        if flag:
+            ok = type(m) is RotaryEmbedding
+        y = mea(q, k, v) + xops.memory_efficient_attention(q, k, v)
+        fn = getattr(xops, "memory_efficient_attention_forward")
+        if RotaryEmbedding == other:
+            pass
+        """
+    )
+    model = semantic.of(ast.parse(source))
+    assert model.first_comparison({"RotaryEmbedding"}) == 9  # ast.walk order: the shallower one
+    assert model.first_comparison({"m"}) is None  # `type(m)` is a call, no plain read as a side
+    assert model.first_comparison({"other_name"}) is None
+    assert model.first_comparison(set()) is None
+    uses = model.mentions(lambda text: text.startswith("memory_efficient_attention") or text == "mea")
+    assert dict(uses) == {7: 2, 8: 1}  # the import line and the docstring are no mentions
 
 
 def test_the_model_is_built_once_per_tree():

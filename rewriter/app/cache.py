@@ -4,8 +4,11 @@ A cached :class:`~flashport.rewriter.engine.results.FileResult` is reused only w
 
 * the file's path and the SHA-256 of its bytes;
 * the *fingerprint* of the run: flashport's version, the Python and libcst versions, the source
-  text of every module of the ``flashport.rewriter`` and ``flashport.rules`` packages, read from
-  disk (so editing a rule or the engine invalidates everything), the selected rule codes in order, and the :class:`~flashport.rules.base.RuleOptions`.
+  text of every module of the installed product (:data:`PACKAGES`: the engine, the rules and what
+  they read beyond themselves, such as the contract's keyword defaults in
+  ``flashport.kernels.contract.keywords``), read from disk without importing it (so editing any of
+  it invalidates everything), the selected rule codes in order, and the
+  :class:`~flashport.rules.base.RuleOptions`.
 
 Entries live in one pickle per fingerprint under the cache directory (``$FLASHPORT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/flashport``, else ``~/.cache/flashport``), written atomically; an unreadable or
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import os
 import pickle
 import sys
@@ -50,12 +54,15 @@ def from_environment(rules: Sequence[type[Rule]], options: RuleOptions) -> Resul
     return ResultCache.for_run(rules, options, None if value == "1" else value)
 
 
+# Every top-level package of the product (pyproject.toml's package-dir): the key reads them all.
+PACKAGES = ("flashport", "flashport.rewriter", "flashport.rules", "flashport.kernels")
+
+
 def fingerprint(rules: Sequence[type[Rule]], options: RuleOptions) -> str:
     """Hex digest of everything besides the file that a result depends on (see the module doc)."""
     import libcst
 
     import flashport
-    from flashport import rules as registry
 
     digest = hashlib.sha256()
     libcst_version = getattr(libcst, "__version__", None) or _dist_version("libcst")
@@ -68,11 +75,12 @@ def fingerprint(rules: Sequence[type[Rule]], options: RuleOptions) -> str:
         ",".join(rule.CODE for rule in rules),
     ):
         digest.update(part.encode() + b"\0")
-    from flashport import rewriter
-
-    for package in (rewriter, registry):
-        directory = os.path.dirname(package.__file__ or "")
-        for path in _package_sources(directory):
+    for package in PACKAGES:
+        spec = importlib.util.find_spec(package)  # the folder, without importing the package (jax)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        directory = locations[0] if locations else ""
+        digest.update(package.encode() + b"\0")
+        for path in _package_sources(directory) if directory else ():
             digest.update(os.path.relpath(path, directory).encode() + b"\0")
             try:
                 with open(path, "rb") as handle:

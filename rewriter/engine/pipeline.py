@@ -11,8 +11,9 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
 3. For every top-level statement that mentions a trigger (imports aside), build a mini module
    (header imports + that statement), parse it piece by piece (:mod:`~flashport.rewriter.source.pieces`)
    and run :class:`~flashport.rewriter.engine.transform.SiteTransformer`, which gives each candidate
-   node libcst's qualified names (:mod:`~flashport.rewriter.source.names`, libcst's scope analysis where
-   the imports alone cannot tell): rules answer per site.
+   node libcst's qualified names (the semantic model's
+   :meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`, libcst's scope analysis
+   where the imports alone cannot tell): rules answer per site.
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
    its own rewrites in this file, and a rewrite whose required calls (``Rewrite.requires``) did
    not all end rewritten is vetoed (the pass is redone with them refused, until no veto is added).
@@ -34,7 +35,9 @@ Rules are instantiated afresh for every file.
 ``FLASHPORT_REFERENCE=1``) turns every speed layer off: every chunk is kept (no
 :mod:`~flashport.rewriter.engine.prune`), there is no thin pass (:mod:`~flashport.rewriter.engine.thin`), the mini
 module is parsed in one piece by ``cst.parse_module`` (no :mod:`~flashport.rewriter.source.pieces`), names
-come from libcst's ``ScopeProvider``/qualified names alone (no :mod:`~flashport.rewriter.source.names`),
+come from libcst's ``ScopeProvider``/qualified names alone (no
+:meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`; the flow's narrowing,
+:meth:`~flashport.rewriter.source.semantic.SemanticModel.reaching`, is the model's in both modes),
 positions from libcst's ``PositionProvider`` (no :mod:`~flashport.rewriter.source.positions` or
 :mod:`~flashport.rewriter.source.spans`), the traversal visits every statement (no ``relevant`` skip) and
 the whole mini module is rendered and spliced chunk by chunk, and the rewritten and cleaned texts are
@@ -66,9 +69,8 @@ from flashport.rewriter.imports import edits as import_edits
 from flashport.rewriter.source import newsyntax, reparse, semantic
 from flashport.rewriter.source import pieces as mini_parse
 from flashport.rewriter.source import text as src
-from flashport.rewriter.source.names import Names
 from flashport.rewriter.source.spans import StatementSpans
-from flashport.rules.base import Rule, RuleOptions
+from flashport.rules.base import Rule, RuleContext, RuleOptions
 
 
 def trigger_pattern(rules: Iterable[type[Rule]]) -> re.Pattern[bytes]:
@@ -213,10 +215,12 @@ class _MiniModule:
     wrappers: list[str] = dataclasses.field(default_factory=list)  # stand-in class names
     pieces: list[str] = dataclasses.field(default_factory=list)  # independent top-level parts of source
 
-    def names(self, tree: ast.Module, rules: Iterable[Rule]) -> Names:
-        """The :class:`~flashport.rewriter.source.names.Names` of this mini module (``tree``: the file's)."""
+    def names(self, tree: ast.Module, rules: Iterable[Rule]) -> semantic.HeaderNames:
+        """The file's model's :class:`~flashport.rewriter.source.semantic.HeaderNames` for this mini
+        module (``tree``: the file's)."""
         header = [node for unit in self.header_units for node in unit.nodes]
-        return Names(tree, header, self.wrappers, [s for rule in rules for s in rule.SOURCES])
+        sources = [s for rule in rules for s in rule.SOURCES]
+        return semantic.of(tree).header_names(header, self.wrappers, sources)
 
 
 def _transform(
@@ -564,11 +568,14 @@ def _run_rules(
     transformer = transformer_for()
     new_module = module.visit(transformer)
     beyond = transformer.read_beyond or transformer.used_scopes
+    whole_file = RuleContext.for_file(file.result.path, file.options, tree)
     vetoes: dict[str, str] = {}
     site_vetoes: dict[tuple[str, int, int], str] = {}
     while True:  # vetoes only grow, so this ends (at most one pass more per rule and per site)
         more = {
-            r.CODE: why for r in rules if r.CODE not in vetoes and (why := r.settle(transformer.sites, tree))
+            r.CODE: why
+            for r in rules
+            if r.CODE not in vetoes and (why := r.settle(transformer.sites, whole_file))
         }
         more_sites = {key: why for key, why in transformer.unmet().items() if key not in site_vetoes}
         if not more and not more_sites:

@@ -24,9 +24,10 @@ code, line, column) -> reason) one site's: the engine's per-file phase sets them
 Cost: positions come from rendering only the statement a site sits in, located by the file's
 ``ast`` line numbers (:mod:`~flashport.rewriter.source.spans`; the whole mini module once when that cannot
 tell), and ``changed`` lists the smallest statements holding every change so the engine renders
-and splices only those; qualified names come from the imports
-(:mod:`~flashport.rewriter.source.names`) and libcst's scope analysis runs, once, only for a question they
-cannot answer (aliases, value uses, names bound in more than one way). The traversal does not
+and splices only those; qualified names come from the file's semantic model
+(:meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`) and libcst's scope analysis
+runs, once, only for a question it cannot answer (aliases, value uses, names bound in more than one
+way). The traversal does not
 descend into nodes that cannot hold a site, nor into statements whose text matches nothing of
 ``relevant`` (the engine's triggers, watched strings and names bound to a source). Rules still see
 every original ancestor and sibling: skipping only saves the visit.
@@ -48,8 +49,8 @@ from libcst.metadata import MetadataWrapper, ScopeProvider
 
 from flashport.rewriter.engine import run_context, suppress, thin
 from flashport.rewriter.engine.results import AS_IS, REFUSED, REWRITE, SUPPRESSED, Site
+from flashport.rewriter.imports import drop_in_imports
 from flashport.rewriter.source import aliases, newsyntax, semantic
-from flashport.rewriter.source.names import Names, narrowed
 from flashport.rewriter.source.positions import Span, line_positions
 from flashport.rewriter.source.spans import StatementSpans, indents
 from flashport.rules import apis
@@ -130,9 +131,10 @@ class SiteTransformer(cst.CSTTransformer):
     """Visits a mini module; collects :class:`Site` s and applies :class:`Rewrite` s in the chunk."""
 
     # Qualified names are asked only for the nodes :meth:`_match` looks at: exactly what
-    # ``QualifiedNameProvider`` would give them. :class:`~flashport.rewriter.source.names.Names` answers
-    # from the imports where that is provably the same; the scope analysis (``ScopeProvider``) runs
-    # only when a question needs it (:meth:`_scope`), once per file. Positions come from
+    # ``QualifiedNameProvider`` would give them (:meth:`_qualified_names`). The file's semantic
+    # model answers from the imports where that is provably the same
+    # (:class:`~flashport.rewriter.source.semantic.HeaderNames`); the scope analysis
+    # (``ScopeProvider``) runs only when a question needs it (:meth:`_scope`), once per file. Positions come from
     # ``spans`` (one statement rendered at a time), or as a plain mapping
     # (:func:`~flashport.rewriter.source.positions.line_positions`): declaring them as a metadata
     # dependency would make libcst's resolver walk the whole module once more for nothing.
@@ -150,7 +152,7 @@ class SiteTransformer(cst.CSTTransformer):
         relevant: re.Pattern[str] | None = None,
         *,
         wrapper: MetadataWrapper | None = None,
-        names: Names | None = None,
+        names: semantic.HeaderNames | None = None,
         positions: Mapping[cst.CSTNode, Span] | None = None,
         spans: StatementSpans | None = None,
         site_vetoes: Mapping[tuple[str, int, int], str] | None = None,
@@ -208,6 +210,9 @@ class SiteTransformer(cst.CSTTransformer):
         self._attributes_dropped_in: set[tuple[str, str]] = set()  # every `self.fn = <source>` became one
         self._replacements: dict[int, cst.BaseExpression] = {}  # id(original value) -> its drop-in
         self._compared: dict[str, int | None] = {}  # name -> first line comparing it (``is``, ``==``)
+        # file line of a function's GPU ``from m import ...`` -> (drop-in module, its ast node):
+        # imports re-pointed at the drop-in when their function is left (:meth:`_branch_drop_in`)
+        self._repoint: dict[int, tuple[str, ast.stmt]] = {}
         # Changed statements, for splicing them alone (``changed``): per open statement on the
         # path, [rewrites when it was entered, rewrites inside its changed child statements,
         # len(changed) when it was entered]; ``whole``: a change outside every chunk statement.
@@ -341,6 +346,19 @@ class SiteTransformer(cst.CSTTransformer):
         return self._scopes.get(node)  # type: ignore[attr-defined]
 
     def _qualified_names(self, node: cst.CSTNode) -> set[str]:
+        """``QualifiedNameProvider``'s names for ``node``, blind to the flow: the semantic model's
+        (:meth:`~flashport.rewriter.source.semantic.HeaderNames.qualified`, a speed layer: the
+        exact names or none a source can be) where the imports decide them, else libcst's scope
+        analysis (:meth:`_scope_names`; the reference mode asks only that, an independent
+        computation the both-modes check compares)."""
+        if self._names is not None and isinstance(node, (cst.Name, cst.Attribute)):
+            full_name = get_full_name_for_node(node)
+            names = self._names.qualified(full_name) if full_name is not None else None
+            if names is not None:
+                return names
+        return self._scope_names(node)
+
+    def _scope_names(self, node: cst.CSTNode) -> set[str]:
         """``QualifiedNameProvider``'s names for ``node`` (same computation, on demand)."""
         scope = self._scope(node)
         if scope:
@@ -353,9 +371,7 @@ class SiteTransformer(cst.CSTTransformer):
         # A node may have several qualified names (conditional imports): answer deterministically
         # (a set's order varies with PYTHONHASHSEED): lowest rule code, then the rule's first-listed
         # source (its canonical path).
-        names = self._names.qualified(node) if self._names is not None else None
-        if names is None:
-            names = self._qualified_names(node)
+        names = self._qualified_names(node)
         found = [
             (rule.CODE, rule.SOURCES.index(name), name, rule)
             for name in names
@@ -385,19 +401,16 @@ class SiteTransformer(cst.CSTTransformer):
 
     def _flow_names(self, node: cst.CSTNode, names: set[str]) -> set[str]:
         """``names`` (``node``'s qualified names, blind to the flow) less those no binding that
-        reaches ``node`` gives it (:func:`~flashport.rewriter.source.names.narrowed`)."""
+        reaches ``node`` gives it (:func:`~flashport.rewriter.source.semantic.narrowed`)."""
         full_name = get_full_name_for_node(node)
         if full_name is None:
             return names
-        return narrowed(names, self._reaching(node), full_name)
+        return semantic.narrowed(names, self._reaching(node), full_name)
 
     def _other_apis(self, func: cst.BaseExpression, api: str) -> list[str]:
         """The source APIs other than ``api`` (another function: another last name) that ``func``
         may also hold by another binding, sorted."""
-        names = self._names.qualified(func) if self._names is not None else None
-        if names is None:
-            names = self._qualified_names(func)
-        names = self._flow_names(func, names)
+        names = self._flow_names(func, self._qualified_names(func))
         leaf = api.rsplit(".", 1)[-1]
         return sorted(n for n in names if n in self.by_source and n.rsplit(".", 1)[-1] != leaf)
 
@@ -692,6 +705,8 @@ class SiteTransformer(cst.CSTTransformer):
         them then runs on flashport, ported or not)."""
         for alias in [a for a in self._aliases.values() if a.owner is original]:
             outcome: Outcome = Report(alias.own_reason or alias.reason())
+            if not alias.own_reason and alias.calls < alias.uses and (kept := self._kept_torch_alias(alias)):
+                outcome = runs_as_is(values.kept_torch_value(kept, alias.api))
             dropped = _drop_alias(original, updated, alias.statement) if alias.removable() else None
             swapped = None
             if dropped is None and alias.drop_in is None and alias.only_ported_calls():
@@ -713,11 +728,54 @@ class SiteTransformer(cst.CSTTransformer):
             self._record(alias.rule, alias.api, "reference", alias.where, outcome)
         return updated
 
+    def _kept_torch_alias(self, alias: aliases.Alias) -> str:
+        """Why a function-local alias of torch's own attention function (SDPA, flex) that is also read
+        as a value keeps its meaning as is -- every read that is not a call only copies its metadata
+        (``@functools.wraps(alias)``, ``wrapper.__wrapped__ = alias``), inspects it
+        (``getattr``/``hasattr``) or puts it back where it was read from (``F.scaled_dot_product_attention
+        = alias`` after a patch) -- else "". The calls through it are sites of their own."""
+        span = self._file_lines(alias.owner)
+        if (
+            not alias.local
+            or values.family(alias.api) not in values.TORCH_OWN
+            or span is None
+            or self.tree is None
+        ):
+            return ""
+        first, _, last = span
+        model = semantic.of(self.tree)
+        source = self.module.code_for_node(alias.statement.body[0].value)  # type: ignore[attr-defined]
+        kinds: set[str] = set()
+        for node in ast.walk(self.tree):
+            if not first <= getattr(node, "lineno", 0) <= last:
+                continue
+            if isinstance(node, ast.arg) and node.arg == alias.name:
+                return ""
+            if not (isinstance(node, ast.Name) and node.id == alias.name):
+                continue
+            if not isinstance(node.ctx, ast.Load):
+                if node.lineno != alias.where[0]:
+                    return ""  # bound again: another variable of that name
+                continue
+            kind = _torch_value_use(node, model, source)
+            if kind is None:
+                return ""
+            kinds.add(kind)
+        kinds.discard("call")
+        how = "also" if alias.calls else "only"
+        return f"alias {alias.name} is {how} {' and '.join(sorted(kinds))}" if kinds else ""
+
     def leave_FunctionDef(
         self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
     ) -> cst.FunctionDef:
-        """Settle the aliases bound in this function."""
-        return self._settle_aliases(original_node, updated_node)
+        """Settle the aliases bound in this function; re-point its imports a branch port asked for."""
+        updated = self._settle_aliases(original_node, updated_node)
+        span = self._file_lines(original_node)
+        for line in [n for n in self._repoint if span is not None and span[0] <= n <= span[2]]:
+            module, node = self._repoint.pop(line)
+            updated = _repointed(updated, node, module)
+            self.rewrites += 1  # a change outside its changed statements: the function is spliced whole
+        return updated
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         """Settle the module-level aliases."""
@@ -759,8 +817,57 @@ class SiteTransformer(cst.CSTTransformer):
         why = self._value_may_differ(value)
         if why and values.family(api) in values.TORCH_OWN:
             return runs_as_is(values.kept_torch_value(why, api))
+        if why and (branch := self._branch_drop_in(api, value)) is not None:
+            return branch
         return (
             Report(f"{why}: not rewritten") if why else run_context.refuse_patched(outcome, api, self.options)
+        )
+
+    def _branch_drop_in(self, api: str, value: cst.BaseExpression) -> Rewrite | None:
+        """The port of a name that branches bind to different libraries -- ``if npu: from npu_utils
+        import pad_input`` / ``else: from flash_attn.bert_padding import pad_input``, then
+        ``pad_input`` read -- by re-pointing the flash-attn branch's import at flashport's drop-in of
+        the same name (:func:`~flashport.rewriter.imports.drop_in_imports.branch_target`); the read
+        and the other branch stay. Only for a ``from`` import in a function that is the file's only
+        import of that API, whose every name has such a drop-in and is compared nowhere (the
+        drop-ins replicate the functions, so every other read of them keeps its meaning), when
+        every binding reaching the read is an import and only that one is a GPU library's. None
+        otherwise."""
+        if not isinstance(value, cst.Name) or self.tree is None:
+            return None
+        reaching = self._reaching(value)
+        if not reaching or not all(isinstance(b, semantic.ImportBinding) for b in reaching):
+            return None
+        gpu = [b for b in reaching if isinstance(b, semantic.ImportBinding) and b.qualified in self.by_source]
+        gpu_modules = {m for rule in self.by_source.values() for m in rule.GPU_MODULES}
+        others = [b for b in reaching if isinstance(b, semantic.ImportBinding) and b not in gpu]
+        if len(gpu) != 1 or not others or gpu[0].qualified != api:
+            return None
+        if any(o.qualified.split(".")[0] in gpu_modules for o in others):
+            return None
+        binding = gpu[0]
+        node = binding.node
+        in_function = bool(binding.scopes) and isinstance(
+            binding.scopes[-1], (ast.FunctionDef, ast.AsyncFunctionDef)
+        )
+        module = drop_in_imports.branch_module(
+            node,
+            [b.qualified for b in semantic.of(self.tree).imports],
+            self.options.flash_attn_version,
+            lambda name: self._compared_on(name) is not None,
+        )
+        if not in_function or binding.relative or module is None:
+            return None
+        self._repoint[node.lineno] = (module, node)
+        other = ", ".join(sorted(f"{o.qualified} (line {o.node.lineno})" for o in others))
+        return Rewrite(
+            value,
+            imports=(),
+            notes=(
+                f"the flash-attn branch's import (line {node.lineno}) now binds flashport's drop-in "
+                f"{module}.{binding.imported.rsplit('.', 1)[-1]} (same name, signature and results); "
+                f"the other binding, {other}, is kept",
+            ),
         )
 
     def _value_may_differ(self, value: cst.BaseExpression) -> str | None:
@@ -787,7 +894,7 @@ class SiteTransformer(cst.CSTTransformer):
             or (isinstance(getattr(b, "node", None), cst.Name) and b.node.value in fallbacks)
             for b in bindings or ()
         )
-        meanings = self._qualified_names(value) - ({base.value} if base.value in fallbacks else set())
+        meanings = self._scope_names(value) - ({base.value} if base.value in fallbacks else set())
         reaching = self._reaching(base)
         if reaching is not None:  # the binding that dominates the read decides, not every one
             imports_only = all(isinstance(b, semantic.ImportBinding) for b in reaching)
@@ -1024,3 +1131,56 @@ def _drop_alias(
         return None  # `def f(): a = x; ...` on one line holds small statements, never an alias line
     body = aliases.drop_statement(block.body, original_block.body, statement, value)
     return None if body is None else updated.with_changes(body=block.with_changes(body=body))
+
+
+def _torch_value_use(read: ast.Name, model: semantic.SemanticModel, source: str) -> str | None:
+    """How a read of an alias of torch's attention function (bound to ``source``) uses it: "call",
+    or a use that keeps its meaning on every host (:meth:`Transformer._kept_torch_alias`); None for
+    any other use (stored, passed on: its callers are out of sight)."""
+    up = model.parent(read)
+    if isinstance(up, ast.Call) and up.func is read:
+        return "call"
+    if isinstance(up, ast.Call) and up.args == [read] and not up.keywords:
+        callee = semantic.dotted(up.func)
+        if callee in ("functools.wraps", "wraps") and isinstance(
+            model.parent(up), (ast.FunctionDef, ast.AsyncFunctionDef)
+        ):
+            return "copied by @functools.wraps (metadata only)"
+    if (
+        isinstance(up, ast.Call)
+        and up.args[:1] == [read]
+        and semantic.dotted(up.func) in ("getattr", "hasattr")
+    ):
+        return "inspected with getattr/hasattr"
+    if (
+        isinstance(up, ast.Assign)
+        and up.value is read
+        and all(isinstance(t, ast.Attribute) for t in up.targets)
+    ):
+        if all(t.attr == "__wrapped__" for t in up.targets):  # type: ignore[attr-defined]
+            return "stored as a wrapper's __wrapped__ (metadata only)"
+        if all(semantic.dotted(t) == source for t in up.targets):
+            return f"put back as {source} (a patch undone)"
+    return None
+
+
+def _repointed(function: cst.FunctionDef, node: ast.stmt, module: str) -> cst.FunctionDef:
+    """``function`` with the ``from ... import ...`` that ``node`` (its ``ast`` statement) is, same
+    module and names, importing from ``module`` instead, names, aliases and layout kept."""
+    source, names = drop_in_imports.from_import_names(node)
+
+    class _Repoint(cst.CSTTransformer):
+        def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+            if updated.relative or updated.module is None or get_full_name_for_node(updated.module) != source:
+                return updated
+            if isinstance(updated.names, cst.ImportStar):
+                return updated
+            found = [
+                (get_full_name_for_node(a.name), a.asname.name.value if a.asname else None)  # type: ignore[union-attr]
+                for a in updated.names
+            ]
+            if found != names:
+                return updated
+            return updated.with_changes(module=cst.parse_expression(module))
+
+    return function.visit(_Repoint())  # type: ignore[return-value]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import collections
+from collections.abc import Callable
 
 from flashport.rewriter.source import astindex
 from flashport.rewriter.source.text import split_lines
@@ -50,9 +51,48 @@ DROP_INS: dict[str, tuple[str, frozenset[str]]] = {
 }
 
 
-def parents(tree: ast.AST) -> dict[int, ast.AST]:
-    """``id(node) -> parent`` for every node of ``tree``."""
-    return {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+def branch_target(module: str, name: str, version: tuple[int, ...]) -> str | None:
+    """The drop-in module that can stand in for ``from <module> import <name>`` in one branch of
+    an if/else that binds the name to another library in the other branch (the engine's branch
+    port): the module's drop-ins replicate the function for calls and values alike (``rearrange``
+    is einops' own, which the drop-in calls), not the private kernels, nor ``unpad_input`` before
+    flash-attn 2.7 (four results, the drop-in's five). None when there is none."""
+    drop_in, names = DROP_INS.get(module, ("", frozenset()))
+    if module == "flash_attn.bert_padding":
+        names = names | {"rearrange"}
+    if name not in names or name in _PRIVATE:
+        return None
+    padded = tuple(version) + (0,) * (3 - len(version))
+    if name == "unpad_input" and padded < (*SEQUSED, 0):
+        return None
+    return drop_in
+
+
+def branch_module(
+    node: ast.stmt, imported: list[str], version: tuple[int, ...], compared: Callable[[str], bool]
+) -> str | None:
+    """The drop-in module the one-line ``from m import a, b`` statement ``node`` can import from
+    instead (the engine's branch port): every name has the same drop-in (:func:`branch_target`), is
+    imported only there (``imported``: the qualified name of every import binding of the file) and
+    is compared nowhere (``compared(bound name)``: the drop-in is another object). None otherwise."""
+    if not isinstance(node, ast.ImportFrom) or node.level or node.lineno != node.end_lineno:
+        return None
+    module = ""
+    for alias in node.names:
+        if imported.count(f"{node.module}.{alias.name}") != 1 or compared(alias.asname or alias.name):
+            return None
+        target = branch_target(node.module or "", alias.name, version)
+        if target is None or (module and target != module):
+            return None
+        module = target
+    return module or None
+
+
+def from_import_names(node: ast.stmt) -> tuple[str, list[tuple[str, str | None]]]:
+    """``(module, [(name, asname), ...])`` of a ``from`` import statement (``("", [])`` for another)."""
+    if not isinstance(node, ast.ImportFrom):
+        return "", []
+    return node.module or "", [(a.name, a.asname) for a in node.names]
 
 
 def probe_reads(tree: ast.AST) -> collections.Counter:

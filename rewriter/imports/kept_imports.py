@@ -25,7 +25,7 @@ import collections
 from collections.abc import Callable
 
 from flashport.rewriter.imports import drop_in_imports
-from flashport.rewriter.source import astindex
+from flashport.rewriter.source import astindex, semantic
 
 
 def explain(
@@ -114,12 +114,11 @@ def _unread(in_try: bool, what: str) -> str:
 
 def _how(bound: str, tree: ast.Module) -> str:
     """A few of the ways ``bound`` is read, as source text."""
-    up = drop_in_imports.parents(tree)
+    model = semantic.of(tree)
     seen: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == bound and isinstance(node.ctx, ast.Load):
-            parent = up.get(id(node))
-            text = ast.unparse(parent if isinstance(parent, (ast.Attribute, ast.Call)) else node)
-            if text not in seen:
-                seen.append(text if len(text) <= 40 else text[:37] + "...")
+    for node in model.loads(bound):
+        parent = model.parent(node)
+        text = ast.unparse(parent if isinstance(parent, (ast.Attribute, ast.Call)) else node)
+        if text not in seen:
+            seen.append(text if len(text) <= 40 else text[:37] + "...")
     return ", ".join(seen[:3])

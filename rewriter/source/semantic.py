@@ -15,7 +15,12 @@ context and, through :class:`~flashport.rules.site.RuleContext`, the rules:
   flow of its scope decides (a rebinding that dominates the read hides the earlier ones);
 * value and attribute aliases (:meth:`SemanticModel.assignments`: ``fn = flash_attn.flash_attn_func``,
   ``self.fn = flash_attn_func``), :meth:`SemanticModel.module_constant`, :attr:`SemanticModel.exports`
-  (``__all__``), :meth:`SemanticModel.parent` and :meth:`SemanticModel.enclosing`.
+  (``__all__``), :meth:`SemanticModel.parent` and :meth:`SemanticModel.enclosing`;
+* the libcst pass's qualified names (:meth:`SemanticModel.header_names`: libcst's answers for the
+  reads of a mini module, where the imports decide them; the engine's speed layer in front of
+  libcst's scope analysis, which the reference mode asks alone);
+* mentions: :meth:`SemanticModel.first_comparison` and :meth:`SemanticModel.mentions` (names,
+  attribute names and identifier strings per line), what a rule's per-file phase looks for.
 
 Everything is computed on first use and kept: a file whose engine run asks nothing pays nothing. The
 statement walk visits statements only (imports and assignments are statements), in ``ast.walk``'s
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import bisect
+import builtins
 import collections
 import dataclasses
 from collections import deque
@@ -277,10 +283,17 @@ class SemanticModel:
         if line in self._at:
             return self._at[line]
         inner = self.function_at(line)
+        around = self._enclosing_defs(line)
         found: dict[str, set[str]] = {}
         last_star = max(self.star_import_lines(), default=0)
         for b in self.imports:
-            if not (b.module_scope or (inner is not None and any(s is inner for s in b.scopes))):
+            visible = b.module_scope or (inner is not None and any(s is inner for s in b.scopes))
+            if not visible and b.scopes and any(b.scopes[-1] is f for f in around):
+                # an import in an enclosing def: Python's closures see it, unless a def between
+                # takes a parameter of that name
+                deeper = [f for f in around if f.lineno > b.scopes[-1].lineno]  # type: ignore[attr-defined]
+                visible = not any(a.arg == b.name for f in deeper for a in _arguments(f.args))  # type: ignore[attr-defined]
+            if not visible:
                 continue
             if b.relative or b.node.lineno < last_star:
                 continue
@@ -388,6 +401,27 @@ class SemanticModel:
                 return None
         return binding.value if stores == 1 else None
 
+    def local_value(self, name: str, line: int) -> tuple[ast.expr, ast.AST] | None:
+        """``(value, def)`` when a read of ``name`` at ``line`` resolves to a variable of an
+        enclosing ``def`` (the innermost that binds it) that binds it exactly once, by ``name =
+        value``, with no ``global``/``nonlocal`` of it there and no parameter of that name on the
+        way; else None. Its reads are the caller's to judge (a mutation through one is not seen)."""
+        if self.star_import_lines():
+            return None
+        for function in reversed(self._enclosing_defs(line)):
+            if any(a.arg == name for a in _arguments(function.args)):  # type: ignore[attr-defined]
+                return None
+            found = [b for statement in function.body for b in _binders(statement, name)]  # type: ignore[attr-defined]
+            if any(isinstance(n, (ast.Global, ast.Nonlocal)) and name in n.names for n in ast.walk(function)):
+                return None
+            if not found:
+                continue
+            parent = self.parent(found[0]) if len(found) == 1 else None
+            if isinstance(parent, ast.Assign) and parent.targets == [found[0]]:
+                return parent.value, function
+            return None
+        return None
+
     @property
     def exports(self) -> tuple[str, ...] | None:
         """The names of a module-scope ``__all__ = [...]``/``(...)`` of string literals (the last
@@ -403,6 +437,36 @@ class SemanticModel:
         ):
             return tuple(e.value for e in value.elts)  # type: ignore[attr-defined]
         return None
+
+    # -- mentions ----------------------------------------------------------------------------------
+
+    def first_comparison(self, names: Iterable[str]) -> int | None:
+        """The line of the first comparison (``ast.walk`` order) with a plain read of one of
+        ``names`` as a side (``type(m) is RotaryEmbedding``); None when there is none."""
+        wanted = set(names)
+        for node in astindex.of_type(self.tree, ast.Compare):
+            sides = (node.left, *node.comparators)  # type: ignore[attr-defined]
+            if any(isinstance(side, ast.Name) and side.id in wanted for side in sides):
+                return node.lineno  # type: ignore[attr-defined]
+        return None
+
+    def mentions(self, matches: Callable[[str], bool]) -> collections.Counter:
+        """Line -> how many mentions there ``matches`` accepts: a ``Name`` (read or written), an
+        attribute's name (``m.name``) or an identifier-like string constant (``getattr(m, "name")``;
+        a docstring is no identifier). An import statement's names are not mentions."""
+        uses: collections.Counter = collections.Counter()
+        for node in astindex.of_type(self.tree, ast.Name, ast.Attribute, ast.Constant):
+            if isinstance(node, ast.Name):
+                text = node.id
+            elif isinstance(node, ast.Attribute):
+                text = node.attr
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                text = node.value
+            else:
+                continue
+            if matches(text):
+                uses[node.lineno] += 1
+        return uses
 
     # -- structure ---------------------------------------------------------------------------------
 
@@ -420,6 +484,11 @@ class SemanticModel:
         while current is not None and not isinstance(current, kind):
             current = self.parent(current)
         return current
+
+    def _enclosing_defs(self, line: int) -> list[ast.AST]:
+        """Every ``def`` whose lines hold ``line``, outermost first."""
+        self.function_at(line)
+        return [f for f in self._functions or () if f.lineno <= line <= (f.end_lineno or f.lineno)]  # type: ignore[attr-defined]
 
     def function_at(self, line: int) -> ast.AST | None:
         """The innermost ``def`` whose lines hold ``line`` (the one starting last), or None."""
@@ -539,6 +608,24 @@ class SemanticModel:
         names = astindex.of_type(self.tree, ast.Name)
         return collections.Counter(n.id for n in names if not isinstance(n.ctx, ast.Load))  # type: ignore[attr-defined]
 
+    def bound_otherwise(self) -> frozenset[str]:
+        """Every name the file binds anywhere other than by an import (assignment and loop targets,
+        ``del``, parameters, definitions, ``except ... as``, match captures) or declares
+        ``global``/``nonlocal``."""
+        imported = collections.Counter(b.name for b in self.imports)
+        counted = self._binding_counts() - imported
+        return frozenset(name for name in counted if name) | self._declared_names()
+
+    # -- the libcst pass's names -------------------------------------------------------------------
+
+    def header_names(
+        self, header: Iterable[ast.stmt], wrappers: Iterable[str], sources: Iterable[str]
+    ) -> HeaderNames:
+        """The qualified names of the dotted names read in a mini module of this file (its
+        ``header`` statements, then chunks of its statements inside stand-in classes named
+        ``wrappers``), where the imports decide them: :class:`HeaderNames`."""
+        return HeaderNames(self, header, wrappers, sources)
+
     def _declared_names(self) -> frozenset[str]:
         """Every name some ``global``/``nonlocal`` statement of the file declares."""
         if self._declared is None:
@@ -557,6 +644,159 @@ def of(tree: ast.Module) -> SemanticModel:
         model = SemanticModel(tree)
         setattr(tree, _ATTRIBUTE, model)
     return model
+
+
+def _import_qualified(base: str, aliases: Iterable[tuple[str, str | None]], full_name: str) -> set[str]:
+    """libcst's ``ImportAssignment.get_qualified_names_for(full_name)`` for an import statement
+    whose ``from`` module is ``base`` (``""`` for ``import``; dots first for a relative one) and
+    whose aliases are ``(dotted name, asname)``."""
+    results = set()
+    for name, asname in aliases:
+        parts = name.split(".")
+        for real_name in [".".join(parts[:i]) for i in range(len(parts), 0, -1)]:
+            as_name = real_name
+            if base.endswith("."):
+                real_name = f"{base}{real_name}"
+            elif base:
+                real_name = f"{base}.{real_name}"
+            if asname is not None:
+                as_name = asname
+            if full_name.startswith(as_name):
+                remaining = full_name.split(as_name, 1)[1]
+                if remaining and not remaining.startswith("."):
+                    continue
+                remaining = remaining.lstrip(".")
+                results.add(f"{real_name}.{remaining}" if remaining else real_name)
+                break
+    return results
+
+
+def import_qualified(binding: ImportBinding, full_name: str) -> set[str]:
+    """The qualified names one import alias gives the dotted name ``full_name`` (libcst's
+    ``ImportAssignment.get_qualified_names_for``, that alias alone)."""
+    return _import_qualified(binding.base, ((binding.alias.name, binding.asname),), full_name)
+
+
+def narrowed(names: set[str], reaching: tuple[object, ...] | None, full_name: str) -> set[str]:
+    """``names`` (a read's qualified names, blind to the flow) less those no binding in
+    ``reaching`` gives it (:meth:`SemanticModel.reaching` of its first name; None: the flow does
+    not decide, ``names`` as they are). Only an import gives a qualified name a rule's source can be."""
+    if reaching is None:
+        return names
+    given: set[str] = set()
+    for binding in reaching:
+        if isinstance(binding, ImportBinding):
+            given |= import_qualified(binding, full_name)
+    return names & given
+
+
+def _bound_names(name: str, asname: str | None) -> list[str]:
+    """The names libcst records for one import alias: the ``as`` name, or every dotted prefix."""
+    if asname is not None:
+        return [asname]
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+class HeaderNames:
+    """Qualified names of the dotted names a mini module reads (:meth:`SemanticModel.header_names`),
+    as libcst's ``QualifiedNameProvider`` gives them, where the model's imports and bindings prove
+    the answer; the engine's scope analysis of the mini module answers the rest (and every
+    question in the reference mode).
+
+    Why the answers are libcst's (``Scope.get_qualified_names_for``, ``ImportAssignment`` and
+    ``Assignment.get_qualified_names_for``, the access inference of ``ScopeVisitor``):
+
+    * Every qualified name libcst gives a read with full name ``F`` is ``F`` or ``<scope prefix>.F``
+      (a local binding), ``builtins.<root>`` (a builtin), or an import's name: the imported path
+      with the part of ``F`` after the import's bound name appended (so it ends with ``F``'s last
+      component), or the imported path itself when ``F`` *is* a name bound by an import. A read
+      whose last component is no source's last component has a source among them only when some
+      import binds ``F`` itself to that source (no source starts with ``builtins.``); otherwise
+      **no match** (``_flash_attention_forward`` imported from a model library, next to methods of
+      that name).
+    * When no import anywhere binds the root of ``F``, only local and builtin names remain: no
+      source equal to ``F`` or ending in ``.F`` means **no match**.
+    * When every binding of the root in the file is an import at module level in the header
+      (which precedes every chunk, so libcst's "assigned before the access" filter keeps all of
+      them), with no ``global``/``nonlocal``/``del`` of it, every scope resolves it to those
+      imports: the longest dotted prefix ``P`` of ``F`` an import binds decides, and the names are
+      those the imports binding ``P`` give ``F``. Without such a prefix the root is a builtin or
+      unbound. Every binding of the file counts (a superset of the mini module's): a root bound
+      anywhere else "varies", and the scope analysis answers.
+
+    Args:
+      model: the file's model (every statement of the mini module is one of its statements).
+      header: the mini module's header statements (module level, before every chunk).
+      wrappers: the stand-in class names the mini module defines.
+      sources: every selected rule's ``SOURCES``.
+    """
+
+    def __init__(
+        self,
+        model: SemanticModel,
+        header: Iterable[ast.stmt],
+        wrappers: Iterable[str],
+        sources: Iterable[str],
+    ):
+        self._sources = frozenset(sources)
+        self._lasts = frozenset(s.rsplit(".", 1)[-1] for s in self._sources)
+        self._enabled = not any(s.startswith("builtins.") for s in self._sources)
+        # bound name -> (from module, aliases) of the header imports binding it
+        self._header_imports: dict[str, list[tuple[str, tuple[tuple[str, str | None], ...]]]] = (
+            collections.defaultdict(list)
+        )
+        self._import_bound: set[str] = set()  # every name any import binds (dotted prefixes too)
+        self._source_bound: set[str] = set()  # names an import binds to a source itself
+        # roots with any binding that is not a header import
+        self._other: set[str] = set(wrappers) | model.bound_otherwise()
+        header_ids = {id(statement) for statement in header}
+        statements: dict[int, list[ImportBinding]] = {}
+        for binding in model.imports:
+            statements.setdefault(id(binding.node), []).append(binding)
+        for bindings in statements.values():
+            first = bindings[0]  # every alias of a statement shares its place
+            self._import(bindings, not first.scopes and id(first.top) in header_ids)
+
+    def _import(self, bindings: list[ImportBinding], in_header_scope: bool) -> None:
+        """Note the names one import statement (``bindings``: its aliases) binds."""
+        statement = (bindings[0].base, tuple((b.alias.name, b.asname) for b in bindings if not b.star))
+        for name, asname in statement[1]:
+            for bound in _bound_names(name, asname):
+                self._import_bound.add(bound)
+                if _import_qualified(*statement, bound) & self._sources:
+                    self._source_bound.add(bound)
+                if in_header_scope:
+                    self._header_imports[bound].append(statement)
+                else:
+                    self._other.add(bound.split(".")[0])
+
+    def qualified(self, full_name: str) -> set[str] | None:
+        """libcst's qualified names of a read in a chunk whose full name (libcst's
+        ``get_full_name_for_node``) is ``full_name``, as far as the rules' ``SOURCES`` can tell
+        them apart: the exact set, or an empty set when none of them can be a source; None when
+        only the scope analysis can tell."""
+        if not self._enabled:
+            return None
+        if full_name.rsplit(".", 1)[-1] not in self._lasts and full_name not in self._source_bound:
+            return set()
+        root = full_name.split(".", 1)[0]
+        if root not in self._import_bound and not any(
+            s == full_name or s.endswith("." + full_name) for s in self._sources
+        ):
+            return set()
+        if root in self._other:
+            return None
+        prefix: str | None = full_name
+        while prefix and prefix not in self._header_imports:
+            cut = prefix.rfind(".")
+            prefix = None if cut == -1 else prefix[:cut]
+        if prefix is None:
+            return {f"builtins.{root}"} if hasattr(builtins, root) else set()
+        names: set[str] = set()
+        for statement in self._header_imports[prefix]:
+            names |= _import_qualified(*statement, full_name)
+        return names
 
 
 def _import_binding(
@@ -703,7 +943,14 @@ def _binders(node: ast.AST, name: str, parts: list[ast.AST] | None = None) -> li
 
 
 def _binds_unconditionally(statement: ast.stmt, name: str) -> bool:
-    """Whether running ``statement`` to its end always leaves ``name`` bound by it (or deleted)."""
+    """Whether running ``statement`` to its end always leaves ``name`` bound by it (or deleted):
+    also an ``if`` with an ``else`` each of whose branches does (``if npu: from a import f`` /
+    ``else: from b import f``; a branch that leaves first never reaches what follows)."""
+    if isinstance(statement, ast.If) and statement.orelse:
+        return all(
+            any(_binds_unconditionally(inner, name) for inner in branch)
+            for branch in (statement.body, statement.orelse)
+        )
     if isinstance(statement, _IMPORTS):
         return any(_binds(alias, name) for alias in statement.names)
     if isinstance(statement, (*_DEFS, ast.ClassDef)):

@@ -8,6 +8,8 @@ refuse or stay conservative) outside the engine, where the context carries no no
 
 from __future__ import annotations
 
+import ast
+import itertools
 import re
 
 import libcst as cst
@@ -15,6 +17,32 @@ import libcst as cst
 from flashport.rules.common.calls import callee_name
 from flashport.rules.common.literals import literal_string
 from flashport.rules.site import RuleContext
+
+# tensor methods that only reshape, view or cast: they run no attention and reduce nothing
+TENSOR_METHODS = frozenset(
+    {
+        "transpose",
+        "permute",
+        "contiguous",
+        "view",
+        "reshape",
+        "flatten",
+        "unflatten",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "to",
+        "float",
+        "half",
+        "bfloat16",
+        "type_as",
+        "chunk",
+        "split",
+        "unbind",
+        "size",
+        "dim",
+    }
+)
 
 
 def _path(ctx: RuleContext) -> list[cst.CSTNode]:
@@ -235,7 +263,8 @@ def backend_probe(ctx: RuleContext) -> str | None:
     """Why the site looks like an SDPA backend probe -- it runs under a ``with sdpa_kernel(...)``
     selector that sits in a ``try`` body or picks its backends from a variable (``with
     sdpa_kernel([backend]): F.scaled_dot_product_attention(q, q, q)`` asks whether that kernel runs
-    here) -- else None. Only the enclosing function is searched."""
+    here) -- else None. Only the enclosing function is searched. A site whose value is what its
+    function computes (:func:`selected_output`) is no probe."""
     path = _path(ctx)
     for index, up in enumerate(path):
         if isinstance(up, (cst.FunctionDef, cst.Lambda, cst.Module)):
@@ -245,14 +274,179 @@ def backend_probe(ctx: RuleContext) -> str | None:
         selector = next((s for s in map(_selector, up.items) if s is not None), None)
         if selector is None:
             continue
-        if not _constant_backends(selector):
+        guard = next(
+            (
+                outer
+                for outer in path[index + 1 :]
+                if (isinstance(outer, cst.Try) and outer.handlers)
+                or isinstance(outer, (cst.FunctionDef, cst.Lambda))
+            ),
+            None,
+        )
+        guard = guard if isinstance(guard, cst.Try) else None
+        # the site in the body, on model data: its value may be what the function computes
+        computes = (
+            index > 0
+            and not isinstance(path[index - 1], cst.WithItem)
+            and isinstance(path[0], cst.Call)
+            and not synthetic_query(path[0], enclosing_function(path[0], ctx))
+        )
+        if guard is not None:
+            if computes and _fallback_try(guard, up, path[:index]):
+                continue  # the try returns the attention or falls back: nothing asks whether it ran
+            return "it runs under an SDPA backend selector inside a try block"
+        if not _constant_backends(selector) and not (computes and _value_used(path, index, ctx)):
             return "it runs under an SDPA backend selector whose backends are a variable"
+    return None
+
+
+def selected_output(ctx: RuleContext) -> str | None:
+    """Why the site, under an SDPA backend selector that could make it a probe (a ``try`` around it,
+    backends from a variable), computes what its function goes on with instead (a note for the
+    rewrite); None when no such selector is around it."""
+    path = _path(ctx)
+    for index, up in enumerate(path):
+        if isinstance(up, (cst.FunctionDef, cst.Lambda, cst.Module)):
+            return None
+        selector = (
+            next((s for s in map(_selector, up.items) if s is not None), None)
+            if isinstance(up, cst.With)
+            else None
+        )
+        if selector is None:
+            continue
         for outer in path[index + 1 :]:
             if isinstance(outer, (cst.FunctionDef, cst.Lambda)):
                 break
             if isinstance(outer, cst.Try) and outer.handlers:
-                return "it runs under an SDPA backend selector inside a try block"
+                return (
+                    "under an SDPA backend selector in a try that only returns this attention (its "
+                    "handler falls back when that kernel fails): flashport computes it on every host, "
+                    "so the fallback no longer runs"
+                )
+        if not _constant_backends(selector):
+            return (
+                "under an SDPA backend selector of a chosen kernel, on data its function goes on "
+                "with (not a probe): flashport computes the same attention whatever kernel is chosen"
+            )
     return None
+
+
+def _fallback_try(guard: cst.Try, with_node: cst.With, below: list[cst.CSTNode]) -> bool:
+    """True when ``guard``'s body is only ``with_node`` and that ``with`` only returns an expression
+    holding the site (``below``: the site and its parents up to the ``with``), so success is seen
+    only as the attention returned: ``try: with sdpa_kernel(CUDNN): return sdpa(q, k, v) except
+    RuntimeError: <fallback>``. A ``try`` that also sets a flag or reads the result is a probe."""
+    if len(guard.body.body) != 1 or guard.body.body[0] is not with_node:
+        return False
+    body = with_node.body.body
+    if len(body) != 1 or not isinstance(body[0], cst.SimpleStatementLine) or len(body[0].body) != 1:
+        return False
+    statement = body[0].body[0]
+    return (
+        isinstance(statement, cst.Return)
+        and statement.value is not None
+        and any(node is statement for node in below)
+    )
+
+
+def _flows_on(name: str, ctx: RuleContext) -> bool:
+    """True when the site's function reads ``name`` (the site's value) again, and only to return it
+    or to reshape it (:data:`TENSOR_METHODS`: ``out.permute(...)``): it goes on as the attention.
+    A read that inspects it (``out.isnan().any()``, ``torch.allclose(out, ref)``) or passes it on
+    may judge the kernel instead."""
+    model = ctx.semantic
+    function = model.function_at(ctx.line) if model is not None else None
+    if model is None or function is None:
+        return False
+    span = range(function.lineno, (function.end_lineno or function.lineno) + 1)  # type: ignore[attr-defined]
+    reads = [read for read in model.loads(name) if read.lineno in span]
+    for read in reads:
+        up = model.parent(read)
+        if isinstance(up, ast.Return):
+            continue
+        if not (isinstance(up, ast.Attribute) and up.attr in TENSOR_METHODS):
+            return False
+        if not (isinstance(model.parent(up), ast.Call) and model.parent(up).func is up):  # type: ignore[union-attr]
+            return False
+    return bool(reads)
+
+
+def _value_used(path: list[cst.CSTNode], index: int, ctx: RuleContext) -> bool:
+    """True when the site's value (``path[0]``) flows on in its function: returned, part of a larger
+    expression or statement, or assigned to names the function goes on with (:func:`_flows_on`);
+    False when it is discarded (an expression statement) or only inspected. ``path[index]``: the
+    selector's ``with``."""
+    node = path[0]
+    for up in path[1:index]:
+        if isinstance(up, cst.Expr):
+            return False
+        if isinstance(up, cst.Return):
+            return True
+        if isinstance(up, cst.Assign):
+            names = [t.target.value for t in up.targets if isinstance(t.target, cst.Name)]
+            if len(names) != len(up.targets) or up.value is not node:
+                return True  # stored into an attribute, an item or a tuple: kept
+            return all(_flows_on(name, ctx) for name in names)
+        if isinstance(up, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+            return True
+        node = up
+    return True
+
+
+CUDA_ONLY = "torch.cuda.is_available"
+
+
+def cuda_only_guard(ctx: RuleContext) -> str | None:
+    """The test that lets the site run only on a CUDA device, as source text -- the site sits in the
+    body of an ``if`` (or the value branch of ``x if test else y``) whose test, or one operand of
+    its ``and``, is ``<tensor>.device.type == "cuda"``, ``<tensor>.is_cuda`` or
+    ``torch.cuda.is_available()`` -- else None. A TPU host has no CUDA device, so the site never
+    runs there. Only the enclosing function is searched."""
+    path = _path(ctx)
+    for below, up in itertools.pairwise(path):
+        if isinstance(up, (cst.FunctionDef, cst.Lambda, cst.Module)):
+            return None
+        test = None
+        if isinstance(up, cst.IfExp) and below is up.body:
+            test = up.test
+        elif isinstance(up, cst.If) and below is up.body:
+            test = up.test
+        found = next((t for t in _conjuncts(test) if _cuda_test(t, ctx)), None) if test is not None else None
+        if found is not None:
+            return cst.Module([]).code_for_node(found)
+    return None
+
+
+def _conjuncts(test: cst.BaseExpression) -> list[cst.BaseExpression]:
+    """The operands of a chain of ``and`` (the test itself when it is none)."""
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+        return _conjuncts(test.left) + _conjuncts(test.right)
+    return [test]
+
+
+def _cuda_test(test: cst.BaseExpression, ctx: RuleContext) -> bool:
+    """``x.device.type == "cuda"`` (either side), ``x.is_cuda`` or ``torch.cuda.is_available()``."""
+    if isinstance(test, cst.Attribute):  # a tensor's flag, not a setting of the object (`self.is_cuda`)
+        return test.attr.value == "is_cuda" and not (
+            isinstance(test.value, cst.Name) and test.value.value in ("self", "cls")
+        )
+    if isinstance(test, cst.Call):
+        return not test.args and CUDA_ONLY in ctx.qualified_names(test.func)
+    if not (isinstance(test, cst.Comparison) and len(test.comparisons) == 1):
+        return False
+    if not isinstance(test.comparisons[0].operator, cst.Equal):
+        return False
+    sides = (test.left, test.comparisons[0].comparator)
+    return any(
+        isinstance(a, cst.Attribute)
+        and a.attr.value == "type"
+        and isinstance(a.value, cst.Attribute)
+        and a.value.attr.value == "device"
+        and isinstance(b, cst.SimpleString)
+        and b.evaluated_value == "cuda"
+        for a, b in (sides, sides[::-1])
+    )
 
 
 _SYNTHETIC = re.compile(r"\btorch\.(randn|rand|zeros|ones|empty|full)\(")

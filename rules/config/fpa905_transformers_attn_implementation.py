@@ -118,7 +118,7 @@ class TransformersAttnImplementation(Rule):
             "setting attn_implementation here (comparison or table), so it is not rewritten"
         )
 
-    def settle(self, sites, tree) -> str | None:
+    def settle(self, sites, ctx) -> str | None:
         """Refuse every setting in a file that also dispatches on the watched strings itself."""
         reads = [s for s in sites if s.rule == self.CODE and s.kind == "string" and s.status == "refused"]
         if not reads or not any(s.rule == self.CODE and s.status == "rewrite" for s in sites):

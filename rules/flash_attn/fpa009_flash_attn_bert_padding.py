@@ -8,6 +8,14 @@ What it rewrites:
   (dispatch tables, callbacks), they become the drop-ins of the same name too (``unpad_input``
   only from flash-attn 2.7, whose five return values the drop-in has).
 
+Branches:
+  a name bound to these helpers in one branch of an ``if``/``else`` and to another library's in the
+  other (``if npu: from npu_utils import pad_input`` / ``else: from flash_attn.bert_padding import
+  pad_input``, then ``pad_input`` read) is ported by re-pointing that branch's one-line import in the
+  function at the drop-in module: every read of its names then gets the drop-in (the same functions
+  for calls and values), the other branch stays (the engine's branch port). Not where the file
+  compares a name, imports it twice, or before flash-attn 2.7 for ``unpad_input``.
+
 Semantics mapping:
   the same functions, arguments and results, in plain torch (``flashport/integrations/bert_padding.py``):
   ``unpad_input`` packs the valid tokens and returns ``(hidden, indices, cu_seqlens, max_seqlen,

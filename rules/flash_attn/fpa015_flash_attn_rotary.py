@@ -33,10 +33,7 @@ Example::
 
 from __future__ import annotations
 
-import ast
-
-from flashport.rewriter.source import semantic
-from flashport.rules.base import Rewrite, register
+from flashport.rules.base import Rewrite, RuleContext, register
 from flashport.rules.common import values
 from flashport.rules.flash_attn.same_name import SameNameRule
 
@@ -74,7 +71,7 @@ class FlashAttnRotary(SameNameRule):
             return Rewrite(self.drop_in(name), imports=(MODULE,), notes=(note,))
         return super().check_reference(node, ctx)
 
-    def settle(self, sites, tree):
+    def settle(self, sites, ctx):
         """Keep the file's rewrites when flash-attn's ``RotaryEmbedding`` stays somewhere in it (a
         comparison, ``__all__``, an import guard): a module built by the drop-in would then fail
         that check."""
@@ -86,7 +83,7 @@ class FlashAttnRotary(SameNameRule):
                 )
         if not any(s.rule == self.CODE and s.api.endswith("." + CLASS) for s in sites):
             return None
-        line = _compared_class(tree)
+        line = _compared_class(ctx)
         if line is not None:
             return (
                 f"{CLASS} is compared on line {line} (identity or equality with flash-attn's class); "
@@ -95,17 +92,12 @@ class FlashAttnRotary(SameNameRule):
         return None
 
 
-def _compared_class(tree: ast.Module) -> int | None:
+def _compared_class(ctx: RuleContext) -> int | None:
     """The first line comparing a name imported for flash-attn's ``RotaryEmbedding`` (``type(m) is
     RotaryEmbedding``), which the rule sees no value site for."""
     names = {
         b.name
-        for b in semantic.of(tree).imports
+        for b in ctx.imports()
         if b.is_from and b.from_module == "flash_attn.layers.rotary" and b.alias.name == CLASS
     }
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare) and any(
-            isinstance(side, ast.Name) and side.id in names for side in (node.left, *node.comparators)
-        ):
-            return node.lineno
-    return None
+    return ctx.first_comparison(names)

@@ -161,7 +161,7 @@ class TransformerEngineDotProductAttention(Rule):
             )
         return Rewrite(dotted(target), imports=(DESCRIPTOR_DROP_IN,), notes=(note,))
 
-    def settle(self, sites, tree):
+    def settle(self, sites, ctx):
         """Keep the drop-in's ``SequenceDescriptor`` only where no TransformerEngine attention site of
         the file stays TE's (it would be handed a descriptor that is no TE object)."""
         if not any(s.rule == self.CODE and s.api.startswith(DESCRIPTOR) for s in sites):

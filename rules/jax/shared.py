@@ -17,6 +17,7 @@ import libcst as cst
 from flashport.rules.base import Refuse, RuleContext
 from flashport.rules.common.calls import number, parenthesized, tuple_of
 from flashport.rules.common.literals import is_none, literal_number
+from flashport.rules.site import dotted_text
 
 # Call prefixes whose result is an array (a tracer under jit), never a static Python float.
 _ARRAY_NAMESPACES = ("jnp", "jax", "ops", "keras", "tf", "torch", "lax")
@@ -28,13 +29,8 @@ def none() -> cst.Name:
 
 
 def dotted_name(node: cst.CSTNode) -> str | None:
-    """``a.b.c`` for a Name/Attribute chain, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        head = dotted_name(node.value)
-        return None if head is None else f"{head}.{node.attr.value}"
-    return None
+    """``a.b.c`` for a Name/Attribute chain (:func:`~flashport.rules.site.dotted_text`), else None."""
+    return dotted_text(node) or None
 
 
 def enum_member(node: cst.BaseExpression | None, enum: str, members: tuple[str, ...]) -> str | None:

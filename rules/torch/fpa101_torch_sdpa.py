@@ -25,7 +25,12 @@ Runs as is:
 What it refuses:
   backend probes on model data: a call under a ``with sdpa_kernel(...)`` selector that sits in a ``try`` block or
   takes its backends from a variable (``with sdpa_kernel([backend]): F.scaled_dot_product_attention(q,
-  q, q)`` asks whether that kernel runs; rewritten, it would always succeed);
+  q, q)`` asks whether that kernel runs; rewritten, it would always succeed). Not probes, so
+  rewritten: under variable backends, a call whose value its function goes on with (returned, or
+  assigned to a name it only returns or reshapes: ``with sdpa_kernel(kernel): out = sdpa(q, k, v)``
+  then ``out.permute(...)``; a value inspected, ``out.isnan().any()``, or passed on stays a probe), and in a ``try`` whose body is only ``with sdpa_kernel(...): return <the call>`` (the
+  handler's fallback runs only when that kernel fails; success is seen only as the attention
+  returned, which flashport computes on every host);
   a dropout expression with side effects (a call) that the rewrite would evaluate out of its
   source order (bind it to a name first), unknown arguments; in a run whose files patch SDPA at
   run time, a call through a name bound to SDPA earlier (``from torch.nn.functional import
@@ -132,6 +137,8 @@ class TorchSDPA(Rule):
                 raise Refuse(f"{self.API} call without {name!r}")
         value = {name: arg.value for name, arg in bound.items()}
         dropout, notes = carry_dropout(value.get("dropout_p"), "dropout_p", "dropout_p", ctx)
+        if (chosen := node_context.selected_output(ctx)) is not None:
+            notes.append(chosen)
         gqa = value.get("enable_gqa")
         if gqa is not None and literal_bool(gqa) is not False:
             notes.append(

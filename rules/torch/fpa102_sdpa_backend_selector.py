@@ -21,10 +21,14 @@ Runs as is:
   in its body), and every selector whose backends statically include ``SDPBackend.MATH``
   (``sdpa_kernel([SDPBackend.CUDNN_ATTENTION, ..., SDPBackend.MATH], set_priority=True)``, also
   through a module-level constant the file binds once and only passes to ``sdpa_kernel``, with
-  imports at module level, in module-level ``try`` blocks or in the function, and ``sdp_kernel(...)``
+  imports at module level, in module-level ``try`` blocks or in the function, or a variable an
+  enclosing function binds once (a list it builds for its selectors), and ``sdp_kernel(...)``
   unless ``enable_math`` may be false; ``rules/torch/selector_backends.py``) wherever it is used --
   returned by a helper, bound to a name, over a body that calls other functions: the math kernel
   runs every input on every host, so torch SDPA calls under it keep a kernel and their meaning.
+  A selector made only on a CUDA device (in the body of ``if q.device.type == "cuda":``, of
+  ``sdpa_kernel(...) if x.is_cuda and ... else nullcontext()``, or under ``torch.cuda.is_available()``)
+  never runs on a TPU host, wherever it is used (made neutral instead where its body allows).
   They only pick torch SDPA's kernels, and ``flashport.torch.attention`` does not read them (on
   CPU it enables torch's CPU kernels for its own SDPA call). Kept byte-identical, reported with the
   reason prefix "runs as is on a TPU host".
@@ -78,8 +82,11 @@ class SDPABackendSelector(Rule):
             return runs_as_is(SWITCH_REASON)
         if node_context.backend_probe(ctx) is not None and selector_body.probe_only(call, ctx):
             return runs_as_is(PROBE_REASON)  # its SDPA calls are FPA101's probes: never rewritten
-        keeps_math = selector_backends.includes_math(call, ctx)
-        kept = runs_as_is(MATH_REASON) if keeps_math else None
+        kept = None
+        if selector_backends.includes_math(call, ctx):
+            kept = runs_as_is(MATH_REASON)
+        elif (guard := node_context.cuda_only_guard(ctx)) is not None:
+            kept = runs_as_is(f"SDPA backend selector made only when {guard}: {CUDA_REASON}")
         otherwise = (
             kept.reason if kept else "SDPA backend selector kept: an SDPA call in its body is not rewritten"
         )
@@ -106,6 +113,7 @@ MATH_REASON = (
     "input on every host, so torch SDPA calls under it keep a kernel and their meaning, and "
     "flashport.torch.attention does not read it"
 )
+CUDA_REASON = "a TPU host has no CUDA device, so the selector never runs there"
 SWITCH_REASON = (
     "SDPA backend switch: it selects torch SDPA's kernels (a global flag every torch build has), and "
     "flashport.torch.attention does not read it"

@@ -8,7 +8,8 @@ as is there, wherever it is used (a ``with`` item, returned by a helper, bound t
 
 Read statically, nothing else: ``sdpa_kernel(SDPBackend.MATH)``, ``sdpa_kernel([..., SDPBackend.MATH],
 set_priority=True)``, the same list bound once to a module-level constant of the file (also inside a
-module-level ``try``/``if``) that is only ever passed to ``sdpa_kernel`` (so nothing can change it),
+module-level ``try``/``if``) or to a variable an enclosing function binds once (a local list),
+that is only ever passed to ``sdpa_kernel`` (so nothing can change it),
 and the deprecated ``torch.backends.cuda.sdp_kernel(...)`` unless ``enable_math`` is passed as
 anything but ``True``. ``SDPBackend`` is resolved through the file's imports at module level and in
 the selector's function (``from torch.nn.attention import SDPBackend`` inside a helper), never
@@ -72,7 +73,14 @@ def constant_backends(name: str, ctx: RuleContext) -> ast.expr | None:
     file reads it only as the backends argument of ``sdpa_kernel(...)`` calls (nothing can
     mutate it); else None."""
     value = ctx.module_constant(name)
-    if value is None or not all(_selector_argument(read, ctx) for read in ctx.loads(name)):
+    reads = ctx.loads(name)
+    if value is None and ctx.semantic is not None:
+        local = ctx.semantic.local_value(name, ctx.line)  # a list a function binds once for its selectors
+        if local is not None:
+            value, function = local
+            span = range(function.lineno, (function.end_lineno or function.lineno) + 1)  # type: ignore[attr-defined]
+            reads = [read for read in reads if read.lineno in span]
+    if value is None or not all(_selector_argument(read, ctx) for read in reads):
         return None
     return value
 

@@ -19,30 +19,7 @@ from flashport.rules.common import node_context
 from flashport.rules.common.calls import callee_name
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
-TENSOR_METHODS = frozenset(
-    {
-        "transpose",
-        "permute",
-        "contiguous",
-        "view",
-        "reshape",
-        "flatten",
-        "unflatten",
-        "unsqueeze",
-        "squeeze",
-        "expand",
-        "to",
-        "float",
-        "half",
-        "bfloat16",
-        "type_as",
-        "chunk",
-        "split",
-        "unbind",
-        "size",
-        "dim",
-    }
-)
+TENSOR_METHODS = node_context.TENSOR_METHODS
 
 
 def _bound_with(node: cst.CSTNode, ctx) -> cst.With | str:
@@ -143,6 +120,9 @@ def neutral_selector(call: cst.Call, ctx, otherwise: str) -> Rewrite | str:
     if node is None:
         return "its `with` statement could not be located"
     with_node: cst.CSTNode | None
+    if isinstance(item, cst.IfExp) and node is not item.test:
+        choice = node_context.parent(item, ctx)  # `with (sdpa_kernel(...) if c else nullcontext()):`
+        item = choice if isinstance(choice, cst.WithItem) else item
     if isinstance(item, cst.WithItem):
         with_node = node_context.parent(item, ctx)
     else:
@@ -173,6 +153,8 @@ def _neutral_body(with_node: cst.With, ctx, otherwise: str) -> Rewrite | str:
             return False
 
     with_node.body.visit(_Calls())
+    if _yields(with_node.body):
+        return "its body yields: what runs under it is its callers' code, out of sight"
     sdpa_calls: list[cst.Call] = []
     for inner in calls:
         if not isinstance(inner, cst.Call):
@@ -190,6 +172,24 @@ def _neutral_body(with_node: cst.With, ctx, otherwise: str) -> Rewrite | str:
         requires=tuple(sdpa_calls),
         otherwise=otherwise,
     )
+
+
+def _yields(body: cst.BaseSuite) -> bool:
+    """True when ``body`` holds a ``yield`` outside nested functions (a context manager's body)."""
+    found: list[cst.CSTNode] = []
+
+    class _Yields(cst.CSTVisitor):
+        def visit_Yield(self, inner: cst.Yield) -> None:
+            found.append(inner)
+
+        def visit_FunctionDef(self, inner) -> bool:
+            return False
+
+        def visit_Lambda(self, inner) -> bool:
+            return False
+
+    body.visit(_Yields())
+    return bool(found)
 
 
 PROBE_METHODS = TENSOR_METHODS | {"sum", "mean", "all", "item", "backward"}

@@ -46,11 +46,9 @@ Example::
 
 from __future__ import annotations
 
-import ast
 from collections import Counter
 
-from flashport.rewriter.source import semantic
-from flashport.rules.base import Refuse, Rewrite, Rule, register
+from flashport.rules.base import Refuse, Rewrite, Rule, RuleContext, register
 from flashport.rules.common import values
 from flashport.rules.common.calls import dotted, on_drop_in
 from flashport.rules.xformers.names import ATTENTION_PREFIX, UNSUPPORTED
@@ -128,7 +126,7 @@ class XformersAttnBias(Rule):
         note = f"the bias class {name} is flashport's mirror class (constructors, type checks and annotations move together)"
         return Rewrite(dotted(f"{MODULE}.{target}"), imports=(MODULE,), notes=(note,))
 
-    def settle(self, sites, tree):
+    def settle(self, sites, ctx):
         """Keep every constructor when some consumer of a bias in the file stays xformers."""
         if not any(s.rule == self.CODE and s.status == "rewrite" for s in sites):
             return None  # nothing to veto: skip the walk over the file
@@ -137,7 +135,7 @@ class XformersAttnBias(Rule):
             for s in sites
             if s.rule == "FPA110" and s.status == "rewrite" and s.kind in ("call", "reference")
         )
-        for line, count in sorted(_attention_uses(tree).items()):
+        for line, count in sorted(_attention_uses(ctx).items()):
             if count > rewritten[line]:
                 return (
                     f"memory_efficient_attention on line {line} stays xformers "
@@ -159,25 +157,13 @@ def _why(sites, line: int) -> str:
     )
 
 
-def _attention_uses(tree: ast.Module) -> Counter:
+def _attention_uses(ctx: RuleContext) -> Counter:
     """Lines of every mention of ``memory_efficient_attention*`` (or an alias imported for it)
     outside import statements: calls, values, ``getattr`` strings. Over-counting only keeps
     constructors, which is the safe direction."""
     names = {
         b.asname
-        for b in semantic.of(tree).imports
+        for b in ctx.imports()
         if b.is_from and b.asname and b.alias.name.startswith(ATTENTION_PREFIX)
     }
-    uses: Counter = Counter()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            text = node.id
-        elif isinstance(node, ast.Attribute):
-            text = node.attr
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
-            text = node.value  # getattr(xops, "memory_efficient_attention"); docstrings are not identifiers
-        else:
-            continue
-        if text.startswith(ATTENTION_PREFIX) or text in names:
-            uses[node.lineno] += 1
-    return uses
+    return ctx.mentions(lambda text: text.startswith(ATTENTION_PREFIX) or text in names)
