@@ -584,3 +584,167 @@ def test_an_import_after_the_docstring_goes_below_the_comments_right_under_it():
     assert text == '"""Doc."""\n# note\nimport flashport\n\nx = 1\n'
     text, _ = imports.ensure_import("from __future__ import annotations\nx = 1\n", "flashport", "\n")
     assert text == "from __future__ import annotations\n\nimport flashport\n\nx = 1\n"
+
+
+# ------------------------------------------- guards that mix ported names with never-read ones
+
+_FA3_GUARD_MODEL = """\
+try:
+    from flash_attn_interface import _flash_attn_forward as fwd
+    from flash_attn_interface import flash_attn_func as fa3_func
+    HAS_FA3 = True
+except ImportError:
+    HAS_FA3 = False
+
+
+def attend(q, k, v):
+    assert HAS_FA3
+    out, lse, *_ = fwd(q=q, k=k, v=v, softmax_scale=0.3, causal=True, window_size_left=-1, window_size_right=-1)
+    return out, out, out
+"""
+
+
+def test_a_guard_with_a_ported_name_and_a_never_read_one_collapses_and_keeps_a_probe_for_the_other():
+    # the never-read name may be re-exported, so it keeps its own guard; the flag no longer hangs on it
+    text = port(_FA3_GUARD_MODEL)
+    assert text.startswith(
+        "import flashport.integrations.flash_attn3_compat\n\nHAS_FA3 = True\ntry:\n"
+        "    from flash_attn_interface import flash_attn_func as fa3_func\nexcept ImportError:\n    pass\n\n\n"
+    )
+    assert "_flash_attn_forward as fwd" not in text
+
+
+_FA3_RUN = """\
+import importlib.abc, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("flash_attn", "flash_attn_interface", "xformers"):
+            raise ImportError(f"{name} is blocked (no GPU libraries here)")
+        return None
+sys.meta_path.insert(0, Blocker())
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.nn.functional as F
+import model
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
+out = model.attend(q, k, v)[0]
+t = lambda x: x.transpose(1, 2)
+want = t(F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True, scale=0.3))
+assert (out - want).abs().max().item() < 1e-5, (out - want).abs().max().item()
+print("ok", model.HAS_FA3, hasattr(model, "fa3_func"))
+"""
+
+
+def test_a_mixed_fa3_guard_runs_the_ported_path_without_the_gpu_library(tmp_path):
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    (tmp_path / "run.py").write_text(_FA3_RUN)
+
+    def run(source):
+        (tmp_path / "model.py").write_text(source)
+        command = [sys.executable, str(tmp_path / "run.py"), str(tmp_path)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+    assert run(_FA3_GUARD_MODEL).returncode != 0  # the original's flag is off without FA3
+    done = run(port(_FA3_GUARD_MODEL))
+    # the ported path runs; the never-read name stays unbound there, as it was in the original
+    assert done.returncode == 0 and done.stdout.strip() == "ok True False", done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "guard, flags",
+    [
+        # FA2's never-read name has an exact drop-in: it moves there and no GPU import is left
+        (
+            """\
+            try:
+                from flash_attn import flash_attn_func, flash_attn_varlen_func as varlen
+                HAS_FA = True
+            except ImportError:
+                flash_attn_func = varlen = None
+                HAS_FA = False
+            """,
+            "from flashport.integrations.flash_attn_compat import flash_attn_varlen_func as varlen\n\n"
+            "HAS_FA = True\n\n\n",
+        ),
+        # xformers: no drop-in for the module fmha, which keeps its guard and its None fallback
+        (
+            """\
+            try:
+                from xformers.ops import memory_efficient_attention as flash_attn_func, fmha
+                HAS_FA = True
+            except ImportError:
+                HAS_FA = False
+                flash_attn_func = fmha = None
+            """,
+            "HAS_FA = True\ntry:\n    from xformers.ops import fmha\nexcept ImportError:\n    fmha = None\n\n\n",
+        ),
+    ],
+)
+def test_mixed_guards_read_through_an_if_collapse_and_keep_their_none_fallbacks(guard, flags):
+    text = port(
+        textwrap.dedent(guard)
+        + textwrap.dedent("""
+
+        def f(q, k, v):
+            if HAS_FA:
+                return flash_attn_func(q, k, v)
+            return None
+    """)
+    )
+    assert flags in text and text.count("try:") == flags.count("try:"), text
+    assert "import memory_efficient_attention" not in text and "from flash_attn import" not in text
+
+
+def test_a_pure_probe_that_ports_nothing_stays_as_it_is():
+    # nothing the guard imports was ported (its name is read nowhere): it asks "is FA3 installed?"
+    guard = """\
+        try:
+            from flash_attn_interface import flash_attn_func as fa3_func
+            HAS_FA3 = True
+        except ImportError:
+            HAS_FA3 = False
+    """
+    text = port(
+        guard
+        + """
+
+        def f(q, k, v):
+            from flash_attn import flash_attn_func
+
+            return flash_attn_func(q, k, v), HAS_FA3
+    """
+    )
+    assert textwrap.dedent(guard) in text
+
+
+def test_a_ported_name_kept_in_a_guard_that_stays_is_not_called_read_nowhere():
+    source = textwrap.dedent("""\
+        import inspect
+
+        try:
+            from flash_attn_interface import _flash_attn_forward
+            from flash_attn_interface import flash_attn_with_kvcache as f3
+            HAVE_FA3 = True
+        except ImportError:
+            HAVE_FA3 = False
+
+
+        def names():
+            return inspect.signature(_flash_attn_forward._init_fn).parameters
+
+
+        def decode(q, k_cache, v_cache):
+            return f3(q, k_cache, v_cache, causal=True)
+    """)
+    result = transform_source(source.encode(), "m.py", registry.all_rules(), RuleOptions())
+    assert "f3(" not in result.new.decode()
+    [ported] = [line for line in result.imports_kept if "flash_attn_with_kvcache" in line]
+    # f3 was called and ported: its import stays only because the guard does (for _flash_attn_forward)
+    assert ported.startswith(
+        "flash_attn_interface.flash_attn_with_kvcache (line 7): an availability probe: every use of `f3` was ported"
+    )
+    assert "read nowhere" not in ported

@@ -28,6 +28,11 @@ What goes:
   the GPU library. Only when the block holds nothing but dead imports, constant flags, fallbacks,
   ``pass``, warnings/log calls and ``raise``, and the file has no other GPU import (the flag may
   gate it);
+* such a guard whose imports also bind names the file never read (``from flash_attn_interface
+  import _flash_attn_forward, flash_attn_func`` where only the first was called and ported)
+  collapses too: those names may be re-exported, so each one a drop-in replicates moves there, and
+  the rest keep a ``try`` of their own with the handlers' ``name = None`` fallbacks of them. A
+  guard that ported nothing is a pure probe and stays as it is;
 * likewise a whole ``if available(): <GPU imports> else: <fallbacks>`` whose condition is a
   plain probe (names, attributes, ``is_*_available()`` / ``find_spec`` calls, comparisons of those).
 
@@ -310,11 +315,20 @@ def _body(
             whole.append(stmt)
             plan.removed.extend(_guard_names(stmt, plan))
         elif isinstance(stmt, _TRY) and _alone(stmt, plan) and (flags := _collapsed(stmt, plan)) is not None:
-            plan.removed.extend(_guard_names(stmt, plan))
-            if flags:
-                plan.edits.append(
-                    (stmt.lineno, stmt.end_lineno or stmt.lineno, _flag_lines(stmt, flags, plan))
-                )
+            unread, moved = _unread(stmt, plan), _unread_moved(stmt, plan)
+            guarded = unread - {_bound(a) for a, _ in moved}
+            plan.removed.extend(
+                _dotted(imp, a)
+                for imp in _gpu_imports(stmt.body, plan)
+                for a in imp.names
+                if _bound(a) not in guarded
+            )
+            if flags or unread:
+                new = _drop_in_lines(stmt, moved, plan)
+                rest = _flag_lines(stmt, flags, plan) + _probe_lines(stmt, guarded, plan)
+                new += "\n" if new and rest and not stmt.col_offset else ""  # isort's gap below imports
+                new += rest
+                plan.edits.append((stmt.lineno, stmt.end_lineno or stmt.lineno, new))
             else:
                 whole.append(stmt)
         elif isinstance(stmt, _TRY) and _alone(stmt, plan) and _emptied(stmt, plan):
@@ -429,12 +443,89 @@ def _guard_names(stmt: _Guard, plan: _Plan) -> list[str]:
     return [_dotted(s, a) for body in bodies for s in _gpu_imports(body, plan) for a in s.names]
 
 
-def _wholly_dead(imports: list[_Import], plan: _Plan) -> bool:
-    """Every name of these absolute imports is dead (a relative import is never flashport's to drop)."""
+def _wholly_dead(imports: list[_Import], plan: _Plan, unread: frozenset[str] = frozenset()) -> bool:
+    """Every name of these absolute imports is dead (a relative import is never flashport's to drop),
+    or one of the ``unread`` names that stay behind a probe of their own."""
     return all(
-        len(_dead_aliases(s, plan)) == len(s.names) and not (isinstance(s, ast.ImportFrom) and s.level)
+        len(_dead_aliases(s, plan)) + sum(_bound(a) in unread for a in s.names) == len(s.names)
+        and not (isinstance(s, ast.ImportFrom) and s.level)
         for s in imports
     )
+
+
+def _unread(stmt: ast.Try | ast.TryStar, plan: _Plan) -> frozenset[str]:
+    """The names of a ``try`` body's ``from`` imports that neither the original nor the rewritten
+    file reads (possible re-exports), when every other GPU name the body imports was ported (dead):
+    the guard then protects the ported code too, so it collapses (:func:`_collapsed`) and only these
+    names keep a guard of their own. A body that ports nothing is a pure probe and stays as it is."""
+    imports = _gpu_imports(stmt.body, plan)
+    if any(not isinstance(s, ast.ImportFrom) for s in imports):
+        return frozenset()
+    unread = {
+        _bound(a)
+        for s in imports
+        for a in s.names
+        if not plan.before[_bound(a)] and not plan.after[_bound(a)]
+    }
+    if not unread or not any(_dead_aliases(s, plan) for s in imports):
+        return frozenset()
+    return frozenset(unread)
+
+
+def _unread_moved(stmt: ast.Try | ast.TryStar, plan: _Plan) -> list[tuple[ast.alias, str]]:
+    """The :func:`_unread` names of a collapsing guard that a drop-in replicates at the release the
+    port was written for (:func:`flashport.rewriter.imports.drop_in_imports.target`, judged as
+    outside a ``try``: the guard no longer probes), with the drop-in's module."""
+    unread = _unread(stmt, plan)
+    found = []
+    for imp in _gpu_imports(stmt.body, plan):
+        for alias in imp.names:
+            if _bound(alias) not in unread or not isinstance(imp, ast.ImportFrom):
+                continue
+            module = drop_in_imports.target(
+                imp.module or "", alias.name, _bound(alias), plan.before, plan.after,
+                plan.probes, plan.exports, False, plan.version,
+            )  # fmt: skip
+            if module is not None:
+                found.append((alias, module))
+    return found
+
+
+def _drop_in_lines(stmt: ast.stmt, moved: list[tuple[ast.alias, str]], plan: _Plan) -> str:
+    """``from <drop-in> import name [as alias]`` for each moved alias, at ``stmt``'s indentation."""
+    line = plan.lines[stmt.lineno - 1]
+    indent, newline = line[: stmt.col_offset], line[len(line.rstrip("\r\n")) :] or "\n"
+    return "".join(
+        f"{indent}{ast.unparse(ast.ImportFrom(module, [alias], 0))}{newline}" for alias, module in moved
+    )
+
+
+def _probe_lines(stmt: ast.Try | ast.TryStar, unread: frozenset[str], plan: _Plan) -> str:
+    """A ``try`` importing only the ``unread`` names of ``stmt``'s body, whose handlers keep only
+    their fallbacks of those names (``name = None``) - the rest of them served the collapsed flag."""
+    if not unread:
+        return ""
+    line = plan.lines[stmt.lineno - 1]
+    indent, newline = line[: stmt.col_offset], line[len(line.rstrip("\r\n")) :] or "\n"
+    out = [f"{indent}try:{newline}"]
+    for imp in _gpu_imports(stmt.body, plan):
+        kept = [a for a in imp.names if _bound(a) in unread]
+        if kept:
+            out.append(f"{indent}    {ast.unparse(ast.ImportFrom(imp.module, kept, 0))}{newline}")
+    for handler in stmt.handlers:
+        head = "except" + (f" {ast.unparse(handler.type)}" if handler.type else "")
+        head += f" as {handler.name}" if handler.name else ""
+        out.append(f"{indent}{head}:{newline}")
+        fallbacks = [
+            (targets, s.value)
+            for s in handler.body
+            if isinstance(s, ast.Assign) and _pure(s.value)
+            if (targets := [t.id for t in s.targets if isinstance(t, ast.Name) and t.id in unread])
+        ]
+        out.extend(f"{indent}    {' = '.join(t)} = {ast.unparse(v)}{newline}" for t, v in fallbacks)
+        if not fallbacks:
+            out.append(f"{indent}    pass{newline}")
+    return "".join(out)
 
 
 def _guard_removable(stmt: _Guard, plan: _Plan, public: bool) -> bool:
@@ -484,9 +575,12 @@ def _collapsed(stmt: ast.Try | ast.TryStar, plan: _Plan) -> list[ast.Assign] | N
     imports = _gpu_imports(stmt.body, plan)
     if not imports or stmt.finalbody:
         return None
+    unread = _unread(stmt, plan)
     # Another GPU import left in the file may sit behind the flag (``if HAS_FA: from flash_attn...``):
     # forcing the flag on would make a host without the library fail where the original fell back.
-    if plan.gpu_import_count or not _wholly_dead(imports, plan):
+    # The guard's own never-read names stay behind a probe of their own (:func:`_probe_lines`).
+    own = sum(any(_bound(a) in unread for a in s.names) for s in imports)
+    if plan.gpu_import_count - own or not _wholly_dead(imports, plan, unread):
         return None
     names = {_bound(a) for s in imports for a in s.names}
     success = [s for s in stmt.body if s not in imports] + stmt.orelse

@@ -12,7 +12,10 @@ keeps, it keeps for a reason the user should see next to the diff:
 * a module read for itself (``flash_attn.__file__``, ``getattr(fa, "__version__")``): code that
   inspects the installed library, which has no flashport counterpart;
 * a name read nowhere in the file (a possible re-export) that flashport's drop-ins do not
-  replicate for the configured flash-attn release.
+  replicate for the configured flash-attn release;
+* a name whose every use was ported, in a ``try`` that stays (it holds other code or GPU imports
+  still read), which still asks whether the library is installed; or in a statement that shares its
+  line with other code.
 """
 
 from __future__ import annotations
@@ -88,6 +91,13 @@ def _name_reason(bound, counts, in_try, version) -> str:
         return f"`{bound}` is only tested (is None), but flashport has no drop-in of it"
     if after[bound]:
         return f"`{bound}` is still read ({after[bound]}x): a use left as it was (refused, suppressed or not covered)"
+    if before[bound]:  # every use was ported: the statement it sits in is what stays
+        if in_try:
+            return (
+                f"an availability probe: every use of `{bound}` was ported, but its try stays (it holds"
+                " other code or GPU imports still read) and still answers whether the library is installed"
+            )
+        return f"every use of `{bound}` was ported, but its import shares a line with other code, which stays"
     if in_try:
         return _unread(True, f"`{bound}`")
     release = ".".join(map(str, version))
