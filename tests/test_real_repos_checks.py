@@ -120,12 +120,13 @@ def test_a_fa3_private_kernel_keeps_its_file_from_counting_as_ported():
         except ImportError:
             HAVE_FA3 = False
 
-        def f(**kw):
-            return _flash_attn_forward(**kw)
+        def f(*args):
+            return _flash_attn_forward(*args)
     """).encode()
     result = transform_source(source, "m.py", registry.all_rules(), RuleOptions())
     [site] = result.sites
-    assert site.status == "refused" and "private kernel" in site.reason and result.new is None
+    # positional splats stay refused: FA3 builds inserted parameters, so which ones it fills is unknown
+    assert site.status == "refused" and "FA3 builds" in site.reason and result.new is None
 
 
 def test_a_line_the_diff_realigns_next_to_a_rewritten_call_is_not_stray():
