@@ -316,16 +316,16 @@ def _body(
             plan.removed.extend(_guard_names(stmt, plan))
         elif isinstance(stmt, _TRY) and _alone(stmt, plan) and (flags := _collapsed(stmt, plan)) is not None:
             unread, moved = _unread(stmt, plan), _unread_moved(stmt, plan)
-            guarded = unread - {_bound(a) for a, _ in moved}
+            still_guarded = unread - {_bound(a) for a, _ in moved}
             plan.removed.extend(
                 _dotted(imp, a)
                 for imp in _gpu_imports(stmt.body, plan)
                 for a in imp.names
-                if _bound(a) not in guarded
+                if _bound(a) not in still_guarded
             )
             if flags or unread:
                 new = _drop_in_lines(stmt, moved, plan)
-                rest = _flag_lines(stmt, flags, plan) + _probe_lines(stmt, guarded, plan)
+                rest = _flag_lines(stmt, flags, plan) + _probe_lines(stmt, still_guarded, plan)
                 new += "\n" if new and rest and not stmt.col_offset else ""  # isort's gap below imports
                 new += rest
                 plan.edits.append((stmt.lineno, stmt.end_lineno or stmt.lineno, new))
@@ -510,7 +510,7 @@ def _probe_lines(stmt: ast.Try | ast.TryStar, unread: frozenset[str], plan: _Pla
     out = [f"{indent}try:{newline}"]
     for imp in _gpu_imports(stmt.body, plan):
         kept = [a for a in imp.names if _bound(a) in unread]
-        if kept:
+        if kept and isinstance(imp, ast.ImportFrom):  # a guard with `import M` never collapses
             out.append(f"{indent}    {ast.unparse(ast.ImportFrom(imp.module, kept, 0))}{newline}")
     for handler in stmt.handlers:
         head = "except" + (f" {ast.unparse(handler.type)}" if handler.type else "")
