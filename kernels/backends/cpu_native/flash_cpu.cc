@@ -44,62 +44,86 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // C[m, n] (+)= A[m, kk] B[kk, n]; leading dimensions in elements.
 
 #ifdef __AVX512F__
-template <int MR, int NV>
+template <bool TA, int MR, int NV>
 inline void tile(int kk, const float* a, long lda, const float* b, long ldb, float* c, long ldc,
                  __mmask16 last, bool acc) {
+  // Accumulators start at zero and C is added at the end: a conditional start keeps GCC from
+  // holding them in registers.
   __m512 r[MR][NV];
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v)
-      r[i][v] = acc ? (v == NV - 1 ? _mm512_maskz_loadu_ps(last, c + i * ldc + 16 * v)
-                                   : _mm512_loadu_ps(c + i * ldc + 16 * v))
-                    : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) r[i][v] = _mm512_setzero_ps();
   for (int p = 0; p < kk; ++p) {
     __m512 bv[NV];
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v)
       bv[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(last, b + p * ldb + 16 * v)
                           : _mm512_loadu_ps(b + p * ldb + 16 * v);
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      __m512 av = _mm512_set1_ps(a[i * lda + p]);
+      const __m512 av = _mm512_set1_ps(TA ? a[p * lda + i] : a[i * lda + p]);
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) r[i][v] = _mm512_fmadd_ps(av, bv[v], r[i][v]);
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
-      if (v == NV - 1)
-        _mm512_mask_storeu_ps(c + i * ldc + 16 * v, last, r[i][v]);
-      else
-        _mm512_storeu_ps(c + i * ldc + 16 * v, r[i][v]);
+      float* ci = c + i * ldc + 16 * v;
+      const __mmask16 mk = v == NV - 1 ? last : static_cast<__mmask16>(0xFFFF);
+      __m512 x = r[i][v];
+      if (acc) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mk, ci));
+      _mm512_mask_storeu_ps(ci, mk, x);
     }
 }
 
-template <int MR>
+template <bool TA, int MR>
 inline void tile_nv(int nv, int kk, const float* a, long lda, const float* b, long ldb, float* c,
                     long ldc, __mmask16 last, bool acc) {
   switch (nv) {
-    case 1: tile<MR, 1>(kk, a, lda, b, ldb, c, ldc, last, acc); break;
-    case 2: tile<MR, 2>(kk, a, lda, b, ldb, c, ldc, last, acc); break;
-    case 3: tile<MR, 3>(kk, a, lda, b, ldb, c, ldc, last, acc); break;
-    default: tile<MR, 4>(kk, a, lda, b, ldb, c, ldc, last, acc); break;
+    case 1: tile<TA, MR, 1>(kk, a, lda, b, ldb, c, ldc, last, acc); break;
+    case 2: tile<TA, MR, 2>(kk, a, lda, b, ldb, c, ldc, last, acc); break;
+    case 3: tile<TA, MR, 3>(kk, a, lda, b, ldb, c, ldc, last, acc); break;
+    default: tile<TA, MR, 4>(kk, a, lda, b, ldb, c, ldc, last, acc); break;
   }
 }
 
-void gemm(int m, int n, int kk, const float* a, long lda, const float* b, long ldb, float* c, long ldc,
-          bool acc) {
+// C[m, n] (+)= op(A) B. op(A)[i, p] = a[i * lda + p], or a[p * lda + i] when TA. B's columns come in
+// panels of 64: element [p, j] is b[(j / 64) * bps + p * ldb + j % 64] (a row-major B: bps = 64).
+#ifndef FLASH_KC
+#define FLASH_KC 64
+#endif
+constexpr int KC = FLASH_KC;
+
+template <bool TA>
+void gemm(int m, int n, int kk, const float* a, long lda, const float* b, long ldb, long bps, float* c,
+          long ldc, bool acc) {
   for (int j = 0; j < n; j += 64) {
     const int w = std::min(64, n - j);
     const int nv = (w + 15) / 16;
     const __mmask16 last = (w % 16) ? static_cast<__mmask16>((1u << (w % 16)) - 1) : 0xFFFF;
-    int i = 0;
-    for (; i + 6 <= m; i += 6) tile_nv<6>(nv, kk, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, last, acc);
-    const float* ai = a + i * lda;
-    float* ci = c + i * ldc + j;
-    switch (m - i) {
-      case 5: tile_nv<5>(nv, kk, ai, lda, b + j, ldb, ci, ldc, last, acc); break;
-      case 4: tile_nv<4>(nv, kk, ai, lda, b + j, ldb, ci, ldc, last, acc); break;
-      case 3: tile_nv<3>(nv, kk, ai, lda, b + j, ldb, ci, ldc, last, acc); break;
-      case 2: tile_nv<2>(nv, kk, ai, lda, b + j, ldb, ci, ldc, last, acc); break;
-      case 1: tile_nv<1>(nv, kk, ai, lda, b + j, ldb, ci, ldc, last, acc); break;
-      default: break;
+    // Chunks of the inner dimension keep B's [kc, 64] panel in L1 while the row blocks reuse it.
+    for (int p0 = 0; p0 < kk; p0 += KC) {
+      const int kc = std::min(KC, kk - p0);
+      const bool accumulate = acc || p0 > 0;
+      const float* bj = b + (j / 64) * bps + p0 * ldb;
+      const float* a0 = a + (TA ? p0 * lda : p0);
+      const long step = TA ? 1 : lda;
+      int i = 0;
+      for (; i + 6 <= m; i += 6)
+        tile_nv<TA, 6>(nv, kc, a0 + i * step, lda, bj, ldb, c + i * ldc + j, ldc, last, accumulate);
+      const float* ai = a0 + i * step;
+      float* ci = c + i * ldc + j;
+      switch (m - i) {
+        case 5: tile_nv<TA, 5>(nv, kc, ai, lda, bj, ldb, ci, ldc, last, accumulate); break;
+        case 4: tile_nv<TA, 4>(nv, kc, ai, lda, bj, ldb, ci, ldc, last, accumulate); break;
+        case 3: tile_nv<TA, 3>(nv, kc, ai, lda, bj, ldb, ci, ldc, last, accumulate); break;
+        case 2: tile_nv<TA, 2>(nv, kc, ai, lda, bj, ldb, ci, ldc, last, accumulate); break;
+        case 1: tile_nv<TA, 1>(nv, kc, ai, lda, bj, ldb, ci, ldc, last, accumulate); break;
+        default: break;
+      }
     }
   }
 }
@@ -126,19 +150,24 @@ inline __mmask16 tail_mask(int remaining) {
                          : static_cast<__mmask16>((1u << remaining) - 1);
 }
 #else
-void gemm(int m, int n, int kk, const float* a, long lda, const float* b, long ldb, float* c, long ldc,
-          bool acc) {
+template <bool TA>
+void gemm(int m, int n, int kk, const float* a, long lda, const float* b, long ldb, long bps, float* c,
+          long ldc, bool acc) {
   for (int i = 0; i < m; ++i) {
     float* ci = c + i * ldc;
     if (!acc) std::fill(ci, ci + n, 0.0f);
     for (int p = 0; p < kk; ++p) {
-      const float av = a[i * lda + p];
-      const float* bp = b + p * ldb;
-      for (int j = 0; j < n; ++j) ci[j] += av * bp[j];
+      const float av = TA ? a[p * lda + i] : a[i * lda + p];
+      for (int j0 = 0; j0 < n; j0 += 64) {
+        const float* bp = b + (j0 / 64) * bps + p * ldb - j0;
+        for (int j = j0; j < std::min(n, j0 + 64); ++j) ci[j] += av * bp[j];
+      }
     }
   }
 }
 #endif
+
+constexpr long kPanel = 64;
 
 // x[i] = exp(x[i] - shift); returns the sum.
 inline float exp_shift_sum(float* x, int n, float shift) {
@@ -178,21 +207,22 @@ inline void scale_row(float* x, int n, float f) {
   for (int j = 0; j < n; ++j) x[j] *= f;
 }
 
-// p[r, c] = exp(s[r, c] - lse[c]); ds[r, c] = p[r, c] * (dp[r, c] - delta[c]), rows of length n.
-inline void probs_and_dscores(float* s, float* dp, const float* lse, const float* delta, int n) {
+// Over one row of n: p = exp(s - lse) in place of s; ds = p * (dp - delta) in place of dp.
+inline void probs_and_dscores(float* s, float* dp, float lse, float delta, int n) {
 #ifdef __AVX512F__
+  const __m512 l = _mm512_set1_ps(lse), dl = _mm512_set1_ps(delta);
   for (int j = 0; j < n; j += 16) {
     const __mmask16 mk = tail_mask(n - j);
-    __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), _mm512_maskz_loadu_ps(mk, lse + j)));
-    __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, dp + j), _mm512_maskz_loadu_ps(mk, delta + j));
+    __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), l));
+    __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, dp + j), dl);
     _mm512_mask_storeu_ps(s + j, mk, p);
     _mm512_mask_storeu_ps(dp + j, mk, _mm512_mul_ps(p, d));
   }
 #else
   for (int j = 0; j < n; ++j) {
-    const float p = std::exp(s[j] - lse[j]);
+    const float p = std::exp(s[j] - lse);
     s[j] = p;
-    dp[j] = p * (dp[j] - delta[j]);
+    dp[j] = p * (dp[j] - delta);
   }
 #endif
 }
@@ -232,14 +262,21 @@ void parallel_for(long n, int threads, F&& fn) {
   for (auto& th : pool) th.join();
 }
 
-// dst[c, r] = f * src[r, c] for a [rows, cols] matrix with row stride ld_src; dst row stride ld_dst.
-void transpose(const float* src, long rows, long cols, long ld_src, float* dst, long ld_dst, float f) {
-  constexpr long kB = 16;
-  for (long r0 = 0; r0 < rows; r0 += kB)
-    for (long c0 = 0; c0 < cols; c0 += kB)
-      for (long r = r0; r < std::min(rows, r0 + kB); ++r)
-        for (long c = c0; c < std::min(cols, c0 + kB); ++c) dst[c * ld_dst + r] = f * src[r * ld_src + c];
+// Packs a row-major [rows, cols] matrix (row stride ld) as its transpose in panels of kPanel rows:
+// dst[(r / kPanel) * cols * kPanel + c * kPanel + r % kPanel] = src[r, c], the last panel zero-padded.
+// As the B operand of gemm (ldb = kPanel, bps = cols * kPanel) it is the [cols, rows] matrix src^T.
+void pack_transposed(const float* src, long rows, long cols, long ld, float* dst) {
+  for (long r0 = 0; r0 < rows; r0 += kPanel) {
+    float* panel = dst + (r0 / kPanel) * cols * kPanel;
+    const long n = std::min(kPanel, rows - r0);
+    for (long r = 0; r < kPanel; ++r)
+      for (long c = 0; c < cols; ++c) panel[c * kPanel + r] = r < n ? src[(r0 + r) * ld + c] : 0.0f;
+  }
 }
+
+long panels(long rows) { return (rows + kPanel - 1) / kPanel; }
+
+long round_up(long x, long to) { return (x + to - 1) / to * to; }
 
 struct Shapes {
   long batch, hq, hkv, sq, sk, d, dv;
@@ -270,7 +307,8 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   Shapes s;
   if (auto err = shapes_of(q, k, v, &s); err.failure()) return err;
   const Mask mask{s.sq, s.sk, offset, left, right, causal != 0};
-  const long group = s.hq / s.hkv, bq_max = std::max<long>(1, block_q), bk_max = std::max<long>(1, block_k);
+  const long group = s.hq / s.hkv, bq_max = std::max<long>(1, block_q);
+  const long bk_max = round_up(std::max<long>(1, block_k), kPanel);
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
@@ -278,10 +316,11 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
   float* lp = lse->typed_data();
   const int threads = thread_count(num_threads);
 
-  // K^T per kv head: [batch * hkv, d, sk].
-  std::vector<float> kt(static_cast<size_t>(s.batch * s.hkv * s.d * s.sk));
+  // K^T per kv head, packed in key panels (pack_transposed).
+  const long kt_size = panels(s.sk) * kPanel * s.d;
+  std::vector<float> kt(static_cast<size_t>(s.batch * s.hkv * kt_size));
   parallel_for(s.batch * s.hkv, threads, [&](long bh, int) {
-    transpose(kp + bh * s.sk * s.d, s.sk, s.d, s.d, kt.data() + bh * s.d * s.sk, s.sk, 1.0f);
+    pack_transposed(kp + bh * s.sk * s.d, s.sk, s.d, s.d, kt.data() + bh * kt_size);
   });
 
   const long nq = (s.sq + bq_max - 1) / bq_max, heads = s.batch * s.hq;
@@ -306,13 +345,13 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
     std::fill(w.acc.begin(), w.acc.begin() + rows * s.dv, 0.0f);
     std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
     std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
-    const long jlo = mask.lo(i0), jhi = mask.hi(i0 + rows - 1);
-    const float* ktb = kt.data() + bkv * s.d * s.sk;
+    const long jlo = mask.lo(i0) / kPanel * kPanel, jhi = mask.hi(i0 + rows - 1);
+    const float* ktb = kt.data() + bkv * kt_size;
     const float* vb = vp + bkv * s.sk * s.dv;
     for (long j0 = jlo; j0 < jhi; j0 += bk_max) {
       const long cols = std::min(bk_max, jhi - j0);
       float* sc = w.sc.data();
-      gemm(rows, cols, s.d, w.qs.data(), s.d, ktb + j0, s.sk, sc, bk_max, false);
+      gemm<false>(rows, cols, s.d, w.qs.data(), s.d, ktb + j0 * s.d, kPanel, s.d * kPanel, sc, bk_max, false);
       const bool full = mask.lo(i0 + rows - 1) <= j0 && mask.hi(i0) >= j0 + cols;
       for (long r = 0; r < rows; ++r) {
         float* row = sc + r * bk_max;
@@ -332,7 +371,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
         w.l[r] = w.l[r] * alpha + sum;
         w.m[r] = m_new;
       }
-      gemm(rows, s.dv, cols, sc, bk_max, vb + j0 * s.dv, s.dv, w.acc.data(), s.dv, true);
+      gemm<false>(rows, s.dv, cols, sc, bk_max, vb + j0 * s.dv, s.dv, kPanel, w.acc.data(), s.dv, true);
     }
     float* ob = op + (bh * s.sq + i0) * s.dv;
     float* lb = lp + bh * s.sq + i0;
@@ -354,26 +393,27 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
   Shapes s;
   if (auto err = shapes_of(q, k, v, &s); err.failure()) return err;
   const Mask mask{s.sq, s.sk, offset, left, right, causal != 0};
-  const long group = s.hq / s.hkv, bq_max = std::max<long>(1, block_q), bk_max = std::max<long>(1, block_k);
+  const long group = s.hq / s.hkv, bq_max = std::max<long>(1, block_q);
+  const long bk_max = round_up(std::max<long>(1, block_k), kPanel);
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *op = o.typed_data();
   const float *lp = lse.typed_data(), *dop = d_o.typed_data(), *dlp = d_lse.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
   const int threads = thread_count(num_threads);
   const long heads = s.batch * s.hq, kv_heads = s.batch * s.hkv;
 
-  // Packed per query head: (scale Q)^T and dO^T [d, sq]; delta = rowsum(dO O) - dlse and lse with
-  // -inf (rows that see no key) as +inf so their probabilities come out 0. Per kv head: K^T.
-  std::vector<float> qt(heads * s.d * s.sq), dot(heads * s.dv * s.sq), kt(kv_heads * s.d * s.sk);
+  // Per kv head: K^T and V^T packed in key panels. Per query head: delta = rowsum(dO O) - dlse, and
+  // lse with -inf (rows that see no key) as +inf so that their probabilities come out 0.
+  const long kt_size = panels(s.sk) * kPanel * s.d, vt_size = panels(s.sk) * kPanel * s.dv;
+  std::vector<float> kt(kv_heads * kt_size), vt(kv_heads * vt_size);
   std::vector<float> delta(heads * s.sq), lse_safe(heads * s.sq);
   parallel_for(heads + kv_heads, threads, [&](long item, int) {
     if (item >= heads) {
       const long bh = item - heads;
-      transpose(kp + bh * s.sk * s.d, s.sk, s.d, s.d, kt.data() + bh * s.d * s.sk, s.sk, 1.0f);
+      pack_transposed(kp + bh * s.sk * s.d, s.sk, s.d, s.d, kt.data() + bh * kt_size);
+      pack_transposed(vp + bh * s.sk * s.dv, s.sk, s.dv, s.dv, vt.data() + bh * vt_size);
       return;
     }
     const long bh = item;
-    transpose(qp + bh * s.sq * s.d, s.sq, s.d, s.d, qt.data() + bh * s.d * s.sq, s.sq, scale);
-    transpose(dop + bh * s.sq * s.dv, s.sq, s.dv, s.dv, dot.data() + bh * s.dv * s.sq, s.sq, 1.0f);
     for (long i = 0; i < s.sq; ++i) {
       const float* a = dop + (bh * s.sq + i) * s.dv;
       const float* b = op + (bh * s.sq + i) * s.dv;
@@ -387,66 +427,67 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
 
   const long nk = (s.sk + bk_max - 1) / bk_max;
   const int used = static_cast<int>(std::min<long>(threads, std::max(kv_heads * nk, 1L)));
-  std::vector<std::vector<float>> dqt(used);  // per thread dQ^T [heads, d, sq], allocated on first use
+  std::vector<std::vector<float>> dq_part(used);  // per thread dQ [heads, sq, d] (unscaled)
   struct Scratch {
-    std::vector<float> st, dpt, dk, dv;
+    std::vector<float> qs, p, ds, dk, dv;
   };
   std::vector<Scratch> scratch(used);
   parallel_for(kv_heads * nk, used, [&](long item, int t) {
     Scratch& w = scratch[t];
-    if (w.st.empty()) {
-      w.st.resize(bk_max * bq_max);
-      w.dpt.resize(bk_max * bq_max);
+    if (w.p.empty()) {
+      w.qs.resize(bq_max * s.d);
+      w.p.resize(bq_max * bk_max);
+      w.ds.resize(bq_max * bk_max);
       w.dk.resize(bk_max * s.d);
       w.dv.resize(bk_max * s.dv);
-      dqt[t].assign(heads * s.d * s.sq, 0.0f);
+      dq_part[t].assign(heads * s.sq * s.d, 0.0f);
     }
     const long blk = item / kv_heads, bkv = item % kv_heads;  // the key blocks most rows see first
     const long b = bkv / s.hkv, hk = bkv % s.hkv;
     const long j0 = blk * bk_max, cols = std::min(bk_max, s.sk - j0);
     const float* kb = kp + (bkv * s.sk + j0) * s.d;
-    const float* vb = vp + (bkv * s.sk + j0) * s.dv;
-    const float* ktb = kt.data() + bkv * s.d * s.sk + j0;
+    const float* ktb = kt.data() + bkv * kt_size + j0 * s.d;
+    const float* vtb = vt.data() + bkv * vt_size + j0 * s.dv;
     std::fill(w.dk.begin(), w.dk.begin() + cols * s.d, 0.0f);
     std::fill(w.dv.begin(), w.dv.begin() + cols * s.dv, 0.0f);
     // Query rows that see a key of [j0, j0 + cols): hi(i) > j0 and lo(i) < j0 + cols (monotone in i).
-    long ilo = 0, ihi = s.sq;
-    {
-      long a = 0, z = s.sq;
-      while (a < z) {
-        const long mid = (a + z) / 2;
-        if (mask.hi(mid) > j0) z = mid; else a = mid + 1;
-      }
-      ilo = a;
-      a = ilo, z = s.sq;
-      while (a < z) {
-        const long mid = (a + z) / 2;
-        if (mask.lo(mid) < j0 + cols) a = mid + 1; else z = mid;
-      }
-      ihi = a;
+    long a = 0, z = s.sq;
+    while (a < z) {
+      const long mid = (a + z) / 2;
+      if (mask.hi(mid) > j0) z = mid; else a = mid + 1;
     }
+    const long ilo = a;
+    z = s.sq;
+    while (a < z) {
+      const long mid = (a + z) / 2;
+      if (mask.lo(mid) < j0 + cols) a = mid + 1; else z = mid;
+    }
+    const long ihi = a;
     for (long g = 0; g < group; ++g) {
       const long bh = b * s.hq + hk * group + g;
-      const float* qtb = qt.data() + bh * s.d * s.sq;
-      const float* dotb = dot.data() + bh * s.dv * s.sq;
-      float* dqtb = dqt[t].data() + bh * s.d * s.sq;
+      float* dqb = dq_part[t].data() + bh * s.sq * s.d;
       for (long i0 = ilo; i0 < ihi; i0 += bq_max) {
         const long rows = std::min(bq_max, ihi - i0);
-        float *st = w.st.data(), *dpt = w.dpt.data();
-        gemm(cols, rows, s.d, kb, s.d, qtb + i0, s.sq, st, bq_max, false);
-        gemm(cols, rows, s.dv, vb, s.dv, dotb + i0, s.sq, dpt, bq_max, false);
+        const float* qb = qp + (bh * s.sq + i0) * s.d;
+        const float* dob = dop + (bh * s.sq + i0) * s.dv;
+        for (long r = 0; r < rows * s.d; ++r) w.qs[r] = qb[r] * scale;
+        float *p = w.p.data(), *ds = w.ds.data();
+        gemm<false>(rows, cols, s.d, w.qs.data(), s.d, ktb, kPanel, s.d * kPanel, p, bk_max, false);
+        gemm<false>(rows, cols, s.dv, dob, s.dv, vtb, kPanel, s.dv * kPanel, ds, bk_max, false);
         const bool full = mask.lo(i0 + rows - 1) <= j0 && mask.hi(i0) >= j0 + cols;
-        if (!full) {
-          for (long c = 0; c < cols; ++c)
-            for (long r = 0; r < rows; ++r)
-              if (j0 + c < mask.lo(i0 + r) || j0 + c >= mask.hi(i0 + r)) st[c * bq_max + r] = kNegInf;
+        for (long r = 0; r < rows; ++r) {
+          float* row = p + r * bk_max;
+          if (!full) {
+            const long lo = std::clamp(mask.lo(i0 + r) - j0, 0L, cols), hi = std::clamp(mask.hi(i0 + r) - j0, 0L, cols);
+            std::fill(row, row + std::min(lo, hi), kNegInf);
+            std::fill(row + std::max(lo, hi), row + cols, kNegInf);
+          }
+          probs_and_dscores(row, ds + r * bk_max, lse_safe[bh * s.sq + i0 + r], delta[bh * s.sq + i0 + r],
+                            static_cast<int>(cols));
         }
-        for (long c = 0; c < cols; ++c)
-          probs_and_dscores(st + c * bq_max, dpt + c * bq_max, lse_safe.data() + bh * s.sq + i0,
-                            delta.data() + bh * s.sq + i0, static_cast<int>(rows));
-        gemm(cols, s.dv, rows, st, bq_max, dop + (bh * s.sq + i0) * s.dv, s.dv, w.dv.data(), s.dv, true);
-        gemm(cols, s.d, rows, dpt, bq_max, qp + (bh * s.sq + i0) * s.d, s.d, w.dk.data(), s.d, true);
-        gemm(s.d, rows, cols, ktb, s.sk, dpt, bq_max, dqtb + i0, s.sq, true);
+        gemm<true>(cols, s.dv, rows, p, bk_max, dob, s.dv, kPanel, w.dv.data(), s.dv, true);
+        gemm<true>(cols, s.d, rows, ds, bk_max, qb, s.d, kPanel, w.dk.data(), s.d, true);
+        gemm<false>(rows, s.d, cols, ds, bk_max, kb, s.d, kPanel, dqb + i0 * s.d, s.d, true);
       }
     }
     float* dkb = dkp + (bkv * s.sk + j0) * s.d;
@@ -454,19 +495,13 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
     for (long x = 0; x < cols * s.d; ++x) dkb[x] = w.dk[x] * scale;
     std::copy(w.dv.begin(), w.dv.begin() + cols * s.dv, dvb);
   });
-  // Key blocks past the last item (none) and kv heads no item touched keep zero gradients.
-  if (kv_heads * nk == 0) {
-    std::fill(dkp, dkp + kv_heads * s.sk * s.d, 0.0f);
-    std::fill(dvp, dvp + kv_heads * s.sk * s.dv, 0.0f);
-  }
   parallel_for(heads, threads, [&](long bh, int) {
     float* dqb = dqp + bh * s.sq * s.d;
     std::fill(dqb, dqb + s.sq * s.d, 0.0f);
-    for (auto& part : dqt) {
+    for (auto& part : dq_part) {
       if (part.empty()) continue;
-      const float* src = part.data() + bh * s.d * s.sq;
-      for (long c = 0; c < s.d; ++c)
-        for (long i = 0; i < s.sq; ++i) dqb[i * s.d + c] += scale * src[c * s.sq + i];
+      const float* src = part.data() + bh * s.sq * s.d;
+      for (long x = 0; x < s.sq * s.d; ++x) dqb[x] += scale * src[x];
     }
   });
   return ffi::Error::Success();
