@@ -48,7 +48,9 @@ def _attrs(spec: AttentionSpec, opts: dict, backward: bool) -> dict:
 def _options(options) -> dict:
     unknown = set(options) - set(DEFAULTS)
     if unknown:
-        raise ValueError(f"backend 'cpu_native' takes options {sorted(DEFAULTS)}; got unknown {sorted(unknown)}")
+        raise ValueError(
+            f"backend 'cpu_native' takes options {sorted(DEFAULTS)}; got unknown {sorted(unknown)}"
+        )
     opts = {**DEFAULTS, **options}
     for name, value in opts.items():
         low = 0 if name == "num_threads" else 1
