@@ -16,6 +16,7 @@ and ``num_threads`` (0: one per hardware thread), e.g.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -147,3 +148,22 @@ registry.register(
         backward=native_attention_backward,
     )
 )
+
+
+def workspace_bytes(q_shape, kv_shape, v_head_dim: int, *, backward: bool, options=None, threads=None) -> int:
+    """Bytes the kernel allocates inside one call (XLA's memory statistics cannot see into an FFI
+    call): packed K^T (and V^T), per-row vectors, per-thread tiles and, in the backward, one dQ
+    accumulator per thread. Mirrors the allocations in ``flash_cpu.cc``; canonical BHSD shapes."""
+    opts = _options(options or {})
+    b, hq, sq, d = q_shape
+    hkv, sk = kv_shape[1], kv_shape[2]
+    dv = v_head_dim
+    threads = threads or opts["num_threads"] or os.cpu_count() or 1
+    panel_keys = -(-sk // 64) * 64
+    if not backward:
+        bq, bk = opts["block_q"], -(-opts["block_k"] // 64) * 64
+        tiles = bq * d + bq * bk + bq * dv + 2 * bq
+        return 4 * (b * hkv * panel_keys * d + threads * tiles)
+    bq, bk = opts["bwd_block_q"], -(-opts["bwd_block_k"] // 64) * 64
+    tiles = bq * d + 2 * bq * bk + bk * (d + dv) + b * hq * sq * d
+    return 4 * (b * hkv * panel_keys * (d + dv) + 2 * b * hq * sq + threads * tiles)
