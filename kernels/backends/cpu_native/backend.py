@@ -2,8 +2,9 @@
 
 ``flash_cpu.cc`` (built on first use by :mod:`.build`) holds a forward that returns ``(out, lse)``
 and a residual backward that returns ``(dq, dk, dv)``; this module wraps them in a ``custom_vjp``
-(``ffi_call`` with ``vmap_method="broadcast_all"``: a vmapped call folds its batch into the
-kernel's). Supported: float32, causal / sliding window / full, either alignment, GQA, any sequence
+(two primitives lowering to the FFI targets; a vmapped call folds its batch into the
+kernel's); a ``jax.export`` of it serializes the blockwise computation instead (see
+:func:`_native_primitive`). Supported: float32, causal / sliding window / full, either alignment, GQA, any sequence
 length and head dim, lse output. Anything else (bias, masks, segment ids, dropout, softcap,
 score/mask mods, 16-bit dtypes) is a missing feature, so ``auto`` passes to ``blockwise``; so does a
 machine where the kernel cannot be built (``check`` gives the reason).
@@ -21,7 +22,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
+from flashport.kernels.backends import blockwise
 from flashport.kernels.backends.cpu_native import build
 from flashport.kernels.contract import deferred, registry
 from flashport.kernels.contract.call import Call
@@ -70,25 +74,87 @@ def _require_built() -> None:
         raise RuntimeError(f"backend 'cpu_native' is unavailable: {reason}")
 
 
+def _forward_shapes(q, v):
+    out = jax.core.ShapedArray(q.shape[:-1] + (v.shape[-1],), jnp.float32)
+    return out, jax.core.ShapedArray(q.shape[:-1], jnp.float32)
+
+
+def _flat_batch(fn, *arrays):
+    """``fn`` over arrays whose extra leading (vmapped) dims are folded into the batch dim (the
+    first array is q, [..., B, H, S, D]), its results unfolded back."""
+    lead = arrays[0].shape[: arrays[0].ndim - 3]
+    results = fn(*(a.reshape((-1,) + a.shape[len(lead) :]) for a in arrays))
+    return [r.reshape(lead + r.shape[1:]) for r in results]
+
+
+def _portable_forward(q, k, v, *, spec, opts):
+    def run(q, k, v):
+        return blockwise.blockwise_attention(q, k, v, None, None, None, None, None, spec=spec, options={})
+
+    return _flat_batch(run, q, k, v)
+
+
+def _portable_backward(q, k, v, out, lse, d_out, d_lse, *, spec, opts):
+    def run(q, k, v, out, lse, d_out, d_lse):
+        none = (None,) * 5
+        return blockwise.blockwise_attention_backward(
+            q, k, v, *none, out, lse, d_out, d_lse, spec=spec, options={}
+        )[:3]
+
+    return _flat_batch(run, q, k, v, out, lse, d_out, d_lse)
+
+
+def _native_primitive(name: str, target: str, abstract, portable, backward: bool):
+    """A primitive that lowers to the FFI target ``target``, or to ``portable`` (the blockwise
+    backend's XLA computation of the same values) when the program is exported (``jax.export``:
+    the serialized module must run where flashport registered no kernel) or lowered for more
+    platforms than the CPU (a ``platform_dependent`` branch is lowered for each of them)."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
+    prim.def_abstract_eval(lambda *args, spec, opts: abstract(*args))
+
+    def lowering(ctx, *args, spec, opts):
+        module = ctx.module_context
+        if module.lowering_parameters.for_export or tuple(module.platforms) != ("cpu",):
+            return mlir.lower_fun(functools.partial(portable, spec=spec, opts=opts), multiple_results=True)(
+                ctx, *args
+            )
+        return jax.ffi.ffi_lowering(target)(ctx, *args, **_attrs(spec, dict(opts), backward))
+
+    def batch(args, dims, *, spec, opts):
+        # Every operand gets the vmapped dim in front (the kernel folds leading dims into its batch).
+        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+        args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims, strict=True)]
+        return prim.bind(*args, spec=spec, opts=opts), (0,) * len(abstract(*args))
+
+    mlir.register_lowering(prim, lowering)
+    batching.primitive_batchers[prim] = batch
+    return prim
+
+
+_forward_p = _native_primitive(
+    "flashport_cpu_native_forward",
+    "flashport_cpu_forward",
+    lambda q, k, v: _forward_shapes(q, v),
+    _portable_forward,
+    backward=False,
+)
+_backward_p = _native_primitive(
+    "flashport_cpu_native_backward",
+    "flashport_cpu_backward",
+    lambda q, k, v, *rest: tuple(jax.core.ShapedArray(a.shape, jnp.float32) for a in (q, k, v)),
+    _portable_backward,
+    backward=True,
+)
+
+
 def _forward_call(q, k, v, spec, opts):
-    shape = q.shape[:-1] + (v.shape[-1],)
-    return jax.ffi.ffi_call(
-        "flashport_cpu_forward",
-        (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)),
-        vmap_method="broadcast_all",
-    )(q, k, v, **_attrs(spec, opts, False))
+    return tuple(_forward_p.bind(q, k, v, spec=spec, opts=opts))
 
 
 def _backward_call(q, k, v, out, lse, d_out, d_lse, spec, opts):
-    return jax.ffi.ffi_call(
-        "flashport_cpu_backward",
-        (
-            jax.ShapeDtypeStruct(q.shape, jnp.float32),
-            jax.ShapeDtypeStruct(k.shape, jnp.float32),
-            jax.ShapeDtypeStruct(v.shape, jnp.float32),
-        ),
-        vmap_method="broadcast_all",
-    )(q, k, v, out, lse, d_out, d_lse, **_attrs(spec, opts, True))
+    return tuple(_backward_p.bind(q, k, v, out, lse, d_out, d_lse, spec=spec, opts=opts))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -125,7 +191,15 @@ def native_attention_backward(
     opts = _options(options)
     _require_built()
     dq, dk, dv = _backward_call(
-        q, k, v, out.astype(jnp.float32), lse, d_out.astype(jnp.float32), d_lse, spec, opts
+        q,
+        k,
+        v,
+        out.astype(jnp.float32),
+        lse,
+        d_out.astype(jnp.float32),
+        d_lse,
+        spec,
+        tuple(sorted(opts.items())),
     )
     return dq, dk, dv, None
 
