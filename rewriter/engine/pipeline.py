@@ -220,7 +220,8 @@ class _MiniModule:
         module (``tree``: the file's)."""
         header = [node for unit in self.header_units for node in unit.nodes]
         sources = [s for rule in rules for s in rule.SOURCES]
-        return semantic.of(tree).header_names(header, self.wrappers, sources)
+        chunks = [node for unit in self.ordered for node in unit.nodes]
+        return semantic.of(tree).header_names(header, self.wrappers, sources, chunks)
 
 
 def _transform(

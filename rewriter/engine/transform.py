@@ -354,6 +354,8 @@ class SiteTransformer(cst.CSTTransformer):
         if self._names is not None and isinstance(node, (cst.Name, cst.Attribute)):
             full_name = get_full_name_for_node(node)
             names = self._names.qualified(full_name) if full_name is not None else None
+            if names is None and full_name is not None and (where := self._file_lines(node)) is not None:
+                names = self._names.in_function(full_name, where[0])
             if names is not None:
                 return names
         return self._scope_names(node)
@@ -882,23 +884,14 @@ class SiteTransformer(cst.CSTTransformer):
         base = chain[-1]
         if not isinstance(base, cst.Name):
             return "not a plain name"
-        scope = self._scope(base)
-        bindings = None  # what the name resolves to; `import a.b` records the access of `a.b`
-        for node in chain if scope else ():
-            for access in scope.accesses[self.module.code_for_node(node)] if scope else ():
-                if access.node is node:
-                    bindings = list(access.referents)
         fallbacks = import_fallbacks(self.tree) if self.tree is not None else frozenset()
-        imports_only = bool(bindings) and all(
-            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom))
-            or (isinstance(getattr(b, "node", None), cst.Name) and b.node.value in fallbacks)
-            for b in bindings or ()
-        )
-        meanings = self._scope_names(value) - ({base.value} if base.value in fallbacks else set())
+        meanings = self._qualified_names(value) - ({base.value} if base.value in fallbacks else set())
         reaching = self._reaching(base)
         if reaching is not None:  # the binding that dominates the read decides, not every one
             imports_only = all(isinstance(b, semantic.ImportBinding) for b in reaching)
             meanings = self._flow_names(value, meanings)
+        else:
+            imports_only = self._imports_only(chain, fallbacks)
         meanings = _one_library_path(meanings, self.by_source)
         if not imports_only or len(meanings) != 1:
             # `import xformers` + `import xformers.ops.fmha` is fine: both give the value one meaning
@@ -911,6 +904,28 @@ class SiteTransformer(cst.CSTTransformer):
         if line is not None:
             return f"the file compares {leaf} (line {line}): the comparison must see the same object"
         return None
+
+    def _imports_only(self, chain: list[cst.BaseExpression], fallbacks: frozenset[str]) -> bool:
+        """Whether every binding the read ``chain`` (a value, its receiver, ... its base name)
+        resolves to, blind to the flow, is an import (or a ``None`` fallback in ``fallbacks``):
+        the semantic model's where its imports decide it
+        (:meth:`~flashport.rewriter.source.semantic.HeaderNames.imports_only`), else libcst's scope
+        analysis (``import a.b`` records the access of ``a.b``)."""
+        full_name = get_full_name_for_node(chain[0])
+        known = self._names.imports_only(full_name) if self._names is not None and full_name else None
+        if known is not None:
+            return known
+        scope = self._scope(chain[-1])
+        bindings = None
+        for node in chain if scope else ():
+            for access in scope.accesses[self.module.code_for_node(node)]:
+                if access.node is node:
+                    bindings = list(access.referents)
+        return bool(bindings) and all(
+            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom))
+            or (isinstance(getattr(b, "node", None), cst.Name) and b.node.value in fallbacks)
+            for b in bindings or ()
+        )
 
     def _compared_on(self, name: str) -> int | None:
         """The first mini-module line that compares ``name`` with ``is``/``==``/``!=`` (None: none)."""

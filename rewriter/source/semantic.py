@@ -498,6 +498,34 @@ class SemanticModel:
         around = [f for f in self._functions if f.lineno <= line <= (f.end_lineno or f.lineno)]  # type: ignore[attr-defined]
         return max(around, key=lambda f: f.lineno, default=None)  # type: ignore[attr-defined]
 
+    def own_scope_function(self, line: int) -> ast.AST | None:
+        """The ``def`` whose own scope holds every read on ``line``: ``line`` lies in its body,
+        outside any nested def, lambda, class or comprehension, and only classes enclose the
+        ``def`` (no closure); None otherwise."""
+        function = self.function_at(line)
+        if function is None or line < function.body[0].lineno:  # type: ignore[attr-defined]
+            return None  # its decorators, defaults and annotations run in the enclosing scope
+        if any(
+            isinstance(up, SCOPES) and not isinstance(up, ast.ClassDef) for up in self._ancestors(function)
+        ):
+            return None
+        inner = (*SCOPES, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+        for statement in function.body:  # type: ignore[attr-defined]
+            if _spans(statement, line) and any(
+                isinstance(node, inner) and _spans(node, line) for node in ast.walk(statement)
+            ):
+                return None
+        return function
+
+    def _ancestors(self, node: ast.AST) -> list[ast.AST]:
+        """The ancestors of ``node``, nearest first."""
+        found = []
+        current = self.parent(node)
+        while current is not None:
+            found.append(current)
+            current = self.parent(current)
+        return found
+
     # -- flow: the bindings that reach a read ------------------------------------------------------
 
     def reaching(self, name: str, line: int) -> tuple[ImportBinding | ast.AST, ...] | None:
@@ -619,12 +647,16 @@ class SemanticModel:
     # -- the libcst pass's names -------------------------------------------------------------------
 
     def header_names(
-        self, header: Iterable[ast.stmt], wrappers: Iterable[str], sources: Iterable[str]
+        self,
+        header: Iterable[ast.stmt],
+        wrappers: Iterable[str],
+        sources: Iterable[str],
+        chunks: Iterable[ast.stmt] = (),
     ) -> HeaderNames:
         """The qualified names of the dotted names read in a mini module of this file (its
         ``header`` statements, then chunks of its statements inside stand-in classes named
         ``wrappers``), where the imports decide them: :class:`HeaderNames`."""
-        return HeaderNames(self, header, wrappers, sources)
+        return HeaderNames(self, header, wrappers, sources, chunks)
 
     def _declared_names(self) -> frozenset[str]:
         """Every name some ``global``/``nonlocal`` statement of the file declares."""
@@ -730,6 +762,7 @@ class HeaderNames:
       header: the mini module's header statements (module level, before every chunk).
       wrappers: the stand-in class names the mini module defines.
       sources: every selected rule's ``SOURCES``.
+      chunks: the file's statements the mini module holds as chunks (:meth:`in_function`).
     """
 
     def __init__(
@@ -738,7 +771,9 @@ class HeaderNames:
         header: Iterable[ast.stmt],
         wrappers: Iterable[str],
         sources: Iterable[str],
+        chunks: Iterable[ast.stmt] = (),
     ):
+        self._model = model
         self._sources = frozenset(sources)
         self._lasts = frozenset(s.rsplit(".", 1)[-1] for s in self._sources)
         self._enabled = not any(s.startswith("builtins.") for s in self._sources)
@@ -748,9 +783,12 @@ class HeaderNames:
         )
         self._import_bound: set[str] = set()  # every name any import binds (dotted prefixes too)
         self._source_bound: set[str] = set()  # names an import binds to a source itself
+        self._dotted_roots: set[str] = set()  # roots of the dotted names imports bind (``import a.b``)
         # roots with any binding that is not a header import
         self._other: set[str] = set(wrappers) | model.bound_otherwise()
         header_ids = {id(statement) for statement in header}
+        self._present = header_ids | {id(statement) for statement in chunks}  # the mini module's
+        self._wrappers = frozenset(wrappers)
         statements: dict[int, list[ImportBinding]] = {}
         for binding in model.imports:
             statements.setdefault(id(binding.node), []).append(binding)
@@ -764,12 +802,24 @@ class HeaderNames:
         for name, asname in statement[1]:
             for bound in _bound_names(name, asname):
                 self._import_bound.add(bound)
+                if "." in bound:
+                    self._dotted_roots.add(bound.split(".", 1)[0])
                 if _import_qualified(*statement, bound) & self._sources:
                     self._source_bound.add(bound)
                 if in_header_scope:
                     self._header_imports[bound].append(statement)
                 else:
                     self._other.add(bound.split(".")[0])
+
+    def imports_only(self, full_name: str) -> bool | None:
+        """Whether every binding that libcst's scope analysis resolves a read with full name
+        ``full_name`` to is an import: True where every binding of its root in the file is a
+        module-level header import binding the root itself (no ``import root.x``, whose dotted
+        bindings libcst records apart); None where only the scope analysis can tell."""
+        root = full_name.split(".", 1)[0]
+        if root in self._other or root in self._dotted_roots or root not in self._header_imports:
+            return None
+        return True
 
     def qualified(self, full_name: str) -> set[str] | None:
         """libcst's qualified names of a read in a chunk whose full name (libcst's
@@ -797,6 +847,42 @@ class HeaderNames:
         for statement in self._header_imports[prefix]:
             names |= _import_qualified(*statement, full_name)
         return names
+
+    def in_function(self, full_name: str, line: int) -> set[str] | None:
+        """Where :meth:`qualified` cannot tell because only imports bind the root of
+        ``full_name``, not all of them in the header (``from flash_attn import flash_attn_func``
+        in a function or a guarded ``try``): libcst's names for a read at file line ``line``
+        directly in a function's own scope (:meth:`SemanticModel.own_scope_function`; no closure).
+
+        libcst resolves the root there to the function's own imports of it, or (none there) to the
+        module-level ones the mini module holds (class bodies are skipped); a plain name keeps only
+        the function's imports made before it, and falls back to the module's when none is
+        (an attribute chain keeps them all). None where only the scope analysis can tell."""
+        if not self._enabled:
+            return None
+        root, dotted_read = full_name.split(".", 1)[0], "." in full_name
+        model = self._model
+        if (
+            root in self._wrappers
+            or root in self._dotted_roots
+            or root in model.bound_otherwise()
+            or any(b.star for b in model.imports)
+        ):
+            return None
+        function = model.own_scope_function(line)
+        if function is None:
+            return None
+        bindings = [b for b in model.imports if b.name == root]
+        own = [b for b in bindings if b.scopes and b.scopes[-1] is function]
+        if any(b.node.lineno <= line <= (b.node.end_lineno or b.node.lineno) for b in own):
+            return None  # `from m import f; f()`: which comes first is libcst's visiting order
+        if not dotted_read:
+            own = [b for b in own if b.node.lineno < line]
+        if not own:
+            own = [b for b in bindings if not b.scopes and id(b.top) in self._present]
+        if not own:
+            return {f"builtins.{root}"} if hasattr(builtins, root) else set()
+        return {name for b in own for name in import_qualified(b, full_name)}
 
 
 def _import_binding(
