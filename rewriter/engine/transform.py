@@ -127,6 +127,55 @@ _HANDLERS: dict[
 _STATEMENTS = _concrete((cst.BaseStatement,))
 
 
+@dataclasses.dataclass(frozen=True)
+class MiniFile:
+    """One file's mini module and what every pass over it reads (the engine builds it once a pass
+    over the file's chunks).
+
+    Attributes:
+      path: the file's path, in findings.
+      module: the parsed mini module; ``source`` its text (None: no ``relevant`` skip, no comment scan).
+      line_map: (first, last mini-module line, first file line) per chunk.
+      suppressions: file line -> rule codes a ``# flashport: ignore`` comment suppresses there.
+      tree: the whole file's ``ast`` (its :mod:`~flashport.rewriter.source.semantic` model; ``RuleContext.tree``).
+      relevant: what a statement holding a site must mention (None: visit every statement).
+      wrapper: libcst's metadata wrapper of ``module`` (made here when None; shared by the passes).
+      names: the semantic model's :class:`~flashport.rewriter.source.semantic.HeaderNames` (None:
+        libcst's scope analysis alone, the reference mode).
+      positions: every node's position (libcst's ``PositionProvider``, the reference mode), or
+        ``spans``: statements rendered one at a time; neither: a plain line mapping.
+    """
+
+    path: str
+    module: cst.Module
+    line_map: list[tuple[int, int, int]]
+    suppressions: dict[int, frozenset[str]]
+    tree: ast.Module | None = None
+    source: str | None = None
+    relevant: re.Pattern[str] | None = None
+    wrapper: MetadataWrapper | None = None
+    names: semantic.HeaderNames | None = None
+    positions: Mapping[cst.CSTNode, Span] | None = None
+    spans: StatementSpans | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PassMode:
+    """What one pass over a :class:`MiniFile` watches and refuses.
+
+    Attributes:
+      watch_reads: the chunks are thin (rewriter/engine/thin.py): note a rule's read above a site's statement.
+      watch_module: the chunks are pruned (rewriter/engine/prune.py): note a rule's read of the module.
+      vetoes: rule code -> reason that turns its rewrites into refusals (the per-file phase).
+      site_vetoes: (rule code, line, column) -> reason, for one site's rewrite.
+    """
+
+    watch_reads: bool = False
+    watch_module: bool = False
+    vetoes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    site_vetoes: Mapping[tuple[str, int, int], str] = dataclasses.field(default_factory=dict)
+
+
 class SiteTransformer(cst.CSTTransformer):
     """Visits a mini module; collects :class:`Site` s and applies :class:`Rewrite` s in the chunk."""
 
@@ -139,50 +188,34 @@ class SiteTransformer(cst.CSTTransformer):
     # (:func:`~flashport.rewriter.source.positions.line_positions`): declaring them as a metadata
     # dependency would make libcst's resolver walk the whole module once more for nothing.
 
-    def __init__(
-        self,
-        rules: list[Rule],
-        options: RuleOptions,
-        path: str,
-        line_map: list[tuple[int, int, int]],
-        suppressions: dict[int, frozenset[str]],
-        module: cst.Module,
-        vetoes: dict[str, str] | None = None,
-        source: str | None = None,
-        relevant: re.Pattern[str] | None = None,
-        *,
-        wrapper: MetadataWrapper | None = None,
-        names: semantic.HeaderNames | None = None,
-        positions: Mapping[cst.CSTNode, Span] | None = None,
-        spans: StatementSpans | None = None,
-        site_vetoes: Mapping[tuple[str, int, int], str] | None = None,
-        tree: ast.Module | None = None,
-        watch_reads: bool = False,
-        watch_module: bool = False,
-    ):
+    def __init__(self, rules: list[Rule], options: RuleOptions, file: MiniFile, mode: PassMode = PassMode()):
         super().__init__()
+        self.file = file
         # a thin pass: rules get watched ancestors, and ``read_beyond`` says whether one read
         # above the site's innermost statement or the module (rewriter/engine/thin.py); a pass over pruned
         # chunks (rewriter/engine/prune.py): whether one read the module
-        self.watch_reads = watch_reads
-        self.watch_module = watch_module
+        self.watch_reads = mode.watch_reads
+        self.watch_module = mode.watch_module
         self.read_beyond = False
+        spans, positions, module = file.spans, file.positions, file.module
         self._spans = spans if spans is not None and not spans.failed and positions is None else None
         if self._spans is None:
             self._positions = positions if positions is not None else line_positions(module)
-        self._wrapper = wrapper if wrapper is not None else MetadataWrapper(module, unsafe_skip_copy=True)
-        self._names = names
+        self._wrapper = (
+            file.wrapper if file.wrapper is not None else MetadataWrapper(module, unsafe_skip_copy=True)
+        )
+        self._names = file.names
         self._scopes: object = None  # ScopeProvider's mapping, computed on first use
-        self._relevant = relevant if source is not None else None
-        self._lines = source.splitlines() if source is not None else None  # the mini module's text
-        self.vetoes = vetoes or {}
-        self.site_vetoes = site_vetoes or {}
-        self.tree = tree  # the whole file's ast (RuleContext.tree)
+        self._relevant = file.relevant if file.source is not None else None
+        self._lines = file.source.splitlines() if file.source is not None else None  # the mini module's text
+        self.vetoes = mode.vetoes
+        self.site_vetoes = mode.site_vetoes
+        self.tree = file.tree  # the whole file's ast (RuleContext.tree)
         self.options = options
-        self.path = path
-        self.line_map = line_map
-        self._firsts = [first for first, _, _ in line_map]
-        self.suppressions = suppressions
+        self.path = file.path
+        self.line_map = file.line_map
+        self._firsts = [first for first, _, _ in file.line_map]
+        self.suppressions = file.suppressions
         self.module = module
         self.by_source: dict[str, Rule] = {}
         self.by_string: dict[str, Rule] = {}
