@@ -944,10 +944,13 @@ class SiteTransformer(cst.CSTTransformer):
         the semantic model's where its imports decide it
         (:meth:`~flashport.rewriter.source.semantic.HeaderNames.imports_only`), else libcst's scope
         analysis (``import a.b`` records the access of ``a.b``)."""
-        full_name = get_full_name_for_node(chain[0])
-        known = self._names.imports_only(full_name) if self._names is not None and full_name else None
-        if known is not None:
-            return known
+        base = chain[-1]
+        if self._names is not None and isinstance(base, cst.Name):
+            known = self._names.imports_only(base.value)
+            if known is None and (where := self._file_lines(base)) is not None:
+                known = self._names.imports_only_at(base.value, where[0])
+            if known is not None:
+                return known
         scope = self._scope(chain[-1])
         bindings = None
         for node in chain if scope else ():

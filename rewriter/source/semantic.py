@@ -858,6 +858,23 @@ class HeaderNames:
         module-level ones the mini module holds (class bodies are skipped); a plain name keeps only
         the function's imports made before it, and falls back to the module's when none is
         (an attribute chain keeps them all). None where only the scope analysis can tell."""
+        bindings = self._function_bindings(full_name, line)
+        if bindings is None:
+            return None
+        if not bindings:
+            root = full_name.split(".", 1)[0]
+            return {f"builtins.{root}"} if hasattr(builtins, root) else set()
+        return {name for b in bindings for name in import_qualified(b, full_name)}
+
+    def imports_only_at(self, name: str, line: int) -> bool | None:
+        """Whether libcst resolves the plain name ``name``, read at file line ``line``, to imports
+        alone (none: a builtin or unbound), where :meth:`in_function` can tell; None elsewhere."""
+        bindings = self._function_bindings(name, line)
+        return None if bindings is None else bool(bindings)
+
+    def _function_bindings(self, full_name: str, line: int) -> list[ImportBinding] | None:
+        """The imports libcst resolves the root of ``full_name`` to (:meth:`in_function`; empty:
+        none, a builtin or unbound), or None where only the scope analysis can tell."""
         if not self._enabled:
             return None
         root, dotted_read = full_name.split(".", 1)[0], "." in full_name
@@ -878,11 +895,7 @@ class HeaderNames:
             return None  # `from m import f; f()`: which comes first is libcst's visiting order
         if not dotted_read:
             own = [b for b in own if b.node.lineno < line]
-        if not own:
-            own = [b for b in bindings if not b.scopes and id(b.top) in self._present]
-        if not own:
-            return {f"builtins.{root}"} if hasattr(builtins, root) else set()
-        return {name for b in own for name in import_qualified(b, full_name)}
+        return own or [b for b in bindings if not b.scopes and id(b.top) in self._present]
 
 
 def _import_binding(
