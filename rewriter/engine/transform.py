@@ -947,8 +947,14 @@ class SiteTransformer(cst.CSTTransformer):
         base = chain[-1]
         if self._names is not None and isinstance(base, cst.Name):
             known = self._names.imports_only(base.value)
+            found = None
             if known is None and (where := self._file_lines(base)) is not None:
-                known = self._names.imports_only_at(base.value, where[0])
+                found = self._names.in_function_bindings(base.value, where[0])
+            if found is not None:  # a None fallback's target counts as an import
+                imports, others = found
+                known = bool(imports or others) and all(
+                    isinstance(b, ast.Name) and b.id in fallbacks for b in others
+                )
             if known is not None:
                 return known
         scope = self._scope(chain[-1])

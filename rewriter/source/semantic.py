@@ -37,7 +37,7 @@ import builtins
 import collections
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from flashport.rewriter.source import astindex
 
@@ -193,6 +193,7 @@ class SemanticModel:
         self._block_starts: dict[int, list[int]] = {}
         self._counts: collections.Counter | None = None
         self._locals: dict[tuple[int, str], bool] = {}
+        self._comprehension_targets: frozenset[str] | None = None
 
     # -- the statement walk ------------------------------------------------------------------------
 
@@ -517,6 +518,50 @@ class SemanticModel:
                 return None
         return function
 
+    def comprehension_targets(self) -> frozenset[str]:
+        """Every name a comprehension's ``for`` binds anywhere in the file."""
+        if self._comprehension_targets is None:
+            self._comprehension_targets = frozenset(
+                n.id
+                for c in astindex.of_type(self.tree, ast.comprehension)
+                for n in ast.walk(c.target)  # type: ignore[attr-defined]
+                if isinstance(n, ast.Name)
+            )
+        return self._comprehension_targets
+
+    def module_binders(self, name: str, present: Collection[int]) -> list[ast.AST] | None:
+        """The module-level bindings of ``name`` other than imports in the top-level statements
+        whose ids are in ``present``: ``Name`` targets of ``=`` (annotated ones with a value) and
+        ``def``/``class`` statements; None when another kind binds it there (``for``, ``with``,
+        ``except ... as``, walrus, ``del``, ``+=``, match captures)."""
+        found: list[ast.AST] = []
+        for statement in self.tree.body:
+            if id(statement) not in present:
+                continue
+            for binder in _binders(statement, name):
+                if isinstance(binder, ast.alias):
+                    continue
+                if isinstance(binder, (*_DEFS, ast.ClassDef)) or (
+                    isinstance(binder, ast.Name)
+                    and isinstance(binder.ctx, ast.Store)
+                    and self._assigned(binder)
+                ):
+                    found.append(binder)
+                else:
+                    return None
+        return found
+
+    def _assigned(self, target: ast.Name) -> bool:
+        """Whether ``target`` is a target of an ``=`` (in a tuple or list too) or of an annotated
+        assignment with a value."""
+        node: ast.AST = target
+        parent = self.parent(node)
+        while isinstance(parent, (ast.Tuple, ast.List, ast.Starred)):
+            node, parent = parent, self.parent(parent)
+        if isinstance(parent, ast.Assign):
+            return any(t is node for t in parent.targets)
+        return isinstance(parent, ast.AnnAssign) and parent.target is node and parent.value is not None
+
     def _ancestors(self, node: ast.AST) -> list[ast.AST]:
         """The ancestors of ``node``, nearest first."""
         found = []
@@ -556,7 +601,7 @@ class SemanticModel:
     def _reaching_at(self, name: str, line: int) -> tuple[ImportBinding | ast.AST, ...] | None:
         if self._binding_counts()[name] < 2:
             return None  # one binding at most: the flow cannot hide any (a site-dense file's usual case)
-        if name in self._declared_names() or self.star_import_lines():
+        if name in self.declared_names() or self.star_import_lines():
             return None
         located = _path_to(self.tree, line, self._starts)
         if located is None:
@@ -642,7 +687,7 @@ class SemanticModel:
         ``global``/``nonlocal``."""
         imported = collections.Counter(b.name for b in self.imports)
         counted = self._binding_counts() - imported
-        return frozenset(name for name in counted if name) | self._declared_names()
+        return frozenset(name for name in counted if name) | self.declared_names()
 
     # -- the libcst pass's names -------------------------------------------------------------------
 
@@ -658,7 +703,7 @@ class SemanticModel:
         ``wrappers``), where the imports decide them: :class:`HeaderNames`."""
         return HeaderNames(self, header, wrappers, sources, chunks)
 
-    def _declared_names(self) -> frozenset[str]:
+    def declared_names(self) -> frozenset[str]:
         """Every name some ``global``/``nonlocal`` statement of the file declares."""
         if self._declared is None:
             self._declared = frozenset(
@@ -858,23 +903,25 @@ class HeaderNames:
         module-level ones the mini module holds (class bodies are skipped); a plain name keeps only
         the function's imports made before it, and falls back to the module's when none is
         (an attribute chain keeps them all). None where only the scope analysis can tell."""
-        bindings = self._function_bindings(full_name, line)
-        if bindings is None:
+        found = self.in_function_bindings(full_name, line)
+        if found is None:
             return None
-        if not bindings:
-            root = full_name.split(".", 1)[0]
+        imports, others = found
+        root = full_name.split(".", 1)[0]
+        if not imports and not others:
             return {f"builtins.{root}"} if hasattr(builtins, root) else set()
-        return {name for b in bindings for name in import_qualified(b, full_name)}
+        names = {name for b in imports for name in import_qualified(b, full_name)}
+        return names | {full_name} if others else names  # a module-level binding's name is the name
 
-    def imports_only_at(self, name: str, line: int) -> bool | None:
-        """Whether libcst resolves the plain name ``name``, read at file line ``line``, to imports
-        alone (none: a builtin or unbound), where :meth:`in_function` can tell; None elsewhere."""
-        bindings = self._function_bindings(name, line)
-        return None if bindings is None else bool(bindings)
-
-    def _function_bindings(self, full_name: str, line: int) -> list[ImportBinding] | None:
-        """The imports libcst resolves the root of ``full_name`` to (:meth:`in_function`; empty:
-        none, a builtin or unbound), or None where only the scope analysis can tell."""
+    def in_function_bindings(
+        self, full_name: str, line: int
+    ) -> tuple[list[ImportBinding], list[ast.AST]] | None:
+        """What libcst resolves the root of ``full_name``, read at file line ``line``, to
+        (:meth:`in_function`): its imports, and its module-level ``name = ...`` targets (``Name``
+        nodes) and ``def``/``class`` statements; both empty for a builtin or an unbound name. None
+        where only the scope analysis can tell: a name declared ``global``/``nonlocal``, bound by
+        a comprehension, by the function itself other than by an import, or at module level
+        other than by an import, ``=`` or a definition (``for``, ``with``, ``except``, walrus)."""
         if not self._enabled:
             return None
         root, dotted_read = full_name.split(".", 1)[0], "." in full_name
@@ -882,12 +929,13 @@ class HeaderNames:
         if (
             root in self._wrappers
             or root in self._dotted_roots
-            or root in model.bound_otherwise()
+            or root in model.declared_names()
+            or root in model.comprehension_targets()
             or any(b.star for b in model.imports)
         ):
             return None
         function = model.own_scope_function(line)
-        if function is None:
+        if function is None or _binds_locally_otherwise(function, root):
             return None
         bindings = [b for b in model.imports if b.name == root]
         own = [b for b in bindings if b.scopes and b.scopes[-1] is function]
@@ -895,7 +943,12 @@ class HeaderNames:
             return None  # `from m import f; f()`: which comes first is libcst's visiting order
         if not dotted_read:
             own = [b for b in own if b.node.lineno < line]
-        return own or [b for b in bindings if not b.scopes and id(b.top) in self._present]
+        if own:
+            return own, []
+        others = model.module_binders(root, self._present)
+        if others is None:
+            return None
+        return [b for b in bindings if not b.scopes and id(b.top) in self._present], others
 
 
 def _import_binding(
@@ -1074,6 +1127,16 @@ def _arguments(args: ast.arguments) -> list[ast.arg]:
     """Every parameter of a signature."""
     extra = [a for a in (args.vararg, args.kwarg) if a is not None]
     return [*args.posonlyargs, *args.args, *args.kwonlyargs, *extra]
+
+
+def _binds_locally_otherwise(function: ast.AST, name: str) -> bool:
+    """Whether ``function`` binds ``name`` in its own scope other than by an import (a
+    parameter, a target, a nested ``def``/``class``, ``except ... as``, a match capture)."""
+    return any(a.arg == name for a in _arguments(function.args)) or any(  # type: ignore[attr-defined]
+        not isinstance(binder, ast.alias)
+        for statement in function.body  # type: ignore[attr-defined]
+        for binder in _binders(statement, name)
+    )
 
 
 def _binds_locally(function: ast.AST, name: str) -> bool:
