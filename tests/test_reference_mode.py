@@ -99,8 +99,10 @@ def test_reference_mode_uses_no_speed_layer(monkeypatch):
 
 
 # Files whose names the semantic model answers alone: a function-level import (before the read,
-# or only after it: the module's import then answers a plain name), a guarded import in a chunk, a
-# value use through a header import, a value use in a function whose import shadows the module's.
+# or only after it: the module's import then answers a plain name), a guarded import in a chunk
+# (with a None fallback too, read at module level and in a function), a value use through a header
+# import, a value use in a function whose import shadows the module's, a function-local alias read
+# in its function, a decorator, a nested function and a comprehension.
 _MODEL_ANSWERS = {
     "function_import.py": """
         import torch
@@ -129,6 +131,30 @@ _MODEL_ANSWERS = {
 
         def attend(q, k, v):
             return flash_attn_func(q, k, v, causal=True)
+        """,
+    "none_fallback.py": """
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            flash_attn_func = None
+
+        KERNELS = {"flash": flash_attn_func}
+
+        def attend(q, k, v):
+            return flash_attn_func(q, k, v, causal=True)
+        """,
+    "local_alias.py": """
+        import functools
+        from flash_attn import flash_attn_func
+
+        def attend(q, k, v, chunks):
+            fn = flash_attn_func
+
+            @functools.wraps(fn)
+            def inner(q):
+                return fn(q, k, v, causal=True)
+
+            return [fn(c, k, v) for c in chunks], inner(q)
         """,
     "value_use.py": """
         import functools

@@ -230,10 +230,11 @@ class SiteTransformer(cst.CSTTransformer):
         self.imports: set[str] = set()
         self.rewrites = 0
         self._path: list[cst.CSTNode] = []  # original nodes from the module down to the current one
-        self._aliases: dict[
-            int, aliases.Alias
-        ] = {}  # id(libcst Assignment) -> alias (rewriter/source/aliases.py)
+        self._aliases: dict[int, aliases.Alias] = {}  # id(Name target) -> alias (rewriter/source/aliases.py)
         self._values: dict[int, tuple[Rule, str, int]] = {}  # id(Name target) of other `name = <source>`
+        self._value_names: set[str] = set()  # their names
+        # id(Name target) of a local alias -> the semantic model's view of it (fast mode)
+        self._local_aliases: dict[int, semantic.LocalAlias] = {}
         self._attributes: dict[
             tuple[str, str], tuple[Rule, str, int]
         ] = {}  # (receiver, attr) of `self.fn = <source>`
@@ -590,8 +591,7 @@ class SiteTransformer(cst.CSTTransformer):
         matched = self._match(original_node.func)
         alias = None
         if matched is None and self._aliases and isinstance(original_node.func, cst.Name):
-            scope = self._scope(original_node.func)
-            alias = self._aliases.get(id(aliases.referent(scope, original_node.func)))
+            alias = self._alias_read(original_node.func)
             matched = (alias.rule, alias.api) if alias is not None else None
         if matched is None:
             self._through_value(original_node)
@@ -646,6 +646,23 @@ class SiteTransformer(cst.CSTTransformer):
             return outcome.node
         return updated_node
 
+    def _alias_read(self, name: cst.Name) -> aliases.Alias | None:
+        """The alias the read ``name`` resolves to alone, if any: the semantic model's answer
+        where every alias of that name is a local one it answers for
+        (:meth:`~flashport.rewriter.source.semantic.SemanticModel.local_alias`), else libcst's
+        scope analysis (the only binding the read resolves to)."""
+        candidates = [a for a in self._aliases.values() if a.name == name.value]
+        if not candidates:
+            return None  # whatever the read resolves to, it is no alias
+        locals_ = [self._local_aliases.get(id(a.target)) for a in candidates]
+        where = self._file_lines(name)
+        if where is not None and all(local is not None for local in locals_):
+            answers = [local.resolves(where[0]) for local in locals_ if local is not None]
+            if None not in answers:
+                return next((a for a, hit in zip(candidates, answers, strict=True) if hit), None)
+        referent = aliases.referent(self._scope(name), name)
+        return self._aliases.get(id(getattr(referent, "node", None)))
+
     def _through_value(self, call: cst.Call) -> None:
         """Report a call through a name that *may* hold a source API (bound to it and to other
         things): the call is where a reader looks, so it is listed there too."""
@@ -661,8 +678,8 @@ class SiteTransformer(cst.CSTTransformer):
                     ": an attribute can be rebound from anywhere, so the call does not resolve to one function",
                 )
             return
-        if not self._values or not isinstance(call.func, cst.Name):
-            return
+        if not isinstance(call.func, cst.Name) or call.func.value not in self._value_names:
+            return  # no `name = <source>` of that name: none of its bindings is one
         scope = self._scope(call.func)
         for access in scope.accesses[call.func.value] if scope else ():
             if access.node is call.func:
@@ -712,15 +729,24 @@ class SiteTransformer(cst.CSTTransformer):
         if found is None:
             return False
         target, statement, owner = found
-        assignment = aliases.single_assignment(self._scope(target), target)
-        if assignment is None:
-            return False
+        local = None
+        if self._names is not None and self.tree is not None and isinstance(owner, cst.FunctionDef):
+            line = self._file_lines(target)
+            local = semantic.of(self.tree).local_alias(target.value, line[0]) if line is not None else None
+        if local is not None:
+            uses = local.uses
+            self._local_aliases[id(target)] = local
+        else:  # libcst's scope analysis: the only binding of the name in its scope, and its reads
+            assignment = aliases.single_assignment(self._scope(target), target)
+            if assignment is None:
+                return False
+            uses = len(assignment.references)
         rule, api = matched
         answer = self._value_outcome(rule, api, node.value, where)
         own_reason = ""
         if type(rule).check_reference is not Rule.check_reference:  # the rule says why its values stay
             own_reason = answer.reason if isinstance(answer, (Refusal, Report)) else ""
-        self._aliases[id(assignment)] = aliases.Alias(
+        self._aliases[id(target)] = aliases.Alias(
             target.value,
             api,
             rule,
@@ -728,7 +754,7 @@ class SiteTransformer(cst.CSTTransformer):
             owner,
             target,
             where,
-            uses=len(assignment.references),
+            uses=uses,
             own_reason=own_reason,
             drop_in=answer if isinstance(answer, Rewrite) else None,
         )
@@ -999,6 +1025,7 @@ class SiteTransformer(cst.CSTTransformer):
             for target in node.targets:
                 if isinstance(target.target, cst.Name):
                     self._values[id(target.target)] = (*matched, where[0])
+                    self._value_names.add(target.target.value)
                     if rewritten:
                         self._dropped_in.add(id(target.target))
                 elif isinstance(target.target, cst.Attribute) and isinstance(target.target.value, cst.Name):

@@ -36,8 +36,9 @@ import bisect
 import builtins
 import collections
 import dataclasses
+import re
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from flashport.rewriter.source import astindex
 
@@ -172,6 +173,32 @@ class Assignment:
     names: tuple[str, ...]
     attributes: tuple[str, ...]
     value: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalAlias:
+    """What libcst's scope analysis says of a function-local alias (:meth:`SemanticModel.local_alias`).
+
+    Attributes:
+      uses: how many reads it records as the alias's references.
+      references: the file lines of those reads; ``others``: of the function's reads of the name
+        that resolve elsewhere (before the statement).
+      lines: the function's first and last line.
+    """
+
+    uses: int
+    references: frozenset[int]
+    others: frozenset[int]
+    lines: tuple[int, int]
+
+    def resolves(self, line: int) -> bool | None:
+        """Whether the read of the alias's name on file line ``line`` resolves to the alias (None:
+        the line holds reads of both kinds)."""
+        if not self.lines[0] <= line <= self.lines[1]:
+            return False
+        if line in self.references:
+            return None if line in self.others else True
+        return False
 
 
 class SemanticModel:
@@ -510,7 +537,7 @@ class SemanticModel:
             isinstance(up, SCOPES) and not isinstance(up, ast.ClassDef) for up in self._ancestors(function)
         ):
             return None
-        inner = (*SCOPES, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+        inner = (*SCOPES, *_COMPREHENSIONS)
         for statement in function.body:  # type: ignore[attr-defined]
             if _spans(statement, line) and any(
                 isinstance(node, inner) and _spans(node, line) for node in ast.walk(statement)
@@ -561,6 +588,66 @@ class SemanticModel:
         if isinstance(parent, ast.Assign):
             return any(t is node for t in parent.targets)
         return isinstance(parent, ast.AnnAssign) and parent.target is node and parent.value is not None
+
+    def module_scope_statement(self, line: int) -> ast.stmt | None:
+        """The top-level statement holding ``line`` when every read on ``line`` runs in the
+        module's own scope: no def, class, lambda or comprehension holds the line; None otherwise."""
+        starts = self._starts(self.tree.body)
+        index = bisect.bisect_right(starts, line) - 1
+        if index < 0 or not _spans(self.tree.body[index], line):
+            return None
+        statement = self.tree.body[index]
+        inner = (*SCOPES, *_COMPREHENSIONS)
+        if isinstance(statement, inner):
+            return None
+        for node in ast.walk(statement):
+            if isinstance(node, inner) and _start(node) <= line <= (node.end_lineno or node.lineno):
+                return None
+        return statement
+
+    def top_statement(self, node: ast.AST) -> ast.AST:
+        """The top-level statement holding ``node``."""
+        current = node
+        while (up := self.parent(current)) is not None and up is not self.tree:
+            current = up
+        return current
+
+    def local_alias(self, name: str, line: int) -> LocalAlias | None:
+        """libcst's view of a function-local alias ``name = <value>`` on file line ``line`` (a
+        statement directly in a ``def`` that no other ``def`` encloses): the reads of ``name`` it
+        answers for (:class:`LocalAlias`), where the whole function binds ``name`` there alone.
+        libcst records as its references the reads in the function's own scope after the
+        statement and every read in a scope nested in the function; a read before it resolves
+        elsewhere. None where only the scope analysis can tell: ``name`` bound again anywhere in the
+        function (a parameter, ``+=``, ``del``, a nested scope's binding), declared
+        ``global``/``nonlocal``, in a string (annotations), read on the statement's own lines or
+        where libcst's order of evaluation differs from Python's (a nested def's defaults,
+        decorators and annotations, a class's bases, a comprehension's first iterable)."""
+        function = self.own_scope_function(line)
+        if function is None or name in self.declared_names():
+            return None
+        if any(a.arg == name for a in _arguments(function.args)):  # type: ignore[attr-defined]
+            return None
+        statement = next((s for s in function.body if _spans(s, line)), None)  # type: ignore[attr-defined]
+        if not isinstance(statement, ast.Assign) or statement.lineno != line:
+            return None
+        body = ast.Module(body=function.body, type_ignores=[])  # type: ignore[attr-defined]
+        binders = [b for node in ast.walk(body) for b in ([node] if _binds_any(node, name) else [])]
+        if len(binders) != 1 or not any(t is binders[0] for t in statement.targets):
+            return None
+        uses, references, others = 0, set(), set()
+        for read, nested in _reads(function, name):
+            if read is None or (
+                read.lineno <= (statement.end_lineno or line) and not nested and read.lineno >= line
+            ):
+                return None  # an ambiguous place, or a read on the statement's lines
+            if nested or read.lineno > (statement.end_lineno or line):
+                uses += 1
+                references.add(read.lineno)
+            else:
+                others.add(read.lineno)
+        start, end = _start(function), function.end_lineno or function.lineno  # type: ignore[attr-defined]
+        return LocalAlias(uses, frozenset(references), frozenset(others), (start, end))
 
     def _ancestors(self, node: ast.AST) -> list[ast.AST]:
         """The ancestors of ``node``, nearest first."""
@@ -833,6 +920,7 @@ class HeaderNames:
         self._other: set[str] = set(wrappers) | model.bound_otherwise()
         header_ids = {id(statement) for statement in header}
         self._present = header_ids | {id(statement) for statement in chunks}  # the mini module's
+        self._header_ids = header_ids
         self._wrappers = frozenset(wrappers)
         statements: dict[int, list[ImportBinding]] = {}
         for binding in model.imports:
@@ -934,10 +1022,12 @@ class HeaderNames:
             or any(b.star for b in model.imports)
         ):
             return None
+        bindings = [b for b in model.imports if b.name == root]
+        if model.module_scope_statement(line) is not None:
+            return self._at_module_level(root, dotted_read, bindings, line)
         function = model.own_scope_function(line)
         if function is None or _binds_locally_otherwise(function, root):
             return None
-        bindings = [b for b in model.imports if b.name == root]
         own = [b for b in bindings if b.scopes and b.scopes[-1] is function]
         if any(b.node.lineno <= line <= (b.node.end_lineno or b.node.lineno) for b in own):
             return None  # `from m import f; f()`: which comes first is libcst's visiting order
@@ -949,6 +1039,29 @@ class HeaderNames:
         if others is None:
             return None
         return [b for b in bindings if not b.scopes and id(b.top) in self._present], others
+
+    def _at_module_level(
+        self, root: str, dotted_read: bool, bindings: list[ImportBinding], line: int
+    ) -> tuple[list[ImportBinding], list[ast.AST]] | None:
+        """:meth:`in_function_bindings` of a read in a top-level statement of a chunk, outside any
+        def, class, lambda or comprehension. The mini module's order decides what a plain name
+        sees: the header first (every binding there comes before), then the chunks in the file's
+        order; when no binding comes before, a builtin or nothing (an attribute chain sees them all)."""
+        others = self._model.module_binders(root, self._present)
+        if others is None:
+            return None
+        imports = [b for b in bindings if not b.scopes and id(b.top) in self._present]
+        if dotted_read:
+            return imports, others
+        spans = [(b.node, b.top) for b in imports] + [(o, self._model.top_statement(o)) for o in others]
+        if any(id(top) not in self._header_ids and _spans(node, line) for node, top in spans):
+            return None  # `fn = wrap(fn)`: which comes first is libcst's visiting order
+        earlier = {
+            id(node)
+            for node, top in spans
+            if id(top) in self._header_ids or (getattr(node, "end_lineno", None) or node.lineno) < line  # type: ignore[attr-defined]
+        }
+        return [b for b in imports if id(b.node) in earlier], [o for o in others if id(o) in earlier]
 
 
 def _import_binding(
@@ -1137,6 +1250,59 @@ def _binds_locally_otherwise(function: ast.AST, name: str) -> bool:
         for statement in function.body  # type: ignore[attr-defined]
         for binder in _binders(statement, name)
     )
+
+
+def _binds_any(node: ast.AST, name: str) -> bool:
+    """Whether ``node`` binds ``name`` in any scope (a target, ``del``, a parameter, an import, a
+    definition, ``global``/``nonlocal``, ``except ... as``, a match capture)."""
+    if isinstance(node, ast.Name):
+        return node.id == name and not isinstance(node.ctx, ast.Load)
+    return _binds(node, name)
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def _reads(function: ast.AST, name: str) -> Iterator[tuple[ast.Name | None, bool]]:
+    """The reads of ``name`` in ``function``'s body: (the ``Name``, whether a scope nested in the
+    function holds it); ``(None, False)`` for a string that may be an annotation naming it
+    (libcst reads those too). As in Python and libcst, a nested def's decorators, defaults and
+    annotations, a class's bases and a comprehension's first iterable run in the enclosing scope."""
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    pending: list[tuple[ast.AST, bool]] = [(s, False) for s in function.body]  # type: ignore[attr-defined]
+    while pending:
+        node, nested = pending.pop()
+        if isinstance(node, ast.Name):
+            if node.id == name and isinstance(node.ctx, ast.Load):
+                yield node, nested
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and word.search(node.value):
+            yield None, False
+            continue
+        if isinstance(node, (*_DEFS, ast.Lambda, ast.ClassDef)):
+            header: list[ast.AST] = [
+                *getattr(node, "decorator_list", ()),
+                *getattr(node, "bases", ()),
+                *getattr(node, "keywords", ()),
+            ]
+            if isinstance(node, (*_DEFS, ast.Lambda)):
+                header.append(node.args)
+            if isinstance(node, _DEFS) and node.returns is not None:
+                header.append(node.returns)
+            pending.extend((part, nested) for part in header)
+            inner = node.body if isinstance(node.body, list) else [node.body]
+            pending.extend((child, True) for child in inner)
+            continue
+        if isinstance(node, _COMPREHENSIONS):
+            first = node.generators[0].iter
+            pending.append((first, nested))
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.comprehension):
+                    pending.extend((part, True) for part in ast.iter_child_nodes(child) if part is not first)
+                else:
+                    pending.append((child, True))
+            continue
+        pending.extend((child, nested) for child in ast.iter_child_nodes(node))
 
 
 def _binds_locally(function: ast.AST, name: str) -> bool:
