@@ -13,7 +13,7 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    and run :class:`~flashport.rewriter.engine.transform.SiteTransformer`, which gives each candidate
    node libcst's qualified names (the semantic model's
    :meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`, libcst's scope analysis
-   where the imports alone cannot tell): rules answer per site.
+   where the model leaves it undecided): rules answer per site.
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
    its own rewrites in this file, and a rewrite whose required calls (``Rewrite.requires``) did
    not all end rewritten is vetoed (the pass is redone with them refused, until no veto is added).

@@ -24,10 +24,13 @@ code, line, column) -> reason) one site's: the engine's per-file phase sets them
 Cost: positions come from rendering only the statement a site sits in, located by the file's
 ``ast`` line numbers (:mod:`~flashport.rewriter.source.spans`; the whole mini module once when that cannot
 tell), and ``changed`` lists the smallest statements holding every change so the engine renders
-and splices only those; qualified names come from the file's semantic model
-(:meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`) and libcst's scope analysis
-runs, once, only for a question it cannot answer (aliases, value uses, names bound in more than one
-way). The traversal does not
+and splices only those; qualified names, whether a value's bindings are all imports, and local
+aliases with the reads that resolve to them come from the file's semantic model
+(:meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`,
+:meth:`~flashport.rewriter.source.semantic.SemanticModel.local_alias`), and libcst's scope analysis
+runs, once, only for a question the model names undecided (a module-level alias, a star import, a
+function that also assigns an imported name, a read on a line holding a comprehension, ...). The
+traversal does not
 descend into nodes that cannot hold a site, nor into statements whose text matches nothing of
 ``relevant`` (the engine's triggers, watched strings and names bound to a source). Rules still see
 every original ancestor and sibling: skipping only saves the visit.
@@ -182,8 +185,10 @@ class SiteTransformer(cst.CSTTransformer):
     # Qualified names are asked only for the nodes :meth:`_match` looks at: exactly what
     # ``QualifiedNameProvider`` would give them (:meth:`_qualified_names`). The file's semantic
     # model answers from the imports where that is provably the same
-    # (:class:`~flashport.rewriter.source.semantic.HeaderNames`); the scope analysis
-    # (``ScopeProvider``) runs only when a question needs it (:meth:`_scope`), once per file. Positions come from
+    # (:class:`~flashport.rewriter.source.semantic.HeaderNames`, also for reads in a function and at
+    # module level); the scope analysis (``ScopeProvider``) runs only when the model leaves a
+    # question undecided (:meth:`_scope`), once per file, and alone in the reference mode
+    # (``names`` None). Positions come from
     # ``spans`` (one statement rendered at a time), or as a plain mapping
     # (:func:`~flashport.rewriter.source.positions.line_positions`): declaring them as a metadata
     # dependency would make libcst's resolver walk the whole module once more for nothing.
@@ -389,7 +394,7 @@ class SiteTransformer(cst.CSTTransformer):
             full_name = get_full_name_for_node(node)
             names = self._names.qualified(full_name) if full_name is not None else None
             if names is None and full_name is not None and (where := self._file_lines(node)) is not None:
-                names = self._names.in_function(full_name, where[0])
+                names = self._names.qualified_at(full_name, where[0])
             if names is not None:
                 return names
         return self._scope_names(node)
@@ -975,7 +980,7 @@ class SiteTransformer(cst.CSTTransformer):
             known = self._names.imports_only(base.value)
             found = None
             if known is None and (where := self._file_lines(base)) is not None:
-                found = self._names.in_function_bindings(base.value, where[0])
+                found = self._names.bindings_at(base.value, where[0])
             if found is not None:  # a None fallback's target counts as an import
                 imports, others = found
                 known = bool(imports or others) and all(

@@ -16,9 +16,13 @@ context and, through :class:`~flashport.rules.site.RuleContext`, the rules:
 * value and attribute aliases (:meth:`SemanticModel.assignments`: ``fn = flash_attn.flash_attn_func``,
   ``self.fn = flash_attn_func``), :meth:`SemanticModel.module_constant`, :attr:`SemanticModel.exports`
   (``__all__``), :meth:`SemanticModel.parent` and :meth:`SemanticModel.enclosing`;
-* the libcst pass's qualified names (:meth:`SemanticModel.header_names`: libcst's answers for the
-  reads of a mini module, where the imports decide them; the engine's speed layer in front of
-  libcst's scope analysis, which the reference mode asks alone);
+* the libcst pass's questions, with libcst's answers (the engine's speed layer in front of libcst's
+  scope analysis, which the reference mode asks alone): :meth:`SemanticModel.header_names` gives
+  the qualified names of a mini module's reads and whether a read's bindings are all imports, where
+  the header's imports decide them and, for reads in a function's own scope or at module level,
+  where the function's and the module's imports, ``=`` targets and definitions do
+  (:meth:`HeaderNames.qualified_at`); :meth:`SemanticModel.local_alias` says whether a function-local
+  ``name = <value>`` is its function's only binding of the name, and which reads resolve to it;
 * mentions: :meth:`SemanticModel.first_comparison` and :meth:`SemanticModel.mentions` (names,
   attribute names and identifier strings per line), what a rule's per-file phase looks for.
 
@@ -894,7 +898,7 @@ class HeaderNames:
       header: the mini module's header statements (module level, before every chunk).
       wrappers: the stand-in class names the mini module defines.
       sources: every selected rule's ``SOURCES``.
-      chunks: the file's statements the mini module holds as chunks (:meth:`in_function`).
+      chunks: the file's statements the mini module holds as chunks (:meth:`qualified_at`).
     """
 
     def __init__(
@@ -981,17 +985,15 @@ class HeaderNames:
             names |= _import_qualified(*statement, full_name)
         return names
 
-    def in_function(self, full_name: str, line: int) -> set[str] | None:
-        """Where :meth:`qualified` cannot tell because only imports bind the root of
-        ``full_name``, not all of them in the header (``from flash_attn import flash_attn_func``
-        in a function or a guarded ``try``): libcst's names for a read at file line ``line``
-        directly in a function's own scope (:meth:`SemanticModel.own_scope_function`; no closure).
-
-        libcst resolves the root there to the function's own imports of it, or (none there) to the
-        module-level ones the mini module holds (class bodies are skipped); a plain name keeps only
-        the function's imports made before it, and falls back to the module's when none is
-        (an attribute chain keeps them all). None where only the scope analysis can tell."""
-        found = self.in_function_bindings(full_name, line)
+    def qualified_at(self, full_name: str, line: int) -> set[str] | None:
+        """Where :meth:`qualified` cannot tell (a name also bound other than by a header import:
+        ``from flash_attn import flash_attn_func`` in a function or a guarded ``try``, a ``None``
+        fallback): libcst's names for a read at file line ``line`` in a function's own scope
+        (:meth:`SemanticModel.own_scope_function`; no closure) or at module level
+        (:meth:`SemanticModel.module_scope_statement`), from what :meth:`bindings_at` resolves it
+        to: an import's names, a module-level ``=`` target's or definition's the name itself, a
+        builtin's ``builtins.<name>``. None where only the scope analysis can tell."""
+        found = self.bindings_at(full_name, line)
         if found is None:
             return None
         imports, others = found
@@ -1001,15 +1003,20 @@ class HeaderNames:
         names = {name for b in imports for name in import_qualified(b, full_name)}
         return names | {full_name} if others else names  # a module-level binding's name is the name
 
-    def in_function_bindings(
-        self, full_name: str, line: int
-    ) -> tuple[list[ImportBinding], list[ast.AST]] | None:
-        """What libcst resolves the root of ``full_name``, read at file line ``line``, to
-        (:meth:`in_function`): its imports, and its module-level ``name = ...`` targets (``Name``
-        nodes) and ``def``/``class`` statements; both empty for a builtin or an unbound name. None
-        where only the scope analysis can tell: a name declared ``global``/``nonlocal``, bound by
-        a comprehension, by the function itself other than by an import, or at module level
-        other than by an import, ``=`` or a definition (``for``, ``with``, ``except``, walrus)."""
+    def bindings_at(self, full_name: str, line: int) -> tuple[list[ImportBinding], list[ast.AST]] | None:
+        """What libcst resolves the root of ``full_name``, read at file line ``line``, to: its
+        imports, and its module-level ``name = ...`` targets (``Name`` nodes) and ``def``/``class``
+        statements; both empty for a builtin or an unbound name.
+
+        In a function's own scope libcst resolves the root to the function's own imports of it, or
+        (none there) to the module-level bindings the mini module holds (class bodies are
+        skipped); a plain name keeps only the function's imports made before it, and falls back to
+        the module's when none is (an attribute chain keeps them all). At module level see
+        :meth:`_at_module_level`. None where only the scope analysis can tell: a name declared
+        ``global``/``nonlocal``, bound by a comprehension, by a star import, by the function
+        itself other than by an import, or at module level other than by an import, ``=`` or a
+        definition (``for``, ``with``, ``except``, walrus); a read in a closure, a class body, a
+        lambda or on a line holding a comprehension, or on the line of a binding it may follow."""
         if not self._enabled:
             return None
         root, dotted_read = full_name.split(".", 1)[0], "." in full_name
@@ -1043,7 +1050,7 @@ class HeaderNames:
     def _at_module_level(
         self, root: str, dotted_read: bool, bindings: list[ImportBinding], line: int
     ) -> tuple[list[ImportBinding], list[ast.AST]] | None:
-        """:meth:`in_function_bindings` of a read in a top-level statement of a chunk, outside any
+        """:meth:`bindings_at` of a read in a top-level statement of a chunk, outside any
         def, class, lambda or comprehension. The mini module's order decides what a plain name
         sees: the header first (every binding there comes before), then the chunks in the file's
         order; when no binding comes before, a builtin or nothing (an attribute chain sees them all)."""
