@@ -98,6 +98,97 @@ def test_reference_mode_uses_no_speed_layer(monkeypatch):
     assert result.status == "changed" and result.sites, result.error
 
 
+# Files whose names the semantic model answers alone: a function-level import (before the read,
+# or only after it: the module's import then answers a plain name), a guarded import in a chunk
+# (with a None fallback too, read at module level and in a function), a value use through a header
+# import, a value use in a function whose import shadows the module's, a function-local alias read
+# in its function, a decorator, a nested function and a comprehension.
+_MODEL_ANSWERS = {
+    "function_import.py": """
+        import torch
+
+        def attend(q, k, v):
+            from flash_attn import flash_attn_func
+            return flash_attn_func(q, k, v, causal=True)
+
+        def attend_attr(q, k, v):
+            import flash_attn
+            return flash_attn.flash_attn_func(q, k, v, causal=True)
+        """,
+    "import_after_read.py": """
+        from flash_attn import flash_attn_func
+
+        def attend(q, k, v):
+            out = flash_attn_func(q, k, v, causal=True)
+            from flash_attn import flash_attn_varlen_func as flash_attn_func
+            return out
+        """,
+    "guarded_import.py": """
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            from flash_attn_interface import flash_attn_func
+
+        def attend(q, k, v):
+            return flash_attn_func(q, k, v, causal=True)
+        """,
+    "none_fallback.py": """
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            flash_attn_func = None
+
+        KERNELS = {"flash": flash_attn_func}
+
+        def attend(q, k, v):
+            return flash_attn_func(q, k, v, causal=True)
+        """,
+    "local_alias.py": """
+        import functools
+        from flash_attn import flash_attn_func
+
+        def attend(q, k, v, chunks):
+            fn = flash_attn_func
+
+            @functools.wraps(fn)
+            def inner(q):
+                return fn(q, k, v, causal=True)
+
+            return [fn(c, k, v) for c in chunks], inner(q)
+        """,
+    "value_use.py": """
+        import functools
+        from flash_attn import flash_attn_func
+
+        ATTEND = functools.partial(flash_attn_func, causal=True)
+
+        class Block:
+            def forward(self, q, k, v):
+                from flash_attn import flash_attn_func as attend
+                return run(attend, q, k, v) + attend(q, k, v, causal=False)
+        """,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_MODEL_ANSWERS))
+def test_fast_mode_names_come_from_the_semantic_model(monkeypatch, name):
+    """Where the semantic model answers every name question, libcst's ``ScopeProvider`` never runs
+    in the fast mode; the reference mode (libcst alone) gives the same outcome."""
+    data = textwrap.dedent(_MODEL_ANSWERS[name]).encode()
+    reference = outcome(engine.transform_source(data, name, RULES, reference=True))
+    resolve = transform.MetadataWrapper.resolve
+
+    def no_scopes(wrapper, provider):
+        assert provider is not transform.ScopeProvider, "the fast mode ran libcst's scope analysis"
+        return resolve(wrapper, provider)
+
+    monkeypatch.setattr(transform.MetadataWrapper, "resolve", no_scopes)
+    fast = outcome(engine.transform_source(data, name, RULES, reference=False))
+    assert fast["error"] is None
+    assert fast == reference
+    assert fast["sites"]
+
+
 def test_environment_variable_selects_the_reference_mode(monkeypatch):
     monkeypatch.setenv("FLASHPORT_REFERENCE", "1")
     assert engine.reference_mode()

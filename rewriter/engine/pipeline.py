@@ -13,7 +13,7 @@ Pipeline for one file (pure: no I/O; the runner reads the bytes):
    and run :class:`~flashport.rewriter.engine.transform.SiteTransformer`, which gives each candidate
    node libcst's qualified names (the semantic model's
    :meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`, libcst's scope analysis
-   where the imports alone cannot tell): rules answer per site.
+   where the model leaves it undecided): rules answer per site.
    Then the per-file phase: each rule's ``settle`` sees every site's final status and may veto
    its own rewrites in this file, and a rewrite whose required calls (``Rewrite.requires``) did
    not all end rewritten is vetoed (the pass is redone with them refused, until no veto is added).
@@ -64,7 +64,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from flashport.rewriter.engine import cuda_notes, formatting, prune, run_context, suppress, thin
 from flashport.rewriter.engine.results import CHANGED, ERROR, REFUSED, REWRITE, FileResult
-from flashport.rewriter.engine.transform import SiteTransformer
+from flashport.rewriter.engine.transform import MiniFile, PassMode, SiteTransformer
 from flashport.rewriter.imports import edits as import_edits
 from flashport.rewriter.source import newsyntax, reparse, semantic
 from flashport.rewriter.source import pieces as mini_parse
@@ -129,20 +129,8 @@ def transform_source(
         tree, text, masks = parsed
         # the patches of this file's project; its own ones too (the run's pre-pass may lack this file)
         options = run_context.with_file_patches(run_context.scoped(options, path), tree, path, text)
-        return _as_done(
-            _transform(
-                result,
-                data,
-                text,
-                encoding,
-                tree,
-                [rule() for rule in rules],
-                options,
-                skip,
-                masks,
-                reference,
-            )
-        )
+        parsed_file = _Parsed(data, text, encoding, tree, masks)
+        return _as_done(_transform(result, parsed_file, [rule() for rule in rules], options, skip, reference))
     except Exception as err:  # noqa: BLE001 - one bad file must not stop a run
         detail = traceback.format_exception_only(type(err), err)[-1].strip()
         return _error(result, f"internal error, file left unchanged: {detail}")
@@ -220,21 +208,33 @@ class _MiniModule:
         module (``tree``: the file's)."""
         header = [node for unit in self.header_units for node in unit.nodes]
         sources = [s for rule in rules for s in rule.SOURCES]
-        return semantic.of(tree).header_names(header, self.wrappers, sources)
+        chunks = [node for unit in self.ordered for node in unit.nodes]
+        return semantic.of(tree).header_names(header, self.wrappers, sources, chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parsed:
+    """One file as read and parsed: its bytes, their text (masked where syntax newer than the
+    host's Python was, :mod:`~flashport.rewriter.source.newsyntax`), its encoding, the ``ast`` of
+    the text and the masks to restore."""
+
+    data: bytes
+    text: str
+    encoding: str
+    tree: ast.Module
+    masks: dict[str, str]
 
 
 def _transform(
     result: FileResult,
-    data: bytes,
-    text: str,
-    encoding: str,
-    tree: ast.Module,
+    parsed: _Parsed,
     rules: list[Rule],
     options: RuleOptions,
     skip: dict[int, frozenset[str]] | None = None,
-    masks: dict[str, str] | None = None,
     reference: bool = False,
 ) -> FileResult:
+    """Steps 3 to 5 of the module docstring over one parsed file; ``result`` filled in."""
+    data, text, encoding, tree, masks = parsed.data, parsed.text, parsed.encoding, parsed.tree, parsed.masks
     lines = src.split_lines(text)
     units = src.top_level_units(tree)
     header_units = [u for u in units if u.importish]
@@ -547,25 +547,21 @@ def _run_rules(
         names = mini.names(tree, rules)
         spans = StatementSpans(module, src.split_lines(mini.source), mini.ordered, mini.line_map)
         positions = None
-    transformer_for = functools.partial(
-        SiteTransformer,
-        rules,
-        file.options,
+    context = MiniFile(
         file.result.path,
+        module,
         mini.line_map,
         file.table,
-        module,
+        tree,
         source=mini.source,
         relevant=file.relevant,
         wrapper=wrapper,
         names=names,
         positions=positions,
         spans=spans,
-        tree=tree,
-        watch_reads=watch,
-        watch_module=watch_module,
     )
-    transformer = transformer_for()
+    mode = PassMode(watch_reads=watch, watch_module=watch_module)
+    transformer = SiteTransformer(rules, file.options, context, mode)
     new_module = module.visit(transformer)
     beyond = transformer.read_beyond or transformer.used_scopes
     whole_file = RuleContext.for_file(file.result.path, file.options, tree)
@@ -582,7 +578,8 @@ def _run_rules(
             return transformer, new_module, spans, beyond
         vetoes.update(more)
         site_vetoes.update(more_sites)
-        transformer = transformer_for(vetoes=vetoes, site_vetoes=site_vetoes)
+        mode = dataclasses.replace(mode, vetoes=dict(vetoes), site_vetoes=dict(site_vetoes))
+        transformer = SiteTransformer(rules, file.options, context, mode)
         new_module = module.visit(transformer)
         beyond = beyond or transformer.read_beyond or transformer.used_scopes
 

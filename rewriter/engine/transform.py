@@ -24,10 +24,13 @@ code, line, column) -> reason) one site's: the engine's per-file phase sets them
 Cost: positions come from rendering only the statement a site sits in, located by the file's
 ``ast`` line numbers (:mod:`~flashport.rewriter.source.spans`; the whole mini module once when that cannot
 tell), and ``changed`` lists the smallest statements holding every change so the engine renders
-and splices only those; qualified names come from the file's semantic model
-(:meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`) and libcst's scope analysis
-runs, once, only for a question it cannot answer (aliases, value uses, names bound in more than one
-way). The traversal does not
+and splices only those; qualified names, whether a value's bindings are all imports, and local
+aliases with the reads that resolve to them come from the file's semantic model
+(:meth:`~flashport.rewriter.source.semantic.SemanticModel.header_names`,
+:meth:`~flashport.rewriter.source.semantic.SemanticModel.local_alias`), and libcst's scope analysis
+runs, once, only for a question the model names undecided (a module-level alias, a star import, a
+function that also assigns an imported name, a read on a line holding a comprehension, ...). The
+traversal does not
 descend into nodes that cannot hold a site, nor into statements whose text matches nothing of
 ``relevant`` (the engine's triggers, watched strings and names bound to a source). Rules still see
 every original ancestor and sibling: skipping only saves the visit.
@@ -127,62 +130,97 @@ _HANDLERS: dict[
 _STATEMENTS = _concrete((cst.BaseStatement,))
 
 
+@dataclasses.dataclass(frozen=True)
+class MiniFile:
+    """One file's mini module and what every pass over it reads (the engine builds it once a pass
+    over the file's chunks).
+
+    Attributes:
+      path: the file's path, in findings.
+      module: the parsed mini module; ``source`` its text (None: no ``relevant`` skip, no comment scan).
+      line_map: (first, last mini-module line, first file line) per chunk.
+      suppressions: file line -> rule codes a ``# flashport: ignore`` comment suppresses there.
+      tree: the whole file's ``ast`` (its :mod:`~flashport.rewriter.source.semantic` model; ``RuleContext.tree``).
+      relevant: what a statement holding a site must mention (None: visit every statement).
+      wrapper: libcst's metadata wrapper of ``module`` (made here when None; shared by the passes).
+      names: the semantic model's :class:`~flashport.rewriter.source.semantic.HeaderNames` (None:
+        libcst's scope analysis alone, the reference mode).
+      positions: every node's position (libcst's ``PositionProvider``, the reference mode), or
+        ``spans``: statements rendered one at a time; neither: a plain line mapping.
+    """
+
+    path: str
+    module: cst.Module
+    line_map: list[tuple[int, int, int]]
+    suppressions: dict[int, frozenset[str]]
+    tree: ast.Module | None = None
+    source: str | None = None
+    relevant: re.Pattern[str] | None = None
+    wrapper: MetadataWrapper | None = None
+    names: semantic.HeaderNames | None = None
+    positions: Mapping[cst.CSTNode, Span] | None = None
+    spans: StatementSpans | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PassMode:
+    """What one pass over a :class:`MiniFile` watches and refuses.
+
+    Attributes:
+      watch_reads: the chunks are thin (rewriter/engine/thin.py): note a rule's read above a site's statement.
+      watch_module: the chunks are pruned (rewriter/engine/prune.py): note a rule's read of the module.
+      vetoes: rule code -> reason that turns its rewrites into refusals (the per-file phase).
+      site_vetoes: (rule code, line, column) -> reason, for one site's rewrite.
+    """
+
+    watch_reads: bool = False
+    watch_module: bool = False
+    vetoes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    site_vetoes: Mapping[tuple[str, int, int], str] = dataclasses.field(default_factory=dict)
+
+
 class SiteTransformer(cst.CSTTransformer):
     """Visits a mini module; collects :class:`Site` s and applies :class:`Rewrite` s in the chunk."""
 
     # Qualified names are asked only for the nodes :meth:`_match` looks at: exactly what
     # ``QualifiedNameProvider`` would give them (:meth:`_qualified_names`). The file's semantic
     # model answers from the imports where that is provably the same
-    # (:class:`~flashport.rewriter.source.semantic.HeaderNames`); the scope analysis
-    # (``ScopeProvider``) runs only when a question needs it (:meth:`_scope`), once per file. Positions come from
+    # (:class:`~flashport.rewriter.source.semantic.HeaderNames`, also for reads in a function and at
+    # module level); the scope analysis (``ScopeProvider``) runs only when the model leaves a
+    # question undecided (:meth:`_scope`), once per file, and alone in the reference mode
+    # (``names`` None). Positions come from
     # ``spans`` (one statement rendered at a time), or as a plain mapping
     # (:func:`~flashport.rewriter.source.positions.line_positions`): declaring them as a metadata
     # dependency would make libcst's resolver walk the whole module once more for nothing.
 
-    def __init__(
-        self,
-        rules: list[Rule],
-        options: RuleOptions,
-        path: str,
-        line_map: list[tuple[int, int, int]],
-        suppressions: dict[int, frozenset[str]],
-        module: cst.Module,
-        vetoes: dict[str, str] | None = None,
-        source: str | None = None,
-        relevant: re.Pattern[str] | None = None,
-        *,
-        wrapper: MetadataWrapper | None = None,
-        names: semantic.HeaderNames | None = None,
-        positions: Mapping[cst.CSTNode, Span] | None = None,
-        spans: StatementSpans | None = None,
-        site_vetoes: Mapping[tuple[str, int, int], str] | None = None,
-        tree: ast.Module | None = None,
-        watch_reads: bool = False,
-        watch_module: bool = False,
-    ):
+    def __init__(self, rules: list[Rule], options: RuleOptions, file: MiniFile, mode: PassMode = PassMode()):
         super().__init__()
+        self.file = file
         # a thin pass: rules get watched ancestors, and ``read_beyond`` says whether one read
         # above the site's innermost statement or the module (rewriter/engine/thin.py); a pass over pruned
         # chunks (rewriter/engine/prune.py): whether one read the module
-        self.watch_reads = watch_reads
-        self.watch_module = watch_module
+        self.watch_reads = mode.watch_reads
+        self.watch_module = mode.watch_module
         self.read_beyond = False
+        spans, positions, module = file.spans, file.positions, file.module
         self._spans = spans if spans is not None and not spans.failed and positions is None else None
         if self._spans is None:
             self._positions = positions if positions is not None else line_positions(module)
-        self._wrapper = wrapper if wrapper is not None else MetadataWrapper(module, unsafe_skip_copy=True)
-        self._names = names
+        self._wrapper = (
+            file.wrapper if file.wrapper is not None else MetadataWrapper(module, unsafe_skip_copy=True)
+        )
+        self._names = file.names
         self._scopes: object = None  # ScopeProvider's mapping, computed on first use
-        self._relevant = relevant if source is not None else None
-        self._lines = source.splitlines() if source is not None else None  # the mini module's text
-        self.vetoes = vetoes or {}
-        self.site_vetoes = site_vetoes or {}
-        self.tree = tree  # the whole file's ast (RuleContext.tree)
+        self._relevant = file.relevant if file.source is not None else None
+        self._lines = file.source.splitlines() if file.source is not None else None  # the mini module's text
+        self.vetoes = mode.vetoes
+        self.site_vetoes = mode.site_vetoes
+        self.tree = file.tree  # the whole file's ast (RuleContext.tree)
         self.options = options
-        self.path = path
-        self.line_map = line_map
-        self._firsts = [first for first, _, _ in line_map]
-        self.suppressions = suppressions
+        self.path = file.path
+        self.line_map = file.line_map
+        self._firsts = [first for first, _, _ in file.line_map]
+        self.suppressions = file.suppressions
         self.module = module
         self.by_source: dict[str, Rule] = {}
         self.by_string: dict[str, Rule] = {}
@@ -197,10 +235,11 @@ class SiteTransformer(cst.CSTTransformer):
         self.imports: set[str] = set()
         self.rewrites = 0
         self._path: list[cst.CSTNode] = []  # original nodes from the module down to the current one
-        self._aliases: dict[
-            int, aliases.Alias
-        ] = {}  # id(libcst Assignment) -> alias (rewriter/source/aliases.py)
+        self._aliases: dict[int, aliases.Alias] = {}  # id(Name target) -> alias (rewriter/source/aliases.py)
         self._values: dict[int, tuple[Rule, str, int]] = {}  # id(Name target) of other `name = <source>`
+        self._value_names: set[str] = set()  # their names
+        # id(Name target) of a local alias -> the semantic model's view of it (fast mode)
+        self._local_aliases: dict[int, semantic.LocalAlias] = {}
         self._attributes: dict[
             tuple[str, str], tuple[Rule, str, int]
         ] = {}  # (receiver, attr) of `self.fn = <source>`
@@ -354,6 +393,8 @@ class SiteTransformer(cst.CSTTransformer):
         if self._names is not None and isinstance(node, (cst.Name, cst.Attribute)):
             full_name = get_full_name_for_node(node)
             names = self._names.qualified(full_name) if full_name is not None else None
+            if names is None and full_name is not None and (where := self._file_lines(node)) is not None:
+                names = self._names.qualified_at(full_name, where[0])
             if names is not None:
                 return names
         return self._scope_names(node)
@@ -555,8 +596,7 @@ class SiteTransformer(cst.CSTTransformer):
         matched = self._match(original_node.func)
         alias = None
         if matched is None and self._aliases and isinstance(original_node.func, cst.Name):
-            scope = self._scope(original_node.func)
-            alias = self._aliases.get(id(aliases.referent(scope, original_node.func)))
+            alias = self._alias_read(original_node.func)
             matched = (alias.rule, alias.api) if alias is not None else None
         if matched is None:
             self._through_value(original_node)
@@ -611,6 +651,23 @@ class SiteTransformer(cst.CSTTransformer):
             return outcome.node
         return updated_node
 
+    def _alias_read(self, name: cst.Name) -> aliases.Alias | None:
+        """The alias the read ``name`` resolves to alone, if any: the semantic model's answer
+        where every alias of that name is a local one it answers for
+        (:meth:`~flashport.rewriter.source.semantic.SemanticModel.local_alias`), else libcst's
+        scope analysis (the only binding the read resolves to)."""
+        candidates = [a for a in self._aliases.values() if a.name == name.value]
+        if not candidates:
+            return None  # whatever the read resolves to, it is no alias
+        locals_ = [self._local_aliases.get(id(a.target)) for a in candidates]
+        where = self._file_lines(name)
+        if where is not None and all(local is not None for local in locals_):
+            answers = [local.resolves(where[0]) for local in locals_ if local is not None]
+            if None not in answers:
+                return next((a for a, hit in zip(candidates, answers, strict=True) if hit), None)
+        referent = aliases.referent(self._scope(name), name)
+        return self._aliases.get(id(getattr(referent, "node", None)))
+
     def _through_value(self, call: cst.Call) -> None:
         """Report a call through a name that *may* hold a source API (bound to it and to other
         things): the call is where a reader looks, so it is listed there too."""
@@ -626,8 +683,8 @@ class SiteTransformer(cst.CSTTransformer):
                     ": an attribute can be rebound from anywhere, so the call does not resolve to one function",
                 )
             return
-        if not self._values or not isinstance(call.func, cst.Name):
-            return
+        if not isinstance(call.func, cst.Name) or call.func.value not in self._value_names:
+            return  # no `name = <source>` of that name: none of its bindings is one
         scope = self._scope(call.func)
         for access in scope.accesses[call.func.value] if scope else ():
             if access.node is call.func:
@@ -677,15 +734,24 @@ class SiteTransformer(cst.CSTTransformer):
         if found is None:
             return False
         target, statement, owner = found
-        assignment = aliases.single_assignment(self._scope(target), target)
-        if assignment is None:
-            return False
+        local = None
+        if self._names is not None and self.tree is not None and isinstance(owner, cst.FunctionDef):
+            line = self._file_lines(target)
+            local = semantic.of(self.tree).local_alias(target.value, line[0]) if line is not None else None
+        if local is not None:
+            uses = local.uses
+            self._local_aliases[id(target)] = local
+        else:  # libcst's scope analysis: the only binding of the name in its scope, and its reads
+            assignment = aliases.single_assignment(self._scope(target), target)
+            if assignment is None:
+                return False
+            uses = len(assignment.references)
         rule, api = matched
         answer = self._value_outcome(rule, api, node.value, where)
         own_reason = ""
         if type(rule).check_reference is not Rule.check_reference:  # the rule says why its values stay
             own_reason = answer.reason if isinstance(answer, (Refusal, Report)) else ""
-        self._aliases[id(assignment)] = aliases.Alias(
+        self._aliases[id(target)] = aliases.Alias(
             target.value,
             api,
             rule,
@@ -693,7 +759,7 @@ class SiteTransformer(cst.CSTTransformer):
             owner,
             target,
             where,
-            uses=len(assignment.references),
+            uses=uses,
             own_reason=own_reason,
             drop_in=answer if isinstance(answer, Rewrite) else None,
         )
@@ -882,23 +948,14 @@ class SiteTransformer(cst.CSTTransformer):
         base = chain[-1]
         if not isinstance(base, cst.Name):
             return "not a plain name"
-        scope = self._scope(base)
-        bindings = None  # what the name resolves to; `import a.b` records the access of `a.b`
-        for node in chain if scope else ():
-            for access in scope.accesses[self.module.code_for_node(node)] if scope else ():
-                if access.node is node:
-                    bindings = list(access.referents)
         fallbacks = import_fallbacks(self.tree) if self.tree is not None else frozenset()
-        imports_only = bool(bindings) and all(
-            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom))
-            or (isinstance(getattr(b, "node", None), cst.Name) and b.node.value in fallbacks)
-            for b in bindings or ()
-        )
-        meanings = self._scope_names(value) - ({base.value} if base.value in fallbacks else set())
+        meanings = self._qualified_names(value) - ({base.value} if base.value in fallbacks else set())
         reaching = self._reaching(base)
         if reaching is not None:  # the binding that dominates the read decides, not every one
             imports_only = all(isinstance(b, semantic.ImportBinding) for b in reaching)
             meanings = self._flow_names(value, meanings)
+        else:
+            imports_only = self._imports_only(chain, fallbacks)
         meanings = _one_library_path(meanings, self.by_source)
         if not imports_only or len(meanings) != 1:
             # `import xformers` + `import xformers.ops.fmha` is fine: both give the value one meaning
@@ -911,6 +968,37 @@ class SiteTransformer(cst.CSTTransformer):
         if line is not None:
             return f"the file compares {leaf} (line {line}): the comparison must see the same object"
         return None
+
+    def _imports_only(self, chain: list[cst.BaseExpression], fallbacks: frozenset[str]) -> bool:
+        """Whether every binding the read ``chain`` (a value, its receiver, ... its base name)
+        resolves to, blind to the flow, is an import (or a ``None`` fallback in ``fallbacks``):
+        the semantic model's where its imports decide it
+        (:meth:`~flashport.rewriter.source.semantic.HeaderNames.imports_only`), else libcst's scope
+        analysis (``import a.b`` records the access of ``a.b``)."""
+        base = chain[-1]
+        if self._names is not None and isinstance(base, cst.Name):
+            known = self._names.imports_only(base.value)
+            found = None
+            if known is None and (where := self._file_lines(base)) is not None:
+                found = self._names.bindings_at(base.value, where[0])
+            if found is not None:  # a None fallback's target counts as an import
+                imports, others = found
+                known = bool(imports or others) and all(
+                    isinstance(b, ast.Name) and b.id in fallbacks for b in others
+                )
+            if known is not None:
+                return known
+        scope = self._scope(chain[-1])
+        bindings = None
+        for node in chain if scope else ():
+            for access in scope.accesses[self.module.code_for_node(node)]:
+                if access.node is node:
+                    bindings = list(access.referents)
+        return bool(bindings) and all(
+            isinstance(getattr(b, "node", None), (cst.Import, cst.ImportFrom))
+            or (isinstance(getattr(b, "node", None), cst.Name) and b.node.value in fallbacks)
+            for b in bindings or ()
+        )
 
     def _compared_on(self, name: str) -> int | None:
         """The first mini-module line that compares ``name`` with ``is``/``==``/``!=`` (None: none)."""
@@ -942,6 +1030,7 @@ class SiteTransformer(cst.CSTTransformer):
             for target in node.targets:
                 if isinstance(target.target, cst.Name):
                     self._values[id(target.target)] = (*matched, where[0])
+                    self._value_names.add(target.target.value)
                     if rewritten:
                         self._dropped_in.add(id(target.target))
                 elif isinstance(target.target, cst.Attribute) and isinstance(target.target.value, cst.Name):

@@ -1,7 +1,9 @@
 """Local aliases of a source API: ``attn = flash_attn_func`` then ``attn(q, k, v, causal=True)``.
 
 A call through a name is ported like a direct call when the name resolves **unambiguously** to a
-source API, which libcst's scope analysis proves:
+source API, which libcst's scope analysis proves (in the fast mode the file's semantic model answers
+for local aliases, :meth:`~flashport.rewriter.source.semantic.SemanticModel.local_alias`, with
+libcst's answers):
 
 * the alias is one plain statement ``name = <source>`` (a single ``Name`` target; the value a name
   or attribute that resolves to a source API) directly in a function body or at module level;

@@ -16,9 +16,13 @@ context and, through :class:`~flashport.rules.site.RuleContext`, the rules:
 * value and attribute aliases (:meth:`SemanticModel.assignments`: ``fn = flash_attn.flash_attn_func``,
   ``self.fn = flash_attn_func``), :meth:`SemanticModel.module_constant`, :attr:`SemanticModel.exports`
   (``__all__``), :meth:`SemanticModel.parent` and :meth:`SemanticModel.enclosing`;
-* the libcst pass's qualified names (:meth:`SemanticModel.header_names`: libcst's answers for the
-  reads of a mini module, where the imports decide them; the engine's speed layer in front of
-  libcst's scope analysis, which the reference mode asks alone);
+* the libcst pass's questions, with libcst's answers (the engine's speed layer in front of libcst's
+  scope analysis, which the reference mode asks alone): :meth:`SemanticModel.header_names` gives
+  the qualified names of a mini module's reads and whether a read's bindings are all imports, where
+  the header's imports decide them and, for reads in a function's own scope or at module level,
+  where the function's and the module's imports, ``=`` targets and definitions do
+  (:meth:`HeaderNames.qualified_at`); :meth:`SemanticModel.local_alias` says whether a function-local
+  ``name = <value>`` is its function's only binding of the name, and which reads resolve to it;
 * mentions: :meth:`SemanticModel.first_comparison` and :meth:`SemanticModel.mentions` (names,
   attribute names and identifier strings per line), what a rule's per-file phase looks for.
 
@@ -36,8 +40,9 @@ import bisect
 import builtins
 import collections
 import dataclasses
+import re
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from flashport.rewriter.source import astindex
 
@@ -174,6 +179,32 @@ class Assignment:
     value: str
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalAlias:
+    """What libcst's scope analysis says of a function-local alias (:meth:`SemanticModel.local_alias`).
+
+    Attributes:
+      uses: how many reads it records as the alias's references.
+      references: the file lines of those reads; ``others``: of the function's reads of the name
+        that resolve elsewhere (before the statement).
+      lines: the function's first and last line.
+    """
+
+    uses: int
+    references: frozenset[int]
+    others: frozenset[int]
+    lines: tuple[int, int]
+
+    def resolves(self, line: int) -> bool | None:
+        """Whether the read of the alias's name on file line ``line`` resolves to the alias (None:
+        the line holds reads of both kinds)."""
+        if not self.lines[0] <= line <= self.lines[1]:
+            return False
+        if line in self.references:
+            return None if line in self.others else True
+        return False
+
+
 class SemanticModel:
     """The bindings of one parsed file (see the module docstring). Do not change the tree after
     building it."""
@@ -193,6 +224,7 @@ class SemanticModel:
         self._block_starts: dict[int, list[int]] = {}
         self._counts: collections.Counter | None = None
         self._locals: dict[tuple[int, str], bool] = {}
+        self._comprehension_targets: frozenset[str] | None = None
 
     # -- the statement walk ------------------------------------------------------------------------
 
@@ -498,6 +530,138 @@ class SemanticModel:
         around = [f for f in self._functions if f.lineno <= line <= (f.end_lineno or f.lineno)]  # type: ignore[attr-defined]
         return max(around, key=lambda f: f.lineno, default=None)  # type: ignore[attr-defined]
 
+    def own_scope_function(self, line: int) -> ast.AST | None:
+        """The ``def`` whose own scope holds every read on ``line``: ``line`` lies in its body,
+        outside any nested def, lambda, class or comprehension, and only classes enclose the
+        ``def`` (no closure); None otherwise."""
+        function = self.function_at(line)
+        if function is None or line < function.body[0].lineno:  # type: ignore[attr-defined]
+            return None  # its decorators, defaults and annotations run in the enclosing scope
+        if any(
+            isinstance(up, SCOPES) and not isinstance(up, ast.ClassDef) for up in self._ancestors(function)
+        ):
+            return None
+        inner = (*SCOPES, *_COMPREHENSIONS)
+        for statement in function.body:  # type: ignore[attr-defined]
+            if _spans(statement, line) and any(
+                isinstance(node, inner) and _spans(node, line) for node in ast.walk(statement)
+            ):
+                return None
+        return function
+
+    def comprehension_targets(self) -> frozenset[str]:
+        """Every name a comprehension's ``for`` binds anywhere in the file."""
+        if self._comprehension_targets is None:
+            self._comprehension_targets = frozenset(
+                n.id
+                for c in astindex.of_type(self.tree, ast.comprehension)
+                for n in ast.walk(c.target)  # type: ignore[attr-defined]
+                if isinstance(n, ast.Name)
+            )
+        return self._comprehension_targets
+
+    def module_binders(self, name: str, present: Collection[int]) -> list[ast.AST] | None:
+        """The module-level bindings of ``name`` other than imports in the top-level statements
+        whose ids are in ``present``: ``Name`` targets of ``=`` (annotated ones with a value) and
+        ``def``/``class`` statements; None when another kind binds it there (``for``, ``with``,
+        ``except ... as``, walrus, ``del``, ``+=``, match captures)."""
+        found: list[ast.AST] = []
+        for statement in self.tree.body:
+            if id(statement) not in present:
+                continue
+            for binder in _binders(statement, name):
+                if isinstance(binder, ast.alias):
+                    continue
+                if isinstance(binder, (*_DEFS, ast.ClassDef)) or (
+                    isinstance(binder, ast.Name)
+                    and isinstance(binder.ctx, ast.Store)
+                    and self._assigned(binder)
+                ):
+                    found.append(binder)
+                else:
+                    return None
+        return found
+
+    def _assigned(self, target: ast.Name) -> bool:
+        """Whether ``target`` is a target of an ``=`` (in a tuple or list too) or of an annotated
+        assignment with a value."""
+        node: ast.AST = target
+        parent = self.parent(node)
+        while isinstance(parent, (ast.Tuple, ast.List, ast.Starred)):
+            node, parent = parent, self.parent(parent)
+        if isinstance(parent, ast.Assign):
+            return any(t is node for t in parent.targets)
+        return isinstance(parent, ast.AnnAssign) and parent.target is node and parent.value is not None
+
+    def module_scope_statement(self, line: int) -> ast.stmt | None:
+        """The top-level statement holding ``line`` when every read on ``line`` runs in the
+        module's own scope: no def, class, lambda or comprehension holds the line; None otherwise."""
+        starts = self._starts(self.tree.body)
+        index = bisect.bisect_right(starts, line) - 1
+        if index < 0 or not _spans(self.tree.body[index], line):
+            return None
+        statement = self.tree.body[index]
+        inner = (*SCOPES, *_COMPREHENSIONS)
+        if isinstance(statement, inner):
+            return None
+        for node in ast.walk(statement):
+            if isinstance(node, inner) and _start(node) <= line <= (node.end_lineno or node.lineno):
+                return None
+        return statement
+
+    def top_statement(self, node: ast.AST) -> ast.AST:
+        """The top-level statement holding ``node``."""
+        current = node
+        while (up := self.parent(current)) is not None and up is not self.tree:
+            current = up
+        return current
+
+    def local_alias(self, name: str, line: int) -> LocalAlias | None:
+        """libcst's view of a function-local alias ``name = <value>`` on file line ``line`` (a
+        statement directly in a ``def`` that no other ``def`` encloses): the reads of ``name`` it
+        answers for (:class:`LocalAlias`), where the whole function binds ``name`` there alone.
+        libcst records as its references the reads in the function's own scope after the
+        statement and every read in a scope nested in the function; a read before it resolves
+        elsewhere. None where only the scope analysis can tell: ``name`` bound again anywhere in the
+        function (a parameter, ``+=``, ``del``, a nested scope's binding), declared
+        ``global``/``nonlocal``, in a string (annotations), read on the statement's own lines or
+        where libcst's order of evaluation differs from Python's (a nested def's defaults,
+        decorators and annotations, a class's bases, a comprehension's first iterable)."""
+        function = self.own_scope_function(line)
+        if function is None or name in self.declared_names():
+            return None
+        if any(a.arg == name for a in _arguments(function.args)):  # type: ignore[attr-defined]
+            return None
+        statement = next((s for s in function.body if _spans(s, line)), None)  # type: ignore[attr-defined]
+        if not isinstance(statement, ast.Assign) or statement.lineno != line:
+            return None
+        body = ast.Module(body=function.body, type_ignores=[])  # type: ignore[attr-defined]
+        binders = [b for node in ast.walk(body) for b in ([node] if _binds_any(node, name) else [])]
+        if len(binders) != 1 or not any(t is binders[0] for t in statement.targets):
+            return None
+        uses, references, others = 0, set(), set()
+        for read, nested in _reads(function, name):
+            if read is None or (
+                read.lineno <= (statement.end_lineno or line) and not nested and read.lineno >= line
+            ):
+                return None  # an ambiguous place, or a read on the statement's lines
+            if nested or read.lineno > (statement.end_lineno or line):
+                uses += 1
+                references.add(read.lineno)
+            else:
+                others.add(read.lineno)
+        start, end = _start(function), function.end_lineno or function.lineno  # type: ignore[attr-defined]
+        return LocalAlias(uses, frozenset(references), frozenset(others), (start, end))
+
+    def _ancestors(self, node: ast.AST) -> list[ast.AST]:
+        """The ancestors of ``node``, nearest first."""
+        found = []
+        current = self.parent(node)
+        while current is not None:
+            found.append(current)
+            current = self.parent(current)
+        return found
+
     # -- flow: the bindings that reach a read ------------------------------------------------------
 
     def reaching(self, name: str, line: int) -> tuple[ImportBinding | ast.AST, ...] | None:
@@ -528,7 +692,7 @@ class SemanticModel:
     def _reaching_at(self, name: str, line: int) -> tuple[ImportBinding | ast.AST, ...] | None:
         if self._binding_counts()[name] < 2:
             return None  # one binding at most: the flow cannot hide any (a site-dense file's usual case)
-        if name in self._declared_names() or self.star_import_lines():
+        if name in self.declared_names() or self.star_import_lines():
             return None
         located = _path_to(self.tree, line, self._starts)
         if located is None:
@@ -614,19 +778,23 @@ class SemanticModel:
         ``global``/``nonlocal``."""
         imported = collections.Counter(b.name for b in self.imports)
         counted = self._binding_counts() - imported
-        return frozenset(name for name in counted if name) | self._declared_names()
+        return frozenset(name for name in counted if name) | self.declared_names()
 
     # -- the libcst pass's names -------------------------------------------------------------------
 
     def header_names(
-        self, header: Iterable[ast.stmt], wrappers: Iterable[str], sources: Iterable[str]
+        self,
+        header: Iterable[ast.stmt],
+        wrappers: Iterable[str],
+        sources: Iterable[str],
+        chunks: Iterable[ast.stmt] = (),
     ) -> HeaderNames:
         """The qualified names of the dotted names read in a mini module of this file (its
         ``header`` statements, then chunks of its statements inside stand-in classes named
         ``wrappers``), where the imports decide them: :class:`HeaderNames`."""
-        return HeaderNames(self, header, wrappers, sources)
+        return HeaderNames(self, header, wrappers, sources, chunks)
 
-    def _declared_names(self) -> frozenset[str]:
+    def declared_names(self) -> frozenset[str]:
         """Every name some ``global``/``nonlocal`` statement of the file declares."""
         if self._declared is None:
             self._declared = frozenset(
@@ -730,6 +898,7 @@ class HeaderNames:
       header: the mini module's header statements (module level, before every chunk).
       wrappers: the stand-in class names the mini module defines.
       sources: every selected rule's ``SOURCES``.
+      chunks: the file's statements the mini module holds as chunks (:meth:`qualified_at`).
     """
 
     def __init__(
@@ -738,7 +907,9 @@ class HeaderNames:
         header: Iterable[ast.stmt],
         wrappers: Iterable[str],
         sources: Iterable[str],
+        chunks: Iterable[ast.stmt] = (),
     ):
+        self._model = model
         self._sources = frozenset(sources)
         self._lasts = frozenset(s.rsplit(".", 1)[-1] for s in self._sources)
         self._enabled = not any(s.startswith("builtins.") for s in self._sources)
@@ -748,9 +919,13 @@ class HeaderNames:
         )
         self._import_bound: set[str] = set()  # every name any import binds (dotted prefixes too)
         self._source_bound: set[str] = set()  # names an import binds to a source itself
+        self._dotted_roots: set[str] = set()  # roots of the dotted names imports bind (``import a.b``)
         # roots with any binding that is not a header import
         self._other: set[str] = set(wrappers) | model.bound_otherwise()
         header_ids = {id(statement) for statement in header}
+        self._present = header_ids | {id(statement) for statement in chunks}  # the mini module's
+        self._header_ids = header_ids
+        self._wrappers = frozenset(wrappers)
         statements: dict[int, list[ImportBinding]] = {}
         for binding in model.imports:
             statements.setdefault(id(binding.node), []).append(binding)
@@ -764,12 +939,24 @@ class HeaderNames:
         for name, asname in statement[1]:
             for bound in _bound_names(name, asname):
                 self._import_bound.add(bound)
+                if "." in bound:
+                    self._dotted_roots.add(bound.split(".", 1)[0])
                 if _import_qualified(*statement, bound) & self._sources:
                     self._source_bound.add(bound)
                 if in_header_scope:
                     self._header_imports[bound].append(statement)
                 else:
                     self._other.add(bound.split(".")[0])
+
+    def imports_only(self, full_name: str) -> bool | None:
+        """Whether every binding that libcst's scope analysis resolves a read with full name
+        ``full_name`` to is an import: True where every binding of its root in the file is a
+        module-level header import binding the root itself (no ``import root.x``, whose dotted
+        bindings libcst records apart); None where only the scope analysis can tell."""
+        root = full_name.split(".", 1)[0]
+        if root in self._other or root in self._dotted_roots or root not in self._header_imports:
+            return None
+        return True
 
     def qualified(self, full_name: str) -> set[str] | None:
         """libcst's qualified names of a read in a chunk whose full name (libcst's
@@ -797,6 +984,91 @@ class HeaderNames:
         for statement in self._header_imports[prefix]:
             names |= _import_qualified(*statement, full_name)
         return names
+
+    def qualified_at(self, full_name: str, line: int) -> set[str] | None:
+        """Where :meth:`qualified` cannot tell (a name also bound other than by a header import:
+        ``from flash_attn import flash_attn_func`` in a function or a guarded ``try``, a ``None``
+        fallback): libcst's names for a read at file line ``line`` in a function's own scope
+        (:meth:`SemanticModel.own_scope_function`; no closure) or at module level
+        (:meth:`SemanticModel.module_scope_statement`), from what :meth:`bindings_at` resolves it
+        to: an import's names, a module-level ``=`` target's or definition's the name itself, a
+        builtin's ``builtins.<name>``. None where only the scope analysis can tell."""
+        found = self.bindings_at(full_name, line)
+        if found is None:
+            return None
+        imports, others = found
+        root = full_name.split(".", 1)[0]
+        if not imports and not others:
+            return {f"builtins.{root}"} if hasattr(builtins, root) else set()
+        names = {name for b in imports for name in import_qualified(b, full_name)}
+        return names | {full_name} if others else names  # a module-level binding's name is the name
+
+    def bindings_at(self, full_name: str, line: int) -> tuple[list[ImportBinding], list[ast.AST]] | None:
+        """What libcst resolves the root of ``full_name``, read at file line ``line``, to: its
+        imports, and its module-level ``name = ...`` targets (``Name`` nodes) and ``def``/``class``
+        statements; both empty for a builtin or an unbound name.
+
+        In a function's own scope libcst resolves the root to the function's own imports of it, or
+        (none there) to the module-level bindings the mini module holds (class bodies are
+        skipped); a plain name keeps only the function's imports made before it, and falls back to
+        the module's when none is (an attribute chain keeps them all). At module level see
+        :meth:`_at_module_level`. None where only the scope analysis can tell: a name declared
+        ``global``/``nonlocal``, bound by a comprehension, by a star import, by the function
+        itself other than by an import, or at module level other than by an import, ``=`` or a
+        definition (``for``, ``with``, ``except``, walrus); a read in a closure, a class body, a
+        lambda or on a line holding a comprehension, or on the line of a binding it may follow."""
+        if not self._enabled:
+            return None
+        root, dotted_read = full_name.split(".", 1)[0], "." in full_name
+        model = self._model
+        if (
+            root in self._wrappers
+            or root in self._dotted_roots
+            or root in model.declared_names()
+            or root in model.comprehension_targets()
+            or any(b.star for b in model.imports)
+        ):
+            return None
+        bindings = [b for b in model.imports if b.name == root]
+        if model.module_scope_statement(line) is not None:
+            return self._at_module_level(root, dotted_read, bindings, line)
+        function = model.own_scope_function(line)
+        if function is None or _binds_locally_otherwise(function, root):
+            return None
+        own = [b for b in bindings if b.scopes and b.scopes[-1] is function]
+        if any(b.node.lineno <= line <= (b.node.end_lineno or b.node.lineno) for b in own):
+            return None  # `from m import f; f()`: which comes first is libcst's visiting order
+        if not dotted_read:
+            own = [b for b in own if b.node.lineno < line]
+        if own:
+            return own, []
+        others = model.module_binders(root, self._present)
+        if others is None:
+            return None
+        return [b for b in bindings if not b.scopes and id(b.top) in self._present], others
+
+    def _at_module_level(
+        self, root: str, dotted_read: bool, bindings: list[ImportBinding], line: int
+    ) -> tuple[list[ImportBinding], list[ast.AST]] | None:
+        """:meth:`bindings_at` of a read in a top-level statement of a chunk, outside any
+        def, class, lambda or comprehension. The mini module's order decides what a plain name
+        sees: the header first (every binding there comes before), then the chunks in the file's
+        order; when no binding comes before, a builtin or nothing (an attribute chain sees them all)."""
+        others = self._model.module_binders(root, self._present)
+        if others is None:
+            return None
+        imports = [b for b in bindings if not b.scopes and id(b.top) in self._present]
+        if dotted_read:
+            return imports, others
+        spans = [(b.node, b.top) for b in imports] + [(o, self._model.top_statement(o)) for o in others]
+        if any(id(top) not in self._header_ids and _spans(node, line) for node, top in spans):
+            return None  # `fn = wrap(fn)`: which comes first is libcst's visiting order
+        earlier = {
+            id(node)
+            for node, top in spans
+            if id(top) in self._header_ids or (getattr(node, "end_lineno", None) or node.lineno) < line  # type: ignore[attr-defined]
+        }
+        return [b for b in imports if id(b.node) in earlier], [o for o in others if id(o) in earlier]
 
 
 def _import_binding(
@@ -975,6 +1247,69 @@ def _arguments(args: ast.arguments) -> list[ast.arg]:
     """Every parameter of a signature."""
     extra = [a for a in (args.vararg, args.kwarg) if a is not None]
     return [*args.posonlyargs, *args.args, *args.kwonlyargs, *extra]
+
+
+def _binds_locally_otherwise(function: ast.AST, name: str) -> bool:
+    """Whether ``function`` binds ``name`` in its own scope other than by an import (a
+    parameter, a target, a nested ``def``/``class``, ``except ... as``, a match capture)."""
+    return any(a.arg == name for a in _arguments(function.args)) or any(  # type: ignore[attr-defined]
+        not isinstance(binder, ast.alias)
+        for statement in function.body  # type: ignore[attr-defined]
+        for binder in _binders(statement, name)
+    )
+
+
+def _binds_any(node: ast.AST, name: str) -> bool:
+    """Whether ``node`` binds ``name`` in any scope (a target, ``del``, a parameter, an import, a
+    definition, ``global``/``nonlocal``, ``except ... as``, a match capture)."""
+    if isinstance(node, ast.Name):
+        return node.id == name and not isinstance(node.ctx, ast.Load)
+    return _binds(node, name)
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def _reads(function: ast.AST, name: str) -> Iterator[tuple[ast.Name | None, bool]]:
+    """The reads of ``name`` in ``function``'s body: (the ``Name``, whether a scope nested in the
+    function holds it); ``(None, False)`` for a string that may be an annotation naming it
+    (libcst reads those too). As in Python and libcst, a nested def's decorators, defaults and
+    annotations, a class's bases and a comprehension's first iterable run in the enclosing scope."""
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    pending: list[tuple[ast.AST, bool]] = [(s, False) for s in function.body]  # type: ignore[attr-defined]
+    while pending:
+        node, nested = pending.pop()
+        if isinstance(node, ast.Name):
+            if node.id == name and isinstance(node.ctx, ast.Load):
+                yield node, nested
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and word.search(node.value):
+            yield None, False
+            continue
+        if isinstance(node, (*_DEFS, ast.Lambda, ast.ClassDef)):
+            header: list[ast.AST] = [
+                *getattr(node, "decorator_list", ()),
+                *getattr(node, "bases", ()),
+                *getattr(node, "keywords", ()),
+            ]
+            if isinstance(node, (*_DEFS, ast.Lambda)):
+                header.append(node.args)
+            if isinstance(node, _DEFS) and node.returns is not None:
+                header.append(node.returns)
+            pending.extend((part, nested) for part in header)
+            inner = node.body if isinstance(node.body, list) else [node.body]
+            pending.extend((child, True) for child in inner)
+            continue
+        if isinstance(node, _COMPREHENSIONS):
+            first = node.generators[0].iter
+            pending.append((first, nested))
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.comprehension):
+                    pending.extend((part, True) for part in ast.iter_child_nodes(child) if part is not first)
+                else:
+                    pending.append((child, True))
+            continue
+        pending.extend((child, nested) for child in ast.iter_child_nodes(node))
 
 
 def _binds_locally(function: ast.AST, name: str) -> bool:
