@@ -1081,6 +1081,11 @@ class HeaderNames:
         target."""
         if any(a.arg == root for a in _arguments(function.args)):  # type: ignore[attr-defined]
             return None
+        if any(
+            node.target.id == root and _spans(function, node.lineno)  # type: ignore[attr-defined]
+            for node in astindex.of_type(self._model.tree, ast.NamedExpr)
+        ):
+            return None  # also one in a nested def's defaults or decorators, which binds here
         found: list[tuple[ast.AST, int]] = []
         for statement in function.body:  # type: ignore[attr-defined]
             for binder in _binders(statement, root):
