@@ -266,12 +266,16 @@ def test_cudnn_dispatch_guards(monkeypatch):
 
 def test_export_for_several_platforms():
     q, k, v, _, _ = build(dict(sq=16, sk=1100))
-    # auto's CUDA branch is the pallas_gpu Triton kernel, whose custom call has no cross-version
-    # compatibility guarantee: exporting it must be allowed explicitly.
+    # auto's CUDA branch is the pallas_gpu Triton kernel and its CPU branch the cpu_native kernel,
+    # whose custom calls have no cross-version compatibility guarantee (the native one runs only
+    # where flashport registered it): exporting them must be allowed explicitly.
     exported = jax.export.export(
         jax.jit(lambda q, k, v: flashport.attention(q, k, v, causal=True)),
         platforms=["cpu", "cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(target)
+            for target in ("__gpu$xla.gpu.triton", "flashport_cpu_forward")
+        ],
     )(q, k, v)
     out = exported.call(q, k, v)
     want, _ = reference_attention(q, k, v, causal=True)

@@ -29,6 +29,7 @@ log = logging.getLogger("flashport")
 BACKEND_MODULES = (
     "flashport.kernels.backends.xla",
     "flashport.kernels.backends.blockwise",
+    "flashport.kernels.backends.cpu_native.backend",
     "flashport.kernels.backends.cudnn",
     "flashport.kernels.backends.pallas_tpu",
     "flashport.kernels.backends.pallas_gpu",
@@ -40,7 +41,7 @@ AUTO_PREFERENCE = {
     "tpu": ("pallas_tpu", "blockwise", "xla"),
     "cuda": ("cudnn", "pallas_gpu", "blockwise", "xla"),
     "rocm": ("blockwise", "xla"),
-    "cpu": ("blockwise", "xla"),
+    "cpu": ("cpu_native", "blockwise", "xla"),
 }
 
 
