@@ -97,10 +97,12 @@ def _probs_and_dlogits(
     # lse and di arrive as compact [1, bq] rows: a key-major tile broadcasts them as they are, a
     # query-major one needs [bq, 1] columns (a transpose per tile).
     lse0 = jnp.where(lse == -jnp.inf, 0.0, lse)
+    if fold:  # scaled while a row: a query-major tile would scale its [bq, 1] column lane-broadcast
+        lse0 = lse0 * LOG2_E
     if not key_major:
         lse0, di = lse0.T, di.T
     if fold:
-        p = jnp.exp2(s * (g.spec.scale * LOG2_E) - lse0 * LOG2_E)
+        p = jnp.exp2(s * (g.spec.scale * LOG2_E) - lse0)
     else:
         p = jnp.exp(s - lse0)
     dp = _dot(v, do, _NT) if key_major else _dot(do, v, _NT)
