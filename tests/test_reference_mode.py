@@ -102,7 +102,9 @@ def test_reference_mode_uses_no_speed_layer(monkeypatch):
 # or only after it: the module's import then answers a plain name), a guarded import in a chunk
 # (with a None fallback too, read at module level and in a function), a value use through a header
 # import, a value use in a function whose import shadows the module's, a function-local alias read
-# in its function, a decorator, a nested function and a comprehension.
+# in its function, a decorator, a nested function and a comprehension; a source name a function
+# also binds by a ``for``/``with``/``except`` target, a nested def or class, ``+=`` or an annotated
+# assignment (a read before those resolves to the module's import, one after to the local).
 _MODEL_ANSWERS = {
     "function_import.py": """
         import torch
@@ -155,6 +157,52 @@ _MODEL_ANSWERS = {
                 return fn(q, k, v, causal=True)
 
             return [fn(c, k, v) for c in chunks], inner(q)
+        """,
+    "for_target.py": """
+        from flash_attn import flash_attn_func
+
+        def attend(q, k, v, kernels):
+            out = flash_attn_func(q, k, v, causal=True)
+            for flash_attn_func in kernels:
+                out = out + flash_attn_func(q, k, v)
+            return out
+        """,
+    "with_except_targets.py": """
+        import flash_attn
+        from flash_attn import flash_attn_func
+
+        def attend(q, k, v, opened):
+            out = flash_attn_func(q, k, v, causal=True)
+            with opened() as (flash_attn, other):
+                out = flash_attn.flash_attn_func(out, k, v) + other
+            return out
+
+        def guarded(q, k, v):
+            try:
+                out = flash_attn.flash_attn_func(q, k, v, causal=True)
+            except RuntimeError as flash_attn_func:
+                out = flash_attn_func
+            return out
+        """,
+    "nested_definitions.py": """
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+        def attend(q, k, v):
+            out = flash_attn_func(q, k, v, causal=True)
+
+            def flash_attn_func(*args):
+                return args
+
+            class flash_attn_varlen_func:
+                pass
+
+            return flash_attn_func(out), flash_attn_varlen_func(q)
+
+        def counted(q, k, v, extra):
+            out = flash_attn_varlen_func(q, k, v, 1, 1, 1, 1)
+            flash_attn_varlen_func += extra
+            flash_attn_func: object = extra
+            return out + flash_attn_func(q, k, v) + flash_attn_varlen_func
         """,
     "value_use.py": """
         import functools

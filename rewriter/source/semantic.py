@@ -993,30 +993,43 @@ class HeaderNames:
         (:meth:`SemanticModel.module_scope_statement`), from what :meth:`bindings_at` resolves it
         to: an import's names, a module-level ``=`` target's or definition's the name itself, a
         builtin's ``builtins.<name>``. None where only the scope analysis can tell."""
-        found = self.bindings_at(full_name, line)
+        found = self._bindings_at(full_name, line)
         if found is None:
             return None
-        imports, others = found
+        imports, others, local = found
         root = full_name.split(".", 1)[0]
         if not imports and not others:
             return {f"builtins.{root}"} if hasattr(builtins, root) else set()
         names = {name for b in imports for name in import_qualified(b, full_name)}
-        return names | {full_name} if others else names  # a module-level binding's name is the name
+        if not others:
+            return names
+        if local:  # `<function>.<locals>.name`: no source's
+            return names | {f"<locals>.{full_name}"}
+        return names | {full_name}  # a module-level binding's name is the name
 
     def bindings_at(self, full_name: str, line: int) -> tuple[list[ImportBinding], list[ast.AST]] | None:
         """What libcst resolves the root of ``full_name``, read at file line ``line``, to: its
-        imports, and its module-level ``name = ...`` targets (``Name`` nodes) and ``def``/``class``
-        statements; both empty for a builtin or an unbound name.
+        imports, and its other bindings: ``name = ...``, ``for``/``with``/``except`` targets
+        (``Name`` nodes) and ``def``/``class`` statements; both empty for a builtin or an unbound
+        name.
 
-        In a function's own scope libcst resolves the root to the function's own imports of it, or
-        (none there) to the module-level bindings the mini module holds (class bodies are
-        skipped); a plain name keeps only the function's imports made before it, and falls back to
-        the module's when none is (an attribute chain keeps them all). At module level see
-        :meth:`_at_module_level`. None where only the scope analysis can tell: a name declared
-        ``global``/``nonlocal``, bound by a comprehension, by a star import, by the function
-        itself other than by an import, or at module level other than by an import, ``=`` or a
-        definition (``for``, ``with``, ``except``, walrus); a read in a closure, a class body, a
-        lambda or on a line holding a comprehension, or on the line of a binding it may follow."""
+        In a function's own scope libcst resolves the root to the function's own bindings of it
+        (:meth:`_local_binders` for those other than imports), or (none there) to the
+        module-level bindings the mini module holds (class bodies are skipped); a plain name keeps
+        only the function's bindings made before it, and falls back to the module's when none is
+        (an attribute chain keeps them all). At module level see :meth:`_at_module_level`. None
+        where only the scope analysis can tell: a name declared ``global``/``nonlocal``, bound by
+        a comprehension, by a star import, by the function as a parameter, walrus, ``del`` or
+        match capture, or at module level other than by an import, ``=`` or a definition
+        (``for``, ``with``, ``except``, walrus); a read in a closure, a class body, a lambda or on
+        a line holding a comprehension, or on the line of a binding it may follow."""
+        found = self._bindings_at(full_name, line)
+        return None if found is None else (found[0], found[1])
+
+    def _bindings_at(
+        self, full_name: str, line: int
+    ) -> tuple[list[ImportBinding], list[ast.AST], bool] | None:
+        """:meth:`bindings_at`, and whether its non-import bindings are the function's own."""
         if not self._enabled:
             return None
         root, dotted_read = full_name.split(".", 1)[0], "." in full_name
@@ -1031,21 +1044,92 @@ class HeaderNames:
             return None
         bindings = [b for b in model.imports if b.name == root]
         if model.module_scope_statement(line) is not None:
-            return self._at_module_level(root, dotted_read, bindings, line)
+            found = self._at_module_level(root, dotted_read, bindings, line)
+            return None if found is None else (*found, False)
         function = model.own_scope_function(line)
-        if function is None or _binds_locally_otherwise(function, root):
+        if function is None:
             return None
         own = [b for b in bindings if b.scopes and b.scopes[-1] is function]
         if any(b.node.lineno <= line <= (b.node.end_lineno or b.node.lineno) for b in own):
             return None  # `from m import f; f()`: which comes first is libcst's visiting order
         if not dotted_read:
             own = [b for b in own if b.node.lineno < line]
-        if own:
-            return own, []
+        if _binds_locally_otherwise(function, root):
+            local = self._local_binders(function, root, line)
+            if local is None:
+                return None
+            locals_ = [node for node, last in local if dotted_read or last < line]
+            if own or locals_:
+                return own, locals_, True
+        elif own:
+            return own, [], False
         others = model.module_binders(root, self._present)
         if others is None:
             return None
-        return [b for b in bindings if not b.scopes and id(b.top) in self._present], others
+        return [b for b in bindings if not b.scopes and id(b.top) in self._present], others, False
+
+    def _local_binders(self, function: ast.AST, root: str, line: int) -> list[tuple[ast.AST, int]] | None:
+        """The bindings of ``root`` in ``function``'s own scope other than its imports, as libcst
+        records them, each with the last line of what it runs before libcst counts it as made (the
+        ``=`` statement, a ``for`` target, a ``with ... as`` / ``except ... as`` header, a nested
+        definition with its decorators): a ``Name`` (a target; an ``except ... as`` name stands as
+        a ``Name`` of it) or the ``def``/``class``. libcst resolves a plain read to the function's
+        bindings made before it in its visiting order (the source order, across lines), and an
+        attribute chain to all of them. None where that order or the binding is not provably
+        libcst's: the read shares lines with one of them; a parameter (libcst counts it made with
+        the first statement's bindings); a walrus, ``del``, match capture, or a comprehension's
+        target."""
+        if any(a.arg == root for a in _arguments(function.args)):  # type: ignore[attr-defined]
+            return None
+        if any(
+            node.target.id == root and _spans(function, node.lineno)  # type: ignore[attr-defined]
+            for node in astindex.of_type(self._model.tree, ast.NamedExpr)
+        ):
+            return None  # also one in a nested def's defaults or decorators, which binds here
+        found: list[tuple[ast.AST, int]] = []
+        for statement in function.body:  # type: ignore[attr-defined]
+            for binder in _binders(statement, root):
+                if isinstance(binder, ast.alias):
+                    continue  # an import: bindings_at's own imports
+                if isinstance(binder, (*_DEFS, ast.ClassDef)):
+                    first, last = _start(binder), binder.end_lineno or binder.lineno
+                elif isinstance(binder, ast.ExceptHandler):
+                    first = binder.lineno
+                    last = max(first, binder.body[0].lineno - 1)
+                    binder = ast.Name(id=root, ctx=ast.Store())
+                elif isinstance(binder, ast.Name) and isinstance(binder.ctx, ast.Store):
+                    span = self._target_span(binder)
+                    if span is None:
+                        return None
+                    first, last = span
+                else:
+                    return None
+                if first <= line <= last:
+                    return None  # which comes first is libcst's visiting order
+                found.append((binder, last))
+        return found
+
+    def _target_span(self, target: ast.Name) -> tuple[int, int] | None:
+        """The lines from the start of the statement part that binds ``target`` to where libcst
+        counts it made: an ``=``/``+=``/annotated assignment's whole statement, a ``for``
+        target, a ``with`` item's ``as`` target; None for any other place."""
+        model = self._model
+        node: ast.AST = target
+        while (up := model.parent(node)) is not None:
+            if isinstance(up, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                if node is up.value:
+                    return None  # a walrus in the value
+                return up.lineno, up.end_lineno or up.lineno
+            if isinstance(up, (ast.For, ast.AsyncFor)):
+                return (up.lineno, up.target.end_lineno or up.lineno) if node is up.target else None
+            if isinstance(up, ast.withitem):
+                if node is not up.optional_vars:
+                    return None
+                return up.context_expr.lineno, up.optional_vars.end_lineno or up.optional_vars.lineno
+            if not isinstance(up, (ast.Tuple, ast.List, ast.Starred)):
+                return None  # a walrus, a comprehension's target
+            node = up
+        return None
 
     def _at_module_level(
         self, root: str, dotted_read: bool, bindings: list[ImportBinding], line: int
