@@ -1,6 +1,6 @@
 """Where the fast mode still runs libcst's scope analysis, over the cached real-code corpus.
 
-Run:  /work/venv/bin/python benchmarks/scope_analysis.py [--limit N] [--list]
+Run:  python benchmarks/scope_analysis.py [--limit N] [--list]
 
 The engine's semantic model (``rewriter/source/semantic.py``) answers the libcst pass's name
 questions; ``ScopeProvider`` runs only for a question the model leaves undecided. This ports, in
