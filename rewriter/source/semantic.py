@@ -636,7 +636,7 @@ class SemanticModel:
         if not isinstance(statement, ast.Assign) or statement.lineno != line:
             return None
         body = ast.Module(body=function.body, type_ignores=[])  # type: ignore[attr-defined]
-        binders = [b for node in ast.walk(body) for b in ([node] if _binds_any(node, name) else [])]
+        binders = [node for node in ast.walk(body) if _binds_any(node, name)]
         if len(binders) != 1 or not any(t is binders[0] for t in statement.targets):
             return None
         uses, references, others = 0, set(), set()
